@@ -1,0 +1,48 @@
+"""longctx-patch: patch Hugging Face causal LMs in place for cheap long contexts.
+
+    model, tok = longctx_patch.load_model("smollm2-135m")
+    longctx_patch.patch(model, "sliding-window", window=256)
+    print(longctx_patch.generate(model, tok, "Hello"))
+    longctx_patch.unpatch(model)
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    AlreadyPatchedError,
+    CheckpointError,
+    ConfigError,
+    DeviceError,
+    LongctxError,
+    ModelLoadError,
+    NotPatchedError,
+    UnsupportedModelError,
+)
+from .generation import generate  # noqa: E402
+from .models import load_model  # noqa: E402
+from .methods import get_method, list_methods  # noqa: E402
+from .patcher import is_patched, load_patched, patch, patched_layers, save_patched, unpatch  # noqa: E402
+from .cache import LongctxCache  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "patch",
+    "unpatch",
+    "is_patched",
+    "patched_layers",
+    "load_model",
+    "save_patched",
+    "load_patched",
+    "generate",
+    "get_method",
+    "list_methods",
+    "LongctxCache",
+    "LongctxError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "AlreadyPatchedError",
+    "NotPatchedError",
+    "ModelLoadError",
+    "CheckpointError",
+    "DeviceError",
+]

@@ -1,0 +1,128 @@
+"""Per-architecture adapters: where the decoder layers and their attention live, and how q/k/v are formed.
+
+Adding a family means adding one `ArchAdapter` to `ADAPTERS`. An adapter only describes the model; the
+method modules call `adapter.project(attn, hidden_states, position_embeddings)` to get post-rotary q/k/v.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shapes of one attention layer, read off the model config."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    scaling: float
+    model_type: str
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    model_type: str
+    modeling_module: str  # e.g. "transformers.models.llama.modeling_llama"
+    has_qk_norm: bool = False
+
+    def rotary_fn(self) -> Callable:
+        return importlib.import_module(self.modeling_module).apply_rotary_pos_emb
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        base = base_model(model)
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            raise UnsupportedModelError(f"could not find decoder layers on {type(model).__name__}")
+        return layers
+
+    def spec(self, config, layer_idx: int) -> AttentionSpec:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return AttentionSpec(
+            layer_idx=layer_idx,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            scaling=head_dim**-0.5,
+            model_type=config.model_type,
+        )
+
+    def project(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, head_dim: int):
+        """q [B, Hq, S, D], k/v [B, Hkv, S, D] after the optional q/k norm and rotary, as the original does."""
+        shape = (*hidden_states.shape[:-1], -1, head_dim)
+        q = attn.q_proj(hidden_states).view(shape)
+        k = attn.k_proj(hidden_states).view(shape)
+        v = attn.v_proj(hidden_states).view(shape)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = self.rotary_fn()(q, k, cos, sin)
+        return q, k, v
+
+
+ADAPTERS: dict[str, ArchAdapter] = {
+    "llama": ArchAdapter("llama", "transformers.models.llama.modeling_llama"),
+    "mistral": ArchAdapter("mistral", "transformers.models.mistral.modeling_mistral"),
+    "qwen2": ArchAdapter("qwen2", "transformers.models.qwen2.modeling_qwen2"),
+    "qwen3": ArchAdapter("qwen3", "transformers.models.qwen3.modeling_qwen3", has_qk_norm=True),
+}
+
+# Submodules of an attention layer that a patched module keeps (same objects, same state-dict keys).
+SHARED_SUBMODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack (e.g. LlamaModel) inside a *ForCausalLM, a PEFT wrapper, or the stack itself."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "layers") and hasattr(m, "embed_tokens"):
+            return m
+        if hasattr(m, "get_base_model") and callable(m.get_base_model) and m.get_base_model() is not m:
+            m = m.get_base_model()
+            continue
+        if hasattr(m, "model"):
+            m = m.model
+            continue
+        break
+    if hasattr(m, "layers"):
+        return m
+    raise UnsupportedModelError(f"could not find the decoder stack of {type(model).__name__}")
+
+
+def model_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        cfg = base_model(model).config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def get_adapter(model: nn.Module) -> ArchAdapter:
+    cfg = model_config(model)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in ADAPTERS:
+        raise UnsupportedModelError(
+            f"model type {mt!r} is not supported; supported types: {', '.join(sorted(ADAPTERS))}. "
+            "Add an ArchAdapter in longctx_patch/architectures.py for a new family."
+        )
+    return ADAPTERS[mt]
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)

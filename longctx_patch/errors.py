@@ -1,0 +1,45 @@
+"""Named errors. Every failure a user can cause raises one of these, with a message that says what to do."""
+
+
+class LongctxError(Exception):
+    """Base class of every error raised on purpose by longctx-patch."""
+
+
+class ConfigError(LongctxError, ValueError):
+    """A method config key is unknown or has a bad value."""
+
+
+class UnsupportedModelError(LongctxError):
+    """The model's architecture has no adapter."""
+
+
+class AlreadyPatchedError(LongctxError):
+    """patch() was called on layers that are already patched."""
+
+
+class NotPatchedError(LongctxError):
+    """unpatch()/save_patched() was called on a model that is not patched."""
+
+
+class ModelLoadError(LongctxError):
+    """A model, GGUF file or embedded model could not be found or loaded."""
+
+
+class CheckpointError(LongctxError):
+    """A checkpoint has missing, unexpected or mis-shaped keys, or cannot be read."""
+
+
+class DeviceError(LongctxError):
+    """The requested work needs a device (e.g. CUDA) that is not available."""
+
+
+__all__ = [
+    "LongctxError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "AlreadyPatchedError",
+    "NotPatchedError",
+    "ModelLoadError",
+    "CheckpointError",
+    "DeviceError",
+]

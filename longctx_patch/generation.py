@@ -1,0 +1,94 @@
+"""generate(): prompt in, text out, with the chat template when the tokenizer has one."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import torch
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_inputs(tokenizer, prompt: str | list[str], chat: bool | None = None, device=None) -> dict:
+    """Tokenise one prompt or a batch (left padded), applying the chat template when `chat` (default: when
+    the tokenizer has one)."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    use_chat = has_chat_template(tokenizer) if chat is None else chat
+    if use_chat and not has_chat_template(tokenizer):
+        raise ValueError("chat=True but this tokenizer has no chat template; use chat=False (or --no-chat)")
+    if use_chat:
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+        add_special = False
+    else:
+        texts, add_special = prompts, True
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special)
+    finally:
+        tokenizer.padding_side = side
+    if device is not None:
+        enc = {k: v.to(device) for k, v in enc.items()}
+    return dict(enc)
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    *,
+    chat: bool | None = None,
+    max_new_tokens: int = 64,
+    stream: bool = False,
+    **generate_kwargs,
+) -> str | list[str] | Iterator[str]:
+    """Generate a continuation of `prompt` (a string, or a list for a left-padded batch).
+
+    Greedy unless sampling arguments are given. Returns the new text (a list for a batch), or with
+    `stream=True` an iterator over text pieces as they are produced (single prompt only).
+    """
+    device = next(model.parameters()).device
+    enc = build_inputs(tokenizer, prompt, chat=chat, device=device)
+    kw = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
+    if "do_sample" not in generate_kwargs and not any(k in generate_kwargs for k in ("temperature", "top_p", "top_k")):
+        kw["do_sample"] = False
+    kw.update(generate_kwargs)
+    n_in = enc["input_ids"].shape[1]
+    if stream:
+        if not isinstance(prompt, str):
+            raise ValueError("stream=True takes a single prompt")
+        return _stream(model, tokenizer, enc, kw)
+    with torch.no_grad():
+        out = model.generate(**enc, **kw)
+    texts = tokenizer.batch_decode(out[:, n_in:], skip_special_tokens=True)
+    return texts[0] if isinstance(prompt, str) else texts
+
+
+def _stream(model, tokenizer, enc, kw) -> Iterator[str]:
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            with torch.no_grad():
+                model.generate(**enc, **kw, streamer=streamer)
+        except BaseException as e:  # surfaced in the consumer
+            err.append(e)
+            streamer.end()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    for piece in streamer:
+        if piece:
+            yield piece
+    t.join()
+    if err:
+        raise err[0]

@@ -1,0 +1,314 @@
+"""Base classes of every method: validated config dataclasses, the patched attention module, the registry.
+
+See docs/ARCHITECTURE.md ("The method contract").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
+from ..errors import ConfigError
+
+
+# ----------------------------------------------------------------------------------------------- config
+def option(default, help: str, choices=None, min=None, max=None, **kw):
+    """A config field with a help text and optional allowed values / range (checked by validate())."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return dataclasses.field(default=default, metadata=meta, **kw)
+
+
+def _allowed(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if m.get("choices") is not None:
+        return "one of " + ", ".join(repr(c) for c in m["choices"])
+    kind = _base_type(f)
+    parts = [kind.__name__ if isinstance(kind, type) else str(kind)]
+    if m.get("min") is not None:
+        parts.append(f">= {m['min']}")
+    if m.get("max") is not None:
+        parts.append(f"<= {m['max']}")
+    if _optional(f):
+        parts.append("or None")
+    return " ".join(parts)
+
+
+def _resolved_type(f: dataclasses.Field):
+    t = f.type
+    if isinstance(t, str):  # from __future__ annotations
+        t = eval(t, {**vars(typing), "Optional": typing.Optional}, {})  # noqa: S307 - our own annotations
+    return t
+
+
+def _optional(f) -> bool:
+    t = _resolved_type(f)
+    return typing.get_origin(t) in (typing.Union, types.UnionType) and type(None) in typing.get_args(t)
+
+
+def _base_type(f):
+    t = _resolved_type(f)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        t = args[0] if len(args) == 1 else str
+    return t
+
+
+def _coerce(f: dataclasses.Field, value, cls_name: str):
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and _optional(f)):
+        if _optional(f):
+            return None
+        raise ConfigError(f"{cls_name}: {f.name}=None is not allowed; allowed: {_allowed(f)}")
+    t = _base_type(f)
+    try:
+        if t is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if isinstance(value, (bool, int)) and value in (0, 1):
+                return bool(value)
+            raise ValueError(value)
+        if t is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, str):
+                value = value.strip().lower()
+                mult = 1
+                if value.endswith("k"):
+                    value, mult = value[:-1], 1024
+                return int(value) * mult
+            return int(value)
+        if t is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if t is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{cls_name}: bad value {value!r} for {f.name}; allowed: {_allowed(f)}") from None
+    return value
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method config. Subclasses are dataclasses whose fields use `option(...)`."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None = None) -> "MethodConfig":
+        values = dict(values or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(known) or '(none)'}"
+            )
+        kwargs = {k: _coerce(known[k], v, cls.__name__) for k, v in values.items()}
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Checks every field against its choices/range. Subclasses add cross-field checks in check()."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            m = f.metadata
+            if v is None:
+                if not _optional(f):
+                    raise ConfigError(f"{type(self).__name__}: {f.name}=None is not allowed; allowed: {_allowed(f)}")
+                continue
+            v = _coerce(f, v, type(self).__name__)
+            setattr(self, f.name, v)
+            bad = (
+                (m.get("choices") is not None and v not in m["choices"])
+                or (m.get("min") is not None and v < m["min"])
+                or (m.get("max") is not None and v > m["max"])
+            )
+            if bad:
+                raise ConfigError(f"{type(self).__name__}: bad value {v!r} for {f.name}; allowed: {_allowed(f)}")
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field checks; raise ConfigError naming the keys."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[dict[str, Any]]:
+        out = []
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out.append({"name": f.name, "default": default, "allowed": _allowed(f), "help": f.metadata.get("help", "")})
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- module
+class PatchContext:
+    """Per-model state shared by its patched modules for the current forward call."""
+
+    def __init__(self) -> None:
+        self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
+        self.transfer: "AttentionTransfer | None" = None
+
+
+class PatchedAttention(nn.Module):
+    """Replaces one attention module; built from the original, sharing its projections.
+
+    Subclasses implement `attend(q, k, v, cache_layer, padding) -> o [B, S, Hq, D]` and, when they keep
+    decode-time state other than a full KV cache, `make_cache_layer()` and `state_bytes()`.
+    """
+
+    method_name: ClassVar[str] = ""
+
+    def __init__(self, orig: nn.Module, spec: AttentionSpec, config: MethodConfig, adapter: ArchAdapter):
+        super().__init__()
+        for name in SHARED_SUBMODULES:
+            sub = getattr(orig, name, None)
+            if isinstance(sub, nn.Module):
+                setattr(self, name, sub)
+        self.spec = spec
+        self.method_config = config
+        self.config = getattr(orig, "config", None)  # the model config, as the original module has it
+        self.layer_idx = spec.layer_idx
+        self.head_dim = spec.head_dim
+        self.num_heads = spec.num_heads
+        self.num_key_value_heads = spec.num_kv_heads
+        self.num_key_value_groups = spec.num_kv_groups
+        self.scaling = getattr(orig, "scaling", spec.scaling)
+        self.is_causal = True
+        self._adapter = adapter
+        self._ctx: PatchContext | None = None
+
+    # -- to implement --------------------------------------------------------------------------------
+    def attend(self, q, k, v, cache_layer, padding):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def make_cache_layer(self):
+        """The transformers cache layer this module decodes with. Default: a full KV cache."""
+        from transformers.cache_utils import DynamicLayer
+
+        return DynamicLayer()
+
+    def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Decode-time state of this layer at `context_len` tokens. Default: full K and V."""
+        elt = torch.tensor([], dtype=dtype).element_size()
+        return 2 * batch * self.num_key_value_heads * context_len * self.head_dim * elt
+
+    def method_parameters(self) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers that belong to the method (not the shared projections)."""
+        shared = tuple(f"{n}." for n in SHARED_SUBMODULES)
+        sd = self.state_dict()
+        return {k: v for k, v in sd.items() if not k.startswith(shared)}
+
+    # -- shared machinery ----------------------------------------------------------------------------
+    def project(self, hidden_states, position_embeddings):
+        return self._adapter.project(self, hidden_states, position_embeddings, self.head_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings=None,
+        attention_mask=None,  # the model's 4-D mask: not used (methods build their own structure)
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        q, k, v = self.project(hidden_states, position_embeddings)
+        layer = cache.layers[self.layer_idx] if cache is not None else None
+        padding = self._ctx.key_mask if self._ctx is not None else None
+        o = self.attend(q, k, v, layer, padding)
+        transfer = self._ctx.transfer if self._ctx is not None else None
+        if transfer is not None:
+            transfer.record(self, q, k, v, padding, o)
+        B, S = hidden_states.shape[:2]
+        return self.o_proj(o.reshape(B, S, -1).to(hidden_states.dtype)), None
+
+    def extra_repr(self) -> str:
+        return f"method={self.method_name!r}, layer={self.layer_idx}, config={self.method_config}"
+
+
+class AttentionTransfer:
+    """Collects per-layer MSE between a patched module's output and exact softmax attention (the teacher)."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def record(self, module: PatchedAttention, q, k, v, padding, o) -> None:
+        from .exact import softmax_attention
+
+        with torch.no_grad():
+            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=padding)
+        diff = (o.float() - teacher.float()) ** 2
+        if padding is not None:  # only real query tokens count
+            w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
+            self.losses.append((diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1))
+        else:
+            self.losses.append(diff.mean())
+
+    def loss(self) -> torch.Tensor:
+        return torch.stack(self.losses).mean()
+
+    def clear(self) -> None:
+        self.losses.clear()
+
+
+@contextlib.contextmanager
+def attention_transfer(model: nn.Module):
+    """Under this context each patched module also records its MSE against exact attention.
+
+    Yields an `AttentionTransfer`; call `.loss()` after a forward and `.clear()` before the next. Use without
+    a cache (`use_cache=False`): the teacher attends over the tokens of the current call only.
+    """
+    from ..patcher import _state
+
+    st = _state(model)
+    tr = AttentionTransfer()
+    st.ctx.transfer = tr
+    try:
+        yield tr
+    finally:
+        st.ctx.transfer = None
+
+
+# ----------------------------------------------------------------------------------------------- method
+class Method:
+    """A named way of patching attention. Subclasses set name, description, config_cls, module_cls."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    config_cls: ClassVar[type[MethodConfig]] = MethodConfig
+    module_cls: ClassVar[type[PatchedAttention]] = PatchedAttention
+
+    def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
+        return self.config_cls.from_dict(values)
+
+    def build(self, orig: nn.Module, spec: AttentionSpec, config: MethodConfig, adapter: ArchAdapter) -> PatchedAttention:
+        return self.module_cls(orig, spec, config, adapter)
+
+    def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
+        """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls()
+    return cls

@@ -1,0 +1,98 @@
+"""`exact`: reference causal softmax attention, the baseline every method is compared to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import Method, MethodConfig, PatchedAttention, register_method
+
+
+def attention_mask(
+    q_len: int,
+    k_len: int,
+    *,
+    device,
+    key_mask: torch.Tensor | None = None,
+    q_offset: int | None = None,
+    window: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask `[B or 1, 1, q_len, k_len]` (True = attend) for causal (optionally windowed) attention.
+
+    Query i sits at key index `q_offset + i` (default `k_len - q_len`: the queries are the last tokens).
+    `key_mask` `[B, k_len]` marks real keys. A query always sees its own key, so a padded query row
+    is never empty (its output is ignored anyway).
+    """
+    q_offset = k_len - q_len if q_offset is None else q_offset
+    qpos = torch.arange(q_len, device=device)[:, None] + q_offset
+    kpos = torch.arange(k_len, device=device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed = allowed & (kpos > qpos - window)
+    allowed = allowed[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :].bool()
+        allowed = allowed | (kpos == qpos)[None, None]
+    return allowed
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    q_offset: int | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Exact causal softmax attention.
+
+    q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]` (Hq a multiple of Hkv), key_mask `[B, Sk]` bool or None.
+    Returns `[B, Sq, Hq, D]` in q's dtype (softmax in fp32 inside SDPA's math for fp32 inputs).
+    """
+    Sq, Sk = q.shape[2], k.shape[2]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
+    if simple and Sq == Sk:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.transpose(1, 2)
+
+
+def key_mask_for(padding: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
+    """The last `k_len` columns of the padding mask (the keys an attention call sees), or None."""
+    if padding is None:
+        return None
+    if padding.shape[1] < k_len:
+        raise ValueError(f"padding mask covers {padding.shape[1]} tokens but attention sees {k_len} keys")
+    return padding[:, padding.shape[1] - k_len :]
+
+
+@dataclass
+class ExactConfig(MethodConfig):
+    """No options: exact softmax attention."""
+
+
+class ExactAttention(PatchedAttention):
+    method_name = "exact"
+
+    def attend(self, q, k, v, cache_layer, padding):
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]))
+
+
+@register_method
+class Exact(Method):
+    name = "exact"
+    description = "exact causal softmax attention (reference path; full KV cache)"
+    config_cls = ExactConfig
+    module_cls = ExactAttention

