@@ -1,0 +1,79 @@
+"""Triton statistics of a chunk against the active dictionary rows (discrete part of the OVQ update).
+
+For every chunk token ``i`` and key head, over the active rows ``j < n_active[b]``:
+
+* ``maxdot[i] = max_j k_i . d_j`` (spread-maximisation score, -inf when the dictionary is empty);
+* ``best[i] = max_j (k_i . d_j - |d_j|^2 / 2)`` and ``idx[i]`` its first argmax (nearest row by
+  squared Euclidean distance).
+
+One pass over the dictionary per block of tokens; the ``[C, N]`` score matrix is never stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ovq_chunk_stats(K, DK, NACT, MAXDOT, BEST, IDX,
+                     skb, skh, skc, sdb, sdh, sdn,
+                     C, H,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < C
+    k = tl.load(K + b * skb + h * skh + offs_m[:, None] * skc + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    k = k.to(tl.float32)
+    n_act = tl.load(NACT + b)
+    maxdot = tl.full([BM], float("-inf"), tl.float32)
+    best = tl.full([BM], float("-inf"), tl.float32)
+    idx = tl.zeros([BM], tl.int64)
+    dbase = DK + b * sdb + h * sdh
+    for start in range(0, n_act, BN):
+        offs_n = start + tl.arange(0, BN)
+        act = offs_n < n_act
+        d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0).to(tl.float32)
+        if IEEE:
+            dots = tl.dot(k, tl.trans(d), input_precision="ieee")
+        else:
+            dots = tl.dot(k.to(tl.bfloat16), tl.trans(d.to(tl.bfloat16)))
+        sq = tl.sum(d * d, 1)
+        dots = tl.where(act[None, :], dots, float("-inf"))
+        maxdot = tl.maximum(maxdot, tl.max(dots, 1))
+        score = dots - 0.5 * sq[None, :]
+        blk_best = tl.max(score, 1)
+        blk_idx = tl.argmax(score, 1, tie_break_left=True).to(tl.int64) + start
+        upd = blk_best > best
+        idx = tl.where(upd, blk_idx, idx)
+        best = tl.where(upd, blk_best, best)
+    out = pid_bh * C + offs_m
+    tl.store(MAXDOT + out, maxdot, mask=mask_m)
+    tl.store(BEST + out, best, mask=mask_m)
+    tl.store(IDX + out, idx, mask=mask_m)
+
+
+def chunk_stats_triton(k: torch.Tensor, dict_keys: torch.Tensor, n_active: torch.Tensor, exact: bool = True):
+    """``k``: ``[B, H, C, D]``; ``dict_keys``: ``[B, H, N, D]``; ``n_active``: ``[B]`` int.
+
+    ``exact=False`` computes the dot products from bfloat16 operands (faster on tensor cores; near
+    ties may then resolve differently from the float32 reference).
+    Returns ``(maxdot, best, idx)``, each ``[B, H, C]`` (float32, float32, int64)."""
+    B, H, C, D = k.shape
+    k = k.contiguous()
+    dict_keys = dict_keys.contiguous()
+    nact = n_active.to(torch.int32).contiguous()
+    maxdot = torch.empty(B, H, C, device=k.device, dtype=torch.float32)
+    best = torch.empty_like(maxdot)
+    idx = torch.empty(B, H, C, device=k.device, dtype=torch.int64)
+    BM = 16 if C <= 16 else (32 if C <= 32 else 64)
+    BN = 64
+    _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
+        k, dict_keys, nact, maxdot, best, idx,
+        k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
+        C, H, D=D, BM=BM, BN=BN, IEEE=exact)
+    return maxdot, best, idx

@@ -1,0 +1,139 @@
+"""`ovq`: online vector-quantised attention (dictionaries of keys and values learned in the forward pass).
+
+Per chunk of `chunk_size` tokens, queries attend with one softmax over the dictionary keys D_k (bias
+log count) and the chunk's own keys (exact, causal); values come from D_v and the chunk.  After each
+chunk the dictionary absorbs it (growth toward `max_centroids`, spread-maximisation init of new rows,
+count-weighted online k-means).  Decode state: D_k, D_v, counts and the open chunk, O(max_centroids +
+chunk_size) whatever the context length.  Details and every design choice: docs/ovq.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...cache import LongctxLayer
+from ...errors import ConfigError
+from ...kernels.ovq import OpenChunk, OVQState, ovq_attention
+from ..base import Method, MethodConfig, PatchedAttention, option, register_method
+
+
+@dataclass
+class OVQConfig(MethodConfig):
+    chunk_size: int = option(64, "tokens per chunk: exact causal attention inside a chunk, dictionary update after it", min=1)
+    max_centroids: int = option(1024, "maximum dictionary rows per key/value head (N)", min=1)
+    growth: float = option(
+        1024.0,
+        "saturating growth: after T tokens the dictionary has min(N, T, ceil(N*T/(T+growth))) rows; "
+        "0 = every token its own row until N",
+        min=0.0,
+    )
+    beta: float = option(12.0, "initial inverse temperature of the unit-normalised q.k logits", min=1e-3)
+    learn_beta: bool = option(True, "learn beta (one per query head) during fine-tuning")
+    qk_norm: bool = option(True, "unit-normalise q and k (false: raw post-rotary q/k with the model's scaling)")
+    backend: str = option("auto", "kernels: auto (Triton on CUDA), triton, or torch (reference)",
+                          choices=("auto", "triton", "torch"))
+    exact_assign: bool = option(True, "float32 dot products for the Triton dictionary assignment (false: bf16)")
+
+    def check(self) -> None:
+        if not math.isfinite(self.growth):
+            raise ConfigError(f"OVQConfig: growth must be finite, got {self.growth}")
+
+
+class OVQLayer(LongctxLayer):
+    """Decode state of one OVQ layer: dictionaries, counts and the open chunk.
+
+    keys / values ``[B, Hkv, N, D]`` float32, counts ``[B, Hkv, N]``, n_active / absorbed ``[B]``,
+    open_keys / open_values ``[B, Hkv, <chunk, D]`` and open_valid ``[B, <chunk]``.
+    """
+
+    state_names = ("keys", "values", "counts", "n_active", "absorbed", "open_keys", "open_values", "open_valid")
+
+    def __init__(self, chunk_size: int, max_centroids: int):
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.max_centroids = max_centroids
+
+    def get_state(self) -> tuple[OVQState | None, OpenChunk | None, int]:
+        if self.keys is None:
+            return None, None, 0
+        st = OVQState(self.keys, self.values, self.counts, self.n_active, self.absorbed)
+        op = OpenChunk(self.open_keys, self.open_values, self.open_valid) if self.open_keys is not None else None
+        open_len = 0 if op is None else op.length
+        return st, op, self.seen - open_len
+
+    def set_state(self, state: OVQState, open_chunk: OpenChunk | None, new_tokens: int, like: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(like)
+        st = state.detach()
+        self.keys, self.values, self.counts = st.keys, st.values, st.counts
+        self.n_active, self.absorbed = st.n_active, st.seen
+        if open_chunk is None:
+            B, H, _, D = like.shape
+            self.open_keys = like.new_zeros(B, H, 0, D)
+            self.open_values = like.new_zeros(B, H, 0, st.values.shape[-1])
+            self.open_valid = torch.zeros(B, 0, dtype=torch.bool, device=like.device)
+        else:
+            self.open_keys, self.open_values, self.open_valid = open_chunk.keys, open_chunk.values, open_chunk.valid
+        self.seen += new_tokens
+
+
+class OVQAttention(PatchedAttention):
+    method_name = "ovq"
+
+    def __init__(self, orig, spec, config: OVQConfig, adapter):
+        super().__init__(orig, spec, config, adapter)
+        p = next(orig.parameters(), None)
+        dev = p.device if p is not None else None
+        log_beta = torch.full((spec.num_heads,), math.log(config.beta), dtype=torch.float32, device=dev)
+        self.ovq_log_beta = nn.Parameter(log_beta, requires_grad=config.learn_beta)
+
+    def _scaled(self, q, k):
+        if self.method_config.qk_norm:
+            beta = self.ovq_log_beta.exp()
+            qn = F.normalize(q.float(), dim=-1) * beta[None, :, None, None]
+            kn = F.normalize(k.float(), dim=-1)
+            return qn.to(q.dtype), kn.to(k.dtype)
+        return (q.float() * self.scaling).to(q.dtype), k
+
+    def attend(self, q, k, v, cache_layer, padding):
+        cfg: OVQConfig = self.method_config
+        S = q.shape[2]
+        qs, ks = self._scaled(q, k)
+        valid = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
+        kw = dict(chunk_size=cfg.chunk_size, max_centroids=cfg.max_centroids, growth=cfg.growth,
+                  backend=cfg.backend, exact_assign=cfg.exact_assign)
+        if cache_layer is None:
+            o, _, _, _ = ovq_attention(qs, ks, v, None, None, valid, **kw)
+            return o.transpose(1, 2)
+        if not isinstance(cache_layer, OVQLayer):
+            raise TypeError(f"layer {self.layer_idx} is patched with ovq but its cache layer is "
+                            f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
+        state, op, absorbed = cache_layer.get_state()
+        o, state, op, _ = ovq_attention(qs, ks, v, state, op, valid, seen_bound=absorbed if state is not None else None, **kw)
+        cache_layer.set_state(state, op, S, ks)
+        return o.transpose(1, 2)
+
+    def make_cache_layer(self):
+        return OVQLayer(self.method_config.chunk_size, self.method_config.max_centroids)
+
+    def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        cfg: OVQConfig = self.method_config
+        H, D = self.num_key_value_heads, self.head_dim
+        elt = torch.tensor([], dtype=dtype).element_size()
+        dictionary = batch * H * cfg.max_centroids * (2 * D + 1) * 4 + 2 * batch * 8
+        open_chunk = batch * min(context_len, cfg.chunk_size - 1) * (H * 2 * D * elt + 1)
+        return dictionary + open_chunk
+
+
+@register_method
+class OVQ(Method):
+    name = "ovq"
+    description = ("online vector-quantised attention: chunked exact attention + key/value dictionaries "
+                   "learned online; state O(max_centroids + chunk_size)")
+    config_cls = OVQConfig
+    module_cls = OVQAttention
