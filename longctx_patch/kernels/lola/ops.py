@@ -1,0 +1,253 @@
+"""Dispatchers and the LoLA cache manager on plain tensors.
+
+`backend`: "auto" (Triton on CUDA when no gradient is needed, PyTorch otherwise), "triton" or "torch".
+Under TRITON_INTERPRET=1 "triton" runs the kernels on the CPU (tests).
+
+The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
+tokens are processed in pieces that never cross a multiple of `chunk` (absolute token index, padding
+included); each time the index reaches a multiple of `chunk`, the pairs that have left the window
+(everything older than the last `window` tokens) are scored together with the sparse cache and the
+`lam` best stay exact, the others are folded into (H, s). Until then they are attended linearly by
+phi(q) . phi(k) from the window buffer, exactly as LoLCATs would, so lam = 0 is LoLCATs exactly and a
+prefill cut anywhere gives the same result as token-by-token decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from . import reference as ref
+
+
+def _use_triton(backend: str, *tensors) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
+    if not all(t.is_cuda for t in tensors if t is not None):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None):
+        return False
+    return True
+
+
+def _tk():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+# ------------------------------------------------------------------------------------------- lolcats forward
+def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
+                     backend: str = "auto", state_chunk: int | None = None):
+    """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
+
+    Returns [B, S, Hq, D] in q.dtype. Differentiable on the torch backend.
+    """
+    if _use_triton(backend, q, k, v, fq, fk, g):
+        tk = _tk()
+        cs = state_chunk or chunk
+        cs = max(64, (cs // 64) * 64)
+        Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
+        return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
+                             key_mask=key_mask, state_chunk=cs)
+    o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, scale=scale, key_mask=key_mask,
+                                     chunk=chunk)
+    return o.transpose(1, 2).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------- LoLA state
+@dataclass
+class LolaState:
+    """Decode-time state of one layer. Sizes are bounded: window buffer < window + chunk tokens, sparse = lam.
+
+    win_k/win_v [B, Hkv, nb, D], win_fk [B, Hq, nb, F2], win_mask [B, nb] bool or None (no padding),
+    sp_k/sp_v [B, Hq, lam, D], sp_fk [B, Hq, lam, F2], sp_score [B, Hq, lam] fp32 (-inf = empty slot),
+    H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32, pos: tokens seen (padding included).
+    """
+
+    win_k: torch.Tensor
+    win_v: torch.Tensor
+    win_fk: torch.Tensor
+    win_mask: torch.Tensor | None
+    sp_k: torch.Tensor
+    sp_v: torch.Tensor
+    sp_fk: torch.Tensor
+    sp_score: torch.Tensor
+    H: torch.Tensor
+    s: torch.Tensor
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, fk_dtype=None):
+        fk_dtype = fk_dtype or dtype
+        z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        return cls(
+            win_k=z(B, Hkv, 0, D), win_v=z(B, Hkv, 0, D), win_fk=z(B, Hq, 0, F2, dt=fk_dtype), win_mask=None,
+            sp_k=z(B, Hq, lam, D), sp_v=z(B, Hq, lam, D), sp_fk=z(B, Hq, lam, F2, dt=fk_dtype),
+            sp_score=torch.full((B, Hq, lam), float("-inf"), dtype=torch.float32, device=device),
+            H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32), pos=0,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def sp_valid(self) -> torch.Tensor:
+        return torch.isfinite(self.sp_score)
+
+    def index_select(self, idx: torch.Tensor) -> None:
+        for name, t in self.tensors().items():
+            setattr(self, name, t.index_select(0, idx.to(t.device)))
+
+
+def _select(scores, valid, lam):
+    """keep mask [B,Hq,Nc] of the lam best valid candidates, and their indices sorted by score."""
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lam_eff = min(lam, scores.shape[-1])
+    top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
+    keep = torch.zeros_like(valid)
+    keep.scatter_(-1, top.indices, True)
+    keep &= valid
+    return keep, top
+
+
+def lola_evict(st: LolaState, *, window: int, lam: int, backend: str = "auto") -> None:
+    """Score the pairs older than the last `window` tokens with the sparse cache; keep lam, fold the rest."""
+    nb = st.win_k.shape[2]
+    n_ev = nb - window
+    if n_ev <= 0:
+        return
+    B, Hq = st.H.shape[:2]
+    ev_k, ev_v, ev_fk = st.win_k[:, :, :n_ev], st.win_v[:, :, :n_ev], st.win_fk[:, :, :n_ev]
+    ev_valid = (torch.ones(B, n_ev, dtype=torch.bool, device=ev_k.device) if st.win_mask is None
+                else st.win_mask[:, :n_ev])
+    use_tk = _use_triton(backend, st.H, ev_k)
+    if lam == 0:
+        w = ev_valid[:, None, :].expand(B, Hq, n_ev).float()
+        if use_tk:
+            H, s = st.H.contiguous(), st.s.contiguous()
+            _tk().fold_into_state(ev_fk, ev_v, w, H, s)
+            st.H, st.s = H, s
+        else:
+            st.H, st.s = ref.fold(ev_fk, ref.expand_kv(ev_v, Hq), w, st.H, st.s)
+    else:
+        cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hq).to(st.sp_k.dtype)], 2)
+        cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hq).to(st.sp_v.dtype)], 2)
+        cand_fk = torch.cat([st.sp_fk, ev_fk.to(st.sp_fk.dtype)], 2)
+        cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hq, n_ev)], 2)
+        if use_tk:
+            scores = _tk().sre_score(cand_fk, cand_v, st.H, st.s, cand_valid, eps=ref.EPS_SRE)
+        else:
+            scores = ref.sre_scores(cand_fk, cand_v, st.H, st.s).masked_fill(~cand_valid, float("-inf"))
+        keep, top = _select(scores, cand_valid, lam)
+        w = (cand_valid & ~keep).float()
+        if use_tk:
+            H, s = st.H.contiguous(), st.s.contiguous()
+            _tk().fold_into_state(cand_fk, cand_v, w, H, s)
+            st.H, st.s = H, s
+        else:
+            st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
+        idx = top.indices
+        gather = lambda x: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
+        st.sp_k, st.sp_v, st.sp_fk = gather(cand_k), gather(cand_v), gather(cand_fk)
+        st.sp_score = top.values
+    _drop_front(st, n_ev)
+
+
+def _append_window(st: LolaState, k, v, fk, mask_new) -> None:
+    B, n = k.shape[0], k.shape[2]
+    if mask_new is not None or st.win_mask is not None:
+        old = st.win_mask if st.win_mask is not None else torch.ones(B, st.win_k.shape[2], dtype=torch.bool,
+                                                                         device=k.device)
+        new = mask_new.bool() if mask_new is not None else torch.ones(B, n, dtype=torch.bool, device=k.device)
+        st.win_mask = torch.cat([old, new], 1)
+    st.win_k = torch.cat([st.win_k, k.to(st.win_k.dtype)], 2)
+    st.win_v = torch.cat([st.win_v, v.to(st.win_v.dtype)], 2)
+    st.win_fk = torch.cat([st.win_fk, fk.to(st.win_fk.dtype)], 2)
+
+
+def _attend_piece(st, q, fq, g, lf, *, window, scale, backend):
+    """Attention of the newest q.shape[2] tokens (already appended to the window buffer)."""
+    nb = st.win_k.shape[2]
+    S = q.shape[2]
+    lam = st.sp_k.shape[2]
+    sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
+    if _use_triton(backend, q, st.win_k, st.H):
+        tk = _tk()
+        if S == 1:
+            return tk.decode_step(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window,
+                                  scale=scale, key_mask=st.win_mask, **sp)
+        return tk.hybrid_fwd(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window, scale=scale,
+                             q_offset=nb - S, key_mask=st.win_mask, state_chunk=0, **sp)
+    o = ref.lola_attention(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window, scale=scale,
+                           key_mask=st.win_mask, q_offset=nb - S, **sp)
+    return o.transpose(1, 2).to(q.dtype)
+
+
+def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: int, lam: int, scale: float,
+                 key_mask_new=None, backend: str = "auto"):
+    """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2]) and update `st` in place.
+
+    key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
+    """
+    S = q.shape[2]
+    if lam == 0 and S > 1 and _use_triton(backend, q, k, st.H):
+        return _lolcats_parallel(st, q, k, v, fq, fk, g, lf, window=window, chunk=chunk, scale=scale,
+                                 key_mask_new=key_mask_new)
+    outs = []
+    i = 0
+    while i < S:
+        t = st.pos
+        n = min(S - i, (t // chunk + 1) * chunk - t)
+        sl = slice(i, i + n)
+        _append_window(st, k[:, :, sl], v[:, :, sl], fk[:, :, sl],
+                       key_mask_new[:, sl] if key_mask_new is not None else None)
+        outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend))
+        st.pos += n
+        if st.pos % chunk == 0:
+            lola_evict(st, window=window, lam=lam, backend=backend)
+        i += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_mask_new):
+    """lam == 0, many new tokens, Triton: one parallel pass over [window buffer, new tokens] started
+    from (H, s), then fold what the sequential manager would have folded by now."""
+    tk = _tk()
+    S = q.shape[2]
+    _append_window(st, k, v, fk, key_mask_new)
+    nb = st.win_k.shape[2]
+    cs = max(64, (chunk // 64) * 64)
+    Hs, Ss = tk.chunk_states(st.win_fk, st.win_v, cs, key_mask=st.win_mask, H0=st.H, s0=st.s)
+    o = tk.hybrid_fwd(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, Hs, Ss, window=window, scale=scale,
+                      q_offset=nb - S, key_mask=st.win_mask, state_chunk=cs)
+    st.pos += S
+    start_pos = max((st.pos // chunk) * chunk - window, 0)  # first position the buffer keeps
+    n_fold = nb - (st.pos - start_pos)
+    if n_fold > 0:
+        B, Hq = st.H.shape[:2]
+        w = (torch.ones(B, n_fold, dtype=torch.bool, device=q.device) if st.win_mask is None
+             else st.win_mask[:, :n_fold])
+        H, s = st.H.contiguous(), st.s.contiguous()
+        tk.fold_into_state(st.win_fk[:, :, :n_fold], st.win_v[:, :, :n_fold], w[:, None, :].expand(B, Hq, n_fold),
+                           H, s)
+        st.H, st.s = H, s
+        _drop_front(st, n_fold)
+    return o
+
+
+def _drop_front(st: LolaState, n: int) -> None:
+    """Drop the n oldest window-buffer tokens; copies, so no larger storage stays referenced."""
+    st.win_k = st.win_k[:, :, n:].contiguous().clone()
+    st.win_v = st.win_v[:, :, n:].contiguous().clone()
+    st.win_fk = st.win_fk[:, :, n:].contiguous().clone()
+    if st.win_mask is not None:
+        st.win_mask = st.win_mask[:, n:].clone()

@@ -1,0 +1,248 @@
+"""PyTorch references of the LoLCATs hybrid attention and of the LoLA sparse-cache manager.
+
+Everything here is differentiable (plain torch ops) and runs on any device; the Triton kernels in
+`triton_kernels.py` must match these functions. Maths and every convention: docs/lola.md.
+
+Shapes (the convention of the whole package):
+  q, fq          [B, Hq, S, D] / [B, Hq, S, F2]   queries and their features (F2 = 2 * feature_dim)
+  k, v           [B, Hkv, N, D]                   keys / values (GQA: Hq % Hkv == 0)
+  fk             [B, Hq, N, F2]                   key features: one map per *query* head (keys repeated)
+  g, lf          [Hq]                             weights of the exact (softmax) and linear terms
+  H, s           [B, Hq, F2, D] / [B, Hq, F2]     linear state, fp32
+  key_mask       [B, N] bool (True = real token) or None
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS_SRE = 1e-6  # denominator guard of the self-recall prediction phi(k)^T H / (phi(k)^T s + EPS_SRE)
+NEG = -1.0e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
+
+
+def expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """[B, Hkv, N, *] -> [B, Hq, N, *] (query head h reads kv head h // (Hq // Hkv))."""
+    if x.shape[1] == hq:
+        return x
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12, out_dtype=None) -> torch.Tensor:
+    """phi(x) = [softmax(x W), softmax(-x W)] per head, clamped below at `eps` (as LoLCATs does).
+
+    x [B, Hx, N, D] with Hx == H or H % Hx == 0 (kv heads are repeated), weight [H, D, F].
+    Computed in fp32; returned in `out_dtype` (default x.dtype). Returns [B, H, N, 2F].
+    """
+    h = weight.shape[0]
+    x = expand_kv(x, h)
+    proj = torch.einsum("bhnd,hdf->bhnf", x.float(), weight.float())
+    phi = torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1).clamp_min(eps)
+    return phi.to(out_dtype or x.dtype)
+
+
+def _finish(num_e, den_e, num_l, den_l, g, lf):
+    """(g num_e + lf num_l) / (g den_e + lf den_l); rows with a zero normaliser (padding) give 0."""
+    g = g.float().view(1, -1, 1, 1)
+    lf = lf.float().view(1, -1, 1, 1)
+    num = g * num_e + lf * num_l
+    den = g * den_e + lf * den_l
+    return num / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
+                               key_mask=None, q_offset: int | None = None, H0=None, s0=None):
+    """Ground truth of the LoLCATs hybrid, O(S * N) memory; returns [B, Hq, S, D] fp32.
+
+    Query i sits at key index `q_offset + i` (default N - S). Key j is in the softmax window of query i
+    when 0 <= i' - j < window (i' = q_offset + i), in the linear part when i' - j >= window.
+    The exact term uses exp(score - m) with m the row maximum over the window keys (LoLCATs'
+    convention: the linear term is *not* rescaled by m). H0/s0: a linear state of tokens before key 0.
+    """
+    B, Hq, S, D = q.shape
+    N = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    q_offset = N - S if q_offset is None else q_offset
+    k, v = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
+    qpos = torch.arange(S, device=q.device)[:, None] + q_offset
+    kpos = torch.arange(N, device=q.device)[None, :]
+    diff = qpos - kpos
+    win = (diff >= 0) & (diff < window)
+    lin = diff >= window
+    win, lin = win[None, None], lin[None, None]
+    if key_mask is not None:
+        km = key_mask.bool()[:, None, None, :]
+        win, lin = win & km, lin & km
+    sc = torch.einsum("bhsd,bhnd->bhsn", q.float(), k) * scale
+    sc = sc.masked_fill(~win, float("-inf"))
+    m = sc.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(sc - m)
+    a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
+    num_e, den_e = p @ v, p.sum(-1, keepdim=True)
+    num_l, den_l = a @ v, a.sum(-1, keepdim=True)
+    if H0 is not None:
+        num_l = num_l + fq.float() @ H0.float()
+        den_l = den_l + (fq.float() * s0.float()[:, :, None, :]).sum(-1, keepdim=True)
+    return _finish(num_e, den_e, num_l, den_l, g, lf)
+
+
+def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
+                             key_mask=None, chunk: int = 64):
+    """Same result as `hybrid_attention_quadratic` (S == N, no state) in O(S * (window + chunk)) memory.
+
+    Queries are cut into blocks of `chunk`; block n reads a prefix state (sum of phi(k) v^T over keys
+    before (n - P) * chunk, P = ceil(window / chunk)) and the P + 1 key blocks n-P..n explicitly.
+    Differentiable: this is the training / CPU path of `lolcats`. Returns [B, Hq, S, D] fp32.
+    """
+    B, Hq, S, D = q.shape
+    F2 = fq.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    C = chunk
+    P = max(1, math.ceil(window / C))
+    NB = math.ceil(S / C)
+    pad = NB * C - S
+    kx, vx = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
+    km = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.bool()
+
+    def padr(x, front=0):  # pad the sequence dim (dim 2) to NB * C, plus `front` zero rows in front
+        return torch.nn.functional.pad(x, (0, 0, front, pad))
+
+    qf, fqf = padr(q.float()), padr(fq.float())
+    kf, vf, fkf = padr(kx), padr(vx), padr(fk.float())
+    kmf = torch.nn.functional.pad(km, (0, pad), value=False)
+    fkm = fkf * kmf[:, None, :, None]
+    # prefix states: Hc[n] = sum over blocks < n  -> [B, Hq, NB, F2, D]
+    blk_h = torch.einsum("bhncf,bhncd->bhnfd", fkm.view(B, Hq, NB, C, F2), vf.view(B, Hq, NB, C, D))
+    blk_s = fkm.view(B, Hq, NB, C, F2).sum(3)
+    Hc = torch.cumsum(blk_h, 2) - blk_h
+    sc_ = torch.cumsum(blk_s, 2) - blk_s
+    idx = torch.arange(NB, device=q.device) - P
+    valid = (idx >= 0)
+    idxc = idx.clamp_min(0)
+    Hn = Hc[:, :, idxc] * valid.view(1, 1, NB, 1, 1)
+    sn = sc_[:, :, idxc] * valid.view(1, 1, NB, 1)
+    # local keys: blocks n-P..n  -> [B, Hq, NB, (P+1)C, *]
+    front = P * C
+
+    def local(x):
+        xp = torch.nn.functional.pad(x, (0, 0, front, 0))
+        return xp.unfold(2, (P + 1) * C, C).transpose(-1, -2)  # [B, Hq, NB, (P+1)C, *]
+
+    kl, vl, fkl = local(kf), local(vf), local(fkf)
+    kml = torch.nn.functional.pad(kmf, (front, 0), value=False).unfold(1, (P + 1) * C, C)  # [B, NB, (P+1)C]
+    qb = qf.view(B, Hq, NB, C, D)
+    fqb = fqf.view(B, Hq, NB, C, F2)
+    qpos = torch.arange(C, device=q.device)[:, None] + front  # query i of a block at local index P*C + i
+    kpos = torch.arange((P + 1) * C, device=q.device)[None, :]
+    diff = qpos - kpos
+    win = ((diff >= 0) & (diff < window))[None, None, None] & kml[:, None, :, None, :]
+    lin = (diff >= window)[None, None, None] & kml[:, None, :, None, :]
+    sc = torch.einsum("bhncd,bhnkd->bhnck", qb, kl) * scale
+    sc = sc.masked_fill(~win, float("-inf"))
+    m = sc.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(sc - m)
+    a = torch.einsum("bhncf,bhnkf->bhnck", fqb, fkl) * lin
+    num_e, den_e = p @ vl, p.sum(-1, keepdim=True)
+    num_l = a @ vl + fqb @ Hn
+    den_l = a.sum(-1, keepdim=True) + (fqb * sn[:, :, :, None, :]).sum(-1, keepdim=True)
+    o = _finish(num_e.flatten(2, 3), den_e.flatten(2, 3), num_l.flatten(2, 3), den_l.flatten(2, 3), g, lf)
+    return o[:, :, :S]
+
+
+# ----------------------------------------------------------------------------------------------- LoLA pieces
+def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | None = None, key_mask=None,
+                   q_offset: int | None = None, sparse_k=None, sparse_v=None, sparse_valid=None):
+    """Hybrid attention of queries against: local keys (window softmax / linear by distance), a sparse
+    cache of exact keys (per query head, softmax, weight g) and a linear state (H, s). One normaliser;
+    the running max m is taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
+
+    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], fk [B, Hq, N, F2], query i at local key index q_offset + i.
+    sparse_k/v [B, Hq, L, D], sparse_valid [B, Hq, L] bool (empty slots are False).
+    """
+    B, Hq, S, D = q.shape
+    N = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    q_offset = N - S if q_offset is None else q_offset
+    kx, vx = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
+    qpos = torch.arange(S, device=q.device)[:, None] + q_offset
+    kpos = torch.arange(N, device=q.device)[None, :]
+    diff = qpos - kpos
+    win = ((diff >= 0) & (diff < window))[None, None]
+    lin = (diff >= window)[None, None]
+    if key_mask is not None:
+        km = key_mask.bool()[:, None, None, :]
+        win, lin = win & km, lin & km
+    sc = torch.einsum("bhsd,bhnd->bhsn", q.float(), kx) * scale
+    sc = sc.masked_fill(~win, float("-inf"))
+    vals = vx
+    if sparse_k is not None and sparse_k.shape[2] > 0:
+        ss = torch.einsum("bhsd,bhld->bhsl", q.float(), sparse_k.float()) * scale
+        ss = ss.masked_fill(~sparse_valid.bool()[:, :, None, :], float("-inf"))
+        sc = torch.cat([ss, sc], dim=-1)
+        vals = torch.cat([sparse_v.float(), vx], dim=2)
+    m = sc.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(sc - m)
+    a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
+    num_e, den_e = p @ vals, p.sum(-1, keepdim=True)
+    num_l = a @ vx + fq.float() @ H.float()
+    den_l = a.sum(-1, keepdim=True) + (fq.float() * s.float()[:, :, None, :]).sum(-1, keepdim=True)
+    return _finish(num_e, den_e, num_l, den_l, g, lf)
+
+
+def sre_scores(fk, v, H, s, eps: float = EPS_SRE):
+    """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v ||^2 per pair.
+
+    fk [B, Hq, N, F2], v [B, Hq, N, D] (already per query head), H [B, Hq, F2, D], s [B, Hq, F2] -> [B, Hq, N] fp32.
+    """
+    fk = fk.float()
+    pred = (fk @ H.float()) / ((fk * s.float()[:, :, None, :]).sum(-1, keepdim=True) + eps)
+    return ((v.float() - pred) ** 2).sum(-1)
+
+
+def fold(fk, v, w, H, s):
+    """H + sum_j w_j phi(k_j) v_j^T, s + sum_j w_j phi(k_j) (fp32). fk [B,Hq,N,F2], v [B,Hq,N,D], w [B,Hq,N]."""
+    fkw = fk.float() * w.float()[..., None]
+    return H.float() + fkw.transpose(-1, -2) @ v.float(), s.float() + fkw.sum(2)
+
+
+def select_and_fold(cand_k, cand_v, cand_fk, cand_valid, H, s, lam: int, scores=None):
+    """One LoLA eviction step (reference).
+
+    Candidates = the sparse slots followed by the pairs leaving the window, per query head:
+    cand_k/v [B, Hq, Nc, D], cand_fk [B, Hq, Nc, F2], cand_valid [B, Hq, Nc] bool. Every valid candidate
+    is scored by SRE against the *current* (H, s); the `lam` highest stay exact (new sparse slots, sorted
+    by score, empty slots have valid=False and score -inf), the other valid ones are folded into (H, s).
+    Returns (sparse_k, sparse_v, sparse_score, sparse_valid, H, s).
+    """
+    if scores is None:
+        scores = sre_scores(cand_fk, cand_v, H, s)
+    scores = scores.masked_fill(~cand_valid, float("-inf"))
+    Nc = scores.shape[-1]
+    lam_eff = min(lam, Nc)
+    if lam_eff > 0:
+        top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
+        keep = torch.zeros_like(cand_valid)
+        keep.scatter_(-1, top.indices, True)
+    else:
+        keep = torch.zeros_like(cand_valid)
+    w = (cand_valid & ~keep).float()
+    H2, s2 = fold(cand_fk, cand_v, w, H, s)
+    if lam == 0:
+        e = cand_k[:, :, :0]
+        return e, cand_v[:, :, :0], scores[:, :, :0], cand_valid[:, :, :0], H2, s2
+    idx = top.indices
+    gk = torch.gather(cand_k, 2, idx[..., None].expand(-1, -1, -1, cand_k.shape[-1]))
+    gv = torch.gather(cand_v, 2, idx[..., None].expand(-1, -1, -1, cand_v.shape[-1]))
+    gsc = top.values
+    gvalid = torch.isfinite(gsc)
+    if lam_eff < lam:  # pad to lam empty slots
+        padn = lam - lam_eff
+        gk = torch.nn.functional.pad(gk, (0, 0, 0, padn))
+        gv = torch.nn.functional.pad(gv, (0, 0, 0, padn))
+        gsc = torch.nn.functional.pad(gsc, (0, padn), value=float("-inf"))
+        gvalid = torch.nn.functional.pad(gvalid, (0, padn), value=False)
+    return gk, gv, gsc, gvalid, H2, s2

@@ -1,0 +1,582 @@
+"""Triton kernels of the LoLCATs hybrid and the LoLA cache manager (forward only).
+
+Each kernel has a PyTorch reference in `reference.py` that it must match (tests/test_lola_kernels.py):
+
+  chunk_states      prefix linear states at every `state_chunk` keys      <- cumsum in hybrid_attention_chunked
+  hybrid_fwd        window softmax + sparse softmax + linear, one normaliser <- lola_attention / hybrid_attention_*
+  sre_score         self-recall error of candidate pairs                   <- sre_scores
+  fold_into_state   H += sum w phi(k) v^T, s += sum w phi(k)               <- fold
+  decode_step       one query per (batch, head) against window/sparse/state <- lola_attention with S == 1
+
+They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works with triton 3.6 and 3.9.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# The interpreter (TRITON_INTERPRET=1, triton 3.9) returns garbage for tl.dot on bf16 operands: there the
+# operands are upcast to fp32 first (same maths); compiled kernels keep bf16 tensor-core dots.
+_UPCAST = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+def _np2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def _prec(*ts) -> str:
+    return "ieee" if all(t.dtype == torch.float32 for t in ts) else "tf32"
+
+
+# ------------------------------------------------------------------------------------------- prefix states
+@triton.jit
+def _chunk_states_kernel(
+    FK, V, KM, H0, S0, HS, SS,
+    N, F2, D, NS, G,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_km_b,
+    s_h0_b, s_h0_h, s_h0_f,
+    s_s0_b, s_s0_h,
+    s_hs_b, s_hs_h, s_hs_n, s_hs_f,
+    s_ss_b, s_ss_h, s_ss_n,
+    HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_KM: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // G
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mk = offs_k < F2
+    mv = offs_v < D
+    if HAS_H0:
+        hacc = tl.load(H0 + b * s_h0_b + h * s_h0_h + offs_k[:, None] * s_h0_f + offs_v[None, :],
+                       mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        sacc = tl.load(S0 + b * s_s0_b + h * s_s0_h + offs_k, mask=mk, other=0.0).to(tl.float32)
+    else:
+        hacc = tl.zeros([BK, BV], dtype=tl.float32)
+        sacc = tl.zeros([BK], dtype=tl.float32)
+    for n in range(0, NS):
+        tl.store(HS + b * s_hs_b + h * s_hs_h + n * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :],
+                 hacc, mask=mk[:, None] & mv[None, :])
+        if pid_v == 0:
+            tl.store(SS + b * s_ss_b + h * s_ss_h + n * s_ss_n + offs_k, sacc, mask=mk)
+        for t0 in range(0, CS, BT):
+            offs_t = n * CS + t0 + tl.arange(0, BT)
+            mt = offs_t < N
+            if HAS_KM:
+                mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=offs_t < N, other=0) != 0)
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_t[:, None] * s_fk_n + offs_k[None, :],
+                         mask=mt[:, None] & mk[None, :], other=0.0)
+            vv = tl.load(V + b * s_v_b + hk * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
+                         mask=mt[:, None] & mv[None, :], other=0.0)
+            hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+            sacc += tl.sum(fk.to(tl.float32), 0)
+
+
+def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
+    """Hs[:, :, n] = H0 + sum_{j < n * state_chunk} phi(k_j) v_j^T (fp32), n = 0 .. ceil(N / state_chunk) - 1.
+
+    fk [B, Hq, N, F2], v [B, Hkv, N, D], key_mask [B, N] bool or None. Returns (Hs [B,Hq,NS,F2,D], Ss [B,Hq,NS,F2]).
+    """
+    B, Hq, N, F2 = fk.shape
+    D = v.shape[-1]
+    G = Hq // v.shape[1]
+    NS = max(1, math.ceil(N / state_chunk))
+    Hs = torch.empty(B, Hq, NS, F2, D, device=fk.device, dtype=torch.float32)
+    Ss = torch.empty(B, Hq, NS, F2, device=fk.device, dtype=torch.float32)
+    fk = fk.contiguous()
+    v = v.contiguous()
+    BK = min(64, _np2(F2))
+    BV = min(64, _np2(D))
+    BT = min(64, state_chunk)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    h0 = H0.contiguous() if H0 is not None else None
+    s0c = s0.contiguous() if s0 is not None else None
+    grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))
+    _chunk_states_kernel[grid](
+        fk, v, km if km is not None else fk, h0 if h0 is not None else Hs, s0c if s0c is not None else Ss, Hs, Ss,
+        N, F2, D, NS, G,
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        km.stride(0) if km is not None else 0,
+        h0.stride(0) if h0 is not None else 0, h0.stride(1) if h0 is not None else 0,
+        h0.stride(2) if h0 is not None else 0,
+        s0c.stride(0) if s0c is not None else 0, s0c.stride(1) if s0c is not None else 0,
+        Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
+        Ss.stride(0), Ss.stride(1), Ss.stride(2),
+        HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, HAS_KM=km is not None, HAS_H0=h0 is not None,
+        PREC=_prec(fk, v),
+    )
+    return Hs, Ss
+
+
+# ------------------------------------------------------------------------------------------- hybrid forward
+@triton.jit
+def _hybrid_fwd_kernel(
+    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
+    M, N, L, D, F2, G, q_off, window, scale_log2,
+    s_q_b, s_q_h, s_q_m,
+    s_k_b, s_k_h, s_k_n,
+    s_v_b, s_v_h, s_v_n,
+    s_fq_b, s_fq_h, s_fq_m,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_km_b,
+    s_hs_b, s_hs_h, s_hs_n, s_hs_f,
+    s_ss_b, s_ss_h, s_ss_n,
+    s_spk_b, s_spk_h, s_spk_l,
+    s_spv_b, s_spv_h, s_spv_l,
+    s_spm_b, s_spm_h,
+    s_o_b, s_o_m, s_o_h,
+    HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_f = tl.arange(0, BF)
+    mm = offs_m < M
+    md = offs_d < D
+    mf = offs_f < F2
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_m + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_f[None, :],
+                 mask=mm[:, None] & mf[None, :], other=0.0)
+    qpos = q_off + offs_m  # key index of each query
+
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_e = tl.zeros([BM], dtype=tl.float32)
+    l_l = tl.zeros([BM], dtype=tl.float32)
+    acc_e = tl.zeros([BM, BD], dtype=tl.float32)
+    acc_l = tl.zeros([BM, BD], dtype=tl.float32)
+
+    # 1. linear state of every token before the first explicit key
+    a0 = q_off + pid_m * BM
+    if PER_BLOCK:
+        n_state = tl.maximum(a0 - window, 0) // CS
+        lo = n_state * CS
+    else:
+        n_state = 0
+        lo = 0
+    hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_f[:, None] * s_hs_f + offs_d[None, :],
+                  mask=mf[:, None] & md[None, :], other=0.0)
+    sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_f, mask=mf, other=0.0)
+    fq32 = fq.to(tl.float32)
+    acc_l += _dot(fq32, hst, PREC, UPCAST)
+    l_l += tl.sum(fq32 * sst[None, :], 1)
+
+    # 2. sparse cache: exact keys of this query head
+    if HAS_SP:
+        for l0 in range(0, L, BN):
+            offs_l = l0 + tl.arange(0, BN)
+            ml = offs_l < L
+            ml = ml & (tl.load(SPM + b * s_spm_b + h * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + h * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0)
+            sv = tl.load(SPV + b * s_spv_b + h * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0)
+            sc = _dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = tl.where(ml[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            acc_e = acc_e * alpha[:, None] + _dot(p.to(sv.dtype), sv, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+    # 3. explicit keys: window softmax or linear by distance
+    hi = tl.minimum(N, a0 + BM)
+    for n0 in range(lo, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < N
+        if HAS_KM:
+            mn = mn & (tl.load(KM + b * s_km_b + offs_n, mask=offs_n < N, other=0) != 0)
+        k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0)
+        v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0)
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
+                     mask=mn[:, None] & mf[None, :], other=0.0)
+        diff = qpos[:, None] - offs_n[None, :]
+        win = (diff >= 0) & (diff < window) & mn[None, :]
+        lin = (diff >= window) & mn[None, :]
+        sc = _dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
+        sc = tl.where(win, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        acc_e = acc_e * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        l_e = l_e * alpha + tl.sum(p, 1)
+        m_i = m_new
+        a = _dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
+        a = tl.where(lin, a, 0.0)
+        acc_l += _dot(a.to(v.dtype), v, PREC, UPCAST)
+        l_l += tl.sum(a, 1)
+
+    gw = tl.load(GW + h).to(tl.float32)
+    lw = tl.load(LFW + h).to(tl.float32)
+    num = gw * acc_e + lw * acc_l
+    den = gw * l_e + lw * l_l
+    den = tl.where(den > 0, den, 1.0)
+    out = num / den[:, None]
+    tl.store(O + b * s_o_b + offs_m[:, None] * s_o_m + h * s_o_h + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mm[:, None] & md[None, :])
+
+
+def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
+               key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
+               block_m: int = 64, block_n: int = 64, out=None):
+    """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`).
+
+    Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
+    queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
+    there), else one state [B, Hq, F2, D] of the tokens before key 0 (all local keys explicit).
+    """
+    B, Hq, M, D = q.shape
+    N = k.shape[2]
+    F2 = fq.shape[-1]
+    G = Hq // k.shape[1]
+    per_block = state_chunk > 0
+    if not per_block:
+        Hs, Ss = Hs.unsqueeze(2), Ss.unsqueeze(2)
+    BM = min(block_m, _np2(M))
+    BN = block_n
+    if per_block:
+        assert state_chunk % BN == 0, "state_chunk must be a multiple of block_n"
+    BD, BF = _np2(D), _np2(F2)
+    if out is None:
+        out = torch.empty(B, M, Hq, D, device=q.device, dtype=q.dtype)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    has_sp = sparse_k is not None and sparse_k.shape[2] > 0
+    L = sparse_k.shape[2] if has_sp else 0
+    spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    gw = g.float().contiguous()
+    lw = lf.float().contiguous()
+    dummy = q
+    grid = (triton.cdiv(M, BM), B * Hq)
+    _hybrid_fwd_kernel[grid](
+        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss,
+        sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        M, N, L, D, F2, G, q_offset, window, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        fq.stride(0), fq.stride(1), fq.stride(2),
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        km.stride(0) if km is not None else 0,
+        Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
+        Ss.stride(0), Ss.stride(1), Ss.stride(2),
+        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0, sparse_k.stride(2) if has_sp else 0,
+        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
+        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, CS=max(state_chunk, 1), PER_BLOCK=per_block,
+        HAS_KM=km is not None, HAS_SP=has_sp, PREC=_prec(q, k, fq),
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- SRE score
+@triton.jit
+def _sre_kernel(
+    FK, V, VALID, H, S, OUT,
+    N, F2, D, G, eps,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_va_b, s_va_h,
+    s_h_b, s_h_h, s_h_f,
+    s_s_b, s_s_h,
+    s_o_b, s_o_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_VALID: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hv = h // G
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    mn = offs_n < N
+    md = offs_d < D
+    num = tl.zeros([BN, BD], dtype=tl.float32)
+    den = tl.zeros([BN], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
+                     mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
+                     mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
+        num += _dot(fk, hh, PREC, UPCAST)
+        den += tl.sum(fk * ss[None, :], 1)
+    vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                 mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+    err = vv - num / (den[:, None] + eps)
+    err = tl.where(md[None, :], err, 0.0)
+    sc = tl.sum(err * err, 1)
+    if HAS_VALID:
+        ok = tl.load(VALID + b * s_va_b + h * s_va_h + offs_n, mask=mn, other=0) != 0
+        sc = tl.where(ok, sc, float("-inf"))
+    tl.store(OUT + b * s_o_b + h * s_o_h + offs_n, sc, mask=mn)
+
+
+def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True):
+    """SRE of N candidate pairs per query head. fk [B, Hq, N, F2], v [B, Hv, N, D] (Hv = Hq or Hkv),
+    H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32, valid [B, Hq, N] bool (invalid -> -inf). Returns [B, Hq, N] fp32."""
+    B, Hq, N, F2 = fk.shape
+    D = v.shape[-1]
+    G = Hq // v.shape[1]
+    out = torch.empty(B, Hq, N, device=fk.device, dtype=torch.float32)
+    if N == 0:
+        return out
+    va = valid.to(torch.int8).contiguous() if valid is not None else None
+    H = H.contiguous()
+    s = s.contiguous()
+    BN = min(64, _np2(N))
+    BK = min(64, _np2(F2))
+    grid = (B * Hq, triton.cdiv(N, BN))
+    _sre_kernel[grid](
+        fk, v, va if va is not None else out, H, s, out,
+        N, F2, D, G, eps,
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        va.stride(0) if va is not None else 0, va.stride(1) if va is not None else 0,
+        H.stride(0), H.stride(1), H.stride(2),
+        s.stride(0), s.stride(1),
+        out.stride(0), out.stride(1),
+        HQ=Hq, BN=BN, BD=_np2(D), BK=BK, HAS_VALID=va is not None,
+        PREC="ieee" if precise else "tf32",
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- fold
+@triton.jit
+def _fold_kernel(
+    FK, V, W, H, S,
+    N, F2, D, G,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_w_b, s_w_h,
+    s_h_b, s_h_h, s_h_f,
+    s_s_b, s_s_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hv = h // G
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mk = offs_k < F2
+    mv = offs_v < D
+    hp = H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_v[None, :]
+    hacc = tl.load(hp, mask=mk[:, None] & mv[None, :], other=0.0)
+    sacc = tl.zeros([BK], dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < N
+        w = tl.load(W + b * s_w_b + h * s_w_h + offs_n, mask=mn, other=0.0).to(tl.float32)
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
+                     mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32) * w[:, None]
+        vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_v[None, :],
+                     mask=mn[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        hacc += _dot(tl.trans(fk), vv, PREC, UPCAST)
+        sacc += tl.sum(fk, 0)
+    tl.store(hp, hacc, mask=mk[:, None] & mv[None, :])
+    if pid_v == 0:
+        sp = S + b * s_s_b + h * s_s_h + offs_k
+        tl.store(sp, tl.load(sp, mask=mk, other=0.0) + sacc, mask=mk)
+
+
+def fold_into_state(fk, v, w, H, s):
+    """In place: H += sum_j w_j phi(k_j) v_j^T, s += sum_j w_j phi(k_j).
+
+    fk [B, Hq, N, F2], v [B, Hv, N, D] (Hv = Hq or Hkv), w [B, Hq, N] float, H [B, Hq, F2, D] / s [B, Hq, F2]
+    contiguous fp32. Returns (H, s)."""
+    B, Hq, N, F2 = fk.shape
+    D = v.shape[-1]
+    G = Hq // v.shape[1]
+    if N == 0:
+        return H, s
+    assert H.is_contiguous() and s.is_contiguous() and H.dtype == torch.float32
+    w = w.float().contiguous()
+    BK = min(64, _np2(F2))
+    BV = min(64, _np2(D))
+    grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))
+    _fold_kernel[grid](
+        fk, v, w, H, s,
+        N, F2, D, G,
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        w.stride(0), w.stride(1),
+        H.stride(0), H.stride(1), H.stride(2),
+        s.stride(0), s.stride(1),
+        HQ=Hq, BN=min(64, _np2(N)), BK=BK, BV=BV, PREC="ieee",
+    )
+    return H, s
+
+
+# ------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_kernel(
+    Q, K, V, FQ, FK, KM, GW, LFW, H, S, SPK, SPV, SPM, O,
+    N, L, D, F2, G, window, scale_log2,
+    s_q_b, s_q_h,
+    s_k_b, s_k_h, s_k_n,
+    s_v_b, s_v_h, s_v_n,
+    s_fq_b, s_fq_h,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_km_b,
+    s_h_b, s_h_h, s_h_f,
+    s_s_b, s_s_h,
+    s_spk_b, s_spk_h, s_spk_l,
+    s_spv_b, s_spv_h, s_spv_l,
+    s_spm_b, s_spm_h,
+    s_o_b, s_o_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HQ
+    h = pid % HQ
+    hk = h // G
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_d, mask=md, other=0.0).to(tl.float32)
+    qpos = N - 1
+    # linear state
+    acc_l = tl.zeros([BD], dtype=tl.float32)
+    l_l = tl.zeros([1], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_k, mask=mk, other=0.0).to(tl.float32)
+        hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
+                     mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
+        acc_l += tl.sum(fq[:, None] * hh, 0)
+        l_l += tl.sum(fq * ss, 0)
+    m_i = tl.full([1], -1.0e30, dtype=tl.float32)
+    l_e = tl.zeros([1], dtype=tl.float32)
+    acc_e = tl.zeros([BD], dtype=tl.float32)
+    if HAS_SP:
+        for l0 in range(0, L, BN):
+            offs_l = l0 + tl.arange(0, BN)
+            ml = offs_l < L
+            ml = ml & (tl.load(SPM + b * s_spm_b + h * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + h * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
+            sv = tl.load(SPV + b * s_spv_b + h * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
+            sc = tl.sum(sk * q[None, :], 1) * scale_log2
+            sc = tl.where(ml, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new)
+            acc_e = acc_e * alpha + tl.sum(p[:, None] * sv, 0)
+            l_e = l_e * alpha + tl.sum(p, 0)
+            m_i = m_new
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < N
+        if HAS_KM:
+            mn = mn & (tl.load(KM + b * s_km_b + offs_n, mask=offs_n < N, other=0) != 0)
+        k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+        v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+        diff = qpos - offs_n
+        win = (diff < window) & mn
+        lin = (diff >= window) & mn
+        sc = tl.sum(k * q[None, :], 1) * scale_log2
+        sc = tl.where(win, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new)
+        acc_e = acc_e * alpha + tl.sum(p[:, None] * v, 0)
+        l_e = l_e * alpha + tl.sum(p, 0)
+        m_i = m_new
+        # linear part of the local keys older than the window: phi(q) . phi(k) per key
+        a = tl.zeros([BN], dtype=tl.float32)
+        for f0 in range(0, F2, BK):
+            offs_k = f0 + tl.arange(0, BK)
+            mk = offs_k < F2
+            fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_k, mask=mk, other=0.0).to(tl.float32)
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
+                         mask=lin[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            a += tl.sum(fk * fq[None, :], 1)
+        a = tl.where(lin, a, 0.0)
+        acc_l += tl.sum(a[:, None] * v, 0)
+        l_l += tl.sum(a, 0)
+    gw = tl.load(GW + h).to(tl.float32)
+    lw = tl.load(LFW + h).to(tl.float32)
+    num = gw * acc_e + lw * acc_l
+    den = gw * l_e + lw * l_l
+    den = tl.where(den > 0, den, 1.0)
+    out = num / den
+    tl.store(O + b * s_o_b + h * s_o_h + offs_d, out.to(O.dtype.element_ty), mask=md)
+
+
+def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
+                sparse_k=None, sparse_v=None, sparse_valid=None, out=None):
+    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D], fk [B, Hq, N, F2]
+    (the new token is the last local key); state H/s; optional sparse cache. Returns [B, 1, Hq, D]."""
+    B, Hq, _, D = q.shape
+    N = k.shape[2]
+    F2 = fq.shape[-1]
+    G = Hq // k.shape[1]
+    if out is None:
+        out = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    has_sp = sparse_k is not None and sparse_k.shape[2] > 0
+    L = sparse_k.shape[2] if has_sp else 0
+    spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    dummy = q
+    _decode_kernel[(B * Hq,)](
+        q, k, v, fq, fk, km if km is not None else dummy, g.float().contiguous(), lf.float().contiguous(), H, s,
+        sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        N, L, D, F2, G, window, scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        fq.stride(0), fq.stride(1),
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        km.stride(0) if km is not None else 0,
+        H.stride(0), H.stride(1), H.stride(2),
+        s.stride(0), s.stride(1),
+        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0, sparse_k.stride(2) if has_sp else 0,
+        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
+        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
+        out.stride(0), out.stride(2),
+        HQ=Hq, BN=min(64, _np2(N)), BD=_np2(D), BK=min(64, _np2(F2)),
+        HAS_KM=km is not None, HAS_SP=has_sp,
+    )
+    return out

@@ -1,0 +1,172 @@
+"""Triton kernels of the LoLCATs hybrid / LoLA manager against their PyTorch references (TRITON_INTERPRET=1)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+
+tk = pytest.importorskip("longctx_patch.kernels.lola.triton_kernels")
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _inputs(B=2, Hq=4, Hkv=2, S=37, D=16, F=8, dtype=torch.float32, seed=0, N=None):
+    g = torch.Generator().manual_seed(seed)
+    N = S if N is None else N
+    q = torch.randn(B, Hq, S, D, generator=g)
+    k = torch.randn(B, Hkv, N, D, generator=g)
+    v = torch.randn(B, Hkv, N, D, generator=g)
+    Wq = torch.randn(Hq, D, F, generator=g) * D ** -0.25
+    Wk = torch.randn(Hq, D, F, generator=g) * D ** -0.25
+    fq = ref.hedgehog_feature_map(q, Wq)
+    fk = ref.hedgehog_feature_map(k, Wk)
+    gw = torch.sigmoid(torch.randn(Hq, generator=g))
+    lf = torch.ones(Hq)
+    to = lambda x: x.to(DEV, dtype)  # noqa: E731
+    return to(q), to(k), to(v), to(fq), to(fk), gw.to(DEV), lf.to(DEV)
+
+
+def _left_pad_mask(B, N, pads):
+    m = torch.ones(B, N, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        m[b, :p] = False
+    return m.to(DEV)
+
+
+def test_feature_map_matches_definition():
+    x = torch.randn(2, 2, 5, 8)
+    W = torch.randn(4, 8, 3)  # 4 query heads over 2 kv heads
+    phi = ref.hedgehog_feature_map(x, W)
+    xr = x.repeat_interleave(2, dim=1)
+    for h in range(4):
+        p = xr[:, h] @ W[h]
+        want = torch.cat([torch.softmax(p, -1), torch.softmax(-p, -1)], -1)
+        torch.testing.assert_close(phi[:, h], want)
+    assert phi.shape == (2, 4, 5, 6)
+
+
+@pytest.mark.parametrize("window,chunk", [(8, 16), (20, 16), (5, 4)])
+def test_chunked_reference_equals_quadratic(window, chunk):
+    q, k, v, fq, fk, g, lf = _inputs(S=45)
+    km = _left_pad_mask(2, 45, [0, 7])
+    a = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km)
+    b = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, key_mask=km, chunk=chunk)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_reference_gradients_match_quadratic():
+    q, k, v, fq, fk, g, lf = _inputs(S=29)
+    W = torch.randn(4, 16, 8, requires_grad=True)
+    gw = torch.zeros(4, requires_grad=True)
+
+    def run(fn, **kw):
+        fqq = ref.hedgehog_feature_map(q, W)
+        fkk = ref.hedgehog_feature_map(k, W)
+        o = fn(q, k, v, fqq, fkk, torch.sigmoid(gw), lf, window=6, **kw)
+        (o ** 2).sum().backward()
+        grads = (W.grad.clone(), gw.grad.clone())
+        W.grad = None
+        gw.grad = None
+        return grads
+
+    ga = run(ref.hybrid_attention_quadratic)
+    gb = run(ref.hybrid_attention_chunked, chunk=8)
+    for x, y in zip(ga, gb):
+        assert x.abs().sum() > 0
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_states_match_cumsum():
+    q, k, v, fq, fk, g, lf = _inputs(S=53)
+    km = _left_pad_mask(2, 53, [3, 0])
+    H0 = torch.randn(2, 4, 16, 16, device=DEV)
+    s0 = torch.rand(2, 4, 16, device=DEV)
+    Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km, H0=H0, s0=s0)
+    assert Hs.shape == (2, 4, 4, 16, 16)
+    vx = ref.expand_kv(v, 4)
+    for n in range(4):
+        w = km[:, None, : n * 16].float().expand(2, 4, -1)
+        He, se = ref.fold(fk[:, :, : n * 16], vx[:, :, : n * 16], w, H0, s0)
+        torch.testing.assert_close(Hs[:, :, n], He, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(Ss[:, :, n], se, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,S", [(8, 45), (21, 70)])
+def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
+    q, k, v, fq, fk, g, lf = _inputs(S=S, dtype=dtype)
+    km = _left_pad_mask(2, S, [0, 5])
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
+    Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
+    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=0.3, q_offset=0, key_mask=km,
+                        state_chunk=16, block_m=16, block_n=16)
+    assert got.dtype == dtype and got.shape == (2, S, 4, 16)
+    real = km[:, :, None, None].expand_as(got)  # padded query rows are ignored
+    torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype):
+    S, N, L = 19, 40, 11
+    q, k, v, fq, fk, g, lf = _inputs(S=S, N=N, dtype=dtype, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    spk = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
+    spv = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
+    valid = (torch.rand(2, 4, L, generator=gen) > 0.3).to(DEV)
+    H = torch.rand(2, 4, 16, 16, generator=gen).to(DEV)
+    s = torch.rand(2, 4, 16, generator=gen).to(DEV) * 3
+    km = _left_pad_mask(2, N, [4, 0])
+    lf = torch.tensor([1.0, 0.5, 0.7, 1.0], device=DEV)
+    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=9, scale=0.25, key_mask=km, q_offset=N - S,
+                              sparse_k=spk, sparse_v=spv, sparse_valid=valid)
+    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, H, s, window=9, scale=0.25, q_offset=N - S, key_mask=km,
+                        state_chunk=0, sparse_k=spk, sparse_v=spv, sparse_valid=valid, block_m=16, block_n=16)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_matches_reference(dtype):
+    N, L = 23, 6
+    q, k, v, fq, fk, g, lf = _inputs(S=1, N=N, dtype=dtype, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    spk = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
+    spv = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
+    valid = (torch.rand(2, 4, L, generator=gen) > 0.4).to(DEV)
+    H = torch.rand(2, 4, 16, 16, generator=gen).to(DEV)
+    s = torch.rand(2, 4, 16, generator=gen).to(DEV)
+    km = _left_pad_mask(2, N, [0, 3])
+    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25, key_mask=km,
+                              sparse_k=spk, sparse_v=spv, sparse_valid=valid)
+    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25, key_mask=km,
+                         sparse_k=spk, sparse_v=spv, sparse_valid=valid)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    # no sparse cache, no padding
+    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
+    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sre_score_and_fold_match_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, N, D, F2 = 2, 4, 2, 37, 16, 16
+    fk = torch.softmax(torch.randn(B, Hq, N, F2, generator=gen), -1).to(DEV, dtype)
+    v = torch.randn(B, Hkv, N, D, generator=gen).to(DEV, dtype)
+    H = torch.randn(B, Hq, F2, D, generator=gen).to(DEV)
+    s = torch.rand(B, Hq, F2, generator=gen).to(DEV) + 0.1
+    valid = (torch.rand(B, Hq, N, generator=gen) > 0.2).to(DEV)
+    vx = ref.expand_kv(v, Hq)
+    want = ref.sre_scores(fk, vx, H, s).masked_fill(~valid, float("-inf"))
+    got = tk.sre_score(fk, v, H, s, valid)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    w = valid.float() * torch.rand(B, Hq, N, generator=gen).to(DEV)
+    He, se = ref.fold(fk, vx, w, H, s)
+    H2, s2 = H.clone(), s.clone()
+    tk.fold_into_state(fk, v, w, H2, s2)
+    torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
