@@ -56,7 +56,7 @@ def target_int(seen: int, max_centroids: int, growth: float) -> int:
     if growth <= 0:
         n = seen
     else:
-        n = math.ceil(max_centroids * seen / (seen + growth) - 1e-9) if seen > 0 else 0
+        n = math.ceil(growth * math.log1p(seen / growth) - 1e-9) if seen > 0 else 0
     return int(min(n, seen, max_centroids))
 
 

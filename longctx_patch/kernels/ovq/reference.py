@@ -65,15 +65,16 @@ class OVQState:
 def target_centroids(seen: Tensor, max_centroids: int, growth: float) -> Tensor:
     """Saturating size of the dictionary after ``seen`` real tokens.
 
-    ``N(T) = min(N_max, T, ceil(N_max * T / (T + growth)))``; ``growth`` is the number of tokens at
-    which half of ``N_max`` is reached.  ``growth == 0`` makes every token its own centroid until the
-    dictionary is full.
+    Dirichlet-process-like: ``N(T) = min(N_max, T, ceil(a * ln(1 + T / a)))`` with concentration
+    ``a = growth`` (the expected number of clusters of a DP after T draws, capped at ``N_max``).  Early
+    tokens almost all open rows, later ones ever fewer.  ``growth == 0`` stands for the limit
+    ``a -> inf``: every token its own row until the dictionary is full.
     """
     t = seen.to(torch.float64)
     if growth <= 0:
         n = t
     else:
-        n = torch.ceil(max_centroids * t / (t + growth) - 1e-9)
+        n = torch.ceil(growth * torch.log1p(t / growth) - 1e-9)
     n = torch.minimum(n, t).clamp(max=max_centroids)
     return n.to(torch.long)
 

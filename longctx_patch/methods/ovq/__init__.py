@@ -27,9 +27,9 @@ class OVQConfig(MethodConfig):
     chunk_size: int = option(64, "tokens per chunk: exact causal attention inside a chunk, dictionary update after it", min=1)
     max_centroids: int = option(1024, "maximum dictionary rows per key/value head (N)", min=1)
     growth: float = option(
-        1024.0,
-        "saturating growth: after T tokens the dictionary has min(N, T, ceil(N*T/(T+growth))) rows; "
-        "0 = every token its own row until N",
+        256.0,
+        "Dirichlet-process-like growth: after T tokens the dictionary has min(N, T, ceil(growth*ln(1+T/growth))) "
+        "rows; 0 = every token its own row until N",
         min=0.0,
     )
     beta: float = option(12.0, "initial inverse temperature of the unit-normalised q.k logits", min=1e-3)
