@@ -1,0 +1,137 @@
+"""LoLA cache manager on plain tensors: chunking invariance, lam = 0 == LoLCATs, SRE keeps colliding keys."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+from longctx_patch.kernels.lola.ops import LolaState, hybrid_attention, lola_process  # noqa: E402
+
+B, HQ, HKV, D, F = 2, 4, 2, 16, 8
+
+
+def _seq(S, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, S, D, generator=g)
+    k = torch.randn(B, HKV, S, D, generator=g)
+    v = torch.randn(B, HKV, S, D, generator=g)
+    Wq = torch.randn(HQ, D, F, generator=g) * D ** -0.25
+    Wk = torch.randn(HQ, D, F, generator=g) * D ** -0.25
+    gw = torch.sigmoid(torch.randn(HQ, generator=g))
+    return (q.to(dtype), k.to(dtype), v.to(dtype), ref.hedgehog_feature_map(q, Wq).to(dtype),
+            ref.hedgehog_feature_map(k, Wk).to(dtype), gw, torch.ones(HQ))
+
+
+def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch"):
+    q, k, v, fq, fk, g, lf = seq
+    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device)
+    outs, i = [], 0
+    for n in splits:
+        sl = slice(i, i + n)
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], fk[:, :, sl], g, lf,
+                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
+                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend))
+        i += n
+    return torch.cat(outs, 1), st
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunked_prefill_equals_token_by_token_and_full(backend):
+    S = 41 if backend == "torch" else 22  # the interpreter is slow
+    seq = _seq(S)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :6] = False  # left padding of row 1
+    kw = dict(window=6, chunk=4, lam=5, mask=mask, backend=backend)
+    full, st_full = _run([S], seq, **kw)
+    steps, st_steps = _run([1] * S, seq, **kw)
+    mixed, st_mixed = _run([13, 1, 1, S - 15], seq, **kw)
+    real = mask[:, :, None, None].expand_as(full)
+    torch.testing.assert_close(steps[real], full[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[real], full[real], atol=1e-4, rtol=1e-4)
+    for a, b in [(st_full, st_steps), (st_full, st_mixed)]:
+        torch.testing.assert_close(a.H, b.H, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.sp_score, b.sp_score, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.sp_k, b.sp_k)
+        assert a.pos == b.pos == S
+    # the sparse cache is really used: some slots hold pairs, padding never enters it
+    assert st_full.sp_valid.any()
+    # buffer: fewer than window + chunk tokens
+    assert st_full.win_k.shape[2] < 6 + 4
+
+
+def test_triton_manager_matches_torch_manager():
+    S = 30
+    seq = _seq(S, seed=1)
+    a, sa = _run([S], seq, window=5, chunk=8, lam=3, backend="torch")
+    b, sb = _run([S], seq, window=5, chunk=8, lam=3, backend="triton")
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sa.H, sb.H, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lambda_zero_is_lolcats(backend):
+    S = 37
+    seq = _seq(S, seed=2)
+    q, k, v, fq, fk, g, lf = seq
+    want = hybrid_attention(q, k, v, fq, fk, g, lf, window=7, scale=D ** -0.5, chunk=8, backend="torch")
+    quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=7).transpose(1, 2)
+    torch.testing.assert_close(want, quad, atol=1e-5, rtol=1e-5)
+    for splits in ([S], [10, 3, 24]) if backend == "triton" else ([S], [1] * S, [10, 3, 24]):
+        got, st = _run(splits, seq, window=7, chunk=4, lam=0, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the final state is the sum over everything older than the buffer
+    nb = st.win_k.shape[2]
+    He, se = ref.fold(fk[:, :, : S - nb], ref.expand_kv(v, HQ)[:, :, : S - nb], torch.ones(B, HQ, S - nb),
+                      torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F))
+    torch.testing.assert_close(st.H, He, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_manager_close_to_fp32():
+    S = 33
+    seq32 = _seq(S, seed=3)
+    seq16 = tuple(x.to(torch.bfloat16) if x.dim() == 4 else x for x in seq32)
+    a, _ = _run([S], seq32, window=6, chunk=4, lam=4)
+    b, _ = _run([S], seq16, window=6, chunk=4, lam=4, backend="triton")
+    assert b.dtype == torch.bfloat16
+    torch.testing.assert_close(b.float(), a, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_colliding_key_is_kept_in_sparse_cache(backend):
+    """Many pairs (k0, v0) are folded into (H, s); a later pair (k0, v1) with the same key collides in
+    the linear state (phi(k0)^T H / phi(k0)^T s == v0), so its self-recall error is large and it must
+    stay exact, while the well-recalled copies of (k0, v0) are folded."""
+    S, lam = 40, 2
+    g = torch.Generator().manual_seed(0)
+    k0 = torch.randn(D, generator=g)
+    v0 = torch.randn(D, generator=g)
+    v1 = -3 * v0
+    k = k0.expand(B, HKV, S, D).clone()
+    v = v0.expand(B, HKV, S, D).clone()
+    k[:, :, 25:] = torch.randn(B, HKV, S - 25, D, generator=g)  # later tokens: unrelated keys...
+    v[:, :, 25:] = 0.1 * torch.randn(B, HKV, S - 25, D, generator=g)
+    v[:, :, 20] = v1  # ...and the colliding pair at index 20
+    q = torch.randn(B, HQ, S, D, generator=g)
+    W = torch.randn(HQ, D, F, generator=g)
+    seq = (q, k, v, ref.hedgehog_feature_map(q, W), ref.hedgehog_feature_map(k, W), torch.full((HQ,), 0.5),
+           torch.ones(HQ))
+    _, st = _run([S], seq, window=4, chunk=4, lam=lam, backend=backend)
+    # index 20 left the window (S - window = 36 > 20): it must be one of the exact pairs of every head
+    hit = (st.sp_v - v1).abs().amax(-1) < 1e-5  # [B, HQ, lam]
+    assert hit.any(-1).all(), st.sp_score
+    # and the folded state recalls v0 for k0 (the copies of (k0, v0) were folded, not (k0, v1))
+    fk0 = ref.hedgehog_feature_map(k0.expand(B, HKV, 1, D), W)
+    pred = (fk0 @ st.H) / ((fk0 * st.s[:, :, None]).sum(-1, keepdim=True))
+    assert (pred[:, :, 0] - v0).abs().max() < 0.5
+
+
+def test_state_bytes_do_not_grow():
+    def run(S):
+        seq = _seq(S, seed=4)
+        _, st = _run([S], seq, window=64, chunk=512, lam=8)
+        return st.nbytes()
+
+    assert run(1024) == run(8192)
