@@ -177,7 +177,9 @@ def _fwd(q, k, v, bias, n_dict, q_off):
     B, HQ, M, D = q.shape
     H, LK = k.shape[1], k.shape[2]
     DV = v.shape[-1]
-    o = torch.empty(B, HQ, M, DV, device=q.device, dtype=q.dtype)
+    # float32 output: the backward's rowsum(dO * O) then carries no bf16 rounding (it cancels
+    # against dP for peaked softmax rows)
+    o = torch.empty(B, HQ, M, DV, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, HQ, M, device=q.device, dtype=torch.float32)
     BM, BN = _blocks(M, False)
     grid = (triton.cdiv(M, BM), B * HQ)
@@ -197,7 +199,7 @@ class OVQChunkAttention(torch.autograd.Function):
         o, lse = _fwd(q, k, v, bias, n_dict, q_off)
         ctx.save_for_backward(q, k, v, bias, o, lse)
         ctx.n_dict, ctx.q_off = n_dict, q_off
-        return o
+        return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
@@ -206,7 +208,7 @@ class OVQChunkAttention(torch.autograd.Function):
         B, HQ, M, D = q.shape
         H, LK = k.shape[1], k.shape[2]
         DV = v.shape[-1]
-        delta = (o.float() * do.float()).sum(-1).contiguous()
+        delta = (o * do.float()).sum(-1).contiguous()
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)

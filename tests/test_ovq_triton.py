@@ -1,0 +1,122 @@
+"""ovq Triton kernels (run by the CPU interpreter, TRITON_INTERPRET=1) against the PyTorch reference."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from longctx_patch.kernels.ovq import OVQState, exact_causal_attention, ovq_attention  # noqa: E402
+from longctx_patch.kernels.ovq.reference import chunk_attention_ref, select_and_assign  # noqa: E402
+from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton  # noqa: E402
+from longctx_patch.kernels.ovq.triton_dict import chunk_stats_triton  # noqa: E402
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_dict,L,M,q_off", [(21, 19, 7, 12), (0, 33, 33, 0), (70, 1, 1, 0), (5, 9, 1, 8)])
+def test_chunk_attention_forward_backward(dtype, n_dict, L, M, q_off):
+    g = torch.Generator().manual_seed(n_dict * 100 + L)
+    B, Hq, H, D = 2, 4, 2, 16
+    q = (torch.randn(B, Hq, M, D, generator=g) * 2).to(dtype).requires_grad_()
+    k = torch.randn(B, H, n_dict + L, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, H, n_dict + L, D, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(B, H, n_dict + L, generator=g)
+    bias[:, :, min(3, n_dict + L - 1)] = float("-inf")  # an empty dictionary row / a padded key
+    bias[1, :, : n_dict + 1] = float("-inf")
+    do = torch.randn(B, Hq, M, D, generator=g).to(dtype)
+    ref = chunk_attention_ref(q.double(), k.double(), v.double(), bias, n_dict, q_off)
+    g_ref = torch.autograd.grad(ref, (q, k, v), do.double())
+    out = chunk_attention_triton(q, k, v, bias, n_dict, q_off)
+    g_out = torch.autograd.grad(out, (q, k, v), do)
+    tol_o, tol_g = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 2.5e-2)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel(out, ref) < tol_o
+    for a, b in zip(g_out, g_ref):
+        assert _rel(a, b) < tol_g
+
+
+def test_chunk_attention_row_without_keys_is_zero():
+    q = torch.randn(1, 2, 3, 16)
+    k = torch.randn(1, 1, 3, 16)
+    v = torch.randn(1, 1, 3, 16)
+    bias = torch.full((1, 1, 3), float("-inf"))
+    out = chunk_attention_triton(q, k, v, bias, 0, 0)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("C,n_active", [(20, [0, 23]), (7, [64, 5])])
+def test_chunk_stats_and_assignment(C, n_active):
+    g = torch.Generator().manual_seed(C)
+    B, H, N, D = 2, 2, 70, 16
+    st = OVQState.empty(B, H, N, D)
+    st.keys.copy_(torch.randn(B, H, N, D, generator=g))
+    st.n_active = torch.tensor(n_active)
+    k = torch.randn(B, H, C, D, generator=g)
+    maxdot, best, idx = chunk_stats_triton(k, st.keys, st.n_active)
+    for b, n in enumerate(n_active):
+        if n == 0:
+            assert torch.isinf(maxdot[b]).all() and (maxdot[b] < 0).all()
+            continue
+        dots = k[b] @ st.keys[b, :, :n].transpose(-1, -2)
+        torch.testing.assert_close(maxdot[b], dots.max(-1).values)
+        score = dots - 0.5 * (st.keys[b, :, :n] ** 2).sum(-1)[:, None, :]
+        torch.testing.assert_close(best[b], score.max(-1).values)
+        assert torch.equal(idx[b], score.max(-1).indices)
+    valid = torch.rand(B, C, generator=g) > 0.2
+    n_new = torch.tensor([min(3, int(valid[0].sum())), 0])
+    st.n_active = torch.tensor(n_active)
+    a_ref = select_and_assign(st, k, valid, n_new)
+    a_tri = select_and_assign(st, k, valid, n_new, old_stats=(maxdot, best, idx))
+    assert torch.equal(a_ref, a_tri)
+
+
+@pytest.mark.parametrize("S,C,N,growth", [(29, 8, 40, 0.0), (37, 8, 6, 4.0), (21, 16, 5, 2.0)])
+def test_driver_triton_equals_torch(S, C, N, growth):
+    g = torch.Generator().manual_seed(S)
+    B, Hq, H, D = 2, 4, 2, 16
+    q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).requires_grad_()
+    k = F.normalize(torch.randn(B, H, S, D, generator=g), dim=-1).requires_grad_()
+    v = torch.randn(B, H, S, D, generator=g).requires_grad_()
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :5] = False
+    kw = dict(chunk_size=C, max_centroids=N, growth=growth)
+    o_ref, st_ref, _, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
+    o_tri, st_tri, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", **kw)
+    torch.testing.assert_close(o_tri, o_ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(st_tri.counts, st_ref.counts)
+    torch.testing.assert_close(st_tri.keys, st_ref.keys)
+    do = torch.randn_like(o_ref)
+    g_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+    g_tri = torch.autograd.grad(o_tri, (q, k, v), do)
+    for a, b in zip(g_tri, g_ref):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    if growth == 0.0 and N >= S:
+        ref = exact_causal_attention(q, k, v, valid)
+        real = valid[:, None, :, None].expand_as(ref)
+        torch.testing.assert_close(o_tri[real], ref[real], atol=2e-5, rtol=1e-4)
+
+
+def test_driver_triton_bf16_decode_equals_prefill():
+    g = torch.Generator().manual_seed(1)
+    B, Hq, H, S, D = 1, 2, 1, 19, 16
+    q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).bfloat16()
+    k = F.normalize(torch.randn(B, H, S, D, generator=g), dim=-1).bfloat16()
+    v = torch.randn(B, H, S, D, generator=g).bfloat16()
+    kw = dict(chunk_size=4, max_centroids=6, growth=3.0, backend="triton")
+    full, *_ = ovq_attention(q, k, v, None, None, None, **kw)
+    ref, *_ = ovq_attention(q, k, v, None, None, None, **{**kw, "backend": "torch"})
+    assert _rel(full, ref) < 1e-2
+    o, st, op, sb = ovq_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], None, None, None, **kw)
+    outs = [o]
+    for t in range(6, S):
+        o, st, op, sb = ovq_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], st, op, None,
+                                      seen_bound=sb, **kw)
+        outs.append(o)
+    assert _rel(torch.cat(outs, 2), full) < 1e-2
