@@ -1,0 +1,81 @@
+"""`longctx finetune RECIPE.yaml --model M [--set key=value] [--text FILE|DIR] [--output DIR] [--resume]`.
+
+Multi-process: `accelerate launch --num_processes N -m cli.finetune_cmd RECIPE.yaml ...` (or
+`accelerate launch $(which longctx) finetune ...`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command(
+    "finetune",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Recipe format: recipes/README.md. Example:\n\n"
+    "  longctx finetune recipes/linearize.yaml --model smollm2-135m --text ../shared/data/pg_essays "
+    "--set stages.transfer.steps=50 --output runs/linearize",
+)
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--model", "-m", "model", default=None, help="Model to train: hub id, local dir, .gguf file or alias (overrides the recipe's `model`).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key by dotted path, e.g. stages.0.lr=1e-3, stages.lora.steps=50, method_config.window=128. Repeatable.")
+@click.option("--text", default=None, type=click.Path(exists=True), help="Training text: a file or a folder of text files.")
+@click.option("--dataset", default=None, help="Training text from a local Hugging Face dataset (save_to_disk folder, .jsonl/.csv/.parquet file, or a cached name).")
+@click.option("--split", default=None, help="Dataset split (default: train).")
+@click.option("--field", default=None, help="Dataset column holding the text (default: text).")
+@click.option("--output", "-o", "output", default=None, type=click.Path(file_okay=False), help="Output directory (overrides output.dir).")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
+@click.option("--results", default=None, metavar="NAME", help="Also write evals/results/NAME.json (device, date, commit, command, figures).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet):
+    """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
+    from longctx_patch.errors import LongctxError
+    from longctx_patch.train import load_recipe, run_finetune
+
+    overrides = list(sets)
+    # explicit options win over --set, which wins over the file
+    if model is not None:
+        overrides.append(f"model={model}")
+    if text is not None:
+        overrides += [f"data.text={text}", "data.dataset=null"]
+    if dataset is not None:
+        overrides += [f"data.dataset={dataset}", "data.text=null"]
+    if split is not None:
+        overrides.append(f"data.split={split}")
+    if field is not None:
+        overrides.append(f"data.field={field}")
+    if text is not None and dataset is not None:
+        raise click.UsageError("give one text source: --text or --dataset")
+    try:
+        r = load_recipe(recipe, _quote(overrides))
+        log = run_finetune(r, output, resume=resume, results=results, progress=not quiet)
+    except LongctxError as e:
+        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+    if not quiet:
+        lines = [f"{s['name']}: {s['steps_done']} steps, {s['tokens']} tokens, {s['time_s']:.1f} s, loss "
+                 f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"
+                 + (f", eval {_fmt(s['final_eval_loss'])}" if s.get("final_eval_loss") is not None else "")
+                 for s in log["stages"]]
+        click.echo("\n".join(lines))
+        click.echo(f"saved to {log['output_dir']}")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _quote(items: list[str]) -> list[str]:
+    """Values given through options are literal strings (a path such as `1e3` or `null.txt` stays a string)."""
+    out = []
+    for it in items:
+        key, _, val = it.partition("=")
+        if key in ("model", "data.text", "data.dataset", "data.split", "data.field") and val != "null":
+            val = "'" + val.replace("'", "''") + "'"
+        out.append(f"{key}={val}")
+    return out
+
+
+if __name__ == "__main__":  # `accelerate launch -m cli.finetune_cmd ...`
+    finetune_cmd(prog_name="longctx finetune", args=sys.argv[1:])

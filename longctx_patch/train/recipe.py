@@ -1,0 +1,396 @@
+"""Fine-tune recipes: loading, `--set` overrides by dotted path, validation.
+
+A recipe is a YAML mapping (format in recipes/README.md):
+
+    model: HuggingFaceTB/SmolLM2-135M-Instruct
+    method: lolcats
+    method_config: {window: 64}
+    layers: null
+    data: {text: ../shared/data/pg_essays}
+    stages:
+      - {name: transfer, objective: attention_transfer, lr: 1.0e-2, steps: 200, seq_len: 1024}
+      - {name: lora, objective: next_token, lora: {r: 8, alpha: 16}}
+
+`load_recipe(path, overrides)` returns a validated `Recipe`; every error is a `ConfigError` naming the key
+(as a dotted path) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from ..errors import ConfigError
+
+OBJECTIVES = ("attention_transfer", "next_token")
+TRAINABLE = ("method", "lora", "full")
+SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+# ----------------------------------------------------------------------------------------------- schema
+@dataclass
+class LoraSpec:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS_DEFAULT))
+    layers: list[int] | None = None  # decoder layers that get adapters (None: all)
+
+
+@dataclass
+class Stage:
+    name: str = "stage"
+    objective: str = "next_token"
+    trainable: list[str] | None = None  # None: ["method"] for attention_transfer, ["lora"] or ["full"] otherwise
+    lora: LoraSpec | None = None
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # sequences per micro-step, summed over all processes
+    seq_len: int = 1024
+    grad_accum: int = 1
+    warmup: int = 0  # optimizer steps of linear warm-up (capped at steps)
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # final lr / lr for the cosine and linear schedules
+    max_grad_norm: float | None = 1.0
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end of the stage
+    eval_batches: int = 4
+    save_every: int = 0  # 0: only at the end of the stage
+    gradient_checkpointing: bool = False
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+
+@dataclass
+class DataSpec:
+    text: str | None = None  # a file or a directory of text files
+    dataset: str | None = None  # a local datasets directory (save_to_disk) or a name datasets can load offline
+    split: str = "train"
+    field: str = "text"
+    eval_fraction: float = 0.02  # held-out share of the packed chunks (taken from the end of the stream)
+    max_tokens: int | None = None  # cap on the tokens read
+    add_eos: bool = True  # end each document with the tokenizer's EOS token
+
+
+@dataclass
+class OutputSpec:
+    dir: str | None = None
+    save_model: bool = True  # write model/ (save_patched of the final model, LoRA merged)
+    keep_checkpoints: int = 2  # newest resumable checkpoints kept (0: keep all)
+    lolcats_export: bool = False  # also write the LoLCATs `model.pt` layout (lolcats/lola methods only)
+
+
+@dataclass
+class Recipe:
+    model: str | None = None
+    method: str | None = None  # None / "none": fine-tune the unpatched model
+    method_config: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] | None = None
+    seed: int = 0
+    dtype: str = "float32"  # weights as loaded for training
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA devices that support it, otherwise no
+    data: DataSpec = field(default_factory=DataSpec)
+    stages: list[Stage] = field(default_factory=list)
+    output: OutputSpec = field(default_factory=OutputSpec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything a checkpoint depends on structurally (not lr, steps or cadences)."""
+        d = self.to_dict()
+        key = {
+            "model": d["model"],
+            "method": d["method"],
+            "method_config": d["method_config"],
+            "layers": d["layers"],
+            "dtype": d["dtype"],
+            "stages": [
+                {k: s[k] for k in ("name", "objective", "trainable", "lora", "batch_size", "seq_len", "grad_accum")}
+                for s in d["stages"]
+            ],
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- overrides
+def parse_value(text: str) -> Any:
+    """A `--set` value: YAML scalar/flow syntax (`1e-3`, `true`, `[1, 2]`, `{r: 4}`, `null`)."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _float_like(v: Any) -> Any:
+    # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as a number.
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Applies `key.sub=value` items to a raw recipe mapping (copied).
+
+    A stage is addressed by index or by name: `stages.0.lr=1e-3`, `stages.lora.steps=50`. Setting a key
+    on every stage: `stages.*.seq_len=256`.
+    """
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. stages.0.lr=1e-3")
+        key, _, text = item.partition("=")
+        path = [p for p in key.strip().split(".")]
+        if not key.strip() or any(not p for p in path):
+            raise ConfigError(f"--set {item!r}: empty key part; use a dotted key such as data.text=DIR")
+        _set_path(out, path, parse_value(text), item)
+    return out
+
+
+def _set_path(node: Any, path: list[str], value: Any, item: str) -> None:
+    head, rest = path[0], path[1:]
+    if isinstance(node, list):
+        targets = _list_targets(node, head, item)
+        for i in targets:
+            if not rest:
+                node[i] = value
+            else:
+                if node[i] is None or not isinstance(node[i], (dict, list)):
+                    node[i] = {}
+                _set_path(node[i], rest, value, item)
+        return
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {item!r}: {head!r} is inside a value that is not a mapping")
+    if not rest:
+        node[head] = value
+        return
+    if not isinstance(node.get(head), (dict, list)):
+        node[head] = {}
+    _set_path(node[head], rest, value, item)
+
+
+def _list_targets(node: list, head: str, item: str) -> list[int]:
+    if head == "*":
+        return list(range(len(node)))
+    if head.lstrip("-").isdigit():
+        i = int(head)
+        if not -len(node) <= i < len(node):
+            raise ConfigError(f"--set {item!r}: index {i} out of range; the list has {len(node)} entries")
+        return [i % len(node)]
+    names = [e.get("name") if isinstance(e, dict) else None for e in node]
+    if head in names:
+        return [names.index(head)]
+    raise ConfigError(
+        f"--set {item!r}: no entry named {head!r}; use an index 0..{len(node) - 1}, '*', or one of "
+        f"{', '.join(repr(n) for n in names if n)}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------- building
+def _build(cls, raw: Any, where: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        prefix = f"{where}." if where != "recipe" else ""
+        raise ConfigError(
+            f"unknown recipe key(s) {', '.join(prefix + u for u in unknown)}; allowed under {where}: {', '.join(known)}"
+        )
+    return cls(**raw)
+
+
+def _check_type(where: str, value: Any, kind, *, optional: bool = False, minimum=None, maximum=None, choices=None):
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} must be set (got null)")
+    if kind is float:
+        value = _float_like(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok and isinstance(value, float) and value.is_integer():
+            value, ok = int(value), True
+    elif kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, str)
+        if not ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value, ok = str(value), True
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        name = getattr(kind, "__name__", str(kind))
+        raise ConfigError(f"{where}: expected {name}{' or null' if optional else ''}, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where}: bad value {value!r}; allowed: {', '.join(repr(c) for c in choices)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}: {value!r} is too small; must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: {value!r} is too large; must be <= {maximum}")
+    return value
+
+
+def _int_list(where: str, value: Any, optional: bool = True) -> list[int] | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{where}: expected a list of layer indices (e.g. [0, 2, 4]) or null, got {value!r}")
+    return [int(v) for v in value]
+
+
+def _validate_stage(s: Stage, where: str) -> None:
+    s.name = _check_type(f"{where}.name", s.name, str)
+    s.objective = _check_type(f"{where}.objective", s.objective, str, choices=OBJECTIVES)
+    if s.lora is not None and not isinstance(s.lora, LoraSpec):
+        if s.lora is True:
+            s.lora = {}
+        s.lora = _build(LoraSpec, s.lora, f"{where}.lora")
+    if s.lora is not None:
+        lw = f"{where}.lora"
+        s.lora.r = _check_type(f"{lw}.r", s.lora.r, int, minimum=1)
+        s.lora.alpha = _check_type(f"{lw}.alpha", s.lora.alpha, float, minimum=0.0)
+        s.lora.dropout = _check_type(f"{lw}.dropout", s.lora.dropout, float, minimum=0.0, maximum=0.99)
+        t = s.lora.targets
+        if isinstance(t, str):
+            t = [t]
+        if not isinstance(t, list) or not t or not all(isinstance(x, str) and x for x in t):
+            raise ConfigError(f"{lw}.targets: expected a non-empty list of module names (e.g. [q_proj, v_proj]), got {t!r}")
+        s.lora.targets = list(t)
+        s.lora.layers = _int_list(f"{lw}.layers", s.lora.layers)
+    tr = s.trainable
+    if tr is None:
+        tr = ["method"] if s.objective == "attention_transfer" else (["lora"] if s.lora is not None else ["full"])
+    if isinstance(tr, str):
+        tr = [x.strip() for x in tr.replace("+", ",").split(",") if x.strip()]
+    if not isinstance(tr, list) or not tr:
+        raise ConfigError(f"{where}.trainable: expected a list drawn from {', '.join(TRAINABLE)}, got {s.trainable!r}")
+    for x in tr:
+        _check_type(f"{where}.trainable", x, str, choices=TRAINABLE)
+    s.trainable = sorted(set(tr), key=TRAINABLE.index)
+    if "lora" in s.trainable and s.lora is None:
+        s.lora = LoraSpec()
+    if "full" in s.trainable and "lora" in s.trainable:
+        raise ConfigError(f"{where}.trainable: 'full' and 'lora' exclude each other; pick one")
+    s.lr = _check_type(f"{where}.lr", s.lr, float, minimum=0.0)
+    if s.lr <= 0:
+        raise ConfigError(f"{where}.lr: must be > 0, got {s.lr}")
+    s.weight_decay = _check_type(f"{where}.weight_decay", s.weight_decay, float, minimum=0.0)
+    if not isinstance(s.betas, (list, tuple)) or len(s.betas) != 2:
+        raise ConfigError(f"{where}.betas: expected two numbers such as [0.9, 0.999], got {s.betas!r}")
+    s.betas = [_check_type(f"{where}.betas", b, float, minimum=0.0, maximum=0.999999) for b in s.betas]
+    s.steps = _check_type(f"{where}.steps", s.steps, int, minimum=1)
+    s.batch_size = _check_type(f"{where}.batch_size", s.batch_size, int, minimum=1)
+    s.seq_len = _check_type(f"{where}.seq_len", s.seq_len, int, minimum=2)
+    s.grad_accum = _check_type(f"{where}.grad_accum", s.grad_accum, int, minimum=1)
+    s.warmup = _check_type(f"{where}.warmup", s.warmup, int, minimum=0)
+    s.schedule = _check_type(f"{where}.schedule", s.schedule, str, choices=SCHEDULES)
+    s.min_lr_ratio = _check_type(f"{where}.min_lr_ratio", s.min_lr_ratio, float, minimum=0.0, maximum=1.0)
+    s.max_grad_norm = _check_type(f"{where}.max_grad_norm", s.max_grad_norm, float, optional=True, minimum=0.0)
+    s.log_every = _check_type(f"{where}.log_every", s.log_every, int, minimum=1)
+    s.eval_every = _check_type(f"{where}.eval_every", s.eval_every, int, minimum=0)
+    s.eval_batches = _check_type(f"{where}.eval_batches", s.eval_batches, int, minimum=0)
+    s.save_every = _check_type(f"{where}.save_every", s.save_every, int, minimum=0)
+    s.gradient_checkpointing = _check_type(f"{where}.gradient_checkpointing", s.gradient_checkpointing, bool)
+
+
+def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
+    """Builds and validates a `Recipe` from a (possibly overridden) mapping."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a recipe must be a YAML mapping at the top level, got {type(raw).__name__}")
+    raw = copy.deepcopy(raw)
+    stages_raw = raw.pop("stages", None)
+    data_raw = raw.pop("data", None)
+    out_raw = raw.pop("output", None)
+    r = _build(Recipe, raw, "recipe")
+    r.data = _build(DataSpec, data_raw, "data")
+    r.output = _build(OutputSpec, out_raw, "output")
+    if stages_raw is None or stages_raw == []:
+        raise ConfigError("recipe has no stages; add a `stages:` list (see recipes/README.md)")
+    if not isinstance(stages_raw, list):
+        raise ConfigError(f"stages: expected a list of stage mappings, got {type(stages_raw).__name__}")
+    r.stages = [_build(Stage, s, f"stages.{i}") for i, s in enumerate(stages_raw)]
+
+    r.model = _check_type("model", r.model, str, optional=True)
+    if isinstance(r.method, str) and r.method.strip().lower() in ("", "none", "unpatched"):
+        r.method = None
+    r.method = _check_type("method", r.method, str, optional=True)
+    if r.method_config is None:
+        r.method_config = {}
+    if not isinstance(r.method_config, dict):
+        raise ConfigError(f"method_config: expected a mapping of the method's keys, got {r.method_config!r}")
+    r.layers = _int_list("layers", r.layers)
+    r.seed = _check_type("seed", r.seed, int, minimum=0)
+    r.dtype = _check_type("dtype", r.dtype, str, choices=DTYPES)
+    r.mixed_precision = _check_type("mixed_precision", r.mixed_precision, str, choices=PRECISIONS)
+
+    d = r.data
+    d.text = _check_type("data.text", d.text, str, optional=True)
+    d.dataset = _check_type("data.dataset", d.dataset, str, optional=True)
+    if d.text and d.dataset:
+        raise ConfigError("data.text and data.dataset are both set; give one source (--text or --dataset)")
+    d.split = _check_type("data.split", d.split, str)
+    d.field = _check_type("data.field", d.field, str)
+    d.eval_fraction = _check_type("data.eval_fraction", d.eval_fraction, float, minimum=0.0, maximum=0.5)
+    d.max_tokens = _check_type("data.max_tokens", d.max_tokens, int, optional=True, minimum=1)
+    d.add_eos = _check_type("data.add_eos", d.add_eos, bool)
+    r.output.dir = _check_type("output.dir", r.output.dir, str, optional=True)
+    r.output.lolcats_export = _check_type("output.lolcats_export", r.output.lolcats_export, bool)
+    r.output.save_model = _check_type("output.save_model", r.output.save_model, bool)
+    r.output.keep_checkpoints = _check_type("output.keep_checkpoints", r.output.keep_checkpoints, int, minimum=0)
+
+    names = set()
+    for i, s in enumerate(r.stages):
+        _validate_stage(s, f"stages.{i}")
+        if s.name in names:
+            raise ConfigError(f"stages.{i}.name: {s.name!r} is used twice; stage names must be unique")
+        names.add(s.name)
+        if r.method is None and (s.objective == "attention_transfer" or "method" in s.trainable):
+            raise ConfigError(
+                f"stages.{i} ({s.name}): objective attention_transfer / trainable 'method' need a patched model; "
+                "set `method:` in the recipe or with --set method=NAME"
+            )
+        if s.objective == "attention_transfer" and "method" not in s.trainable:
+            raise ConfigError(
+                f"stages.{i}.trainable: attention_transfer trains the method's own parameters; include 'method'"
+            )
+    return r
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
+    """Reads a recipe YAML file (or starts from an empty mapping when `path` is None) and applies overrides."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe file {str(p)!r} not found; pass the path of a YAML recipe such as recipes/linearize.yaml")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {str(path)!r}: the top level must be a mapping")
+    return recipe_from_dict(apply_overrides(raw, overrides))

@@ -1,0 +1,749 @@
+"""The fine-tune loop behind `longctx finetune`: stages of attention transfer and next-token training.
+
+One `Accelerator` drives the run, so the same code runs on one CPU/GPU and under
+`accelerate launch --num_processes N` (DDP, gloo on CPU, NCCL on GPUs). A stage's `batch_size` is the
+global micro-batch: every process builds the same batch from the seeded chunk order and takes its own
+rows, so N processes follow the optimisation of one process with the same recipe (up to reduction order).
+Only the main process writes files.
+
+Output directory:
+    train_log.json              tokens, steps, time, loss and eval curves per stage
+    recipe.yaml                 the resolved recipe
+    trainable/                  the small trained state: longctx_patch.json + longctx_patch.safetensors
+                                (method weights) and adapter/ (peft LoRA adapter) when a stage used LoRA
+    model/                      save_patched() of the final model, LoRA merged (output.save_model)
+    checkpoints/stage{i}-step{n}/  resumable: trained parameters, optimizer, scheduler, step, RNG
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError, LongctxError
+from .data import BatchOrder, PackedData, load_documents, local_slice, make_packed, tokenize_documents
+from .recipe import LoraSpec, Recipe, Stage
+from .trained import ADAPTER_DIR, TRAINABLE_DIR
+
+LOG_FILE = "train_log.json"
+CKPT_DIR = "checkpoints"
+MODEL_DIR = "model"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_description(device: torch.device, world: int) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"{world} x {name}" if world > 1 else name
+    cpu = platform.processor() or platform.machine()
+    return f"{world} CPU processes ({cpu})" if world > 1 else f"CPU ({cpu}, {os.cpu_count()} cores)"
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def lr_lambda(stage: Stage) -> Callable[[int], float]:
+    """Multiplier of the base lr after `step` optimizer steps: linear warm-up, then the schedule."""
+    warm, total, floor = min(stage.warmup, stage.steps), stage.steps, stage.min_lr_ratio
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if stage.schedule == "constant":
+            return 1.0
+        span = max(1, total - warm)
+        t = min(1.0, (step - warm) / span)
+        if stage.schedule == "linear":
+            return 1.0 - (1.0 - floor) * t
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return f
+
+
+def _patched_modules(model: nn.Module) -> dict[int, nn.Module]:
+    from ..patcher import _state, is_patched
+
+    return dict(_state(model).modules) if is_patched(model) else {}
+
+
+def method_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter a method added (not the shared q/k/v/o/q_norm/k_norm)."""
+    from ..architectures import SHARED_SUBMODULES
+
+    mods = set(id(m) for m in _patched_modules(model).values())
+    shared = tuple(f"{n}." for n in SHARED_SUBMODULES)
+    out = []
+    for mname, mod in model.named_modules():
+        if id(mod) not in mods:
+            continue
+        for pname, p in mod.named_parameters():
+            if not pname.startswith(shared):
+                out.append((f"{mname}.{pname}", p))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- teacher forcing
+class _TeacherForcing:
+    """During attention transfer, passes each patched layer's exact softmax output (the teacher) on to the
+    next layer, so every layer learns on the original model's hidden states and no gradient crosses layers
+    (the LoLCATs procedure). Replaces the transfer object's `record` with one that keeps the teacher."""
+
+    def __init__(self, transfer, modules: dict[int, nn.Module]):
+        from ..methods.exact import softmax_attention
+
+        self._softmax = softmax_attention
+        self.transfer = transfer
+        self.teacher: dict[int, torch.Tensor] = {}
+        self.handles = []
+        transfer.record = self.record
+        for mod in modules.values():
+            self.handles.append(mod.register_forward_hook(self.hook))
+
+    def record(self, module, q, k, v, padding, o) -> None:
+        with torch.no_grad():
+            key_mask = None if padding is None else padding[:, padding.shape[1] - k.shape[2] :]
+            t = self._softmax(q, k, v, scale=module.scaling, key_mask=key_mask)
+        diff = (o.float() - t.float()) ** 2
+        if padding is not None:
+            w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
+            loss = (diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1)
+        else:
+            loss = diff.mean()
+        self.transfer.losses.append(loss)
+        self.teacher[id(module)] = t
+
+    def hook(self, module, args, output):
+        t = self.teacher.pop(id(module), None)
+        if t is None:
+            return output
+        B, S = t.shape[0], t.shape[1]
+        out0 = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            y = module.o_proj(t.reshape(B, S, -1).to(out0.dtype))
+        return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.teacher.clear()
+
+
+# ----------------------------------------------------------------------------------------------- runner
+@dataclass
+class StageLog:
+    name: str
+    objective: str
+    trainable: list[str]
+    steps: int
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    lr: float
+    trainable_params: int = 0
+    train_chunks: int = 0
+    eval_chunks: int = 0
+    steps_done: int = 0
+    tokens: int = 0
+    time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last entry]
+    eval_loss: list[list[float]] = field(default_factory=list)  # [step, held-out loss]
+    lr_curve: list[list[float]] = field(default_factory=list)
+    grad_norm: list[list[float]] = field(default_factory=list)
+    first_loss: float | None = None
+    final_loss: float | None = None
+    final_eval_loss: float | None = None
+    resumed_from_step: int | None = None
+
+
+class Finetuner:
+    """Runs a `Recipe`. Use `run_finetune(...)`; the class is exposed for tests and scripts."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        output_dir: str | os.PathLike,
+        *,
+        resume: bool = False,
+        results: str | None = None,
+        command: str | None = None,
+        progress: bool = True,
+        model=None,
+        tokenizer=None,
+    ):
+        from accelerate import Accelerator
+
+        self.recipe = recipe
+        self.out = Path(output_dir)
+        self.resume = resume
+        self.results = results
+        self.command = command if command is not None else command_line()
+        self.progress = progress
+        mp = recipe.mixed_precision
+        if mp == "auto":
+            mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        self.accelerator = Accelerator(mixed_precision=mp)
+        acc = self.accelerator
+        if acc.distributed_type.name not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU"):
+            raise ConfigError(
+                f"accelerate's {acc.distributed_type.name} mode is not supported by longctx finetune; "
+                "use a single process or data parallel (accelerate launch --multi_gpu / --num_processes N)"
+            )
+        self.rank, self.world = acc.process_index, acc.num_processes
+        self.is_main = acc.is_main_process
+        self._given_model = (model, tokenizer)
+        self.root: nn.Module | None = None  # the model forward is called on (PeftModel once LoRA is added)
+        self.trained: dict[int, nn.Parameter] = {}  # every parameter trained by a stage so far, by identity
+        self.stage_logs: list[StageLog] = []
+        self.wall_start = time.time()
+
+    # ------------------------------------------------------------------------------------------- setup
+    def _log(self, msg: str) -> None:
+        if self.is_main and self.progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    def load(self) -> None:
+        from accelerate.utils import set_seed
+
+        r = self.recipe
+        set_seed(r.seed)  # identical model init (method parameters) on every process
+        model, tok = self._given_model
+        if model is None:
+            from ..models import load_model
+
+            if not r.model:
+                raise ConfigError("no model given; pass --model NAME|DIR (or set `model:` in the recipe)")
+            model, tok = load_model(r.model, dtype=r.dtype, device=self.accelerator.device)
+            if r.method:
+                from ..patcher import patch
+
+                patch(model, r.method, layers=r.layers, **r.method_config)
+        elif tok is None:
+            raise ConfigError("a tokenizer is needed with a given model")
+        model.to(self.accelerator.device)
+        if getattr(model, "config", None) is not None:
+            model.config.use_cache = False
+        self.model, self.tokenizer = model, tok
+        self.root = model
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+    def load_data(self) -> None:
+        d = self.recipe.data
+        docs = load_documents(d.text, d.dataset, d.split, d.field)
+        self.ids = tokenize_documents(docs, self.tokenizer, add_eos=d.add_eos, max_tokens=d.max_tokens)
+        self._log(f"data: {len(docs)} documents, {self.ids.numel()} tokens")
+
+    def packed(self, stage: Stage) -> PackedData:
+        return make_packed(self.ids, stage.seq_len, self.recipe.data.eval_fraction, min_train=1)
+
+    # ------------------------------------------------------------------------------------------- stage setup
+    def _is_peft(self) -> bool:
+        return hasattr(self.root, "peft_config")
+
+    def _add_lora(self, spec: LoraSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        if self._is_peft():
+            return  # a later LoRA stage keeps training the adapter added earlier
+        cfg = LoraConfig(
+            r=spec.r,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=list(spec.targets),
+            layers_to_transform=spec.layers,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        try:
+            self.root = get_peft_model(self.root, cfg)
+        except ValueError as e:
+            raise ConfigError(f"LoRA targets {spec.targets} do not match the model's modules: {e}") from None
+        self.root.to(self.accelerator.device)
+
+    def setup_stage(self, stage: Stage) -> list[tuple[str, nn.Parameter]]:
+        """Structural changes (LoRA) and requires_grad for the stage; returns its trainable parameters."""
+        if "lora" in stage.trainable:
+            self._add_lora(stage.lora or LoraSpec())
+        for p in self.root.parameters():
+            p.requires_grad_(False)
+        chosen: dict[str, nn.Parameter] = {}
+        if "full" in stage.trainable:
+            for n, p in self.root.named_parameters():
+                if "lora_" not in n:
+                    chosen[n] = p
+        if "lora" in stage.trainable:
+            for n, p in self.root.named_parameters():
+                if "lora_" in n:
+                    chosen[n] = p
+        if "method" in stage.trainable:
+            ids = {id(p) for _, p in method_parameters(self.model)}
+            for n, p in self.root.named_parameters():
+                if id(p) in ids:
+                    chosen[n] = p
+            if not ids:
+                raise ConfigError(
+                    f"stage {stage.name!r} trains the method's parameters, but method {self.recipe.method!r} has none "
+                    "on the patched layers; use a method with parameters (e.g. lolcats) or trainable: [lora]"
+                )
+        if not chosen:
+            raise ConfigError(f"stage {stage.name!r} has nothing to train")
+        for p in chosen.values():
+            p.requires_grad_(True)
+        self.trained.update({id(p): p for p in chosen.values()})
+        return list(chosen.items())
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _ckpt_root(self) -> Path:
+        return self.out / CKPT_DIR
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self._ckpt_root()
+        if not root.is_dir():
+            return None
+        best, best_key = None, None
+        for d in root.iterdir():
+            st = d / "state.json"
+            if not st.exists():
+                continue  # incomplete (interrupted while writing)
+            try:
+                s = json.loads(st.read_text())
+            except json.JSONDecodeError:
+                continue
+            key = (s["stage"], s["step"])
+            if best_key is None or key > best_key:
+                best, best_key = d, key
+        return best
+
+    def _named_trained(self) -> dict[str, torch.Tensor]:
+        """Every parameter trained so far, named as in the current root model."""
+        return {
+            n: p.detach().to("cpu").contiguous() for n, p in self.root.named_parameters() if id(p) in self.trained
+        }
+
+    def save_checkpoint(self, si: int, step: int, optimizer, scheduler, keep: int = 2) -> None:
+        from accelerate.utils import gather_object
+        from safetensors.torch import save_file
+
+        rng = gather_object([_rng_state()])  # collective: every process takes part
+        if self.is_main:
+            d = self._ckpt_root() / f"stage{si}-step{step:07d}"
+            tmp = d.with_name(d.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(self._named_trained(), str(tmp / "trained.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(rng, tmp / "rng.pt")
+            state = {
+                "stage": si,
+                "stage_name": self.recipe.stages[si].name,
+                "step": step,
+                "completed": step >= self.recipe.stages[si].steps,
+                "fingerprint": self.recipe.fingerprint(),
+                "world_size": self.world,
+                "logs": [l.__dict__ for l in self.stage_logs],
+                "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            shutil.rmtree(d, ignore_errors=True)
+            tmp.rename(d)
+            ckpts = sorted(
+                (p for p in self._ckpt_root().iterdir() if (p / "state.json").exists()),
+                key=lambda p: json.loads((p / "state.json").read_text())["stage"] * 10**9
+                + json.loads((p / "state.json").read_text())["step"],
+            )
+            for old in ckpts[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def read_checkpoint(self, d: Path) -> dict[str, Any]:
+        try:
+            state = json.loads((d / "state.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {d} cannot be read ({e}); delete it or start without --resume") from None
+        if state.get("fingerprint") != self.recipe.fingerprint():
+            raise CheckpointError(
+                f"checkpoint {d} was written by a different recipe (model, method, layers or stage structure "
+                "differ); resume with the same recipe and --set values, or use a new --output directory"
+            )
+        return state
+
+    def load_trained_state(self, d: Path) -> None:
+        from safetensors.torch import load_file
+
+        try:
+            sd = load_file(str(d / "trained.safetensors"))
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {d}: trained.safetensors cannot be read ({e})") from None
+        params = dict(self.root.named_parameters())
+        unknown = sorted(set(sd) - set(params))
+        if unknown:
+            raise CheckpointError(f"checkpoint {d} holds parameters the model lacks: {unknown[:5]}")
+        with torch.no_grad():
+            for n, t in sd.items():
+                if params[n].shape != t.shape:
+                    raise CheckpointError(f"checkpoint {d}: {n} has shape {tuple(t.shape)}, model {tuple(params[n].shape)}")
+                params[n].copy_(t.to(params[n].device, params[n].dtype))
+                self.trained[id(params[n])] = params[n]
+
+    # ------------------------------------------------------------------------------------------- losses
+    def _forward_loss(self, model, batch: torch.Tensor, stage: Stage, transfer) -> torch.Tensor:
+        if stage.objective == "attention_transfer":
+            transfer.clear()
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            if not transfer.losses:
+                raise LongctxError("attention transfer recorded no layer losses: are any layers patched?")
+            return transfer.loss()
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        return out.loss
+
+    @contextlib.contextmanager
+    def _objective(self, stage: Stage):
+        if stage.objective != "attention_transfer":
+            yield None
+            return
+        from ..methods.base import attention_transfer
+
+        with attention_transfer(self.model) as tr:
+            tf = _TeacherForcing(tr, _patched_modules(self.model))
+            try:
+                yield tr
+            finally:
+                tf.close()
+
+    @torch.no_grad()
+    def evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
+        n = min(stage.eval_batches * stage.batch_size, data.eval.shape[0])
+        n = (n // self.world) * self.world
+        if n == 0:
+            return None
+        rows = data.eval[:n][self.rank :: self.world]
+        per = max(1, stage.batch_size // self.world)
+        was = model.training
+        model.eval()
+        total = torch.zeros((), device=self.accelerator.device)
+        for i in range(0, rows.shape[0], per):
+            b = rows[i : i + per].to(self.accelerator.device)
+            total += self._forward_loss(model, b, stage, transfer).float() * b.shape[0]
+        model.train(was)
+        mean = total / rows.shape[0]
+        return float(self.accelerator.reduce(mean, reduction="mean"))
+
+    # ------------------------------------------------------------------------------------------- a stage
+    def run_stage(self, si: int, stage: Stage, start_step: int, ckpt: Path | None, log: StageLog) -> None:
+        from tqdm.auto import tqdm
+
+        acc = self.accelerator
+        params = self.setup_stage(stage)
+        if ckpt is not None:
+            self.read_checkpoint(ckpt)
+            self.load_trained_state(ckpt)
+        if stage.gradient_checkpointing:
+            self.root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.root, "enable_input_require_grads"):
+                self.root.enable_input_require_grads()
+        data = self.packed(stage)
+        log.train_chunks, log.eval_chunks = int(data.train.shape[0]), int(data.eval.shape[0])
+        log.trainable_params = int(sum(p.numel() for _, p in params))
+        if stage.batch_size % self.world:
+            raise ConfigError(
+                f"stages.{si}.batch_size={stage.batch_size} is not divisible by the {self.world} processes; "
+                f"use a multiple of {self.world}"
+            )
+        order = BatchOrder(log.train_chunks, stage.batch_size, self.recipe.seed + 7919 * si)
+
+        decay = [p for n, p in params if p.ndim >= 2]
+        no_decay = [p for n, p in params if p.ndim < 2]
+        groups = [g for g in (
+            {"params": decay, "weight_decay": stage.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ) if g["params"]]
+        optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=tuple(stage.betas))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
+        if ckpt is not None:
+            optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
+            scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=False))
+            rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
+            if len(rng) == self.world:
+                _set_rng_state(rng[self.rank])
+            else:
+                self._log(f"note: checkpoint written by {len(rng)} processes, resuming with {self.world}; RNG reseeded")
+                torch.manual_seed(self.recipe.seed + 104729 * start_step + self.rank)
+        else:
+            # dropout streams differ per process; the model itself was initialised identically everywhere
+            torch.manual_seed(self.recipe.seed + 1_000 * si + self.rank)
+        self.root.train()
+        model, optimizer = acc.prepare(self.root, optimizer)
+        # the scheduler is stepped by hand once per optimizer step (not prepared: no per-process scaling)
+
+        trainable = [p for _, p in params]
+        t0 = time.time()
+        pbar = tqdm(
+            total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not (self.is_main and self.progress),
+            dynamic_ncols=True, file=sys.stderr,
+        )
+        window: list[float] = []
+        with self._objective(stage) as transfer:
+            if start_step == 0 and stage.eval_every and data.eval.shape[0]:
+                ev = self.evaluate(model, data, stage, transfer)
+                if ev is not None:
+                    log.eval_loss.append([0, ev])
+            for step in range(start_step, stage.steps):
+                local = torch.zeros((), device=acc.device)
+                for micro in range(stage.grad_accum):
+                    m = step * stage.grad_accum + micro
+                    batch = data.train[order.indices(m)]
+                    batch = local_slice(batch, self.rank, self.world).to(acc.device)
+                    sync = micro == stage.grad_accum - 1
+                    ctx = contextlib.nullcontext() if sync else acc.no_sync(model)
+                    with ctx:
+                        loss = self._forward_loss(model, batch, stage, transfer)
+                        acc.backward(loss / stage.grad_accum)
+                    local += loss.detach().float() / stage.grad_accum
+                if stage.max_grad_norm:
+                    gn = acc.clip_grad_norm_(trainable, stage.max_grad_norm)
+                    gn = float(gn) if gn is not None else float("nan")
+                else:
+                    gn = float("nan")
+                lr_now = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                loss_val = float(acc.reduce(local, reduction="mean"))
+                if not math.isfinite(loss_val):
+                    raise LongctxError(
+                        f"stage {stage.name!r}: the loss became {loss_val} at step {step + 1}; lower stages.{si}.lr "
+                        "or raise stages.{si}.warmup"
+                    )
+                if log.first_loss is None:
+                    log.first_loss = loss_val
+                log.final_loss = loss_val
+                window.append(loss_val)
+                log.tokens += stage.tokens_per_step
+                done = step + 1
+                log.steps_done = done
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss_val:.4g}", lr=f"{lr_now:.2e}")
+                if done % stage.log_every == 0 or done == stage.steps:
+                    log.loss.append([done, sum(window) / len(window)])
+                    log.lr_curve.append([done, lr_now])
+                    log.grad_norm.append([done, gn])
+                    window = []
+                if stage.eval_every and done % stage.eval_every == 0 and done != stage.steps:
+                    ev = self.evaluate(model, data, stage, transfer)
+                    if ev is not None:
+                        log.eval_loss.append([done, ev])
+                        if self.is_main and self.progress:
+                            pbar.write(f"{stage.name} step {done}: eval loss {ev:.4g}")
+                if stage.save_every and done % stage.save_every == 0 and done != stage.steps:
+                    log.time_s += time.time() - t0
+                    self.save_checkpoint(si, done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
+                    t0 = time.time()
+            ev = self.evaluate(model, data, stage, transfer)
+            if ev is not None:
+                log.eval_loss.append([stage.steps, ev])
+                log.final_eval_loss = ev
+        pbar.close()
+        log.time_s += time.time() - t0
+        log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
+        if stage.gradient_checkpointing:
+            self.root.gradient_checkpointing_disable()
+        self.save_checkpoint(si, stage.steps, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
+        # back to the plain model for the next stage / the final save
+        self.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
+        acc.free_memory()
+        del optimizer, scheduler
+        self._log(
+            f"{stage.name}: {log.steps_done} steps, {log.tokens} tokens, {log.time_s:.1f} s, "
+            f"loss {log.first_loss if log.first_loss is None else round(log.first_loss, 4)} -> "
+            f"{log.final_loss if log.final_loss is None else round(log.final_loss, 4)}"
+            + (f", eval {log.final_eval_loss:.4f}" if log.final_eval_loss is not None else "")
+        )
+
+    # ------------------------------------------------------------------------------------------- the run
+    def run(self) -> dict[str, Any]:
+        r = self.recipe
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        ckpt, state = None, None
+        if self.resume:
+            ckpt = self.latest_checkpoint()
+            if ckpt is None:
+                self._log(f"--resume: no checkpoint under {self._ckpt_root()}; starting from the beginning")
+            else:
+                state = self.read_checkpoint(ckpt)
+                self._log(f"resuming from {ckpt} (stage {state['stage_name']}, step {state['step']})")
+        elif self.is_main and self._ckpt_root().exists() and any(self._ckpt_root().iterdir()):
+            raise CheckpointError(
+                f"{self._ckpt_root()} already holds checkpoints; pass --resume to continue that run, "
+                "or choose another --output directory"
+            )
+        self.load()
+        self.load_data()
+        for si, stage in enumerate(r.stages):
+            log = StageLog(
+                name=stage.name, objective=stage.objective, trainable=list(stage.trainable or []), steps=stage.steps,
+                seq_len=stage.seq_len, batch_size=stage.batch_size, grad_accum=stage.grad_accum, lr=stage.lr,
+            )
+            start, this_ckpt = 0, None
+            if state is not None and si <= state["stage"]:
+                saved = state["logs"][si] if si < len(state["logs"]) else None
+                if saved is not None:
+                    log = StageLog(**saved)
+                if si < state["stage"] or state["completed"]:
+                    # finished before the interruption: redo its structural changes (LoRA) only
+                    self.setup_stage(stage)
+                    self.stage_logs.append(log)
+                    if si == state["stage"]:
+                        self.load_trained_state(ckpt)
+                    continue
+                start, this_ckpt = state["step"], ckpt
+                log.resumed_from_step = start
+            self.stage_logs.append(log)
+            self.run_stage(si, stage, start, this_ckpt, log)
+        self.accelerator.wait_for_everyone()
+        summary = self.summary()
+        if self.is_main:
+            self.save_outputs()
+            (self.out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            if self.results:
+                write_results(self.results, summary)
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        r = self.recipe
+        return {
+            "device": device_description(self.accelerator.device, self.world),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git_commit(Path(__file__).resolve().parent),
+            "command": self.command,
+            "model": r.model,
+            "method": r.method,
+            "method_config": r.method_config,
+            "layers": r.layers,
+            "world_size": self.world,
+            "mixed_precision": self.accelerator.mixed_precision,
+            "data_tokens": int(self.ids.numel()),
+            "tokens": int(sum(l.tokens for l in self.stage_logs)),
+            "steps": int(sum(l.steps_done for l in self.stage_logs)),
+            "time_s": float(sum(l.time_s for l in self.stage_logs)),
+            "stages": [l.__dict__ for l in self.stage_logs],
+            "output_dir": str(self.out),
+            "recipe": r.to_dict(),
+        }
+
+    def save_outputs(self) -> None:
+        """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged)."""
+        import yaml
+        from safetensors.torch import save_file
+
+        from ..patcher import PATCH_JSON, PATCH_WEIGHTS, _patch_record, is_patched, method_state_dict, save_patched
+
+        (self.out / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
+        tdir = self.out / TRAINABLE_DIR
+        tdir.mkdir(parents=True, exist_ok=True)
+        if is_patched(self.model):
+            w = method_state_dict(self.model)
+            if w:
+                save_file({k: v.to("cpu") for k, v in w.items()}, str(tdir / PATCH_WEIGHTS), metadata={"format": "pt"})
+            (tdir / PATCH_JSON).write_text(json.dumps(_patch_record(self.model), indent=2))
+        if self._is_peft():
+            self.root.save_pretrained(str(tdir / ADAPTER_DIR))
+        if self.recipe.output.lolcats_export:
+            from .export import export_lolcats
+
+            export_lolcats(self.model, tdir / "lolcats" / "model.pt", peft_model=self.root if self._is_peft() else None)
+        if self.recipe.output.save_model:
+            if self._is_peft():
+                self.root = self.root.merge_and_unload()
+                self.model = self.root
+            mdir = self.out / MODEL_DIR
+            if is_patched(self.model):
+                save_patched(self.model, mdir, tokenizer=self.tokenizer)
+            else:
+                self.model.save_pretrained(str(mdir))
+                self.tokenizer.save_pretrained(str(mdir))
+
+
+def write_results(name: str, summary: dict[str, Any]) -> Path:
+    """Writes `evals/results/NAME.json` (or NAME itself when it is a path ending in .json)."""
+    p = Path(name)
+    if p.suffix != ".json":
+        p = Path("evals") / "results" / f"{name}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    rec = {k: summary[k] for k in ("device", "date", "commit", "command")}
+    rec["task"] = "finetune"
+    rec.update({k: v for k, v in summary.items() if k not in rec})
+    p.write_text(json.dumps(rec, indent=1) + "\n")
+    return p
+
+
+def run_finetune(
+    recipe: Recipe,
+    output_dir: str | os.PathLike | None = None,
+    *,
+    resume: bool = False,
+    results: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    model=None,
+    tokenizer=None,
+) -> dict[str, Any]:
+    """Runs every stage of `recipe` and writes the outputs; returns the training log (also in train_log.json)."""
+    out = output_dir or recipe.output.dir
+    if not out:
+        raise ConfigError("no output directory; pass --output DIR (or set output.dir in the recipe)")
+    return Finetuner(
+        recipe, out, resume=resume, results=results, command=command, progress=progress, model=model, tokenizer=tokenizer
+    ).run()

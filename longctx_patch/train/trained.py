@@ -1,0 +1,39 @@
+"""Loading what a fine-tune run saved under `OUTPUT/trainable/` onto a freshly loaded base model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import CheckpointError
+
+TRAINABLE_DIR = "trainable"
+ADAPTER_DIR = "adapter"
+
+
+def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = True) -> nn.Module:
+    """Re-applies the patches and method weights of a run's `trainable/` folder (or the run's output folder)
+    to `model` (the unpatched base model the run started from), then adds its LoRA adapter, merged into the
+    projections when `merge` (the default; otherwise the peft wrapper is returned). Returns the model."""
+    from ..patcher import PATCH_JSON, apply_patch_record
+
+    d = Path(directory)
+    if (d / TRAINABLE_DIR).is_dir():
+        d = d / TRAINABLE_DIR
+    has_patch = (d / PATCH_JSON).exists()
+    has_adapter = (d / ADAPTER_DIR / "adapter_config.json").exists()
+    if not (has_patch or has_adapter):
+        raise CheckpointError(
+            f"{d} holds neither {PATCH_JSON} nor {ADAPTER_DIR}/: pass the output folder of `longctx finetune` "
+            "or its trainable/ subfolder"
+        )
+    if has_patch:
+        apply_patch_record(model, d)
+    if has_adapter:
+        from peft import PeftModel
+
+        wrapped = PeftModel.from_pretrained(model, str(d / ADAPTER_DIR))
+        model = wrapped.merge_and_unload() if merge else wrapped
+    return model

@@ -1,0 +1,405 @@
+"""The fine-tune runner (`longctx finetune`): recipes, data, the training loop, LoRA, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from longctx_patch.errors import CheckpointError, ConfigError
+
+# ----------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models here are tiny: one intra-op thread is fastest (and immune to busy neighbours)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+    "it was the season of Darkness, it was the spring of hope, it was the winter of despair.\n"
+)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer with 259 ids (3 specials + 256 bytes), no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (GQA 4/2 heads, 2 layers) with a byte tokenizer, saved as a local model dir."""
+    from conftest import tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", vocab_size=260, num_hidden_layers=2)
+    model.save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "book.txt"
+    p.write_text(TEXT * 12)  # ~3.9k bytes = ~3.9k tokens
+    return p
+
+
+# A real trainable method for the tests: exact attention with a learnable per-head inverse temperature,
+# started away from 1 so that attention transfer has something to learn (the optimum is log_t = 0).
+@dataclass
+class _TempConfig:
+    pass
+
+
+@pytest.fixture(scope="module")
+def temp_method():
+    from longctx_patch.methods import base
+    from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
+    from longctx_patch.methods.exact import key_mask_for, softmax_attention
+
+    @dataclass
+    class TempConfig(MethodConfig):
+        init: float = base.option(0.5, "initial log inverse temperature")
+
+    class TempAttention(PatchedAttention):
+        method_name = "test-temperature"
+
+        def __init__(self, orig, spec, config, adapter):
+            super().__init__(orig, spec, config, adapter)
+            self.log_t = nn.Parameter(torch.full((spec.num_heads,), float(config.init)))
+
+        def attend(self, q, k, v, cache_layer, padding):
+            if cache_layer is not None:
+                k, v = cache_layer.update(k, v)
+            q = q * self.log_t.exp().to(q.dtype)[None, :, None, None]
+            return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]))
+
+    class TempMethod(Method):
+        name = "test-temperature"
+        description = "exact attention with a learnable per-head temperature (tests only)"
+        config_cls = TempConfig
+        module_cls = TempAttention
+
+    from longctx_patch.methods import list_methods
+
+    list_methods()  # load the built-ins first
+    register_method(TempMethod)
+    yield "test-temperature"
+    base._REGISTRY.pop("test-temperature", None)
+
+
+def recipe_dict(model_dir, text, method="test-temperature", **stage_kw):
+    transfer = dict(
+        name="transfer", objective="attention_transfer", lr=5e-2, steps=6, batch_size=4, seq_len=64, warmup=1,
+        schedule="constant", log_every=1, eval_every=3, eval_batches=1, save_every=0,
+    )
+    lora = dict(
+        name="lora", objective="next_token", lora={"r": 4, "alpha": 8, "dropout": 0.1}, lr=1e-2, steps=4,
+        batch_size=4, seq_len=64, warmup=0, schedule="cosine", log_every=1, eval_every=0, eval_batches=1,
+    )
+    transfer.update(stage_kw.pop("transfer", {}))
+    lora.update(stage_kw.pop("lora", {}))
+    return {
+        "model": str(model_dir),
+        "method": method,
+        "method_config": {},
+        "seed": 3,
+        "data": {"text": str(text), "eval_fraction": 0.1},
+        "stages": [transfer, lora],
+        "output": {"keep_checkpoints": 0},
+    }
+
+
+def write_recipe(path: Path, d: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- recipes
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_linearize_recipe_is_valid_and_overridable():
+    from longctx_patch.train import load_recipe
+
+    r = load_recipe(REPO / "recipes" / "linearize.yaml")
+    assert [s.objective for s in r.stages] == ["attention_transfer", "next_token"]
+    assert r.method == "lolcats"
+    t, l = r.stages
+    assert t.trainable == ["method"] and t.lr == pytest.approx(1e-2) and t.seq_len == 1024
+    assert l.trainable == ["lora"] and l.lora.r == 8 and l.lora.alpha == 16
+    assert l.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    r2 = load_recipe(
+        REPO / "recipes" / "linearize.yaml",
+        ["stages.0.lr=1e-3", "stages.lora.steps=7", "stages.*.seq_len=128", "method_config.window=32",
+         "data.text=/x", "layers=[0, 2]"],
+    )
+    assert r2.stages[0].lr == pytest.approx(1e-3) and r2.stages[1].steps == 7
+    assert [s.seq_len for s in r2.stages] == [128, 128]
+    assert r2.method_config == {"window": 32} and r2.data.text == "/x" and r2.layers == [0, 2]
+    assert r2.fingerprint() != r.fingerprint()
+    assert load_recipe(REPO / "recipes" / "linearize.yaml", ["stages.0.lr=5e-3"]).fingerprint() == r.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("stages.0.lrr=1", "stages.0.lrr"),
+        ("bogus=1", "bogus"),
+        ("stages.0.objective=distill", "attention_transfer"),
+        ("stages.1.trainable=[lora, full]", "exclude"),
+        ("stages.0.steps=0", ">= 1"),
+        ("stages.0.lr=-1", "lr"),
+        ("stages.0.warmup=-1", "warmup"),
+        ("stages.nosuch.lr=1", "no entry named"),
+        ("stages.9.lr=1", "out of range"),
+        ("method=none", "attention_transfer"),
+        ("data.dataset=x", "both set"),
+        ("stages.0.schedule=step", "cosine"),
+        ("layers=abc", "layer indices"),
+        ("stages.1.lora.targets=[]", "targets"),
+        ("noequals", "KEY=VALUE"),
+    ],
+)
+def test_recipe_errors_name_the_key(override, words):
+    from longctx_patch.train import load_recipe
+
+    extra = ["data.text=/x"] if "dataset" in override else []
+    with pytest.raises(ConfigError, match=None) as e:
+        load_recipe(REPO / "recipes" / "linearize.yaml", extra + [override])
+    assert words in str(e.value)
+
+
+def test_recipe_missing_file_and_no_stages(tmp_path):
+    from longctx_patch.train import load_recipe
+
+    with pytest.raises(ConfigError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="no stages"):
+        load_recipe(write_recipe(tmp_path / "r.yaml", {"model": "m"}))
+
+
+# ----------------------------------------------------------------------------------------------- data
+def test_text_dir_reading_packing_and_order(tmp_path):
+    from longctx_patch.train.data import BatchOrder, local_slice, make_packed, read_text_documents, text_files, tokenize_documents
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "sub" / "b.py").write_text("def f():\n    return 1\n" * 10)
+    (tmp_path / "c.bin").write_bytes(b"\x00\x01" * 10)
+    (tmp_path / "d.txt").write_bytes(b"abc\x00def")  # binary content with a text suffix
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "e.txt").write_text("secret")
+    files = text_files(tmp_path)
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["a.txt", "sub/b.py"]
+    docs = read_text_documents(tmp_path)
+    tok = byte_tokenizer()
+    ids = tokenize_documents(docs, tok)
+    # every document ends with EOS and the stream is the concatenation
+    assert ids.numel() == sum(len(tok(d)["input_ids"]) + 1 for d in docs)
+    assert (ids == tok.eos_token_id).sum() == 2
+    data = make_packed(ids, 32, eval_fraction=0.2)
+    n = ids.numel() // 32
+    assert data.train.shape[1] == 32 and data.train.shape[0] + data.eval.shape[0] == n
+    assert data.eval.shape[0] == round(n * 0.2)
+    assert torch.equal(torch.cat([data.train, data.eval]).flatten(), ids[: n * 32])
+    assert tokenize_documents(docs, tok, max_tokens=100).numel() == 100
+    with pytest.raises(ConfigError, match="seq_len"):
+        make_packed(ids, 10_000, 0.0)
+
+    order = BatchOrder(10, 4, seed=1)
+    seen = [i for m in range(5) for i in order.indices(m)]  # 20 positions = 2 epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]  # a new permutation per epoch
+    assert BatchOrder(10, 4, seed=1).indices(3) == order.indices(3)  # random access: exact resume
+    b = torch.arange(8).view(4, 2)
+    assert torch.equal(torch.cat([local_slice(b, r, 2) for r in range(2)]), b)
+    with pytest.raises(ConfigError, match="divisible"):
+        local_slice(b, 0, 3)
+    with pytest.raises(ConfigError, match="no such file"):
+        text_files(tmp_path / "missing")
+
+
+def test_dataset_sources(tmp_path):
+    import datasets
+
+    from longctx_patch.train.data import load_documents
+
+    ds = datasets.Dataset.from_dict({"body": ["first doc", "second doc", ""], "n": [1, 2, 3]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert load_documents(None, str(tmp_path / "ds"), "train", "body") == ["first doc", "second doc"]
+    datasets.DatasetDict({"valid": ds}).save_to_disk(str(tmp_path / "dd"))
+    assert load_documents(None, str(tmp_path / "dd"), "valid", "body") == ["first doc", "second doc"]
+    with pytest.raises(ConfigError, match="no split"):
+        load_documents(None, str(tmp_path / "dd"), "train", "body")
+    jl = tmp_path / "rows.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": t}) for t in ["x y z", "u v"]))
+    assert load_documents(None, str(jl), "train", "text") == ["x y z", "u v"]
+    with pytest.raises(ConfigError, match="body, n"):
+        load_documents(None, str(tmp_path / "ds"), "train", "text")
+    with pytest.raises(ConfigError, match="could not be loaded"):
+        load_documents(None, "no-such-dataset-name-here", "train", "text")
+    with pytest.raises(ConfigError, match="no training text"):
+        load_documents(None, None, "train", "text")
+
+
+def test_lr_schedule_shapes():
+    from longctx_patch.train.recipe import Stage
+    from longctx_patch.train.runner import lr_lambda
+
+    s = Stage(steps=10, warmup=2, schedule="cosine", min_lr_ratio=0.1)
+    f = lr_lambda(s)
+    assert f(0) == pytest.approx(0.5) and f(1) == pytest.approx(1.0) and f(2) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)
+    assert lr_lambda(Stage(steps=10, warmup=0, schedule="linear", min_lr_ratio=0.0))(5) == pytest.approx(0.5)
+    assert lr_lambda(Stage(steps=10, warmup=0, schedule="constant"))(9) == 1.0
+    assert lr_lambda(Stage(steps=4, warmup=20, schedule="constant"))(3) == 1.0  # warm-up capped at steps
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_two_stage_run_saves_and_reloads(tiny_dir, text_file, temp_method, tmp_path):
+    import longctx_patch
+    from longctx_patch.train import Finetuner, apply_trained, recipe_from_dict
+
+    r = recipe_from_dict(recipe_dict(tiny_dir, text_file))
+    ft = Finetuner(r, tmp_path / "out", progress=False, results=str(tmp_path / "res.json"))
+    log = ft.run()
+    t, l = log["stages"]
+    # attention transfer learns the temperature back: its loss falls (to near 0)
+    assert t["steps_done"] == 6 and t["trainable_params"] == 2 * 4  # 2 layers x 4 heads
+    assert t["loss"][-1][1] < 0.5 * t["loss"][0][1]
+    assert [e[0] for e in t["eval_loss"]] == [0, 3, 6] and t["eval_loss"][-1][1] < t["eval_loss"][0][1]
+    assert t["tokens"] == 6 * 4 * 64 and log["tokens"] == (6 + 4) * 4 * 64
+    lt = torch.stack([m.log_t.detach() for m in longctx_patch.patcher._state(ft.model).modules.values()])
+    assert lt.abs().max() < 0.45  # moved from 0.5 towards 0
+    # LoRA stage trains adapters only (r=4 on q/k/v/o of 2 layers)
+    assert l["trainable"] == ["lora"] and l["trainable_params"] > 0 and l["final_eval_loss"] is not None
+
+    out = tmp_path / "out"
+    saved = json.loads((out / "train_log.json").read_text())
+    assert saved["stages"][0]["loss"] == t["loss"] and saved["world_size"] == 1
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert {"device", "date", "commit", "command"} <= set(res) and res["task"] == "finetune"
+    assert (out / "trainable" / "longctx_patch.safetensors").exists()
+    assert (out / "trainable" / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "recipe.yaml").exists()
+
+    ids = torch.randint(3, 259, (2, 40))
+    final = _logits(ft.model, ids)  # LoRA merged into the projections
+    # model/ is a self-contained save_patched() checkpoint
+    m2, _ = longctx_patch.load_model(str(out / "model"), dtype="float32", device="cpu")
+    torch.testing.assert_close(_logits(m2, ids), final, rtol=1e-5, atol=1e-5)
+    # trainable/ (a few small files) applied to the untouched base model gives the same model
+    base, _ = longctx_patch.load_model(str(tiny_dir), dtype="float32", device="cpu")
+    before = _logits(base, ids)
+    m3 = apply_trained(base, out)
+    torch.testing.assert_close(_logits(m3, ids), final, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, final, atol=1e-3)  # training changed the model
+
+    # a second run into the same folder must not silently mix with the old checkpoints
+    with pytest.raises(CheckpointError, match="--resume"):
+        Finetuner(r, out, progress=False).run()
+
+
+def test_resume_is_exact(tiny_dir, text_file, temp_method, tmp_path):
+    """Interrupted runs (mid attention-transfer, and mid LoRA stage with dropout) resume bit-exactly."""
+    from longctx_patch.train import Finetuner, recipe_from_dict
+    from longctx_patch.train import runner as runner_mod
+
+    d = recipe_dict(tiny_dir, text_file, transfer={"save_every": 2}, lora={"save_every": 2})
+    d["output"]["save_model"] = False
+    ref = Finetuner(recipe_from_dict(d), tmp_path / "ref", progress=False)
+    ref_log = ref.run()
+
+    class Interrupt(Exception):
+        pass
+
+    orig = runner_mod.Finetuner.save_checkpoint
+    for stop_at in [(0, 4), (1, 2)]:
+        out = tmp_path / f"run{stop_at[0]}"
+
+        def save_then_stop(self, si, step, *a, _stop=stop_at, **kw):
+            orig(self, si, step, *a, **kw)
+            if (si, step) == _stop:
+                raise Interrupt
+
+        runner_mod.Finetuner.save_checkpoint = save_then_stop
+        try:
+            with pytest.raises(Interrupt):
+                Finetuner(recipe_from_dict(d), out, progress=False).run()
+        finally:
+            runner_mod.Finetuner.save_checkpoint = orig
+        ft = Finetuner(recipe_from_dict(d), out, resume=True, progress=False)
+        log = ft.run()
+        for a, b in zip(log["stages"], ref_log["stages"]):
+            assert a["loss"] == b["loss"], (stop_at, a["name"])
+            assert a["eval_loss"] == b["eval_loss"]
+        assert log["stages"][stop_at[0]]["resumed_from_step"] == stop_at[1]
+        ref_sd = dict(ref.root.named_parameters())
+        for n, p in ft.root.named_parameters():
+            assert torch.equal(p, ref_sd[n]), n
+
+    # a checkpoint from a structurally different recipe is refused
+    d2 = recipe_dict(tiny_dir, text_file, transfer={"seq_len": 32})
+    with pytest.raises(CheckpointError, match="different recipe"):
+        Finetuner(recipe_from_dict(d2), tmp_path / "run0", resume=True, progress=False).run()
+
+
+def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
+    """Full fine-tune of the unpatched model through the click command."""
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    d = recipe_dict(tiny_dir, text_file, method=None)
+    d["stages"] = [d["stages"][1]]
+    d["stages"][0].pop("lora")
+    d["stages"][0].update(lr=3e-3, steps=5)
+    rec = write_recipe(tmp_path / "full.yaml", d)
+    res = CliRunner().invoke(
+        finetune_cmd,
+        [str(rec), "--model", str(tiny_dir), "--text", str(text_file), "--output", str(tmp_path / "o"),
+         "--set", "stages.0.steps=6", "--results", str(tmp_path / "r.json"), "-q"],
+    )
+    assert res.exit_code == 0, res.output
+    log = json.loads((tmp_path / "o" / "train_log.json").read_text())
+    s = log["stages"][0]
+    assert s["trainable"] == ["full"] and s["steps_done"] == 6 and log["method"] is None
+    assert s["loss"][-1][1] < s["loss"][0][1]  # the model learns the repeated text
+    assert (tmp_path / "o" / "model" / "config.json").exists() and (tmp_path / "r.json").exists()
+
+    # user errors become one-line messages, not tracebacks
+    bad = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tiny_dir), "--set", "stages.0.lr=-2"])
+    assert bad.exit_code != 0 and "ConfigError" in bad.output and "lr" in bad.output
+    nodata = CliRunner().invoke(finetune_cmd, [str(rec), "--set", "data.text=null", "--output", str(tmp_path / "x")])
+    assert nodata.exit_code != 0 and "--text" in nodata.output
+    sw = CliRunner().invoke(
+        finetune_cmd, [str(rec), "--set", "method=sliding-window", "--set", "stages.0.trainable=[method]",
+                       "--output", str(tmp_path / "y")],
+    )
+    assert sw.exit_code != 0 and "has none" in sw.output
