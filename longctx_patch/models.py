@@ -83,8 +83,7 @@ def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
     d, f = str(gguf_path.parent), gguf_path.name
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
+    drop_gguf_quantization(model)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
@@ -95,6 +94,18 @@ def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def drop_gguf_quantization(model) -> None:
+    """A GGUF checkpoint is dequantised on load; forget its quantization record so it saves as plain weights."""
+    qc = getattr(model.config, "quantization_config", None)
+    if qc is not None and "gguf" in str(getattr(qc, "quant_method", qc)).lower():
+        del model.config.quantization_config
+    hq = getattr(model, "hf_quantizer", None)
+    if hq is not None and "gguf" in str(getattr(hq.quantization_config, "quant_method", "")).lower():
+        model.hf_quantizer = None
+        if hasattr(model, "is_quantized"):
+            model.is_quantized = False
 
 
 def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:

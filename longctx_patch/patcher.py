@@ -315,10 +315,9 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     for i, orig in st.originals.items():
         decoder[i].self_attn = orig
     try:
-        cfg = getattr(model, "config", None)
-        qc = getattr(cfg, "quantization_config", None) if cfg is not None else None
-        if qc is not None and "gguf" in str(getattr(qc, "quant_method", qc)).lower():
-            del cfg.quantization_config
+        from .models import drop_gguf_quantization
+
+        drop_gguf_quantization(model)
         model.save_pretrained(directory)
     finally:
         for i, mod in st.modules.items():

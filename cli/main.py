@@ -1,0 +1,233 @@
+"""`longctx`: patch Hugging Face causal LMs for long contexts, generate, evaluate and fine-tune."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from .common import DEBUG_ENV, device_dtype_options, friendly_errors, model_option, parse_sets
+
+SAMPLE_TOKENS = 1024
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.version_option(package_name="longctx-patch")
+def main(debug: bool) -> None:
+    """Patch a Hugging Face causal LM's attention in place for cheap long contexts.
+
+    \b
+    Examples:
+      longctx info
+      longctx patch --method sliding-window --set window=256
+      longctx generate --method sliding-window --set window=256 --prompt "Tell me a story"
+      longctx patch --model meta-llama/Llama-3.2-1B --method muse --output llama-muse/
+    """
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+# --------------------------------------------------------------------------------------------- info
+@main.command()
+@friendly_errors
+def info() -> None:
+    """List methods (with their config fields and defaults), supported architectures, and whether Triton and
+    CUDA are available here."""
+    import torch
+
+    from longctx_patch import __version__
+    from longctx_patch.architectures import supported_model_types
+    from longctx_patch.methods import get_method, list_methods
+
+    click.echo(f"longctx-patch {__version__}  (torch {torch.__version__})")
+    cuda = torch.cuda.is_available()
+    click.echo(f"CUDA: {'yes (' + torch.cuda.get_device_name(0) + ')' if cuda else 'no'}")
+    try:
+        import triton
+
+        tri = f"triton {triton.__version__}" + ("" if cuda else " (no GPU: reference kernels are used)")
+    except ImportError:
+        tri = "not installed (pip install triton; only needed on GPUs)"
+    click.echo(f"Triton: {tri}")
+    click.echo(f"Architectures: {', '.join(supported_model_types())}")
+    click.echo("Methods:")
+    for name in list_methods():
+        m = get_method(name)
+        click.echo(f"  {name}: {m.description}")
+        for f in m.config_cls.describe():
+            click.echo(f"      {f['name']} = {f['default']!r}  ({f['allowed']}) {f['help']}")
+
+
+# --------------------------------------------------------------------------------------------- patch
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def sample_text() -> str:
+    """Built-in fidelity sample: Python standard library source (present on every machine)."""
+    import argparse
+    import inspect
+    import textwrap
+
+    return inspect.getsource(textwrap) + inspect.getsource(argparse)
+
+
+def _load_and_patch(model, method, sets, layers, device, dtype):
+    import longctx_patch as lp
+
+    config = parse_sets(sets)
+    if method:
+        lp.get_method(method).parse_config(config)  # fail before loading the model
+    elif sets or layers:
+        raise click.UsageError("--set/--layers need --method")
+    click.echo(f"loading {model} ...", err=True)
+    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    if method:
+        lp.patch(m, method, layers=layers, **config)
+    return m, tok
+
+
+@main.command()
+@model_option
+@click.option("--method", required=True, metavar="METHOD", help="Method name (see 'longctx info').")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Method config value, repeatable (e.g. --set window=256). See 'longctx info' for keys.")
+@click.option("--layers", default=None, metavar="SPEC", help="Layers to patch, e.g. '0-7,12' (default: all).")
+@click.option("--output", "-o", default=None, type=click.Path(file_okay=False),
+              help="Save the patched model here (HF checkpoint + longctx_patch.json + method weights).")
+@click.option("--fidelity-tokens", default=SAMPLE_TOKENS, show_default=True, type=click.IntRange(8),
+              help="Length of the built-in sample text for the fidelity check.")
+@device_dtype_options
+@friendly_errors
+def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -> None:
+    """Load MODEL, patch it with METHOD, print a summary and a fidelity check, optionally save it.
+
+    The summary lists the patched layers, the parameters the method adds and the decode-time state
+    (per token and at 8k/32k/128k tokens) against a full KV cache. The fidelity check compares logits
+    with the unpatched model on a built-in sample text (Python standard library source): mean/max
+    absolute logit difference and next-token (argmax) agreement.
+
+    \b
+    Example:
+      longctx patch --model smollm2-135m --method sliding-window --set window=256
+    """
+    import torch
+
+    import longctx_patch as lp
+    from longctx_patch.patcher import _state
+
+    config = parse_sets(sets)
+    lp.get_method(method).parse_config(config)  # fail on a bad method/config before loading the model
+    click.echo(f"loading {model} ...", err=True)
+    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    dev = next(m.parameters()).device
+    ids = tok(sample_text(), return_tensors="pt").input_ids[:, :fidelity_tokens].to(dev)
+    with torch.no_grad():
+        ref = m(ids, use_cache=False).logits.float()
+    lp.patch(m, method, layers=layers, **config)
+    with torch.no_grad():
+        out = m(ids, use_cache=False).logits.float()
+
+    st = _state(m)
+    cfg = m.config
+    n_layers = cfg.num_hidden_layers
+    added = sum(v.numel() for mod in st.modules.values() for v in mod.method_parameters().values())
+    total = sum(p.numel() for p in m.parameters())
+    kv_dtype = next(m.parameters()).dtype
+    ex = next(iter(st.modules.values()))
+    full_layer = lambda L: 2 * ex.num_key_value_heads * ex.head_dim * L * torch.tensor([], dtype=kv_dtype).element_size()  # noqa: E731
+
+    def state(L):
+        return sum(st.modules[i].state_bytes(L, 1, kv_dtype) if i in st.modules else full_layer(L) for i in range(n_layers))
+
+    groups = "; ".join(f"{g.method} on layers {_ranges(g.layers)} with {g.config.to_dict()}" for g in st.groups)
+    click.echo(f"patched: {groups}")
+    click.echo(f"layers patched: {len(st.modules)}/{n_layers}")
+    click.echo(f"parameters added: {added:,} ({100 * added / max(total - added, 1):.3f}% of {total - added:,})")
+    click.echo(f"decode state ({kv_dtype}, batch 1) vs full KV cache:")
+    per_tok_full = n_layers * full_layer(1)
+    click.echo(f"  {'tokens':>8}  {'patched':>12}  {'full KV':>12}  ratio")
+    for L in (1, 8192, 32768, 131072):
+        s, f = state(L), n_layers * full_layer(L)
+        click.echo(f"  {L:>8}  {_fmt_bytes(s):>12}  {_fmt_bytes(f):>12}  {s / f:.4f}")
+    click.echo(f"  (full KV: {_fmt_bytes(per_tok_full)} per token)")
+    diff = (out - ref).abs()
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    click.echo(f"fidelity on {ids.shape[1]} tokens of built-in sample text vs unpatched:")
+    click.echo(f"  logit |diff| mean {diff.mean().item():.4g}  max {diff.max().item():.4g}")
+    click.echo(f"  next-token agreement {100 * agree:.2f}%")
+    if output:
+        lp.save_patched(m, output, tokenizer=tok)
+        click.echo(f"saved to {output}")
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        runs.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ",".join(runs)
+
+
+# --------------------------------------------------------------------------------------------- generate
+@main.command()
+@model_option
+@click.option("--method", default=None, metavar="METHOD", help="Patch with this method first (default: none).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Method config value, repeatable.")
+@click.option("--layers", default=None, metavar="SPEC", help="Layers to patch, e.g. '0-7,12' (default: all).")
+@click.option("--prompt", "-p", default=None, help="The prompt text.")
+@click.option("--prompt-file", "-f", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Read the prompt from this file (e.g. a long essay followed by a question).")
+@click.option("--chat/--no-chat", default=None,
+              help="Apply the tokenizer's chat template (default: when the tokenizer has one).")
+@click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--stream/--no-stream", default=False, help="Print text as it is generated.")
+@device_dtype_options
+@friendly_errors
+def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, device, dtype) -> None:
+    """Generate text from a prompt with an (optionally patched) model. Greedy decoding.
+
+    \b
+    Examples:
+      longctx generate --prompt "What is the capital of France?"
+      longctx generate --method sliding-window --set window=256 --prompt-file essay.txt --stream
+    """
+    import longctx_patch as lp
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-file")
+    text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
+    m, tok = _load_and_patch(model, method, sets, layers, device, dtype)
+    if stream:
+        for piece in lp.generate(m, tok, text, chat=chat, max_new_tokens=max_new_tokens, stream=True):
+            click.echo(piece, nl=False)
+        click.echo()
+    else:
+        click.echo(lp.generate(m, tok, text, chat=chat, max_new_tokens=max_new_tokens))
+
+
+# --------------------------------------------------------------------------------------------- sub-verbs
+for _mod, _attr in (("cli.eval_cmd", "eval_group"), ("cli.finetune_cmd", "finetune_cmd")):
+    try:
+        _m = importlib.import_module(_mod)
+    except ModuleNotFoundError as _e:
+        if _e.name != _mod:
+            raise
+        continue
+    main.add_command(getattr(_m, _attr))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
