@@ -1,0 +1,103 @@
+"""MuSe (multipole semantic attention) kernels: planning, PyTorch reference, Triton forward/backward.
+
+`muse_attention(q, k, v, ...)` is the entry point (see its docstring); docs/muse.md has the maths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ConfigError, DeviceError
+from .plan import MusePlan, lloyd, make_plan
+from .reference import muse_reference_planned
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def triton_supported(q: torch.Tensor, *, block_size: int, q_clusters: int, k_clusters: int, dipole: bool) -> str | None:
+    """None when the Triton kernels can run these inputs/settings, else the reason they cannot."""
+    D = q.shape[-1]
+    if dipole:
+        return "the dipole term is only implemented in the reference"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} (Triton path takes fp16/bf16/fp32)"
+    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+    if not (pow2(D) and 16 <= D <= 256):
+        return f"head_dim {D} (Triton path needs a power of two in 16..256)"
+    if not (pow2(block_size) and 16 <= block_size <= 128):
+        return f"block_size {block_size} (Triton path needs a power of two in 16..128)"
+    if not (pow2(q_clusters) and pow2(k_clusters) and q_clusters * k_clusters >= 16):
+        return "q_clusters and k_clusters must be powers of two with q_clusters * k_clusters >= 16"
+    if q_clusters * k_clusters > 64:
+        return "q_clusters * k_clusters > 64"
+    return None
+
+
+def muse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    block_size: int = 64,
+    q_clusters: int = 4,
+    k_clusters: int = 4,
+    kmeans_iters: int = 2,
+    topk_clusters: int = 4,
+    topk_blocks: int = 2,
+    dipole: bool = False,
+    key_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+    plan: MusePlan | None = None,
+) -> torch.Tensor:
+    """Causal MuSe attention.
+
+    q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
+    key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype.
+
+    block_size L: spatial block (exact attention inside it); q_clusters / k_clusters: clusters per block
+    of queries (per query head) and keys (per kv head); kmeans_iters: Lloyd iterations; topk_blocks /
+    topk_clusters: earlier blocks / cells (key cluster of a block) attended exactly by each query cluster;
+    dipole: first-order correction of the super-keys' values (reference only).
+    backend: "auto" (Triton on CUDA when supported, else reference), "reference" or "triton".
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ConfigError(f"muse_attention: expected q [B,Hq,S,D], k/v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+    if k_clusters > block_size or q_clusters > block_size:
+        raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
+    why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole)
+    if backend == "auto":
+        backend = "triton" if (q.is_cuda and why is None) else "reference"
+    if backend == "triton":
+        if why is not None:
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='reference' or change the setting")
+        if not q.is_cuda:
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+    if plan is None:
+        plan = make_plan(
+            q.detach(),
+            k.detach(),
+            scale=scale,
+            block_size=block_size,
+            q_clusters=q_clusters,
+            k_clusters=k_clusters,
+            kmeans_iters=kmeans_iters,
+            topk_clusters=topk_clusters,
+            topk_blocks=topk_blocks,
+            key_mask=key_mask,
+        )
+    if backend == "triton":
+        from .triton_kernels import muse_triton_planned
+
+        return muse_triton_planned(q, k, v, plan, scale=scale)
+    return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
+
+
+__all__ = ["MusePlan", "make_plan", "lloyd", "muse_attention", "muse_reference_planned", "triton_supported"]

@@ -1,0 +1,173 @@
+"""MuSe kernels: reference vs exact attention (degenerate configs), gradcheck, Triton fwd/bwd vs reference."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from longctx_patch.errors import ConfigError  # noqa: E402
+from longctx_patch.kernels.muse import make_plan, muse_attention, muse_reference_planned  # noqa: E402
+from longctx_patch.methods.exact import softmax_attention  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def qkv(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, S, D, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv)
+
+
+KW = dict(block_size=16, q_clusters=2, k_clusters=8, kmeans_iters=2)
+
+
+@pytest.mark.parametrize("S", [16, 41, 77])
+def test_retrieve_all_blocks_is_exact(S):
+    q, k, v = qkv(2, 4, 2, S, 16, seed=S)
+    o = muse_attention(q, k, v, scale=0.25, topk_blocks=10_000, topk_clusters=0, backend="reference", **KW)
+    ref = softmax_attention(q, k, v, scale=0.25)
+    assert o.shape == (2, S, 4, 16)
+    torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_retrieve_all_cells_and_singletons_are_exact():
+    q, k, v = qkv(1, 4, 1, 53, 16, seed=1)
+    ref = softmax_attention(q, k, v, scale=0.25)
+    o = muse_attention(q, k, v, scale=0.25, topk_blocks=0, topk_clusters=10_000, backend="reference", **KW)
+    torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
+    # one key per cluster: every super-key is a single key, whose logit lse + scale (q - c).k is exact
+    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=2, k_clusters=16, topk_blocks=0,
+                       topk_clusters=0, backend="reference")
+    torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_padding_mask_retrieve_all_is_exact():
+    q, k, v = qkv(2, 4, 2, 45, 16, seed=3)
+    km = torch.ones(2, 45, dtype=torch.bool)
+    km[0, :7] = False  # left padding
+    km[1, 40:] = False  # right padding
+    o = muse_attention(q, k, v, scale=0.25, topk_blocks=99, key_mask=km, backend="reference", **KW)
+    ref = softmax_attention(q, k, v, scale=0.25, key_mask=km)
+    torch.testing.assert_close(o[0, 7:], ref[0, 7:], atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(o[1, :40], ref[1, :40], atol=2e-6, rtol=2e-5)
+
+
+def test_approximation_is_not_exact_and_improves_with_retrieval():
+    """The approximate path is really used, and more exact retrieval lowers the error (monotone on average)."""
+    errs = []
+    for kb, kc in [(0, 0), (1, 2), (3, 8)]:
+        e = 0.0
+        for seed in range(3):
+            q, k, v = qkv(1, 2, 1, 128, 16, seed=seed)
+            ref = softmax_attention(q, k, v, scale=0.25)
+            o = muse_attention(q, k, v, scale=0.25, topk_blocks=kb, topk_clusters=kc, backend="reference", **KW)
+            e += rel(o, ref)
+        errs.append(e / 3)
+    assert errs[0] > 1e-3
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_dipole_reduces_error_on_clustered_data():
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 1, 2, 96, 16
+    centers = torch.randn(4, D, generator=g) * 1.5
+    pick = torch.randint(0, 4, (B, H, S), generator=g)
+    k = centers[pick] + 0.3 * torch.randn(B, H, S, D, generator=g)
+    q = centers[torch.randint(0, 4, (B, H, S), generator=g)] + 0.3 * torch.randn(B, H, S, D, generator=g)
+    v = torch.randn(B, H, S, D, generator=g)
+    ref = softmax_attention(q, k, v, scale=0.25)
+    kw = dict(KW, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0, backend="reference")
+    e0 = rel(muse_attention(q, k, v, scale=0.25, dipole=False, **kw), ref)
+    e1 = rel(muse_attention(q, k, v, scale=0.25, dipole=True, **kw), ref)
+    assert 1e-3 < e0 < 0.1  # the monopole summaries are good but not exact on clustered data
+    assert e1 < 0.2 * e0  # the first-order (dipole) term removes most of the remaining error
+
+
+def test_singleton_query_clusters_are_exact():
+    """With one query per cluster (d = q - c = 0) the tilted summaries are exact whatever the key clusters."""
+    q, k, v = qkv(1, 2, 2, 64, 16, seed=4)
+    ref = softmax_attention(q, k, v, scale=0.25)
+    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=16, k_clusters=4, topk_blocks=0,
+                       topk_clusters=0, backend="reference")
+    torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dipole", [False, True])
+def test_reference_gradcheck(dipole):
+    q, k, v = qkv(1, 2, 1, 15, 4, dtype=torch.float64, seed=5, grad=True)
+    km = torch.ones(1, 15, dtype=torch.bool)
+    km[0, :2] = False
+    plan = make_plan(q.detach(), k.detach(), scale=0.3, block_size=4, q_clusters=2, k_clusters=2, kmeans_iters=1,
+                     topk_clusters=1, topk_blocks=0, key_mask=km)
+    assert plan.ret_cell.any() and plan.num_blocks == 4
+    f = lambda q, k, v: muse_reference_planned(q, k, v, plan, scale=0.3, dipole=dipole)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_plan_is_deterministic_and_causal_tables():
+    q, k, _ = qkv(1, 2, 1, 70, 16, seed=9)
+    a = make_plan(q, k, scale=0.25, topk_clusters=3, topk_blocks=1, **KW)
+    b = make_plan(q.clone(), k.clone(), scale=0.25, topk_clusters=3, topk_blocks=1, **KW)
+    for x, y in [(a.q_assign, b.q_assign), (a.k_assign, b.k_assign), (a.ret_block, b.ret_block), (a.ret_cell, b.ret_cell)]:
+        assert torch.equal(x, y)
+    nb = a.num_blocks
+    later = torch.arange(nb)[None, :] >= torch.arange(nb)[:, None]  # m >= n: never retrieved
+    assert not a.ret_block[..., later[:, None, :].expand(nb, 2, nb)].any()
+    assert a.ret_block.sum(-1)[:, :, 1:].eq(1).all()  # one block for every query cluster with a past
+    assert not a.ret_block.sum(-1)[:, :, 0].any()
+    assert (a.ret_cell.flatten(-2).sum(-1)[:, :, 2:] == 3).all()
+    assert not (a.ret_cell & a.ret_block[..., None]).any()  # a cell of a retrieved block is not counted twice
+
+
+def test_dispatcher_errors():
+    q, k, v = qkv(1, 3, 2, 16, 16)
+    with pytest.raises(ConfigError, match="multiple"):
+        muse_attention(q, k, v, scale=0.25)
+    q, k, v = qkv(1, 2, 1, 16, 16)
+    with pytest.raises(ConfigError, match="backend"):
+        muse_attention(q, k, v, scale=0.25, backend="cuda")
+    with pytest.raises(ConfigError, match="dipole"):
+        muse_attention(q, k, v, scale=0.25, dipole=True, backend="triton", **KW)
+
+
+# ------------------------------------------------------------------------------------- Triton vs reference
+TRITON_CASES = [
+    # B, Hq, Hkv, S, D, L, Cq, Ck, topk_blocks, topk_clusters, mask
+    (1, 4, 2, 75, 16, 16, 2, 8, 1, 2, False),
+    (2, 2, 1, 50, 32, 16, 4, 4, 0, 3, True),
+    (1, 2, 2, 33, 16, 16, 4, 8, 0, 0, False),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(case, dtype):
+    B, Hq, Hkv, S, D, L, Cq, Ck, kb, kc, masked = case
+    q, k, v = qkv(B, Hq, Hkv, S, D, dtype=dtype, seed=S + D, grad=True)
+    km = None
+    if masked:
+        km = torch.ones(B, S, dtype=torch.bool)
+        km[0, :5] = False
+    kw = dict(scale=D**-0.5, block_size=L, q_clusters=Cq, k_clusters=Ck, kmeans_iters=2, topk_blocks=kb,
+              topk_clusters=kc, key_mask=km)
+    plan = make_plan(q.detach(), k.detach(), **{x: y for x, y in kw.items() if x != "key_mask"}, key_mask=km)
+    o_t = muse_attention(q, k, v, backend="triton", plan=plan, **kw)
+    o_r = muse_attention(q, k, v, backend="reference", plan=plan, **kw)
+    assert o_t.dtype == dtype and o_t.shape == (B, S, Hq, D)
+    assert torch.isfinite(o_t).all()
+    do = torch.randn(o_t.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g_t = torch.autograd.grad(o_t, (q, k, v), do)
+    g_r = torch.autograd.grad(o_r, (q, k, v), do)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rows = slice(None) if km is None else (slice(1, None))  # batch 0's padded rows are ignored below
+    assert rel(o_t, o_r) < tol
+    if km is not None:
+        assert rel(o_t[0, 5:], o_r[0, 5:]) < tol
+    for name, a, b in zip("qkv", g_t, g_r):
+        assert a.dtype == dtype and a.shape == b.shape
+        assert rel(a, b) < tol, name
+    del rows
