@@ -1,0 +1,218 @@
+"""`lolcats`: hedgehog linear attention + sliding-window softmax under one normaliser (LoLCATs).
+
+Each patched layer keeps the original q/k/v/o projections and adds per-head feature maps
+phi(x) = [softmax(x W), softmax(-x W)] for queries and keys (`feature_map_q.mlp.layer`,
+`feature_map_k.mlp.layer`, `[heads, head_dim, feature_dim]`) and `window_factors` (`[1, heads, 1, 1]`,
+g = sigmoid). Queries attend exactly (softmax, weight g) to the last `window` tokens and linearly to
+everything older, with one shared normaliser. Released LoLCATs checkpoints load with `checkpoint=PATH`.
+Decode state: window buffer + linear state (H, s) in fp32, bounded whatever the context length.
+Maths, initialisation and cache layout: docs/lola.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...cache import LongctxLayer
+from ...errors import CheckpointError, ConfigError
+from ...kernels.lola.ops import LolaState, hybrid_attention, lola_process
+from ...kernels.lola.reference import hedgehog_feature_map
+from ..base import Method, MethodConfig, PatchedAttention, option, register_method
+from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
+
+LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
+
+
+@dataclass
+class LolcatsConfig(MethodConfig):
+    window: int = option(64, "tokens (the current one included) attended with exact softmax; older ones linearly",
+                         min=1)
+    feature_dim: int = option(64, "feature map width F per head (phi has 2F features)", min=1)
+    checkpoint: Optional[str] = option(None, "LoLCATs model.pt (comma-separate several, e.g. distill,ft-lora) or our "
+                                             "longctx_patch.safetensors / save_patched directory to load")
+    lora_alpha: float = option(16.0, "LoRA alpha of a LoLCATs checkpoint's q/k/v/o adapters (merged as alpha/r * B A)",
+                               min=0.0)
+    feature_init: str = option("softmax-rf", "fresh feature maps: softmax-rf (random features of exp(q.k/sqrt(d))) "
+                                             "or kaiming (the LoLCATs code's default)",
+                               choices=("softmax-rf", "kaiming"))
+    init_window_factor: float = option(LOLCATS_INIT_WINDOW_FACTOR, "initial window factor (g = sigmoid of it)")
+    affine_factors: bool = option(False, "weight the linear term by 1 - g instead of 1 (LoLCATs affine_attention_factors)")
+    chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
+    seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
+    backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
+                          choices=("auto", "triton", "torch"))
+
+    def check(self) -> None:
+        if not math.isfinite(self.init_window_factor):
+            raise ConfigError(f"{type(self).__name__}: init_window_factor must be finite, got {self.init_window_factor}")
+
+
+class FeatureMapMLP(nn.Module):
+    """Holds `layer` [heads, head_dim, feature_dim] (the LoLCATs `untied_head_einsum` parameter)."""
+
+    def __init__(self, layer: torch.Tensor):
+        super().__init__()
+        self.layer = nn.Parameter(layer)
+
+
+class HedgehogFeatureMap(nn.Module):
+    """phi(x) = [softmax(x W), softmax(-x W)] per head; state-dict key `mlp.layer` as in LoLCATs."""
+
+    def __init__(self, layer: torch.Tensor, eps: float = 1e-12):
+        super().__init__()
+        self.mlp = FeatureMapMLP(layer)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        return hedgehog_feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype)
+
+
+def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """softmax-rf: columns are orthogonal Gaussian directions (norms of chi(head_dim) samples) times
+    head_dim**-1/4, so that E[exp(q.w) exp(k.w)] = exp(q.k / sqrt(d)) (times per-token factors): phi(q).phi(k)
+    starts as a positive random-feature estimate of the softmax kernel. kaiming: LoLCATs' init."""
+    if kind == "kaiming":
+        w = torch.empty(heads, head_dim, feature_dim)
+        bound = math.sqrt(6.0 / (head_dim * feature_dim))  # kaiming_uniform_(a=0) on a 3-D tensor: fan_in = D * F
+        return w.uniform_(-bound, bound, generator=generator)
+    out = torch.empty(heads, head_dim, feature_dim)
+    for h in range(heads):
+        cols = []
+        left = feature_dim
+        while left > 0:
+            g = torch.randn(head_dim, head_dim, generator=generator)
+            qm, _ = torch.linalg.qr(g)
+            take = min(left, head_dim)
+            cols.append(qm[:, :take])
+            left -= take
+        dirs = torch.cat(cols, 1)  # [D, F], orthonormal columns within each block of D
+        norms = torch.randn(head_dim, feature_dim, generator=generator).norm(dim=0)  # chi(D)
+        out[h] = dirs * norms[None, :] * head_dim ** -0.25
+    return out
+
+
+class LolaLayer(LongctxLayer):
+    """Cache layer of `lolcats` / `lola`: window buffer, sparse cache with scores, linear state.
+
+    win_k / win_v [B, Hkv, <window+chunk, D], win_fk [B, Hq, <window+chunk, 2F], win_mask [B, .] (left padding),
+    sp_k / sp_v [B, Hq, lambda, D], sp_fk [B, Hq, lambda, 2F], sp_score [B, Hq, lambda] fp32 (-inf = empty),
+    H [B, Hq, 2F, D] fp32, s [B, Hq, 2F] fp32. Nothing grows with the context.
+    """
+
+    state_names = ("win_k", "win_v", "win_fk", "win_mask", "sp_k", "sp_v", "sp_fk", "sp_score", "H", "s")
+
+    def __init__(self, window: int, chunk: int, sparse_cache: int):
+        super().__init__()
+        self.window = window
+        self.chunk = chunk
+        self.sparse_cache = sparse_cache
+
+    def get_state(self, B, Hq, Hkv, D, F2, like: torch.Tensor) -> LolaState:
+        if self.H is None:
+            if not self.is_initialized:
+                self.lazy_initialization(like)
+            st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device)
+            st.pos = self.seen
+            return st
+        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen)
+
+    def set_state(self, st: LolaState) -> None:
+        for n in self.state_names:
+            t = getattr(st, n)
+            setattr(self, n, t.detach() if isinstance(t, torch.Tensor) else t)
+        self.seen = st.pos
+
+
+class LolcatsAttention(PatchedAttention):
+    method_name = "lolcats"
+
+    def __init__(self, orig, spec, config: LolcatsConfig, adapter):
+        super().__init__(orig, spec, config, adapter)
+        p = next(orig.parameters(), None)
+        dev = p.device if p is not None else None
+        dt = p.dtype if p is not None and p.is_floating_point() else torch.float32
+        gen = torch.Generator().manual_seed(config.seed + spec.layer_idx)
+        H, D, F = spec.num_heads, spec.head_dim, config.feature_dim
+        wq = init_feature_weight(H, D, F, config.feature_init, gen)
+        wk = init_feature_weight(H, D, F, config.feature_init, gen)
+        self.feature_map_q = HedgehogFeatureMap(wq.to(device=dev, dtype=dt))
+        self.feature_map_k = HedgehogFeatureMap(wk.to(device=dev, dtype=dt))
+        self.window_factors = nn.Parameter(
+            torch.full((1, H, 1, 1), float(config.init_window_factor), device=dev, dtype=dt))
+
+    # -- LoLA knobs (lolcats: no sparse cache) -------------------------------------------------------
+    @property
+    def sparse_cache(self) -> int:
+        return 0
+
+    def factors(self):
+        g = torch.sigmoid(self.window_factors.float()).view(-1)
+        lf = 1 - g if self.method_config.affine_factors else torch.ones_like(g)
+        return g, lf
+
+    def attend(self, q, k, v, cache_layer, padding):
+        cfg: LolcatsConfig = self.method_config
+        S = q.shape[2]
+        fq = self.feature_map_q(q, out_dtype=q.dtype)
+        fk = self.feature_map_k(k, out_dtype=q.dtype)
+        g, lf = self.factors()
+        lam = self.sparse_cache
+        new_mask = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
+        kw = dict(window=cfg.window, scale=self.scaling, backend=cfg.backend)
+        if cache_layer is None:
+            if lam == 0:
+                return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, **kw)
+            st = LolaState.empty(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], lam, q.dtype, q.device)
+            return lola_process(st, q, k, v, fq, fk, g, lf, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask, **kw)
+        if not isinstance(cache_layer, LolaLayer):
+            raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
+                            f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
+        st = cache_layer.get_state(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], q)
+        with torch.no_grad():
+            # decode-time state is not differentiated through (training uses no cache)
+            st_out = lola_process(st, q, k, v, fq, fk, g, lf, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask, **kw)
+        cache_layer.set_state(st)
+        return st_out
+
+    def make_cache_layer(self):
+        return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache)
+
+    def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        cfg = self.method_config
+        elt = torch.tensor([], dtype=dtype).element_size()
+        Hq, Hkv, D, F2 = self.num_heads, self.num_key_value_heads, self.head_dim, 2 * cfg.feature_dim
+        buf = min(context_len, cfg.window + cfg.chunk - 1)
+        window = batch * buf * (2 * Hkv * D * elt + Hq * F2 * elt + 1)
+        lam = self.sparse_cache
+        sparse = batch * Hq * lam * ((2 * D + F2) * elt + 4)
+        state = batch * Hq * F2 * (D + 1) * 4
+        return window + sparse + state
+
+
+@register_method
+class Lolcats(Method):
+    name = "lolcats"
+    description = ("LoLCATs: hedgehog linear attention + sliding-window softmax, one normaliser; trainable feature "
+                   "maps; loads released LoLCATs checkpoints (checkpoint=PATH)")
+    config_cls = LolcatsConfig
+    module_cls = LolcatsAttention
+
+    def after_patch(self, model, modules, config) -> None:
+        if config.checkpoint:
+            load_lolcats_checkpoint(model, config.checkpoint, modules=modules, lora_alpha=config.lora_alpha)
+
+
+__all__ = [
+    "HedgehogFeatureMap",
+    "LolaLayer",
+    "LolcatsAttention",
+    "LolcatsConfig",
+    "export_lolcats_checkpoint",
+    "init_feature_weight",
+    "load_lolcats_checkpoint",
+]

@@ -1,0 +1,211 @@
+"""Read and write LoLCATs checkpoints (`model.pt` state dicts) and our own safetensors.
+
+LoLCATs layout (keys after an optional `base_model.model.` and/or `model.` prefix):
+  layers.{i}.self_attn.feature_map_q.mlp.layer      [heads, head_dim, feature_dim]
+  layers.{i}.self_attn.feature_map_k.mlp.layer      [heads, head_dim, feature_dim]
+  layers.{i}.self_attn.window_factors               [1, heads, 1, 1]
+  layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}[.default].weight   (PEFT LoRA, optional)
+Ours (what save_patched writes to longctx_patch.safetensors): layers.{i}.feature_map_q.mlp.layer, ...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from ...errors import CheckpointError
+
+METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
+PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_LOLCATS = re.compile(r"^layers\.(\d+)\.self_attn\.(.+)$")
+_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LORA = re.compile(r"^([qkvo]_proj)\.lora_([AB])(?:\.default)?\.weight$")
+PATCH_WEIGHTS = "longctx_patch.safetensors"
+
+
+def _modules(model, modules):
+    from . import LolcatsAttention
+
+    if modules is None:
+        from ...patcher import _state
+
+        modules = _state(model).modules
+    return {i: m for i, m in modules.items() if isinstance(m, LolcatsAttention)}
+
+
+def _read(path: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """(state dict, is_ours)."""
+    if os.path.isdir(path):
+        ours = os.path.join(path, PATCH_WEIGHTS)
+        pt = os.path.join(path, "model.pt")
+        if os.path.exists(ours):
+            path = ours
+        elif os.path.exists(pt):
+            path = pt
+        else:
+            raise CheckpointError(f"{path} is a directory without {PATCH_WEIGHTS} or model.pt; pass the file itself")
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} not found; pass a LoLCATs model.pt or a {PATCH_WEIGHTS} file")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path), True
+        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
+            raise CheckpointError(f"cannot read {path} as safetensors ({e})") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read {path} with torch.load(weights_only=True) ({type(e).__name__}: {e}); "
+                              "pass a LoLCATs model.pt state dict") from None
+    if isinstance(sd, dict) and "model_state_dict" in sd and isinstance(sd["model_state_dict"], dict):
+        sd = sd["model_state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path} does not hold a state dict of tensors")
+    return sd, False
+
+
+def _strip(key: str) -> str:
+    for p in ("base_model.model.", "model."):
+        if key.startswith(p):
+            key = key[len(p):]
+    return key
+
+
+def _fmt(items: list[str], limit: int = 12) -> str:
+    items = sorted(items)
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return "[" + ", ".join(items[:limit]) + "]" + more
+
+
+def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float = 16.0) -> dict[str, int]:
+    """Load feature maps, window factors and LoRA adapters into the lolcats/lola layers of `model`.
+
+    `paths`: one path or several separated by commas (e.g. a distill checkpoint and its LoRA fine-tune).
+    Missing, unexpected or mis-shaped keys raise CheckpointError listing them. LoRA deltas are merged into
+    the projection weights (W += lora_alpha / r * B A) unless the projection is a PEFT LoRA layer, whose
+    adapter weights are then set. Returns counts of what was loaded.
+    """
+    mods = _modules(model, modules)
+    if not mods:
+        raise CheckpointError("no lolcats/lola layer to load a checkpoint into; patch the model with lolcats first")
+    method: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}
+    lora: dict[tuple[int, str, str], tuple[torch.Tensor, str]] = {}
+    unexpected: list[str] = []
+    for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
+        sd, ours = _read(path)
+        for key, t in sd.items():
+            m = (_OURS if ours else _LOLCATS).match(key if ours else _strip(key))
+            if m is None:
+                unexpected.append(key)
+                continue
+            i, rest = int(m.group(1)), m.group(2)
+            if i not in mods:
+                unexpected.append(f"{key} (layer {i} is not patched with lolcats/lola)")
+                continue
+            if rest in METHOD_KEYS:
+                method[(i, rest)] = (t, key)
+                continue
+            lm = _LORA.match(rest)
+            if lm is not None and not ours:
+                lora[(i, lm.group(1), lm.group(2))] = (t, key)
+                continue
+            unexpected.append(key)
+    missing = [f"layers.{i}.self_attn.{n}" for i in sorted(mods) for n in METHOD_KEYS if (i, n) not in method]
+    for (i, proj, ab), (_, key) in lora.items():
+        if (i, proj, "B" if ab == "A" else "A") not in lora:
+            missing.append(key.replace(f"lora_{ab}", f"lora_{'B' if ab == 'A' else 'A'}"))
+    shapes = []
+    for (i, name), (t, key) in method.items():
+        own = mods[i].get_parameter(name)
+        if tuple(t.shape) != tuple(own.shape):
+            shapes.append(f"{key}: expected {tuple(own.shape)}, got {tuple(t.shape)}")
+    for (i, proj, ab), (t, key) in lora.items():
+        w = _base_weight(getattr(mods[i], proj))
+        other = lora.get((i, proj, "B" if ab == "A" else "A"))
+        if t.dim() != 2:
+            shapes.append(f"{key}: expected a matrix, got {tuple(t.shape)}")
+            continue
+        if ab == "A" and t.shape[1] != w.shape[1]:
+            shapes.append(f"{key}: expected (r, {w.shape[1]}), got {tuple(t.shape)}")
+        if ab == "B" and t.shape[0] != w.shape[0]:
+            shapes.append(f"{key}: expected ({w.shape[0]}, r), got {tuple(t.shape)}")
+        if ab == "A" and other is not None and other[0].dim() == 2 and other[0].shape[1] != t.shape[0]:
+            shapes.append(f"{key}: rank {t.shape[0]} does not match {other[1]} (rank {other[0].shape[1]})")
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {_fmt(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {_fmt(unexpected)}")
+        if shapes:
+            parts.append(f"mis-shaped keys {_fmt(shapes)}")
+        raise CheckpointError(
+            f"checkpoint {paths} does not match the patched model ({'; '.join(parts)}). Check that the model, "
+            "the patched layers and feature_dim are the ones the checkpoint was trained with.")
+    with torch.no_grad():
+        for (i, name), (t, _) in method.items():
+            p = mods[i].get_parameter(name)
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+        for (i, proj, ab), (t, _) in lora.items():
+            if ab != "A":
+                continue
+            A = t
+            Bm = lora[(i, proj, "B")][0]
+            _apply_lora(getattr(mods[i], proj), A, Bm, lora_alpha)
+    return {"layers": len({i for i, _ in method}), "lora_pairs": sum(1 for k in lora if k[2] == "A")}
+
+
+def _base_weight(proj) -> torch.Tensor:
+    base = getattr(proj, "base_layer", proj)
+    return base.weight
+
+
+def _apply_lora(proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
+    la = getattr(proj, "lora_A", None)
+    if la is not None and hasattr(la, "keys") and "default" in la.keys():
+        pa, pb = la["default"].weight, proj.lora_B["default"].weight
+        if tuple(pa.shape) != tuple(A.shape) or tuple(pb.shape) != tuple(B.shape):
+            raise CheckpointError(f"LoRA rank of the checkpoint ({A.shape[0]}) differs from the PEFT adapter's "
+                                  f"({pa.shape[0]}); create the adapter with r={A.shape[0]}")
+        pa.copy_(A.to(pa.device, pa.dtype))
+        pb.copy_(B.to(pb.device, pb.dtype))
+        return
+    w = _base_weight(proj)
+    r = A.shape[0]
+    delta = (B.float() @ A.float()) * (alpha / r)
+    w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+
+
+def export_lolcats_checkpoint(model, path: str, modules=None) -> str:
+    """Write the lolcats/lola layers of `model` as a LoLCATs `model.pt` state dict (torch.save).
+
+    Keys `model.layers.{i}.self_attn.{feature_map_q.mlp.layer, feature_map_k.mlp.layer, window_factors}`;
+    when the projections carry PEFT LoRA adapters (`default`), every key uses the PEFT prefix
+    `base_model.model.model.layers.{i}.self_attn.` and the adapters are written as
+    `{q,k,v,o}_proj.lora_{A,B}.default.weight`, as LoLCATs' fine-tune checkpoints are.
+    """
+    mods = _modules(model, modules)
+    if not mods:
+        raise CheckpointError("no lolcats/lola layer to export; patch the model with lolcats first")
+    lora = {}
+    for i, m in mods.items():
+        for proj in PROJS:
+            p = getattr(m, proj, None)
+            la = getattr(p, "lora_A", None)
+            if la is not None and hasattr(la, "keys") and "default" in la.keys():
+                lora[(i, proj)] = (la["default"].weight, p.lora_B["default"].weight)
+    prefix = "base_model.model.model.layers." if lora else "model.layers."
+    sd = {}
+    for i, m in sorted(mods.items()):
+        for name in METHOD_KEYS:
+            sd[f"{prefix}{i}.self_attn.{name}"] = m.get_parameter(name).detach().cpu().clone()
+    for (i, proj), (A, B) in sorted(lora.items()):
+        sd[f"{prefix}{i}.self_attn.{proj}.lora_A.default.weight"] = A.detach().cpu().clone()
+        sd[f"{prefix}{i}.self_attn.{proj}.lora_B.default.weight"] = B.detach().cpu().clone()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    torch.save(sd, path)
+    return path

@@ -1,0 +1,229 @@
+"""`lolcats` / `lola` methods on tiny models: training, generate(), padding, cache size, checkpoints."""
+
+import os
+
+import pytest
+import torch
+
+import longctx_patch as lp
+from longctx_patch.errors import CheckpointError, ConfigError
+from longctx_patch.methods.lolcats import LolaLayer, export_lolcats_checkpoint
+
+from conftest import tiny_model
+
+KW = dict(window=5, feature_dim=8, chunk=4, backend="torch")
+
+
+def _ids(B, S, seed=0):
+    return torch.randint(3, 128, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_recompute(model, x, n):
+    seq = x
+    for _ in range(n):
+        nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    return seq
+
+
+def test_config_validation():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="window"):
+        lp.patch(model, "lolcats", window=0)
+    with pytest.raises(ConfigError, match="sparse_cache"):
+        lp.patch(model, "lola", sparse_cache=-1)
+    with pytest.raises(ConfigError, match="unknown"):
+        lp.patch(model, "lolcats", sparse_cache=3)
+
+
+def test_feature_maps_are_trainable_and_get_gradients():
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", **KW)
+    model.train()
+    x = _ids(2, 23)
+    out = model(x, labels=x, use_cache=False)
+    out.loss.backward()
+    attn = model.model.layers[1].self_attn
+    assert attn.feature_map_q.mlp.layer.shape == (4, 16, 8)
+    for p in (attn.feature_map_q.mlp.layer, attn.feature_map_k.mlp.layer, attn.window_factors):
+        assert p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0
+    # the feature maps are new parameters of the module; q/k/v/o stay the original objects
+    names = set(attn.method_parameters())
+    assert names == {"feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors"}
+
+
+@pytest.mark.parametrize("family,method,extra", [("llama", "lolcats", {}), ("qwen3", "lola", {"sparse_cache": 3})])
+def test_generate_with_cache_equals_recompute(family, method, extra):
+    model = tiny_model(family)
+    lp.patch(model, method, **KW, **extra)
+    x = _ids(1, 18, seed=3)
+    with torch.no_grad():
+        got = model.generate(x, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want = _greedy_recompute(model, x, 10)
+    assert torch.equal(got, want)
+
+
+def test_lola_lambda_zero_is_lolcats_exactly():
+    a, b = tiny_model("llama"), tiny_model("llama")
+    lp.patch(a, "lolcats", **KW)
+    lp.patch(b, "lola", sparse_cache=0, **KW)
+    x = _ids(2, 21, seed=5)
+    with torch.no_grad():
+        assert torch.equal(a(x, use_cache=False).logits, b(x, use_cache=False).logits)
+        ga = a.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                        return_dict_in_generate=True)
+        gb = b.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                        return_dict_in_generate=True)
+    assert torch.equal(ga.sequences, gb.sequences)
+    for la, lb in zip(ga.logits, gb.logits):
+        assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("method,extra,lens", [("lolcats", {}, (11, 4, 8)), ("lola", {"sparse_cache": 2}, (12, 4, 8))])
+def test_left_padded_batch_equals_single_prompts(method, extra, lens):
+    """lola decides evictions at absolute multiples of `chunk` (padding included), so its batch test uses
+    pad lengths that are multiples of chunk; lolcats does not depend on that."""
+    model = tiny_model("llama")
+    lp.patch(model, method, **KW, **extra)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in lens]
+    L = max(lens)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for r, p in enumerate(prompts):
+            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert torch.equal(batch[r, L - len(p):], one[0]), (r, batch[r], one[0])
+
+
+def test_cache_bytes_do_not_grow_with_length():
+    model = tiny_model("llama", num_hidden_layers=2)
+    lp.patch(model, "lola", window=64, feature_dim=8, chunk=256, sparse_cache=16, backend="torch")
+    sizes = {}
+    with torch.no_grad():
+        for S in (1024, 8192):
+            out = model(_ids(1, S, seed=S), use_cache=True)
+            cache = out.past_key_values
+            assert all(isinstance(layer, LolaLayer) for layer in cache.layers)
+            sizes[S] = cache.nbytes()
+            # what the module reports is what the cache holds (buffer length varies below window + chunk)
+            attn = model.model.layers[0].self_attn
+            assert cache.layers[0].nbytes() <= attn.state_bytes(S, batch=1, dtype=torch.float32)
+    assert sizes[1024] == sizes[8192] > 0
+
+
+def test_save_load_round_trip_of_feature_maps(tmp_path):
+    model = tiny_model("llama")
+    lp.patch(model, "lola", sparse_cache=2, **KW)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "window_factors"):
+                m.window_factors.add_(torch.randn_like(m.window_factors))
+                m.feature_map_q.mlp.layer.mul_(1.5)
+    lp.save_patched(model, tmp_path / "saved")
+    loaded = lp.load_patched(tmp_path / "saved", dtype="float32", device="cpu")
+    x = _ids(1, 15, seed=7)
+    with torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
+    # our safetensors also loads through checkpoint=, into a lolcats model
+    fresh = tiny_model("llama")
+    lp.patch(fresh, "lolcats", checkpoint=str(tmp_path / "saved"), **KW)
+    a, b = model.model.layers[2].self_attn, fresh.model.layers[2].self_attn
+    assert torch.equal(a.feature_map_q.mlp.layer, b.feature_map_q.mlp.layer)
+    assert torch.equal(a.window_factors, b.window_factors)
+
+
+def _lolcats_state_dict(model, prefix="model.", layers=range(3), H=4, D=16, F=8, seed=0, lora_rank=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i in layers:
+        base = f"{prefix}layers.{i}.self_attn."
+        sd[base + "feature_map_q.mlp.layer"] = torch.randn(H, D, F, generator=g)
+        sd[base + "feature_map_k.mlp.layer"] = torch.randn(H, D, F, generator=g)
+        sd[base + "window_factors"] = torch.randn(1, H, 1, 1, generator=g)
+        if lora_rank:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                w = getattr(model.model.layers[i].self_attn, proj).weight
+                sd[base + f"{proj}.lora_A.default.weight"] = torch.randn(lora_rank, w.shape[1], generator=g) * 0.1
+                sd[base + f"{proj}.lora_B.default.weight"] = torch.randn(w.shape[0], lora_rank, generator=g) * 0.1
+    return sd
+
+
+@pytest.mark.parametrize("prefix", ["model.", "base_model.model.model.", ""])
+def test_loads_lolcats_checkpoint_format(tmp_path, prefix):
+    model = tiny_model("llama")
+    sd = _lolcats_state_dict(model, prefix=prefix, lora_rank=2)
+    path = tmp_path / "model.pt"
+    torch.save({"model_state_dict": sd} if prefix == "" else sd, path)
+    q_before = model.model.layers[1].self_attn.q_proj.weight.detach().clone()
+    lp.patch(model, "lolcats", checkpoint=str(path), lora_alpha=4.0, **KW)
+    attn = model.model.layers[1].self_attn
+    base = f"{prefix}layers.1.self_attn."
+    assert torch.equal(attn.feature_map_q.mlp.layer, sd[base + "feature_map_q.mlp.layer"])
+    assert torch.equal(attn.feature_map_k.mlp.layer, sd[base + "feature_map_k.mlp.layer"])
+    assert torch.equal(attn.window_factors, sd[base + "window_factors"])
+    delta = sd[base + "q_proj.lora_B.default.weight"] @ sd[base + "q_proj.lora_A.default.weight"] * (4.0 / 2)
+    torch.testing.assert_close(attn.q_proj.weight, q_before + delta)
+
+
+def test_export_then_load_lolcats_checkpoint(tmp_path):
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", **KW)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.window_factors.fill_(0.7)
+    path = export_lolcats_checkpoint(model, str(tmp_path / "out" / "model.pt"))
+    sd = torch.load(path, weights_only=True)
+    assert "model.layers.0.self_attn.feature_map_q.mlp.layer" in sd and len(sd) == 9
+    fresh = tiny_model("llama")
+    lp.patch(fresh, "lola", checkpoint=path, sparse_cache=2, seed=99, **KW)
+    for i in range(3):
+        a, b = model.model.layers[i].self_attn, fresh.model.layers[i].self_attn
+        assert torch.equal(a.feature_map_k.mlp.layer, b.feature_map_k.mlp.layer)
+        assert torch.equal(a.window_factors, b.window_factors)
+
+
+def test_export_writes_peft_lora_layout(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", **KW)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    path = export_lolcats_checkpoint(pm, str(tmp_path / "ft.pt"))
+    sd = torch.load(path, weights_only=True)
+    assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.default.weight" in sd
+    assert "base_model.model.model.layers.2.self_attn.window_factors" in sd
+    # and it loads back into a plain model, merging the adapters
+    fresh = tiny_model("llama")
+    lp.patch(fresh, "lolcats", checkpoint=path, lora_alpha=4.0, **KW)
+
+
+def test_checkpoint_errors_list_the_keys(tmp_path):
+    model = tiny_model("llama")
+    sd = _lolcats_state_dict(model)
+    del sd["model.layers.2.self_attn.window_factors"]
+    sd["model.layers.0.self_attn.mystery"] = torch.zeros(1)
+    sd["model.layers.1.self_attn.feature_map_k.mlp.layer"] = torch.zeros(4, 16, 5)
+    path = tmp_path / "bad.pt"
+    torch.save(sd, path)
+    with pytest.raises(CheckpointError) as e:
+        lp.patch(model, "lolcats", checkpoint=str(path), **KW)
+    msg = str(e.value)
+    assert "missing keys [layers.2.self_attn.window_factors]" in msg
+    assert "unexpected keys [model.layers.0.self_attn.mystery]" in msg
+    assert "model.layers.1.self_attn.feature_map_k.mlp.layer: expected (4, 16, 8), got (4, 16, 5)" in msg
+    assert not lp.patcher.is_patched(model)  # a failed load leaves the model unpatched
+    # a layer that is not patched
+    sd = _lolcats_state_dict(model)
+    torch.save(sd, path)
+    with pytest.raises(CheckpointError, match="layer 2 is not patched"):
+        lp.patch(model, "lolcats", layers="0-1", checkpoint=str(path), **KW)
+    with pytest.raises(CheckpointError, match="not found"):
+        lp.patch(model, "lolcats", checkpoint=str(tmp_path / "nope.pt"), **KW)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="weights_only"):
+        lp.patch(model, "lolcats", checkpoint=str(tmp_path / "junk.pt"), **KW)
+    assert not os.path.exists(tmp_path / "saved")
