@@ -215,3 +215,21 @@ def test_cache_is_created_for_plain_forward_and_generate(tiny_llama):
     lp.patch(tiny_llama, "sliding-window", window=6)
     with pytest.raises(lp.ConfigError, match="pass no cache"):
         tiny_llama(x[:, -1:], past_key_values=foreign, use_cache=True)
+
+
+def test_peft_lora_on_patched_model_and_unpatch_keeps_adapters():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama")
+    lp.patch(model, "sliding-window", window=8)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    x = _ids(2, 30)
+    out = pm(input_ids=x, labels=x, use_cache=False)
+    out.loss.backward()
+    lora_grads = [n for n, p in pm.named_parameters() if p.requires_grad and p.grad is not None]
+    assert len(lora_grads) == 3 * 4 * 2  # 3 layers x q/k/v/o x (A, B)
+    g = pm.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert g.shape == (2, 34)
+    lp.unpatch(pm)
+    assert type(model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    assert type(model.model.layers[0].self_attn.q_proj).__module__.startswith("peft")
