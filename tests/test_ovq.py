@@ -83,6 +83,7 @@ def test_update_equals_per_token_loop(growth, N):
         torch.testing.assert_close(st_vec.counts, st_loop.counts)
         torch.testing.assert_close(st_vec.keys, st_loop.keys, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(st_vec.values, st_loop.values, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(st_vec.key_sums, st_loop.key_sums, atol=1e-5, rtol=1e-5)
         # one row per token: counts add up to the real tokens absorbed
         assert torch.allclose(st_vec.counts.sum(-1), st_vec.seen[:, None].float())
     assert int(st_vec.n_active.max()) <= N
@@ -120,7 +121,7 @@ def test_chunked_forward_equals_streamed(pieces):
         outs.append(o)
         s += n
     torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(st.keys, st_full.keys)
+    torch.testing.assert_close(st.key_sums, st_full.key_sums)
     assert st.n_active.tolist() == st_full.n_active.tolist()
 
 

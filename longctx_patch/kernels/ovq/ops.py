@@ -109,7 +109,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
             stats = None
             if be == "triton":
                 from .triton_dict import chunk_stats_triton
-                stats = chunk_stats_triton(kc.detach(), state.keys.detach(), state.n_active, exact=exact_assign)
+                stats = chunk_stats_triton(kc.detach(), state.key_sums.detach(), state.counts, state.n_active,
+                                           exact=exact_assign)
             state = update_state(state, kc, vc, validc, max_centroids, growth, old_stats=stats)
             seen_bound += C
         else:

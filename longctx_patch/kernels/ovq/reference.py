@@ -24,19 +24,25 @@ from torch import Tensor
 
 @dataclass
 class OVQState:
-    keys: Tensor      # [B, H, N, D]   float32
-    values: Tensor    # [B, H, N, Dv]  float32
-    counts: Tensor    # [B, H, N]      float32
-    n_active: Tensor  # [B] int64
-    seen: Tensor      # [B] int64
+    """Dictionary state, stored as per-row sums: the row means are ``key_sums / counts``.
+
+    Sums make the update a pure scatter-add (count-weighted running means come out exactly) and let
+    the Triton kernels update rows with atomic adds.  ``n_active`` always equals
+    ``target_centroids(seen)``.
+    """
+    key_sums: Tensor    # [B, H, N, D]   float32
+    value_sums: Tensor  # [B, H, N, Dv]  float32
+    counts: Tensor      # [B, H, N]      float32
+    n_active: Tensor    # [B] int64
+    seen: Tensor        # [B] int64
 
     @staticmethod
     def empty(batch: int, heads: int, max_centroids: int, head_dim: int, value_dim: int | None = None,
               device=None, dtype=torch.float32) -> "OVQState":
         value_dim = head_dim if value_dim is None else value_dim
         return OVQState(
-            keys=torch.zeros(batch, heads, max_centroids, head_dim, device=device, dtype=dtype),
-            values=torch.zeros(batch, heads, max_centroids, value_dim, device=device, dtype=dtype),
+            key_sums=torch.zeros(batch, heads, max_centroids, head_dim, device=device, dtype=dtype),
+            value_sums=torch.zeros(batch, heads, max_centroids, value_dim, device=device, dtype=dtype),
             counts=torch.zeros(batch, heads, max_centroids, device=device, dtype=dtype),
             n_active=torch.zeros(batch, device=device, dtype=torch.long),
             seen=torch.zeros(batch, device=device, dtype=torch.long),
@@ -44,14 +50,24 @@ class OVQState:
 
     @property
     def max_centroids(self) -> int:
-        return self.keys.shape[2]
+        return self.key_sums.shape[2]
+
+    @property
+    def keys(self) -> Tensor:
+        """Row means of the keys (D_k), zeros for empty rows."""
+        return self.key_sums / self.counts.clamp_min(1.0)[..., None]
+
+    @property
+    def values(self) -> Tensor:
+        """Row means of the values (D_v), zeros for empty rows."""
+        return self.value_sums / self.counts.clamp_min(1.0)[..., None]
 
     def detach(self) -> "OVQState":
-        return replace(self, keys=self.keys.detach(), values=self.values.detach())
+        return replace(self, key_sums=self.key_sums.detach(), value_sums=self.value_sums.detach())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
-                   for t in (self.keys, self.values, self.counts, self.n_active, self.seen))
+                   for t in (self.key_sums, self.value_sums, self.counts, self.n_active, self.seen))
 
     def bias(self) -> Tensor:
         """log(count) per row, -inf for empty rows: ``[B, H, N]`` float32."""
@@ -102,7 +118,7 @@ def select_and_assign(state: OVQState, k: Tensor, valid: Tensor, n_new: Tensor,
     B, H, C, D = k.shape
     N = state.max_centroids
     kf = k.float()
-    dk = state.keys.float()
+    dk = state.keys.float()  # row means
     ar_n = torch.arange(N, device=k.device)
     active = ar_n[None, :] < state.n_active[:, None]                      # [B, N]
     if old_stats is None:
@@ -144,25 +160,19 @@ def select_and_assign(state: OVQState, k: Tensor, valid: Tensor, n_new: Tensor,
 
 def apply_assignments(state: OVQState, k: Tensor, v: Tensor, assign: Tensor, n_new: Tensor,
                       n_real: Tensor) -> OVQState:
-    """Linear part: count-weighted means of the rows; differentiable in ``k``, ``v`` and the state."""
+    """Linear part: each token adds its key / value to its row's sums and 1 to its count.
+
+    Differentiable in ``k``, ``v`` and the previous sums."""
     B, H, C, D = k.shape
     N = state.max_centroids
     ok = assign >= 0
     idx = torch.where(ok, assign, torch.zeros_like(assign))
     w = ok.to(torch.float32)
     m = torch.zeros(B, H, N, device=k.device, dtype=torch.float32).scatter_add_(-1, idx, w)
-    sk = torch.zeros(B, H, N, D, device=k.device, dtype=torch.float32).scatter_add(
-        2, idx[..., None].expand(B, H, C, D), k.float() * w[..., None])
+    sk = state.key_sums.scatter_add(2, idx[..., None].expand(B, H, C, D), k.float() * w[..., None])
     Dv = v.shape[-1]
-    sv = torch.zeros(B, H, N, Dv, device=k.device, dtype=torch.float32).scatter_add(
-        2, idx[..., None].expand(B, H, C, Dv), v.float() * w[..., None])
-    c_old = state.counts
-    c_new = c_old + m
-    denom = c_new.clamp_min(1.0)[..., None]
-    touched = (m > 0)[..., None]
-    keys = torch.where(touched, (state.keys * c_old[..., None] + sk) / denom, state.keys)
-    values = torch.where(touched, (state.values * c_old[..., None] + sv) / denom, state.values)
-    return OVQState(keys=keys, values=values, counts=c_new,
+    sv = state.value_sums.scatter_add(2, idx[..., None].expand(B, H, C, Dv), v.float() * w[..., None])
+    return OVQState(key_sums=sk, value_sums=sv, counts=state.counts + m,
                     n_active=state.n_active + n_new, seen=state.seen + n_real)
 
 
@@ -183,7 +193,7 @@ def update_state_loop(state: OVQState, k: Tensor, v: Tensor, valid: Tensor, max_
                       growth: float) -> OVQState:
     """Same update as :func:`update_state`, one token and one row at a time (float64, Python loops)."""
     B, H, C, D = k.shape
-    keys = state.keys.double().clone()
+    keys = state.keys.double().clone()      # row means
     values = state.values.double().clone()
     counts = state.counts.double().clone()
     n_act = state.n_active.clone()
@@ -230,7 +240,9 @@ def update_state_loop(state: OVQState, k: Tensor, v: Tensor, valid: Tensor, max_
                 counts[b, h, j] = c
         n_act[b] = n0 + n_new
         seen[b] = seen[b] + m
-    return OVQState(keys=keys.float(), values=values.float(), counts=counts.float(), n_active=n_act, seen=seen)
+    c = counts[..., None]
+    return OVQState(key_sums=(keys * c).float(), value_sums=(values * c).float(), counts=counts.float(),
+                    n_active=n_act, seen=seen)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,10 +294,11 @@ def exact_causal_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None
 
 
 def merge_keys(state: OVQState, k: Tensor, v: Tensor, valid: Tensor, n_dict: int, dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Concatenate the first ``n_dict`` dictionary rows with a chunk's keys / values and build the bias."""
+    """Concatenate the first ``n_dict`` dictionary rows (means) with a chunk's keys / values; build the bias."""
     bias_d = state.bias()[:, :, :n_dict]
     B, H = k.shape[:2]
     bias_c = torch.where(valid, 0.0, float("-inf")).to(torch.float32)[:, None, :].expand(B, H, -1)
-    kk = torch.cat([state.keys[:, :, :n_dict].to(dtype), k.to(dtype)], dim=2)
-    vv = torch.cat([state.values[:, :, :n_dict].to(dtype), v.to(dtype)], dim=2)
+    c = state.counts[:, :, :n_dict].clamp_min(1.0)[..., None]
+    kk = torch.cat([(state.key_sums[:, :, :n_dict] / c).to(dtype), k.to(dtype)], dim=2)
+    vv = torch.cat([(state.value_sums[:, :, :n_dict] / c).to(dtype), v.to(dtype)], dim=2)
     return kk, vv, torch.cat([bias_d, bias_c], dim=2).contiguous()

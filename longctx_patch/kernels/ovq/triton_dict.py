@@ -2,6 +2,7 @@
 
 For every chunk token ``i`` and key head, over the active rows ``j < n_active[b]``:
 
+* rows ``d_j = key_sums_j / counts_j``;
 * ``maxdot[i] = max_j k_i . d_j`` (spread-maximisation score, -inf when the dictionary is empty);
 * ``best[i] = max_j (k_i . d_j - |d_j|^2 / 2)`` and ``idx[i]`` its first argmax (nearest row by
   squared Euclidean distance).
@@ -16,8 +17,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _ovq_chunk_stats(K, DK, NACT, MAXDOT, BEST, IDX,
-                     skb, skh, skc, sdb, sdh, sdn,
+def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
+                     skb, skh, skc, sdb, sdh, sdn, scb, sch,
                      C, H,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -38,6 +39,8 @@ def _ovq_chunk_stats(K, DK, NACT, MAXDOT, BEST, IDX,
         offs_n = start + tl.arange(0, BN)
         act = offs_n < n_act
         d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0).to(tl.float32)
+        cnt = tl.load(CNT + b * scb + h * sch + offs_n, mask=act, other=1.0)
+        d = d / tl.maximum(cnt, 1.0)[:, None]
         if IEEE:
             dots = tl.dot(k, tl.trans(d), input_precision="ieee")
         else:
@@ -57,15 +60,18 @@ def _ovq_chunk_stats(K, DK, NACT, MAXDOT, BEST, IDX,
     tl.store(IDX + out, idx, mask=mask_m)
 
 
-def chunk_stats_triton(k: torch.Tensor, dict_keys: torch.Tensor, n_active: torch.Tensor, exact: bool = True):
-    """``k``: ``[B, H, C, D]``; ``dict_keys``: ``[B, H, N, D]``; ``n_active``: ``[B]`` int.
+def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Tensor, n_active: torch.Tensor,
+                       exact: bool = True):
+    """``k``: ``[B, H, C, D]``; ``key_sums``: ``[B, H, N, D]`` and ``counts`` ``[B, H, N]`` (rows are
+    ``key_sums / counts``); ``n_active``: ``[B]`` int.
 
     ``exact=False`` computes the dot products from bfloat16 operands (faster on tensor cores; near
     ties may then resolve differently from the float32 reference).
     Returns ``(maxdot, best, idx)``, each ``[B, H, C]`` (float32, float32, int64)."""
     B, H, C, D = k.shape
     k = k.contiguous()
-    dict_keys = dict_keys.contiguous()
+    dict_keys = key_sums.contiguous()
+    counts = counts.contiguous().float()
     nact = n_active.to(torch.int32).contiguous()
     maxdot = torch.empty(B, H, C, device=k.device, dtype=torch.float32)
     best = torch.empty_like(maxdot)
@@ -73,7 +79,8 @@ def chunk_stats_triton(k: torch.Tensor, dict_keys: torch.Tensor, n_active: torch
     BM = 16 if C <= 16 else (32 if C <= 32 else 64)
     BN = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
-        k, dict_keys, nact, maxdot, best, idx,
+        k, dict_keys, counts, nact, maxdot, best, idx,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
+        counts.stride(0), counts.stride(1),
         C, H, D=D, BM=BM, BN=BN, IEEE=exact)
     return maxdot, best, idx

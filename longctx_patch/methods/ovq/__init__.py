@@ -47,11 +47,12 @@ class OVQConfig(MethodConfig):
 class OVQLayer(LongctxLayer):
     """Decode state of one OVQ layer: dictionaries, counts and the open chunk.
 
-    keys / values ``[B, Hkv, N, D]`` float32, counts ``[B, Hkv, N]``, n_active / absorbed ``[B]``,
+    key_sums / value_sums ``[B, Hkv, N, D]`` float32 (row means = sums / counts), counts ``[B, Hkv, N]``,
+    n_active / absorbed ``[B]``,
     open_keys / open_values ``[B, Hkv, <chunk, D]`` and open_valid ``[B, <chunk]``.
     """
 
-    state_names = ("keys", "values", "counts", "n_active", "absorbed", "open_keys", "open_values", "open_valid")
+    state_names = ("key_sums", "value_sums", "counts", "n_active", "absorbed", "open_keys", "open_values", "open_valid")
 
     def __init__(self, chunk_size: int, max_centroids: int):
         super().__init__()
@@ -59,9 +60,9 @@ class OVQLayer(LongctxLayer):
         self.max_centroids = max_centroids
 
     def get_state(self) -> tuple[OVQState | None, OpenChunk | None, int]:
-        if self.keys is None:
+        if self.key_sums is None:
             return None, None, 0
-        st = OVQState(self.keys, self.values, self.counts, self.n_active, self.absorbed)
+        st = OVQState(self.key_sums, self.value_sums, self.counts, self.n_active, self.absorbed)
         op = OpenChunk(self.open_keys, self.open_values, self.open_valid) if self.open_keys is not None else None
         open_len = 0 if op is None else op.length
         return st, op, self.seen - open_len
@@ -70,12 +71,12 @@ class OVQLayer(LongctxLayer):
         if not self.is_initialized:
             self.lazy_initialization(like)
         st = state.detach()
-        self.keys, self.values, self.counts = st.keys, st.values, st.counts
+        self.key_sums, self.value_sums, self.counts = st.key_sums, st.value_sums, st.counts
         self.n_active, self.absorbed = st.n_active, st.seen
         if open_chunk is None:
             B, H, _, D = like.shape
             self.open_keys = like.new_zeros(B, H, 0, D)
-            self.open_values = like.new_zeros(B, H, 0, st.values.shape[-1])
+            self.open_values = like.new_zeros(B, H, 0, st.value_sums.shape[-1])
             self.open_valid = torch.zeros(B, 0, dtype=torch.bool, device=like.device)
         else:
             self.open_keys, self.open_values, self.open_valid = open_chunk.keys, open_chunk.values, open_chunk.valid
