@@ -84,6 +84,12 @@ class ExactConfig(MethodConfig):
 class ExactAttention(PatchedAttention):
     method_name = "exact"
 
+    @classmethod
+    def op(cls, q, k, v, *, scale, config):
+        """Op-level entry point (used by `longctx eval speed --op`): causal attention over one full sequence,
+        q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`, no cache or padding; returns `[B, S, Hq, D]`."""
+        return softmax_attention(q, k, v, scale=scale)
+
     def attend(self, q, k, v, cache_layer, padding):
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)

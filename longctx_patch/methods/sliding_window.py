@@ -46,6 +46,11 @@ class RollingKVLayer(LongctxLayer):
 class SlidingWindowAttention(PatchedAttention):
     method_name = "sliding-window"
 
+    @classmethod
+    def op(cls, q, k, v, *, scale, config):
+        """Op-level entry point (see ExactAttention.op): windowed causal attention over one full sequence."""
+        return softmax_attention(q, k, v, scale=scale, window=config.window)
+
     def attend(self, q, k, v, cache_layer, padding):
         w = self.method_config.window
         if cache_layer is None:
