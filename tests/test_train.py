@@ -64,23 +64,23 @@ def text_file(tmp_path_factory):
 
 # A real trainable method for the tests: exact attention with a learnable per-head inverse temperature,
 # started away from 1 so that attention transfer has something to learn (the optimum is log_t = 0).
-@dataclass
-class _TempConfig:
-    pass
+TEMP_METHOD = "test-temperature"
 
 
-@pytest.fixture(scope="module")
-def temp_method():
-    from longctx_patch.methods import base
+def register_temp_method() -> str:
+    from longctx_patch.methods import base, list_methods
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
     from longctx_patch.methods.exact import key_mask_for, softmax_attention
+
+    if TEMP_METHOD in base._REGISTRY:
+        return TEMP_METHOD
 
     @dataclass
     class TempConfig(MethodConfig):
         init: float = base.option(0.5, "initial log inverse temperature")
 
     class TempAttention(PatchedAttention):
-        method_name = "test-temperature"
+        method_name = TEMP_METHOD
 
         def __init__(self, orig, spec, config, adapter):
             super().__init__(orig, spec, config, adapter)
@@ -93,17 +93,22 @@ def temp_method():
             return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]))
 
     class TempMethod(Method):
-        name = "test-temperature"
+        name = TEMP_METHOD
         description = "exact attention with a learnable per-head temperature (tests only)"
         config_cls = TempConfig
         module_cls = TempAttention
 
-    from longctx_patch.methods import list_methods
-
     list_methods()  # load the built-ins first
     register_method(TempMethod)
-    yield "test-temperature"
-    base._REGISTRY.pop("test-temperature", None)
+    return TEMP_METHOD
+
+
+@pytest.fixture(scope="module")
+def temp_method():
+    from longctx_patch.methods import base
+
+    yield register_temp_method()
+    base._REGISTRY.pop(TEMP_METHOD, None)
 
 
 def recipe_dict(model_dir, text, method="test-temperature", **stage_kw):

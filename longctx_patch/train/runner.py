@@ -230,7 +230,8 @@ class Finetuner:
         mp = recipe.mixed_precision
         if mp == "auto":
             mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-        self.accelerator = Accelerator(mixed_precision=mp)
+        # cpu=True is what makes accelerate run several CPU processes (gloo) instead of one each
+        self.accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
         acc = self.accelerator
         if acc.distributed_type.name not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU"):
             raise ConfigError(
