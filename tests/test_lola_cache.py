@@ -58,8 +58,8 @@ def test_chunked_prefill_equals_token_by_token_and_full(backend):
         assert a.pos == b.pos == S
     # the sparse cache is really used: some slots hold pairs, padding never enters it
     assert st_full.sp_valid.any()
-    # buffer: fewer than window + chunk tokens
-    assert st_full.win_k.shape[2] < 6 + 4
+    # buffer: a fixed block of window + chunk rows, fewer tokens in it
+    assert st_full.win_k.shape[2] == 6 + 4 and st_full.nb < 6 + 4
 
 
 def test_triton_manager_matches_torch_manager():
@@ -83,7 +83,7 @@ def test_lambda_zero_is_lolcats(backend):
         got, st = _run(splits, seq, window=7, chunk=4, lam=0, backend=backend)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # the final state is the sum over everything older than the buffer
-    nb = st.win_k.shape[2]
+    nb = st.nb
     He, se = ref.fold(fk[:, :, : S - nb], ref.expand_kv(v, HQ)[:, :, : S - nb], torch.ones(B, HQ, S - nb),
                       torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F))
     torch.testing.assert_close(st.H, He, atol=1e-4, rtol=1e-4)
@@ -135,3 +135,18 @@ def test_state_bytes_do_not_grow():
         return st.nbytes()
 
     assert run(1024) == run(8192)
+
+
+def test_lolcats_parallel_prefill_with_padding_matches_torch():
+    """lam = 0 on the Triton backend takes one parallel pass (chunk_states + hybrid_fwd) per call."""
+    S = 22
+    seq = _seq(S, seed=6)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, :5] = False
+    want, st_want = _run([S], seq, window=6, chunk=4, lam=0, mask=mask, backend="torch")
+    real = mask[:, :, None, None].expand_as(want)
+    for splits in ([S], [13, 1, 8]):
+        got, st = _run(splits, seq, window=6, chunk=4, lam=0, mask=mask, backend="triton")
+        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(st.H, st_want.H, atol=1e-4, rtol=1e-4)
+        assert st.nb == st_want.nb and torch.equal(st.wmask, st_want.wmask)

@@ -63,11 +63,13 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
 # ------------------------------------------------------------------------------------------- LoLA state
 @dataclass
 class LolaState:
-    """Decode-time state of one layer. Sizes are bounded: window buffer < window + chunk tokens, sparse = lam.
+    """Decode-time state of one layer. Sizes are fixed: the window buffer has room for window + chunk tokens.
 
-    win_k/win_v [B, Hkv, nb, D], win_fk [B, Hq, nb, F2], win_mask [B, nb] bool or None (no padding),
+    win_k/win_v [B, Hkv, cap, D], win_fk [B, Hq, cap, F2], win_mask [B, cap] bool or None (no padding so far):
+    the first `nb` rows are the buffered tokens, oldest first (positions pos - nb .. pos - 1);
     sp_k/sp_v [B, Hq, lam, D], sp_fk [B, Hq, lam, F2], sp_score [B, Hq, lam] fp32 (-inf = empty slot),
     H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32, pos: tokens seen (padding included).
+    `inplace=False` (set when gradients flow) replaces every in-place buffer write by a concatenation.
     """
 
     win_k: torch.Tensor
@@ -81,16 +83,19 @@ class LolaState:
     H: torch.Tensor
     s: torch.Tensor
     pos: int = 0
+    nb: int = 0
+    inplace: bool = True
 
     @classmethod
-    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, fk_dtype=None):
+    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, fk_dtype=None, inplace=True):
         fk_dtype = fk_dtype or dtype
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        cap = capacity if inplace else 0
         return cls(
-            win_k=z(B, Hkv, 0, D), win_v=z(B, Hkv, 0, D), win_fk=z(B, Hq, 0, F2, dt=fk_dtype), win_mask=None,
+            win_k=z(B, Hkv, cap, D), win_v=z(B, Hkv, cap, D), win_fk=z(B, Hq, cap, F2, dt=fk_dtype), win_mask=None,
             sp_k=z(B, Hq, lam, D), sp_v=z(B, Hq, lam, D), sp_fk=z(B, Hq, lam, F2, dt=fk_dtype),
             sp_score=torch.full((B, Hq, lam), float("-inf"), dtype=torch.float32, device=device),
-            H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32), pos=0,
+            H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32), pos=0, nb=0, inplace=inplace,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -103,9 +108,22 @@ class LolaState:
     def sp_valid(self) -> torch.Tensor:
         return torch.isfinite(self.sp_score)
 
-    def index_select(self, idx: torch.Tensor) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, t.index_select(0, idx.to(t.device)))
+    # views of the buffered tokens
+    @property
+    def wk(self):
+        return self.win_k[:, :, : self.nb]
+
+    @property
+    def wv(self):
+        return self.win_v[:, :, : self.nb]
+
+    @property
+    def wfk(self):
+        return self.win_fk[:, :, : self.nb]
+
+    @property
+    def wmask(self):
+        return None if self.win_mask is None else self.win_mask[:, : self.nb]
 
 
 def _select(scores, valid, lam):
@@ -121,8 +139,7 @@ def _select(scores, valid, lam):
 
 def lola_evict(st: LolaState, *, window: int, lam: int, backend: str = "auto") -> None:
     """Score the pairs older than the last `window` tokens with the sparse cache; keep lam, fold the rest."""
-    nb = st.win_k.shape[2]
-    n_ev = nb - window
+    n_ev = st.nb - window
     if n_ev <= 0:
         return
     B, Hq = st.H.shape[:2]
@@ -162,33 +179,86 @@ def lola_evict(st: LolaState, *, window: int, lam: int, backend: str = "auto") -
     _drop_front(st, n_ev)
 
 
+def _drop_front(st: LolaState, n: int) -> None:
+    """Drop the n oldest buffered tokens (shift the rest to the front of the fixed buffer)."""
+    keep = st.nb - n
+    names = ["win_k", "win_v", "win_fk"] + (["win_mask"] if st.win_mask is not None else [])
+    for name in names:
+        t = getattr(st, name)
+        src = t[:, :, n: st.nb] if t.dim() > 2 else t[:, n: st.nb]
+        if st.inplace:
+            if t.dim() > 2:
+                t[:, :, :keep] = src.clone()
+            else:
+                t[:, :keep] = src.clone()
+        else:
+            setattr(st, name, src)
+    st.nb = keep
+
+
+def _ensure_mask(st: LolaState, B: int, device) -> None:
+    if st.win_mask is None:
+        st.win_mask = torch.ones(B, st.win_k.shape[2], dtype=torch.bool, device=device)
+
+
 def _append_window(st: LolaState, k, v, fk, mask_new) -> None:
     B, n = k.shape[0], k.shape[2]
-    if mask_new is not None or st.win_mask is not None:
-        old = st.win_mask if st.win_mask is not None else torch.ones(B, st.win_k.shape[2], dtype=torch.bool,
-                                                                         device=k.device)
-        new = mask_new.bool() if mask_new is not None else torch.ones(B, n, dtype=torch.bool, device=k.device)
-        st.win_mask = torch.cat([old, new], 1)
-    st.win_k = torch.cat([st.win_k, k.to(st.win_k.dtype)], 2)
-    st.win_v = torch.cat([st.win_v, v.to(st.win_v.dtype)], 2)
-    st.win_fk = torch.cat([st.win_fk, fk.to(st.win_fk.dtype)], 2)
+    if mask_new is not None:
+        _ensure_mask(st, B, k.device)
+    cap = st.win_k.shape[2]
+    if st.inplace and st.nb + n <= cap:
+        e = st.nb + n
+        st.win_k[:, :, st.nb:e] = k
+        st.win_v[:, :, st.nb:e] = v
+        st.win_fk[:, :, st.nb:e] = fk
+        if st.win_mask is not None:
+            st.win_mask[:, st.nb:e] = mask_new.bool() if mask_new is not None else True
+        st.nb = e
+        return
+    # functional path (gradients) or more tokens than the buffer holds (one long parallel prefill)
+    new = mask_new.bool() if mask_new is not None else torch.ones(B, n, dtype=torch.bool, device=k.device)
+    st.win_k = torch.cat([st.wk, k.to(st.win_k.dtype)], 2)
+    st.win_v = torch.cat([st.wv, v.to(st.win_v.dtype)], 2)
+    st.win_fk = torch.cat([st.wfk, fk.to(st.win_fk.dtype)], 2)
+    if st.win_mask is not None:
+        st.win_mask = torch.cat([st.wmask, new], 1)
+    st.nb += n
+
+
+def _repack(st: LolaState, cap: int) -> None:
+    """After a long parallel prefill: move the buffered tokens back into a buffer of `cap` rows."""
+    if not st.inplace or st.win_k.shape[2] == cap:
+        return
+    for name in ("win_k", "win_v", "win_fk", "win_mask"):
+        t = getattr(st, name)
+        if t is None:
+            continue
+        shape = list(t.shape)
+        shape[2 if t.dim() > 2 else 1] = cap
+        buf = torch.ones(shape, dtype=t.dtype, device=t.device) if t.dim() == 2 else torch.zeros(shape, dtype=t.dtype,
+                                                                                                 device=t.device)
+        if t.dim() > 2:
+            buf[:, :, : st.nb] = t[:, :, : st.nb]
+        else:
+            buf[:, : st.nb] = t[:, : st.nb]
+        setattr(st, name, buf)
 
 
 def _attend_piece(st, q, fq, g, lf, *, window, scale, backend):
     """Attention of the newest q.shape[2] tokens (already appended to the window buffer)."""
-    nb = st.win_k.shape[2]
+    nb = st.nb
     S = q.shape[2]
     lam = st.sp_k.shape[2]
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     if _use_triton(backend, q, st.win_k, st.H):
         tk = _tk()
         if S == 1:
-            return tk.decode_step(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window,
-                                  scale=scale, key_mask=st.win_mask, **sp)
-        return tk.hybrid_fwd(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window, scale=scale,
-                             q_offset=nb - S, key_mask=st.win_mask, state_chunk=0, **sp)
-    o = ref.lola_attention(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, st.H, st.s, window=window, scale=scale,
-                           key_mask=st.win_mask, q_offset=nb - S, **sp)
+            return tk.decode_step(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window,
+                                  scale=scale, key_mask=st.wmask, **sp)
+        return tk.hybrid_fwd(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window, scale=scale,
+                             q_offset=nb - S, key_mask=st.wmask, state_chunk=0, **sp)
+    o = ref.lola_attention(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window, scale=scale,
+                           key_mask=st.wmask, q_offset=nb - S, **sp)
     return o.transpose(1, 2).to(q.dtype)
 
 
@@ -199,6 +269,9 @@ def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: i
     key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
     """
     S = q.shape[2]
+    cap = window + chunk
+    if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
+        _repack(st, cap)
     if lam == 0 and S > 1 and _use_triton(backend, q, k, st.H):
         return _lolcats_parallel(st, q, k, v, fq, fk, g, lf, window=window, chunk=chunk, scale=scale,
                                  key_mask_new=key_mask_new)
@@ -223,31 +296,38 @@ def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_m
     from (H, s), then fold what the sequential manager would have folded by now."""
     tk = _tk()
     S = q.shape[2]
-    _append_window(st, k, v, fk, key_mask_new)
-    nb = st.win_k.shape[2]
+    cap = window + chunk
+    if st.nb == 0 and key_mask_new is None and st.win_mask is None:
+        lk, lv, lfk, lm = k, v, fk, None  # nothing buffered: the new tokens are the local keys
+    else:
+        _append_window(st, k, v, fk, key_mask_new)
+        lk, lv, lfk, lm = st.wk, st.wv, st.wfk, st.wmask
+    nb = lk.shape[2]
     cs = max(64, (chunk // 64) * 64)
-    Hs, Ss = tk.chunk_states(st.win_fk, st.win_v, cs, key_mask=st.win_mask, H0=st.H, s0=st.s)
-    o = tk.hybrid_fwd(q, st.win_k, st.win_v, fq, st.win_fk, g, lf, Hs, Ss, window=window, scale=scale,
-                      q_offset=nb - S, key_mask=st.win_mask, state_chunk=cs)
+    Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
+    o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=nb - S, key_mask=lm,
+                      state_chunk=cs)
+    del Hs, Ss
     st.pos += S
     start_pos = max((st.pos // chunk) * chunk - window, 0)  # first position the buffer keeps
     n_fold = nb - (st.pos - start_pos)
+    B, Hq = st.H.shape[:2]
     if n_fold > 0:
-        B, Hq = st.H.shape[:2]
-        w = (torch.ones(B, n_fold, dtype=torch.bool, device=q.device) if st.win_mask is None
-             else st.win_mask[:, :n_fold])
+        w = (torch.ones(B, n_fold, dtype=torch.bool, device=q.device) if lm is None else lm[:, :n_fold])
         H, s = st.H.contiguous(), st.s.contiguous()
-        tk.fold_into_state(st.win_fk[:, :, :n_fold], st.win_v[:, :, :n_fold], w[:, None, :].expand(B, Hq, n_fold),
-                           H, s)
+        tk.fold_into_state(lfk[:, :, :n_fold], lv[:, :, :n_fold], w[:, None, :].expand(B, Hq, n_fold), H, s)
         st.H, st.s = H, s
-        _drop_front(st, n_fold)
+    keep = nb - max(n_fold, 0)
+    # the kept tokens go back into a fixed buffer of `cap` rows
+    names = [("win_k", lk), ("win_v", lv), ("win_fk", lfk)] + ([("win_mask", lm)] if lm is not None else [])
+    for name, src in names:
+        shape = list(src.shape)
+        shape[2 if src.dim() > 2 else 1] = cap
+        buf = src.new_zeros(shape) if src.dim() > 2 else torch.ones(shape, dtype=src.dtype, device=src.device)
+        if src.dim() > 2:
+            buf[:, :, :keep] = src[:, :, nb - keep:]
+        else:
+            buf[:, :keep] = src[:, nb - keep:]
+        setattr(st, name, buf)
+    st.nb = keep
     return o
-
-
-def _drop_front(st: LolaState, n: int) -> None:
-    """Drop the n oldest window-buffer tokens; copies, so no larger storage stays referenced."""
-    st.win_k = st.win_k[:, :, n:].contiguous().clone()
-    st.win_v = st.win_v[:, :, n:].contiguous().clone()
-    st.win_fk = st.win_fk[:, :, n:].contiguous().clone()
-    if st.win_mask is not None:
-        st.win_mask = st.win_mask[:, n:].clone()

@@ -111,21 +111,28 @@ class LolaLayer(LongctxLayer):
         self.window = window
         self.chunk = chunk
         self.sparse_cache = sparse_cache
+        self.nb = 0  # buffered tokens at the front of win_k / win_v / win_fk / win_mask
+
+    def reset(self) -> None:
+        super().reset()
+        self.nb = 0
 
     def get_state(self, B, Hq, Hkv, D, F2, like: torch.Tensor) -> LolaState:
         if self.H is None:
             if not self.is_initialized:
                 self.lazy_initialization(like)
-            st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device)
+            st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device,
+                                 capacity=self.window + self.chunk)
             st.pos = self.seen
             return st
-        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen)
+        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb)
 
     def set_state(self, st: LolaState) -> None:
         for n in self.state_names:
             t = getattr(st, n)
             setattr(self, n, t.detach() if isinstance(t, torch.Tensor) else t)
         self.seen = st.pos
+        self.nb = st.nb
 
 
 class LolcatsAttention(PatchedAttention):
@@ -167,7 +174,8 @@ class LolcatsAttention(PatchedAttention):
         if cache_layer is None:
             if lam == 0:
                 return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, **kw)
-            st = LolaState.empty(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], lam, q.dtype, q.device)
+            st = LolaState.empty(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
+                                 capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled())
             return lola_process(st, q, k, v, fq, fk, g, lf, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask, **kw)
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
@@ -186,7 +194,7 @@ class LolcatsAttention(PatchedAttention):
         cfg = self.method_config
         elt = torch.tensor([], dtype=dtype).element_size()
         Hq, Hkv, D, F2 = self.num_heads, self.num_key_value_heads, self.head_dim, 2 * cfg.feature_dim
-        buf = min(context_len, cfg.window + cfg.chunk - 1)
+        buf = cfg.window + cfg.chunk  # fixed-size window buffer
         window = batch * buf * (2 * Hkv * D * elt + Hq * F2 * elt + 1)
         lam = self.sparse_cache
         sparse = batch * Hq * lam * ((2 * D + F2) * elt + 4)
