@@ -1,0 +1,105 @@
+"""MuSe fidelity on real Q/K/V: relative error of the attention output vs exact, per layer of SmolLM2-135M.
+
+Captures post-rotary Q/K/V of every layer on a real text (Paul Graham essays from ../shared/data), then runs
+the MuSe reference for each configuration of a small grid. CPU is enough (the Triton kernels compute the
+same function from the same plan; tests/test_muse_kernels.py checks that).
+
+    PYTHONPATH=. python evals/muse_fidelity.py --seq-len 2048 --out evals/results/muse-fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import longctx_patch
+from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.methods.exact import softmax_attention
+
+GRID = [
+    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
+    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=4),
+    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4, dipole=True),
+    dict(block_size=64, q_clusters=2, k_clusters=8, topk_blocks=2, topk_clusters=4),
+    dict(block_size=64, q_clusters=8, k_clusters=8, topk_blocks=2, topk_clusters=8),
+    dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=4),
+    dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=8),
+    dict(block_size=128, q_clusters=4, k_clusters=8, topk_blocks=2, topk_clusters=8),
+]
+
+
+def real_text(root: Path, chars: int) -> str:
+    d = root / "pg_essays"
+    parts, n = [], 0
+    for f in sorted(d.glob("*.txt")):
+        if f.name.startswith("SOURCE"):
+            continue
+        t = f.read_text(errors="ignore")
+        parts.append(t)
+        n += len(t)
+        if n >= chars:
+            break
+    return "\n\n".join(parts)
+
+
+def capture_qkv(model, ids):
+    """Returns [(q, k, v)] per layer (post-rotary, [1, H, S, D], float32) with an exact-patched model."""
+    longctx_patch.patch(model, "exact")
+    store = {}
+    for layer in model.model.layers:
+        att = layer.self_attn
+        orig = att.attend
+
+        def rec(q, k, v, cache_layer, padding, _orig=orig, _i=att.layer_idx):
+            store[_i] = (q.detach().float().clone(), k.detach().float().clone(), v.detach().float().clone())
+            return _orig(q, k, v, cache_layer, padding)
+
+        att.attend = rec
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    longctx_patch.unpatch(model)
+    return [store[i] for i in sorted(store)], float(model.model.layers[0].self_attn.scaling)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--layers", default="all", help="'all' or a comma list")
+    ap.add_argument("--out", default="evals/results/muse-fidelity.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
+    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
+    qkv, scale = capture_qkv(model, ids)
+    layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    rows = []
+    for cfg in GRID:
+        errs, t0 = [], time.time()
+        for i in layers:
+            q, k, v = qkv[i]
+            ref = softmax_attention(q, k, v, scale=scale)
+            o = muse_attention(q, k, v, scale=scale, backend="reference", kmeans_iters=2, **cfg)
+            errs.append(((o - ref).norm() / ref.norm()).item())
+        row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
+        rows.append(row)
+        print(f"{json.dumps(cfg):110s} mean {row['mean_rel_err']:.4f} max {row['max_rel_err']:.4f} "
+              f"({time.time() - t0:.0f}s)", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               commit=commit, command=f"PYTHONPATH=. python evals/muse_fidelity.py --seq-len {args.seq_len}",
+               model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
+               results=rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""`muse`: multipole semantic attention (MuSe) for the prefill of Llama-family models.
+
+The softmax kernel of each patched layer is replaced by MuSe (longctx_patch.kernels.muse) for prefill
+without a past (q_len == k_len > block_size and >= min_seq_len); decode steps, continued prefill and
+short sequences take exact softmax attention over a full KV cache, so `generate()` is exact after the
+prompt. The projections are the original ones: no new parameters. docs/muse.md explains every option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import ConfigError
+from ...kernels.muse import BACKENDS, muse_attention
+from ..base import Method, MethodConfig, PatchedAttention, option, register_method
+from ..exact import key_mask_for, softmax_attention
+
+
+@dataclass
+class MuseConfig(MethodConfig):
+    block_size: int = option(64, "tokens per spatial block (exact causal attention inside a block); Triton: "
+                             "power of two in 16..128", min=2)
+    q_clusters: int = option(4, "query clusters per block and query head (tilt centres of the summaries)", min=1)
+    k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
+    kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
+    topk_clusters: int = option(4, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
+    topk_blocks: int = option(2, "earlier blocks attended exactly per query cluster", min=0)
+    dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
+    min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
+    backend: str = option("auto", "kernel: auto (Triton on CUDA when supported), reference or triton",
+                          choices=list(BACKENDS))
+
+    def check(self) -> None:
+        if self.q_clusters > self.block_size or self.k_clusters > self.block_size:
+            raise ConfigError(
+                f"MuseConfig: q_clusters ({self.q_clusters}) and k_clusters ({self.k_clusters}) must be <= "
+                f"block_size ({self.block_size})"
+            )
+
+    def kernel_kwargs(self) -> dict:
+        return dict(block_size=self.block_size, q_clusters=self.q_clusters, k_clusters=self.k_clusters,
+                    kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters, topk_blocks=self.topk_blocks,
+                    dipole=self.dipole, backend=self.backend)
+
+
+def _past_len(cache_layer) -> int:
+    if cache_layer is None or not getattr(cache_layer, "is_initialized", False):
+        return 0
+    keys = getattr(cache_layer, "keys", None)
+    return 0 if keys is None else int(keys.shape[-2])
+
+
+class MuseAttention(PatchedAttention):
+    method_name = "muse"
+
+    def uses_muse(self, q_len: int, past: int) -> bool:
+        c = self.method_config
+        return past == 0 and q_len > c.block_size and q_len >= c.min_seq_len
+
+    def attend(self, q, k, v, cache_layer, padding):
+        past = _past_len(cache_layer)
+        S = q.shape[2]
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        km = key_mask_for(padding, k.shape[2])
+        if self.uses_muse(S, past):
+            return muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+        return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
+
+
+@register_method
+class Muse(Method):
+    name = "muse"
+    description = "multipole semantic attention for long prefills (clustered tilted summaries + exact retrieval); exact decode"
+    config_cls = MuseConfig
+    module_cls = MuseAttention
+
+
+__all__ = ["MuseConfig", "MuseAttention", "Muse"]
