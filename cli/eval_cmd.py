@@ -1,0 +1,272 @@
+"""`longctx eval`: needle-in-a-haystack, long-text perplexity, attention fidelity, speed and memory."""
+
+from __future__ import annotations
+
+import shlex
+
+import click
+
+from .common import device_dtype_options, friendly_errors, model_option
+
+METHOD_HELP = (
+    "Method to evaluate, repeatable: several --method compare methods on the same inputs in one run "
+    "(the model is loaded once). 'none' (or 'unpatched') is the unpatched model. See 'longctx info'."
+)
+SET_HELP = (
+    "Method config, repeatable: METHOD.KEY=VALUE sets KEY of one method (e.g. --set sliding-window.window=256); "
+    "a plain KEY=VALUE sets KEY on every selected method that has it."
+)
+
+
+def method_options(default=("exact",)):
+    def deco(f):
+        f = click.option("--set", "sets", multiple=True, metavar="[METHOD.]KEY=VALUE", help=SET_HELP)(f)
+        f = click.option("--method", "methods", multiple=True, default=default, show_default=True, metavar="METHOD",
+                         help=METHOD_HELP)(f)
+        return f
+
+    return deco
+
+
+def output_options(f):
+    f = click.option("--name", default=None, metavar="NAME",
+                     help="Base name of the result files (default: TASK-MODEL-METHODS).")(f)
+    f = click.option("--out-dir", default="evals/results", show_default=True, type=click.Path(file_okay=False),
+                     help="Folder for NAME.json and NAME.png.")(f)
+    return f
+
+
+def text_options(f):
+    f = click.option("--max-docs", default=None, type=click.IntRange(1), help="Use at most this many documents.")(f)
+    f = click.option("--field", default="text", show_default=True, help="Dataset column holding the text.")(f)
+    f = click.option("--split", default="test", show_default=True, help="Dataset split.")(f)
+    f = click.option("--dataset", default=None, metavar="NAME",
+                     help="A `datasets` dataset (hub name in the local cache, or a folder saved with save_to_disk).")(f)
+    f = click.option("--text", "texts", multiple=True, type=click.Path(), metavar="FILE|DIR",
+                     help="A text file or a folder of .txt files (repeatable). Default: the packaged Shakespeare text.")(f)
+    return f
+
+
+def _command() -> str:
+    """The effective command line (every option, defaults included) of the running subcommand."""
+    ctx = click.get_current_context()
+    parts = ["longctx", "eval", ctx.info_name]
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name not in ctx.params:
+            continue
+        value = ctx.params[p.name]
+        opt = max(p.opts, key=len)
+        if p.is_flag:
+            if p.secondary_opts and not value:
+                parts.append(max(p.secondary_opts, key=len))
+            elif value:
+                parts.append(opt)
+        elif value is None:
+            continue
+        elif p.multiple:
+            for v in value:
+                parts += [opt, str(v)]
+        else:
+            parts += [opt, str(value)]
+    return shlex.join(parts)
+
+
+def _runs(methods, sets, baseline: bool = False):
+    from longctx_patch.evals.common import MethodRun, parse_methods
+
+    runs = parse_methods(methods, sets)
+    if baseline and not any(r.name in ("exact", "none") for r in runs):
+        runs.insert(0, MethodRun("exact"))
+    return runs
+
+
+def _load(model, dtype, device):
+    import longctx_patch as lp
+
+    click.echo(f"loading {model} ...", err=True)
+    return lp.load_model(model, dtype=dtype, device=device)
+
+
+def _docs(texts, dataset, split, field, max_docs):
+    from longctx_patch.evals.niah import DEFAULT_HAYSTACK
+    from longctx_patch.evals.ppl import load_texts
+
+    if not texts and dataset is None:
+        return load_texts(DEFAULT_HAYSTACK, max_docs=max_docs), f"{DEFAULT_HAYSTACK.name} (packaged)"
+    docs = load_texts(list(texts) or None, dataset=dataset, split=split, field=field, max_docs=max_docs)
+    source = ", ".join(texts) if texts else f"{dataset}:{split}:{field}"
+    return docs, source
+
+
+@click.group("eval", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def eval_group() -> None:
+    """Evaluate methods: retrieval (niah), perplexity (ppl), attention fidelity (approx), speed.
+
+    Every task compares the methods given with --method on the same inputs, prints a table and writes
+    OUT_DIR/NAME.json (device, date, commit, command, model, method, config + figures) and a PNG plot.
+
+    \b
+    Example:
+      longctx eval niah --method exact --method sliding-window \\
+          --set sliding-window.window=256 --lengths 1k,2k --samples 4
+    """
+
+
+# --------------------------------------------------------------------------------------------- niah
+@eval_group.command("niah")
+@model_option
+@method_options(default=("exact",))
+@click.option("--tasks", default="s-niah-1,s-niah-2,s-niah-3,mk-niah", show_default=True,
+              help="Comma-separated tasks: s-niah-1 (number in filler), s-niah-2 (number in essay), "
+                   "s-niah-3 (UUID in essay), mk-niah (one of several keys, with distractors).")
+@click.option("--lengths", default="1k,2k,4k,8k", show_default=True,
+              help="Prompt lengths in tokens (whole prompt, chat template included).")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
+              help="Needle depths as fractions of the haystack (0 = start, 1 = end).")
+@click.option("--samples", default=1, show_default=True, type=click.IntRange(1),
+              help="Prompts per (task, length, depth) cell.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of keys, values, distractors and text offsets.")
+@click.option("--haystack", default=None, type=click.Path(), metavar="FILE|DIR",
+              help="Essay text: a .txt file or a folder of .txt files (e.g. Paul Graham's essays). "
+                   "Default: the packaged Shakespeare text.")
+@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@output_options
+@device_dtype_options
+@friendly_errors
+def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haystack, progress, out_dir, name, device, dtype):
+    """Needle-in-a-haystack retrieval (RULER-style), greedy decoding, exact-match scoring.
+
+    Prints accuracy by task x length for each method and writes a depth x length heatmap.
+
+    \b
+    Examples:
+      longctx eval niah --lengths 1k,2k --samples 4 --haystack ../shared/data/pg_essays
+      longctx eval niah --method none --method sliding-window --set window=256 --tasks s-niah-2
+    """
+    from longctx_patch.evals.common import parse_fractions, parse_sizes
+    from longctx_patch.evals.niah import load_haystack, run_niah
+
+    runs = _runs(methods, sets)
+    task_list = [t.strip().lower() for t in tasks.split(",") if t.strip()]
+    length_list, depth_list = parse_sizes(lengths), parse_fractions(depths)
+    if haystack is not None:
+        load_haystack(haystack)  # fail on a bad path before loading the model
+    pair = _load(model, dtype, device)
+    run_niah(pair, runs, tasks=task_list, lengths=length_list, depths=depth_list, samples=samples, seed=seed,
+             haystack=haystack, out_dir=out_dir, name=name, model_name=model, command=_command(), progress=progress,
+             echo=click.echo)
+
+
+# --------------------------------------------------------------------------------------------- ppl
+@eval_group.command("ppl")
+@model_option
+@method_options(default=("exact",))
+@text_options
+@click.option("--context", "contexts", default="2k,8k", show_default=True, help="Context lengths (window sizes) in tokens.")
+@click.option("--windows", default=4, show_default=True, type=click.IntRange(1), help="Windows scored per context.")
+@click.option("--buckets", default=8, show_default=True, type=click.IntRange(1), help="Position buckets per window.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Add 'exact' as the reference when neither exact nor none is among the methods.")
+@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@output_options
+@device_dtype_options
+@friendly_errors
+def ppl_cmd(model, methods, sets, texts, dataset, split, field, max_docs, contexts, windows, buckets, baseline,
+            progress, out_dir, name, device, dtype):
+    """Perplexity on long text and mean loss by position bucket (does the model use far context?).
+
+    \b
+    Example:
+      longctx eval ppl --method sliding-window --set window=256 --text ../shared/data/pg_essays --context 2k,4k
+    """
+    from longctx_patch.evals.common import parse_sizes
+    from longctx_patch.evals.ppl import run_ppl
+
+    runs = _runs(methods, sets, baseline=baseline)
+    ctx_list = parse_sizes(contexts)
+    docs, source = _docs(texts, dataset, split, field, max_docs)
+    pair = _load(model, dtype, device)
+    run_ppl(pair, runs, docs, contexts=ctx_list, max_windows=windows, buckets=buckets, out_dir=out_dir, name=name,
+            model_name=model, source=source, command=_command(), progress=progress, echo=click.echo)
+
+
+# --------------------------------------------------------------------------------------------- approx
+@eval_group.command("approx")
+@model_option
+@method_options(default=("exact",))
+@text_options
+@click.option("--length", default="2k", show_default=True, help="Tokens of text whose real q/k/v are captured.")
+@click.option("--lengths", default="", show_default=False,
+              help="Also measure on random N(0,1) q/k/v at these lengths (e.g. 1k,4k); default: none.")
+@click.option("--no-real", is_flag=True, help="Skip the real-text capture (synthetic inputs only).")
+@click.option("--layers", default=None, metavar="SPEC", help="Layers to measure, e.g. '0-7,12' (default: all).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
+@output_options
+@device_dtype_options
+@friendly_errors
+def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, length, lengths, no_real, layers, seed,
+               out_dir, name, device, dtype):
+    """Relative error ||O_method - O_exact||_F / ||O_exact||_F of each layer's attention output on real
+    post-rotary q/k/v captured from the model, and on random inputs.
+
+    \b
+    Example:
+      longctx eval approx --method muse --method sliding-window --set sliding-window.window=512 --length 4k --lengths 1k,8k
+    """
+    from longctx_patch.evals.approx import run_approx
+    from longctx_patch.evals.common import parse_size, parse_sizes
+
+    runs = _runs(methods, sets)
+    synth = parse_sizes(lengths) if lengths.strip() else []
+    if no_real and not synth:
+        raise click.UsageError("--no-real needs --lengths (random inputs), or there is nothing to measure")
+    docs, source = (None, "") if no_real else _docs(texts, dataset, split, field, max_docs)
+    pair = _load(model, dtype, device)
+    run_approx(pair, runs, docs, length=parse_size(length), lengths=synth, layers=layers, seed=seed, out_dir=out_dir,
+               name=name, model_name=model, source=source, command=_command(), echo=click.echo)
+
+
+# --------------------------------------------------------------------------------------------- speed
+@eval_group.command("speed")
+@model_option
+@method_options(default=("exact",))
+@click.option("--context", "contexts", default="1k,4k", show_default=True, help="Model level: prompt lengths in tokens.")
+@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(0), help="Model level: decode steps timed.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Model level: prefill repeats (median).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Model level: add 'exact' as the reference when neither exact nor none is among the methods.")
+@click.option("--op", is_flag=True, help="Op level (CUDA only): time the attention op alone against SDPA cuDNN/flash.")
+@click.option("--lengths", default="4k,16k,64k,128k", show_default=True, help="Op level: sequence lengths.")
+@click.option("--heads", default=32, show_default=True, type=click.IntRange(1), help="Op level: query heads.")
+@click.option("--kv-heads", default=8, show_default=True, type=click.IntRange(1), help="Op level: key/value heads.")
+@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1), help="Op level: head dimension.")
+@click.option("--modes", default="fwd,fwd+bwd", show_default=True, help="Op level: fwd and/or fwd+bwd.")
+@output_options
+@device_dtype_options
+@friendly_errors
+def speed_cmd(model, methods, sets, contexts, decode_tokens, repeats, baseline, op, lengths, heads, kv_heads, head_dim,
+              modes, out_dir, name, device, dtype):
+    """Prefill time, decode tokens/s and memory vs context (model level), or the attention op alone (--op, CUDA).
+
+    \b
+    Examples:
+      longctx eval speed --method sliding-window --set window=1024 --context 1k,4k,16k
+      longctx eval speed --op --method muse --lengths 4k,16k,64k,128k --heads 32 --kv-heads 8 --head-dim 128
+    """
+    from longctx_patch.evals.common import parse_sizes
+    from longctx_patch.evals.speed import run_op_speed, run_speed
+
+    if op:
+        runs = _runs(methods, sets)
+        run_op_speed(runs, lengths=parse_sizes(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     dtype=dtype or "bfloat16", modes=[m.strip() for m in modes.split(",") if m.strip()],
+                     out_dir=out_dir, name=name, command=_command(), echo=click.echo)
+        return
+    runs = _runs(methods, sets, baseline=baseline)
+    ctx_list = parse_sizes(contexts)
+    pair = _load(model, dtype, device)
+    run_speed(pair, runs, contexts=ctx_list, decode_tokens=decode_tokens, repeats=repeats, out_dir=out_dir, name=name,
+              model_name=model, command=_command(), echo=click.echo)
+
+
+__all__ = ["eval_group"]

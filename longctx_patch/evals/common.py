@@ -1,0 +1,328 @@
+"""Shared pieces of the evaluation tasks: method selection, length parsing, result files, plots.
+
+A run compares several methods on one loaded model. Methods are given by name (`exact`,
+`sliding-window`, ... or `none` for the unpatched model) and configured with `--set` items:
+`METHOD.key=value` sets a key of one method, a plain `key=value` sets the key on every selected
+method whose config has it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..errors import ConfigError
+
+UNPATCHED = ("none", "unpatched")
+DEFAULT_RESULTS_DIR = Path("evals") / "results"
+
+
+# ----------------------------------------------------------------------------------------------- methods
+@dataclass
+class MethodRun:
+    """One entry of a comparison: a registered method (or the unpatched model) and its config."""
+
+    name: str  # registered method name, or "none" for the unpatched model
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def patched(self) -> bool:
+        return self.name not in UNPATCHED
+
+    @property
+    def label(self) -> str:
+        if not self.config:
+            return self.name
+        return self.name + "(" + ",".join(f"{k}={v}" for k, v in self.config.items()) + ")"
+
+
+def _registry():
+    from ..methods import get_method, list_methods
+
+    return get_method, list_methods
+
+
+def _method_names() -> list[str]:
+    _, list_methods = _registry()
+    names = []
+    for m in list_methods():
+        names.append(m if isinstance(m, str) else getattr(m, "name", str(m)))
+    return names
+
+
+def _config_keys(name: str) -> list[str]:
+    get_method, _ = _registry()
+    cls = get_method(name).config_cls
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[MethodRun]:
+    """Turns `--method` names and `--set` items into validated `MethodRun`s.
+
+    >>> parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])  # doctest: +SKIP
+    """
+    if not methods:
+        raise ConfigError("no method given; pass --method NAME (e.g. --method exact), or --method none for the unpatched model")
+    known = _method_names()
+    runs: list[MethodRun] = []
+    for raw in methods:
+        name = raw.strip().lower()
+        if name == "unpatched":
+            name = "none"
+        if name != "none" and name not in known:
+            raise ConfigError(f"unknown method {raw!r}; choose from: none, {', '.join(known)}")
+        if any(r.name == name for r in runs):
+            raise ConfigError(f"method {name!r} given twice; give each method once and configure it with --set {name}.KEY=VALUE")
+        runs.append(MethodRun(name))
+    by_name = {r.name: r for r in runs}
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"bad --set {item!r}: write METHOD.KEY=VALUE or KEY=VALUE, e.g. --set sliding-window.window=256")
+        lhs, value = item.split("=", 1)
+        lhs, value = lhs.strip(), value.strip()
+        targets: list[MethodRun]
+        if "." in lhs:
+            mname, key = lhs.rsplit(".", 1)
+            mname = mname.lower()
+            if mname not in by_name:
+                raise ConfigError(
+                    f"--set {item!r} names method {mname!r}, which is not selected; selected: {', '.join(by_name)}"
+                )
+            if mname == "none":
+                raise ConfigError(f"--set {item!r}: the unpatched model ('none') has no config")
+            if key not in _config_keys(mname):
+                raise ConfigError(
+                    f"--set {item!r}: {mname} has no key {key!r}; its keys: {', '.join(_config_keys(mname)) or '(none)'}"
+                )
+            targets = [by_name[mname]]
+        else:
+            key = lhs
+            targets = [r for r in runs if r.patched and key in _config_keys(r.name)]
+            if not targets:
+                raise ConfigError(
+                    f"--set {item!r}: no selected method has a key {key!r}; use METHOD.KEY=VALUE with one of: "
+                    + "; ".join(f"{r.name}: {', '.join(_config_keys(r.name)) or '(none)'}" for r in runs if r.patched)
+                )
+        if not key:
+            raise ConfigError(f"bad --set {item!r}: the key is empty")
+        for r in targets:
+            r.config[key] = value
+    get_method, _ = _registry()
+    for r in runs:  # validate and normalise values now, before any model is loaded
+        if r.patched:
+            cfg = get_method(r.name).parse_config(r.config)
+            r.config = {k: getattr(cfg, k) for k in r.config}
+    return runs
+
+
+@contextlib.contextmanager
+def applied(model, run: MethodRun, layers=None) -> Iterator[Any]:
+    """Patches `model` with `run` for the duration of the block (nothing for the unpatched model)."""
+    import longctx_patch as lp
+
+    if not run.patched:
+        yield model
+        return
+    lp.patch(model, run.name, layers=layers, **run.config)
+    try:
+        yield model
+    finally:
+        lp.unpatch(model)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """`'4k'` -> 4096, `'1.5k'` -> 1536, `'1m'` -> 1048576, `'300'` -> 300."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"bad length {text!r}; write a number of tokens such as 1000, 4k or 128k")
+    mult = {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    value = float(m.group(1)) * mult
+    if value < 1 or not float(value).is_integer():
+        raise ConfigError(f"bad length {text!r}; it must be a positive whole number of tokens")
+    return int(value)
+
+
+def parse_sizes(text: str | Sequence[str]) -> list[int]:
+    items = text.split(",") if isinstance(text, str) else [s for t in text for s in str(t).split(",")]
+    items = [s for s in (i.strip() for i in items) if s]
+    if not items:
+        raise ConfigError("no lengths given; write e.g. --lengths 1k,2k,4k")
+    return [parse_size(s) for s in items]
+
+
+def parse_fractions(text: str | Sequence[float]) -> list[float]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for s in items:
+        if isinstance(s, str) and not s.strip():
+            continue
+        try:
+            f = float(s)
+        except ValueError:
+            raise ConfigError(f"bad depth {s!r}; write fractions between 0 and 1, e.g. --depths 0,0.25,0.5,0.75,1") from None
+        if not 0.0 <= f <= 1.0:
+            raise ConfigError(f"bad depth {s!r}; depths are fractions between 0 and 1")
+        out.append(f)
+    if not out:
+        raise ConfigError("no depths given; write e.g. --depths 0,0.5,1")
+    return out
+
+
+def size_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+# ----------------------------------------------------------------------------------------------- results
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_description(device=None) -> str:
+    import torch
+
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+        return f"cuda: {torch.cuda.get_device_name(idx)}"
+    return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    return shlex.join(argv)
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-.")
+    return s or "x"
+
+
+def default_name(task: str, model: str, runs: Sequence[MethodRun]) -> str:
+    model_part = slug(Path(str(model)).name if os.sep in str(model) else str(model))
+    methods = "+".join(slug(r.name) for r in runs)
+    return f"{task}-{model_part}-{methods}"
+
+
+def write_result(
+    path: str | os.PathLike,
+    *,
+    task: str,
+    model: str,
+    runs: Sequence[MethodRun],
+    figures: dict[str, Any],
+    command: str | None = None,
+    device: str | None = None,
+) -> Path:
+    """Writes one result JSON with the fields every evaluation shares, plus `figures`.
+
+    `method` is the list of method labels in run order and `config` maps each label to its config.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "task": task,
+        "device": device or device_description(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(Path(__file__).resolve().parent),
+        "command": command if command is not None else command_line(),
+        "model": str(model),
+        "method": [r.label for r in runs],
+        "config": {r.label: dict(r.config) for r in runs},
+    }
+    clash = set(record) & set(figures)
+    if clash:
+        raise ValueError(f"figures may not reuse the reserved fields {sorted(clash)}")
+    record.update(figures)
+    path.write_text(json.dumps(record, indent=1, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(obj):
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+
+
+def pyplot():
+    """matplotlib.pyplot with a file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in header]] + [[_cell(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(c) -> str:
+    if c is None:
+        return "-"
+    if isinstance(c, float):
+        return f"{c:.4g}"
+    return str(c)
+
+
+def load_model(model, dtype=None, device=None):
+    """`(model, tokenizer)` from a name/path, or passes through an already loaded pair."""
+    if isinstance(model, tuple):
+        return model
+    import longctx_patch as lp
+
+    return lp.load_model(model, dtype=dtype, device=device)
+
+
+__all__ = [
+    "MethodRun",
+    "UNPATCHED",
+    "applied",
+    "parse_methods",
+    "parse_size",
+    "parse_sizes",
+    "parse_fractions",
+    "size_label",
+    "write_result",
+    "git_commit",
+    "device_description",
+    "command_line",
+    "default_name",
+    "format_table",
+    "pyplot",
+    "load_model",
+]

@@ -1,0 +1,525 @@
+"""Needle-in-a-haystack retrieval (RULER style).
+
+Tasks
+-----
+- ``s-niah-1``: one 7-digit number hidden in repeated filler sentences.
+- ``s-niah-2``: one 7-digit number hidden in essay text.
+- ``s-niah-3``: one UUID hidden in essay text.
+- ``mk-niah``: one 7-digit number hidden in essay text among several distractor needles that carry
+  other keys and other numbers; the question asks for one key.
+
+A needle reads "One of the special magic numbers for KEY is: VALUE." and the question "What is the
+special magic number for KEY mentioned in the provided text?". Prompts are built to a token length
+measured with the model's tokenizer on the whole prompt (chat template included), the needle is put at
+a sentence boundary nearest to the requested depth (fraction of the haystack's tokens), decoding is
+greedy and a sample is correct when the value appears verbatim in the generated answer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from ..generation import has_chat_template
+from .common import (
+    MethodRun,
+    applied,
+    default_name,
+    format_table,
+    load_model,
+    pyplot,
+    size_label,
+    write_result,
+)
+
+TASKS = ("s-niah-1", "s-niah-2", "s-niah-3", "mk-niah")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DEFAULT_HAYSTACK = Path(__file__).parent / "data" / "shakespeare.txt"
+MK_DISTRACTORS = 3
+
+_ADJECTIVES = (
+    "amber ancient bitter brave bright calm clever cold crimson curious daring distant dusty eager elegant "
+    "empty fancy fierce gentle golden hollow humble icy jolly lazy little lively lonely lucky misty modern "
+    "narrow noble odd pale polite proud quiet rapid rare rough royal rustic shiny silent silver sleepy smooth "
+    "solemn spicy steady stormy sturdy sunny swift tame tender tidy tiny vivid wild windy wise wooden young"
+).split()
+_NOUNS = (
+    "anchor apple badger basket beacon bicycle blanket bottle bridge candle canyon castle cherry cloud "
+    "compass cottage crystal desert dolphin dragon drum falcon feather forest fountain garden glacier "
+    "harbor helmet island jacket kettle lantern lemon meadow mirror mountain needle orchard otter palace "
+    "pebble pencil piano pillow planet pumpkin rabbit ribbon river saddle shadow spider statue teapot "
+    "thunder tiger tower trumpet tunnel violin walnut whistle window wizard"
+).split()
+
+
+@dataclass
+class NiahSample:
+    """One prompt: token ids, the expected value and where the needle was put."""
+
+    task: str
+    length: int  # requested prompt length in tokens
+    depth: float  # requested depth (fraction of the haystack's tokens)
+    index: int  # sample number within its (task, length, depth) cell
+    key: str
+    value: str
+    prompt_tokens: int  # measured length of the whole prompt
+    needle_depth: float  # measured depth of the queried needle, in haystack tokens
+    input_ids: list[int] = field(repr=False)
+    distractors: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("input_ids")
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- haystack
+def load_haystack(source: str | Path | None = None) -> str:
+    """Text of a haystack: a .txt file, or every .txt file of a folder (sorted by name) joined by blank lines."""
+    path = Path(source) if source is not None else DEFAULT_HAYSTACK
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in (".txt", ".md"))
+        files = [p for p in files if not p.name.upper().startswith(("LICENSE", "SOURCE", "README"))]
+        if not files:
+            raise ConfigError(f"haystack folder {path} holds no .txt files; pass --haystack FILE or a folder of .txt files")
+        texts = [p.read_text(encoding="utf-8", errors="replace").strip() for p in files]
+    elif path.is_file():
+        texts = [path.read_text(encoding="utf-8", errors="replace").strip()]
+    else:
+        raise ConfigError(f"haystack {path} does not exist; pass --haystack with a .txt file or a folder of .txt files")
+    text = "\n\n".join(t for t in texts if t)
+    if len(text) < 200:
+        raise ConfigError(f"haystack {path} is too short ({len(text)} characters); give at least a few paragraphs")
+    return text
+
+
+class _Corpus:
+    """A haystack text tokenised once, with the character span of every token."""
+
+    def __init__(self, tokenizer, text: str, min_tokens: int, paragraph_starts: bool = True):
+        base = text.rstrip() + "\n\n"
+        enc = tokenizer(base, add_special_tokens=False, return_offsets_mapping=True)
+        per_copy = max(1, len(enc["input_ids"]))
+        copies = max(1, -(-min_tokens // per_copy) + 1)  # repeat so any start has room for min_tokens
+        self.text = base * copies
+        n_base = len(base)
+        self.offsets = [(a + c * n_base, b + c * n_base) for c in range(copies) for a, b in enc["offset_mapping"]]
+        self.starts = [a for a, _ in self.offsets]
+        self.base_tokens = per_copy
+        if paragraph_starts:
+            cand = [0] + [m.end() for m in re.finditer(r"\n\s*\n", base)]
+        else:
+            cand = [0]
+        # start positions must be token starts inside the first copy
+        self.candidate_tokens = sorted({self.token_at(c) for c in cand if c < n_base})
+
+    def token_at(self, char: int) -> int:
+        """Index of the first token that starts at or after `char`."""
+        return bisect.bisect_left(self.starts, char)
+
+    def span(self, first_token: int, n_tokens: int) -> tuple[int, int]:
+        last = first_token + max(n_tokens, 1) - 1
+        return self.starts[first_token], self.offsets[last][1]
+
+
+@lru_cache(maxsize=8)
+def _corpus(tokenizer, text: str, min_tokens: int, paragraph_starts: bool) -> _Corpus:
+    return _Corpus(tokenizer, text, min_tokens, paragraph_starts)
+
+
+_BOUNDARY = re.compile(r"(?<=[.!?;:])[\"')\]]*\s+|\n\s*\n")
+
+
+def _boundaries(text: str) -> list[int]:
+    """Character positions where a sentence starts (0 and len(text) included)."""
+    pos = {0, len(text)}
+    for m in _BOUNDARY.finditer(text):
+        pos.add(m.end())
+    return sorted(pos)
+
+
+def _insert(text: str, needles: list[tuple[float, str]], char_at_depth) -> str:
+    """Puts each (depth, sentence) at the sentence boundary nearest to its depth; later ones first."""
+    bounds = _boundaries(text)
+    placed: list[tuple[int, str]] = []
+    for depth, sentence in needles:
+        target = char_at_depth(depth)
+        b = min(bounds, key=lambda p: (abs(p - target), p))
+        placed.append((b, sentence))
+    placed.sort(key=lambda t: t[0], reverse=True)
+    for b, sentence in placed:
+        if b == 0:
+            text = sentence + " " + text
+        elif b >= len(text):
+            text = text.rstrip() + " " + sentence
+        else:
+            text = text[:b] + sentence + " " + text[b:]
+    return text
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+def _needle(kind: str, key: str, value: str) -> str:
+    return f"One of the special magic {kind}s for {key} is: {value}."
+
+
+def _prompt_text(tokenizer, context: str, kind: str, key: str, chat: bool) -> str:
+    instruction = (
+        f"Some special magic {kind}s are hidden within the following text. Make sure to memorize it. "
+        f"I will quiz you about the {kind}s afterwards."
+    )
+    question = f"What is the special magic {kind} for {key} mentioned in the provided text?"
+    answer_prefix = f"The special magic {kind} for {key} mentioned in the provided text is"
+    user = f"{instruction}\n{context}\n{question}"
+    if chat:
+        head = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        return head + answer_prefix
+    return f"{user}\n{answer_prefix}"
+
+
+def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    # a chat template writes its own special tokens; a plain prompt gets the tokenizer's (BOS)
+    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+def _value(rng: random.Random, kind: str) -> str:
+    if kind == "uuid":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    keys: list[str] = []
+    while len(keys) < n:
+        k = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+        if k not in keys:
+            keys.append(k)
+    return keys
+
+
+def build_sample(
+    tokenizer,
+    task: str,
+    length: int,
+    depth: float,
+    *,
+    seed: int = 0,
+    index: int = 0,
+    haystack: str | None = None,
+    chat: bool | None = None,
+) -> NiahSample:
+    """Builds one prompt of `length` tokens (or a few fewer when sentence/token joins do not allow exact
+    length) for `task` with the queried needle at `depth`. Same arguments give the same prompt."""
+    if task not in TASKS:
+        raise ConfigError(f"unknown niah task {task!r}; choose from {', '.join(TASKS)}")
+    chat = has_chat_template(tokenizer) if chat is None else chat
+    rng = random.Random(f"{seed}|{task}|{length}|{depth:.6f}|{index}")
+    kind = "uuid" if task == "s-niah-3" else "number"
+    n_needles = 1 + (MK_DISTRACTORS if task == "mk-niah" else 0)
+    keys = _keys(rng, n_needles)
+    values: list[str] = []
+    while len(values) < n_needles:
+        v = _value(rng, kind)
+        if v not in values:
+            values.append(v)
+    needle_depths = [depth] + [rng.random() for _ in range(n_needles - 1)]
+    needles = [(d, _needle(kind, k, v)) for d, k, v in zip(needle_depths, keys, values)]
+    key, value = keys[0], values[0]
+
+    if task == "s-niah-1":
+        corpus = _corpus(tokenizer, FILLER * 64, length + 64, False)
+        start = 0
+    else:
+        if haystack is None:
+            haystack = load_haystack(None)
+        corpus = _corpus(tokenizer, haystack, length + 64, True)
+        start = rng.choice(corpus.candidate_tokens)
+
+    def build(n_hay: int) -> tuple[str, list[int], str]:
+        n_hay = max(n_hay, 0)
+        if n_hay == 0:
+            hay = ""
+            char_at = lambda d: 0  # noqa: E731
+        else:
+            a, b = corpus.span(start, n_hay)
+            hay = corpus.text[a:b].strip()
+
+            def char_at(d: float) -> int:
+                tok = start + min(int(round(d * n_hay)), n_hay)
+                return min(max(corpus.starts[tok] - a, 0) if tok < len(corpus.starts) else len(hay), len(hay))
+
+        context = _insert(hay, needles, char_at) if hay else " ".join(s for _, s in needles)
+        text = _prompt_text(tokenizer, context, kind, key, chat)
+        return context, _encode_prompt(tokenizer, text, chat), text
+
+    overhead = len(build(0)[1])
+    if overhead >= length:
+        raise ConfigError(
+            f"length {length} is too short for task {task}: the template and needles alone take {overhead} tokens"
+        )
+    n_hay = length - overhead
+    best = None
+    for _ in range(6):  # token joins shift the count by a few; settle on the longest prompt <= length
+        context, ids, text = build(n_hay)
+        if len(ids) <= length and (best is None or len(ids) > len(best[1])):
+            best = (context, ids, text)
+        if len(ids) == length:
+            break
+        n_hay += length - len(ids)
+    if best is None:
+        raise ConfigError(f"could not fit task {task} into {length} tokens")  # pragma: no cover - defensive
+    context, ids, text = best
+    distractors = [
+        {"key": k, "value": v, "depth": round(d, 4)} for d, k, v in zip(needle_depths[1:], keys[1:], values[1:])
+    ]
+    return NiahSample(
+        task=task,
+        length=length,
+        depth=depth,
+        index=index,
+        key=key,
+        value=value,
+        prompt_tokens=len(ids),
+        needle_depth=round(measure_depth(tokenizer, text, context, needles[0][1]), 4),
+        input_ids=ids,
+        distractors=distractors,
+    )
+
+
+def measure_depth(tokenizer, prompt_text: str, context: str, needle: str) -> float:
+    """Depth of `needle` inside `context` (both within `prompt_text`), counted in tokens of the prompt."""
+    c0 = prompt_text.index(context)
+    n0 = prompt_text.index(needle, c0)
+    enc = tokenizer(prompt_text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [a for a, _ in enc["offset_mapping"]]
+    t_ctx0 = bisect.bisect_left(starts, c0)
+    t_ctx1 = bisect.bisect_left(starts, c0 + len(context))
+    t_needle = bisect.bisect_left(starts, n0)
+    n_tok = len(tokenizer(needle, add_special_tokens=False)["input_ids"])
+    hay = (t_ctx1 - t_ctx0) - n_tok  # tokens of the haystack around the needle
+    return 0.0 if hay <= 0 else min(max((t_needle - t_ctx0) / hay, 0.0), 1.0)
+
+
+def make_samples(
+    tokenizer,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples: int,
+    seed: int = 0,
+    haystack: str | None = None,
+    chat: bool | None = None,
+) -> list[NiahSample]:
+    """Every (task, length, depth, index) prompt of a run, in a fixed order."""
+    if samples < 1:
+        raise ConfigError(f"--samples must be >= 1 (got {samples})")
+    needs_text = any(t != "s-niah-1" for t in tasks)
+    if needs_text and haystack is None:
+        haystack = load_haystack(None)
+    return [
+        build_sample(tokenizer, t, L, d, seed=seed, index=i, haystack=haystack, chat=chat)
+        for t in tasks
+        for L in lengths
+        for d in depths
+        for i in range(samples)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+def score(answer: str, value: str) -> bool:
+    """Exact match: the value appears verbatim in the answer (numbers not as part of a longer number)."""
+    if re.fullmatch(r"\d+", value):
+        return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", answer) is not None
+    return value.lower() in answer.lower()
+
+
+def _max_new_tokens(task: str) -> int:
+    return 64 if task == "s-niah-3" else 16
+
+
+def generate_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int) -> str:
+    """Greedy continuation of `input_ids`, decoded (special tokens dropped)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([input_ids], device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------- run
+def run_niah(
+    model,
+    methods: Sequence[MethodRun],
+    *,
+    tasks: Sequence[str] = TASKS,
+    lengths: Sequence[int] = (1024, 2048, 4096, 8192),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    samples: int = 1,
+    seed: int = 0,
+    haystack: str | Path | None = None,
+    out_dir: str | Path | None = "evals/results",
+    name: str | None = None,
+    model_name: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    echo=print,
+) -> dict[str, Any]:
+    """Runs every task at every length/depth for each method and writes `<name>.json` + `<name>.png`.
+
+    `model` is a name/path for `longctx_patch.load_model` or a loaded `(model, tokenizer)` pair.
+    Returns the result record (also written to disk when `out_dir` is not None).
+    """
+    from tqdm.auto import tqdm
+
+    tasks = list(tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ConfigError(f"unknown niah task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    hay_text = load_haystack(haystack) if any(t != "s-niah-1" for t in tasks) else None
+    mdl, tok = load_model(model)
+    chat = has_chat_template(tok)
+    prompts = make_samples(tok, tasks, lengths, depths, samples, seed=seed, haystack=hay_text, chat=chat)
+
+    records: list[dict[str, Any]] = []
+    was_training = mdl.training
+    mdl.eval()
+    try:
+        for run in methods:
+            with applied(mdl, run):
+                bar = tqdm(prompts, desc=f"niah {run.label}", disable=not progress, leave=False)
+                for s in bar:
+                    answer = generate_answer(mdl, tok, s.input_ids, _max_new_tokens(s.task))
+                    records.append({"method": run.label, **s.record(), "answer": answer, "correct": score(answer, s.value)})
+    finally:
+        mdl.train(was_training)
+
+    figures = summarize(records, [r.label for r in methods], tasks, lengths, depths)
+    figures.update(
+        {
+            "tasks": tasks,
+            "lengths": list(lengths),
+            "depths": list(depths),
+            "samples_per_cell": samples,
+            "seed": seed,
+            "haystack": str(haystack) if haystack is not None else f"package default ({DEFAULT_HAYSTACK.name})",
+            "chat_template": chat,
+            "samples": records,
+        }
+    )
+    echo(accuracy_table(figures, [r.label for r in methods], tasks, lengths))
+    result = {"figures": figures}
+    if out_dir is not None:
+        stem = name or default_name("niah", model_name, methods)
+        path = write_result(
+            Path(out_dir) / f"{stem}.json", task="niah", model=model_name, runs=methods, figures=figures, command=command
+        )
+        png = plot_heatmap(figures, [r.label for r in methods], tasks, lengths, depths, Path(out_dir) / f"{stem}.png")
+        echo(f"wrote {path} and {png}")
+        result.update({"json": str(path), "png": str(png)})
+    return result
+
+
+def summarize(records, labels, tasks, lengths, depths) -> dict[str, Any]:
+    def acc(rows):
+        return round(sum(r["correct"] for r in rows) / len(rows), 4) if rows else None
+
+    accuracy: dict[str, Any] = {}
+    by_depth: dict[str, Any] = {}
+    overall: dict[str, Any] = {}
+    for lab in labels:
+        mine = [r for r in records if r["method"] == lab]
+        overall[lab] = acc(mine)
+        accuracy[lab] = {
+            t: {size_label(L): acc([r for r in mine if r["task"] == t and r["length"] == L]) for L in lengths} for t in tasks
+        }
+        by_depth[lab] = {
+            t: {
+                size_label(L): {
+                    f"{d:g}": acc([r for r in mine if r["task"] == t and r["length"] == L and r["depth"] == d]) for d in depths
+                }
+                for L in lengths
+            }
+            for t in tasks
+        }
+    return {"accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall}
+
+
+def accuracy_table(figures, labels, tasks, lengths) -> str:
+    header = ["method", "task"] + [size_label(L) for L in lengths] + ["mean"]
+    rows = []
+    for lab in labels:
+        for t in tasks:
+            accs = [figures["accuracy"][lab][t][size_label(L)] for L in lengths]
+            rows.append([lab, t] + accs + [sum(accs) / len(accs)])
+        rows.append([lab, "all"] + [""] * len(lengths) + [figures["overall"][lab]])
+    return format_table(header, rows)
+
+
+def plot_heatmap(figures, labels, tasks, lengths, depths, path) -> Path:
+    """Accuracy heatmaps, depth (rows) x length (columns): one panel per method (rows) and task (columns)."""
+    import numpy as np
+
+    plt = pyplot()
+    nr, nc = len(labels), len(tasks)
+    fig, axes = plt.subplots(nr, nc, figsize=(1.0 + 0.9 * len(lengths) * nc + 1.2, 0.6 + 0.45 * len(depths) * nr + 0.8), squeeze=False)
+    im = None
+    for i, lab in enumerate(labels):
+        for j, t in enumerate(tasks):
+            ax = axes[i][j]
+            grid = np.array(
+                [
+                    [
+                        np.nan if (a := figures["accuracy_by_depth"][lab][t][size_label(L)][f"{d:g}"]) is None else a
+                        for L in lengths
+                    ]
+                    for d in depths
+                ]
+            )
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(lengths)), [size_label(L) for L in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+            for (y, x), v in np.ndenumerate(grid):
+                if not np.isnan(v):
+                    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6)
+            ax.set_title(f"{lab}\n{t}" if j == 0 or nr > 1 else t, fontsize=8)
+            if j == 0:
+                ax.set_ylabel("depth", fontsize=8)
+            if i == nr - 1:
+                ax.set_xlabel("length (tokens)", fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = [
+    "TASKS",
+    "NiahSample",
+    "build_sample",
+    "make_samples",
+    "load_haystack",
+    "measure_depth",
+    "score",
+    "run_niah",
+    "plot_heatmap",
+]

@@ -1,0 +1,381 @@
+"""Speed and memory.
+
+Model level (any device): for each method and context length, prefill time of a random prompt (median of
+`repeats`), greedy decode speed (tokens/s over `decode_tokens` steps on the prefilled cache), peak
+device memory (CUDA only) and the decode-time attention state reported by the patched layers.
+
+Op level (CUDA only): the method's attention op against torch SDPA with the cuDNN and flash backends
+(and flash-linear-attention's chunked linear attention when `fla` is installed) on random
+`[1, heads, L, head_dim]` inputs, forward and forward+backward, timed with `triton.testing.do_bench`
+(median) in the same process; ratios are method time / baseline time.
+
+A method takes part in op-level timing through a classmethod of its `PatchedAttention` subclass:
+``op(q, k, v, *, scale, config) -> o`` with q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (causal attention
+over one whole sequence, no cache, no padding) returning `[B, S, Hq, D]`, differentiable.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import ConfigError, DeviceError
+from .common import MethodRun, applied, default_name, format_table, load_model, pyplot, size_label, write_result
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _state_bytes(model, context: int) -> int:
+    """Decode-time attention state of the whole model at `context` tokens (full KV for unpatched layers)."""
+    import torch
+
+    from ..architectures import model_config
+    from ..patcher import _state, is_patched
+
+    cfg = model_config(model)
+    dtype = next(model.parameters()).dtype
+    elt = torch.tensor([], dtype=dtype).element_size()
+    n_layers = cfg.num_hidden_layers
+    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    mods = _state(model).modules if is_patched(model) else {}
+    return int(
+        sum(mods[i].state_bytes(context, 1, dtype) if i in mods else 2 * hkv * context * hd * elt for i in range(n_layers))
+    )
+
+
+def time_model(model, context: int, decode_tokens: int, repeats: int, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """Prefill seconds (median), decode tokens/s and peak CUDA memory for one context length."""
+    import torch
+
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, context), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    prefill = []
+    out = None
+    with torch.no_grad():
+        for _ in range(repeats):
+            out = None
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            _sync(device)
+            prefill.append(time.perf_counter() - t0)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        del out
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            step = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            nxt = step.logits[:, -1:].argmax(-1)
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "prefill_s": round(statistics.median(prefill), 5),
+        "prefill_tok_s": round(context / statistics.median(prefill), 1),
+        "decode_tok_s": round(decode_tokens / decode_s, 2) if decode_tokens else None,
+        "peak_mem_bytes": peak,
+        "state_bytes": _state_bytes(model, context + decode_tokens),
+    }
+
+
+def run_speed(
+    model,
+    methods: Sequence[MethodRun],
+    *,
+    contexts: Sequence[int] = (1024, 4096),
+    decode_tokens: int = 32,
+    repeats: int = 3,
+    out_dir: str | Path | None = "evals/results",
+    name: str | None = None,
+    model_name: str | None = None,
+    command: str | None = None,
+    echo=print,
+) -> dict[str, Any]:
+    """Model-level speed/memory of each method at each context; writes `<name>.json` + `<name>.png`."""
+    if repeats < 1 or decode_tokens < 0:
+        raise ConfigError("--repeats must be >= 1 and --decode-tokens >= 0")
+    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    mdl, tok = load_model(model)
+    vocab = mdl.get_input_embeddings().weight.shape[0]
+    labels = [r.label for r in methods]
+    rows: dict[str, dict[str, Any]] = {}
+    was_training = mdl.training
+    mdl.eval()
+    try:
+        for run in methods:
+            rows[run.label] = {}
+            with applied(mdl, run):
+                time_model(mdl, min(contexts), min(decode_tokens, 2), 1, vocab)  # warm-up (kernels, allocator)
+                for C in contexts:
+                    rows[run.label][size_label(C)] = time_model(mdl, C, decode_tokens, repeats, vocab)
+                    echo(f"  {run.label} @ {size_label(C)}: {rows[run.label][size_label(C)]}")
+    finally:
+        mdl.train(was_training)
+    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+    figures: dict[str, Any] = {
+        "level": "model",
+        "contexts": list(contexts),
+        "decode_tokens": decode_tokens,
+        "repeats": repeats,
+        "results": rows,
+        "reference": ref,
+    }
+    if ref is not None:
+        figures["speedup_vs_reference"] = {
+            lab: {
+                c: {
+                    "prefill": round(rows[ref][c]["prefill_s"] / rows[lab][c]["prefill_s"], 3),
+                    "decode": round(rows[lab][c]["decode_tok_s"] / rows[ref][c]["decode_tok_s"], 3)
+                    if decode_tokens
+                    else None,
+                }
+                for c in rows[lab]
+            }
+            for lab in labels
+            if lab != ref
+        }
+    header = ["method", "context", "prefill s", "decode tok/s", "peak MiB", "state MiB"]
+    table = [
+        [
+            lab,
+            c,
+            r["prefill_s"],
+            r["decode_tok_s"],
+            None if r["peak_mem_bytes"] is None else round(r["peak_mem_bytes"] / 2**20, 1),
+            round(r["state_bytes"] / 2**20, 2),
+        ]
+        for lab in labels
+        for c, r in rows[lab].items()
+    ]
+    echo(format_table(header, table))
+    result = {"figures": figures}
+    if out_dir is not None:
+        stem = name or default_name("speed", model_name, methods)
+        path = write_result(Path(out_dir) / f"{stem}.json", task="speed", model=model_name, runs=methods, figures=figures, command=command)
+        png = _plot_model(figures, labels, contexts, Path(out_dir) / f"{stem}.png")
+        echo(f"wrote {path} and {png}")
+        result.update({"json": str(path), "png": str(png)})
+    return result
+
+
+def _plot_model(figures, labels, contexts, path) -> Path:
+    plt = pyplot()
+    keys = [("prefill_s", "prefill (s)"), ("decode_tok_s", "decode (tokens/s)"), ("state_bytes", "attention state (bytes)")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (key, title) in zip(axes, keys):
+        for lab in labels:
+            ys = [figures["results"][lab][size_label(C)][key] for C in contexts]
+            ax.plot(list(contexts), ys, marker="o", ms=3, label=lab)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- op level
+def method_op(name: str) -> Callable:
+    """The `op(q, k, v, *, scale, config)` classmethod of a method's module, or ConfigError."""
+    from ..methods import get_method
+
+    op = getattr(get_method(name).module_cls, "op", None)
+    if op is None:
+        raise ConfigError(
+            f"method {name!r} has no op-level entry point; its PatchedAttention subclass needs a classmethod "
+            "op(q, k, v, *, scale, config) returning [B, S, Hq, D]"
+        )
+    return op
+
+
+def baselines(q, k, v, scale: float) -> dict[str, Callable[[], Any]]:
+    """Exact causal attention baselines available on this GPU: torch SDPA (cuDNN, flash), fla if installed.
+
+    K/V are expanded to the query heads once, outside the timed region (SDPA kernels then run plain MHA).
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[1] // k.shape[1]
+    ke = k.repeat_interleave(rep, 1).detach().requires_grad_(k.requires_grad)
+    ve = v.repeat_interleave(rep, 1).detach().requires_grad_(v.requires_grad)
+    out: dict[str, Callable[[], Any]] = {}
+    for label, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, ke, ve, is_causal=True, scale=scale)
+
+        out[label] = fn
+    try:  # flash-linear-attention's chunked linear attention, the usual linear-time baseline
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, ke, ve))  # fla wants [B, T, H, D]
+
+        def fla_fn():
+            return chunk_linear_attn(qt, kt, vt, normalize=False)[0]
+
+        out["fla-linear"] = fla_fn
+    except Exception:  # noqa: BLE001 - optional: absent or a different API version
+        pass
+    return out
+
+
+def run_op_speed(
+    methods: Sequence[MethodRun],
+    *,
+    lengths: Sequence[int] = (4096, 16384, 65536, 131072),
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 64,
+    dtype: str = "bfloat16",
+    modes: Sequence[str] = ("fwd", "fwd+bwd"),
+    check: bool = True,
+    out_dir: str | Path | None = "evals/results",
+    name: str | None = None,
+    command: str | None = None,
+    echo=print,
+) -> dict[str, Any]:
+    """Op-level timing on CUDA: each method's op vs SDPA cuDNN/flash (+fla), fwd and fwd+bwd."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            "op-level timing needs a CUDA GPU (it times attention kernels against cuDNN/flash SDPA); "
+            "run it on a GPU machine, or drop --op to time the whole model on this device"
+        )
+    if heads % kv_heads:
+        raise ConfigError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+    bad_modes = set(modes) - {"fwd", "fwd+bwd"}
+    if bad_modes:
+        raise ConfigError(f"unknown mode(s) {', '.join(sorted(bad_modes))}; use fwd and/or fwd+bwd")
+    from triton.testing import do_bench
+
+    from ..methods import get_method
+    from ..models import resolve_dtype
+
+    dt = resolve_dtype(dtype)
+    ops = {}
+    for r in methods:
+        if not r.patched:
+            raise ConfigError("op-level timing compares patched methods; drop --method none")
+        ops[r.label] = (method_op(r.name), get_method(r.name).parse_config(r.config))
+    scale = head_dim**-0.5
+    dev = torch.device("cuda")
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for L in lengths:
+        gen = torch.Generator(device=dev).manual_seed(L)
+        q = torch.randn(1, heads, L, head_dim, device=dev, dtype=dt, generator=gen)
+        k = torch.randn(1, kv_heads, L, head_dim, device=dev, dtype=dt, generator=gen)
+        v = torch.randn(1, kv_heads, L, head_dim, device=dev, dtype=dt, generator=gen)
+        for mode in modes:
+            bwd = mode == "fwd+bwd"
+            qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+            fns: dict[str, Callable[[], Any]] = {}
+            for lab, (op, cfg) in ops.items():
+                fns[lab] = lambda op=op, cfg=cfg: op(qq, kk, vv, scale=scale, config=cfg)
+            fns.update(baselines(qq, kk, vv, scale))
+            row: dict[str, Any] = {}
+            ref_out = None
+            for lab, fn in fns.items():
+                try:
+                    if bwd:
+                        with torch.no_grad():
+                            g = torch.randn_like(fn())
+
+                        def step(fn=fn, g=g):
+                            out = fn()
+                            out.backward(g)
+                            qq.grad = kk.grad = vv.grad = None
+
+                        ms = do_bench(step, return_mode="median")
+                    else:
+                        with torch.no_grad():
+                            ms = do_bench(fn, return_mode="median")
+                    row[lab] = {"ms": round(ms, 4)}
+                    if check and not bwd and lab == "sdpa-flash":
+                        with torch.no_grad():
+                            ref_out = fn().transpose(1, 2).float()
+                except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+                    row[lab] = {"ms": None, "error": (str(e).strip().splitlines() or [type(e).__name__])[0][:200]}
+                finally:
+                    torch.cuda.empty_cache()
+            if ref_out is not None and check:
+                with torch.no_grad():
+                    for lab, (op, cfg) in ops.items():
+                        if row[lab]["ms"] is not None:
+                            o = op(qq, kk, vv, scale=scale, config=cfg).float()
+                            row[lab]["rel_error_vs_exact"] = round(
+                                float((o - ref_out).norm() / ref_out.norm()), 6
+                            )
+            exact_ms = [(r["ms"], b) for b, r in row.items() if b.startswith("sdpa-") and r["ms"] is not None]
+            best = min(exact_ms) if exact_ms else None
+            for lab in ops:
+                if row[lab]["ms"] is None:
+                    continue
+                for b in row:
+                    if b not in ops and row[b]["ms"]:
+                        row[lab][f"ratio_vs_{b}"] = round(row[lab]["ms"] / row[b]["ms"], 4)
+                if best is not None:
+                    row[lab]["ratio_vs_best_exact"] = round(row[lab]["ms"] / best[0], 4)
+                    row[lab]["best_exact"] = best[1]
+            results.setdefault(size_label(L), {})[mode] = row
+            echo(f"  L={size_label(L)} {mode}: " + ", ".join(f"{b} {r['ms']}" for b, r in row.items()))
+            del qq, kk, vv, fns
+        del q, k, v
+        torch.cuda.empty_cache()
+
+    labels = [r.label for r in methods]
+    figures = {
+        "level": "op",
+        "lengths": list(lengths),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": str(dt).replace("torch.", ""),
+        "modes": list(modes),
+        "timer": "triton.testing.do_bench median (ms)",
+        "results": results,
+    }
+    header = ["L", "mode"] + [f"{lab} ms" for lab in labels] + ["sdpa-cudnn ms", "sdpa-flash ms"] + [f"{lab}/best" for lab in labels]
+    table = []
+    for L in lengths:
+        for mode in modes:
+            row = results[size_label(L)][mode]
+            table.append(
+                [size_label(L), mode]
+                + [row[lab]["ms"] for lab in labels]
+                + [row["sdpa-cudnn"]["ms"], row["sdpa-flash"]["ms"]]
+                + [row[lab].get("ratio_vs_best_exact") for lab in labels]
+            )
+    echo(format_table(header, table))
+    result = {"figures": figures}
+    if out_dir is not None:
+        stem = name or "speed-op-" + "+".join(r.name for r in methods) + f"-h{heads}-kv{kv_heads}-d{head_dim}"
+        path = write_result(
+            Path(out_dir) / f"{stem}.json", task="speed-op", model="(none: random tensors)", runs=methods, figures=figures, command=command
+        )
+        echo(f"wrote {path}")
+        result["json"] = str(path)
+    return result
+
+
+__all__ = ["time_model", "run_speed", "method_op", "baselines", "run_op_speed"]
