@@ -121,3 +121,64 @@ def test_driver_triton_bf16_decode_equals_prefill():
                                       seen_bound=sb, **kw)
         outs.append(o)
     assert _rel(torch.cat(outs, 2), full) < 1e-2
+
+
+@pytest.mark.parametrize("S,C,N,growth,dtype", [(37, 8, 6, 4.0, torch.float32), (29, 8, 40, 0.0, torch.float32),
+                                                (45, 16, 10, 4.0, torch.bfloat16)])
+def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype):
+    g = torch.Generator().manual_seed(S + C)
+    B, Hq, H, D = 2, 4, 2, 16
+    q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).to(dtype)
+    k = F.normalize(torch.randn(B, H, S, D, generator=g), dim=-1).to(dtype)
+    v = torch.randn(B, H, S, D, generator=g).to(dtype)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :5] = False
+    valid[0, 20:23] = False
+    kw = dict(chunk_size=C, max_centroids=N, growth=growth)
+    with torch.no_grad():
+        o_ref, st_ref, op_ref, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
+        o_fast, st_fast, op_fast, sb = ovq_attention(q, k, v, None, None, valid, backend="triton",
+                                                     exact_assign=True, **kw)
+        # streamed through the same fused path: a prefill, then one token at a time
+        P = S - 9
+        o, st, op, sb2 = ovq_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, None, valid[:, :P],
+                                       backend="triton", exact_assign=True, **kw)
+        outs = [o]
+        for t in range(P, S):
+            o, st, op, sb2 = ovq_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], st, op,
+                                           valid[:, t:t + 1], backend="triton", exact_assign=True,
+                                           seen_bound=sb2, **kw)
+            outs.append(o)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    real = valid[:, None, :, None].expand_as(o_ref)
+    assert _rel(o_fast[real], o_ref[real]) < tol
+    assert _rel(torch.cat(outs, 2)[real], o_fast[real]) < tol
+    assert torch.equal(st_fast.counts, st_ref.counts) and torch.equal(st.counts, st_ref.counts)
+    assert st_fast.n_active.tolist() == st_ref.n_active.tolist() and st_fast.seen.tolist() == st_ref.seen.tolist()
+    torch.testing.assert_close(st_fast.key_sums, st_ref.key_sums, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_fast.value_sums, st_ref.value_sums, atol=1e-5, rtol=1e-5)
+    assert op_fast.length == op_ref.length == S % C
+    if growth == 0.0:
+        ref = exact_causal_attention(q, k, v, valid)
+        assert _rel(o_fast[real], ref[real]) < tol
+
+
+def test_patched_model_triton_backend_prefill_then_decode():
+    import longctx_patch as lp
+    from conftest import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    lp.patch(model, "ovq", chunk_size=4, max_centroids=6, growth=3.0, backend="triton")
+    ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :9], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(9, 13):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-4, rtol=1e-4)
+    ref_model = tiny_model("llama", num_hidden_layers=1)
+    lp.patch(ref_model, "ovq", chunk_size=4, max_centroids=6, growth=3.0, backend="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(ref_model(ids, use_cache=False).logits, full, atol=1e-4, rtol=1e-4)

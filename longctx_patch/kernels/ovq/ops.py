@@ -70,6 +70,9 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     ``seen_bound``: host-side upper bound of the tokens already absorbed (avoids a device sync);
     when None it is read from the state.
     Returns ``(o [B, Hq, S, Dv], state, open_chunk, seen_bound)``.
+
+    With the Triton backend and no gradient needed, the fused path of ``triton_fast`` runs and
+    updates ``state`` in place; otherwise the state is never modified (a new one is returned).
     """
     B, Hq, S, D = q.shape
     H = k.shape[1]
@@ -91,6 +94,18 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     else:
         kk, vv, valid, off = k, v, key_valid, 0
     L = off + S
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or state.key_sums.requires_grad or state.value_sums.requires_grad)
+    if be == "triton" and not needs_grad:
+        from .triton_fast import ovq_forward_fast
+        if not (state.key_sums.is_contiguous() and state.value_sums.is_contiguous() and state.counts.is_contiguous()):
+            state = OVQState(state.key_sums.contiguous(), state.value_sums.contiguous(), state.counts.contiguous(),
+                             state.n_active, state.seen)
+        o, state, start, seen_bound = ovq_forward_fast(q, kk, vv, valid, off, state, seen_bound,
+                                                       chunk_size=C, max_centroids=max_centroids, growth=growth,
+                                                       exact_assign=exact_assign)
+        new_open = OpenChunk(kk[:, :, start:], vv[:, :, start:], valid[:, start:]) if start < L else None
+        return o, state, new_open, seen_bound
     if be == "triton":
         from .triton_attn import chunk_attention_triton as attn
     else:

@@ -1,0 +1,245 @@
+"""Fused no-grad OVQ path (prefill and decode): three launches per chunk, dictionary updated in place.
+
+* ``_ovq_fwd_fast``: queries of a chunk attend to the dictionary, read directly in its sum form
+  (row mean = sum / count, bias log count), then to the chunk's keys (causal, key padding);
+* ``_ovq_chunk_stats`` (triton_dict.py): max dot product and nearest row of each chunk token;
+* ``_ovq_absorb``: one program per (batch, key head) ranks the chunk's tokens by spread score,
+  opens the new rows, picks each remaining token's row among old and new rows, and adds every token
+  to its row with atomic adds (sums and counts): each token touches exactly one row.
+
+Same maths as ``reference.update_state`` + ``reference.chunk_attention_ref``; see docs/ovq.md.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import OVQState, target_centroids
+from .triton_dict import _ovq_chunk_stats
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _mm(a, b, UP: tl.constexpr):
+    if UP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _ovq_fwd_fast(Q, KS, VS, CNT, KC, VC, VALID, O,
+                  sqb, sqh, sqm, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
+                  skb, skh, skn, svb, svh, svn, sxb, sob, soh, som,
+                  M, LC, n_dict, q_off, HQ, G,
+                  D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    hk = hq // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    mask_m = offs_m < M
+    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DV], tl.float32)
+    # -- dictionary rows (sum form) --
+    ksb = KS + b * sdb + hk * sdh
+    vsb = VS + b * svdb + hk * svdh
+    cb = CNT + b * scb + hk * sch
+    for start in range(0, n_dict, BN):
+        offs_n = start + tl.arange(0, BN)
+        in_n = offs_n < n_dict
+        cnt = tl.load(cb + offs_n, mask=in_n, other=0.0)
+        inv = 1.0 / tl.maximum(cnt, 1.0)
+        ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
+        s = _mm(q, tl.trans((ks * inv[:, None]).to(q.dtype)), UP) * 1.4426950408889634
+        bias = tl.where(cnt > 0, tl.log2(tl.maximum(cnt, 1.0)), float("-inf"))
+        s = s + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vs = tl.load(vsb + offs_n[:, None] * svdn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), UP)
+        m_i = m_new
+    # -- the chunk's own keys, causal --
+    hi = tl.minimum((pid_m + 1) * BM + q_off, LC)
+    kb = KC + b * skb + hk * skh
+    vb = VC + b * svb + hk * svh
+    for start in range(0, hi, BN):
+        offs_n = start + tl.arange(0, BN)
+        in_n = offs_n < LC
+        ok = tl.load(VALID + b * sxb + offs_n, mask=in_n, other=0) != 0
+        k = tl.load(kb + offs_n[:, None] * skn + offs_d[None, :], mask=in_n[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), UP) * 1.4426950408889634
+        allowed = (offs_n[None, :] <= (offs_m[:, None] + q_off)) & ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UP)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + b * sob + hq * soh + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+@triton.jit
+def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
+                skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
+                C, H,
+                D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    n_new = tl.load(NNEW + b)
+    n_act = tl.load(NACT + b)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    sbase = pid * C
+    # 1) rank of every token by spread score (max dot product with the old rows), ties by position
+    for i0 in range(0, C, BI):
+        oi = i0 + tl.arange(0, BI)
+        in_i = oi < C
+        vi = tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0
+        si = tl.where(vi, tl.load(MAXDOT + sbase + oi, mask=in_i, other=0.0), float("inf"))
+        rank = tl.zeros([BI], tl.int32)
+        for j0 in range(0, C, BI):
+            oj = j0 + tl.arange(0, BI)
+            in_j = oj < C
+            vj = tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0
+            sj = tl.where(vj, tl.load(MAXDOT + sbase + oj, mask=in_j, other=0.0), float("inf"))
+            before = (sj[None, :] < si[:, None]) | ((sj[None, :] == si[:, None]) & (oj[None, :] < oi[:, None]))
+            before = before & in_j[None, :]
+            rank += tl.sum(before.to(tl.int32), 1)
+        tl.store(RANK + sbase + oi, rank, mask=in_i)
+    tl.debug_barrier()
+    # 2) row of every token; 3) add it to the row (sums and count)
+    for i0 in range(0, C, BI):
+        oi = i0 + tl.arange(0, BI)
+        in_i = oi < C
+        vi = (tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0) & in_i
+        ri = tl.load(RANK + sbase + oi, mask=in_i, other=0)
+        sel_i = vi & (ri < n_new)
+        ki = tl.load(KC + b * skb + h * skh + oi[:, None] * skn + offs_d[None, :], mask=in_i[:, None],
+                     other=0.0).to(tl.float32)
+        best_n = tl.full([BI], float("-inf"), tl.float32)
+        rank_n = tl.zeros([BI], tl.int32) + C
+        for j0 in range(0, C, BI):
+            oj = j0 + tl.arange(0, BI)
+            in_j = oj < C
+            vj = (tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0) & in_j
+            rj = tl.load(RANK + sbase + oj, mask=in_j, other=0)
+            sel_j = vj & (rj < n_new)
+            kj = tl.load(KC + b * skb + h * skh + oj[:, None] * skn + offs_d[None, :], mask=in_j[:, None],
+                         other=0.0).to(tl.float32)
+            if IEEE:
+                dots = tl.dot(ki, tl.trans(kj), input_precision="ieee")
+            else:
+                dots = tl.dot(ki, tl.trans(kj))
+            score = dots - 0.5 * tl.sum(kj * kj, 1)[None, :]
+            score = tl.where(sel_j[None, :], score, float("-inf"))
+            bm = tl.max(score, 1)
+            cand = tl.where((score == bm[:, None]) & sel_j[None, :], rj[None, :], C)
+            rk = tl.min(cand, 1)
+            upd = (bm > best_n) | ((bm == best_n) & (rk < rank_n))
+            best_n = tl.where(upd, bm, best_n)
+            rank_n = tl.where(upd, rk, rank_n)
+        best_o = tl.load(BEST + sbase + oi, mask=in_i, other=float("-inf"))
+        idx_o = tl.load(IDX + sbase + oi, mask=in_i, other=0).to(tl.int32)
+        use_new = (best_n > best_o) & (rank_n < C)
+        row = tl.where(sel_i, n_act + ri, tl.where(use_new, n_act + rank_n, idx_o))
+        vv = tl.load(VC + b * svb + h * svh + oi[:, None] * svn + offs_dv[None, :], mask=in_i[:, None],
+                     other=0.0).to(tl.float32)
+        tl.atomic_add(KS + b * sdb + h * sdh + row[:, None] * sdn + offs_d[None, :], ki, mask=vi[:, None])
+        tl.atomic_add(VS + b * svdb + h * svdh + row[:, None] * svdn + offs_dv[None, :], vv, mask=vi[:, None])
+        tl.atomic_add(CNT + b * scb + h * sch + row, tl.full([BI], 1.0, tl.float32), mask=vi)
+
+
+def _blk(M: int) -> tuple[int, int]:
+    if M <= 16:
+        return 16, 4
+    if M <= 32:
+        return 32, 4
+    if M <= 64:
+        return 64, 4
+    return 128, 8
+
+
+@torch.no_grad()
+def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: int, *, chunk_size: int,
+                     max_centroids: int, growth: float, exact_assign: bool = False):
+    """No-grad OVQ over ``kk``/``vv`` (open chunk + new tokens, ``[B, H, L, D]``; ``valid`` ``[B, L]``).
+
+    ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens.  ``state`` is updated in place.
+    Returns ``(o, state, (start of the open chunk in kk), seen_bound)``.
+    """
+    from .ops import target_int
+
+    B, HQ, S, D = q.shape
+    H, L, DV = kk.shape[1], kk.shape[2], vv.shape[-1]
+    C = chunk_size
+    q = q.contiguous()
+    kk, vv = kk.contiguous(), vv.contiguous()
+    valid8 = valid.to(torch.int8).contiguous()
+    o = torch.empty(B, HQ, S, DV, device=q.device, dtype=q.dtype)
+    KS, VS, CNT = state.key_sums, state.value_sums, state.counts
+    assert KS.is_contiguous() and VS.is_contiguous() and CNT.is_contiguous()
+    n_full = L // C
+    if n_full > 0:
+        m = valid[:, : n_full * C].reshape(B, n_full, C).sum(-1)
+        seen_after = state.seen[:, None] + torch.cumsum(m, 1)
+        t_after = target_centroids(seen_after, max_centroids, growth)
+        t_before = target_centroids(seen_after - m, max_centroids, growth)
+        nact_t = t_before.t().to(torch.int32).contiguous()           # [T, B]
+        nnew_t = (t_after - t_before).t().to(torch.int32).contiguous()
+        maxdot = torch.empty(B, H, C, device=q.device, dtype=torch.float32)
+        best = torch.empty_like(maxdot)
+        idx = torch.empty(B, H, C, device=q.device, dtype=torch.int64)
+        rank = torch.empty(B, H, C, device=q.device, dtype=torch.int32)
+    G = HQ // H
+    up = _INTERP
+    for t, s0 in enumerate(range(0, L, C)):
+        e = min(s0 + C, L)
+        qs = max(s0, off)
+        n_dict = target_int(seen_bound, max_centroids, growth)
+        kc, vc, xc = kk[:, :, s0:e], vv[:, :, s0:e], valid8[:, s0:e]
+        if e > qs:
+            qq, oo = q[:, :, qs - off:e - off], o[:, :, qs - off:e - off]
+            M = e - qs
+            BM, nw = _blk(M)
+            _ovq_fwd_fast[(triton.cdiv(M, BM), B * HQ)](
+                qq, KS, VS, CNT, kc, vc, xc, oo,
+                qq.stride(0), qq.stride(1), qq.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+                VS.stride(0), VS.stride(1), VS.stride(2), CNT.stride(0), CNT.stride(1),
+                kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                xc.stride(0), oo.stride(0), oo.stride(1), oo.stride(2),
+                M, e - s0, n_dict, qs - s0, HQ, G, D=D, DV=DV, BM=BM, BN=64, UP=up, num_warps=nw)
+        if e - s0 == C:
+            BM, nw = _blk(C)
+            _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
+                kc, KS, CNT, nact_t[t], maxdot, best, idx,
+                kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+                CNT.stride(0), CNT.stride(1), C, H, D=D, BM=BM, BN=64, IEEE=exact_assign, num_warps=nw)
+            _ovq_absorb[(B * H,)](
+                kc, vc, xc, maxdot, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
+                kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
+                KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
+                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=64, IEEE=exact_assign, num_warps=4)
+            seen_bound += C
+    if n_full > 0:
+        seen = state.seen + m.sum(1)
+        state = OVQState(KS, VS, CNT, target_centroids(seen, max_centroids, growth), seen)
+    return o, state, n_full * C, seen_bound
