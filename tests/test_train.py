@@ -408,3 +408,76 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
                        "--output", str(tmp_path / "y")],
     )
     assert sw.exit_code != 0 and "has none" in sw.output
+
+
+def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
+    """recipes/linearize.yaml with lolcats on a tiny random Llama: the transfer loss falls, the saved weights
+    reload to identical outputs, and the LoLCATs-layout export reloads through the lolcats checkpoint loader."""
+    import longctx_patch
+    from longctx_patch.train import Finetuner, load_recipe
+
+    # sharper attention than the random init gives (q.k logits x 9), so the linear part has work to do
+    tiny, tok = longctx_patch.load_model(str(tiny_dir), dtype="float32", device="cpu")
+    with torch.no_grad():
+        for layer in tiny.model.layers:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    tiny.save_pretrained(tmp_path / "sharp")
+    tok.save_pretrained(tmp_path / "sharp")
+    tiny_dir = tmp_path / "sharp"
+    r = load_recipe(
+        REPO / "recipes" / "linearize.yaml",
+        [f"model={tiny_dir}", f"data.text={text_file}", "method_config={window: 16, feature_dim: 8, chunk: 16}",
+         "stages.*.seq_len=64", "stages.*.batch_size=4", "stages.*.warmup=1", "stages.*.log_every=1",
+         "stages.*.eval_every=12", "stages.*.save_every=0", "stages.transfer.steps=12", "stages.lora.steps=3",
+         "stages.lora.lr=1e-2", "data.eval_fraction=0.1", "output.lolcats_export=true"],
+    )
+    ft = Finetuner(r, tmp_path / "lin", progress=False)
+    log = ft.run()
+    t = log["stages"][0]
+    assert t["trainable_params"] == 2 * (2 * 4 * 16 * 8 + 4)  # 2 layers x (q and k maps [4, 16, 8] + 4 factors)
+    assert t["loss"][-1][1] < 0.85 * t["loss"][0][1], t["loss"]
+    (e0, ev0), (e1, ev1) = t["eval_loss"]  # the same held-out chunks before and after
+    assert (e0, e1) == (0, 12) and ev1 < 0.8 * ev0, t["eval_loss"]
+    assert log["stages"][1]["final_loss"] is not None
+
+    out = tmp_path / "lin"
+    ids = torch.randint(3, 259, (1, 48))
+    final = _logits(ft.model, ids)
+    m2, _ = longctx_patch.load_model(str(out / "model"), dtype="float32", device="cpu")
+    assert longctx_patch.patched_layers(m2) == {0: "lolcats", 1: "lolcats"}
+    torch.testing.assert_close(_logits(m2, ids), final, rtol=1e-5, atol=1e-5)
+    # LoLCATs model.pt: feature maps + window factors + unmerged PEFT LoRA (alpha 16 as in the recipe)
+    base, _ = longctx_patch.load_model(str(tiny_dir), dtype="float32", device="cpu")
+    longctx_patch.patch(
+        base, "lolcats", window=16, feature_dim=8, chunk=16, checkpoint=str(out / "trainable" / "lolcats" / "model.pt")
+    )
+    torch.testing.assert_close(_logits(base, ids), final, rtol=1e-4, atol=1e-4)
+
+
+def test_teacher_forcing_isolates_layers(tiny_llama):
+    """Under attention transfer with teacher forcing every layer sees the exact model's hidden states: the
+    logits equal the unpatched model's, and a layer's loss has no gradient into earlier layers' maps."""
+    import longctx_patch
+    from longctx_patch.methods.base import attention_transfer
+    from longctx_patch.train.runner import _patched_modules, _TeacherForcing
+
+    ids = torch.randint(3, 128, (2, 40))
+    exact = _logits(tiny_llama, ids)
+    longctx_patch.patch(tiny_llama, "lolcats", window=8, feature_dim=4, chunk=8)
+    mods = _patched_modules(tiny_llama)
+    assert not torch.allclose(_logits(tiny_llama, ids), exact, atol=1e-4)  # the hybrid differs
+    with attention_transfer(tiny_llama) as tr:
+        tf = _TeacherForcing(tr, mods)
+        out = tiny_llama(input_ids=ids, use_cache=False).logits
+        tf.close()
+    torch.testing.assert_close(out.detach(), exact, rtol=1e-5, atol=1e-5)
+    assert len(tr.losses) == 3
+    last = tr.losses[-1]
+    g = torch.autograd.grad(last, [mods[0].feature_map_q.mlp.layer, mods[2].feature_map_q.mlp.layer], allow_unused=True)
+    assert g[0] is None and g[1] is not None and g[1].abs().sum() > 0
+    # without teacher forcing the student's output flows on: layer 2's loss reaches layer 0's maps
+    with attention_transfer(tiny_llama) as tr:
+        tiny_llama(input_ids=ids, use_cache=False)
+    g = torch.autograd.grad(tr.losses[-1], [mods[0].feature_map_q.mlp.layer], allow_unused=True)
+    assert g[0] is not None and g[0].abs().sum() > 0

@@ -69,6 +69,7 @@ class Stage:
     eval_batches: int = 4
     save_every: int = 0  # 0: only at the end of the stage
     gradient_checkpointing: bool = False
+    teacher_forcing: bool = True  # attention_transfer: pass the exact attention output on to the next layer
 
     @property
     def tokens_per_step(self) -> int:
@@ -315,6 +316,7 @@ def _validate_stage(s: Stage, where: str) -> None:
     s.eval_batches = _check_type(f"{where}.eval_batches", s.eval_batches, int, minimum=0)
     s.save_every = _check_type(f"{where}.save_every", s.save_every, int, minimum=0)
     s.gradient_checkpointing = _check_type(f"{where}.gradient_checkpointing", s.gradient_checkpointing, bool)
+    s.teacher_forcing = _check_type(f"{where}.teacher_forcing", s.teacher_forcing, bool)
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
@@ -362,6 +364,11 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     r.output.save_model = _check_type("output.save_model", r.output.save_model, bool)
     r.output.keep_checkpoints = _check_type("output.keep_checkpoints", r.output.keep_checkpoints, int, minimum=0)
 
+    if r.output.lolcats_export and r.method not in ("lolcats", "lola"):
+        raise ConfigError(
+            f"output.lolcats_export needs method lolcats or lola (the recipe's method is {r.method!r}); "
+            "set output.lolcats_export=false"
+        )
     names = set()
     for i, s in enumerate(r.stages):
         _validate_stage(s, f"stages.{i}")

@@ -455,11 +455,12 @@ class Finetuner:
         from ..methods.base import attention_transfer
 
         with attention_transfer(self.model) as tr:
-            tf = _TeacherForcing(tr, _patched_modules(self.model))
+            tf = _TeacherForcing(tr, _patched_modules(self.model)) if stage.teacher_forcing else None
             try:
                 yield tr
             finally:
-                tf.close()
+                if tf is not None:
+                    tf.close()
 
     @torch.no_grad()
     def evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
@@ -684,6 +685,13 @@ class Finetuner:
             "recipe": r.to_dict(),
         }
 
+    def export_lolcats(self, path: Path) -> Path:
+        """The LoLCATs `model.pt` layout (feature maps, window factors, PEFT LoRA A/B unmerged). Reload with
+        `patch(model, "lolcats", checkpoint=PATH, lora_alpha=ALPHA)`."""
+        from ..methods.lolcats import export_lolcats_checkpoint
+
+        return Path(export_lolcats_checkpoint(self.model, str(path)))
+
     def save_outputs(self) -> None:
         """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged)."""
         import yaml
@@ -702,9 +710,7 @@ class Finetuner:
         if self._is_peft():
             self.root.save_pretrained(str(tdir / ADAPTER_DIR))
         if self.recipe.output.lolcats_export:
-            from .export import export_lolcats
-
-            export_lolcats(self.model, tdir / "lolcats" / "model.pt", peft_model=self.root if self._is_peft() else None)
+            self.export_lolcats(tdir / "lolcats" / "model.pt")
         if self.recipe.output.save_model:
             if self._is_peft():
                 self.root = self.root.merge_and_unload()
