@@ -44,22 +44,23 @@ def _prec(*ts) -> str:
 
 # ------------------------------------------------------------------------------------------- prefix states
 @triton.jit
-def _chunk_states_kernel(
-    FK, V, KM, H0, S0, HS, SS,
-    N, F2, D, NS, G,
+def _chunk_sums_kernel(
+    FK, V, KM, OUT, OUTS,
+    N, F2, D, G,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
     s_km_b,
-    s_h0_b, s_h0_h, s_h0_f,
-    s_s0_b, s_s0_h,
-    s_hs_b, s_hs_h, s_hs_n, s_hs_f,
-    s_ss_b, s_ss_h, s_ss_n,
-    HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_KM: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    s_o_b, s_o_h, s_o_n, s_o_f,
+    s_os_b, s_os_h, s_os_n,
+    HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
 ):
+    """OUT[:, :, c + 1] = sum over chunk c of phi(k) v^T (and OUTS the sum of phi(k)); slot 0 is left alone."""
     pid_bh = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_v = tl.program_id(2)
+    c = tl.program_id(1)
+    pid_kv = tl.program_id(2)
+    pid_k = pid_kv // NV
+    pid_v = pid_kv % NV
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // G
@@ -67,35 +68,31 @@ def _chunk_states_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     mk = offs_k < F2
     mv = offs_v < D
-    if HAS_H0:
-        hacc = tl.load(H0 + b * s_h0_b + h * s_h0_h + offs_k[:, None] * s_h0_f + offs_v[None, :],
-                       mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        sacc = tl.load(S0 + b * s_s0_b + h * s_s0_h + offs_k, mask=mk, other=0.0).to(tl.float32)
-    else:
-        hacc = tl.zeros([BK, BV], dtype=tl.float32)
-        sacc = tl.zeros([BK], dtype=tl.float32)
-    for n in range(0, NS):
-        tl.store(HS + b * s_hs_b + h * s_hs_h + n * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :],
-                 hacc, mask=mk[:, None] & mv[None, :])
-        if pid_v == 0:
-            tl.store(SS + b * s_ss_b + h * s_ss_h + n * s_ss_n + offs_k, sacc, mask=mk)
-        for t0 in range(0, CS, BT):
-            offs_t = n * CS + t0 + tl.arange(0, BT)
-            mt = offs_t < N
-            if HAS_KM:
-                mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=offs_t < N, other=0) != 0)
-            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_t[:, None] * s_fk_n + offs_k[None, :],
-                         mask=mt[:, None] & mk[None, :], other=0.0)
-            vv = tl.load(V + b * s_v_b + hk * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
-                         mask=mt[:, None] & mv[None, :], other=0.0)
-            hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
-            sacc += tl.sum(fk.to(tl.float32), 0)
+    hacc = tl.zeros([BK, BV], dtype=tl.float32)
+    sacc = tl.zeros([BK], dtype=tl.float32)
+    for t0 in range(0, CS, BT):
+        offs_t = c * CS + t0 + tl.arange(0, BT)
+        mt = offs_t < N
+        if HAS_KM:
+            mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=offs_t < N, other=0) != 0)
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_t[:, None] * s_fk_n + offs_k[None, :],
+                     mask=mt[:, None] & mk[None, :], other=0.0)
+        vv = tl.load(V + b * s_v_b + hk * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
+                     mask=mt[:, None] & mv[None, :], other=0.0)
+        hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+        sacc += tl.sum(fk.to(tl.float32), 0)
+    tl.store(OUT + b * s_o_b + h * s_o_h + (c + 1) * s_o_n + offs_k[:, None] * s_o_f + offs_v[None, :],
+             hacc, mask=mk[:, None] & mv[None, :])
+    if pid_v == 0:
+        tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1) * s_os_n + offs_k, sacc, mask=mk)
 
 
 def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
     """Hs[:, :, n] = H0 + sum_{j < n * state_chunk} phi(k_j) v_j^T (fp32), n = 0 .. ceil(N / state_chunk) - 1.
 
-    fk [B, Hq, N, F2], v [B, Hkv, N, D], key_mask [B, N] bool or None. Returns (Hs [B,Hq,NS,F2,D], Ss [B,Hq,NS,F2]).
+    One parallel kernel writes each chunk's sum into slot c + 1 (slot 0 = H0), then a cumulative sum over
+    the slots gives every prefix state. fk [B, Hq, N, F2], v [B, Hkv, N, D], key_mask [B, N] bool or None.
+    Returns (Hs [B, Hq, NS, F2, D], Ss [B, Hq, NS, F2]).
     """
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
@@ -103,29 +100,31 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
     NS = max(1, math.ceil(N / state_chunk))
     Hs = torch.empty(B, Hq, NS, F2, D, device=fk.device, dtype=torch.float32)
     Ss = torch.empty(B, Hq, NS, F2, device=fk.device, dtype=torch.float32)
-    fk = fk.contiguous()
-    v = v.contiguous()
-    BK = min(64, _np2(F2))
-    BV = min(64, _np2(D))
-    BT = min(64, state_chunk)
-    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    h0 = H0.contiguous() if H0 is not None else None
-    s0c = s0.contiguous() if s0 is not None else None
-    grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))
-    _chunk_states_kernel[grid](
-        fk, v, km if km is not None else fk, h0 if h0 is not None else Hs, s0c if s0c is not None else Ss, Hs, Ss,
-        N, F2, D, NS, G,
-        fk.stride(0), fk.stride(1), fk.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        km.stride(0) if km is not None else 0,
-        h0.stride(0) if h0 is not None else 0, h0.stride(1) if h0 is not None else 0,
-        h0.stride(2) if h0 is not None else 0,
-        s0c.stride(0) if s0c is not None else 0, s0c.stride(1) if s0c is not None else 0,
-        Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
-        Ss.stride(0), Ss.stride(1), Ss.stride(2),
-        HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, HAS_KM=km is not None, HAS_H0=h0 is not None,
-        PREC=_prec(fk, v),
-    )
+    if H0 is not None:
+        Hs[:, :, 0] = H0
+        Ss[:, :, 0] = s0
+    else:
+        Hs[:, :, 0] = 0
+        Ss[:, :, 0] = 0
+    if NS > 1:
+        BK = min(64, _np2(F2))
+        BV = min(64, _np2(D))
+        BT = min(64, state_chunk)
+        NV = triton.cdiv(D, BV)
+        km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+        grid = (B * Hq, NS - 1, triton.cdiv(F2, BK) * NV)
+        _chunk_sums_kernel[grid](
+            fk, v, km if km is not None else fk, Hs, Ss,
+            N, F2, D, G,
+            fk.stride(0), fk.stride(1), fk.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            km.stride(0) if km is not None else 0,
+            Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
+            Ss.stride(0), Ss.stride(1), Ss.stride(2),
+            HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
+        )
+        Hs = torch.cumsum(Hs, dim=2)
+        Ss = torch.cumsum(Ss, dim=2)
     return Hs, Ss
 
 
@@ -246,6 +245,9 @@ def _hybrid_fwd_kernel(
              out.to(O.dtype.element_ty), mask=mm[:, None] & md[None, :])
 
 
+TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None}  # None: Triton's defaults (benchmarks set these)
+
+
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
                key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
                block_m: int = 64, block_n: int = 64, out=None):
@@ -295,6 +297,8 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, CS=max(state_chunk, 1), PER_BLOCK=per_block,
         HAS_KM=km is not None, HAS_SP=has_sp, PREC=_prec(q, k, fq),
+        **{kk: vv for kk, vv in (("num_warps", TUNE["hybrid_num_warps"]), ("num_stages", TUNE["hybrid_num_stages"]))
+           if vv is not None},
     )
     return out
 

@@ -1,0 +1,382 @@
+"""LoLCATs / LoLA kernels on a CUDA GPU: correctness against the PyTorch references, prefill and decode speed.
+
+    PYTHONPATH=. python3 evals/bench_lola.py            # writes $OUT/lola-speed.json (or evals/results/)
+
+Sections (each guarded by a time budget, the JSON is rewritten after each one):
+  check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
+  prefill  32k tokens, 32 query heads (8 kv heads), D = 64 / 128, feature_dim 64:
+           lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256, chunked manager, eager and CUDA
+           graph), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
+  decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
+           KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script only
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+T0 = time.time()
+BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
+OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if os.environ.get("BENCH_SMOKE") == "1"
+                                else os.path.join(os.path.dirname(__file__), "results"))
+RES: dict = {
+    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "command": "PYTHONPATH=. python3 evals/bench_lola.py",
+    "torch": torch.__version__,
+}
+try:
+    RES["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                   cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+except Exception:  # noqa: BLE001
+    RES["commit"] = "unknown"
+ROWS: list[tuple[str, str]] = []
+
+
+def left() -> float:
+    return BUDGET - (time.time() - T0)
+
+
+def save() -> None:
+    os.makedirs(OUT, exist_ok=True)
+    RES["elapsed_s"] = round(time.time() - T0, 1)
+    with open(os.path.join(OUT, "lola-speed.json"), "w") as f:
+        json.dump(RES, f, indent=2)
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"{name:<58} {value}", flush=True)
+
+
+def section(name: str, need_s: float):
+    def deco(fn):
+        def run():
+            only = os.environ.get("BENCH_ONLY")
+            if only and name not in only.split(","):
+                return
+            if left() < need_s:
+                RES.setdefault("skipped", []).append(f"{name} (time budget)")
+                print(f"skip {name}: {left():.0f}s left", flush=True)
+                return
+            t = time.time()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - record and go on with the other sections
+                RES.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            RES.setdefault("section_s", {})[name] = round(time.time() - t, 1)
+            save()
+        return run
+    return deco
+
+
+def bench(fn, rep=200):
+    from triton.testing import do_bench
+
+    if SMOKE:
+        t = time.time()
+        fn()
+        return (time.time() - t) * 1e3
+    return do_bench(fn, warmup=20, rep=rep, return_mode="median")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
+from longctx_patch.kernels.lola.ops import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+
+
+def sz(n: int, small: int) -> int:
+    return small if SMOKE else n
+
+
+def make(B, Hq, Hkv, S, D, F, dtype, seed=0, N=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    N = S if N is None else N
+    q = torch.randn(B, Hq, S, D, device=DEV, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, N, D, device=DEV, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, N, D, device=DEV, generator=g).to(dtype)
+    Wq = torch.randn(Hq, D, F, device=DEV, generator=g) * D ** -0.25
+    Wk = torch.randn(Hq, D, F, device=DEV, generator=g) * D ** -0.25
+    fq = ref.hedgehog_feature_map(q, Wq, out_dtype=dtype)
+    fk = ref.hedgehog_feature_map(k, Wk, out_dtype=dtype)
+    gw = torch.sigmoid(torch.randn(Hq, device=DEV, generator=g))
+    return q, k, v, fq, fk, gw, torch.ones(Hq, device=DEV), Wq, Wk
+
+
+@section("check", 30)
+def check():
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        dn = str(dtype).split(".")[-1]
+        for D in (64, 128):
+            S0 = sz(777, 77)
+            q, k, v, fq, fk, g, lf, _, _ = make(2, 8, 2, S0, D, 32, dtype, seed=D)
+            km = torch.ones(2, S0, dtype=torch.bool, device=DEV)
+            km[1, :50] = False
+            want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=64, key_mask=km).transpose(1, 2)
+            got = hybrid_attention(q, k, v, fq, fk, g, lf, window=64, scale=D ** -0.5, key_mask=km, backend="triton")
+            real = km[:, :, None, None].expand_as(got)
+            if SMOKE and D == 128:
+                continue
+            out[f"lolcats_prefill_{dn}_D{D}"] = rel(got[real], want[real])
+            # LoLA manager: triton vs torch, prefill that ends mid-chunk, then decode steps
+            res = {}
+            for backend in ("torch", "triton"):
+                st = LolaState.empty(2, 8, 2, D, 64, 16, dtype, DEV)
+                o1 = lola_process(st, q, k, v, fq, fk, g, lf, window=32, chunk=64, lam=16, scale=D ** -0.5,
+                                  key_mask_new=km, backend=backend)
+                n2 = sz(70, 5)
+                q2, k2, v2, fq2, fk2, *_ = make(2, 8, 2, n2, D, 32, dtype, seed=D + 1)
+                steps = [lola_process(st, q2[:, :, i:i + 1], k2[:, :, i:i + 1], v2[:, :, i:i + 1],
+                                      fq2[:, :, i:i + 1], fk2[:, :, i:i + 1], g, lf, window=32, chunk=64, lam=16,
+                                      scale=D ** -0.5, backend=backend) for i in range(n2)]
+                res[backend] = (o1, torch.cat(steps, 1), st)
+            out[f"lola_prefill_{dn}_D{D}"] = rel(res["triton"][0][real], res["torch"][0][real])
+            out[f"lola_decode_{dn}_D{D}"] = rel(res["triton"][1], res["torch"][1])
+            out[f"lola_state_H_{dn}_D{D}"] = rel(res["triton"][2].H, res["torch"][2].H)
+            out[f"lola_sparse_same_{dn}_D{D}"] = float(
+                (res["triton"][2].sp_k == res["torch"][2].sp_k).all(-1).float().mean())
+    RES["check_rel_err"] = out
+    for kk, vv in out.items():
+        row(f"check {kk}", f"{vv:.2e}")
+
+
+def _prefill(D, label):
+    B, Hq, Hkv, S, F = 1, sz(32, 4), sz(8, 2), sz(32768, 300), sz(64, 8)
+    q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
+    r = {}
+    scale = D ** -0.5
+    r["feature_maps_ms"] = bench(lambda: (ref.hedgehog_feature_map(q, Wq, out_dtype=q.dtype),
+                                          ref.hedgehog_feature_map(k, Wk, out_dtype=q.dtype)))
+    for w, cs, nw in ((64, 64, None), (64, 256, None), (64, 256, 8), (256, 256, None), (256, 256, 8), (256, 512, 8)):
+        tk.TUNE["hybrid_num_warps"] = nw
+        r[f"lolcats_w{w}_cs{cs}_nw{nw or 'def'}_ms"] = bench(
+            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, window=w, scale=scale, backend="triton", state_chunk=cs))
+    tk.TUNE["hybrid_num_warps"] = None
+    st_ = tk.chunk_states(fk, v, 256)
+    r["chunk_states_cs256_ms"] = bench(lambda: tk.chunk_states(fk, v, 256))
+    r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, k, v, fq, fk, g, lf, st_[0], st_[1], window=256,
+                                                                      scale=scale, q_offset=0, state_chunk=256))
+    del st_
+    for chunk in (256, 1024):
+        def lola_once(chunk=chunk):
+            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
+            return lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=chunk, lam=256, scale=scale,
+                                backend="triton")
+        r[f"lola_eta256_lam256_chunk{chunk}_eager_ms"] = bench(lola_once, rep=300)
+        if left() > 60:
+            try:
+                lola_once()
+                torch.cuda.synchronize()
+                gr = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    lola_once()
+                torch.cuda.current_stream().wait_stream(s)
+                with torch.cuda.graph(gr):
+                    lola_once()
+                r[f"lola_eta256_lam256_chunk{chunk}_graph_ms"] = bench(gr.replay, rep=300)
+                del gr
+            except Exception as e:  # noqa: BLE001
+                r[f"lola_chunk{chunk}_graph_error"] = f"{type(e).__name__}: {e}"
+    # exact baselines: full causal attention (kv heads expanded for the backends without GQA)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as Fn
+
+    kx, vx = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            def f(be=be):
+                with sdpa_kernel(be):
+                    return Fn.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=scale)
+            r[f"{name}_full_ms"] = bench(f)
+        except Exception as e:  # noqa: BLE001
+            r[f"{name}_error"] = f"{type(e).__name__}: {e}"
+    RES[f"prefill_32k_{label}"] = r
+    save()
+    # flex attention sliding window 256 and fla chunk_linear_attn (the parts of a hybrid done by two libraries)
+    if left() > 45 and not SMOKE:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            def sw(b, h, qi, ki):
+                return (qi >= ki) & (qi - ki < 256)
+
+            bm = create_block_mask(sw, None, None, S, S, device=DEV)
+            flex = torch.compile(flex_attention)
+            r["flex_sliding256_ms"] = bench(lambda: flex(q, kx, vx, block_mask=bm, scale=scale))
+        except Exception as e:  # noqa: BLE001
+            r["flex_error"] = f"{type(e).__name__}: {e}"
+    if left() > 40:
+        try:
+            from fla.ops.linear_attn import chunk_linear_attn
+
+            qf, kf, vf = fq.transpose(1, 2).contiguous(), fk.transpose(1, 2).contiguous(), vx.transpose(1, 2).contiguous()
+            r["fla_chunk_linear_attn_ms"] = bench(lambda: chunk_linear_attn(qf, kf, vf, scale=1.0, normalize=True))
+        except Exception as e:  # noqa: BLE001
+            r["fla_error"] = f"{type(e).__name__}: {e}"
+    RES[f"prefill_32k_{label}"] = r
+    for kk, vv in r.items():
+        row(f"prefill32k {label} {kk}", f"{vv:.3f}" if isinstance(vv, float) else str(vv)[:60])
+
+
+@section("prefill_D128", 60)
+def prefill128():
+    _prefill(128, "D128")
+
+
+@section("prefill_D64", 50)
+def prefill64():
+    _prefill(64, "D64")
+
+
+@section("decode", 30)
+def decode():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as Fn
+
+    B, Hq, Hkv, D, F, N = sz(64, 2), sz(32, 4), sz(8, 2), sz(128, 16), sz(64, 8), sz(32768, 512)
+    eta = lam = chunk = sz(256, 16)
+    G = Hq // Hkv
+    dt = torch.bfloat16
+    r = {}
+    # full KV cache decode: G query rows per kv head (exact GQA, no mask needed for the newest token)
+    K = torch.randn(B, Hkv, N, D, device=DEV, dtype=dt)
+    V = torch.randn(B, Hkv, N, D, device=DEV, dtype=dt)
+    qd = torch.randn(B, Hkv, G, D, device=DEV, dtype=dt)
+    best = None
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            def f(be=be):
+                with sdpa_kernel(be):
+                    return Fn.scaled_dot_product_attention(qd, K, V)
+            t = bench(f)
+            r[f"full_kv_sdpa_{name}_ms"] = t
+            best = t if best is None else min(best, t)
+        except Exception as e:  # noqa: BLE001
+            r[f"full_kv_sdpa_{name}_error"] = f"{type(e).__name__}: {e}"
+    full_bytes = 2 * B * Hkv * N * D * 2
+    del K, V
+    torch.cuda.empty_cache()
+    # LoLA state in steady state: sparse cache full, window buffer holding eta + chunk/2 tokens
+    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, dt, DEV, capacity=eta + chunk)
+    st.win_k.normal_()
+    st.win_v.normal_()
+    st.win_fk.copy_(torch.softmax(torch.randn_like(st.win_fk, dtype=torch.float32), -1))
+    st.sp_k.normal_()
+    st.sp_v.normal_()
+    st.sp_fk.copy_(torch.softmax(torch.randn_like(st.sp_fk, dtype=torch.float32), -1))
+    st.sp_score = torch.rand(B, Hq, lam, device=DEV)
+    st.H = torch.rand(B, Hq, 2 * F, D, device=DEV) * 100
+    st.s = torch.rand(B, Hq, 2 * F, device=DEV) * 100
+    st.nb = eta + chunk // 2
+    st.pos = N + chunk // 2
+    g = torch.sigmoid(torch.randn(Hq, device=DEV))
+    lf = torch.ones(Hq, device=DEV)
+    q1 = torch.randn(B, Hq, 1, D, device=DEV, dtype=dt)
+    k1 = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dt)
+    v1 = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dt)
+    fq1 = torch.softmax(torch.randn(B, Hq, 1, 2 * F, device=DEV), -1).to(dt)
+    fk1 = torch.softmax(torch.randn(B, Hq, 1, 2 * F, device=DEV), -1).to(dt)
+    state_bytes = st.nbytes()
+
+    def step():
+        st.nb = eta + chunk // 2  # stay mid-chunk: no eviction in this timing
+        st.pos = N + chunk // 2
+        return lola_process(st, q1, k1, v1, fq1, fk1, g, lf, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
+                            backend="triton")
+
+    r["lola_step_ms"] = bench(step)
+    r["lola_decode_kernel_ms"] = bench(lambda: tk.decode_step(q1, st.wk, st.wv, fq1, st.wfk, g, lf, st.H, st.s,
+                                                              window=eta, scale=D ** -0.5, sparse_k=st.sp_k,
+                                                              sparse_v=st.sp_v, sparse_valid=st.sp_valid))
+    H0, s0, spk, spv, spfk, sps = st.H.clone(), st.s.clone(), st.sp_k.clone(), st.sp_v.clone(), st.sp_fk.clone(), \
+        st.sp_score.clone()
+
+    def evict():
+        st.nb = eta + chunk
+        st.H, st.s, st.sp_k, st.sp_v, st.sp_fk, st.sp_score = H0.clone(), s0.clone(), spk, spv, spfk, sps
+        lola_evict(st, window=eta, lam=lam, backend="triton")
+
+    r["lola_evict_ms"] = bench(evict)
+    r["lola_per_token_ms"] = r["lola_step_ms"] + r["lola_evict_ms"] / chunk
+    r["full_kv_best_ms"] = best
+    r["tokens_per_s_lola_attention_layer"] = B / (r["lola_per_token_ms"] * 1e-3)
+    if best:
+        r["tokens_per_s_full_kv_attention_layer"] = B / (best * 1e-3)
+        r["speedup_vs_full_kv"] = best / r["lola_per_token_ms"]
+    r["cache_bytes_lola_per_layer"] = state_bytes
+    r["cache_bytes_full_kv_per_layer"] = full_bytes
+    r["cache_ratio_full_over_lola"] = full_bytes / state_bytes
+    RES["decode_b64_32k_D128"] = r
+    save()
+    # peak memory of decoding after real prefills of 4k / 32k / 128k tokens (batch 1, one layer)
+    mem = {}
+    for ctx in ((4096, 32768, 131072) if not SMOKE else ()):
+        if left() < 20:
+            break
+        q, k, v, fq, fk, g1, lf1, _, _ = make(1, Hq, Hkv, ctx, D, F, dt, seed=ctx)
+        st = LolaState.empty(1, Hq, Hkv, D, 2 * F, lam, dt, DEV)
+        t = time.time()
+        lola_process(st, q, k, v, fq, fk, g1, lf1, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton")
+        torch.cuda.synchronize()
+        pre_s = time.time() - t
+        del q, k, v, fq, fk
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        qs, ks, vs, fqs, fks, *_ = make(1, Hq, Hkv, 2 * chunk, D, F, dt, seed=1)
+        for i in range(2 * chunk):  # crosses at least one eviction
+            lola_process(st, qs[:, :, i:i + 1], ks[:, :, i:i + 1], vs[:, :, i:i + 1], fqs[:, :, i:i + 1],
+                         fks[:, :, i:i + 1], g1, lf1, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
+                         backend="triton")
+        torch.cuda.synchronize()
+        mem[str(ctx)] = {"state_bytes": st.nbytes(), "decode_peak_extra_bytes": torch.cuda.max_memory_allocated() - base,
+                         "prefill_s_eager": round(pre_s, 3)}
+        del st
+    r["peak_memory_decode_batch1"] = mem
+    RES["decode_b64_32k_D128"] = r
+    for kk, vv in r.items():
+        row(f"decode {kk}", f"{vv:.4g}" if isinstance(vv, float) else str(vv)[:90])
+
+
+def main():
+    if not torch.cuda.is_available() and not SMOKE:
+        print("bench_lola needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    print(f"device {RES['device']}, torch {torch.__version__}", flush=True)
+    check()
+    prefill128()
+    decode()
+    prefill64()
+    save()
+    print("\n==== summary ====")
+    for name, value in ROWS:
+        if not name.startswith("check") or "e-0" not in value or True:
+            print(f"{name:<58} {value}")
+
+
+if __name__ == "__main__":
+    main()
