@@ -14,7 +14,8 @@ vq            Transformer-VQ style: a learned, static codebook of ``codes`` keys
 ovq           online VQ attention (``kernels.ovq.ovq_attention``): dictionaries learned in the forward   ``N x (2D + 1)`` +
               pass, exact chunk                                                                        chunk buffer
 lolcats       LoLCATs hybrid: softmax window + hedgehog linear attention under one normaliser          window + ``2F x (D+1)``
-lola          ``lolcats`` + LoLA's sparse cache of ``sparse`` pairs chosen by self-recall error         + ``sparse`` pairs
+lola          ``lolcats`` trained as such; evaluated with LoLA's sparse cache of ``sparse`` pairs      + ``sparse`` pairs
+              chosen by self-recall error (LoLA is training-free)
 ============  ====================================================================================  =====================
 
 A mixer is chosen by a spec string ``NAME`` or ``NAME:key=value,key=value`` (e.g. ``ovq:max_centroids=128``).
@@ -344,8 +345,12 @@ class LolaMixer(LolcatsMixer):
     defaults = {"window": 64, "feature_dim": 32, "chunk": 64, "sparse": 64, "backend": "auto"}
 
     def attend(self, q, k, v):
+        """Training forwards (gradients on) are the LoLCATs hybrid: LoLA is training-free, its cache manager
+        runs on a LoLCATs model at inference. Evaluation forwards run the LoLA manager (sparse cache)."""
         from ..kernels.lola import LolaState, lola_process
 
+        if torch.is_grad_enabled():
+            return super().attend(q, k, v)
         fq, fk, g, lf = self._parts(q, k)
         B, H, S, D = q.shape
         lam = int(self.opts["sparse"])
