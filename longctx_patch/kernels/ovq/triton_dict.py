@@ -11,16 +11,21 @@ One pass over the dictionary per block of tokens; the ``[C, N]`` score matrix is
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
                      skb, skh, skc, sdb, sdh, sdn, scb, sch,
                      C, H,
-                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+                     UP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -43,6 +48,8 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
         d = d / tl.maximum(cnt, 1.0)[:, None]
         if IEEE:
             dots = tl.dot(k, tl.trans(d), input_precision="ieee")
+        elif UP:  # CPU interpreter: its bf16 dot is wrong, emulate with bf16-rounded float32 operands
+            dots = tl.dot(k.to(tl.bfloat16).to(tl.float32), tl.trans(d.to(tl.bfloat16).to(tl.float32)))
         else:
             dots = tl.dot(k.to(tl.bfloat16), tl.trans(d.to(tl.bfloat16)))
         sq = tl.sum(d * d, 1)
@@ -82,5 +89,5 @@ def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Te
         k, dict_keys, counts, nact, maxdot, best, idx,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
         counts.stride(0), counts.stride(1),
-        C, H, D=D, BM=BM, BN=BN, IEEE=exact)
+        C, H, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
     return maxdot, best, idx

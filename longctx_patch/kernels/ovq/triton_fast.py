@@ -109,8 +109,10 @@ def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     sbase = pid * C
-    # 1) rank of every token by spread score (max dot product with the old rows), ties by position
-    for i0 in range(0, C, BI):
+    # 1) rank of every token by spread score (max dot product with the old rows), ties by position;
+    #    only needed while the dictionary grows (n_new > 0)
+    c_grow = tl.where(n_new > 0, C, 0)
+    for i0 in range(0, c_grow, BI):
         oi = i0 + tl.arange(0, BI)
         in_i = oi < C
         vi = tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0
@@ -132,12 +134,12 @@ def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
         in_i = oi < C
         vi = (tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0) & in_i
         ri = tl.load(RANK + sbase + oi, mask=in_i, other=0)
-        sel_i = vi & (ri < n_new)
+        sel_i = vi & (ri < n_new) & (n_new > 0)
         ki = tl.load(KC + b * skb + h * skh + oi[:, None] * skn + offs_d[None, :], mask=in_i[:, None],
                      other=0.0).to(tl.float32)
         best_n = tl.full([BI], float("-inf"), tl.float32)
         rank_n = tl.zeros([BI], tl.int32) + C
-        for j0 in range(0, C, BI):
+        for j0 in range(0, c_grow, BI):
             oj = j0 + tl.arange(0, BI)
             in_j = oj < C
             vj = (tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0) & in_j
@@ -232,7 +234,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
                 kc, KS, CNT, nact_t[t], maxdot, best, idx,
                 kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, D=D, BM=BM, BN=64, IEEE=exact_assign, num_warps=nw)
+                CNT.stride(0), CNT.stride(1), C, H, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up, num_warps=nw)
             _ovq_absorb[(B * H,)](
                 kc, vc, xc, maxdot, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),

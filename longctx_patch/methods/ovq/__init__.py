@@ -37,7 +37,8 @@ class OVQConfig(MethodConfig):
     qk_norm: bool = option(True, "unit-normalise q and k (false: raw post-rotary q/k with the model's scaling)")
     backend: str = option("auto", "kernels: auto (Triton on CUDA), triton, or torch (reference)",
                           choices=("auto", "triton", "torch"))
-    exact_assign: bool = option(True, "float32 dot products for the Triton dictionary assignment (false: bf16)")
+    exact_assign: bool = option(False, "Triton dictionary assignment with exact float32 dot products "
+                                "(false: bf16 tensor-core dots; near ties may resolve differently)")
 
     def check(self) -> None:
         if not math.isfinite(self.growth):
