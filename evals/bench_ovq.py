@@ -189,10 +189,12 @@ def main():
                "sdpa_tflops": {k_: (flops_exact / (v_ * 1e-3) / 1e12 if v_ else None) for k_, v_ in base.items()},
                "ovq": []}
     print(f"[{time.time() - t0:.0f}s] sdpa {base}", flush=True)
-    configs = [(256, 1024.0), (512, 1024.0), (1024, 1024.0), (512, 2048.0), (512, 256.0)]
+    configs = [(256, 1024.0, 128), (512, 1024.0, 128), (512, 1024.0, 64), (1024, 1024.0, 128), (512, 2048.0, 128),
+               (512, 256.0, 128)]
     if small:
-        configs = [(64, 32.0)]
-    for C, growth in configs:
+        configs = [(64, 32.0, 128)]
+    for C, growth, bm in configs:
+        os.environ["LONGCTX_OVQ_BLOCK_M"] = str(bm)
         kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend="triton", exact_assign=False)
 
         def run():
@@ -213,13 +215,13 @@ def main():
         # mean number of dictionary rows the chunks attended to (drives the cost)
         from longctx_patch.kernels.ovq import target_int
         mean_rows = sum(target_int(s0, N, growth) for s0 in range(0, S, C)) / (S // C)
-        ent = {"chunk_size": C, "growth": growth, "eager_ms": eager, "graph_ms": graphed,
+        ent = {"chunk_size": C, "growth": growth, "block_m": bm, "eager_ms": eager, "graph_ms": graphed,
                "speedup_vs_best_exact": best_exact / t_best, "final_rows": n_final, "mean_rows": mean_rows}
         prefill["ovq"].append(ent)
         print(f"[{time.time() - t0:.0f}s] ovq {ent}", flush=True)
         res["prefill"] = prefill
         dump()
-        if (C, growth) == ((512, 1024.0) if not small else (64, 32.0)):
+        if (C, growth, bm) == ((512, 1024.0, 128) if not small else (64, 32.0, 128)):
             # one more chunk on the state left by the prefill (all rows in use): attention alone (C-1
             # tokens, nothing absorbed) and attention + statistics + absorb (C tokens)
             seen_b = S
@@ -235,6 +237,7 @@ def main():
             print("breakdown", prefill["chunk_breakdown"], flush=True)
         del o, st
     res["prefill"] = prefill
+    os.environ["LONGCTX_OVQ_BLOCK_M"] = "128"
 
     # ---------------------------------------------------------------- 3. decode state and step time
     C, growth = (512, 1024.0) if not small else (64, 32.0)
@@ -299,7 +302,7 @@ def main():
     for k_, v_ in base.items():
         print(f"  {k_:<22} {v_ if v_ is None else round(v_, 3)} ms")
     for e in prefill["ovq"]:
-        print(f"  ovq C={e['chunk_size']:<5} g={e['growth']:<7} eager {e['eager_ms']:.3f} ms  graph "
+        print(f"  ovq C={e['chunk_size']:<5} g={e['growth']:<7} BM={e['block_m']:<4} eager {e['eager_ms']:.3f} ms  graph "
               f"{e['graph_ms'] if e['graph_ms'] is None else round(e['graph_ms'], 3)} ms  x{e['speedup_vs_best_exact']:.2f}"
               f"  rows {e['final_rows']} (mean {e['mean_rows']:.0f})")
     print("== decode state ==")

@@ -171,11 +171,13 @@ def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
 
 
 def _blk(M: int) -> tuple[int, int]:
+    """Query block and warps; LONGCTX_OVQ_BLOCK_M caps the block (benchmarks try 64 and 128)."""
+    cap = int(os.environ.get("LONGCTX_OVQ_BLOCK_M", "128"))
     if M <= 16:
         return 16, 4
     if M <= 32:
         return 32, 4
-    if M <= 64:
+    if M <= 64 or cap <= 64:
         return 64, 4
     return 128, 8
 
