@@ -1,0 +1,37 @@
+"""`longctx eval icr` / `longctx eval icl` commands at tiny sizes on the CPU."""
+
+import json
+
+from click.testing import CliRunner
+
+from cli.eval_synthetic_cmd import icl_cmd, icr_cmd
+
+TINY = ["--device", "cpu", "--d-model", "16", "--layers", "1", "--steps", "3", "--lrs", "1e-3",
+        "--tokens-per-step", "128", "--eval-sequences", "2", "--quiet"]
+
+
+def test_icr_command_writes_results(tmp_path):
+    res = CliRunner().invoke(icr_cmd, ["--variant", "both", "--lengths", "64,96", "--num-keys", "32", "--num-values", "32",
+                                       "--mixers", "softmax,linear:chunk=16", "--out-dir", str(tmp_path), "--name", "t", *TINY])
+    assert res.exit_code == 0, res.output
+    for var in ("basic", "positional"):
+        data = json.loads((tmp_path / f"t-{var}.json").read_text())
+        assert data["task"] == "icr" and data["task_config"]["variant"] == var
+        assert data["command"].startswith("longctx eval icr") and data["commit"] and data["date"]
+        assert data["method"] == ["softmax", "linear:chunk=16"]
+        assert set(data["summary"]["softmax"]["by_length"]) == {"64", "96"}
+        assert (tmp_path / f"t-{var}-length.png").exists() and (tmp_path / f"t-{var}-state.png").exists()
+    assert "accuracy@64" in res.output
+
+
+def test_icl_command_and_errors(tmp_path):
+    res = CliRunner().invoke(icl_cmd, ["--functions", "3", "--dim", "2", "--lengths", "64", "--mixers", "softmax",
+                                       "--out-dir", str(tmp_path), "--no-plots", *TINY])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "icl-F3.json").read_text())
+    assert data["summary"]["softmax"]["eval"]["64"]["mse_by_shots"]
+    bad = CliRunner().invoke(icr_cmd, ["--mixers", "mamba", "--out-dir", str(tmp_path), *TINY])
+    assert bad.exit_code == 1 and "unknown mixer" in bad.output
+    bad = CliRunner().invoke(icr_cmd, ["--lengths", "8k", "--num-keys", "16", "--mixers", "softmax",
+                                       "--out-dir", str(tmp_path), *TINY])
+    assert bad.exit_code == 1 and "num_keys" in bad.output
