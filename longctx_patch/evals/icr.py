@@ -107,8 +107,7 @@ def _sample_one(cfg: IcrConfig, length: int, g: torch.Generator) -> tuple[torch.
         ids[0:2 * P:2] = keys
         ids[1:2 * P:2] = vals
         asked = torch.randperm(P, generator=g)[:n_q]
-        blocks = [torch.stack([keys[i], vals[i]]) for i in asked.tolist()]
-        qlen = 2
+        blocks = torch.stack([keys[asked], vals[asked]], 1)                      # [n_q, 2]
     else:
         n_k = P // 2
         keys = torch.randperm(cfg.num_keys, generator=g)[:n_k] + cfg.key0
@@ -116,32 +115,27 @@ def _sample_one(cfg: IcrConfig, length: int, g: torch.Generator) -> tuple[torch.
         v1 = torch.randint(0, cfg.num_values, (n_k,), generator=g)
         shift = torch.randint(1, cfg.num_values, (n_k,), generator=g)
         v2 = (v1 + shift) % cfg.num_values
-        order = torch.randperm(P, generator=g)  # slot order of the 2 n_k (key, occurrence) items
+        order = torch.randperm(P, generator=g)  # the 2 n_k (key, occurrence) items in slot order
         slot_key = torch.cat([torch.arange(n_k), torch.arange(n_k)])[order]
-        # the earlier slot of each key holds its first value
+        # slots grouped by key, in increasing slot order: the earlier slot of a key holds its first value
+        by_key = torch.argsort(slot_key * P + torch.arange(P))
         slot_val = torch.empty(P, dtype=torch.long)
-        seen = torch.zeros(n_k, dtype=torch.bool)
-        for s, kidx in enumerate(slot_key.tolist()):
-            slot_val[s] = v2[kidx] if seen[kidx] else v1[kidx]
-            seen[kidx] = True
+        slot_val[by_key[0::2]] = v1
+        slot_val[by_key[1::2]] = v2
         ids[0:2 * P:2] = keys[slot_key]
         ids[1:2 * P:2] = slot_val + cfg.val0
         asked = torch.randperm(P, generator=g)[:n_q]  # (key, occurrence) items: item j < n_k first, else second
-        blocks = []
-        for j in asked.tolist():
-            kidx, second = j % n_k, j >= n_k
-            val = (v2 if second else v1)[kidx] + cfg.val0
-            blocks.append(torch.stack([torch.tensor(SECOND if second else FIRST), keys[kidx], val]))
-        qlen = 3
-    # place the query blocks at random, non-overlapping places of the tail
-    tail = length - 2 * P
-    free = tail - qlen * n_q  # filler tokens in the tail
-    # choose n_q gap positions among free + n_q slots (stars and bars)
+        kidx, second = asked % n_k, asked >= n_k
+        sel = torch.where(second, torch.tensor(SECOND), torch.tensor(FIRST))
+        blocks = torch.stack([sel, keys[kidx], torch.where(second, v2[kidx], v1[kidx]) + cfg.val0], 1)  # [n_q, 3]
+    qlen = blocks.shape[1]
+    # place the query blocks at random, non-overlapping places of the tail (stars and bars)
+    free = length - 2 * P - qlen * n_q  # filler tokens in the tail
     picks = torch.sort(torch.randperm(free + n_q, generator=g)[:n_q]).values
     starts = 2 * P + picks + torch.arange(n_q) * (qlen - 1)
-    for st, blk in zip(starts.tolist(), blocks):
-        ids[st:st + qlen] = blk
-        labels[st + qlen - 2] = blk[-1]  # predicted when reading the key, i.e. the token before the answer
+    pos = starts[:, None] + torch.arange(qlen)[None, :]
+    ids[pos.flatten()] = blocks.flatten()
+    labels[starts + qlen - 2] = blocks[:, -1]  # predicted when reading the key, i.e. the token before the answer
     return ids, labels
 
 

@@ -5,7 +5,8 @@ Mixers (``MIXERS``; each a ``Mixer`` with q/k/v/o projections and ``H`` heads of
 ============  ====================================================================================  =====================
 name          what it computes                                                                        decode state / layer
 ============  ====================================================================================  =====================
-softmax       exact causal softmax attention (``methods.exact.softmax_attention``)                    ``L`` keys + values
+softmax       exact causal softmax attention (``methods.exact.softmax_attention``; unit q/k, learned    ``L`` keys + values
+              temperature as in vq/ovq; ``qknorm=false``: plain ``1/sqrt(D)``)
 sliding       softmax over the last ``window`` tokens                                                 ``window`` k/v
 linear        linear attention, ``phi = elu + 1``                                                     ``D x (D + 1)``
 hedgehog      linear attention with the hedgehog map ``[softmax(xW), softmax(-xW)]``                  ``2F x (D + 1)``
@@ -179,25 +180,42 @@ class Mixer(nn.Module):
 
 
 class SoftmaxMixer(Mixer):
+    """Exact softmax. ``qknorm`` (default on): unit-normalised q, k and a learned inverse temperature per head,
+    as ``vq`` and ``ovq`` use, so that the comparison isolates what those compress; off: ``q.k / sqrt(D)``."""
+
     name = "softmax"
+    defaults = {"qknorm": True, "beta": 12.0}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        if self.opts["qknorm"]:
+            self.log_beta = nn.Parameter(torch.full((self.H,), math.log(float(self.opts["beta"]))))
+
+    def _qk(self, q, k):
+        if not self.opts["qknorm"]:
+            return q, k, self.D ** -0.5
+        beta = self.log_beta.exp()[None, :, None, None]
+        return (F.normalize(q.float(), dim=-1) * beta).to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype), 1.0
+
+    def window(self) -> int | None:
+        return None
 
     def attend(self, q, k, v):
         from ..methods.exact import softmax_attention
 
-        return softmax_attention(q, k, v, scale=self.D ** -0.5)
+        q, k, scale = self._qk(q, k)
+        return softmax_attention(q, k, v, scale=scale, window=self.window())
 
     def state_bytes(self, length):
         return length * self.H * 2 * self.D * KV_BYTES
 
 
-class SlidingMixer(Mixer):
+class SlidingMixer(SoftmaxMixer):
     name = "sliding"
-    defaults = {"window": 64}
+    defaults = {"window": 64, "qknorm": True, "beta": 12.0}
 
-    def attend(self, q, k, v):
-        from ..methods.exact import softmax_attention
-
-        return softmax_attention(q, k, v, scale=self.D ** -0.5, window=int(self.opts["window"]))
+    def window(self) -> int | None:
+        return int(self.opts["window"])
 
     def state_bytes(self, length):
         return min(length, int(self.opts["window"])) * self.H * 2 * self.D * KV_BYTES
@@ -572,10 +590,13 @@ def evaluate(model: SyntheticLM, task, length: int, n_seq: int, tokens_per_batch
 
 
 def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, tcfg: TrainConfig, lr: float, seed: int,
-              progress: bool = False, eval_lengths: Sequence[int] | None = None) -> dict[str, Any]:
+              progress: bool = False, eval_lengths: Sequence[int] | None = None,
+              deadline: float | None = None) -> dict[str, Any]:
     """Trains one model from scratch and evaluates it at every length. Returns a JSON-ready record.
 
     Steps cycle through ``lengths``; a step at length ``L`` uses ``max(1, tokens_per_step // L)`` sequences.
+    ``deadline`` (a ``time.time()`` value): training stops there even if ``steps`` are not done; the record's
+    ``steps_done`` says how many ran (a guard for time-limited runs, reported, never silent).
     """
     device = torch.device(tcfg.device)
     torch.manual_seed(seed)
@@ -593,7 +614,10 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
     t0 = time.perf_counter()
     diverged = False
     running = None
+    steps_done = 0
     for step in range(tcfg.steps):
+        if deadline is not None and time.time() > deadline:
+            break
         L = lengths[step % len(lengths)]
         bs = max(1, tcfg.tokens_per_step // L)
         batch = _batch_to(task.sample(L, bs, 1_000_003 * (seed + 1) + step), device)
@@ -618,6 +642,7 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
             running = val
             if bar is not None:
                 bar.set_postfix(loss=f"{val:.3f}")
+        steps_done = step + 1
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -628,7 +653,7 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
         for L in (eval_lengths or lengths):
             evals[str(L)] = evaluate(model, task, L, tcfg.eval_sequences, tcfg.eval_tokens_per_batch, device)
     return {
-        "mixer": spec.label, "lr": lr, "seed": seed, "diverged": diverged, "final_loss": running,
+        "mixer": spec.label, "lr": lr, "seed": seed, "diverged": diverged, "final_loss": running, "steps_done": steps_done,
         "losses": losses, "train_seconds": round(train_s, 2), "eval": evals,
         "params": sum(p.numel() for p in model.parameters()),
         "state_bytes": {str(L): model.state_bytes(L) for L in (eval_lengths or lengths)},
@@ -636,13 +661,15 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
 
 
 def _job(args):
-    task, spec, lengths, mcfg, tcfg, lr, seed, eval_lengths = args
+    task, spec, lengths, mcfg, tcfg, lr, seed, eval_lengths = args[:8]
+    deadline = args[8] if len(args) > 8 else None
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.set_num_threads(max(1, int(os.environ.get("LONGCTX_SYNTH_THREADS", "1"))))
     try:
-        return train_one(task, spec, lengths, mcfg, tcfg, lr, seed, progress=False, eval_lengths=eval_lengths)
+        return train_one(task, spec, lengths, mcfg, tcfg, lr, seed, progress=False, eval_lengths=eval_lengths,
+                         deadline=deadline)
     except Exception as e:  # noqa: BLE001 - one failing mixer must not lose the others' results
         return {"mixer": spec.label, "lr": lr, "seed": seed, "error": f"{type(e).__name__}: {e}"}
 
@@ -735,7 +762,14 @@ def tables(task, summary: dict[str, Any], lengths: Sequence[int]) -> str:
             continue
         sb = e["state_bytes"].get(Lmax)
         ratio = f"{100 * sb / ref[Lmax]:.1f}%" if ref.get(Lmax) else None
-        rows.append([label, e["best_lr"]] + [round(e["by_length"][str(L)], 4) for L in lengths] + [_fmt_bytes(sb), ratio])
+        row = [label, e["best_lr"]] + [round(e["by_length"][str(L)], 4) for L in lengths] + [_fmt_bytes(sb), ratio]
+        ev = e["eval"] if isinstance(e["eval"], dict) else e["eval"][0]
+        if "functions_learned" in ev.get(Lmax, {}):
+            row.append(f"{ev[Lmax]['functions_learned']}/{ev[Lmax]['functions_measured']}")
+        rows.append(row)
+    if any(len(r) > len(header) for r in rows):
+        header.append(f"learned@{size_label(int(Lmax))}")
+        rows = [r + [None] * (len(header) - len(r)) for r in rows]
     return format_table(header, rows)
 
 
