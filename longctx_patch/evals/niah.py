@@ -101,37 +101,42 @@ def load_haystack(source: str | Path | None = None) -> str:
 
 
 class _Corpus:
-    """A haystack text tokenised once, with the character span of every token."""
+    """A haystack text tokenised once, with the character span of every token.
 
-    def __init__(self, tokenizer, text: str, min_tokens: int, paragraph_starts: bool = True):
-        base = text.rstrip() + "\n\n"
-        enc = tokenizer(base, add_special_tokens=False, return_offsets_mapping=True)
-        per_copy = max(1, len(enc["input_ids"]))
-        copies = max(1, -(-min_tokens // per_copy) + 1)  # repeat so any start has room for min_tokens
-        self.text = base * copies
-        n_base = len(base)
-        self.offsets = [(a + c * n_base, b + c * n_base) for c in range(copies) for a, b in enc["offset_mapping"]]
+    The text repeats without end: token `t` is token `t % n` of copy `t // n`, so a prompt of any length
+    can start at any paragraph of the text.
+    """
+
+    def __init__(self, tokenizer, text: str, paragraph_starts: bool = True):
+        self.base = text.rstrip() + "\n\n"
+        enc = tokenizer(self.base, add_special_tokens=False, return_offsets_mapping=True)
+        self.offsets = [tuple(o) for o in enc["offset_mapping"]]
+        if not self.offsets:
+            raise ConfigError("the haystack text has no tokens")
+        self.n = len(self.offsets)
         self.starts = [a for a, _ in self.offsets]
-        self.base_tokens = per_copy
-        if paragraph_starts:
-            cand = [0] + [m.end() for m in re.finditer(r"\n\s*\n", base)]
-        else:
-            cand = [0]
-        # start positions must be token starts inside the first copy
-        self.candidate_tokens = sorted({self.token_at(c) for c in cand if c < n_base})
+        cand = [0] + ([m.end() for m in re.finditer(r"\n\s*\n", self.base)] if paragraph_starts else [])
+        self.candidate_tokens = sorted({bisect.bisect_left(self.starts, c) for c in cand if c < len(self.base)} - {self.n})
 
-    def token_at(self, char: int) -> int:
-        """Index of the first token that starts at or after `char`."""
-        return bisect.bisect_left(self.starts, char)
+    def start_char(self, t: int) -> int:
+        c, i = divmod(t, self.n)
+        return c * len(self.base) + self.offsets[i][0]
 
-    def span(self, first_token: int, n_tokens: int) -> tuple[int, int]:
-        last = first_token + max(n_tokens, 1) - 1
-        return self.starts[first_token], self.offsets[last][1]
+    def end_char(self, t: int) -> int:
+        c, i = divmod(t, self.n)
+        return c * len(self.base) + self.offsets[i][1]
+
+    def text(self, a: int, b: int) -> str:
+        """Characters [a, b) of the endlessly repeated text."""
+        L = len(self.base)
+        c0, c1 = a // L, (b - 1) // L
+        full = self.base * (c1 - c0 + 1)
+        return full[a - c0 * L : b - c0 * L]
 
 
 @lru_cache(maxsize=8)
-def _corpus(tokenizer, text: str, min_tokens: int, paragraph_starts: bool) -> _Corpus:
-    return _Corpus(tokenizer, text, min_tokens, paragraph_starts)
+def _corpus(tokenizer, text: str, paragraph_starts: bool) -> _Corpus:
+    return _Corpus(tokenizer, text, paragraph_starts)
 
 
 _BOUNDARY = re.compile(r"(?<=[.!?;:])[\"')\]]*\s+|\n\s*\n")
@@ -233,12 +238,12 @@ def build_sample(
     key, value = keys[0], values[0]
 
     if task == "s-niah-1":
-        corpus = _corpus(tokenizer, FILLER * 64, length + 64, False)
+        corpus = _corpus(tokenizer, FILLER * 64, False)
         start = 0
     else:
         if haystack is None:
             haystack = load_haystack(None)
-        corpus = _corpus(tokenizer, haystack, length + 64, True)
+        corpus = _corpus(tokenizer, haystack, True)
         start = rng.choice(corpus.candidate_tokens)
 
     def build(n_hay: int) -> tuple[str, list[int], str]:
@@ -247,12 +252,15 @@ def build_sample(
             hay = ""
             char_at = lambda d: 0  # noqa: E731
         else:
-            a, b = corpus.span(start, n_hay)
-            hay = corpus.text[a:b].strip()
+            a, b = corpus.start_char(start), corpus.end_char(start + n_hay - 1)
+            raw = corpus.text(a, b)
+            lead = len(raw) - len(raw.lstrip())
+            hay = raw.strip()
 
             def char_at(d: float) -> int:
                 tok = start + min(int(round(d * n_hay)), n_hay)
-                return min(max(corpus.starts[tok] - a, 0) if tok < len(corpus.starts) else len(hay), len(hay))
+                pos = (corpus.start_char(tok) if tok < start + n_hay else b) - a - lead
+                return min(max(pos, 0), len(hay))
 
         context = _insert(hay, needles, char_at) if hay else " ".join(s for _, s in needles)
         text = _prompt_text(tokenizer, context, kind, key, chat)

@@ -16,6 +16,7 @@ over one whole sequence, no cache, no padding) returning `[B, S, Hq, D]`, differ
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -74,10 +75,12 @@ def time_model(model, context: int, decode_tokens: int, repeats: int, vocab: int
         cache = out.past_key_values
         nxt = out.logits[:, -1:].argmax(-1)
         del out
+        # transformers >= 5.24 names the argument `cache` (`past_key_values` is deprecated there)
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(decode_tokens):
-            step = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            step = model(input_ids=nxt, use_cache=True, **{cache_arg: cache})
             cache = step.past_key_values
             nxt = step.logits[:, -1:].argmax(-1)
         _sync(device)

@@ -1,0 +1,369 @@
+"""Evaluation harness: method selection, NIAH prompts and scoring, ppl, approx, speed, the `longctx eval` CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import tiny_model
+
+from longctx_patch.errors import ConfigError, DeviceError
+from longctx_patch.evals import approx, niah, ppl, speed
+from longctx_patch.evals.common import MethodRun, parse_fractions, parse_methods, parse_size, parse_sizes
+
+RESULT_FIELDS = {"device", "date", "commit", "command", "model", "method", "config"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from longctx_patch.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    """A tiny random llama that speaks the SmolLM2 tokenizer's vocabulary."""
+    return tiny_model("llama", vocab_size=len(tok), max_position_embeddings=2048), tok
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny[0].save_pretrained(d)
+    tiny[1].save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def essays(pg_essays_dir):
+    return niah.load_haystack(pg_essays_dir)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+def test_parse_methods_targets_keys():
+    runs = parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])
+    assert [(r.name, r.config) for r in runs] == [("exact", {}), ("sliding-window", {"window": 256})]
+    assert runs[1].label == "sliding-window(window=256)"
+    # a plain key goes to every selected method that has it
+    runs = parse_methods(["none", "exact", "sliding-window"], ["window=64"])
+    assert [r.config for r in runs] == [{}, {}, {"window": 64}]
+    assert not runs[0].patched and runs[0].name == "none"
+    assert parse_methods(["unpatched"])[0].name == "none"
+
+
+@pytest.mark.parametrize(
+    "methods, sets, words",
+    [
+        (["nope"], [], "unknown method"),
+        (["exact"], ["window=3"], "no selected method has a key"),
+        (["exact"], ["sliding-window.window=3"], "not selected"),
+        (["sliding-window"], ["sliding-window.windw=3"], "no key 'windw'"),
+        (["sliding-window"], ["sliding-window.window=0"], "window"),
+        (["sliding-window"], ["window"], "METHOD.KEY=VALUE"),
+        (["exact", "exact"], [], "twice"),
+        ([], [], "no method"),
+    ],
+)
+def test_parse_methods_rejects(methods, sets, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_methods(methods, sets)
+
+
+def test_parse_sizes_and_depths():
+    assert parse_sizes("1k, 2k,300") == [1024, 2048, 300]
+    assert parse_size("1.5k") == 1536
+    assert parse_fractions("0,0.5,1") == [0.0, 0.5, 1.0]
+    for bad in ("abc", "0", "-1k", "1.3"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+    with pytest.raises(ConfigError):
+        parse_fractions("0.5,1.5")
+
+
+# ----------------------------------------------------------------------------------------------- niah
+def test_niah_samples_are_deterministic(tok, essays):
+    a = niah.build_sample(tok, "mk-niah", 600, 0.5, seed=3, index=1, haystack=essays)
+    b = niah.build_sample(tok, "mk-niah", 600, 0.5, seed=3, index=1, haystack=essays)
+    c = niah.build_sample(tok, "mk-niah", 600, 0.5, seed=4, index=1, haystack=essays)
+    assert a.input_ids == b.input_ids and a.value == b.value and a.key == b.key
+    assert c.input_ids != a.input_ids and c.value != a.value
+
+
+@pytest.mark.parametrize("task", niah.TASKS)
+def test_niah_prompt_length_and_needles(tok, essays, task):
+    L = 700
+    s = niah.build_sample(tok, task, L, 0.5, seed=0, haystack=essays)
+    assert s.prompt_tokens == len(s.input_ids)
+    assert L - 8 <= s.prompt_tokens <= L
+    text = tok.decode(s.input_ids)
+    assert text.count(s.value) == 1
+    assert f"What is the special magic {'uuid' if task == 's-niah-3' else 'number'} for {s.key} " in text
+    if task == "s-niah-3":
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", s.value)
+    else:
+        assert re.fullmatch(r"\d{7}", s.value)
+    if task == "mk-niah":
+        assert len(s.distractors) == niah.MK_DISTRACTORS
+        keys = {d["key"] for d in s.distractors} | {s.key}
+        values = {d["value"] for d in s.distractors} | {s.value}
+        assert len(keys) == len(values) == niah.MK_DISTRACTORS + 1
+        for d in s.distractors:
+            assert f"One of the special magic numbers for {d['key']} is: {d['value']}." in text
+    else:
+        assert s.distractors == []
+    if task == "s-niah-1":
+        assert "The grass is green." in text
+    if tok.chat_template:
+        assert text.rstrip().endswith(f"The special magic {'uuid' if task == 's-niah-3' else 'number'} for {s.key} mentioned in the provided text is")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_niah_needle_at_requested_depth(tok, essays, depth):
+    """Tokenise the prompt back and count haystack tokens in front of the needle."""
+    s = niah.build_sample(tok, "s-niah-2", 1024, depth, seed=1, haystack=essays)
+    text = tok.decode(s.input_ids)
+    needle = f"One of the special magic numbers for {s.key} is: {s.value}."
+    head = "I will quiz you about the numbers afterwards.\n"
+    c0 = text.index(head) + len(head)
+    c1 = text.index("\nWhat is the special magic number for")
+    n0 = text.index(needle)
+    ntok = lambda t: len(tok(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    before = ntok(text[c0:n0].strip())
+    total = ntok(text[c0:n0].strip()) + ntok(text[n0 + len(needle) : c1].strip())
+    assert abs(before / total - depth) < 0.04, (before, total)
+    assert abs(s.needle_depth - depth) < 0.04
+
+
+def test_niah_filler_depth_is_tight(tok):
+    for depth in (0.1, 0.6, 0.9):
+        s = niah.build_sample(tok, "s-niah-1", 2048, depth, seed=0)
+        assert abs(s.needle_depth - depth) < 0.01
+
+
+def test_niah_too_short_and_bad_task(tok):
+    with pytest.raises(ConfigError, match="too short"):
+        niah.build_sample(tok, "s-niah-2", 40, 0.5)
+    with pytest.raises(ConfigError, match="unknown niah task"):
+        niah.build_sample(tok, "s-niah-9", 400, 0.5)
+    with pytest.raises(ConfigError, match="does not exist"):
+        niah.load_haystack("/nonexistent/dir")
+
+
+def test_niah_score_is_exact():
+    assert niah.score(" 1234567.", "1234567")
+    assert niah.score("The number is 1234567", "1234567")
+    assert not niah.score("12345678", "1234567")
+    assert not niah.score("01234567", "1234567")
+    assert not niah.score("123 4567", "1234567")
+    assert not niah.score("1234566", "1234567")
+    u = "2a577eee-b3f8-4e87-b669-244cccd5a0af"
+    assert niah.score(f": {u.upper()}.", u)
+    assert not niah.score(": 2a577eee-b3f8-4e87-b669-244cccd5a0a", u)
+
+
+def test_run_niah_writes_json_and_heatmap(tiny, tmp_path):
+    runs = parse_methods(["exact", "sliding-window"], ["window=32"])
+    res = niah.run_niah(tiny, runs, tasks=["s-niah-2"], lengths=[160, 200], depths=[1.0], samples=1,
+                        out_dir=tmp_path, name="n", model_name="tiny", progress=False, echo=lambda *_: None)
+    data = json.loads((tmp_path / "n.json").read_text())
+    assert RESULT_FIELDS <= set(data)
+    assert data["method"] == ["exact", "sliding-window(window=32)"]
+    assert data["config"]["sliding-window(window=32)"] == {"window": 32}
+    assert data["task"] == "niah" and data["model"] == "tiny"
+    assert set(data["accuracy"]["exact"]) == {"s-niah-2"}
+    assert set(data["accuracy"]["exact"]["s-niah-2"]) == {"160", "200"}
+    assert set(data["accuracy_by_depth"]["exact"]["s-niah-2"]["200"]) == {"1"}
+    assert len(data["samples"]) == 2 * 2
+    for r in data["samples"]:
+        assert r["correct"] == niah.score(r["answer"], r["value"])
+    assert (tmp_path / "n.png").stat().st_size > 1000
+    assert res["figures"]["overall"].keys() == {"exact", "sliding-window(window=32)"}
+
+
+def test_smollm2_finds_needle_in_essays(smollm2, essays):
+    """The real embedded model retrieves a 7-digit number from Paul Graham essays at 1k tokens."""
+    model, tok = smollm2
+    s = niah.build_sample(tok, "s-niah-2", 1024, 0.5, seed=0, haystack=essays)
+    answer = niah.generate_answer(model, tok, s.input_ids, 16)
+    assert niah.score(answer, s.value), answer
+
+
+# ----------------------------------------------------------------------------------------------- approx
+def _text_docs():
+    return [niah.load_haystack(None)]
+
+
+def test_approx_zero_for_exact_positive_for_perturbed(tiny, tmp_path):
+    runs = parse_methods(["exact", "sliding-window"], ["window=8"])
+    res = approx.run_approx(tiny, runs, _text_docs(), length=48, lengths=[33], out_dir=tmp_path, name="a",
+                            model_name="tiny", echo=lambda *_: None)
+    f = res["figures"]
+    n_layers = tiny[0].config.num_hidden_layers
+    assert list(f["rel_error_per_layer"]["exact"]) == [str(i) for i in range(n_layers)]
+    assert all(e == 0.0 for e in f["rel_error_per_layer"]["exact"].values())
+    assert all(e > 1e-3 for e in f["rel_error_per_layer"]["sliding-window(window=8)"].values())
+    assert f["rel_error_synthetic"]["exact"]["33"] == 0.0
+    assert f["rel_error_synthetic"]["sliding-window(window=8)"]["33"] > 1e-3
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert RESULT_FIELDS <= set(data) and (tmp_path / "a.png").exists()
+
+
+def test_approx_capture_matches_manual_attention(tiny):
+    """The captured q/k/v reproduce the captured exact output, and a window >= length gives 0 error."""
+    from longctx_patch.methods.exact import softmax_attention
+
+    model, tok = tiny
+    ids = torch.tensor([tok("one two three four five six seven eight nine ten")["input_ids"]])
+    cap = approx.capture(model, ids, layers="1")
+    assert list(cap) == [1]
+    q, k, v, o = cap[1]
+    assert q.shape[1] == 4 and k.shape[1] == 2 and q.shape[2] == ids.shape[1]
+    torch.testing.assert_close(softmax_attention(q, k, v, scale=q.shape[-1] ** -0.5), o)
+    res = approx.run_approx(tiny, parse_methods(["sliding-window"], ["window=64"]), _text_docs(), length=40,
+                            out_dir=None, echo=lambda *_: None)
+    assert max(res["figures"]["rel_error_per_layer"]["sliding-window(window=64)"].values()) < 1e-6
+
+
+def test_approx_refuses_unpatched(tiny):
+    with pytest.raises(ConfigError, match="drop --method none"):
+        approx.run_approx(tiny, [MethodRun("none")], _text_docs(), length=16, out_dir=None, echo=lambda *_: None)
+
+
+# ----------------------------------------------------------------------------------------------- ppl
+def test_token_losses_match_hf_loss(tiny, monkeypatch):
+    model, tok = tiny
+    ids = torch.tensor([ppl.token_stream(tok, ["The quick brown fox jumps over the lazy dog. " * 6])[:50]])
+    monkeypatch.setattr(ppl, "LOSS_CHUNK", 7)  # odd chunks across the sequence
+    losses = ppl.token_losses(model, ids)
+    assert losses.shape == (49,)
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(losses.mean(), ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_run_ppl_buckets_and_reference(tiny, tmp_path):
+    runs = parse_methods(["none", "exact", "sliding-window"], ["window=16"])
+    res = ppl.run_ppl(tiny, runs, _text_docs(), contexts=[64, 96], max_windows=2, buckets=4, out_dir=tmp_path,
+                      name="p", model_name="tiny", progress=False, echo=lambda *_: None)
+    f = res["figures"]
+    assert f["reference"] == "none"
+    assert f["windows"] == {"64": 2, "96": 2}
+    d = f["loss_by_position"]["exact"]["64"]
+    assert d["edges"] == [0, 16, 32, 48, 64] and sum(d["tokens"]) == 2 * 63
+    # exact attention is the unpatched model's attention
+    assert abs(f["nll_delta_vs_reference"]["exact"]["64"]) < 1e-4
+    # within the window nothing changes, beyond it the loss does
+    sw = f["loss_by_position"]["sliding-window(window=16)"]["64"]["loss"]
+    assert abs(sw[0] - d["loss"][0]) < 1e-4 and abs(sw[3] - d["loss"][3]) > 1e-4
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert RESULT_FIELDS <= set(data) and data["ppl"]["none"]["64"] > 1 and (tmp_path / "p.png").exists()
+
+
+def test_ppl_text_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 10)
+    (tmp_path / "b.txt").write_text("beta " * 10)
+    (tmp_path / "LICENSE.txt").write_text("licence text")
+    assert len(ppl.load_texts(tmp_path)) == 2
+    with pytest.raises(ConfigError, match="exactly one"):
+        ppl.load_texts(None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ppl.load_texts(tmp_path / "missing.txt")
+
+
+def test_ppl_dataset_source(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"body": ["x y z", "u v w"]}).save_to_disk(str(tmp_path / "ds"))
+    assert ppl.load_texts(dataset=str(tmp_path / "ds"), field="body") == ["x y z", "u v w"]
+    with pytest.raises(ConfigError, match="no field 'text'"):
+        ppl.load_texts(dataset=str(tmp_path / "ds"))
+
+
+# ----------------------------------------------------------------------------------------------- speed
+def test_model_speed_fields(tiny, tmp_path):
+    runs = parse_methods(["exact", "sliding-window"], ["window=16"])
+    res = speed.run_speed(tiny, runs, contexts=[16, 64], decode_tokens=3, repeats=1, out_dir=tmp_path, name="s",
+                          model_name="tiny", echo=lambda *_: None)
+    r = res["figures"]["results"]
+    for lab in ("exact", "sliding-window(window=16)"):
+        for c in ("16", "64"):
+            assert r[lab][c]["prefill_s"] > 0 and r[lab][c]["decode_tok_s"] > 0
+    cfg = tiny[0].config
+    full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (64 + 3) * 16 * 4  # fp32 K and V
+    assert r["exact"]["64"]["state_bytes"] == full
+    assert r["sliding-window(window=16)"]["64"]["state_bytes"] == full * 15 // 67
+    assert "sliding-window(window=16)" in res["figures"]["speedup_vs_reference"]
+    assert RESULT_FIELDS <= set(json.loads((tmp_path / "s.json").read_text()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
+def test_op_speed_refuses_without_cuda():
+    with pytest.raises(DeviceError, match="CUDA"):
+        speed.run_op_speed(parse_methods(["exact"]), lengths=[64])
+
+
+def test_method_ops_match_reference():
+    from longctx_patch.methods import get_method
+    from longctx_patch.methods.exact import softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 13, 8, generator=g), torch.randn(1, 2, 13, 8, generator=g), torch.randn(1, 2, 13, 8, generator=g)
+    o = speed.method_op("exact")(q, k, v, scale=0.3, config=get_method("exact").parse_config({}))
+    torch.testing.assert_close(o, softmax_attention(q, k, v, scale=0.3))
+    o = speed.method_op("sliding-window")(q, k, v, scale=0.3, config=get_method("sliding-window").parse_config({"window": 4}))
+    torch.testing.assert_close(o, softmax_attention(q, k, v, scale=0.3, window=4))
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def _cli(args):
+    from cli.eval_cmd import eval_group
+
+    return CliRunner().invoke(eval_group, args, catch_exceptions=False)
+
+
+def test_cli_niah_runs(tiny_dir, tmp_path):
+    r = _cli(["niah", "--model", str(tiny_dir), "--method", "exact", "--method", "sliding-window", "--set",
+              "sliding-window.window=32", "--tasks", "s-niah-1", "--lengths", "150", "--depths", "0.5",
+              "--no-progress", "--out-dir", str(tmp_path), "--name", "c"])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["command"].startswith("longctx eval niah --model")
+    assert "--set sliding-window.window=32" in data["command"]
+    assert "s-niah-1" in r.output and (tmp_path / "c.png").exists()
+
+
+def test_cli_approx_and_ppl_run(tiny_dir, tmp_path):
+    r = _cli(["approx", "--model", str(tiny_dir), "--method", "sliding-window", "--set", "window=8", "--length", "40",
+              "--lengths", "20", "--out-dir", str(tmp_path), "--name", "a"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "a.json").read_text())["rel_error_mean"]["sliding-window(window=8)"] > 0
+    r = _cli(["ppl", "--model", str(tiny_dir), "--method", "sliding-window", "--set", "window=8", "--context", "48",
+              "--windows", "1", "--buckets", "2", "--no-progress", "--out-dir", str(tmp_path), "--name", "p"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "p.json").read_text())["method"] == ["exact", "sliding-window(window=8)"]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["niah", "--lengths", "abc"], "bad length 'abc'"),
+        (["niah", "--method", "nope"], "unknown method 'nope'"),
+        (["niah", "--set", "window=3"], "no selected method has a key 'window'"),
+        (["niah", "--depths", "2"], "bad depth"),
+        (["niah", "--haystack", "/no/such/dir"], "does not exist"),
+        (["ppl", "--text", "/no/such/file.txt"], "does not exist"),
+        (["speed", "--op", "--lengths", "1k"], "CUDA"),
+    ],
+)
+def test_cli_bad_input_one_line(args, words):
+    if "--op" in args and torch.cuda.is_available():
+        pytest.skip("the op-level refusal only happens without CUDA")
+    r = CliRunner().invoke(__import__("cli.eval_cmd", fromlist=["eval_group"]).eval_group, args)
+    assert r.exit_code != 0
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.output
