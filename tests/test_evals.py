@@ -307,6 +307,38 @@ def test_op_speed_refuses_without_cuda():
         speed.run_op_speed(parse_methods(["exact"]), lengths=[64])
 
 
+def test_time_ops_pipeline_on_cpu():
+    """The op-level pipeline (baselines, fwd+bwd, ratios, output check) with a plain timer on the CPU."""
+    import time
+
+    from longctx_patch.methods import get_method
+
+    def bench(fn):
+        t0 = time.perf_counter()
+        fn()
+        return 1000 * (time.perf_counter() - t0)
+
+    ops = {
+        "exact": (speed.method_op("exact"), get_method("exact").parse_config({})),
+        "sw": (speed.method_op("sliding-window"), get_method("sliding-window").parse_config({"window": 4})),
+    }
+    res = speed.time_ops(ops, [16, 33], heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, modes=["fwd", "fwd+bwd"],
+                         device=torch.device("cpu"), bench=bench, echo=lambda *_: None)
+    assert set(res) == {"16", "33"} and set(res["33"]) == {"fwd", "fwd+bwd"}
+    for mode in ("fwd", "fwd+bwd"):
+        row = res["33"][mode]
+        assert row["exact"]["ms"] > 0 and row["sw"]["ms"] > 0
+        assert {"sdpa-cudnn", "sdpa-flash"} <= set(row)
+        for b in ("sdpa-cudnn", "sdpa-flash"):
+            assert (row[b]["ms"] is None) == ("error" in row[b])
+            if row[b]["ms"]:
+                assert row["exact"][f"ratio_vs_{b}"] == pytest.approx(row["exact"]["ms"] / row[b]["ms"], rel=1e-3)
+    fwd = res["33"]["fwd"]
+    if any(fwd[b]["ms"] for b in ("sdpa-cudnn", "sdpa-flash")):
+        assert fwd["exact"]["rel_error_vs_exact"] < 1e-5 < fwd["sw"]["rel_error_vs_exact"]
+        assert fwd["exact"]["best_exact"].startswith("sdpa-")
+
+
 def test_method_ops_match_reference():
     from longctx_patch.methods import get_method
     from longctx_patch.methods.exact import softmax_attention

@@ -242,6 +242,88 @@ def baselines(q, k, v, scale: float) -> dict[str, Callable[[], Any]]:
     return out
 
 
+def time_ops(
+    ops: dict[str, tuple[Callable, Any]],
+    lengths: Sequence[int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype,
+    modes: Sequence[str],
+    device,
+    bench: Callable[[Callable[[], Any]], float],
+    check: bool = True,
+    echo=print,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Times each `ops[label] = (op, config)` and the exact baselines at each length and mode with
+    `bench(fn) -> ms`. Returns {length: {mode: {label: {"ms", "ratio_vs_<baseline>", ...}}}}; a baseline
+    or op that fails records its error instead of a time. With `check`, the forward output of each op is
+    compared with the first exact baseline that ran (relative Frobenius error)."""
+    import torch
+
+    scale = head_dim**-0.5
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for L in lengths:
+        gen = torch.Generator(device=device).manual_seed(L)
+        q = torch.randn(1, heads, L, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(1, kv_heads, L, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(1, kv_heads, L, head_dim, device=device, dtype=dtype, generator=gen)
+        for mode in modes:
+            bwd = mode == "fwd+bwd"
+            qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+            fns: dict[str, Callable[[], Any]] = {}
+            for lab, (op, cfg) in ops.items():
+                fns[lab] = lambda op=op, cfg=cfg: op(qq, kk, vv, scale=scale, config=cfg)
+            fns.update(baselines(qq, kk, vv, scale))
+            row: dict[str, Any] = {}
+            ref_out = None
+            for lab, fn in fns.items():
+                try:
+                    if bwd:
+                        with torch.no_grad():
+                            g = torch.randn_like(fn())
+
+                        def step(fn=fn, g=g):
+                            fn().backward(g)
+                            qq.grad = kk.grad = vv.grad = None
+
+                        ms = bench(step)
+                    else:
+                        with torch.no_grad():
+                            ms = bench(fn)
+                            if check and ref_out is None and lab.startswith("sdpa-"):
+                                ref_out = fn().transpose(1, 2).float()  # [B, S, H, D] like the ops
+                    row[lab] = {"ms": round(float(ms), 4)}
+                except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+                    row[lab] = {"ms": None, "error": (str(e).strip().splitlines() or [type(e).__name__])[0][:200]}
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            if ref_out is not None:
+                with torch.no_grad():
+                    for lab, (op, cfg) in ops.items():
+                        if row[lab]["ms"] is not None:
+                            o = op(qq, kk, vv, scale=scale, config=cfg).float()
+                            row[lab]["rel_error_vs_exact"] = round(float((o - ref_out).norm() / ref_out.norm()), 6)
+            exact_ms = [(r["ms"], b) for b, r in row.items() if b.startswith("sdpa-") and r["ms"] is not None]
+            best = min(exact_ms) if exact_ms else None
+            for lab in ops:
+                if row[lab]["ms"] is None:
+                    continue
+                for b in row:
+                    if b not in ops and row[b]["ms"]:
+                        row[lab][f"ratio_vs_{b}"] = round(row[lab]["ms"] / row[b]["ms"], 4)
+                if best is not None:
+                    row[lab]["ratio_vs_best_exact"] = round(row[lab]["ms"] / best[0], 4)
+                    row[lab]["best_exact"] = best[1]
+            results.setdefault(size_label(L), {})[mode] = row
+            echo(f"  L={size_label(L)} {mode}: " + ", ".join(f"{b} {r['ms']}" for b, r in row.items()))
+            del qq, kk, vv, fns, ref_out
+        del q, k, v
+    return results
+
+
 def run_op_speed(
     methods: Sequence[MethodRun],
     *,
@@ -281,71 +363,10 @@ def run_op_speed(
         if not r.patched:
             raise ConfigError("op-level timing compares patched methods; drop --method none")
         ops[r.label] = (method_op(r.name), get_method(r.name).parse_config(r.config))
-    scale = head_dim**-0.5
-    dev = torch.device("cuda")
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    for L in lengths:
-        gen = torch.Generator(device=dev).manual_seed(L)
-        q = torch.randn(1, heads, L, head_dim, device=dev, dtype=dt, generator=gen)
-        k = torch.randn(1, kv_heads, L, head_dim, device=dev, dtype=dt, generator=gen)
-        v = torch.randn(1, kv_heads, L, head_dim, device=dev, dtype=dt, generator=gen)
-        for mode in modes:
-            bwd = mode == "fwd+bwd"
-            qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
-            fns: dict[str, Callable[[], Any]] = {}
-            for lab, (op, cfg) in ops.items():
-                fns[lab] = lambda op=op, cfg=cfg: op(qq, kk, vv, scale=scale, config=cfg)
-            fns.update(baselines(qq, kk, vv, scale))
-            row: dict[str, Any] = {}
-            ref_out = None
-            for lab, fn in fns.items():
-                try:
-                    if bwd:
-                        with torch.no_grad():
-                            g = torch.randn_like(fn())
-
-                        def step(fn=fn, g=g):
-                            out = fn()
-                            out.backward(g)
-                            qq.grad = kk.grad = vv.grad = None
-
-                        ms = do_bench(step, return_mode="median")
-                    else:
-                        with torch.no_grad():
-                            ms = do_bench(fn, return_mode="median")
-                    row[lab] = {"ms": round(ms, 4)}
-                    if check and not bwd and lab == "sdpa-flash":
-                        with torch.no_grad():
-                            ref_out = fn().transpose(1, 2).float()
-                except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
-                    row[lab] = {"ms": None, "error": (str(e).strip().splitlines() or [type(e).__name__])[0][:200]}
-                finally:
-                    torch.cuda.empty_cache()
-            if ref_out is not None and check:
-                with torch.no_grad():
-                    for lab, (op, cfg) in ops.items():
-                        if row[lab]["ms"] is not None:
-                            o = op(qq, kk, vv, scale=scale, config=cfg).float()
-                            row[lab]["rel_error_vs_exact"] = round(
-                                float((o - ref_out).norm() / ref_out.norm()), 6
-                            )
-            exact_ms = [(r["ms"], b) for b, r in row.items() if b.startswith("sdpa-") and r["ms"] is not None]
-            best = min(exact_ms) if exact_ms else None
-            for lab in ops:
-                if row[lab]["ms"] is None:
-                    continue
-                for b in row:
-                    if b not in ops and row[b]["ms"]:
-                        row[lab][f"ratio_vs_{b}"] = round(row[lab]["ms"] / row[b]["ms"], 4)
-                if best is not None:
-                    row[lab]["ratio_vs_best_exact"] = round(row[lab]["ms"] / best[0], 4)
-                    row[lab]["best_exact"] = best[1]
-            results.setdefault(size_label(L), {})[mode] = row
-            echo(f"  L={size_label(L)} {mode}: " + ", ".join(f"{b} {r['ms']}" for b, r in row.items()))
-            del qq, kk, vv, fns
-        del q, k, v
-        torch.cuda.empty_cache()
-
+    results = time_ops(
+        ops, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dt, modes=modes,
+        device=torch.device("cuda"), bench=lambda fn: do_bench(fn, return_mode="median"), check=check, echo=echo,
+    )
     labels = [r.label for r in methods]
     figures = {
         "level": "op",
@@ -381,4 +402,4 @@ def run_op_speed(
     return result
 
 
-__all__ = ["time_model", "run_speed", "method_op", "baselines", "run_op_speed"]
+__all__ = ["time_model", "run_speed", "method_op", "baselines", "time_ops", "run_op_speed"]
