@@ -488,29 +488,27 @@ def plot_heatmap(figures, labels, tasks, lengths, depths, path) -> Path:
 
     plt = pyplot()
     nr, nc = len(labels), len(tasks)
-    fig, axes = plt.subplots(nr, nc, figsize=(1.0 + 0.9 * len(lengths) * nc + 1.2, 0.6 + 0.45 * len(depths) * nr + 0.8), squeeze=False)
+    w = max(2.4, 0.7 * len(lengths) + 1.0)
+    h = max(1.8, 0.35 * len(depths) + 1.0)
+    fig, axes = plt.subplots(nr, nc, figsize=(w * nc + 1.2, h * nr + 0.4), squeeze=False, layout="constrained")
     im = None
     for i, lab in enumerate(labels):
         for j, t in enumerate(tasks):
             ax = axes[i][j]
+            cells = figures["accuracy_by_depth"][lab][t]
             grid = np.array(
-                [
-                    [
-                        np.nan if (a := figures["accuracy_by_depth"][lab][t][size_label(L)][f"{d:g}"]) is None else a
-                        for L in lengths
-                    ]
-                    for d in depths
-                ]
+                [[np.nan if (a := cells[size_label(L)][f"{d:g}"]) is None else a for L in lengths] for d in depths]
             )
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(lengths)), [size_label(L) for L in lengths], fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
             for (y, x), v in np.ndenumerate(grid):
                 if not np.isnan(v):
-                    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6)
-            ax.set_title(f"{lab}\n{t}" if j == 0 or nr > 1 else t, fontsize=8)
+                    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            if i == 0:
+                ax.set_title(t, fontsize=9)
             if j == 0:
-                ax.set_ylabel("depth", fontsize=8)
+                ax.set_ylabel(f"{lab}\ndepth", fontsize=8)
             if i == nr - 1:
                 ax.set_xlabel("length (tokens)", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
