@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
+from ..methods import get_method, list_methods
 
 UNPATCHED = ("none", "unpatched")
 DEFAULT_RESULTS_DIR = Path("evals") / "results"
@@ -47,22 +48,7 @@ class MethodRun:
         return self.name + "(" + ",".join(f"{k}={v}" for k, v in self.config.items()) + ")"
 
 
-def _registry():
-    from ..methods import get_method, list_methods
-
-    return get_method, list_methods
-
-
-def _method_names() -> list[str]:
-    _, list_methods = _registry()
-    names = []
-    for m in list_methods():
-        names.append(m if isinstance(m, str) else getattr(m, "name", str(m)))
-    return names
-
-
 def _config_keys(name: str) -> list[str]:
-    get_method, _ = _registry()
     cls = get_method(name).config_cls
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -74,7 +60,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
     """
     if not methods:
         raise ConfigError("no method given; pass --method NAME (e.g. --method exact), or --method none for the unpatched model")
-    known = _method_names()
+    known = list_methods()
     runs: list[MethodRun] = []
     for raw in methods:
         name = raw.strip().lower()
@@ -118,7 +104,6 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
             raise ConfigError(f"bad --set {item!r}: the key is empty")
         for r in targets:
             r.config[key] = value
-    get_method, _ = _registry()
     for r in runs:  # validate and normalise values now, before any model is loaded
         if r.patched:
             cfg = get_method(r.name).parse_config(r.config)
