@@ -45,6 +45,7 @@ def muse_attention(
     kmeans_iters: int = 2,
     topk_clusters: int = 4,
     topk_blocks: int = 2,
+    local_blocks: int = 1,
     dipole: bool = False,
     key_mask: torch.Tensor | None = None,
     backend: str = "auto",
@@ -55,7 +56,7 @@ def muse_attention(
     q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
     key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype.
 
-    block_size L: spatial block (exact attention inside it); q_clusters / k_clusters: clusters per block
+    block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it); q_clusters / k_clusters: clusters per block
     of queries (per query head) and keys (per kv head); kmeans_iters: Lloyd iterations; topk_blocks /
     topk_clusters: earlier blocks / cells (key cluster of a block) attended exactly by each query cluster;
     dipole: first-order correction of the super-keys' values (reference only).
@@ -91,6 +92,7 @@ def muse_attention(
             kmeans_iters=kmeans_iters,
             topk_clusters=topk_clusters,
             topk_blocks=topk_blocks,
+            local_blocks=local_blocks,
             key_mask=key_mask,
         )
     if backend == "triton":

@@ -108,14 +108,17 @@ def make_plan(
     kmeans_iters: int,
     topk_clusters: int,
     topk_blocks: int,
+    local_blocks: int = 1,
     key_mask: torch.Tensor | None = None,
 ) -> MusePlan:
     """Clusters queries/keys per block and picks the exactly computed blocks/cells of each query cluster.
 
     q [B, Hq, S, D], k [B, Hkv, S, D] (post-rotary), key_mask [B, S] bool (True = real token) or None.
-    Retrieval scores a cell (m, j) for query cluster (n, i) by its monopole mass estimate
-    `scale * c_ni . kc_mj + log count_mj`, a block by the log-sum-exp of its cells; for each query cluster
-    the `topk_blocks` best earlier blocks, then the `topk_clusters` best remaining earlier cells are exact.
+    The `local_blocks` blocks just before block n are always exact (the local neighbourhood, where most
+    attention mass of language models sits). Retrieval scores a cell (m, j) for query cluster (n, i) by its
+    monopole mass estimate `scale * c_ni . kc_mj + log count_mj`, a block by the log-sum-exp of its cells;
+    for each query cluster the `topk_blocks` best other earlier blocks, then the `topk_clusters` best
+    remaining earlier cells are exact.
     """
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
@@ -146,20 +149,23 @@ def make_plan(
     G = Hq // Hkv
     ret_block = torch.zeros(B, Hq, nb, q_clusters, nb, dtype=torch.bool, device=dev)
     ret_cell = torch.zeros(B, Hq, nb, q_clusters, nb, k_clusters, dtype=torch.bool, device=dev)
-    causal = torch.arange(nb, device=dev)[None, :] < torch.arange(nb, device=dev)[:, None]  # [n, m]: m < n
+    ar = torch.arange(nb, device=dev)
+    causal = ar[None, :] < ar[:, None]  # [n, m]: m < n
+    local = causal & (ar[None, :] >= ar[:, None] - local_blocks)  # [n, m]: n - local_blocks <= m < n
+    ret_block |= local[None, None, :, None, :]
     if nb > 1 and (topk_blocks > 0 or topk_clusters > 0):
         logcnt = torch.where(kcnt > 0, kcnt.clamp_min(1).log(), torch.full_like(kcnt, -math.inf))
         for h0 in range(0, Hq, G):  # one kv head (and its query group) at a time: bounded memory
             g = h0 // G
             sc = scale * torch.einsum("bhnid,bmjd->bhnimj", q_centroids[:, h0 : h0 + G], kc[:, g])
             sc = sc + logcnt[:, g][:, None, None, None]
-            sc = sc.masked_fill(~causal[None, None, :, None, :, None], -math.inf)
+            sc = sc.masked_fill(~(causal & ~local)[None, None, :, None, :, None], -math.inf)
             if topk_blocks > 0:
                 bs = torch.logsumexp(sc, -1)  # [B, G, n, i, m]
                 kk = min(topk_blocks, nb)
                 val, idx = bs.topk(kk, dim=-1)
                 rb = torch.zeros_like(bs, dtype=torch.bool).scatter_(-1, idx, torch.isfinite(val))
-                ret_block[:, h0 : h0 + G] = rb
+                ret_block[:, h0 : h0 + G] |= rb
                 sc = sc.masked_fill(rb[..., None], -math.inf)
             if topk_clusters > 0:
                 flat = sc.flatten(-2)

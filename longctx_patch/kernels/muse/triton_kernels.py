@@ -265,9 +265,10 @@ def _tables(plan: MusePlan):
     )
 
 
-def _launch_cfg(L: int, D: int, dtype: torch.dtype):
+def _launch_cfg(L: int, D: int, dtype: torch.dtype, stages: int = 2):
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    return dict(UP=interp and dtype != torch.float32, num_warps=4 if L * D <= 64 * 64 else 8, num_stages=2)
+    stages = stages if L * D <= 64 * 128 else 1  # shared memory: a 128 x 128 block pair does not fit twice
+    return dict(UP=interp and dtype != torch.float32, num_warps=4 if L * D <= 64 * 64 else 8, num_stages=stages)
 
 
 class _MuseFn(torch.autograd.Function):
@@ -302,7 +303,7 @@ class _MuseFn(torch.autograd.Function):
         _muse_bwd_dq[(NB, B * H)](qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp,
                                   L=L, D=D, NQ=NQ, NK=NK, **cfg)
         _muse_bwd_dkdv[(NB, B * HKV)](qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp,
-                                      L=L, D=D, NQ=NQ, NK=NK, **cfg)
+                                      L=L, D=D, NQ=NQ, NK=NK, **_launch_cfg(L, D, qp.dtype, stages=1))
         return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt), None, None
 
 
