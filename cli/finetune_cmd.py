@@ -14,9 +14,10 @@ import click
 @click.command(
     "finetune",
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog="Recipe format: recipes/README.md. Example:\n\n"
-    "  longctx finetune recipes/linearize.yaml --model smollm2-135m --text ../shared/data/pg_essays "
-    "--set stages.transfer.steps=50 --output runs/linearize",
+    epilog="\b\nRecipe format: recipes/README.md. Example:\n"
+    "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
+    "      --text ../shared/data/pg_essays --set stages.transfer.steps=50 --output runs/linearize\n"
+    "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--model", "-m", "model", default=None, help="Model to train: hub id, local dir, .gguf file or alias (overrides the recipe's `model`).")

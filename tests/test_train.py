@@ -389,9 +389,12 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     res = CliRunner().invoke(
         finetune_cmd,
         [str(rec), "--model", str(tiny_dir), "--text", str(text_file), "--output", str(tmp_path / "o"),
-         "--set", "stages.0.steps=6", "--results", str(tmp_path / "r.json"), "-q"],
+         "--set", "stages.0.steps=6", "--results", str(tmp_path / "r.json")],
     )
     assert res.exit_code == 0, res.output
+    # without a terminal, progress is one plain line per log_every steps, then a summary
+    assert "lora step 6/6: loss" in res.output and "tok/s" in res.output
+    assert "lora: 6 steps, 1536 tokens" in res.output
     log = json.loads((tmp_path / "o" / "train_log.json").read_text())
     s = log["stages"][0]
     assert s["trainable"] == ["full"] and s["steps_done"] == 6 and log["method"] is None
@@ -453,6 +456,20 @@ def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
         base, "lolcats", window=16, feature_dim=8, chunk=16, checkpoint=str(out / "trainable" / "lolcats" / "model.pt")
     )
     torch.testing.assert_close(_logits(base, ids), final, rtol=1e-4, atol=1e-4)
+
+    # the saved model trains on: its patches and trained weights are kept (not re-patched)
+    more = load_recipe(
+        None,
+        [f"model={out / 'model'}", "method=lolcats", f"data.text={text_file}",
+         "stages=[{name: more, objective: next_token, lora: {r: 2}, steps: 1, batch_size: 2, seq_len: 32}]",
+         "output.save_model=false"],
+    )
+    ft2 = Finetuner(more, tmp_path / "more", progress=False)
+    ft2.run()
+    assert ft2.stage_logs[0].first_loss is not None
+    with pytest.raises(ConfigError, match="already patched with lolcats"):
+        Finetuner(load_recipe(None, [f"model={out / 'model'}", "method=sliding-window", f"data.text={text_file}",
+                                     "stages=[{objective: next_token, steps: 1}]"]), tmp_path / "x", progress=False).run()
 
 
 def test_teacher_forcing_isolates_layers(tiny_llama):

@@ -264,9 +264,20 @@ class Finetuner:
                 raise ConfigError("no model given; pass --model NAME|DIR (or set `model:` in the recipe)")
             model, tok = load_model(r.model, dtype=r.dtype, device=self.accelerator.device)
             if r.method:
-                from ..patcher import patch
+                from ..methods import get_method
+                from ..patcher import is_patched, patch, patched_layers
 
-                patch(model, r.method, layers=r.layers, **r.method_config)
+                if is_patched(model):  # a save_patched() folder: keep its patches and weights
+                    have = sorted(set(patched_layers(model).values()))
+                    if have != [get_method(r.method).name]:
+                        raise ConfigError(
+                            f"{r.model} is already patched with {', '.join(have)} but the recipe asks for "
+                            f"{r.method!r}; start from the base model or set method={have[0]}"
+                        )
+                    self._log(f"{r.model} is already patched ({', '.join(have)}): its patches and weights are kept, "
+                              "the recipe's method_config and layers are not applied")
+                else:
+                    patch(model, r.method, layers=r.layers, **r.method_config)
         elif tok is None:
             raise ConfigError("a tokenizer is needed with a given model")
         model.to(self.accelerator.device)
@@ -529,10 +540,13 @@ class Finetuner:
 
         trainable = [p for _, p in params]
         t0 = time.time()
+        show = self.is_main and self.progress
+        bar = show and sys.stderr.isatty()  # logs (no terminal) get one plain line per log_every steps
         pbar = tqdm(
-            total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not (self.is_main and self.progress),
-            dynamic_ncols=True, file=sys.stderr,
+            total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not bar, dynamic_ncols=True,
+            file=sys.stderr,
         )
+        t_run, tok_run = time.time(), 0
         window: list[float] = []
         with self._objective(stage) as transfer:
             if start_step == 0 and stage.eval_every and data.eval.shape[0]:
@@ -571,21 +585,27 @@ class Finetuner:
                 log.final_loss = loss_val
                 window.append(loss_val)
                 log.tokens += stage.tokens_per_step
+                tok_run += stage.tokens_per_step
                 done = step + 1
                 log.steps_done = done
+                tps = tok_run / max(time.time() - t_run, 1e-9)
                 pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_val:.4g}", lr=f"{lr_now:.2e}")
+                pbar.set_postfix(loss=f"{loss_val:.4g}", lr=f"{lr_now:.2e}", tok_s=f"{tps:.0f}")
                 if done % stage.log_every == 0 or done == stage.steps:
-                    log.loss.append([done, sum(window) / len(window)])
+                    mean = sum(window) / len(window)
+                    log.loss.append([done, mean])
                     log.lr_curve.append([done, lr_now])
                     log.grad_norm.append([done, gn])
                     window = []
+                    if show and not bar:
+                        print(f"{stage.name} step {done}/{stage.steps}: loss {mean:.4g} lr {lr_now:.2e} "
+                              f"grad-norm {gn:.3g} {tps:.0f} tok/s", file=sys.stderr, flush=True)
                 if stage.eval_every and done % stage.eval_every == 0 and done != stage.steps:
                     ev = self.evaluate(model, data, stage, transfer)
                     if ev is not None:
                         log.eval_loss.append([done, ev])
-                        if self.is_main and self.progress:
-                            pbar.write(f"{stage.name} step {done}: eval loss {ev:.4g}")
+                        if show:
+                            pbar.write(f"{stage.name} step {done}: eval loss {ev:.4g}", file=sys.stderr)
                 if stage.save_every and done % stage.save_every == 0 and done != stage.steps:
                     log.time_s += time.time() - t0
                     self.save_checkpoint(si, done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
