@@ -126,9 +126,9 @@ def make(B, Hq, Hkv, S, D, F, dtype, seed=0, N=None):
 @section("check", 30)
 def check():
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, D in ((torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 128)):
         dn = str(dtype).split(".")[-1]
-        for D in (64, 128):
+        if True:
             S0 = sz(777, 77)
             q, k, v, fq, fk, g, lf, _, _ = make(2, 8, 2, S0, D, 32, dtype, seed=D)
             km = torch.ones(2, S0, dtype=torch.bool, device=DEV)
@@ -139,13 +139,16 @@ def check():
             if SMOKE and D == 128:
                 continue
             out[f"lolcats_prefill_{dn}_D{D}"] = rel(got[real], want[real])
+            Wt = (torch.randn(8, D, 32, device=DEV) * 0.3).to(dtype)
+            out[f"feature_map_{dn}_D{D}"] = rel(tk.feature_map(q, Wt, out_dtype=torch.float32),
+                                                ref.hedgehog_feature_map(q, Wt, out_dtype=torch.float32))
             # LoLA manager: triton vs torch, prefill that ends mid-chunk, then decode steps
             res = {}
             for backend in ("torch", "triton"):
                 st = LolaState.empty(2, 8, 2, D, 64, 16, dtype, DEV)
                 o1 = lola_process(st, q, k, v, fq, fk, g, lf, window=32, chunk=64, lam=16, scale=D ** -0.5,
                                   key_mask_new=km, backend=backend)
-                n2 = sz(70, 5)
+                n2 = sz(60, 5)
                 q2, k2, v2, fq2, fk2, *_ = make(2, 8, 2, n2, D, 32, dtype, seed=D + 1)
                 steps = [lola_process(st, q2[:, :, i:i + 1], k2[:, :, i:i + 1], v2[:, :, i:i + 1],
                                       fq2[:, :, i:i + 1], fk2[:, :, i:i + 1], g, lf, window=32, chunk=64, lam=16,
@@ -159,6 +162,21 @@ def check():
     RES["check_rel_err"] = out
     for kk, vv in out.items():
         row(f"check {kk}", f"{vv:.2e}")
+    # CUDA-graph prefill == eager chunks (same kernels): 4096 tokens, chunk 256
+    from longctx_patch.kernels.lola import ops as lops
+
+    q, k, v, fq, fk, g, lf, _, _ = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
+    res = []
+    for graph in (False, True):
+        lops.GRAPH_PREFILL = graph
+        st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
+        res.append((lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=256, lam=256, scale=128 ** -0.5,
+                                 backend="triton"), st))
+    lops.GRAPH_PREFILL = True
+    out["graph_vs_eager_out"] = rel(res[1][0], res[0][0])
+    out["graph_vs_eager_H"] = rel(res[1][1].H, res[0][1].H)
+    row("check graph_vs_eager_out", f"{out['graph_vs_eager_out']:.2e}")
+    row("check graph_vs_eager_H", f"{out['graph_vs_eager_H']:.2e}")
 
 
 def _prefill(D, label):
@@ -166,8 +184,10 @@ def _prefill(D, label):
     q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
     r = {}
     scale = D ** -0.5
-    r["feature_maps_ms"] = bench(lambda: (ref.hedgehog_feature_map(q, Wq, out_dtype=q.dtype),
-                                          ref.hedgehog_feature_map(k, Wk, out_dtype=q.dtype)))
+    r["feature_maps_torch_ms"] = bench(lambda: (ref.hedgehog_feature_map(q, Wq, out_dtype=q.dtype),
+                                                ref.hedgehog_feature_map(k, Wk, out_dtype=q.dtype)))
+    Wq16, Wk16 = Wq.to(q.dtype), Wk.to(q.dtype)
+    r["feature_maps_triton_ms"] = bench(lambda: (tk.feature_map(q, Wq16), tk.feature_map(k, Wk16)))
     for w, cs, nw in ((64, 64, None), (64, 256, None), (64, 256, 8), (256, 256, None), (256, 256, 8), (256, 512, 8)):
         tk.TUNE["hybrid_num_warps"] = nw
         r[f"lolcats_w{w}_cs{cs}_nw{nw or 'def'}_ms"] = bench(
@@ -178,28 +198,18 @@ def _prefill(D, label):
     r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, k, v, fq, fk, g, lf, st_[0], st_[1], window=256,
                                                                       scale=scale, q_offset=0, state_chunk=256))
     del st_
+    from longctx_patch.kernels.lola import ops as lops
+
     for chunk in (256, 1024):
-        def lola_once(chunk=chunk):
-            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
-            return lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=chunk, lam=256, scale=scale,
-                                backend="triton")
-        r[f"lola_eta256_lam256_chunk{chunk}_eager_ms"] = bench(lola_once, rep=300)
-        if left() > 60:
-            try:
-                lola_once()
-                torch.cuda.synchronize()
-                gr = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    lola_once()
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(gr):
-                    lola_once()
-                r[f"lola_eta256_lam256_chunk{chunk}_graph_ms"] = bench(gr.replay, rep=300)
-                del gr
-            except Exception as e:  # noqa: BLE001
-                r[f"lola_chunk{chunk}_graph_error"] = f"{type(e).__name__}: {e}"
+        for graph in (False, True):
+            lops.GRAPH_PREFILL = graph
+
+            def lola_once(chunk=chunk):
+                st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
+                return lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=chunk, lam=256, scale=scale,
+                                    backend="triton")
+            r[f"lola_eta256_lam256_chunk{chunk}_{'graph' if graph else 'eager'}_ms"] = bench(lola_once, rep=300)
+    lops.GRAPH_PREFILL = True
     # exact baselines: full causal attention (kv heads expanded for the backends without GQA)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as Fn

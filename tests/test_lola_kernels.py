@@ -170,3 +170,15 @@ def test_sre_score_and_fold_match_reference(dtype):
     tk.fold_into_state(fk, v, w, H2, s2)
     torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_map_kernel_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 2, 45, 16, generator=gen).to(DEV, dtype)
+    W = (torch.randn(4, 16, 8, generator=gen) * 0.7).to(DEV, dtype)  # 4 heads over 2 kv heads
+    want = ref.hedgehog_feature_map(x, W, out_dtype=torch.float32)
+    got = tk.feature_map(x, W, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    got16 = tk.feature_map(x, W)
+    assert got16.dtype == dtype and got16.shape == (2, 4, 45, 16)

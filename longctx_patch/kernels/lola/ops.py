@@ -41,6 +41,13 @@ def _tk():
     return triton_kernels
 
 
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto"):
+    """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton forward on CUDA without grad, else torch."""
+    if x.stride(-1) == 1 and _use_triton(backend, x, weight):
+        return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+    return ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+
+
 # ------------------------------------------------------------------------------------------- lolcats forward
 def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
                      backend: str = "auto", state_chunk: int | None = None):
@@ -174,8 +181,14 @@ def lola_evict(st: LolaState, *, window: int, lam: int, backend: str = "auto") -
             st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
         idx = top.indices
         gather = lambda x: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
-        st.sp_k, st.sp_v, st.sp_fk = gather(cand_k), gather(cand_v), gather(cand_fk)
-        st.sp_score = top.values
+        if st.inplace:  # same storage: a captured CUDA graph keeps reading the live state
+            st.sp_k.copy_(gather(cand_k))
+            st.sp_v.copy_(gather(cand_v))
+            st.sp_fk.copy_(gather(cand_fk))
+            st.sp_score.copy_(top.values)
+        else:
+            st.sp_k, st.sp_v, st.sp_fk = gather(cand_k), gather(cand_v), gather(cand_fk)
+            st.sp_score = top.values
     _drop_front(st, n_ev)
 
 
@@ -262,33 +275,82 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend):
     return o.transpose(1, 2).to(q.dtype)
 
 
+GRAPH_PREFILL = True  # replay full chunks of a long Triton prefill from one captured CUDA graph
+
+
 def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: int, lam: int, scale: float,
                  key_mask_new=None, backend: str = "auto"):
     """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2]) and update `st` in place.
 
     key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
+    On CUDA with Triton, a prefill of at least 4 chunks captures the work of one full chunk (append, attend,
+    score, select, fold) in a CUDA graph and replays it for every later full chunk: same kernels, same order,
+    same result, without the per-chunk launch overhead.
     """
     S = q.shape[2]
     cap = window + chunk
     if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
         _repack(st, cap)
-    if lam == 0 and S > 1 and _use_triton(backend, q, k, st.H):
+    tri = _use_triton(backend, q, k, st.H)
+    if lam == 0 and S > 1 and tri:
         return _lolcats_parallel(st, q, k, v, fq, fk, g, lf, window=window, chunk=chunk, scale=scale,
                                  key_mask_new=key_mask_new)
+    use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk
+                 and not torch.cuda.is_current_stream_capturing())
     outs = []
+    graph = None
+    steady_seen = False
     i = 0
     while i < S:
         t = st.pos
         n = min(S - i, (t // chunk + 1) * chunk - t)
         sl = slice(i, i + n)
-        _append_window(st, k[:, :, sl], v[:, :, sl], fk[:, :, sl],
-                       key_mask_new[:, sl] if key_mask_new is not None else None)
+        mnew = key_mask_new[:, sl] if key_mask_new is not None else None
+        steady = use_graph and n == chunk and t % chunk == 0 and st.nb == window
+        if steady and steady_seen:
+            if graph is None:
+                try:
+                    graph = _capture_piece(st, q, k, v, fq, fk, mnew, sl, g, lf, window=window, scale=scale,
+                                           lam=lam, backend=backend)
+                except Exception:  # noqa: BLE001 - capture is an optimisation; fall back to eager chunks
+                    use_graph = False
+                    graph = None
+            if graph is not None:
+                gr, static, o_s = graph
+                for dst, src in zip(static, (q, k, v, fq, fk)):
+                    dst.copy_(src[:, :, sl])
+                if len(static) > 5:
+                    static[5].copy_(mnew)
+                gr.replay()
+                st.nb = window
+                outs.append(o_s.clone())
+                st.pos += n
+                i += n
+                continue
+        _append_window(st, k[:, :, sl], v[:, :, sl], fk[:, :, sl], mnew)
         outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend))
         st.pos += n
         if st.pos % chunk == 0:
             lola_evict(st, window=window, lam=lam, backend=backend)
+        steady_seen = steady_seen or steady
         i += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+def _capture_piece(st, q, k, v, fq, fk, mnew, sl, g, lf, *, window, scale, lam, backend):
+    """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph."""
+    static = [x[:, :, sl].clone() for x in (q, k, v, fq, fk)]
+    if mnew is not None:
+        _ensure_mask(st, q.shape[0], q.device)
+        static.append(mnew.clone())
+    nb0 = st.nb
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        _append_window(st, static[1], static[2], static[4], static[5] if mnew is not None else None)
+        o_s = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend)
+        lola_evict(st, window=window, lam=lam, backend=backend)
+    st.nb = nb0  # capture ran no GPU work: the state is still the one before this chunk
+    return gr, static, o_s
 
 
 def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_mask_new):

@@ -145,7 +145,7 @@ def _hybrid_fwd_kernel(
     s_spv_b, s_spv_h, s_spv_l,
     s_spm_b, s_spm_h,
     s_o_b, s_o_m, s_o_h,
-    HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
     CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
 ):
@@ -180,12 +180,16 @@ def _hybrid_fwd_kernel(
     else:
         n_state = 0
         lo = 0
-    hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_f[:, None] * s_hs_f + offs_d[None, :],
-                  mask=mf[:, None] & md[None, :], other=0.0)
-    sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_f, mask=mf, other=0.0)
-    fq32 = fq.to(tl.float32)
-    acc_l += _dot(fq32, hst, PREC, UPCAST)
-    l_l += tl.sum(fq32 * sst[None, :], 1)
+    for f0 in range(0, F2, BKS):  # fp32 state, read in slices of BKS features (bounded shared memory)
+        offs_ks = f0 + tl.arange(0, BKS)
+        mks = offs_ks < F2
+        fqs = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_ks[None, :],
+                      mask=mm[:, None] & mks[None, :], other=0.0).to(tl.float32)
+        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
+                      mask=mks[:, None] & md[None, :], other=0.0)
+        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_ks, mask=mks, other=0.0)
+        acc_l += _dot(fqs, hst, PREC, UPCAST)
+        l_l += tl.sum(fqs * sst[None, :], 1)
 
     # 2. sparse cache: exact keys of this query head
     if HAS_SP:
@@ -295,10 +299,10 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, CS=max(state_chunk, 1), PER_BLOCK=per_block,
+        HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
         HAS_KM=km is not None, HAS_SP=has_sp, PREC=_prec(q, k, fq),
-        **{kk: vv for kk, vv in (("num_warps", TUNE["hybrid_num_warps"]), ("num_stages", TUNE["hybrid_num_stages"]))
-           if vv is not None},
+        num_warps=TUNE["hybrid_num_warps"] or 4,
+        num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
     )
     return out
 
@@ -582,5 +586,63 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         out.stride(0), out.stride(2),
         HQ=Hq, BN=min(64, _np2(N)), BD=_np2(D), BK=min(64, _np2(F2)),
         HAS_KM=km is not None, HAS_SP=has_sp,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- feature map
+@triton.jit
+def _feature_map_kernel(
+    X, W, O,
+    N, D, F, G, eps,
+    s_x_b, s_x_h, s_x_n,
+    s_w_h, s_w_d,
+    s_o_b, s_o_h, s_o_n,
+    H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr = _UPCAST,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hx = h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_f = tl.arange(0, BF)
+    mm = offs_m < N
+    md = offs_d < D
+    mf = offs_f < F
+    x = tl.load(X + b * s_x_b + hx * s_x_h + offs_m[:, None] * s_x_n + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    w = tl.load(W + h * s_w_h + offs_d[:, None] * s_w_d + offs_f[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+    p = _dot(x.to(w.dtype), w, PREC, UPCAST)  # [BM, BF] fp32
+    pp = tl.where(mf[None, :], p, float("-inf"))
+    pn = tl.where(mf[None, :], -p, float("-inf"))
+    ep = tl.exp(pp - tl.max(pp, 1)[:, None])
+    en = tl.exp(pn - tl.max(pn, 1)[:, None])
+    ep = tl.maximum(ep / tl.sum(ep, 1)[:, None], eps)
+    en = tl.maximum(en / tl.sum(en, 1)[:, None], eps)
+    base = O + b * s_o_b + h * s_o_h + offs_m[:, None] * s_o_n
+    msk = mm[:, None] & mf[None, :]
+    tl.store(base + offs_f[None, :], ep.to(O.dtype.element_ty), mask=msk)
+    tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
+
+
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
+    """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
+    weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
+    accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype)."""
+    B, Hx, N, D = x.shape
+    H, _, F = weight.shape
+    out = torch.empty(B, H, N, 2 * F, device=x.device, dtype=out_dtype or x.dtype)
+    w = weight.contiguous()
+    BM = 64
+    grid = (triton.cdiv(N, BM), B * H)
+    _feature_map_kernel[grid](
+        x, w, out, N, D, F, H // Hx, eps,
+        x.stride(0), x.stride(1), x.stride(2),
+        w.stride(0), w.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        H=H, BM=BM, BD=_np2(D), BF=_np2(F), PREC=_prec(w),
     )
     return out

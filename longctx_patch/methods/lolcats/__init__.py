@@ -20,8 +20,7 @@ from torch import nn
 
 from ...cache import LongctxLayer
 from ...errors import CheckpointError, ConfigError
-from ...kernels.lola.ops import LolaState, hybrid_attention, lola_process
-from ...kernels.lola.reference import hedgehog_feature_map
+from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
 from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
 
@@ -68,8 +67,8 @@ class HedgehogFeatureMap(nn.Module):
         self.mlp = FeatureMapMLP(layer)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
-        return hedgehog_feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype)
+    def forward(self, x: torch.Tensor, out_dtype=None, backend: str = "auto") -> torch.Tensor:
+        return feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype, backend=backend)
 
 
 def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, generator: torch.Generator) -> torch.Tensor:
@@ -165,8 +164,8 @@ class LolcatsAttention(PatchedAttention):
     def attend(self, q, k, v, cache_layer, padding):
         cfg: LolcatsConfig = self.method_config
         S = q.shape[2]
-        fq = self.feature_map_q(q, out_dtype=q.dtype)
-        fk = self.feature_map_k(k, out_dtype=q.dtype)
+        fq = self.feature_map_q(q, out_dtype=q.dtype, backend=cfg.backend)
+        fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
         g, lf = self.factors()
         lam = self.sparse_cache
         new_mask = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
