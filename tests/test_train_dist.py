@@ -88,7 +88,7 @@ def test_two_processes_match_one(tiny_dir, text_file, temp_method, tmp_path):
     d = recipe_dict(
         tiny_dir, text_file,
         transfer={"steps": 3, "eval_every": 0, "save_every": 2},
-        lora={"steps": 3, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "save_every": 2},
+        lora={"steps": 3, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "save_every": 2, "grad_accum": 2},
     )
     rec = write_recipe(tmp_path / "r.yaml", d)
 
@@ -117,6 +117,7 @@ def test_two_processes_match_one(tiny_dir, text_file, temp_method, tmp_path):
     assert two["world_size"] == 2 and json.loads(res.read_text())["world_size"] == 2
     for a, b in zip(two["stages"], one["stages"]):
         assert a["steps_done"] == b["steps_done"] and a["tokens"] == b["tokens"]
+        assert a["grad_accum"] == b["grad_accum"]
         la, lb = torch.tensor(a["loss"])[:, 1], torch.tensor(b["loss"])[:, 1]
         torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(torch.tensor(a["final_eval_loss"]), torch.tensor(b["final_eval_loss"]), rtol=1e-4, atol=1e-6)
@@ -128,7 +129,7 @@ def test_two_processes_match_one(tiny_dir, text_file, temp_method, tmp_path):
 
     logs = {r: json.loads(Path(f"{audit}.{r}").read_text()) for r in (0, 1)}
     # both ranks ran every micro-step on half of the global batch (plus the eval batches)
-    steps = sum(s["steps"] for s in d["stages"])  # grad_accum is 1
+    steps = sum(s["steps"] * s.get("grad_accum", 1) for s in d["stages"])
     for r in (0, 1):
         assert len(logs[r]["rows"]) >= steps and set(logs[r]["rows"]) == {2}
     assert len(logs[0]["rows"]) == len(logs[1]["rows"])

@@ -192,7 +192,8 @@ class StageLog:
     eval_chunks: int = 0
     steps_done: int = 0
     tokens: int = 0
-    time_s: float = 0.0
+    time_s: float = 0.0  # wall time of the training steps (evaluations and checkpoint writes excluded)
+    eval_time_s: float = 0.0
     tokens_per_s: float = 0.0
     loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last entry]
     eval_loss: list[list[float]] = field(default_factory=list)  # [step, held-out loss]
@@ -244,6 +245,7 @@ class Finetuner:
         self.root: nn.Module | None = None  # the model forward is called on (PeftModel once LoRA is added)
         self.trained: dict[int, nn.Parameter] = {}  # every parameter trained by a stage so far, by identity
         self.stage_logs: list[StageLog] = []
+        self._eval_time = 0.0
         self.wall_start = time.time()
 
     # ------------------------------------------------------------------------------------------- setup
@@ -473,8 +475,15 @@ class Finetuner:
                 if tf is not None:
                     tf.close()
 
-    @torch.no_grad()
     def evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
+        t = time.time()
+        try:
+            return self._evaluate(model, data, stage, transfer)
+        finally:
+            self._eval_time += time.time() - t
+
+    @torch.no_grad()
+    def _evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
         n = min(stage.eval_batches * stage.batch_size, data.eval.shape[0])
         n = (n // self.world) * self.world
         if n == 0:
@@ -540,13 +549,14 @@ class Finetuner:
 
         trainable = [p for _, p in params]
         t0 = time.time()
+        self._eval_time = 0.0
         show = self.is_main and self.progress
         bar = show and sys.stderr.isatty()  # logs (no terminal) get one plain line per log_every steps
         pbar = tqdm(
             total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not bar, dynamic_ncols=True,
             file=sys.stderr,
         )
-        t_run, tok_run = time.time(), 0
+        t_run, tok_run = time.time(), 0  # for the live tokens/s (evaluations included)
         window: list[float] = []
         with self._objective(stage) as transfer:
             if start_step == 0 and stage.eval_every and data.eval.shape[0]:
@@ -607,7 +617,9 @@ class Finetuner:
                         if show:
                             pbar.write(f"{stage.name} step {done}: eval loss {ev:.4g}", file=sys.stderr)
                 if stage.save_every and done % stage.save_every == 0 and done != stage.steps:
-                    log.time_s += time.time() - t0
+                    log.time_s += time.time() - t0 - self._eval_time
+                    log.eval_time_s += self._eval_time
+                    self._eval_time = 0.0
                     self.save_checkpoint(si, done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
                     t0 = time.time()
             ev = self.evaluate(model, data, stage, transfer)
@@ -615,7 +627,8 @@ class Finetuner:
                 log.eval_loss.append([stage.steps, ev])
                 log.final_eval_loss = ev
         pbar.close()
-        log.time_s += time.time() - t0
+        log.time_s += time.time() - t0 - self._eval_time
+        log.eval_time_s += self._eval_time
         log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
         if stage.gradient_checkpointing:
             self.root.gradient_checkpointing_disable()
