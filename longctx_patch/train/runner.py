@@ -658,7 +658,7 @@ class Finetuner:
             else:
                 state = self.read_checkpoint(ckpt)
                 self._log(f"resuming from {ckpt} (stage {state['stage_name']}, step {state['step']})")
-        elif self.is_main and self._ckpt_root().exists() and any(self._ckpt_root().iterdir()):
+        elif self._ckpt_root().exists() and any(self._ckpt_root().iterdir()):  # every process stops
             raise CheckpointError(
                 f"{self._ckpt_root()} already holds checkpoints; pass --resume to continue that run, "
                 "or choose another --output directory"
