@@ -33,7 +33,7 @@ from longctx_patch.evals.common import device_description, parse_sizes
 from longctx_patch.evals.icl import IclConfig, IclTask
 from longctx_patch.evals.icr import IcrConfig, IcrTask
 
-GPU_MIXERS = "softmax,sliding:window=1024,sliding:window=64,linear,vq,ovq,lola"
+GPU_MIXERS = "softmax,sliding:window=1024,linear,vq:codes=512,ovq,lola"
 
 
 def make_tasks(names, args):
