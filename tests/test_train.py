@@ -389,7 +389,7 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     res = CliRunner().invoke(
         finetune_cmd,
         [str(rec), "--model", str(tiny_dir), "--text", str(text_file), "--output", str(tmp_path / "o"),
-         "--set", "stages.0.steps=6", "--results", str(tmp_path / "r.json")],
+         "--set", "stages.0.steps=6", "--set", "stages.0.gradient_checkpointing=true", "--results", str(tmp_path / "r.json")],
     )
     assert res.exit_code == 0, res.output
     # without a terminal, progress is one plain line per log_every steps, then a summary
@@ -433,7 +433,8 @@ def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
         [f"model={tiny_dir}", f"data.text={text_file}", "method_config={window: 16, feature_dim: 8, chunk: 16}",
          "stages.*.seq_len=64", "stages.*.batch_size=4", "stages.*.warmup=1", "stages.*.log_every=1",
          "stages.*.eval_every=12", "stages.*.save_every=0", "stages.transfer.steps=12", "stages.lora.steps=3",
-         "stages.lora.lr=1e-2", "data.eval_fraction=0.1", "output.lolcats_export=true"],
+         "stages.lora.lr=1e-2", "data.eval_fraction=0.1", "output.lolcats_export=true",
+         "stages.transfer.gradient_checkpointing=true"],
     )
     ft = Finetuner(r, tmp_path / "lin", progress=False)
     log = ft.run()
