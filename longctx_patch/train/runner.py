@@ -48,6 +48,9 @@ MODEL_DIR = "model"
 
 # ----------------------------------------------------------------------------------------------- helpers
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """`git rev-parse --short HEAD`, or $LONGCTX_COMMIT (for copies of the tree without .git, e.g. on a device)."""
+    if os.environ.get("LONGCTX_COMMIT"):
+        return os.environ["LONGCTX_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
