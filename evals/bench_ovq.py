@@ -113,7 +113,9 @@ def main():
         name = "fp32" if dt == torch.float32 else "bf16"
         checks[f"chunk_attn_{name}"] = {"o": rel(out, ref), "dq": rel(go[0], gr[0]), "dk": rel(go[1], gr[1]),
                                         "dv": rel(go[2], gr[2])}
-    # fused no-grad path vs reference (exact assignment so that the dictionaries must agree)
+    # fused no-grad path vs reference (exact assignment so that the dictionaries must agree);
+    # 128 rows per program: several programs split the dictionary of every chunk
+    os.environ["LONGCTX_OVQ_SPLIT_ROWS"] = "128" if not small else "16"
     for dt in (torch.float32, bf):
         B, Hq, H, S, D = (1, 8, 4, 4096 + 77, 64) if not small else (1, 2, 1, 150, 16)
         q, k, v = inputs(B, Hq, H, S, D, dt, seed=2)
@@ -136,6 +138,7 @@ def main():
     with torch.no_grad():
         o_f, *_ = ovq_attention(q, k, v, None, None, None, chunk_size=128 if not small else 16, max_centroids=4096,
                                 growth=0.0, backend="triton")
+    os.environ.pop("LONGCTX_OVQ_SPLIT_ROWS", None)
     checks["degenerate_vs_exact_bf16"] = rel(o_f, exact_causal_attention(q, k, v))
     # training path (autograd, Triton chunk attention) vs reference, fp32
     q, k, v = inputs(1, 8, 4, 1024 + 29, 64, torch.float32, seed=4) if not small else inputs(
@@ -189,12 +192,14 @@ def main():
                "sdpa_tflops": {k_: (flops_exact / (v_ * 1e-3) / 1e12 if v_ else None) for k_, v_ in base.items()},
                "ovq": []}
     print(f"[{time.time() - t0:.0f}s] sdpa {base}", flush=True)
-    configs = [(256, 1024.0, 128), (512, 1024.0, 128), (512, 1024.0, 64), (1024, 1024.0, 128), (512, 2048.0, 128),
-               (512, 256.0, 128)]
+    # (chunk size, growth, query block, dictionary rows per program)
+    configs = [(256, 1024.0, 128, 512), (512, 1024.0, 128, 512), (512, 1024.0, 128, 256), (512, 1024.0, 64, 512),
+               (1024, 1024.0, 128, 512), (512, 2048.0, 128, 512), (512, 256.0, 128, 512)]
     if small:
-        configs = [(64, 32.0, 128)]
-    for C, growth, bm in configs:
+        configs = [(64, 32.0, 128, 16)]
+    for C, growth, bm, rows in configs:
         os.environ["LONGCTX_OVQ_BLOCK_M"] = str(bm)
+        os.environ["LONGCTX_OVQ_SPLIT_ROWS"] = str(rows)
         kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend="triton", exact_assign=False)
 
         def run():
@@ -215,13 +220,13 @@ def main():
         # mean number of dictionary rows the chunks attended to (drives the cost)
         from longctx_patch.kernels.ovq import target_int
         mean_rows = sum(target_int(s0, N, growth) for s0 in range(0, S, C)) / (S // C)
-        ent = {"chunk_size": C, "growth": growth, "block_m": bm, "eager_ms": eager, "graph_ms": graphed,
+        ent = {"chunk_size": C, "growth": growth, "block_m": bm, "split_rows": rows, "eager_ms": eager, "graph_ms": graphed,
                "speedup_vs_best_exact": best_exact / t_best, "final_rows": n_final, "mean_rows": mean_rows}
         prefill["ovq"].append(ent)
         print(f"[{time.time() - t0:.0f}s] ovq {ent}", flush=True)
         res["prefill"] = prefill
         dump()
-        if (C, growth, bm) == ((512, 1024.0, 128) if not small else (64, 32.0, 128)):
+        if (C, growth, bm, rows) == ((512, 1024.0, 128, 512) if not small else (64, 32.0, 128, 16)):
             # one more chunk on the state left by the prefill (all rows in use): attention alone (C-1
             # tokens, nothing absorbed) and attention + statistics + absorb (C tokens)
             seen_b = S
@@ -232,12 +237,18 @@ def main():
                     return ovq_attention(qx[:, :, :n], kx[:, :, :n], vx[:, :, :n], st, None, None,
                                          seen_bound=seen_b, **kw)
 
-            prefill["chunk_breakdown"] = {"rows": int(st.n_active[0]), "attn_only_ms": bench(lambda: one(C - 1)),
-                                          "attn_stats_absorb_ms": bench(lambda: one(C))}
+            def timed(n):
+                if DEV == "cuda":
+                    return bench(graph_of(lambda: one(n)))
+                return bench(lambda: one(n))
+
+            prefill["chunk_breakdown"] = {"rows": int(st.n_active[0]), "attn_only_ms": timed(C - 1),
+                                          "attn_stats_absorb_ms": timed(C)}
             print("breakdown", prefill["chunk_breakdown"], flush=True)
         del o, st
     res["prefill"] = prefill
-    os.environ["LONGCTX_OVQ_BLOCK_M"] = "128"
+    os.environ.pop("LONGCTX_OVQ_BLOCK_M", None)
+    os.environ.pop("LONGCTX_OVQ_SPLIT_ROWS", None)
 
     # ---------------------------------------------------------------- 3. decode state and step time
     C, growth = (512, 1024.0) if not small else (64, 32.0)
@@ -302,7 +313,7 @@ def main():
     for k_, v_ in base.items():
         print(f"  {k_:<22} {v_ if v_ is None else round(v_, 3)} ms")
     for e in prefill["ovq"]:
-        print(f"  ovq C={e['chunk_size']:<5} g={e['growth']:<7} BM={e['block_m']:<4} eager {e['eager_ms']:.3f} ms  graph "
+        print(f"  ovq C={e['chunk_size']:<5} g={e['growth']:<7} BM={e['block_m']:<4} R={e['split_rows']:<4} eager {e['eager_ms']:.3f} ms  graph "
               f"{e['graph_ms'] if e['graph_ms'] is None else round(e['graph_ms'], 3)} ms  x{e['speedup_vs_best_exact']:.2f}"
               f"  rows {e['final_rows']} (mean {e['mean_rows']:.0f})")
     print("== decode state ==")

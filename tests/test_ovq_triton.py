@@ -123,9 +123,12 @@ def test_driver_triton_bf16_decode_equals_prefill():
     assert _rel(torch.cat(outs, 2), full) < 1e-2
 
 
-@pytest.mark.parametrize("S,C,N,growth,dtype", [(37, 8, 6, 4.0, torch.float32), (29, 8, 40, 0.0, torch.float32),
-                                                (45, 16, 10, 4.0, torch.bfloat16)])
-def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype):
+@pytest.mark.parametrize("S,C,N,growth,dtype,split", [(37, 8, 6, 4.0, torch.float32, None),
+                                                      (29, 8, 40, 0.0, torch.float32, 16),
+                                                      (45, 16, 10, 4.0, torch.bfloat16, 4)])
+def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype, split, monkeypatch):
+    if split is not None:  # several programs per chunk over the dictionary rows
+        monkeypatch.setenv("LONGCTX_OVQ_SPLIT_ROWS", str(split))
     g = torch.Generator().manual_seed(S + C)
     B, Hq, H, D = 2, 4, 2, 16
     q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).to(dtype)

@@ -7,7 +7,9 @@ For every chunk token ``i`` and key head, over the active rows ``j < n_active[b]
 * ``best[i] = max_j (k_i . d_j - |d_j|^2 / 2)`` and ``idx[i]`` its first argmax (nearest row by
   squared Euclidean distance).
 
-One pass over the dictionary per block of tokens; the ``[C, N]`` score matrix is never stored.
+One pass over the dictionary per block of tokens; the ``[C, N]`` score matrix is never stored.  The
+rows can be split over a third grid axis (``ROWS`` rows per program); each split then writes its own
+partial results at ``[split, B * H, C]`` (the fused path reduces them in ``_ovq_rank``).
 """
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
                      skb, skh, skc, sdb, sdh, sdn, scb, sch,
-                     C, H,
+                     C, H, ROWS,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
                      UP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_p = tl.program_id(2)  # split of the dictionary rows: [pid_p * ROWS, (pid_p + 1) * ROWS)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -35,12 +38,12 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
     mask_m = offs_m < C
     k = tl.load(K + b * skb + h * skh + offs_m[:, None] * skc + offs_d[None, :], mask=mask_m[:, None], other=0.0)
     k = k.to(tl.float32)
-    n_act = tl.load(NACT + b)
+    n_act = tl.minimum(tl.load(NACT + b), (pid_p + 1) * ROWS)
     maxdot = tl.full([BM], float("-inf"), tl.float32)
     best = tl.full([BM], float("-inf"), tl.float32)
     idx = tl.zeros([BM], tl.int64)
     dbase = DK + b * sdb + h * sdh
-    for start in range(0, n_act, BN):
+    for start in range(pid_p * ROWS, n_act, BN):
         offs_n = start + tl.arange(0, BN)
         act = offs_n < n_act
         d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0).to(tl.float32)
@@ -61,7 +64,7 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
         upd = blk_best > best
         idx = tl.where(upd, blk_idx, idx)
         best = tl.where(upd, blk_best, best)
-    out = pid_bh * C + offs_m
+    out = (pid_p * tl.num_programs(1) + pid_bh) * C + offs_m
     tl.store(MAXDOT + out, maxdot, mask=mask_m)
     tl.store(BEST + out, best, mask=mask_m)
     tl.store(IDX + out, idx, mask=mask_m)
@@ -85,9 +88,9 @@ def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Te
     idx = torch.empty(B, H, C, device=k.device, dtype=torch.int64)
     BM = 16 if C <= 16 else (32 if C <= 32 else 64)
     BN = 64
-    _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
+    _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, 1)](
         k, dict_keys, counts, nact, maxdot, best, idx,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
         counts.stride(0), counts.stride(1),
-        C, H, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
+        C, H, 1 << 30, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
     return maxdot, best, idx

@@ -1,11 +1,15 @@
-"""Fused no-grad OVQ path (prefill and decode): three launches per chunk, dictionary updated in place.
+"""Fused no-grad OVQ path (prefill and decode): dictionary updated in place, no host sync.
 
-* ``_ovq_fwd_fast``: queries of a chunk attend to the dictionary, read directly in its sum form
-  (row mean = sum / count, bias log count), then to the chunk's keys (causal, key padding);
-* ``_ovq_chunk_stats`` (triton_dict.py): max dot product and nearest row of each chunk token;
-* ``_ovq_absorb``: one program per (batch, key head) ranks the chunk's tokens by spread score,
-  opens the new rows, picks each remaining token's row among old and new rows, and adds every token
-  to its row with atomic adds (sums and counts): each token touches exactly one row.
+Per chunk:
+
+* ``_ovq_fwd_split`` + ``_ovq_combine``: queries of the chunk attend to the dictionary, read directly
+  in its sum form (row mean = sum / count, bias log count) and split over programs by rows
+  (flash-decoding style, so that a chunk fills the GPU), and to the chunk's keys (causal, padding);
+  the partial softmaxes are merged by ``_ovq_combine``;
+* ``_ovq_chunk_stats`` (triton_dict.py, row-split): max dot product and nearest row per token;
+* ``_ovq_rank``: reduces the splits and ranks the tokens by spread score (while the dictionary grows);
+* ``_ovq_absorb``: picks each token's row (new row if selected, else nearest among old and new rows)
+  and adds it with atomic adds (sums and counts): each token touches exactly one row.
 
 Same maths as ``reference.update_state`` + ``reference.chunk_attention_ref``; see docs/ovq.md.
 """
@@ -32,13 +36,17 @@ def _mm(a, b, UP: tl.constexpr):
 
 
 @triton.jit
-def _ovq_fwd_fast(Q, KS, VS, CNT, KC, VC, VALID, O,
-                  sqb, sqh, sqm, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
-                  skb, skh, skn, svb, svh, svn, sxb, sob, soh, som,
-                  M, LC, n_dict, q_off, HQ, G,
-                  D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL,
+                   sqb, sqh, sqm, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
+                   skb, skh, skn, svb, svh, svn, sxb,
+                   M, LC, n_dict, q_off, HQ, G, ROWS, NSPLIT,
+                   D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    """Partial softmax of one block of queries over one split: dictionary rows
+    [p * ROWS, (p + 1) * ROWS) for p < NSPLIT - 1, the chunk's own keys for p == NSPLIT - 1.
+    Writes the unnormalised accumulator, running max (log2 units) and sum to PACC / PM / PL."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_p = tl.program_id(2)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
@@ -50,13 +58,16 @@ def _ovq_fwd_fast(Q, KS, VS, CNT, KC, VC, VALID, O,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DV], tl.float32)
-    # -- dictionary rows (sum form) --
+    is_chunk = pid_p == NSPLIT - 1
+    # -- dictionary rows (sum form: mean = sum / count, bias log2 count) --
+    lo = pid_p * ROWS
+    hi = tl.where(is_chunk, 0, tl.minimum(lo + ROWS, n_dict))
     ksb = KS + b * sdb + hk * sdh
     vsb = VS + b * svdb + hk * svdh
     cb = CNT + b * scb + hk * sch
-    for start in range(0, n_dict, BN):
+    for start in range(lo, hi, BN):
         offs_n = start + tl.arange(0, BN)
-        in_n = offs_n < n_dict
+        in_n = offs_n < hi
         cnt = tl.load(cb + offs_n, mask=in_n, other=0.0)
         inv = 1.0 / tl.maximum(cnt, 1.0)
         ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
@@ -71,11 +82,11 @@ def _ovq_fwd_fast(Q, KS, VS, CNT, KC, VC, VALID, O,
         vs = tl.load(vsb + offs_n[:, None] * svdn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + _mm(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), UP)
         m_i = m_new
-    # -- the chunk's own keys, causal --
-    hi = tl.minimum((pid_m + 1) * BM + q_off, LC)
+    # -- the chunk's own keys, causal, key padding --
+    chi = tl.where(is_chunk, tl.minimum((pid_m + 1) * BM + q_off, LC), 0)
     kb = KC + b * skb + hk * skh
     vb = VC + b * svb + hk * svh
-    for start in range(0, hi, BN):
+    for start in range(0, chi, BN):
         offs_n = start + tl.arange(0, BN)
         in_n = offs_n < LC
         ok = tl.load(VALID + b * sxb + offs_n, mask=in_n, other=0) != 0
@@ -91,17 +102,88 @@ def _ovq_fwd_fast(Q, KS, VS, CNT, KC, VC, VALID, O,
         v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UP)
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    row = (pid_p * tl.num_programs(1) + pid_bh) * M + offs_m
+    tl.store(PM + row, m_i, mask=mask_m)
+    tl.store(PL + row, l_i, mask=mask_m)
+    tl.store(PACC + row[:, None] * DV + offs_dv[None, :], acc, mask=mask_m[:, None])
+
+
+@triton.jit
+def _ovq_combine(PACC, PM, PL, O, sob, soh, som, M, HQ, NSPLIT, DV: tl.constexpr, BM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    BH = tl.num_programs(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_dv = tl.arange(0, DV)
+    mask_m = offs_m < M
+    mx = tl.full([BM], float("-inf"), tl.float32)
+    for p in range(0, NSPLIT):
+        mx = tl.maximum(mx, tl.load(PM + (p * BH + pid_bh) * M + offs_m, mask=mask_m, other=float("-inf")))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DV], tl.float32)
+    for p in range(0, NSPLIT):
+        row = (p * BH + pid_bh) * M + offs_m
+        w = tl.exp2(tl.load(PM + row, mask=mask_m, other=float("-inf")) - mx)
+        l += w * tl.load(PL + row, mask=mask_m, other=0.0)
+        acc += w[:, None] * tl.load(PACC + row[:, None] * DV + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(O + b * sob + hq * soh + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=mask_m[:, None])
 
 
 @triton.jit
-def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
+def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, sxb, C, H, NSPLIT, BI: tl.constexpr):
+    """Reduce the row-split statistics of a block of tokens; rank them by spread score (smallest max
+    dot product with the old rows first, ties by position) while the dictionary grows."""
+    pid = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    b = pid // H
+    BH = tl.num_programs(0)
+    n_new = tl.load(NNEW + b)
+    oi = pid_i * BI + tl.arange(0, BI)
+    in_i = oi < C
+    si = tl.full([BI], float("-inf"), tl.float32)
+    best = tl.full([BI], float("-inf"), tl.float32)
+    idx = tl.zeros([BI], tl.int64)
+    for p in range(0, NSPLIT):
+        off = (p * BH + pid) * C + oi
+        si = tl.maximum(si, tl.load(PMAXDOT + off, mask=in_i, other=float("-inf")))
+        bp = tl.load(PBEST + off, mask=in_i, other=float("-inf"))
+        ip = tl.load(PIDX + off, mask=in_i, other=0)
+        upd = bp > best
+        best = tl.where(upd, bp, best)
+        idx = tl.where(upd, ip, idx)
+    tl.store(BEST + pid * C + oi, best, mask=in_i)
+    tl.store(IDX + pid * C + oi, idx, mask=in_i)
+    vi = tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0
+    si = tl.where(vi, si, float("inf"))
+    rank = tl.zeros([BI], tl.int32)
+    c_grow = tl.where(n_new > 0, C, 0)
+    for j0 in range(0, c_grow, BI):
+        oj = j0 + tl.arange(0, BI)
+        in_j = oj < C
+        sj = tl.full([BI], float("-inf"), tl.float32)
+        for p in range(0, NSPLIT):
+            sj = tl.maximum(sj, tl.load(PMAXDOT + (p * BH + pid) * C + oj, mask=in_j, other=float("-inf")))
+        vj = tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0
+        sj = tl.where(vj, sj, float("inf"))
+        before = (sj[None, :] < si[:, None]) | ((sj[None, :] == si[:, None]) & (oj[None, :] < oi[:, None]))
+        rank += tl.sum((before & in_j[None, :]).to(tl.int32), 1)
+    tl.store(RANK + pid * C + oi, rank, mask=in_i)
+
+
+@triton.jit
+def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
                 skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                 C, H,
                 D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr):
+    """Row of every token of a block (new row if selected, else the nearest among old and new rows),
+    then atomic adds of its key, value and 1 into that row: each token touches one row."""
     pid = tl.program_id(0)
+    pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
     n_new = tl.load(NNEW + b)
@@ -109,65 +191,45 @@ def _ovq_absorb(KC, VC, VALID, MAXDOT, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     sbase = pid * C
-    # 1) rank of every token by spread score (max dot product with the old rows), ties by position;
-    #    only needed while the dictionary grows (n_new > 0)
     c_grow = tl.where(n_new > 0, C, 0)
-    for i0 in range(0, c_grow, BI):
-        oi = i0 + tl.arange(0, BI)
-        in_i = oi < C
-        vi = tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0
-        si = tl.where(vi, tl.load(MAXDOT + sbase + oi, mask=in_i, other=0.0), float("inf"))
-        rank = tl.zeros([BI], tl.int32)
-        for j0 in range(0, C, BI):
-            oj = j0 + tl.arange(0, BI)
-            in_j = oj < C
-            vj = tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0
-            sj = tl.where(vj, tl.load(MAXDOT + sbase + oj, mask=in_j, other=0.0), float("inf"))
-            before = (sj[None, :] < si[:, None]) | ((sj[None, :] == si[:, None]) & (oj[None, :] < oi[:, None]))
-            before = before & in_j[None, :]
-            rank += tl.sum(before.to(tl.int32), 1)
-        tl.store(RANK + sbase + oi, rank, mask=in_i)
-    tl.debug_barrier()
-    # 2) row of every token; 3) add it to the row (sums and count)
-    for i0 in range(0, C, BI):
-        oi = i0 + tl.arange(0, BI)
-        in_i = oi < C
-        vi = (tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0) & in_i
-        ri = tl.load(RANK + sbase + oi, mask=in_i, other=0)
-        sel_i = vi & (ri < n_new) & (n_new > 0)
-        ki = tl.load(KC + b * skb + h * skh + oi[:, None] * skn + offs_d[None, :], mask=in_i[:, None],
+    oi = pid_i * BI + tl.arange(0, BI)
+    in_i = oi < C
+    vi = (tl.load(VALID + b * sxb + oi, mask=in_i, other=0) != 0) & in_i
+    ri = tl.load(RANK + sbase + oi, mask=in_i, other=0)
+    sel_i = vi & (ri < n_new) & (n_new > 0)
+    ki = tl.load(KC + b * skb + h * skh + oi[:, None] * skn + offs_d[None, :], mask=in_i[:, None],
+                 other=0.0).to(tl.float32)
+    best_n = tl.full([BI], float("-inf"), tl.float32)
+    rank_n = tl.zeros([BI], tl.int32) + C
+    for j0 in range(0, c_grow, BI):
+        oj = j0 + tl.arange(0, BI)
+        in_j = oj < C
+        vj = (tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0) & in_j
+        rj = tl.load(RANK + sbase + oj, mask=in_j, other=0)
+        sel_j = vj & (rj < n_new)
+        kj = tl.load(KC + b * skb + h * skh + oj[:, None] * skn + offs_d[None, :], mask=in_j[:, None],
                      other=0.0).to(tl.float32)
-        best_n = tl.full([BI], float("-inf"), tl.float32)
-        rank_n = tl.zeros([BI], tl.int32) + C
-        for j0 in range(0, c_grow, BI):
-            oj = j0 + tl.arange(0, BI)
-            in_j = oj < C
-            vj = (tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0) & in_j
-            rj = tl.load(RANK + sbase + oj, mask=in_j, other=0)
-            sel_j = vj & (rj < n_new)
-            kj = tl.load(KC + b * skb + h * skh + oj[:, None] * skn + offs_d[None, :], mask=in_j[:, None],
-                         other=0.0).to(tl.float32)
-            if IEEE:
-                dots = tl.dot(ki, tl.trans(kj), input_precision="ieee")
-            else:
-                dots = tl.dot(ki, tl.trans(kj))
-            score = dots - 0.5 * tl.sum(kj * kj, 1)[None, :]
-            score = tl.where(sel_j[None, :], score, float("-inf"))
-            bm = tl.max(score, 1)
-            cand = tl.where((score == bm[:, None]) & sel_j[None, :], rj[None, :], C)
-            rk = tl.min(cand, 1)
-            upd = (bm > best_n) | ((bm == best_n) & (rk < rank_n))
-            best_n = tl.where(upd, bm, best_n)
-            rank_n = tl.where(upd, rk, rank_n)
-        best_o = tl.load(BEST + sbase + oi, mask=in_i, other=float("-inf"))
-        idx_o = tl.load(IDX + sbase + oi, mask=in_i, other=0).to(tl.int32)
-        use_new = (best_n > best_o) & (rank_n < C)
-        row = tl.where(sel_i, n_act + ri, tl.where(use_new, n_act + rank_n, idx_o))
-        vv = tl.load(VC + b * svb + h * svh + oi[:, None] * svn + offs_dv[None, :], mask=in_i[:, None],
-                     other=0.0).to(tl.float32)
-        tl.atomic_add(KS + b * sdb + h * sdh + row[:, None] * sdn + offs_d[None, :], ki, mask=vi[:, None])
-        tl.atomic_add(VS + b * svdb + h * svdh + row[:, None] * svdn + offs_dv[None, :], vv, mask=vi[:, None])
-        tl.atomic_add(CNT + b * scb + h * sch + row, tl.full([BI], 1.0, tl.float32), mask=vi)
+        if IEEE:
+            dots = tl.dot(ki, tl.trans(kj), input_precision="ieee")
+        else:
+            dots = tl.dot(ki, tl.trans(kj))
+        score = dots - 0.5 * tl.sum(kj * kj, 1)[None, :]
+        score = tl.where(sel_j[None, :], score, float("-inf"))
+        bm = tl.max(score, 1)
+        cand = tl.where((score == bm[:, None]) & sel_j[None, :], rj[None, :], C)
+        rk = tl.min(cand, 1)
+        upd = (bm > best_n) | ((bm == best_n) & (rk < rank_n))
+        best_n = tl.where(upd, bm, best_n)
+        rank_n = tl.where(upd, rk, rank_n)
+    best_o = tl.load(BEST + sbase + oi, mask=in_i, other=float("-inf"))
+    idx_o = tl.load(IDX + sbase + oi, mask=in_i, other=0).to(tl.int32)
+    use_new = (best_n > best_o) & (rank_n < C)
+    row = tl.where(sel_i, n_act + ri, tl.where(use_new, n_act + rank_n, idx_o))
+    vv = tl.load(VC + b * svb + h * svh + oi[:, None] * svn + offs_dv[None, :], mask=in_i[:, None],
+                 other=0.0).to(tl.float32)
+    tl.atomic_add(KS + b * sdb + h * sdh + row[:, None] * sdn + offs_d[None, :], ki, mask=vi[:, None])
+    tl.atomic_add(VS + b * svdb + h * svdh + row[:, None] * svdn + offs_dv[None, :], vv, mask=vi[:, None])
+    tl.atomic_add(CNT + b * scb + h * sch + row, tl.full([BI], 1.0, tl.float32), mask=vi)
 
 
 def _blk(M: int) -> tuple[int, int]:
@@ -182,13 +244,23 @@ def _blk(M: int) -> tuple[int, int]:
     return 128, 8
 
 
+def _rows_per_split(M: int) -> int:
+    env = os.environ.get("LONGCTX_OVQ_SPLIT_ROWS")
+    if env:
+        return int(env)
+    return 512 if M > 16 else 256
+
+
 @torch.no_grad()
 def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: int, *, chunk_size: int,
                      max_centroids: int, growth: float, exact_assign: bool = False):
     """No-grad OVQ over ``kk``/``vv`` (open chunk + new tokens, ``[B, H, L, D]``; ``valid`` ``[B, L]``).
 
     ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens.  ``state`` is updated in place.
-    Returns ``(o, state, (start of the open chunk in kk), seen_bound)``.
+    Per chunk: ``_ovq_fwd_split`` (dictionary rows split over programs, plus the chunk's keys) and
+    ``_ovq_combine``; for a complete chunk also ``_ovq_chunk_stats`` (row-split), ``_ovq_rank`` and
+    ``_ovq_absorb``.  No host sync: a whole prefill can be captured in a CUDA graph.
+    Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
     from .ops import target_int
 
@@ -202,6 +274,14 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     KS, VS, CNT = state.key_sums, state.value_sums, state.counts
     assert KS.is_contiguous() and VS.is_contiguous() and CNT.is_contiguous()
     n_full = L // C
+    G = HQ // H
+    up = _INTERP
+    Mmax = min(C, S)
+    R_att = _rows_per_split(Mmax)
+    P_att = triton.cdiv(max_centroids, R_att) + 1
+    pacc = torch.empty(P_att * B * HQ * Mmax * DV, device=q.device, dtype=torch.float32)
+    pm = torch.empty(P_att * B * HQ * Mmax, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
     if n_full > 0:
         m = valid[:, : n_full * C].reshape(B, n_full, C).sum(-1)
         seen_after = state.seen[:, None] + torch.cumsum(m, 1)
@@ -209,12 +289,15 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         t_before = target_centroids(seen_after - m, max_centroids, growth)
         nact_t = t_before.t().to(torch.int32).contiguous()           # [T, B]
         nnew_t = (t_after - t_before).t().to(torch.int32).contiguous()
-        maxdot = torch.empty(B, H, C, device=q.device, dtype=torch.float32)
-        best = torch.empty_like(maxdot)
-        idx = torch.empty(B, H, C, device=q.device, dtype=torch.int64)
-        rank = torch.empty(B, H, C, device=q.device, dtype=torch.int32)
-    G = HQ // H
-    up = _INTERP
+        R_st = _rows_per_split(C)
+        P_st = triton.cdiv(max_centroids, R_st)
+        pmax = torch.empty(P_st * B * H * C, device=q.device, dtype=torch.float32)
+        pbest = torch.empty_like(pmax)
+        pidx = torch.empty(P_st * B * H * C, device=q.device, dtype=torch.int64)
+        best = torch.empty(B * H * C, device=q.device, dtype=torch.float32)
+        idx = torch.empty(B * H * C, device=q.device, dtype=torch.int64)
+        rank = torch.empty(B * H * C, device=q.device, dtype=torch.int32)
+    BI = 64
     for t, s0 in enumerate(range(0, L, C)):
         e = min(s0 + C, L)
         qs = max(s0, off)
@@ -224,24 +307,32 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             qq, oo = q[:, :, qs - off:e - off], o[:, :, qs - off:e - off]
             M = e - qs
             BM, nw = _blk(M)
-            _ovq_fwd_fast[(triton.cdiv(M, BM), B * HQ)](
-                qq, KS, VS, CNT, kc, vc, xc, oo,
+            nsplit = triton.cdiv(n_dict, R_att) + 1
+            _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
+                qq, KS, VS, CNT, kc, vc, xc, pacc, pm, pl,
                 qq.stride(0), qq.stride(1), qq.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
                 VS.stride(0), VS.stride(1), VS.stride(2), CNT.stride(0), CNT.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-                xc.stride(0), oo.stride(0), oo.stride(1), oo.stride(2),
-                M, e - s0, n_dict, qs - s0, HQ, G, D=D, DV=DV, BM=BM, BN=64, UP=up, num_warps=nw)
+                xc.stride(0), M, e - s0, n_dict, qs - s0, HQ, G, R_att, nsplit,
+                D=D, DV=DV, BM=BM, BN=64, UP=up, num_warps=nw)
+            BMc = 64 if M > 32 else (32 if M > 16 else 16)
+            _ovq_combine[(triton.cdiv(M, BMc), B * HQ)](
+                pacc, pm, pl, oo, oo.stride(0), oo.stride(1), oo.stride(2), M, HQ, nsplit, DV=DV, BM=BMc)
         if e - s0 == C:
             BM, nw = _blk(C)
-            _ovq_chunk_stats[(triton.cdiv(C, BM), B * H)](
-                kc, KS, CNT, nact_t[t], maxdot, best, idx,
+            n_old = n_dict
+            ns = max(1, triton.cdiv(n_old, R_st))
+            _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
+                kc, KS, CNT, nact_t[t], pmax, pbest, pidx,
                 kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up, num_warps=nw)
-            _ovq_absorb[(B * H,)](
-                kc, vc, xc, maxdot, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
+                CNT.stride(0), CNT.stride(1), C, H, R_st, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up, num_warps=nw)
+            _ovq_rank[(B * H, triton.cdiv(C, BI))](
+                xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
+            _ovq_absorb[(B * H, triton.cdiv(C, BI))](
+                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
                 KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=64, IEEE=exact_assign, num_warps=4)
+                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=BI, IEEE=exact_assign, num_warps=4)
             seen_bound += C
     if n_full > 0:
         seen = state.seen + m.sum(1)
