@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from cli.common import friendly_errors
+
 
 @click.command(
     "finetune",
@@ -30,6 +32,7 @@ import click
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option("--results", default=None, metavar="NAME", help="Also write evals/results/NAME.json (device, date, commit, command, figures).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@friendly_errors
 def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet):
     """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
     from longctx_patch.errors import LongctxError
