@@ -100,6 +100,18 @@ def load_haystack(source: str | Path | None = None) -> str:
     return text
 
 
+def _offsets(tokenizer, text: str) -> list[tuple[int, int]]:
+    """Character span of each token of `text` (no special tokens); needs a fast (Rust) tokenizer."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise ConfigError(
+            f"niah needs a fast tokenizer (with offset mapping); {type(tokenizer).__name__} has none. "
+            "Save the model with a tokenizer.json, or load it with use_fast=True"
+        ) from None
+    return [tuple(o) for o in enc["offset_mapping"]]
+
+
 class _Corpus:
     """A haystack text tokenised once, with the character span of every token.
 
@@ -109,8 +121,7 @@ class _Corpus:
 
     def __init__(self, tokenizer, text: str, paragraph_starts: bool = True):
         self.base = text.rstrip() + "\n\n"
-        enc = tokenizer(self.base, add_special_tokens=False, return_offsets_mapping=True)
-        self.offsets = [tuple(o) for o in enc["offset_mapping"]]
+        self.offsets = _offsets(tokenizer, self.base)
         if not self.offsets:
             raise ConfigError("the haystack text has no tokens")
         self.n = len(self.offsets)
@@ -304,8 +315,7 @@ def measure_depth(tokenizer, prompt_text: str, context: str, needle: str) -> flo
     """Depth of `needle` inside `context` (both within `prompt_text`), counted in tokens of the prompt."""
     c0 = prompt_text.index(context)
     n0 = prompt_text.index(needle, c0)
-    enc = tokenizer(prompt_text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [a for a, _ in enc["offset_mapping"]]
+    starts = [a for a, _ in _offsets(tokenizer, prompt_text)]
     t_ctx0 = bisect.bisect_left(starts, c0)
     t_ctx1 = bisect.bisect_left(starts, c0 + len(context))
     t_needle = bisect.bisect_left(starts, n0)
