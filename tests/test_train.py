@@ -499,3 +499,22 @@ def test_teacher_forcing_isolates_layers(tiny_llama):
         tiny_llama(input_ids=ids, use_cache=False)
     g = torch.autograd.grad(tr.losses[-1], [mods[0].feature_map_q.mlp.layer], allow_unused=True)
     assert g[0] is not None and g[0].abs().sum() > 0
+
+
+def test_param_groups_method_lr(tiny_llama, temp_method):
+    """trainable [lora, method] with method_lr: the method's parameters get their own lr; decay on matrices only."""
+    import longctx_patch
+    from longctx_patch.train import Finetuner, recipe_from_dict
+
+    longctx_patch.patch(tiny_llama, TEMP_METHOD)
+    d = recipe_dict("unused", "unused")
+    st = d["stages"][1]
+    st.update(trainable=["lora", "method"], method_lr=3e-2, weight_decay=0.1)
+    r = recipe_from_dict(d)
+    ft = Finetuner(r, "unused", progress=False, model=tiny_llama, tokenizer=byte_tokenizer())
+    ft.load()
+    params = ft.setup_stage(r.stages[1])
+    groups = ft.param_groups(r.stages[1], params)
+    by = {(g["lr"], g["weight_decay"]): sum(p.numel() for p in g["params"]) for g in groups}
+    lora_n = sum(p.numel() for n, p in params if "lora_" in n)
+    assert by == {(1e-2, 0.1): lora_n, (3e-2, 0.0): 3 * 4}  # LoRA matrices; log_t of 3 layers x 4 heads

@@ -54,6 +54,7 @@ class Stage:
     trainable: list[str] | None = None  # None: ["method"] for attention_transfer, ["lora"] or ["full"] otherwise
     lora: LoraSpec | None = None
     lr: float = 1e-4
+    method_lr: float | None = None  # lr of the method's own parameters when they train beside others (None: lr)
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     steps: int = 100  # optimizer steps
@@ -299,6 +300,9 @@ def _validate_stage(s: Stage, where: str) -> None:
     s.lr = _check_type(f"{where}.lr", s.lr, float, minimum=0.0)
     if s.lr <= 0:
         raise ConfigError(f"{where}.lr: must be > 0, got {s.lr}")
+    s.method_lr = _check_type(f"{where}.method_lr", s.method_lr, float, optional=True, minimum=0.0)
+    if s.method_lr is not None and s.method_lr <= 0:
+        raise ConfigError(f"{where}.method_lr: must be > 0 or null, got {s.method_lr}")
     s.weight_decay = _check_type(f"{where}.weight_decay", s.weight_decay, float, minimum=0.0)
     if not isinstance(s.betas, (list, tuple)) or len(s.betas) != 2:
         raise ConfigError(f"{where}.betas: expected two numbers such as [0.9, 0.999], got {s.betas!r}")

@@ -358,6 +358,18 @@ class Finetuner:
         self.trained.update({id(p): p for p in chosen.values()})
         return list(chosen.items())
 
+    def param_groups(self, stage: Stage, params: list[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+        """AdamW groups: weight decay on matrices only; the method's own parameters at `method_lr` if set."""
+        method_ids = {id(p) for _, p in method_parameters(self.model)} if stage.method_lr is not None else set()
+        groups = []
+        for is_method in (False, True):
+            lr = stage.method_lr if is_method else stage.lr
+            for decay in (True, False):
+                ps = [p for _, p in params if (id(p) in method_ids) == is_method and (p.ndim >= 2) == decay]
+                if ps:
+                    groups.append({"params": ps, "lr": lr, "weight_decay": stage.weight_decay if decay else 0.0})
+        return groups
+
     # ------------------------------------------------------------------------------------------- checkpoints
     def _ckpt_root(self) -> Path:
         return self.out / CKPT_DIR
@@ -526,13 +538,7 @@ class Finetuner:
             )
         order = BatchOrder(log.train_chunks, stage.batch_size, self.recipe.seed + 7919 * si)
 
-        decay = [p for n, p in params if p.ndim >= 2]
-        no_decay = [p for n, p in params if p.ndim < 2]
-        groups = [g for g in (
-            {"params": decay, "weight_decay": stage.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ) if g["params"]]
-        optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=tuple(stage.betas))
+        optimizer = torch.optim.AdamW(self.param_groups(stage, params), lr=stage.lr, betas=tuple(stage.betas))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
         if ckpt is not None:
             optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
