@@ -434,7 +434,7 @@ def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
          "stages.*.seq_len=64", "stages.*.batch_size=4", "stages.*.warmup=1", "stages.*.log_every=1",
          "stages.*.eval_every=12", "stages.*.save_every=0", "stages.transfer.steps=12", "stages.lora.steps=3",
          "stages.lora.lr=1e-2", "data.eval_fraction=0.1", "output.lolcats_export=true",
-         "stages.transfer.gradient_checkpointing=true"],
+         "stages.transfer.gradient_checkpointing=true", "output.keep_checkpoints=1"],
     )
     ft = Finetuner(r, tmp_path / "lin", progress=False)
     log = ft.run()
@@ -446,6 +446,7 @@ def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
     assert log["stages"][1]["final_loss"] is not None
 
     out = tmp_path / "lin"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["stage1-step0000003"]  # keep_checkpoints=1
     ids = torch.randint(3, 259, (1, 48))
     final = _logits(ft.model, ids)
     m2, _ = longctx_patch.load_model(str(out / "model"), dtype="float32", device="cpu")

@@ -381,7 +381,7 @@ class Finetuner:
         best, best_key = None, None
         for d in root.iterdir():
             st = d / "state.json"
-            if not st.exists():
+            if d.name.endswith(".tmp") or not st.exists():
                 continue  # incomplete (interrupted while writing)
             try:
                 s = json.loads(st.read_text())
@@ -425,13 +425,14 @@ class Finetuner:
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
             shutil.rmtree(d, ignore_errors=True)
             tmp.rename(d)
-            ckpts = sorted(
-                (p for p in self._ckpt_root().iterdir() if (p / "state.json").exists()),
-                key=lambda p: json.loads((p / "state.json").read_text())["stage"] * 10**9
-                + json.loads((p / "state.json").read_text())["step"],
-            )
-            for old in ckpts[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            if keep > 0:
+                found = []
+                for p in self._ckpt_root().iterdir():
+                    if not p.name.endswith(".tmp") and (p / "state.json").exists():
+                        s = json.loads((p / "state.json").read_text())
+                        found.append(((s["stage"], s["step"]), p))
+                for _, old in sorted(found)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
         self.accelerator.wait_for_everyone()
 
     def read_checkpoint(self, d: Path) -> dict[str, Any]:
