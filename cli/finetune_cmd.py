@@ -32,8 +32,9 @@ from cli.common import friendly_errors
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option("--results", default=None, metavar="NAME", help="Also write evals/results/NAME.json (device, date, commit, command, figures).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved recipe and the stage plan; train nothing.")
 @friendly_errors
-def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet):
+def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet, dry_run):
     """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
     from longctx_patch.errors import LongctxError
     from longctx_patch.train import load_recipe, run_finetune
@@ -54,6 +55,9 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
         raise click.UsageError("give one text source: --text or --dataset")
     try:
         r = load_recipe(recipe, _quote(overrides))
+        if dry_run:
+            _print_plan(r, output)
+            return
         log = run_finetune(r, output, resume=resume, results=results, progress=not quiet)
     except LongctxError as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
@@ -64,6 +68,20 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
                  for s in log["stages"]]
         click.echo("\n".join(lines))
         click.echo(f"saved to {log['output_dir']}")
+
+
+def _print_plan(r, output) -> None:
+    import yaml
+
+    click.echo(yaml.safe_dump(r.to_dict(), sort_keys=False).rstrip())
+    click.echo(f"# output: {output or r.output.dir}")
+    click.echo("# stage          objective            trainable      steps  tokens/step  tokens")
+    total = 0
+    for s in r.stages:
+        n = s.steps * s.tokens_per_step
+        total += n
+        click.echo(f"# {s.name:<14} {s.objective:<20} {','.join(s.trainable):<14} {s.steps:>5}  {s.tokens_per_step:>11}  {n}")
+    click.echo(f"# total tokens: {total}")
 
 
 def _fmt(x) -> str:

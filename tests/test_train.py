@@ -401,6 +401,11 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     assert s["loss"][-1][1] < s["loss"][0][1]  # the model learns the repeated text
     assert (tmp_path / "o" / "model" / "config.json").exists() and (tmp_path / "r.json").exists()
 
+    plan = CliRunner().invoke(finetune_cmd, [str(REPO / "recipes" / "linearize.yaml"), "--dry-run", "--set", "stages.lora.steps=50"])
+    assert plan.exit_code == 0, plan.output
+    assert "# transfer       attention_transfer   method           300         8192  2457600" in plan.output
+    assert "# lora           next_token           lora              50         8192  409600" in plan.output
+
     # user errors become one-line messages, not tracebacks
     bad = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tiny_dir), "--set", "stages.0.lr=-2"])
     assert bad.exit_code != 0 and "ConfigError" in bad.output and "lr" in bad.output
