@@ -107,13 +107,18 @@ def speed(D, seqs, cfg, bwd_max):
                         row[f"{name}_fwdbwd_ms"] = bench(lambda: sdpa(qd, kx, vx, be).backward(do))
                 except Exception as e:  # noqa: BLE001
                     row[f"{name}_error"] = repr(e)[:200]
-            kw = dict(scale=D**-0.5, **cfg)
+            kw = dict(scale=D**-0.5, kmeans_iters=2, **cfg)
+            if S <= bwd_max and cfg.get("block_size", 64) * D > 8192:
+                kw["block_size"] = 8192 // D  # the backward kernels' shared-memory limit (see triton_supported)
+                row["block_size_fwdbwd"] = kw["block_size"]
+            kwf = dict(kw, block_size=cfg.get("block_size", 64))
             with torch.no_grad():
-                row["muse_fwd_ms"] = bench(lambda: muse_attention(q, k, v, **kw))
-                plan = make_plan(q, k, **{x: y for x, y in kw.items() if x not in ("backend", "dipole")})
-                row["muse_plan_ms"] = bench(lambda: make_plan(q, k, **{x: y for x, y in kw.items()
-                                                                  if x not in ("backend", "dipole")}))
+                row["muse_fwd_ms"] = bench(lambda: muse_attention(q, k, v, **kwf))
+                pkw = {x: y for x, y in kwf.items() if x not in ("backend", "dipole")}
+                plan = make_plan(q, k, **pkw)
+                row["muse_plan_ms"] = bench(lambda: make_plan(q, k, **pkw))
                 row["muse_kernel_fwd_ms"] = bench(lambda: muse_triton_planned(q, k, v, plan, scale=kw["scale"]))
+                del plan
             if S <= bwd_max:
                 do2 = do.transpose(1, 2)
                 row["muse_fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, **kw).backward(do2))

@@ -24,14 +24,13 @@ from longctx_patch.methods.exact import softmax_attention
 
 GRID = [
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
-    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=4),
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4),
-    dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4, dipole=True),
-    dict(block_size=64, q_clusters=2, k_clusters=8, topk_blocks=2, topk_clusters=4),
-    dict(block_size=64, q_clusters=8, k_clusters=8, topk_blocks=2, topk_clusters=8),
-    dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=4),
-    dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=8),
-    dict(block_size=128, q_clusters=4, k_clusters=8, topk_blocks=2, topk_clusters=8),
+    dict(block_size=64, q_clusters=8, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=64, q_clusters=16, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=128, q_clusters=8, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=128, q_clusters=16, k_clusters=4, topk_blocks=2, topk_clusters=4),
+    dict(block_size=128, q_clusters=16, k_clusters=4, topk_blocks=4, topk_clusters=8),
 ]
 
 

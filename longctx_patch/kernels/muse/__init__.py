@@ -14,9 +14,14 @@ from .reference import muse_reference_planned
 BACKENDS = ("auto", "reference", "triton")
 
 
-def triton_supported(q: torch.Tensor, *, block_size: int, q_clusters: int, k_clusters: int, dipole: bool) -> str | None:
+def triton_supported(
+    q: torch.Tensor, *, block_size: int, q_clusters: int, k_clusters: int, dipole: bool, needs_grad: bool = False
+) -> str | None:
     """None when the Triton kernels can run these inputs/settings, else the reason they cannot."""
     D = q.shape[-1]
+    if needs_grad and block_size * D > 64 * 128:
+        return (f"the backward kernels need block_size * head_dim <= 8192 (shared memory); got {block_size} x {D}: "
+                f"use block_size <= {max(16, 8192 // D)} for training")
     if dipole:
         return "the dipole term is only implemented in the reference"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -70,7 +75,9 @@ def muse_attention(
         raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
     if k_clusters > block_size or q_clusters > block_size:
         raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
-    why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
+                           needs_grad=needs_grad)
     if backend == "auto":
         backend = "triton" if (q.is_cuda and why is None) else "reference"
     if backend == "triton":

@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .plan import MusePlan
 
@@ -267,8 +268,24 @@ def _tables(plan: MusePlan):
 
 def _launch_cfg(L: int, D: int, dtype: torch.dtype, stages: int = 2):
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    stages = stages if L * D <= 64 * 128 else 1  # shared memory: a 128 x 128 block pair does not fit twice
     return dict(UP=interp and dtype != torch.float32, num_warps=4 if L * D <= 64 * 64 else 8, num_stages=stages)
+
+
+_STAGES_OK: dict = {}
+
+
+def _launch(kernel, grid, args, L: int, D: int, dtype: torch.dtype, stages: int = 2):
+    """Launches with `stages` software-pipelining stages, falling back to 1 when shared memory is too small."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), L, D, dtype, stages)
+    st = _STAGES_OK.get(key, stages)
+    try:
+        kernel[grid](*args, **_launch_cfg(L, D, dtype, st))
+    except OutOfResources:
+        if st == 1:
+            raise
+        kernel[grid](*args, **_launch_cfg(L, D, dtype, 1))
+        st = 1
+    _STAGES_OK[key] = st
 
 
 class _MuseFn(torch.autograd.Function):
@@ -282,8 +299,8 @@ class _MuseFn(torch.autograd.Function):
         tabs = _tables(plan)
         o = torch.empty_like(qp)
         lse = torch.empty(B, H, Sp, device=q.device, dtype=torch.float32)
-        _muse_fwd[(NB, B * H)](qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp,
-                               L=L, D=D, NQ=NQ, NK=NK, **_launch_cfg(L, D, q.dtype))
+        _launch(_muse_fwd, (NB, B * H), (qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp, L, D, NQ, NK),
+                L, D, q.dtype)
         ctx.save_for_backward(qp, kp, vp, o, lse, *tabs)
         ctx.meta = (scale, S, L, NB, Sp, NQ, NK, k.dtype, v.dtype)
         return o[:, :, :S]
@@ -299,11 +316,12 @@ class _MuseFn(torch.autograd.Function):
         dq = torch.empty_like(qp)
         dk = torch.empty_like(kp)
         dv = torch.empty_like(vp)
-        cfg = _launch_cfg(L, D, qp.dtype)
-        _muse_bwd_dq[(NB, B * H)](qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp,
-                                  L=L, D=D, NQ=NQ, NK=NK, **cfg)
-        _muse_bwd_dkdv[(NB, B * HKV)](qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp,
-                                      L=L, D=D, NQ=NQ, NK=NK, **_launch_cfg(L, D, qp.dtype, stages=1))
+        _launch(_muse_bwd_dq, (NB, B * H),
+                (qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D, qp.dtype)
+        # one stage: with two, Triton 3.6 produced wrong dk on an H200 (the CPU interpreter was right)
+        _launch(_muse_bwd_dkdv, (NB, B * HKV),
+                (qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D,
+                qp.dtype, stages=1)
         return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt), None, None
 
 

@@ -27,6 +27,7 @@ class MuseConfig(MethodConfig):
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(4, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
     topk_blocks: int = option(2, "earlier blocks attended exactly per query cluster", min=0)
+    local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
     backend: str = option("auto", "kernel: auto (Triton on CUDA when supported), reference or triton",
@@ -42,7 +43,7 @@ class MuseConfig(MethodConfig):
     def kernel_kwargs(self) -> dict:
         return dict(block_size=self.block_size, q_clusters=self.q_clusters, k_clusters=self.k_clusters,
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters, topk_blocks=self.topk_blocks,
-                    dipole=self.dipole, backend=self.backend)
+                    local_blocks=self.local_blocks, dipole=self.dipole, backend=self.backend)
 
 
 def _past_len(cache_layer) -> int:

@@ -1,0 +1,152 @@
+"""muse method: config validation, patched models (prefill through MuSe, exact decode), unpatch, training."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import longctx_patch as lp  # noqa: E402
+from longctx_patch.errors import ConfigError  # noqa: E402
+from longctx_patch.kernels.muse import make_plan, muse_reference_planned  # noqa: E402
+from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned  # noqa: E402
+from longctx_patch.methods import get_method  # noqa: E402
+
+from conftest import tiny_model  # noqa: E402
+
+SMALL = dict(block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_config_validation():
+    m = get_method("muse")
+    cfg = m.parse_config({"block_size": "32", "dipole": "true"})
+    assert cfg.block_size == 32 and cfg.dipole is True
+    with pytest.raises(ConfigError, match="unknown"):
+        m.parse_config({"blocksize": 32})
+    with pytest.raises(ConfigError, match="q_clusters"):
+        m.parse_config({"block_size": 8, "q_clusters": 16})
+    with pytest.raises(ConfigError, match="backend"):
+        m.parse_config({"backend": "cuda"})
+    with pytest.raises(ConfigError, match="kmeans_iters"):
+        m.parse_config({"kmeans_iters": -1})
+
+
+def test_patched_prefill_uses_muse_and_unpatch_is_bit_identical():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits.clone()
+    lp.patch(model, "muse", topk_blocks=0, topk_clusters=0, local_blocks=0, **SMALL)
+    with torch.no_grad():
+        approx = model(ids).logits
+    lp.unpatch(model)
+    lp.patch(model, "muse", topk_blocks=99, **SMALL)  # every earlier block exact: MuSe == exact attention
+    with torch.no_grad():
+        exact = model(ids).logits
+    lp.unpatch(model)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(after, before)
+    assert not torch.allclose(approx, before, atol=1e-4)  # the approximation really ran
+    assert rel(approx, before) < 0.2
+    torch.testing.assert_close(exact, before, atol=2e-5, rtol=1e-4)
+
+
+def test_short_prompts_and_decode_are_exact():
+    """Below min_seq_len the prefill is exact; decode steps are always exact: greedy generation equals the
+    unpatched model's; above it, generation runs and its decode steps attend exactly over the full cache."""
+    model = tiny_model()
+    x = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(x, **kw)
+    lp.patch(model, "muse", **dict(SMALL, min_seq_len=64))
+    with torch.no_grad():
+        assert torch.equal(model.generate(x, **kw), ref)
+    lp.unpatch(model)
+    lp.patch(model, "muse", **SMALL)
+    with torch.no_grad():
+        got = model.generate(x, **kw)
+        # the same tokens recomputed step by step: prefill of 40 through MuSe, then exact cached decode
+        out = model(x, use_cache=True)
+        cache, seq = out.past_key_values, x
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(8):
+            seq = torch.cat([seq, nxt], 1)
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    assert torch.equal(got, seq)
+    assert all(layer.keys.shape[2] == 48 for layer in cache.layers)  # full KV cache
+
+
+def test_left_padded_batch_matches_single_prompts_when_exact():
+    model = tiny_model()
+    lp.patch(model, "muse", topk_blocks=99, **SMALL)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (37, 20)]
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for r, p in enumerate(prompts):
+            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=6,
+                                 do_sample=False, pad_token_id=0)
+            assert torch.equal(batch[r, L:], one[0, len(p):])
+
+
+def test_training_step_through_muse():
+    model = tiny_model()
+    model.train()
+    lp.patch(model, "muse", layers=[0, 2], **SMALL)
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(2))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    g = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    assert type(model.model.layers[1].self_attn).__name__ != "MuseAttention"
+
+
+@pytest.mark.slow
+def test_triton_matches_reference_on_smollm2_qkv(smollm2):
+    """Real post-rotary Q/K/V of SmolLM2 (9 query / 3 kv heads, D=64), odd length; fp32 and bf16."""
+    model, tok = smollm2
+    store = {}
+    lp.patch(model, "exact", layers=[5])
+    att = model.model.layers[5].self_attn
+    orig = att.attend
+
+    def rec(q, k, v, cache_layer, padding):
+        store["qkv"] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
+        return orig(q, k, v, cache_layer, padding)
+
+    att.attend = rec
+    try:
+        text = "The history of the river valley begins with farmers who planted barley along its banks. " * 6
+        ids = tok(text, return_tensors="pt").input_ids[:, :51]
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        lp.unpatch(model)
+    q0, k0, v0 = store["qkv"]
+    scale = 64**-0.5
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        q, k, v = (t.to(dtype).requires_grad_(True) for t in (q0, k0, v0))
+        plan = make_plan(q.detach(), k.detach(), scale=scale, block_size=16, q_clusters=2, k_clusters=8,
+                         topk_blocks=1, topk_clusters=2)
+        o_t = muse_triton_planned(q, k, v, plan, scale=scale)
+        o_r = muse_reference_planned(q, k, v, plan, scale=scale)
+        do = torch.randn(o_t.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        g_t = torch.autograd.grad(o_t, (q, k, v), do)
+        g_r = torch.autograd.grad(o_r, (q, k, v), do)
+        assert rel(o_t, o_r) < tol
+        for a, b in zip(g_t, g_r):
+            assert rel(a, b) < tol
