@@ -524,3 +524,22 @@ def test_param_groups_method_lr(tiny_llama, temp_method):
     by = {(g["lr"], g["weight_decay"]): sum(p.numel() for p in g["params"]) for g in groups}
     lora_n = sum(p.numel() for n, p in params if "lora_" in n)
     assert by == {(1e-2, 0.1): lora_n, (3e-2, 0.0): 3 * 4}  # LoRA matrices; log_t of 3 layers x 4 heads
+
+
+def test_max_time_ends_a_stage_early(tiny_dir, text_file, tmp_path):
+    """max_time_s ends a stage after the step that used the budget; the run still writes everything and a
+    resumed run treats the stage as finished."""
+    from longctx_patch.train import Finetuner, recipe_from_dict
+
+    d = recipe_dict(tiny_dir, text_file, method=None)
+    d["stages"] = [dict(d["stages"][1], name="budget", steps=1000, max_time_s=0.0, eval_every=0),
+                   dict(d["stages"][1], name="after", steps=2)]
+    log = Finetuner(recipe_from_dict(d), tmp_path / "o", progress=False).run()
+    b, a = log["stages"]
+    assert b["steps_done"] == 1 and "max_time_s=0" in b["stopped_early"] and b["eval_loss"][-1][0] == 1
+    assert b["loss"] == [[1, b["first_loss"]]] and b["tokens"] == 4 * 64
+    assert a["steps_done"] == 2 and a["stopped_early"] is None
+    state = json.loads((tmp_path / "o" / "checkpoints" / "stage0-step0000001" / "state.json").read_text())
+    assert state["completed"] is True
+    again = Finetuner(recipe_from_dict(d), tmp_path / "o", resume=True, progress=False).run()
+    assert [s["steps_done"] for s in again["stages"]] == [1, 2]

@@ -71,6 +71,7 @@ class Stage:
     save_every: int = 0  # 0: only at the end of the stage
     gradient_checkpointing: bool = False
     teacher_forcing: bool = True  # attention_transfer: pass the exact attention output on to the next layer
+    max_time_s: float | None = None  # end the stage after this much wall time (the schedule still assumes `steps`)
 
     @property
     def tokens_per_step(self) -> int:
@@ -321,6 +322,7 @@ def _validate_stage(s: Stage, where: str) -> None:
     s.save_every = _check_type(f"{where}.save_every", s.save_every, int, minimum=0)
     s.gradient_checkpointing = _check_type(f"{where}.gradient_checkpointing", s.gradient_checkpointing, bool)
     s.teacher_forcing = _check_type(f"{where}.teacher_forcing", s.teacher_forcing, bool)
+    s.max_time_s = _check_type(f"{where}.max_time_s", s.max_time_s, float, optional=True, minimum=0.0)
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:

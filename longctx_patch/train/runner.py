@@ -206,6 +206,7 @@ class StageLog:
     final_loss: float | None = None
     final_eval_loss: float | None = None
     resumed_from_step: int | None = None
+    stopped_early: str | None = None  # why the stage ended before `steps` (max_time_s)
 
 
 class Finetuner:
@@ -398,7 +399,7 @@ class Finetuner:
             n: p.detach().to("cpu").contiguous() for n, p in self.root.named_parameters() if id(p) in self.trained
         }
 
-    def save_checkpoint(self, si: int, step: int, optimizer, scheduler, keep: int = 2) -> None:
+    def save_checkpoint(self, si: int, step: int, optimizer, scheduler, keep: int = 2, completed: bool = False) -> None:
         from accelerate.utils import gather_object
         from safetensors.torch import save_file
 
@@ -416,7 +417,7 @@ class Finetuner:
                 "stage": si,
                 "stage_name": self.recipe.stages[si].name,
                 "step": step,
-                "completed": step >= self.recipe.stages[si].steps,
+                "completed": completed,
                 "fingerprint": self.recipe.fingerprint(),
                 "world_size": self.world,
                 "logs": [l.__dict__ for l in self.stage_logs],
@@ -566,7 +567,7 @@ class Finetuner:
             total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not bar, dynamic_ncols=True,
             file=sys.stderr,
         )
-        t_run, tok_run = time.time(), 0  # for the live tokens/s (evaluations included)
+        t_run, tok_run = time.time(), 0  # live tokens/s and the max_time_s budget (evaluations included)
         window: list[float] = []
         with self._objective(stage) as transfer:
             if start_step == 0 and stage.eval_every and data.eval.shape[0]:
@@ -598,7 +599,7 @@ class Finetuner:
                 if not math.isfinite(loss_val):
                     raise LongctxError(
                         f"stage {stage.name!r}: the loss became {loss_val} at step {step + 1}; lower stages.{si}.lr "
-                        "or raise stages.{si}.warmup"
+                        f"or raise stages.{si}.warmup"
                     )
                 if log.first_loss is None:
                     log.first_loss = loss_val
@@ -632,9 +633,19 @@ class Finetuner:
                     self._eval_time = 0.0
                     self.save_checkpoint(si, done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
                     t0 = time.time()
+                if stage.max_time_s is not None and done < stage.steps:
+                    over = torch.tensor(float(time.time() - t_run >= stage.max_time_s), device=acc.device)
+                    if float(acc.reduce(over, reduction="sum")) > 0:  # one decision for every process
+                        if window:
+                            log.loss.append([done, sum(window) / len(window)])
+                            log.lr_curve.append([done, lr_now])
+                            log.grad_norm.append([done, gn])
+                        log.stopped_early = f"max_time_s={stage.max_time_s:g} reached after step {done}"
+                        self._log(f"{stage.name}: {log.stopped_early}; ending the stage")
+                        break
             ev = self.evaluate(model, data, stage, transfer)
             if ev is not None:
-                log.eval_loss.append([stage.steps, ev])
+                log.eval_loss.append([log.steps_done, ev])
                 log.final_eval_loss = ev
         pbar.close()
         log.time_s += time.time() - t0 - self._eval_time
@@ -642,7 +653,9 @@ class Finetuner:
         log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
         if stage.gradient_checkpointing:
             self.root.gradient_checkpointing_disable()
-        self.save_checkpoint(si, stage.steps, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
+        self.save_checkpoint(
+            si, log.steps_done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints, completed=True
+        )
         # back to the plain model for the next stage / the final save
         self.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
         acc.free_memory()
