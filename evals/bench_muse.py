@@ -66,7 +66,8 @@ def check_correctness():
     rows = []
     cases = [(8, 2, 1000, 64, 64, 4, 4, 2, 4, 1), (8, 2, 1000, 64, 64, 4, 4, 999, 0, 1),
              (8, 2, 1000, 64, 64, 4, 4, 0, 0, 0), (4, 4, 1000, 64, 64, 4, 4, 2, 4, 1),
-             (4, 4, 777, 128, 128, 4, 4, 1, 4, 1), (4, 1, 1500, 64, 32, 2, 8, 2, 8, 1)]
+             (4, 4, 777, 64, 128, 4, 4, 1, 4, 1), (4, 1, 1500, 64, 32, 2, 8, 2, 8, 1),
+             (4, 2, 900, 128, 64, 16, 4, 2, 4, 1)]
     for (Hq, Hkv, S, D, L, Cq, Ck, kb, kc, lb) in cases:
       try:
         q, k, v = rand_qkv(S, D, Hq, Hkv, grad=True, seed=S)
@@ -87,7 +88,34 @@ def check_correctness():
         row = dict(shape=[1, Hq, Hkv, S, D], error=repr(e)[:300])
       log("check", row)
       rows.append(row)
+    # forward only at block 128 x head_dim 128 (the backward needs block_size * head_dim <= 8192)
+    try:
+        q, k, v = rand_qkv(1000, 128, 4, 2, seed=3)
+        kw = dict(scale=128**-0.5, block_size=128, q_clusters=4, k_clusters=4, kmeans_iters=2, topk_blocks=2,
+                  topk_clusters=4)
+        plan = make_plan(q, k, **kw)
+        with torch.no_grad():
+            row = dict(shape=[1, 4, 2, 1000, 128], config=kw, fwd=rel(muse_triton_planned(q, k, v, plan, scale=kw["scale"]),
+                       muse_reference_planned(q, k, v, plan, scale=kw["scale"])))
+    except Exception as e:  # noqa: BLE001
+        row = dict(shape=[1, 4, 2, 1000, 128], error=repr(e)[:300])
+    log("check", row)
+    rows.append(row)
     RES["correctness_bf16"] = rows
+    save()
+
+
+def ceilings():
+    """Measured ceilings: bf16 matmul rate and device-to-device copy bandwidth."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = bench(lambda: a @ b, rep=100)
+    x = torch.randn(2**30, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    tc = bench(lambda: y.copy_(x), rep=100)
+    RES["ceilings"] = dict(bf16_matmul_tflops=2 * 8192**3 / t / 1e9, copy_tb_s=2 * 4 * 2**30 / tc / 1e9)
+    log("ceilings", RES["ceilings"])
+    del a, b, x, y
     save()
 
 
@@ -183,7 +211,8 @@ def plot():
     for r in rows:
         c = r["config"]
         ax.scatter(r["fwd_ms"], r["rel_err"])
-        ax.annotate(f"L{c['block_size']} q{c['q_clusters']} k{c['k_clusters']} b{c['topk_blocks']} c{c['topk_clusters']}",
+        ax.annotate(f"L{c['block_size']} q{c['q_clusters']} k{c['k_clusters']} b{c['topk_blocks']} c{c['topk_clusters']}"
+                    f" l{c.get('local_blocks', 1)}",
                     (r["fwd_ms"], r["rel_err"]), fontsize=6)
     for key, val in RES.get("tradeoff_cudnn_fwd_ms", {}).items():
         ax.axvline(val, ls="--", c="gray")
@@ -197,7 +226,7 @@ def plot():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="check,speed128,tradeoff,speed64")
+    ap.add_argument("--parts", default="ceil,check,speed128,tradeoff,speed64")
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--seqs64", default="16384,65536,131072")
     ap.add_argument("--bwd-max", type=int, default=65536)
@@ -212,6 +241,8 @@ def main():
     seqs = [int(s) for s in args.seqs.split(",")]
     t0 = time.time()
     parts = args.parts.split(",")
+    if "ceil" in parts:
+        ceilings()
     if "check" in parts:
         check_correctness()
         log(f"[{time.time() - t0:.0f}s] check done")
@@ -220,9 +251,11 @@ def main():
         log(f"[{time.time() - t0:.0f}s] speed128 done")
     if "tradeoff" in parts:
         grid = [dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4),
-                dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
+                dict(block_size=64, q_clusters=8, k_clusters=4, topk_blocks=2, topk_clusters=4),
+                dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0, local_blocks=0),
                 dict(block_size=128, q_clusters=4, k_clusters=4, topk_blocks=2, topk_clusters=4),
-                dict(block_size=128, q_clusters=4, k_clusters=8, topk_blocks=2, topk_clusters=8),
+                dict(block_size=128, q_clusters=8, k_clusters=4, topk_blocks=2, topk_clusters=4),
+                dict(block_size=128, q_clusters=16, k_clusters=4, topk_blocks=2, topk_clusters=4),
                 dict(block_size=128, q_clusters=8, k_clusters=4, topk_blocks=4, topk_clusters=8)]
         tradeoff(grid, 8192, 65536, 128)
         plot()

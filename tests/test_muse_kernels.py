@@ -108,6 +108,18 @@ def test_reference_gradcheck(dipole):
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
 
 
+def test_reference_chunking_does_not_change_the_result():
+    q, k, v = qkv(2, 4, 2, 61, 16, seed=11, grad=True)
+    plan = make_plan(q.detach(), k.detach(), scale=0.25, topk_clusters=2, topk_blocks=1, **KW)
+    a = muse_reference_planned(q, k, v, plan, scale=0.25)
+    b = muse_reference_planned(q, k, v, plan, scale=0.25, chunk_elems=1)  # one query block at a time
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    ga = torch.autograd.grad(a.sum(), (q, k, v))
+    gb = torch.autograd.grad(b.sum(), (q, k, v))
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
 def test_plan_is_deterministic_and_causal_tables():
     q, k, _ = qkv(1, 2, 1, 70, 16, seed=9)
     a = make_plan(q, k, scale=0.25, topk_clusters=3, topk_blocks=1, **KW)

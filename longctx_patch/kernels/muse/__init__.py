@@ -61,10 +61,13 @@ def muse_attention(
     q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
     key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype.
 
-    block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it); q_clusters / k_clusters: clusters per block
-    of queries (per query head) and keys (per kv head); kmeans_iters: Lloyd iterations; topk_blocks /
-    topk_clusters: earlier blocks / cells (key cluster of a block) attended exactly by each query cluster;
-    dipole: first-order correction of the super-keys' values (reference only).
+    block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it);
+    q_clusters / k_clusters: clusters per block of queries (per query head) and keys (per kv head);
+    kmeans_iters: Lloyd iterations; topk_blocks / topk_clusters: earlier blocks / cells (key cluster of a
+    block) attended exactly by each query cluster; dipole: first-order correction of the super-keys'
+    values (reference only). `plan`: a precomputed `make_plan(...)` (then the clustering options are unused).
+    Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
+    of two; for the backward L * D <= 8192.
     backend: "auto" (Triton on CUDA when supported, else reference), "reference" or "triton".
     """
     if backend not in BACKENDS:
@@ -79,6 +82,11 @@ def muse_attention(
     why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
                            needs_grad=needs_grad)
     if backend == "auto":
+        why_fwd = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
+                                   dipole=dipole)
+        if q.is_cuda and why is not None and why_fwd is None:
+            # the dense reference would not fit at the lengths the Triton path is for: say what to change
+            raise ConfigError(f"muse: {why}")
         backend = "triton" if (q.is_cuda and why is None) else "reference"
     if backend == "triton":
         if why is not None:

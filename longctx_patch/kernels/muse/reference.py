@@ -25,30 +25,21 @@ import torch
 from .plan import MusePlan, _blocks
 
 
-def muse_reference_planned(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MusePlan, *, scale: float, dipole: bool = False
-) -> torch.Tensor:
-    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] in q's dtype (computed in float32 or float64)."""
-    B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    L, nb, Sp = plan.block_size, plan.num_blocks, plan.padded_len
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dev = q.device
+def _chunk(Q, K, V, ka, kval, plan: MusePlan, n0: int, n1: int, *, scale: float, dipole: bool, ct) -> torch.Tensor:
+    """Output [B, H, n1 - n0, L, D] of query blocks n0..n1-1 (K, V, ka expanded to the query heads)."""
+    B, Hq, nb, L, D = K.shape
+    dev = K.device
     ninf = -math.inf
-
-    Q = _blocks(q.to(ct), L, Sp)  # [B, H, n, L, D]
-    K = _blocks(k.to(ct), L, Sp).repeat_interleave(G, dim=1)
-    V = _blocks(v.to(ct), L, Sp).repeat_interleave(G, dim=1)
-    Cq = plan.q_centroids.to(ct)  # [B, H, n, i, D], constant
+    Q = Q[:, :, n0:n1]
+    Cq = plan.q_centroids[:, :, n0:n1].to(ct)  # [B, H, n, i, D], constant
     nq = Cq.shape[3]
-    qa = plan.q_assign.long().reshape(B, Hq, nb, L)
-    ka = plan.k_assign.long().repeat_interleave(G, dim=1).reshape(B, Hq, nb, L)
+    qa = plan.q_assign.long().reshape(B, Hq, nb, L)[:, :, n0:n1]
     nk = plan.ret_cell.shape[-1]
-    kval = plan.key_valid.reshape(B, 1, nb, L)
-    RB, RC = plan.ret_block, plan.ret_cell  # [B,H,n,i,m], [B,H,n,i,m,j]
+    RB, RC = plan.ret_block[:, :, n0:n1], plan.ret_cell[:, :, n0:n1]  # [B,H,n,i,m], [B,H,n,i,m,j]
     ar = torch.arange(nb, device=dev)
-    earlier = ar[None, :] < ar[:, None]  # [n, m]
+    ns = torch.arange(n0, n1, device=dev)
+    nn = n1 - n0
+    earlier = ar[None, :] < ns[:, None]  # [n, m]
 
     # ---- summaries of cell (m, j) for query cluster (n, i)
     X = scale * torch.einsum("bhnid,bhmld->bhniml", Cq, K)  # [B,H,n,i,m,l]
@@ -77,9 +68,9 @@ def muse_reference_planned(
     qa_ohb = qa_oh.bool()
     rbq = (qa_ohb[..., None] & RB[:, :, :, None]).any(-2)  # [B,H,n,t,m]
     rcq_cells = (qa_ohb[..., None, None] & RC[:, :, :, None]).any(-3)  # [B,H,n,t,m,j]
-    rcq = torch.gather(rcq_cells, -1, ka[:, :, None, None].expand(B, Hq, nb, L, nb, L))  # [B,H,n,t,m,l]
+    rcq = torch.gather(rcq_cells, -1, ka[:, :, None, None].expand(B, Hq, nn, L, nb, L))  # [B,H,n,t,m,l]
     tri = torch.arange(L, device=dev)
-    diag = (ar[:, None] == ar[None, :])[:, None, :, None] & (tri[None, :, None, None] >= tri[None, None, None, :])
+    diag = (ns[:, None] == ar[None, :])[:, None, :, None] & (tri[None, :, None, None] >= tri[None, None, None, :])
     emask = (diag[None, None] | rbq[..., None] | rcq) & kval[:, :, None, None]  # [B,H,n,t,m,l]
     se = scale * torch.einsum("bhntd,bhmld->bhntml", Q, K).masked_fill(~emask, ninf)
 
@@ -107,5 +98,42 @@ def muse_reference_planned(
         kd = K[:, :, None, None, :, None] - Kt[..., None, :]  # [B,H,n,i,m,j,l,D]
         cov = torch.einsum("bhnimjl,bhnimjlD,bhmle->bhnimjDe", pi, kd, V)
         out = out + scale * torch.einsum("bhntimj,bhntD,bhnimjDe->bhnte", ps, dq, cov)
+    return out
+
+
+def muse_reference_planned(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: MusePlan,
+    *,
+    scale: float,
+    dipole: bool = False,
+    chunk_elems: int = 2**26,
+) -> torch.Tensor:
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] in q's dtype (computed in float32 or float64).
+
+    Query blocks are processed in chunks so that the largest dense intermediate holds about `chunk_elems`
+    elements (memory O(S * chunk) instead of O(S^2)); the result does not depend on the chunking.
+    """
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    L, nb, Sp = plan.block_size, plan.num_blocks, plan.padded_len
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    Q = _blocks(q.to(ct), L, Sp)  # [B, H, n, L, D]
+    K = _blocks(k.to(ct), L, Sp).repeat_interleave(G, dim=1)
+    V = _blocks(v.to(ct), L, Sp).repeat_interleave(G, dim=1)
+    nk = plan.ret_cell.shape[-1]
+    nq = plan.q_centroids.shape[3]
+    ka = plan.k_assign.long().repeat_interleave(G, dim=1).reshape(B, Hq, nb, L)
+    kval = plan.key_valid.reshape(B, 1, nb, L)
+    per_block = B * Hq * Sp * max(L, nq * nk) * (D if dipole else 1)  # largest intermediate per query block
+    step = max(1, chunk_elems // max(1, per_block))
+    outs = [
+        _chunk(Q, K, V, ka, kval, plan, n0, min(nb, n0 + step), scale=scale, dipole=dipole, ct=ct)
+        for n0 in range(0, nb, step)
+    ]
+    out = torch.cat(outs, 2)  # [B, H, n, L, D]
     out = out.reshape(B, Hq, Sp, D)[:, :, :S]
     return out.transpose(1, 2).to(q.dtype)

@@ -186,6 +186,16 @@ def _muse_bwd_dq(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DQ, sca
 
 
 @triton.jit
+def _bwd_exact_dkdv(s, q, v, do, lse_r, delta, dk, dv, scale, UP: tl.constexpr):
+    p = tl.exp(s - lse_r[:, None])  # rows with nothing allowed give p = 0
+    dv += _dot(tl.trans(p.to(do.dtype)), do, UP)
+    dp = _dot(do, tl.trans(v), UP)
+    ds = p * (dp - delta[:, None])
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, UP) * scale
+    return dk, dv
+
+
+@triton.jit
 def _muse_bwd_dkdv(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DK, DV, scale, H, HKV, NB, Sp,
                    L: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, UP: tl.constexpr):
     m = tl.program_id(0)
@@ -211,19 +221,16 @@ def _muse_bwd_dkdv(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DK, D
             delta = tl.load(DELTA + bh * Sp + pos)
             rb_base = RB + (bh * NB + n) * NQ * NB
             rc_base = RC + (bh * NB + n) * NQ * NB * NK
-            s = _dot(q, tl.trans(k), UP) * scale
             if n == m:
+                s = _dot(q, tl.trans(k), UP) * scale
                 s = tl.where(kv[None, :] & (offs_l[None, :] <= offs_l[:, None]), s, float("-inf"))
-            else:
+                dk, dv = _bwd_exact_dkdv(s, q, v, do, lse_r, delta, dk, dv, scale, UP)
+            elif tl.load(ANY + (bh * NB + n) * NB + m) != 0:  # some cluster of block n retrieved block m
+                s = _dot(q, tl.trans(k), UP) * scale
                 rbq = tl.load(rb_base + qa * NB + m) != 0
                 rcq = tl.load(rc_base + (qa[:, None] * NB + m) * NK + ka[None, :]) != 0
                 s = tl.where(kv[None, :] & (rbq[:, None] | rcq), s, float("-inf"))
-            # exact part (rows with nothing allowed give p = 0)
-            p = tl.exp(s - lse_r[:, None])
-            dv += _dot(tl.trans(p.to(do.dtype)), do, UP)
-            dp = _dot(do, tl.trans(v), UP)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UP) * scale
+                dk, dv = _bwd_exact_dkdv(s, q, v, do, lse_r, delta, dk, dv, scale, UP)
             if n != m:
                 excl = tl.load(rb_base + ri * NB + m) + tl.load(rc_base + (ri * NB + m) * NK + rj)
                 pn, kt, vt, lse, ne = _summaries(cexp, k, v, kv, ka, rj, excl, scale, UP)
