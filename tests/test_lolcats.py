@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import longctx_patch as lp
-from longctx_patch.errors import CheckpointError, ConfigError
+from longctx_patch.errors import CheckpointError, ConfigError, NotPatchedError
 from longctx_patch.methods.lolcats import LolaLayer, export_lolcats_checkpoint
 
 from conftest import tiny_model
@@ -227,3 +227,31 @@ def test_checkpoint_errors_list_the_keys(tmp_path):
     with pytest.raises(CheckpointError, match="weights_only"):
         lp.patch(model, "lolcats", checkpoint=str(tmp_path / "junk.pt"), **KW)
     assert not os.path.exists(tmp_path / "saved")
+
+
+def test_convert_lolcats_model_to_lola():
+    from longctx_patch.methods.lola import LolaAttention, convert_to_lola
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", layers="0-1", **KW)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.feature_map_k.mlp.layer.mul_(2.0)
+        model.model.layers[0].self_attn.window_factors.fill_(1.3)
+    x = _ids(1, 19, seed=9)
+    with torch.no_grad():
+        before = model(x, use_cache=False).logits
+        convert_to_lola(model, sparse_cache=0)
+        assert isinstance(model.model.layers[1].self_attn, LolaAttention)
+        assert lp.patched_layers(model) == {0: "lola", 1: "lola"}
+        assert torch.equal(model(x, use_cache=False).logits, before)  # lambda = 0 is lolcats
+        w = model.model.layers[1].self_attn.feature_map_k.mlp.layer.clone()
+    lp.unpatch(model)
+    lp.patch(model, "lolcats", layers="0-1", **KW)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.feature_map_k.mlp.layer.copy_(w)
+    convert_to_lola(model, sparse_cache=3, window=4)
+    attn = model.model.layers[1].self_attn
+    assert attn.method_config.sparse_cache == 3 and attn.method_config.window == 4
+    assert torch.equal(attn.feature_map_k.mlp.layer, w)
+    with pytest.raises(NotPatchedError, match="patched with lolcats"):
+        convert_to_lola(tiny_model("llama"))
