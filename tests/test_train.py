@@ -484,17 +484,15 @@ def test_teacher_forcing_isolates_layers(tiny_llama):
     logits equal the unpatched model's, and a layer's loss has no gradient into earlier layers' maps."""
     import longctx_patch
     from longctx_patch.methods.base import attention_transfer
-    from longctx_patch.train.runner import _patched_modules, _TeacherForcing
+    from longctx_patch.train.runner import _patched_modules
 
     ids = torch.randint(3, 128, (2, 40))
     exact = _logits(tiny_llama, ids)
     longctx_patch.patch(tiny_llama, "lolcats", window=8, feature_dim=4, chunk=8)
     mods = _patched_modules(tiny_llama)
     assert not torch.allclose(_logits(tiny_llama, ids), exact, atol=1e-4)  # the hybrid differs
-    with attention_transfer(tiny_llama) as tr:
-        tf = _TeacherForcing(tr, mods)
+    with attention_transfer(tiny_llama, teacher_forcing=True) as tr:
         out = tiny_llama(input_ids=ids, use_cache=False).logits
-        tf.close()
     torch.testing.assert_close(out.detach(), exact, rtol=1e-5, atol=1e-5)
     assert len(tr.losses) == 3
     last = tr.losses[-1]

@@ -234,7 +234,7 @@ class PatchedAttention(nn.Module):
         o = self.attend(q, k, v, layer, padding)
         transfer = self._ctx.transfer if self._ctx is not None else None
         if transfer is not None:
-            transfer.record(self, q, k, v, padding, o)
+            o = transfer.record(self, q, k, v, padding, o)
         B, S = hidden_states.shape[:2]
         return self.o_proj(o.reshape(B, S, -1).to(hidden_states.dtype)), None
 
@@ -243,22 +243,30 @@ class PatchedAttention(nn.Module):
 
 
 class AttentionTransfer:
-    """Collects per-layer MSE between a patched module's output and exact softmax attention (the teacher)."""
+    """Collects per-layer MSE between a patched module's output and exact softmax attention (the teacher).
 
-    def __init__(self) -> None:
+    With `teacher_forcing`, each layer passes the teacher's output (not its own) on to the next layer, so
+    every layer learns on the original model's hidden states and no gradient crosses layers (the LoLCATs
+    attention-transfer procedure).
+    """
+
+    def __init__(self, teacher_forcing: bool = False) -> None:
         self.losses: list[torch.Tensor] = []
+        self.teacher_forcing = teacher_forcing
 
-    def record(self, module: PatchedAttention, q, k, v, padding, o) -> None:
-        from .exact import softmax_attention
+    def record(self, module: PatchedAttention, q, k, v, padding, o) -> torch.Tensor:
+        """Append this layer's loss; return the output the layer passes on."""
+        from .exact import key_mask_for, softmax_attention
 
         with torch.no_grad():
-            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=padding)
+            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]))
         diff = (o.float() - teacher.float()) ** 2
         if padding is not None:  # only real query tokens count
             w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
             self.losses.append((diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1))
         else:
             self.losses.append(diff.mean())
+        return teacher.to(o.dtype) if self.teacher_forcing else o
 
     def loss(self) -> torch.Tensor:
         return torch.stack(self.losses).mean()
@@ -268,7 +276,7 @@ class AttentionTransfer:
 
 
 @contextlib.contextmanager
-def attention_transfer(model: nn.Module):
+def attention_transfer(model: nn.Module, teacher_forcing: bool = False):
     """Under this context each patched module also records its MSE against exact attention.
 
     Yields an `AttentionTransfer`; call `.loss()` after a forward and `.clear()` before the next. Use without
@@ -277,7 +285,7 @@ def attention_transfer(model: nn.Module):
     from ..patcher import _state
 
     st = _state(model)
-    tr = AttentionTransfer()
+    tr = AttentionTransfer(teacher_forcing)
     st.ctx.transfer = tr
     try:
         yield tr

@@ -132,53 +132,6 @@ def method_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- teacher forcing
-class _TeacherForcing:
-    """During attention transfer, passes each patched layer's exact softmax output (the teacher) on to the
-    next layer, so every layer learns on the original model's hidden states and no gradient crosses layers
-    (the LoLCATs procedure). Replaces the transfer object's `record` with one that keeps the teacher."""
-
-    def __init__(self, transfer, modules: dict[int, nn.Module]):
-        from ..methods.exact import softmax_attention
-
-        self._softmax = softmax_attention
-        self.transfer = transfer
-        self.teacher: dict[int, torch.Tensor] = {}
-        self.handles = []
-        transfer.record = self.record
-        for mod in modules.values():
-            self.handles.append(mod.register_forward_hook(self.hook))
-
-    def record(self, module, q, k, v, padding, o) -> None:
-        with torch.no_grad():
-            key_mask = None if padding is None else padding[:, padding.shape[1] - k.shape[2] :]
-            t = self._softmax(q, k, v, scale=module.scaling, key_mask=key_mask)
-        diff = (o.float() - t.float()) ** 2
-        if padding is not None:
-            w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
-            loss = (diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1)
-        else:
-            loss = diff.mean()
-        self.transfer.losses.append(loss)
-        self.teacher[id(module)] = t
-
-    def hook(self, module, args, output):
-        t = self.teacher.pop(id(module), None)
-        if t is None:
-            return output
-        B, S = t.shape[0], t.shape[1]
-        out0 = output[0] if isinstance(output, tuple) else output
-        with torch.no_grad():
-            y = module.o_proj(t.reshape(B, S, -1).to(out0.dtype))
-        return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self.teacher.clear()
-
-
 # ----------------------------------------------------------------------------------------------- runner
 @dataclass
 class StageLog:
@@ -484,13 +437,8 @@ class Finetuner:
             return
         from ..methods.base import attention_transfer
 
-        with attention_transfer(self.model) as tr:
-            tf = _TeacherForcing(tr, _patched_modules(self.model)) if stage.teacher_forcing else None
-            try:
-                yield tr
-            finally:
-                if tf is not None:
-                    tf.close()
+        with attention_transfer(self.model, teacher_forcing=stage.teacher_forcing) as tr:
+            yield tr
 
     def evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
         t = time.time()
