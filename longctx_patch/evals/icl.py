@@ -185,8 +185,10 @@ class IclTask:
         late = m & (shots >= cfg.min_shots)
         fn = batch["fn"].clamp_min(0)
         F = cfg.num_functions
-        per_se = torch.zeros(F, dtype=torch.float64).index_add_(0, fn[late], se[late].double())
-        per_n = torch.zeros(F, dtype=torch.float64).index_add_(0, fn[late], torch.ones_like(se[late], dtype=torch.float64))
+        per_se = torch.zeros(F, dtype=torch.float64, device=se.device).index_add_(0, fn[late], se[late].double())
+        per_n = torch.zeros(F, dtype=torch.float64, device=se.device).index_add_(
+            0, fn[late], torch.ones_like(se[late], dtype=torch.float64))
+        per_se, per_n = per_se.cpu(), per_n.cpu()
         for f in range(F):
             sums[f"fn{f}_se"] = float(per_se[f])
             sums[f"fn{f}_n"] = float(per_n[f])

@@ -801,7 +801,8 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
         ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.tight_layout()
     p = f"{stem}-length.png"
     fig.savefig(p, dpi=120)
@@ -821,7 +822,8 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
         ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.tight_layout()
     p = f"{stem}-state.png"
     fig.savefig(p, dpi=120)
