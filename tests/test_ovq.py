@@ -260,3 +260,13 @@ def test_training_step_updates_beta_and_projections():
     attn = model.model.layers[0].self_attn
     assert attn.ovq_log_beta.grad is not None and attn.ovq_log_beta.grad.abs().sum() > 0
     assert attn.v_proj.weight.grad.abs().sum() > 0 and attn.k_proj.weight.grad.abs().sum() > 0
+
+
+def test_triton_backend_rejects_odd_head_dim():
+    q = torch.randn(1, 2, 5, 24)
+    k = torch.randn(1, 1, 5, 24)
+    with pytest.raises(ConfigError, match="power-of-two"):
+        ovq_attention(q, k, k, None, None, None, chunk_size=4, max_centroids=8, growth=0.0, backend="triton")
+    # auto falls back to the reference for such shapes
+    o, *_ = ovq_attention(q, k, k, None, None, None, chunk_size=4, max_centroids=8, growth=0.0, backend="auto")
+    assert o.shape == (1, 2, 5, 24)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...errors import ConfigError
 from .reference import (OVQState, chunk_attention_ref, merge_keys, update_state)
 
 
@@ -41,7 +42,8 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     shapes_ok = _is_pow2(q.shape[-1]) and _is_pow2(v.shape[-1]) and q.shape[-1] <= 256
     if backend == "triton":
         if not shapes_ok:
-            raise ValueError(f"the Triton OVQ kernels need power-of-two head dims >= 16, got {q.shape[-1]}")
+            raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to 256, "
+                              f"got {q.shape[-1]}; use backend='auto' or 'torch'")
         return "triton"
     # auto
     if q.is_cuda and shapes_ok:
