@@ -232,7 +232,7 @@ def test_tiny_icl_training_and_report(tmp_path):
     task = icl.IclTask(icl.IclConfig(num_functions=2, dim=2, segment=2, shot_bins=(0, 2, 4)))
     mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
     tcfg = mixers.TrainConfig(steps=12, lrs=(3e-3, 1e-2), tokens_per_step=128, eval_sequences=4, log_every=1)
-    specs = mixers.parse_mixers("softmax,ovq:max_centroids=8,growth=4,chunk=8")
+    specs = mixers.parse_mixers("softmax,linear:chunk=8")
     recs = mixers.run_sweep(task, specs, [32], mcfg, tcfg, progress=False)
     assert len(recs) == 4 and not any(r.get("error") for r in recs)
     for r in recs:
@@ -245,5 +245,7 @@ def test_tiny_icl_training_and_report(tmp_path):
         assert key in data
     assert (tmp_path / "icl-smoke-length.png").stat().st_size > 0
     assert (tmp_path / "icl-smoke-state.png").stat().st_size > 0
+    assert (tmp_path / "icl-smoke-shots.png").stat().st_size > 0
+    assert data["plots"] == ["icl-smoke-length.png", "icl-smoke-state.png", "icl-smoke-shots.png"]
     assert summary["softmax"]["best_lr"] in (3e-3, 1e-2)
     assert "softmax" in text and "mse@32" in text

@@ -784,7 +784,8 @@ def _fmt_bytes(n: int | None) -> str | None:
 
 
 def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title: str) -> list[str]:
-    """``<stem>-length.png`` (metric vs length) and ``<stem>-state.png`` (metric vs state bytes at each length)."""
+    """``<stem>-length.png`` (metric vs length), ``<stem>-state.png`` (metric vs state bytes at each length) and,
+    for ICL, ``<stem>-shots.png`` (error vs earlier examples of the same function, at the longest length)."""
     from .common import pyplot
 
     plt = pyplot()
@@ -829,6 +830,31 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
     fig.savefig(p, dpi=120)
     plt.close(fig)
     paths.append(p)
+    Lmax = str(max(lengths))
+    curves = {}
+    for label, e in summary.items():
+        ev = e.get("eval")
+        ev = ev[0] if isinstance(ev, list) else ev
+        if ev and "mse_by_shots" in ev.get(Lmax, {}):
+            pts = [(c["shots_from"], c["mse"]) for c in ev[Lmax]["mse_by_shots"] if c["mse"] is not None]
+            if pts:
+                curves[label] = pts
+    if curves:  # ICL: error against the number of earlier examples of the same function
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in curves.items():
+            ax.plot([x + 1 for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("1 + earlier examples of the same function (bin start)")
+        ax.set_ylabel("mse (1.0 = predicting 0)")
+        ax.set_title(f"{title} (length {Lmax})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = f"{stem}-shots.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 
