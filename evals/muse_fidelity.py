@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def main():
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
     ap.add_argument("--out", default="evals/results/muse-fidelity.json")
+    ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
@@ -80,7 +82,7 @@ def main():
     qkv, scale = capture_qkv(model, ids)
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     rows = []
-    for cfg in GRID:
+    for cfg in json.loads(args.grid) if args.grid else GRID:
         errs, t0 = [], time.time()
         for i in layers:
             q, k, v = qkv[i]
@@ -93,7 +95,8 @@ def main():
               f"({time.time() - t0:.0f}s)", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=commit, command=f"PYTHONPATH=. python evals/muse_fidelity.py --seq-len {args.seq_len}",
+               commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
+               layers=list(layers),
                model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                results=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

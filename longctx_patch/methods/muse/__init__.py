@@ -20,9 +20,9 @@ from ..exact import key_mask_for, softmax_attention
 
 @dataclass
 class MuseConfig(MethodConfig):
-    block_size: int = option(64, "tokens per spatial block (exact causal attention inside a block); Triton: "
+    block_size: int = option(128, "tokens per spatial block (exact causal attention inside a block); Triton: "
                              "power of two in 16..128", min=2)
-    q_clusters: int = option(4, "query clusters per block and query head (tilt centres of the summaries)", min=1)
+    q_clusters: int = option(8, "query clusters per block and query head (tilt centres of the summaries)", min=1)
     k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(4, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
