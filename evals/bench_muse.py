@@ -69,25 +69,25 @@ def check_correctness():
              (4, 4, 777, 64, 128, 4, 4, 1, 4, 1), (4, 1, 1500, 64, 32, 2, 8, 2, 8, 1),
              (4, 2, 900, 128, 64, 16, 4, 2, 4, 1)]
     for (Hq, Hkv, S, D, L, Cq, Ck, kb, kc, lb) in cases:
-      try:
-        q, k, v = rand_qkv(S, D, Hq, Hkv, grad=True, seed=S)
-        kw = dict(scale=D**-0.5, block_size=L, q_clusters=Cq, k_clusters=Ck, kmeans_iters=2, topk_blocks=kb,
-                  topk_clusters=kc, local_blocks=lb)
-        km = torch.ones(1, S, dtype=torch.bool, device="cuda")
-        km[0, :9] = False
-        plan = make_plan(q.detach(), k.detach(), key_mask=km, **kw)
-        o_t = muse_triton_planned(q, k, v, plan, scale=kw["scale"])
-        o_r = muse_reference_planned(q, k, v, plan, scale=kw["scale"])
-        do = torch.randn_like(o_t)
-        gt = torch.autograd.grad(o_t, (q, k, v), do)
-        gr = torch.autograd.grad(o_r, (q, k, v), do)
-        row = dict(shape=[1, Hq, Hkv, S, D], config=dict(block_size=L, q_clusters=Cq, k_clusters=Ck, topk_blocks=kb,
-                   topk_clusters=kc, local_blocks=lb), fwd=rel(o_t[:, 9:], o_r[:, 9:]), dq=rel(gt[0], gr[0]),
-                   dk=rel(gt[1], gr[1]), dv=rel(gt[2], gr[2]), finite=bool(torch.isfinite(o_t).all()))
-      except Exception as e:  # noqa: BLE001
-        row = dict(shape=[1, Hq, Hkv, S, D], error=repr(e)[:300])
-      log("check", row)
-      rows.append(row)
+        try:
+            q, k, v = rand_qkv(S, D, Hq, Hkv, grad=True, seed=S)
+            kw = dict(scale=D**-0.5, block_size=L, q_clusters=Cq, k_clusters=Ck, kmeans_iters=2, topk_blocks=kb,
+                      topk_clusters=kc, local_blocks=lb)
+            km = torch.ones(1, S, dtype=torch.bool, device="cuda")
+            km[0, :9] = False
+            plan = make_plan(q.detach(), k.detach(), key_mask=km, **kw)
+            o_t = muse_triton_planned(q, k, v, plan, scale=kw["scale"])
+            o_r = muse_reference_planned(q, k, v, plan, scale=kw["scale"])
+            do = torch.randn_like(o_t)
+            gt = torch.autograd.grad(o_t, (q, k, v), do)
+            gr = torch.autograd.grad(o_r, (q, k, v), do)
+            row = dict(shape=[1, Hq, Hkv, S, D], config=dict(block_size=L, q_clusters=Cq, k_clusters=Ck, topk_blocks=kb,
+                       topk_clusters=kc, local_blocks=lb), fwd=rel(o_t[:, 9:], o_r[:, 9:]), dq=rel(gt[0], gr[0]),
+                       dk=rel(gt[1], gr[1]), dv=rel(gt[2], gr[2]), finite=bool(torch.isfinite(o_t).all()))
+        except Exception as e:  # noqa: BLE001
+            row = dict(shape=[1, Hq, Hkv, S, D], error=repr(e)[:300])
+        log("check", row)
+        rows.append(row)
     # forward only at block 128 x head_dim 128 (the backward needs block_size * head_dim <= 8192)
     try:
         q, k, v = rand_qkv(1000, 128, 4, 2, seed=3)
