@@ -32,9 +32,11 @@ class OVQConfig(MethodConfig):
         "rows; 0 = every token its own row until N",
         min=0.0,
     )
-    beta: float = option(12.0, "initial inverse temperature of the unit-normalised q.k logits", min=1e-3)
-    learn_beta: bool = option(True, "learn beta (one per query head) during fine-tuning")
-    qk_norm: bool = option(True, "unit-normalise q and k (false: raw post-rotary q/k with the model's scaling)")
+    beta: float = option(12.0, "initial inverse temperature of the unit-normalised q.k logits (qk_norm=true; "
+                         "with qk_norm=false the temperature starts at the model's own 1/sqrt(head_dim))", min=1e-3)
+    learn_beta: bool = option(True, "learn the inverse temperature (one per query head) during fine-tuning")
+    qk_norm: bool = option(False, "unit-normalise q and k as in the OVQ paper (needs a fine-tune); false keeps the "
+                           "model's raw post-rotary q/k, so the patched model works before any training")
     backend: str = option("auto", "kernels: auto (Triton on CUDA), triton, or torch (reference)",
                           choices=("auto", "triton", "torch"))
     exact_assign: bool = option(False, "Triton dictionary assignment with exact float32 dot products "
@@ -91,7 +93,8 @@ class OVQAttention(PatchedAttention):
         super().__init__(orig, spec, config, adapter)
         p = next(orig.parameters(), None)
         dev = p.device if p is not None else None
-        log_beta = torch.full((spec.num_heads,), math.log(config.beta), dtype=torch.float32, device=dev)
+        init = config.beta if config.qk_norm else self.scaling
+        log_beta = torch.full((spec.num_heads,), math.log(init), dtype=torch.float32, device=dev)
         self.ovq_log_beta = nn.Parameter(log_beta, requires_grad=config.learn_beta)
 
     def _scaled(self, q, k):
@@ -100,7 +103,8 @@ class OVQAttention(PatchedAttention):
             qn = F.normalize(q.float(), dim=-1) * beta[None, :, None, None]
             kn = F.normalize(k.float(), dim=-1)
             return qn.to(q.dtype), kn.to(k.dtype)
-        return (q.float() * self.scaling).to(q.dtype), k
+        beta = self.ovq_log_beta.exp()
+        return (q.float() * beta[None, :, None, None]).to(q.dtype), k
 
     def attend(self, q, k, v, cache_layer, padding):
         cfg: OVQConfig = self.method_config
