@@ -25,6 +25,7 @@ from ..base import Method, MethodConfig, PatchedAttention, option, register_meth
 from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
 
 LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
+DEFAULT_INIT_WINDOW_FACTOR = 2.0  # sigmoid = 0.88: an untrained patch stays much closer to the original (docs/lola.md)
 
 
 @dataclass
@@ -39,7 +40,8 @@ class LolcatsConfig(MethodConfig):
     feature_init: str = option("softmax-rf", "fresh feature maps: softmax-rf (random features of exp(q.k/sqrt(d))) "
                                              "or kaiming (the LoLCATs code's default)",
                                choices=("softmax-rf", "kaiming"))
-    init_window_factor: float = option(LOLCATS_INIT_WINDOW_FACTOR, "initial window factor (g = sigmoid of it)")
+    init_window_factor: float = option(DEFAULT_INIT_WINDOW_FACTOR, "initial window factor of fresh layers (g = sigmoid "
+                                       "of it; LoLCATs' recipes start at -2.197, g = 0.1)")
     affine_factors: bool = option(False, "weight the linear term by 1 - g instead of 1 (LoLCATs affine_attention_factors)")
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
