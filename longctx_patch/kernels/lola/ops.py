@@ -49,6 +49,8 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "a
 
 
 # ------------------------------------------------------------------------------------------- lolcats forward
+STATE_CHUNK = 256  # keys per materialised prefix state of the parallel pass (H200: 1.36 ms vs 1.72 ms with 64)
+
 def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
                      backend: str = "auto", state_chunk: int | None = None):
     """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
@@ -57,8 +59,7 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
     """
     if _use_triton(backend, q, k, v, fq, fk, g):
         tk = _tk()
-        cs = state_chunk or chunk
-        cs = max(64, (cs // 64) * 64)
+        cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
         return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
                              key_mask=key_mask, state_chunk=cs)
@@ -365,7 +366,7 @@ def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_m
         _append_window(st, k, v, fk, key_mask_new)
         lk, lv, lfk, lm = st.wk, st.wv, st.wfk, st.wmask
     nb = lk.shape[2]
-    cs = max(64, (chunk // 64) * 64)
+    cs = STATE_CHUNK
     Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
     o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=nb - S, key_mask=lm,
                       state_chunk=cs)
