@@ -384,8 +384,7 @@ def main():
     save()
     print("\n==== summary ====")
     for name, value in ROWS:
-        if not name.startswith("check") or "e-0" not in value or True:
-            print(f"{name:<58} {value}")
+        print(f"{name:<58} {value}")
 
 
 if __name__ == "__main__":

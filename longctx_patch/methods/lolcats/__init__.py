@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...cache import LongctxLayer
-from ...errors import CheckpointError, ConfigError
+from ...errors import ConfigError
 from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
 from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
