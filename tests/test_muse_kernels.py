@@ -148,6 +148,14 @@ def test_dispatcher_errors():
 
 
 # ------------------------------------------------------------------------------------- Triton vs reference
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_single_block_is_exact_attention(backend):
+    """S <= block_size: one block, no summaries: both backends are exact causal attention."""
+    q, k, v = qkv(2, 2, 1, 11, 16, seed=2)
+    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=4, k_clusters=4, backend=backend)
+    torch.testing.assert_close(o, softmax_attention(q, k, v, scale=0.25), atol=1e-5, rtol=1e-4)
+
+
 TRITON_CASES = [
     # B, Hq, Hkv, S, D, L, Cq, Ck, topk_blocks, topk_clusters, mask
     (1, 4, 2, 75, 16, 16, 2, 8, 1, 2, False),
