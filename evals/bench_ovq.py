@@ -80,7 +80,7 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
         args.quick = True
-    from longctx_patch.kernels.ovq import OVQState, exact_causal_attention, ovq_attention
+    from longctx_patch.kernels.ovq import exact_causal_attention, ovq_attention
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
     from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton
 

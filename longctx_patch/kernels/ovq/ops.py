@@ -10,7 +10,6 @@ prefill-then-decode equals one forward over the same tokens.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +44,8 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
             raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to 256, "
                               f"got {q.shape[-1]}; use backend='auto' or 'torch'")
         return "triton"
-    # auto
+    # auto: Triton on CUDA, the reference elsewhere
     if q.is_cuda and shapes_ok:
-        return "triton"
-    if os.environ.get("TRITON_INTERPRET") == "1" and shapes_ok and os.environ.get("LONGCTX_OVQ_TRITON_CPU") == "1":
         return "triton"
     return "torch"
 

@@ -15,7 +15,6 @@ and values and in the previous dictionary).  See ``docs/ovq.md``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch

@@ -168,7 +168,7 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
              mask=in_k[:, None])
 
 
-def _blocks(M: int, interpret: bool) -> tuple[int, int]:
+def _blocks(M: int) -> tuple[int, int]:
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     return bm, 64
 
@@ -181,7 +181,7 @@ def _fwd(q, k, v, bias, n_dict, q_off):
     # against dP for peaked softmax rows)
     o = torch.empty(B, HQ, M, DV, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, HQ, M, device=q.device, dtype=torch.float32)
-    BM, BN = _blocks(M, False)
+    BM, BN = _blocks(M)
     grid = (triton.cdiv(M, BM), B * HQ)
     _ovq_attn_fwd[grid](q, k, v, bias, o, lse,
                         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -212,7 +212,7 @@ class OVQChunkAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        BM, BN = _blocks(M, False)
+        BM, BN = _blocks(M)
         G = HQ // H
         args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
