@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, muse_attention
