@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, muse_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
