@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ...errors import ConfigError
-from .reference import (OVQState, chunk_attention_ref, merge_keys, update_state)
+from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
+                        update_state)
 
 
 @dataclass
@@ -120,12 +121,14 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
             k_all, v_all, bias = merge_keys(state, kc, vc, validc, n_dict, q.dtype)
             outs.append(attn(q[:, :, qs - off:e - off], k_all, v_all, bias, n_dict, qs - s0))
         if e - s0 == C:
-            stats = None
             if be == "triton":
-                from .triton_dict import chunk_stats_triton
-                stats = chunk_stats_triton(kc.detach(), state.key_sums.detach(), state.counts, state.n_active,
-                                           exact=exact_assign)
-            state = update_state(state, kc, vc, validc, max_centroids, growth, old_stats=stats)
+                from .triton_fast import assign_rows_triton
+                n_real = validc.sum(-1).to(torch.long)
+                n_new = plan_growth(state.seen, state.n_active, n_real, max_centroids, growth)
+                assign = assign_rows_triton(kc.detach(), validc, state, n_new, n_dict, exact_assign=exact_assign)
+                state = apply_assignments(state, kc, vc, assign, n_new, n_real)
+            else:
+                state = update_state(state, kc, vc, validc, max_centroids, growth)
             seen_bound += C
         else:
             new_open = OpenChunk(kc.detach(), vc.detach(), validc)

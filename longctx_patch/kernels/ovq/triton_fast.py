@@ -176,12 +176,14 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, sxb, C, H, NSP
 
 
 @triton.jit
-def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
+def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT,
                 skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                 C, H,
-                D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr):
+                D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr,
+                ASSIGN_ONLY: tl.constexpr):
     """Row of every token of a block (new row if selected, else the nearest among old and new rows),
-    then atomic adds of its key, value and 1 into that row: each token touches one row."""
+    then atomic adds of its key, value and 1 into that row: each token touches one row.
+    ASSIGN_ONLY: write the rows (-1 for padding) to ROW_OUT ``[B * H, C]`` instead (training path)."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = pid // H
@@ -225,6 +227,9 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT,
     idx_o = tl.load(IDX + sbase + oi, mask=in_i, other=0).to(tl.int32)
     use_new = (best_n > best_o) & (rank_n < C)
     row = tl.where(sel_i, n_act + ri, tl.where(use_new, n_act + rank_n, idx_o))
+    if ASSIGN_ONLY:
+        tl.store(ROW_OUT + sbase + oi, tl.where(vi, row, -1).to(tl.int64), mask=in_i)
+        return
     vv = tl.load(VC + b * svb + h * svh + oi[:, None] * svn + offs_dv[None, :], mask=in_i[:, None],
                  other=0.0).to(tl.float32)
     tl.atomic_add(KS + b * sdb + h * sdh + row[:, None] * sdn + offs_d[None, :], ki, mask=vi[:, None])
@@ -329,12 +334,51 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             _ovq_rank[(B * H, triton.cdiv(C, BI))](
                 xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
             _ovq_absorb[(B * H, triton.cdiv(C, BI))](
-                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
+                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT, rank,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
                 KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=BI, IEEE=exact_assign, num_warps=4)
+                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=False,
+                num_warps=4)
             seen_bound += C
     if n_full > 0:
         seen = state.seen + m.sum(1)
         state = OVQState(KS, VS, CNT, target_centroids(seen, max_centroids, growth), seen)
     return o, state, n_full * C, seen_bound
+
+
+@torch.no_grad()
+def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assign: bool = True):
+    """Discrete part of the update for the training path: the row of every token of a chunk.
+
+    ``k``: ``[B, H, C, D]``; ``valid``: ``[B, C]``; ``n_new``: ``[B]``; ``n_dict``: host upper bound of
+    the active rows.  Same result as ``reference.select_and_assign`` (``[B, H, C]`` int64, -1 for
+    padding); the linear part (``reference.apply_assignments``) stays in PyTorch for autograd.
+    """
+    B, H, C, D = k.shape
+    k = k.contiguous()
+    xc = valid.to(torch.int8).contiguous()
+    KS, CNT = state.key_sums.detach().contiguous(), state.counts.contiguous()
+    nact = state.n_active.to(torch.int32).contiguous()
+    nnew = n_new.to(torch.int32).contiguous()
+    R = _rows_per_split(C)
+    ns = max(1, triton.cdiv(n_dict, R))
+    pmax = torch.empty(ns * B * H * C, device=k.device, dtype=torch.float32)
+    pbest = torch.empty_like(pmax)
+    pidx = torch.empty(ns * B * H * C, device=k.device, dtype=torch.int64)
+    best = torch.empty(B * H * C, device=k.device, dtype=torch.float32)
+    idx = torch.empty(B * H * C, device=k.device, dtype=torch.int64)
+    rank = torch.empty(B * H * C, device=k.device, dtype=torch.int32)
+    rows = torch.empty(B, H, C, device=k.device, dtype=torch.int64)
+    BM, nw = _blk(C)
+    BI = 64
+    _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
+        k, KS, CNT, nact, pmax, pbest, pidx,
+        k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+        CNT.stride(0), CNT.stride(1), C, H, R, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=_INTERP, num_warps=nw)
+    _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
+    _ovq_absorb[(B * H, triton.cdiv(C, BI))](
+        k, k, xc, best, idx, nnew, nact, rank, KS, KS, CNT, rows,
+        k.stride(0), k.stride(1), k.stride(2), k.stride(0), k.stride(1), k.stride(2), xc.stride(0),
+        KS.stride(0), KS.stride(1), KS.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+        CNT.stride(0), CNT.stride(1), C, H, D=D, DV=D, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=True, num_warps=4)
+    return rows
