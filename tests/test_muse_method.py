@@ -158,14 +158,15 @@ def test_smollm2_generate_with_muse_and_unpatch_identity(smollm2):
     ids = tok("The quick brown fox jumps over the lazy dog. " * 30, return_tensors="pt").input_ids[:, :160]
     with torch.no_grad():
         before = model(ids).logits.clone()
-    lp.patch(model, "muse", block_size=64, min_seq_len=128)
+    # 5 blocks of 32: each query block summarises at least one earlier block (1 local, 1 retrieved)
+    lp.patch(model, "muse", block_size=32, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=2, min_seq_len=128)
     try:
         with torch.no_grad():
             patched = model(ids).logits
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                                  pad_token_id=tok.eos_token_id)
         assert out.shape == (1, 163)
-        assert not torch.equal(patched, before)  # 160 tokens > min_seq_len: MuSe ran
+        assert (patched - before).abs().max() > 1e-3  # 160 tokens > min_seq_len: the approximation ran
         agree = (patched.argmax(-1) == before.argmax(-1)).float().mean().item()
         assert agree > 0.9
     finally:
