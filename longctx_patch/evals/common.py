@@ -54,16 +54,14 @@ def _config_keys(name: str) -> list[str]:
 
 
 def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[MethodRun]:
-    """Turns `--method` names and `--set` items into validated `MethodRun`s.
-
-    >>> parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])  # doctest: +SKIP
-    """
+    """Turns `--method` names and `--set` items into validated `MethodRun`s, e.g.
+    `parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])`."""
     if not methods:
         raise ConfigError("no method given; pass --method NAME (e.g. --method exact), or --method none for the unpatched model")
     known = list_methods()
     runs: list[MethodRun] = []
     for raw in methods:
-        name = raw.strip().lower()
+        name = raw.strip().lower().replace("_", "-")
         if name == "unpatched":
             name = "none"
         if name != "none" and name not in known:
@@ -80,7 +78,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
         targets: list[MethodRun]
         if "." in lhs:
             mname, key = lhs.rsplit(".", 1)
-            mname = mname.lower()
+            mname = mname.lower().replace("_", "-")
             if mname not in by_name:
                 raise ConfigError(
                     f"--set {item!r} names method {mname!r}, which is not selected; selected: {', '.join(by_name)}"
