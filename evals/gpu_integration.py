@@ -97,7 +97,11 @@ def main():
                      "traceback": traceback.format_exc()[-2000:]}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:  # the device copy of the tree has no .git: pass LONGCTX_COMMIT there
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    commit = commit or os.environ.get("LONGCTX_COMMIT", "")
     rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
            "command": "PYTHONPATH=. python3 evals/gpu_integration.py", "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
