@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -219,14 +218,14 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
 
 
 # --------------------------------------------------------------------------------------------- sub-verbs
-for _mod, _attr in (("cli.eval_cmd", "eval_group"), ("cli.finetune_cmd", "finetune_cmd")):
-    try:
-        _m = importlib.import_module(_mod)
-    except ModuleNotFoundError as _e:
-        if _e.name != _mod:
-            raise
-        continue
-    main.add_command(getattr(_m, _attr))
+from .eval_cmd import eval_group  # noqa: E402
+from .eval_synthetic_cmd import icl_cmd, icr_cmd  # noqa: E402
+from .finetune_cmd import finetune_cmd  # noqa: E402
+
+eval_group.add_command(icr_cmd)
+eval_group.add_command(icl_cmd)
+main.add_command(eval_group)
+main.add_command(finetune_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover
