@@ -24,9 +24,6 @@ from triton.runtime.errors import OutOfResources
 
 from .plan import MusePlan
 
-NEG_INF = float("-inf")
-
-
 @triton.jit
 def _dot(a, b, UP: tl.constexpr):
     # UP: Triton's CPU interpreter (3.9) mis-multiplies bf16/fp16 operands; upcasting the already-rounded
@@ -282,7 +279,9 @@ _STAGES_OK: dict = {}
 
 
 def _launch(kernel, grid, args, L: int, D: int, dtype: torch.dtype, stages: int = 2):
-    """Launches with `stages` software-pipelining stages, falling back to 1 when shared memory is too small."""
+    """Launches with `stages` software-pipelining stages (one for 128 x 128 block tiles: the configuration
+    measured on the H200), falling back to 1 when shared memory is too small."""
+    stages = stages if L * D <= 64 * 128 else 1
     key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), L, D, dtype, stages)
     st = _STAGES_OK.get(key, stages)
     try:
