@@ -15,6 +15,15 @@ from longctx_patch.evals import icl, icr, mixers  # noqa: E402
 SMALL_ICR = dict(num_keys=64, num_values=64, num_noise=16)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ------------------------------------------------------------------------------------------------ ICR data
 @pytest.mark.parametrize("variant", ["basic", "positional"])
 @pytest.mark.parametrize("length", [64, 131, 512])

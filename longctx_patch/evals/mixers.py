@@ -46,6 +46,10 @@ from torch import nn
 from ..errors import ConfigError
 
 KV_BYTES = 2  # decode-time keys / values / features counted in bf16; accumulators and dictionaries in fp32
+# initial inverse temperature of the unit-normalised q.k logits (softmax, sliding, vq, ovq). From scratch, 4 learned
+# ICR much faster than 12 (the ovq method's default for patching pretrained models) for softmax and ovq alike:
+# evals/results/synthetic-cpu-ovq-ablation.json
+BETA0 = 4.0
 
 
 # ================================================================================================ references
@@ -184,7 +188,7 @@ class SoftmaxMixer(Mixer):
     as ``vq`` and ``ovq`` use, so that the comparison isolates what those compress; off: ``q.k / sqrt(D)``."""
 
     name = "softmax"
-    defaults = {"qknorm": True, "beta": 12.0}
+    defaults = {"qknorm": True, "beta": BETA0}
 
     def __init__(self, d_model, n_heads, **opts):
         super().__init__(d_model, n_heads, **opts)
@@ -212,7 +216,7 @@ class SoftmaxMixer(Mixer):
 
 class SlidingMixer(SoftmaxMixer):
     name = "sliding"
-    defaults = {"window": 64, "qknorm": True, "beta": 12.0}
+    defaults = {"window": 64, "qknorm": True, "beta": BETA0}
 
     def window(self) -> int | None:
         return int(self.opts["window"])
@@ -275,7 +279,7 @@ class _NormedMixin:
 
 class VQMixer(_NormedMixin, Mixer):
     name = "vq"
-    defaults = {"codes": 256, "chunk": 64, "beta": 12.0, "commit": 0.25}
+    defaults = {"codes": 256, "chunk": 64, "beta": BETA0, "commit": 0.25}
 
     def __init__(self, d_model, n_heads, **opts):
         super().__init__(d_model, n_heads, **opts)
@@ -300,7 +304,7 @@ class VQMixer(_NormedMixin, Mixer):
 
 class OVQMixer(_NormedMixin, Mixer):
     name = "ovq"
-    defaults = {"max_centroids": 512, "growth": 256.0, "chunk": 64, "beta": 12.0, "backend": "auto"}
+    defaults = {"max_centroids": 512, "growth": 256.0, "chunk": 64, "beta": BETA0, "backend": "auto"}
 
     def __init__(self, d_model, n_heads, **opts):
         super().__init__(d_model, n_heads, **opts)
@@ -870,7 +874,8 @@ def write_report(path, task, specs: Sequence[MixerSpec], records: Sequence[dict]
     summary = summarize(task, specs, records, lengths)
     text = tables(task, summary, lengths)
     figures: dict[str, Any] = {
-        "label": label, "lengths": list(lengths), "task_config": task.describe(), "model_config": asdict(mcfg),
+        "label": label,
+        "mixer_options": {s.label: {**MIXERS[s.name].defaults, **dict(s.options)} for s in specs}, "lengths": list(lengths), "task_config": task.describe(), "model_config": asdict(mcfg),
         "train_config": asdict(tcfg), "primary_metric": task.primary, "summary": summary, "runs": list(records),
         "table": text,
     }
