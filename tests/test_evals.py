@@ -332,7 +332,7 @@ def test_time_ops_pipeline_on_cpu():
         for b in ("sdpa-cudnn", "sdpa-flash"):
             assert (row[b]["ms"] is None) == ("error" in row[b])
             if row[b]["ms"]:
-                assert row["exact"][f"ratio_vs_{b}"] == pytest.approx(row["exact"]["ms"] / row[b]["ms"], rel=1e-3)
+                assert row["exact"][f"ratio_vs_{b}"] == pytest.approx(row["exact"]["ms"] / row[b]["ms"], rel=1e-3, abs=1e-4)
     fwd = res["33"]["fwd"]
     if any(fwd[b]["ms"] for b in ("sdpa-cudnn", "sdpa-flash")):
         assert fwd["exact"]["rel_error_vs_exact"] < 1e-5 < fwd["sw"]["rel_error_vs_exact"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .common import MethodRun, applied, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 
 def relative_error(o, ref) -> float:
@@ -86,7 +86,7 @@ def run_approx(
     for r in methods:
         if not r.patched:
             raise ConfigError("approx compares patched methods with exact attention; drop --method none")
-    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    model_name = begin_run(model, model_name)
     mdl, tok = load_model(model)
     device = next(mdl.parameters()).device
     was_training = mdl.training

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import datetime as _dt
 import json
 import os
@@ -171,7 +172,10 @@ def size_label(n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- results
+@functools.lru_cache(maxsize=None)
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """`git rev-parse --short HEAD` in `cwd` (default: this package's folder), first value per process."""
+    cwd = cwd if cwd is not None else Path(__file__).resolve().parent
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
@@ -203,6 +207,15 @@ def slug(text: str) -> str:
     return s or "x"
 
 
+def begin_run(model, model_name: str | None) -> str:
+    """Called when a run starts: fixes the commit recorded in its result (HEAD now, not when the run ends)
+    and returns the model's name for the result (`model_name`, the name/path given, or the class name)."""
+    git_commit()
+    if model_name:
+        return model_name
+    return model if isinstance(model, str) else type(model[0]).__name__
+
+
 def default_name(task: str, model: str, runs: Sequence[MethodRun]) -> str:
     model_part = slug(Path(str(model)).name if os.sep in str(model) else str(model))
     methods = "+".join(slug(r.name) for r in runs)
@@ -229,7 +242,7 @@ def write_result(
         "task": task,
         "device": device or device_description(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": git_commit(Path(__file__).resolve().parent),
+        "commit": git_commit(),
         "command": command if command is not None else command_line(),
         "model": str(model),
         "method": [r.label for r in runs],
@@ -305,6 +318,7 @@ __all__ = [
     "device_description",
     "command_line",
     "default_name",
+    "begin_run",
     "format_table",
     "pyplot",
     "load_model",

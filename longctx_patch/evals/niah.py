@@ -31,6 +31,7 @@ from ..generation import has_chat_template
 from .common import (
     MethodRun,
     applied,
+    begin_run,
     default_name,
     format_table,
     load_model,
@@ -411,7 +412,7 @@ def run_niah(
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ConfigError(f"unknown niah task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
-    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    model_name = begin_run(model, model_name)
     hay_text = load_haystack(haystack) if any(t != "s-niah-1" for t in tasks) else None
     mdl, tok = load_model(model)
     chat = has_chat_template(tok)

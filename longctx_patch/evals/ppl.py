@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .common import MethodRun, applied, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 LOSS_CHUNK = 1024  # tokens per chunk of the output projection (keeps [chunk, vocab] logits small)
 
@@ -147,7 +147,7 @@ def run_ppl(
         raise ConfigError(f"--buckets must be >= 1 (got {buckets})")
     if max_windows < 1:
         raise ConfigError(f"--windows must be >= 1 (got {max_windows})")
-    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    model_name = begin_run(model, model_name)
     mdl, tok = load_model(model)
     stream = token_stream(tok, docs)
     per_ctx = {C: windows(stream, C, max_windows) for C in contexts}

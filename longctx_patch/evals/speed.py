@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, DeviceError
-from .common import MethodRun, applied, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 
 def _sync(device) -> None:
@@ -111,7 +111,7 @@ def run_speed(
     """Model-level speed/memory of each method at each context; writes `<name>.json` + `<name>.png`."""
     if repeats < 1 or decode_tokens < 0:
         raise ConfigError("--repeats must be >= 1 and --decode-tokens >= 0")
-    model_name = model_name or (model if isinstance(model, str) else type(model[0]).__name__)
+    model_name = begin_run(model, model_name)
     mdl, tok = load_model(model)
     vocab = mdl.get_input_embeddings().weight.shape[0]
     labels = [r.label for r in methods]
@@ -358,6 +358,7 @@ def run_op_speed(
     from ..models import resolve_dtype
 
     dt = resolve_dtype(dtype)
+    model_name = begin_run("(none: random tensors)", None)
     ops = {}
     for r in methods:
         if not r.patched:
@@ -395,7 +396,7 @@ def run_op_speed(
     if out_dir is not None:
         stem = name or "speed-op-" + "+".join(r.name for r in methods) + f"-h{heads}-kv{kv_heads}-d{head_dim}"
         path = write_result(
-            Path(out_dir) / f"{stem}.json", task="speed-op", model="(none: random tensors)", runs=methods, figures=figures, command=command
+            Path(out_dir) / f"{stem}.json", task="speed-op", model=model_name, runs=methods, figures=figures, command=command
         )
         echo(f"wrote {path}")
         result["json"] = str(path)
