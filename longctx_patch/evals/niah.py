@@ -84,18 +84,10 @@ class NiahSample:
 # ----------------------------------------------------------------------------------------------- haystack
 def load_haystack(source: str | Path | None = None) -> str:
     """Text of a haystack: a .txt file, or every .txt file of a folder (sorted by name) joined by blank lines."""
+    from .ppl import load_texts
+
     path = Path(source) if source is not None else DEFAULT_HAYSTACK
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in (".txt", ".md"))
-        files = [p for p in files if not p.name.upper().startswith(("LICENSE", "SOURCE", "README"))]
-        if not files:
-            raise ConfigError(f"haystack folder {path} holds no .txt files; pass --haystack FILE or a folder of .txt files")
-        texts = [p.read_text(encoding="utf-8", errors="replace").strip() for p in files]
-    elif path.is_file():
-        texts = [path.read_text(encoding="utf-8", errors="replace").strip()]
-    else:
-        raise ConfigError(f"haystack {path} does not exist; pass --haystack with a .txt file or a folder of .txt files")
-    text = "\n\n".join(t for t in texts if t)
+    text = "\n\n".join(d.strip() for d in load_texts(path))
     if len(text) < 200:
         raise ConfigError(f"haystack {path} is too short ({len(text)} characters); give at least a few paragraphs")
     return text

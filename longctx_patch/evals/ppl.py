@@ -38,12 +38,12 @@ def load_texts(
                 files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in (".txt", ".md"))
                 files = [f for f in files if not f.name.upper().startswith(("LICENSE", "SOURCE", "README"))]
                 if not files:
-                    raise ConfigError(f"{p} holds no .txt files; pass a .txt file or a folder of them with --text")
+                    raise ConfigError(f"{p} holds no .txt files; pass a .txt file or a folder of .txt files")
                 docs += [f.read_text(encoding="utf-8", errors="replace") for f in files]
             elif p.is_file():
                 docs.append(p.read_text(encoding="utf-8", errors="replace"))
             else:
-                raise ConfigError(f"--text {p} does not exist; pass a .txt file or a folder of .txt files")
+                raise ConfigError(f"{p} does not exist; pass a .txt file or a folder of .txt files")
     else:
         docs = _dataset_texts(dataset, split, field, max_docs)
     docs = [d for d in docs if d.strip()]
