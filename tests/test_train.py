@@ -161,7 +161,7 @@ def test_linearize_recipe_is_valid_and_overridable():
     )
     assert r2.stages[0].lr == pytest.approx(1e-3) and r2.stages[1].steps == 7
     assert [s.seq_len for s in r2.stages] == [128, 128]
-    assert r2.method_config == {"window": 32} and r2.data.text == "/x" and r2.layers == [0, 2]
+    assert r2.method_config == {"window": 32, "init_window_factor": -2.197} and r2.data.text == "/x" and r2.layers == [0, 2]
     assert r2.fingerprint() != r.fingerprint()
     assert load_recipe(REPO / "recipes" / "linearize.yaml", ["stages.0.lr=5e-3"]).fingerprint() == r.fingerprint()
 
@@ -435,7 +435,8 @@ def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
     tiny_dir = tmp_path / "sharp"
     r = load_recipe(
         REPO / "recipes" / "linearize.yaml",
-        [f"model={tiny_dir}", f"data.text={text_file}", "method_config={window: 16, feature_dim: 8, chunk: 16}",
+        [f"model={tiny_dir}", f"data.text={text_file}", "method_config.window=16", "method_config.feature_dim=8",
+         "method_config.chunk=16",
          "stages.*.seq_len=64", "stages.*.batch_size=4", "stages.*.warmup=1", "stages.*.log_every=1",
          "stages.*.eval_every=12", "stages.*.save_every=0", "stages.transfer.steps=12", "stages.lora.steps=3",
          "stages.lora.lr=1e-2", "data.eval_fraction=0.1", "output.lolcats_export=true",
@@ -541,3 +542,23 @@ def test_max_time_ends_a_stage_early(tiny_dir, text_file, tmp_path):
     assert state["completed"] is True
     again = Finetuner(recipe_from_dict(d), tmp_path / "o", resume=True, progress=False).run()
     assert [s["steps_done"] for s in again["stages"]] == [1, 2]
+
+
+def test_hybrid_recipe_patches_the_other_layers(tiny_dir, text_file, tmp_path):
+    """rest_method patches every layer not in `layers` (e.g. sliding-window beside ovq), and the saved
+    model reloads with both methods on their layers."""
+    import longctx_patch
+    from longctx_patch.train import Finetuner, recipe_from_dict
+
+    d = recipe_dict(tiny_dir, text_file, method="exact")
+    d.update(layers=[1], rest_method="sliding-window", rest_config={"window": 8})
+    d["stages"] = d["stages"][1:]  # the LoRA stage only
+    d["stages"][0]["steps"] = 2
+    ft = Finetuner(recipe_from_dict(d), tmp_path / "out", progress=False)
+    ft.run()
+    want = {0: "sliding-window", 1: "exact"}  # the tiny model has 2 layers
+    assert longctx_patch.patched_layers(ft.model) == want
+    m2, _ = longctx_patch.load_model(str(tmp_path / "out" / "model"), dtype="float32", device="cpu")
+    assert longctx_patch.patched_layers(m2) == want
+    with pytest.raises(ConfigError, match="rest_method.*layers"):
+        recipe_from_dict({**d, "layers": None})

@@ -103,6 +103,9 @@ class Recipe:
     method: str | None = None  # None / "none": fine-tune the unpatched model
     method_config: dict[str, Any] = field(default_factory=dict)
     layers: list[int] | None = None
+    # Hybrids: patch every layer NOT in `layers` with this second method (e.g. sliding-window beside ovq).
+    rest_method: str | None = None
+    rest_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     dtype: str = "float32"  # weights as loaded for training
     mixed_precision: str = "auto"  # auto: bf16 on CUDA devices that support it, otherwise no
@@ -121,6 +124,8 @@ class Recipe:
             "method": d["method"],
             "method_config": d["method_config"],
             "layers": d["layers"],
+            "rest_method": d["rest_method"],
+            "rest_config": d["rest_config"],
             "dtype": d["dtype"],
             "stages": [
                 {k: s[k] for k in ("name", "objective", "trainable", "lora", "batch_size", "seq_len", "grad_accum")}
@@ -351,6 +356,13 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     if not isinstance(r.method_config, dict):
         raise ConfigError(f"method_config: expected a mapping of the method's keys, got {r.method_config!r}")
     r.layers = _int_list("layers", r.layers)
+    r.rest_method = _check_type("rest_method", r.rest_method, str, optional=True)
+    if r.rest_config is None:
+        r.rest_config = {}
+    if not isinstance(r.rest_config, dict):
+        raise ConfigError(f"rest_config: expected a mapping of rest_method's keys, got {r.rest_config!r}")
+    if r.rest_method is not None and (r.method is None or r.layers is None):
+        raise ConfigError("rest_method patches the layers not in `layers`: set `method:` and a `layers:` list too")
     r.seed = _check_type("seed", r.seed, int, minimum=0)
     r.dtype = _check_type("dtype", r.dtype, str, choices=DTYPES)
     r.mixed_precision = _check_type("mixed_precision", r.mixed_precision, str, choices=PRECISIONS)

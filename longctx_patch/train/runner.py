@@ -228,7 +228,8 @@ class Finetuner:
 
                 if is_patched(model):  # a save_patched() folder: keep its patches and weights
                     have = sorted(set(patched_layers(model).values()))
-                    if have != [get_method(r.method).name]:
+                    want = sorted({get_method(r.method).name} | ({get_method(r.rest_method).name} if r.rest_method else set()))
+                    if have != want:
                         raise ConfigError(
                             f"{r.model} is already patched with {', '.join(have)} but the recipe asks for "
                             f"{r.method!r}; start from the base model or set method={have[0]}"
@@ -237,6 +238,13 @@ class Finetuner:
                               "the recipe's method_config and layers are not applied")
                 else:
                     patch(model, r.method, layers=r.layers, **r.method_config)
+                    if r.rest_method:
+                        from ..architectures import get_adapter
+
+                        n = len(get_adapter(model).decoder_layers(model))
+                        rest = [i for i in range(n) if i not in set(r.layers or [])]
+                        if rest:
+                            patch(model, r.rest_method, layers=rest, **r.rest_config)
         elif tok is None:
             raise ConfigError("a tokenizer is needed with a given model")
         model.to(self.accelerator.device)
