@@ -39,6 +39,13 @@ def model_option(f):
                              "'longctx patch --output'), a .gguf file, or a hub id in the local HF cache.")(f)
 
 
+def _debug() -> bool:
+    """--debug on the root command, or LONGCTX_DEBUG=1 in the environment."""
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and root.params.get("debug")) or os.environ.get(DEBUG_ENV) == "1"
+
+
 def friendly_errors(f):
     """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback."""
 
@@ -49,7 +56,7 @@ def friendly_errors(f):
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - the CLI boundary
-            if os.environ.get(DEBUG_ENV) == "1":
+            if _debug():
                 traceback.print_exc()
             else:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

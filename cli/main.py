@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
-from .common import DEBUG_ENV, device_dtype_options, friendly_errors, model_option, parse_sets
+from .common import device_dtype_options, friendly_errors, model_option, parse_sets
 
 SAMPLE_TOKENS = 1024
 
@@ -25,8 +24,7 @@ def main(debug: bool) -> None:
       longctx generate --method sliding-window --set window=256 --prompt "Tell me a story"
       longctx patch --model meta-llama/Llama-3.2-1B --method muse --output llama-muse/
     """
-    if debug:
-        os.environ[DEBUG_ENV] = "1"
+    # --debug is read back by friendly_errors from this command's params (no global state)
 
 
 # --------------------------------------------------------------------------------------------- info
