@@ -58,6 +58,12 @@ class MuseAttention(PatchedAttention):
         c = self.method_config
         return past == 0 and q_len > c.block_size and q_len >= c.min_seq_len
 
+    @classmethod
+    def op(cls, q, k, v, *, scale, config):
+        """Op-level entry point (`longctx eval speed --op`): MuSe over one full causal sequence, clustering
+        included; q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` -> `[B, S, Hq, D]`."""
+        return muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+
     def attend(self, q, k, v, cache_layer, padding):
         past = _past_len(cache_layer)
         S = q.shape[2]
