@@ -174,15 +174,16 @@ def size_label(n: int) -> str:
 # ----------------------------------------------------------------------------------------------- results
 @functools.lru_cache(maxsize=None)
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """`git rev-parse --short HEAD` in `cwd` (default: this package's folder), first value per process."""
+    """`git rev-parse --short HEAD` in `cwd` (default: this package's folder), first value per process;
+    where the tree has no .git (a copy on another machine), $LONGCTX_COMMIT, else "unknown"."""
     cwd = cwd if cwd is not None else Path(__file__).resolve().parent
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
         )
-        return out.stdout.strip() or "unknown"
+        return out.stdout.strip() or os.environ.get("LONGCTX_COMMIT", "unknown")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("LONGCTX_COMMIT", "unknown")
 
 
 def device_description(device=None) -> str:
