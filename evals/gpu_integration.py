@@ -21,7 +21,7 @@ import torch
 import longctx_patch as lp
 
 METHODS = {
-    "muse": ({"min_seq_len": 256, "block_size": 64}, "backend", "triton", "reference"),
+    "muse": ({"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
     "lolcats": ({"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),
     "lola": ({"window": 64, "feature_dim": 32, "sparse_cache": 64, "chunk": 32}, "backend", "triton", "torch"),
     "ovq": ({"chunk_size": 64, "max_centroids": 256}, "backend", "triton", "torch"),

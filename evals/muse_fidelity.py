@@ -87,7 +87,7 @@ def main():
         for i in layers:
             q, k, v = qkv[i]
             ref = softmax_attention(q, k, v, scale=scale)
-            o = muse_attention(q, k, v, scale=scale, backend="reference", kmeans_iters=2, **cfg)
+            o = muse_attention(q, k, v, scale=scale, backend="torch", kmeans_iters=2, **cfg)
             errs.append(((o - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)

@@ -11,7 +11,7 @@ from ...errors import ConfigError, DeviceError
 from .plan import MusePlan, lloyd, make_plan
 from .reference import muse_reference_planned
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def triton_supported(
@@ -68,7 +68,7 @@ def muse_attention(
     values (reference only). `plan`: a precomputed `make_plan(...)` (then the clustering options are unused).
     Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
     of two; for the backward L * D <= 8192.
-    backend: "auto" (Triton on CUDA when supported, else reference), "reference" or "triton".
+    backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
     """
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -87,10 +87,10 @@ def muse_attention(
         if q.is_cuda and why is not None and why_fwd is None:
             # the dense reference would not fit at the lengths the Triton path is for: say what to change
             raise ConfigError(f"muse: {why}")
-        backend = "triton" if (q.is_cuda and why is None) else "reference"
+        backend = "triton" if (q.is_cuda and why is None) else "torch"
     if backend == "triton":
         if why is not None:
-            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='reference' or change the setting")
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
         if not q.is_cuda:
             import os
 

@@ -28,7 +28,7 @@ class MuseConfig(MethodConfig):
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
-    backend: str = option("auto", "kernel: auto (Triton on CUDA when supported), reference or triton",
+    backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
 
     def check(self) -> None:
