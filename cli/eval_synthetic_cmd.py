@@ -8,11 +8,11 @@ NAME-state.png.
 
 from __future__ import annotations
 
-import shlex
 
 import click
 
 from .common import friendly_errors
+from .eval_cmd import _command  # the effective command line, shared with the other eval verbs
 
 MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME:KEY=VALUE,... "
               "(softmax, sliding, linear, hedgehog, vq, ovq, lolcats, lola; e.g. ovq:max_centroids=128). "
@@ -67,27 +67,6 @@ def training_options(f):
     for o in opts:
         f = o(f)
     return f
-
-
-def _command() -> str:
-    ctx = click.get_current_context()
-    parts = ["longctx", "eval", ctx.info_name]
-    for p in ctx.command.params:
-        if not isinstance(p, click.Option) or p.name not in ctx.params:
-            continue
-        value = ctx.params[p.name]
-        opt = max(p.opts, key=len)
-        if p.is_flag:
-            if value:
-                parts.append(opt)
-        elif value is None:
-            continue
-        elif p.multiple:
-            for v in value:
-                parts += [opt, str(v)]
-        else:
-            parts += [opt, str(value)]
-    return shlex.join(parts)
 
 
 def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step, eval_sequences, device):
