@@ -233,3 +233,21 @@ def test_peft_lora_on_patched_model_and_unpatch_keeps_adapters():
     lp.unpatch(pm)
     assert type(model.model.layers[0].self_attn).__name__ == "LlamaAttention"
     assert type(model.model.layers[0].self_attn.q_proj).__module__.startswith("peft")
+
+
+def test_op_level_entry_point_of_every_method():
+    """`Method.module_cls.op` (used by `longctx eval speed --op`) runs every registered method on plain tensors."""
+    from longctx_patch.methods import get_method, list_methods
+    from longctx_patch.methods.exact import softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 200, 64, generator=g)
+    k = torch.randn(1, 2, 200, 64, generator=g)
+    v = torch.randn(1, 2, 200, 64, generator=g)
+    for name in list_methods():
+        m = get_method(name)
+        cfg = m.parse_config({"backend": "torch"} if any(f["name"] == "backend" for f in m.config_cls.describe()) else {})
+        o = m.module_cls.op(q, k, v, scale=0.125, config=cfg)
+        assert o.shape == (1, 200, 4, 64) and torch.isfinite(o).all(), name
+    torch.testing.assert_close(get_method("exact").module_cls.op(q, k, v, scale=0.125, config=None),
+                               softmax_attention(q, k, v, scale=0.125))

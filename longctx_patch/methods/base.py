@@ -193,6 +193,19 @@ class PatchedAttention(nn.Module):
         self._adapter = adapter
         self._ctx: PatchContext | None = None
 
+    # -- op level -------------------------------------------------------------------------------------
+    @classmethod
+    def op(cls, q, k, v, *, scale: float, config: "MethodConfig"):
+        """Op-level entry point (`longctx eval speed --op`): the method's attention over one full causal
+        sequence, q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`, no cache or padding; returns `[B, S, Hq, D]`.
+
+        Generic form: a stand-alone module of this class (fresh method parameters, built once per shape and
+        config) runs `attend`. Methods with a pure kernel override this.
+        """
+        mod = _standalone(cls, q.shape[1], k.shape[1], q.shape[3], config, q.device, q.dtype)
+        mod.scaling = scale
+        return mod.attend(q, k, v, None, None)
+
     # -- to implement --------------------------------------------------------------------------------
     def attend(self, q, k, v, cache_layer, padding):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -240,6 +253,26 @@ class PatchedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"method={self.method_name!r}, layer={self.layer_idx}, config={self.method_config}"
+
+
+_STANDALONE: dict[tuple, "PatchedAttention"] = {}
+
+
+def _standalone(cls, Hq: int, Hkv: int, D: int, config, device, dtype) -> "PatchedAttention":
+    """One module per (class, shape, config, device, dtype), so op-level timing excludes construction."""
+    from ..architectures import ADAPTERS
+
+    key = (cls, Hq, Hkv, D, repr(config), str(device), dtype)
+    if key in _STANDALONE:
+        return _STANDALONE[key]
+    if len(_STANDALONE) >= 8:
+        _STANDALONE.clear()
+    orig = nn.Module()
+    orig.o_proj = nn.Linear(1, 1, bias=False).to(device=device, dtype=dtype)  # places the method's parameters
+    spec = AttentionSpec(layer_idx=0, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, hidden_size=Hq * D,
+                         scaling=D**-0.5, model_type="llama")
+    _STANDALONE[key] = cls(orig, spec, config, ADAPTERS["llama"])
+    return _STANDALONE[key]
 
 
 class AttentionTransfer:
