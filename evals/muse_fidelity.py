@@ -50,22 +50,12 @@ def real_text(root: Path, chars: int) -> str:
 
 
 def capture_qkv(model, ids):
-    """Returns [(q, k, v)] per layer (post-rotary, [1, H, S, D], float32) with an exact-patched model."""
-    longctx_patch.patch(model, "exact")
-    store = {}
-    for layer in model.model.layers:
-        att = layer.self_attn
-        orig = att.attend
+    """[(q, k, v)] per layer (post-rotary, [1, H, S, D], float32) and the attention scale, captured by the
+    approx evaluation's hook on an exact-patched model."""
+    from longctx_patch.evals.approx import capture
 
-        def rec(q, k, v, cache_layer, padding, _orig=orig, _i=att.layer_idx):
-            store[_i] = (q.detach().float().clone(), k.detach().float().clone(), v.detach().float().clone())
-            return _orig(q, k, v, cache_layer, padding)
-
-        att.attend = rec
-    with torch.no_grad():
-        model(ids, use_cache=False)
-    longctx_patch.unpatch(model)
-    return [store[i] for i in sorted(store)], float(model.model.layers[0].self_attn.scaling)
+    got = capture(model, ids)
+    return [tuple(t.float() for t in got[i][:3]) for i in sorted(got)], float(model.model.layers[0].self_attn.scaling)
 
 
 def main():
