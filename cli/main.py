@@ -59,14 +59,6 @@ def info() -> None:
 
 
 # --------------------------------------------------------------------------------------------- patch
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def sample_text() -> str:
     """Built-in fidelity sample: Python standard library source (present on every machine)."""
     import argparse
@@ -118,6 +110,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     import torch
 
     import longctx_patch as lp
+    from longctx_patch.evals.common import format_bytes
     from longctx_patch.patcher import _state
 
     config = parse_sets(sets)
@@ -153,8 +146,8 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     click.echo(f"  {'tokens':>8}  {'patched':>12}  {'full KV':>12}  ratio")
     for L in (1, 8192, 32768, 131072):
         s, f = state(L), n_layers * full_layer(L)
-        click.echo(f"  {L:>8}  {_fmt_bytes(s):>12}  {_fmt_bytes(f):>12}  {s / f:.4f}")
-    click.echo(f"  (full KV: {_fmt_bytes(per_tok_full)} per token)")
+        click.echo(f"  {L:>8}  {format_bytes(s):>12}  {format_bytes(f):>12}  {s / f:.4f}")
+    click.echo(f"  (full KV: {format_bytes(per_tok_full)} per token)")
     diff = (out - ref).abs()
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     click.echo(f"fidelity on {ids.shape[1]} tokens of built-in sample text vs unpatched:")

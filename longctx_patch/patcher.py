@@ -13,7 +13,7 @@ import json
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn

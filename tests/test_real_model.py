@@ -1,6 +1,5 @@
 """The embedded SmolLM2-135M-Instruct: loading, patch + generate, unpatch identity, save/load."""
 
-import os
 
 import pytest
 import torch

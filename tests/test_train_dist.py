@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from test_train import _one_thread, recipe_dict, temp_method, text_file, tiny_dir, write_recipe  # noqa: F401

@@ -167,6 +167,15 @@ def parse_fractions(text: str | Sequence[float]) -> list[float]:
     return out
 
 
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, B to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def size_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 

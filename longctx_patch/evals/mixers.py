@@ -753,7 +753,7 @@ def summarize(task, specs: Sequence[MixerSpec], records: Sequence[dict], lengths
 
 
 def tables(task, summary: dict[str, Any], lengths: Sequence[int]) -> str:
-    from .common import format_table, size_label
+    from .common import format_bytes, format_table, size_label
 
     key = task.primary
     ref = summary.get("softmax", {}).get("state_bytes", {})
@@ -766,7 +766,7 @@ def tables(task, summary: dict[str, Any], lengths: Sequence[int]) -> str:
             continue
         sb = e["state_bytes"].get(Lmax)
         ratio = f"{100 * sb / ref[Lmax]:.1f}%" if ref.get(Lmax) else None
-        row = [label, e["best_lr"]] + [round(e["by_length"][str(L)], 4) for L in lengths] + [_fmt_bytes(sb), ratio]
+        row = [label, e["best_lr"]] + [round(e["by_length"][str(L)], 4) for L in lengths] + [format_bytes(sb) if sb is not None else None, ratio]
         ev = e["eval"] if isinstance(e["eval"], dict) else e["eval"][0]
         if "functions_learned" in ev.get(Lmax, {}):
             row.append(f"{ev[Lmax]['functions_learned']}/{ev[Lmax]['functions_measured']}")
@@ -775,16 +775,6 @@ def tables(task, summary: dict[str, Any], lengths: Sequence[int]) -> str:
         header.append(f"learned@{size_label(int(Lmax))}")
         rows = [r + [None] * (len(header) - len(r)) for r in rows]
     return format_table(header, rows)
-
-
-def _fmt_bytes(n: int | None) -> str | None:
-    if n is None:
-        return None
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return None
 
 
 def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title: str) -> list[str]:
