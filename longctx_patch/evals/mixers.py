@@ -785,24 +785,28 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
     plt = pyplot()
     key = task.primary
     paths = []
+
+    def save(fig, ax, suffix: str, xlabel: str, ylabel: str, ylog: bool, plot_title: str) -> None:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ylog:
+            ax.set_yscale("log")
+        ax.set_title(plot_title)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = f"{stem}-{suffix}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, e in summary.items():
         if "by_length" in e:
             ax.plot(lengths, [e["by_length"][str(L)] for L in lengths], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel(key)
-    if not task.higher_is_better:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = f"{stem}-length.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    save(fig, ax, "length", "sequence length (tokens)", key, not task.higher_is_better, title)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     markers = "os^vD<>ph*"
     for i, (label, e) in enumerate(summary.items()):
@@ -811,19 +815,8 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
             ys = [e["by_length"][str(L)] for L in lengths]
             ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle=":", label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("decode state (bytes, all layers, batch 1; points = lengths)")
-    ax.set_ylabel(key)
-    if not task.higher_is_better:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = f"{stem}-state.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    save(fig, ax, "state", "decode state (bytes, all layers, batch 1; points = lengths)", key,
+         not task.higher_is_better, title)
     Lmax = str(max(lengths))
     curves = {}
     for label, e in summary.items():
@@ -838,17 +831,8 @@ def plot(task, summary: dict[str, Any], lengths: Sequence[int], stem: str, title
         for label, pts in curves.items():
             ax.plot([x + 1 for x, _ in pts], [y for _, y in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("1 + earlier examples of the same function (bin start)")
-        ax.set_ylabel("mse (1.0 = predicting 0)")
-        ax.set_title(f"{title} (length {Lmax})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = f"{stem}-shots.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        save(fig, ax, "shots", "1 + earlier examples of the same function (bin start)", "mse (1.0 = predicting 0)",
+             True, f"{title} (length {Lmax})")
     return paths
 
 
