@@ -42,7 +42,8 @@ class PatchState:
     groups: list[PatchGroup] = field(default_factory=list)
     modules: dict[int, PatchedAttention] = field(default_factory=dict)
     originals: dict[int, nn.Module] = field(default_factory=dict)
-    hooks: list[Any] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)  # torch hook handles
+    generate_owner: nn.Module | None = None  # the model whose _prepare_cache_for_generation we overrode
     cache_arg: str = "cache"
 
 
@@ -156,18 +157,16 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
             return out
 
         top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
-        st.hooks.append(("prepare_cache", top))
+        st.generate_owner = top
     setattr(base, _ATTR, st)
     return st
 
 
 def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
     for h in st.hooks:
-        if isinstance(h, tuple) and h[0] == "prepare_cache":
-            if "_prepare_cache_for_generation" in h[1].__dict__:
-                del h[1].__dict__["_prepare_cache_for_generation"]
-        else:
-            h.remove()
+        h.remove()
+    if st.generate_owner is not None:
+        st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
     delattr(base, _ATTR)
 
 
