@@ -45,6 +45,9 @@ class PatchState:
     hooks: list[Any] = field(default_factory=list)  # torch hook handles
     generate_owner: nn.Module | None = None  # the model whose _prepare_cache_for_generation we overrode
     cache_arg: str = "cache"
+    # {(layer, submodule name): original weight on the CPU}, kept when a checkpoint merges a delta (e.g. LoRA)
+    # into a projection shared with the original module, so that unpatch() puts the weight back
+    saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
 
 _ATTR = "_longctx_patch_state"
@@ -241,7 +244,26 @@ def _restore(decoder, st: PatchState, i: int) -> None:
         sub = getattr(mod, name, None)
         if isinstance(sub, nn.Module):
             setattr(orig, name, sub)
+    for (layer, name) in [key for key in st.saved_weights if key[0] == i]:
+        saved = st.saved_weights.pop((layer, name))
+        w = _shared_weight(getattr(orig, name))
+        with torch.no_grad():
+            w.copy_(saved.to(device=w.device, dtype=w.dtype))
     decoder[i].self_attn = orig
+
+
+def _shared_weight(proj: nn.Module) -> torch.Tensor:
+    return getattr(proj, "base_layer", proj).weight
+
+
+def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tensor:
+    """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
+    in place: keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
+    st = _state(model)
+    w = _shared_weight(getattr(st.modules[layer], name))
+    if (layer, name) not in st.saved_weights:
+        st.saved_weights[(layer, name)] = w.detach().to("cpu", copy=True)
+    return w
 
 
 def unpatch(model: nn.Module) -> nn.Module:

@@ -54,23 +54,52 @@ def _config_keys(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def _split_inline(raw: str) -> tuple[str, list[str]]:
+    """'lola(window=64,sparse_cache=64)' -> ('lola', ['window=64', 'sparse_cache=64'])."""
+    raw = raw.strip()
+    if "(" not in raw:
+        return raw, []
+    if not raw.endswith(")"):
+        raise ConfigError(f"bad --method {raw!r}: write NAME or NAME(KEY=VALUE,...), e.g. 'lola(window=64,sparse_cache=64)'")
+    name, inner = raw[:-1].split("(", 1)
+    items = [i.strip() for i in inner.split(",") if i.strip()]
+    for i in items:
+        if "=" not in i:
+            raise ConfigError(f"bad --method {raw!r}: {i!r} is not KEY=VALUE")
+    return name, items
+
+
 def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[MethodRun]:
     """Turns `--method` names and `--set` items into validated `MethodRun`s, e.g.
-    `parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])`."""
+    `parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])`.
+
+    A method can carry its own config inline, `NAME(KEY=VALUE,...)`, so that one method is compared with
+    itself under several configs: `parse_methods(["lola(window=64,sparse_cache=64)", "lola"])`. `--set
+    NAME.KEY=VALUE` applies to every entry of NAME; inline values win over `--set` ones."""
     if not methods:
         raise ConfigError("no method given; pass --method NAME (e.g. --method exact), or --method none for the unpatched model")
     known = list_methods()
     runs: list[MethodRun] = []
+    inline: list[dict[str, str]] = []
     for raw in methods:
-        name = raw.strip().lower().replace("_", "-")
+        base, items = _split_inline(raw)
+        name = base.strip().lower().replace("_", "-")
         if name == "unpatched":
             name = "none"
         if name != "none" and name not in known:
             raise ConfigError(f"unknown method {raw!r}; choose from: none, {', '.join(known)}")
-        if any(r.name == name for r in runs):
-            raise ConfigError(f"method {name!r} given twice; give each method once and configure it with --set {name}.KEY=VALUE")
+        if name == "none" and items:
+            raise ConfigError(f"--method {raw!r}: the unpatched model ('none') has no config")
+        own = {}
+        for item in items:
+            k, v = item.split("=", 1)
+            k = k.strip()
+            if k not in _config_keys(name):
+                raise ConfigError(f"--method {raw!r}: {name} has no key {k!r}; its keys: {', '.join(_config_keys(name))}")
+            own[k] = v.strip()
         runs.append(MethodRun(name))
-    by_name = {r.name: r for r in runs}
+        inline.append(own)
+    names = {r.name for r in runs}
     for item in sets:
         if "=" not in item:
             raise ConfigError(f"bad --set {item!r}: write METHOD.KEY=VALUE or KEY=VALUE, e.g. --set sliding-window.window=256")
@@ -80,9 +109,9 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
         if "." in lhs:
             mname, key = lhs.rsplit(".", 1)
             mname = mname.lower().replace("_", "-")
-            if mname not in by_name:
+            if mname not in names:
                 raise ConfigError(
-                    f"--set {item!r} names method {mname!r}, which is not selected; selected: {', '.join(by_name)}"
+                    f"--set {item!r} names method {mname!r}, which is not selected; selected: {', '.join(sorted(names))}"
                 )
             if mname == "none":
                 raise ConfigError(f"--set {item!r}: the unpatched model ('none') has no config")
@@ -90,7 +119,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
                 raise ConfigError(
                     f"--set {item!r}: {mname} has no key {key!r}; its keys: {', '.join(_config_keys(mname)) or '(none)'}"
                 )
-            targets = [by_name[mname]]
+            targets = [r for r in runs if r.name == mname]
         else:
             key = lhs
             targets = [r for r in runs if r.patched and key in _config_keys(r.name)]
@@ -103,10 +132,18 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
             raise ConfigError(f"bad --set {item!r}: the key is empty")
         for r in targets:
             r.config[key] = value
+    for r, own in zip(runs, inline):
+        r.config.update(own)
     for r in runs:  # validate and normalise values now, before any model is loaded
         if r.patched:
             cfg = get_method(r.name).parse_config(r.config)
             r.config = {k: getattr(cfg, k) for k in r.config}
+    seen: set[str] = set()
+    for r in runs:
+        if r.label in seen:
+            raise ConfigError(f"method {r.label!r} given twice; give each method once, or give each entry its own "
+                              f"config, e.g. --method '{r.name}(KEY=VALUE)'")
+        seen.add(r.label)
     return runs
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError, NotPatchedError
 from ..base import Method, option, register_method
-from ..lolcats import LolcatsAttention, LolcatsConfig, load_lolcats_checkpoint
+from ..lolcats import LolcatsAttention, LolcatsConfig, load_method_weights
 
 
 @dataclass
@@ -39,8 +39,7 @@ class Lola(Method):
     module_cls = LolaAttention
 
     def after_patch(self, model, modules, config) -> None:
-        if config.checkpoint:
-            load_lolcats_checkpoint(model, config.checkpoint, modules=modules, lora_alpha=config.lora_alpha)
+        load_method_weights(model, modules, config)
 
 
 def convert_to_lola(model, sparse_cache: int = 256, **overrides):

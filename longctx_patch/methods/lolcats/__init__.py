@@ -33,8 +33,10 @@ class LolcatsConfig(MethodConfig):
     window: int = option(64, "tokens (the current one included) attended with exact softmax; older ones linearly",
                          min=1)
     feature_dim: int = option(64, "feature map width F per head (phi has 2F features)", min=1)
-    checkpoint: Optional[str] = option(None, "LoLCATs model.pt (comma-separate several, e.g. distill,ft-lora) or our "
-                                             "longctx_patch.safetensors / save_patched directory to load")
+    checkpoint: Optional[str] = option("auto", "weights to load: auto (the packaged linearized weights when the model "
+                                               "is one we ship them for, else fresh feature maps), none (fresh), a "
+                                               "LoLCATs model.pt (comma-separate several, e.g. distill,ft-lora), our "
+                                               "longctx_patch.safetensors, or a linearize run's trainable/ folder")
     lora_alpha: float = option(16.0, "LoRA alpha of a LoLCATs checkpoint's q/k/v/o adapters (merged as alpha/r * B A)",
                                min=0.0)
     feature_init: str = option("softmax-rf", "fresh feature maps: softmax-rf (random features of exp(q.k/sqrt(d))) "
@@ -203,6 +205,29 @@ class LolcatsAttention(PatchedAttention):
         return window + sparse + state
 
 
+def load_method_weights(model, modules, config: LolcatsConfig) -> str:
+    """`after_patch` of lolcats/lola: loads `config.checkpoint` (resolving `auto`) into `modules` and records
+    where the weights came from on each module (`weights_source`, shown by `longctx patch`). Returns it."""
+    ck = config.checkpoint
+    if ck is not None and str(ck).strip().lower() == "auto":
+        from ...assets import find_asset
+
+        asset = find_asset(model, config)
+        if asset is None:
+            source = "fresh feature maps (untrained: train them with recipes/linearize.yaml or pass checkpoint=PATH)"
+        else:
+            load_lolcats_checkpoint(model, str(asset.path), modules=modules, skip_unpatched_layers=True)
+            source = f"packaged asset {asset.name} ({asset.path})"
+    elif ck:
+        load_lolcats_checkpoint(model, ck, modules=modules, lora_alpha=config.lora_alpha)
+        source = f"checkpoint {ck}"
+    else:
+        source = "fresh feature maps (checkpoint=none)"
+    for m in modules.values():
+        m.weights_source = source
+    return source
+
+
 @register_method
 class Lolcats(Method):
     name = "lolcats"
@@ -212,8 +237,7 @@ class Lolcats(Method):
     module_cls = LolcatsAttention
 
     def after_patch(self, model, modules, config) -> None:
-        if config.checkpoint:
-            load_lolcats_checkpoint(model, config.checkpoint, modules=modules, lora_alpha=config.lora_alpha)
+        load_method_weights(model, modules, config)
 
 
 __all__ = [
@@ -224,4 +248,5 @@ __all__ = [
     "export_lolcats_checkpoint",
     "init_feature_weight",
     "load_lolcats_checkpoint",
+    "load_method_weights",
 ]

@@ -23,6 +23,7 @@ _LOLCATS = re.compile(r"^layers\.(\d+)\.self_attn\.(.+)$")
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LORA = re.compile(r"^([qkvo]_proj)\.lora_([AB])(?:\.default)?\.weight$")
 PATCH_WEIGHTS = "longctx_patch.safetensors"
+ADAPTER_DIR = "adapter"
 
 
 def _modules(model, modules):
@@ -35,17 +36,48 @@ def _modules(model, modules):
     return {i: m for i, m in modules.items() if isinstance(m, LolcatsAttention)}
 
 
-def _read(path: str) -> tuple[dict[str, torch.Tensor], bool]:
-    """(state dict, is_ours)."""
+def _read_adapter(folder: str) -> tuple[dict[str, torch.Tensor], float] | None:
+    """A PEFT LoRA adapter saved next to our weights (`adapter/` of a `longctx finetune` run): (state dict, alpha)."""
+    cfg_path = os.path.join(folder, ADAPTER_DIR, "adapter_config.json")
+    if not os.path.exists(cfg_path):
+        return None
+    import json
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("use_rslora") or cfg.get("use_dora"):
+        raise CheckpointError(f"{cfg_path}: rsLoRA/DoRA adapters cannot be merged by the checkpoint loader; "
+                              "load the adapter with peft instead")
+    weights = os.path.join(folder, ADAPTER_DIR, "adapter_model.safetensors")
+    if not os.path.exists(weights):
+        raise CheckpointError(f"{cfg_path} has no adapter_model.safetensors beside it")
+    from safetensors.torch import load_file
+
+    return load_file(weights), float(cfg.get("lora_alpha", cfg.get("r", 8)))
+
+
+def _read(path: str) -> list[tuple[dict[str, torch.Tensor], bool, float | None]]:
+    """[(state dict, is_ours, LoRA alpha or None = the caller's)]: one entry, two for a folder that holds our
+    weights and a PEFT `adapter/` (the `trainable/` folder of a fine-tune run, or a packaged asset)."""
     if os.path.isdir(path):
         ours = os.path.join(path, PATCH_WEIGHTS)
         pt = os.path.join(path, "model.pt")
         if os.path.exists(ours):
-            path = ours
-        elif os.path.exists(pt):
+            out = [(_read_file(ours)[0], True, None)]
+            adapter = _read_adapter(path)
+            if adapter is not None:
+                out.append((adapter[0], False, adapter[1]))
+            return out
+        if os.path.exists(pt):
             path = pt
         else:
             raise CheckpointError(f"{path} is a directory without {PATCH_WEIGHTS} or model.pt; pass the file itself")
+    sd, ours = _read_file(path)
+    return [(sd, ours, None)]
+
+
+def _read_file(path: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """(state dict, is_ours)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found; pass a LoLCATs model.pt or a {PATCH_WEIGHTS} file")
     if path.endswith(".safetensors"):
@@ -80,41 +112,46 @@ def _fmt(items: list[str], limit: int = 12) -> str:
     return "[" + ", ".join(items[:limit]) + "]" + more
 
 
-def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float = 16.0) -> dict[str, int]:
+def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float = 16.0,
+                            skip_unpatched_layers: bool = False) -> dict[str, int]:
     """Load feature maps, window factors and LoRA adapters into the lolcats/lola layers of `model`.
 
-    `paths`: one path or several separated by commas (e.g. a distill checkpoint and its LoRA fine-tune).
-    Missing, unexpected or mis-shaped keys raise CheckpointError listing them. LoRA deltas are merged into
-    the projection weights (W += lora_alpha / r * B A) unless the projection is a PEFT LoRA layer, whose
-    adapter weights are then set. Returns counts of what was loaded.
+    `paths`: one path or several separated by commas (e.g. a distill checkpoint and its LoRA fine-tune): a
+    LoLCATs `model.pt`, our `longctx_patch.safetensors`, or a folder holding ours plus an optional PEFT
+    `adapter/` (a `longctx finetune` run's `trainable/`; its alpha comes from its adapter_config.json).
+    Missing, unexpected or mis-shaped keys raise CheckpointError listing them; with `skip_unpatched_layers`,
+    keys of layers that are not patched are ignored instead. LoRA deltas are merged into the projection
+    weights (W += alpha / r * B A; unpatch() restores the original weights) unless the projection is a PEFT
+    LoRA layer, whose adapter weights are then set. Returns counts of what was loaded.
     """
     mods = _modules(model, modules)
     if not mods:
         raise CheckpointError("no lolcats/lola layer to load a checkpoint into; patch the model with lolcats first")
     method: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}
-    lora: dict[tuple[int, str, str], tuple[torch.Tensor, str]] = {}
+    lora: dict[tuple[int, str, str], tuple[torch.Tensor, str, float]] = {}
     unexpected: list[str] = []
     for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
-        sd, ours = _read(path)
-        for key, t in sd.items():
-            m = (_OURS if ours else _LOLCATS).match(key if ours else _strip(key))
-            if m is None:
+        for sd, ours, alpha in _read(path):
+            for key, t in sd.items():
+                m = (_OURS if ours else _LOLCATS).match(key if ours else _strip(key))
+                if m is None:
+                    unexpected.append(key)
+                    continue
+                i, rest = int(m.group(1)), m.group(2)
+                if i not in mods:
+                    if not skip_unpatched_layers:
+                        unexpected.append(f"{key} (layer {i} is not patched with lolcats/lola)")
+                    continue
+                if rest in METHOD_KEYS:
+                    method[(i, rest)] = (t, key)
+                    continue
+                lm = _LORA.match(rest)
+                if lm is not None and not ours:
+                    lora[(i, lm.group(1), lm.group(2))] = (t, key, lora_alpha if alpha is None else alpha)
+                    continue
                 unexpected.append(key)
-                continue
-            i, rest = int(m.group(1)), m.group(2)
-            if i not in mods:
-                unexpected.append(f"{key} (layer {i} is not patched with lolcats/lola)")
-                continue
-            if rest in METHOD_KEYS:
-                method[(i, rest)] = (t, key)
-                continue
-            lm = _LORA.match(rest)
-            if lm is not None and not ours:
-                lora[(i, lm.group(1), lm.group(2))] = (t, key)
-                continue
-            unexpected.append(key)
     missing = [f"layers.{i}.self_attn.{n}" for i in sorted(mods) for n in METHOD_KEYS if (i, n) not in method]
-    for (i, proj, ab), (_, key) in lora.items():
+    for (i, proj, ab), (_, key, _) in lora.items():
         if (i, proj, "B" if ab == "A" else "A") not in lora:
             missing.append(key.replace(f"lora_{ab}", f"lora_{'B' if ab == 'A' else 'A'}"))
     shapes = []
@@ -122,7 +159,7 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
         own = mods[i].get_parameter(name)
         if tuple(t.shape) != tuple(own.shape):
             shapes.append(f"{key}: expected {tuple(own.shape)}, got {tuple(t.shape)}")
-    for (i, proj, ab), (t, key) in lora.items():
+    for (i, proj, ab), (t, key, _) in lora.items():
         w = _base_weight(getattr(mods[i], proj))
         other = lora.get((i, proj, "B" if ab == "A" else "A"))
         if t.dim() != 2:
@@ -149,12 +186,10 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
         for (i, name), (t, _) in method.items():
             p = mods[i].get_parameter(name)
             p.copy_(t.to(device=p.device, dtype=p.dtype))
-        for (i, proj, ab), (t, _) in lora.items():
+        for (i, proj, ab), (t, _, alpha) in lora.items():
             if ab != "A":
                 continue
-            A = t
-            Bm = lora[(i, proj, "B")][0]
-            _apply_lora(getattr(mods[i], proj), A, Bm, lora_alpha)
+            _apply_lora(model, i, proj, getattr(mods[i], proj), t, lora[(i, proj, "B")][0], alpha)
     return {"layers": len({i for i, _ in method}), "lora_pairs": sum(1 for k in lora if k[2] == "A")}
 
 
@@ -163,7 +198,7 @@ def _base_weight(proj) -> torch.Tensor:
     return base.weight
 
 
-def _apply_lora(proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
+def _apply_lora(model, layer: int, name: str, proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
     la = getattr(proj, "lora_A", None)
     if la is not None and hasattr(la, "keys") and "default" in la.keys():
         pa, pb = la["default"].weight, proj.lora_B["default"].weight
@@ -173,7 +208,9 @@ def _apply_lora(proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
         pa.copy_(A.to(pa.device, pa.dtype))
         pb.copy_(B.to(pb.device, pb.dtype))
         return
-    w = _base_weight(proj)
+    from ...patcher import keep_original_weight
+
+    w = keep_original_weight(model, layer, name)
     r = A.shape[0]
     delta = (B.float() @ A.float()) * (alpha / r)
     w.copy_((w.float() + delta.to(w.device)).to(w.dtype))

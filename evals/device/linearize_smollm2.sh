@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Linearize SmolLM2-135M-Instruct on one GPU (recipes/linearize.yaml) and evaluate it. Two steps, run from the
+# repository root on the GPU machine, after the model is assembled at $MODEL (see evals/README.md, "GPU runs"):
+#   evals/device/linearize_smollm2.sh train   # attention transfer + LoRA -> $RUN, asset -> $RUN/asset
+#   evals/device/linearize_smollm2.sh eval    # NIAH + perplexity: unpatched, sliding-window, lolcats, lola
+# Data (a git-ignored folder copied beside the repository): $DATA/train (essays + Shakespeare) and
+# $DATA/heldout (essays never trained on: the NIAH haystack and the perplexity text); $STDLIB adds every
+# other top-level module of the Python standard library to the training text.
+set -euo pipefail
+STEP=${1:?usage: $0 train|eval}
+MODEL=${MODEL:-/tmp/smollm2.gguf}
+DATA=${DATA:-.device-data}
+RUN=${RUN:-/tmp/linearize}
+OUT=${OUT:-evals/results}
+STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+TRANSFER_STEPS=${TRANSFER_STEPS:-1200}
+LORA_STEPS=${LORA_STEPS:-600}
+TRANSFER_MAX_S=${TRANSFER_MAX_S:-240}
+LORA_MAX_S=${LORA_MAX_S:-150}
+SAMPLES=${SAMPLES:-2}
+LENGTHS=${LENGTHS:-1k,2k,4k,8k}
+DEPTHS=${DEPTHS:-0,0.25,0.5,0.75,1}
+CONTEXTS=${CONTEXTS:-2k,4k,8k}
+EXTRA=${EXTRA:-}  # more finetune options, e.g. --set stages.transfer.batch_size=2
+export LONGCTX_ASSET_PATH=$RUN/assets
+
+if [ "$STEP" = train ]; then
+  rm -rf /tmp/train-text && mkdir -p /tmp/train-text/stdlib
+  cp -r "$DATA"/train/* /tmp/train-text/
+  ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
+  du -sh /tmp/train-text/*
+  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text /tmp/train-text --output "$RUN" -q \
+    --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
+    --set stages.transfer.eval_every=200 --set stages.transfer.save_every=100000 \
+    --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
+    --set stages.lora.eval_every=200 --set stages.lora.save_every=100000 \
+    --set output.lolcats_export=true --results "$OUT/linearize-smollm2-135m-train.json" $EXTRA
+  python3 - "$MODEL" "$RUN" <<'PY'
+import sys
+from longctx_patch.models import load_model_only
+from longctx_patch.assets import write_asset
+from longctx_patch.evals.common import git_commit
+model = load_model_only(sys.argv[1])
+out = write_asset(sys.argv[2], model, sys.argv[2] + "/assets/smollm2-135m-instruct-lolcats",
+                  name="smollm2-135m-instruct-lolcats",
+                  description="SmolLM2-135M-Instruct linearized with recipes/linearize.yaml",
+                  extra={"commit": git_commit(), "recipe": "recipes/linearize.yaml"})
+print("asset:", out)
+PY
+  mkdir -p "$OUT/linearize-run" && cp -r "$RUN"/assets "$RUN"/train_log.json "$OUT/linearize-run/"
+  cp "$RUN"/trainable/lolcats/model.pt "$OUT/linearize-run/" 2>/dev/null || true
+  exit 0
+fi
+
+# eval: every method in its own process (the small model leaves the GPU idle between launches)
+M="--model $MODEL --no-progress --out-dir $OUT"
+pids=()
+for meth in none 'sliding-window(window=256)' lolcats 'lola(window=64,sparse_cache=64)' \
+            'lola(window=128,sparse_cache=128)' 'lola(window=256,sparse_cache=256)'; do
+  tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
+  python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2,mk-niah --lengths "$LENGTHS" \
+    --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --name "niah-linearized-$tag" > "$OUT/niah-linearized-$tag.log" 2>&1 &
+  pids+=($!)
+done
+python3 -m cli.main eval ppl $M --method none --method 'sliding-window(window=256)' --method lolcats \
+  --method 'lola(window=64,sparse_cache=64)' --method 'lola(window=128,sparse_cache=128)' \
+  --method 'lola(window=256,sparse_cache=256)' --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+  --name ppl-linearized > "$OUT/ppl-linearized.log" 2>&1 &
+pids+=($!)
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+tail -n 30 "$OUT"/*.log
+exit $rc

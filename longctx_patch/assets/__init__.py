@@ -1,0 +1,164 @@
+"""Packaged trained weights of the `lolcats` / `lola` methods for models we ship them for.
+
+An asset is a folder holding what a `longctx finetune recipes/linearize.yaml` run saved under `trainable/`
+(`longctx_patch.safetensors`: feature maps + window factors; `adapter/`: the PEFT LoRA adapter) and an
+`asset.json` describing the base model it was trained on: its shape and a fingerprint of its token
+embeddings, so that `checkpoint=auto` (the default of `lolcats` and `lola`) picks the asset only for that
+model. Folders are searched in the package's own `assets/` and then in every folder of the environment
+variable LONGCTX_ASSET_PATH (os.pathsep-separated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import CheckpointError
+
+ASSET_JSON = "asset.json"
+ENV_PATH = "LONGCTX_ASSET_PATH"
+PACKAGE_DIR = Path(__file__).resolve().parent
+SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size")
+FINGERPRINT_ROWS = (0, 1, 2, 13, 100, 1000, 4096, 10000, 30000)
+FINGERPRINT_COLS = 32
+MIN_COSINE = 0.98  # the fingerprint of a re-quantised or differently rounded copy of the same model still matches
+
+
+@dataclass
+class Asset:
+    path: Path
+    info: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.info.get("name", self.path.name)
+
+
+def search_dirs() -> list[Path]:
+    dirs = [PACKAGE_DIR]
+    for d in os.environ.get(ENV_PATH, "").split(os.pathsep):
+        if d.strip():
+            dirs.append(Path(d.strip()).expanduser())
+    return dirs
+
+
+def iter_assets() -> Iterator[Asset]:
+    for d in search_dirs():
+        if not d.is_dir():
+            continue
+        for sub in sorted(d.iterdir()):
+            meta = sub / ASSET_JSON
+            if meta.is_file():
+                try:
+                    info = json.loads(meta.read_text())
+                except (OSError, json.JSONDecodeError):
+                    continue
+                yield Asset(sub, info)
+
+
+def _model_config(model):
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def model_shape(model) -> dict[str, Any]:
+    cfg = _model_config(model)
+    out = {k: getattr(cfg, k, None) for k in SHAPE_KEYS}
+    if out["head_dim"] is None and out["hidden_size"] and out["num_attention_heads"]:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    return out
+
+
+def fingerprint(model) -> list[float] | None:
+    """A few rows of the input embedding (first FINGERPRINT_COLS columns), or None without embeddings."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if w is None or w.dim() != 2:
+        return None
+    rows = [r for r in FINGERPRINT_ROWS if r < w.shape[0]]
+    cols = min(FINGERPRINT_COLS, w.shape[1])
+    return w.detach()[rows, :cols].float().cpu().reshape(-1).tolist()
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        return -1.0
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(torch.nn.functional.cosine_similarity(ta, tb, dim=0))
+
+
+def matches(asset: Asset, model, method_config) -> bool:
+    if model_shape(model) != asset.info.get("model_shape"):
+        return False
+    want = asset.info.get("method_config", {})
+    if "feature_dim" in want and getattr(method_config, "feature_dim", None) != want["feature_dim"]:
+        return False
+    fp = fingerprint(model)
+    return fp is not None and _cosine(fp, asset.info.get("fingerprint", [])) >= MIN_COSINE
+
+
+def find_asset(model, method_config, kind: str = "lolcats") -> Asset | None:
+    """The first asset of `kind` trained for `model` (same shape, matching embedding fingerprint) with the
+    same feature_dim as `method_config`; None when there is none."""
+    for a in iter_assets():
+        if a.info.get("kind") == kind and matches(a, model, method_config):
+            return a
+    return None
+
+
+def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *, name: str,
+                description: str, dtype: torch.dtype = torch.float16, extra: dict[str, Any] | None = None) -> Path:
+    """Turns the `trainable/` folder of a linearize run into an asset folder: weights cast to `dtype`
+    (float16 by default: half the bytes, well within the methods' tolerances), the adapter config, and an
+    `asset.json` with the model's shape and fingerprint (`model` = the base model the run started from)."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(trainable_dir)
+    if (src / "trainable").is_dir():
+        src = src / "trainable"
+    weights = src / "longctx_patch.safetensors"
+    rec = src / "longctx_patch.json"
+    if not weights.exists() or not rec.exists():
+        raise CheckpointError(f"{src} lacks longctx_patch.safetensors/longctx_patch.json; pass a linearize run's "
+                              "output folder or its trainable/ subfolder")
+    record = json.loads(rec.read_text())
+    methods = {g["method"] for g in record.get("groups", [record])}
+    if methods - {"lolcats", "lola"}:
+        raise CheckpointError(f"{src} was trained with {sorted(methods)}; assets hold lolcats/lola weights only")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def cast(sd):
+        return {k: v.to(dtype).contiguous() for k, v in sd.items()}
+
+    save_file(cast(load_file(str(weights))), str(out / "longctx_patch.safetensors"))
+    shutil.copy(rec, out / "longctx_patch.json")
+    adapter = src / "adapter"
+    if (adapter / "adapter_config.json").exists():
+        (out / "adapter").mkdir(exist_ok=True)
+        shutil.copy(adapter / "adapter_config.json", out / "adapter" / "adapter_config.json")
+        save_file(cast(load_file(str(adapter / "adapter_model.safetensors"))),
+                  str(out / "adapter" / "adapter_model.safetensors"))
+    cfg = record.get("config") or record.get("groups", [{}])[0].get("config", {})
+    info = {
+        "name": name,
+        "kind": "lolcats",
+        "description": description,
+        "model_shape": model_shape(model),
+        "fingerprint": fingerprint(model),
+        "method_config": {k: cfg[k] for k in ("window", "feature_dim", "affine_factors") if k in cfg},
+        "dtype": str(dtype).replace("torch.", ""),
+        **(extra or {}),
+    }
+    (out / ASSET_JSON).write_text(json.dumps(info, indent=2) + "\n")
+    return out
+
+
+__all__ = ["Asset", "find_asset", "fingerprint", "iter_assets", "matches", "search_dirs", "write_asset"]
