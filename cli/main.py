@@ -80,7 +80,21 @@ def _load_and_patch(model, method, sets, layers, device, dtype):
     m, tok = lp.load_model(model, dtype=dtype, device=device)
     if method:
         lp.patch(m, method, layers=layers, **config)
+        for src in _weight_sources(m):
+            click.echo(f"method weights: {src}", err=True)
     return m, tok
+
+
+def _weight_sources(model) -> list[str]:
+    """Where the patched layers' trained weights came from (methods that load weights set `weights_source`)."""
+    from longctx_patch.patcher import _state
+
+    seen = []
+    for mod in _state(model).modules.values():
+        src = getattr(mod, "weights_source", None)
+        if src and src not in seen:
+            seen.append(src)
+    return seen
 
 
 @main.command()
@@ -139,6 +153,8 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
 
     groups = "; ".join(f"{g.method} on layers {_ranges(g.layers)} with {g.config.to_dict()}" for g in st.groups)
     click.echo(f"patched: {groups}")
+    for src in _weight_sources(m):
+        click.echo(f"method weights: {src}")
     click.echo(f"layers patched: {len(st.modules)}/{n_layers}")
     click.echo(f"parameters added: {added:,} ({100 * added / max(total - added, 1):.3f}% of {total - added:,})")
     click.echo(f"decode state ({kv_dtype}, batch 1) vs full KV cache:")

@@ -56,6 +56,15 @@ def test_parse_methods_targets_keys():
     assert parse_methods(["unpatched"])[0].name == "none"
 
 
+def test_parse_methods_inline_configs_compare_a_method_with_itself():
+    runs = parse_methods(["lolcats", "lola(window=64,sparse_cache=64)", "lola(window=256, sparse_cache=256)", "lola"],
+                         ["lola.chunk=32", "lola.window=128"])
+    assert [r.label for r in runs] == [
+        "lolcats", "lola(chunk=32,window=64,sparse_cache=64)", "lola(chunk=32,window=256,sparse_cache=256)",
+        "lola(chunk=32,window=128)"]  # --set reaches every lola entry; inline values win
+    assert runs[1].config == {"chunk": 32, "window": 64, "sparse_cache": 64}
+
+
 @pytest.mark.parametrize(
     "methods, sets, words",
     [
@@ -66,6 +75,12 @@ def test_parse_methods_targets_keys():
         (["sliding-window"], ["sliding-window.window=0"], "window"),
         (["sliding-window"], ["window"], "METHOD.KEY=VALUE"),
         (["exact", "exact"], [], "twice"),
+        (["lola(window=64)", "lola(window=64)"], [], "twice"),
+        (["lola(window=64"], [], "NAME(KEY=VALUE,...)"),
+        (["lola(window)"], [], "is not KEY=VALUE"),
+        (["lola(windw=3)"], [], "no key 'windw'"),
+        (["none(window=3)"], [], "has no config"),
+        (["lola(window=0)"], [], "window"),
         ([], [], "no method"),
     ],
 )

@@ -220,16 +220,18 @@ def size_label(n: int) -> str:
 # ----------------------------------------------------------------------------------------------- results
 @functools.lru_cache(maxsize=None)
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """`git rev-parse --short HEAD` in `cwd` (default: this package's folder), first value per process;
-    where the tree has no .git (a copy on another machine), $LONGCTX_COMMIT, else "unknown"."""
+    """$LONGCTX_COMMIT when set (copies of the tree on another machine, whose .git may be missing or stale),
+    else `git rev-parse --short HEAD` in `cwd` (default: this package's folder), else "unknown"."""
+    if os.environ.get("LONGCTX_COMMIT"):
+        return os.environ["LONGCTX_COMMIT"]
     cwd = cwd if cwd is not None else Path(__file__).resolve().parent
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
         )
-        return out.stdout.strip() or os.environ.get("LONGCTX_COMMIT", "unknown")
+        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LONGCTX_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_description(device=None) -> str:

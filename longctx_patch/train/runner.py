@@ -26,7 +26,6 @@ import platform
 import random
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, LongctxError
+from ..evals.common import git_commit
 from .data import BatchOrder, PackedData, load_documents, local_slice, make_packed, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import ADAPTER_DIR, TRAINABLE_DIR
@@ -47,19 +47,6 @@ MODEL_DIR = "model"
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """`git rev-parse --short HEAD`, or $LONGCTX_COMMIT (for copies of the tree without .git, e.g. on a device)."""
-    if os.environ.get("LONGCTX_COMMIT"):
-        return os.environ["LONGCTX_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def device_description(device: torch.device, world: int) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -680,7 +667,7 @@ class Finetuner:
         return {
             "device": device_description(self.accelerator.device, self.world),
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": git_commit(Path(__file__).resolve().parent),
+            "commit": git_commit(),
             "command": self.command,
             "model": r.model,
             "method": r.method,

@@ -1,0 +1,145 @@
+"""Packaged linearized weights (`checkpoint=auto`), checkpoint folders with a PEFT adapter, unpatch after a merge."""
+
+import json
+
+import pytest
+import torch
+
+import longctx_patch as lp
+from longctx_patch import assets
+from longctx_patch.patcher import _patch_record, _state, method_state_dict
+
+from conftest import REPO, SHARED_DATA, tiny_model
+
+ASSET = REPO / "longctx_patch" / "assets" / "smollm2-135m-instruct-lolcats"
+
+
+def _trained_run_dir(tmp_path, model, seed=0):
+    """A `trainable/` folder as `longctx finetune` writes it: lolcats weights (perturbed away from the fresh
+    init so that loading is visible) + a PEFT LoRA adapter with non-zero B."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    lp.patch(model, "lolcats", checkpoint="none", window=4, chunk=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "feature_map" in n or "window_factors" in n:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    d = tmp_path / "trainable"
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in method_state_dict(model).items()}, str(d / "longctx_patch.safetensors"))
+    (d / "longctx_patch.json").write_text(json.dumps(_patch_record(model)))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    peft_model.save_pretrained(str(d / "adapter"))
+    return d, peft_model
+
+
+def test_checkpoint_folder_with_adapter_matches_the_trained_model_and_unpatch_restores(tmp_path):
+    ids = torch.randint(3, 128, (2, 23))
+    trained = tiny_model()
+    d, peft_model = _trained_run_dir(tmp_path, trained)
+    with torch.no_grad():
+        want = peft_model(ids).logits
+
+    model = tiny_model()
+    with torch.no_grad():
+        before = model(ids).logits
+    lp.patch(model, "lolcats", checkpoint=str(d), window=4, chunk=4)
+    assert _state(model).modules[0].weights_source == f"checkpoint {d}"
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, before, atol=1e-3)
+    lp.unpatch(model)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(after, before), "unpatch() must put back the weights the LoRA delta was merged into"
+
+
+def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
+    ids = torch.randint(3, 128, (1, 19))
+    trained = tiny_model()
+    d, peft_model = _trained_run_dir(tmp_path, trained)
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    base = tiny_model()
+    out = assets.write_asset(d, base, tmp_path / "assets" / "tiny", name="tiny", description="test",
+                             dtype=torch.float32)
+    info = json.loads((out / "asset.json").read_text())
+    assert info["model_shape"]["num_hidden_layers"] == 3 and info["method_config"]["feature_dim"] == 64
+    monkeypatch.setenv(assets.ENV_PATH, str(tmp_path / "assets"))
+
+    same = tiny_model()  # same seed: the same base model
+    lp.patch(same, "lolcats", window=4, chunk=4)
+    assert _state(same).modules[0].weights_source.startswith("packaged asset tiny")
+    with torch.no_grad():
+        torch.testing.assert_close(same(ids).logits, want, rtol=1e-5, atol=1e-5)
+    lp.unpatch(same)
+
+    lola = tiny_model()
+    lp.patch(lola, "lola", window=4, chunk=4, sparse_cache=0)  # lambda = 0: the same model as lolcats
+    with torch.no_grad():
+        torch.testing.assert_close(lola(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+    other = tiny_model(seed=1)  # same shape, other weights: the fingerprint does not match
+    lp.patch(other, "lolcats", window=4, chunk=4)
+    assert _state(other).modules[0].weights_source.startswith("fresh feature maps")
+
+    narrow = tiny_model()
+    lp.patch(narrow, "lolcats", window=4, chunk=4, feature_dim=16)  # the asset's feature maps would not fit
+    assert _state(narrow).modules[0].weights_source.startswith("fresh feature maps")
+
+    some = tiny_model()  # a subset of the layers takes the asset's weights for those layers
+    lp.patch(some, "lolcats", layers=[1], window=4, chunk=4)
+    assert _state(some).modules[1].weights_source.startswith("packaged asset tiny")
+
+
+def test_write_asset_refuses_other_methods(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "longctx_patch.safetensors").write_bytes(b"")
+    (d / "longctx_patch.json").write_text(json.dumps({"method": "ovq", "config": {}, "layers": [0]}))
+    with pytest.raises(lp.CheckpointError, match="lolcats/lola weights only"):
+        assets.write_asset(d, tiny_model(), tmp_path / "out", name="x", description="x")
+
+
+def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
+    """The shipped SmolLM2 asset: found by checkpoint=auto, close to the original model on held-out text
+    within its training length (1k), far better than fresh feature maps, and unpatch is exact."""
+    model, tok = smollm2
+    assert (ASSET / "asset.json").exists() and (ASSET / "adapter" / "adapter_config.json").exists()
+    essay = (SHARED_DATA / "pg_essays" / "avg.txt").read_text()  # held out of the linearize run's training text
+    ids = tok(essay, return_tensors="pt").input_ids[:, :768]
+    with torch.no_grad():
+        ref = model(ids, labels=ids)
+    losses = {}
+    for ck in ("auto", "none"):
+        lp.patch(model, "lola", checkpoint=ck, window=64, sparse_cache=64)
+        src = _state(model).modules[0].weights_source
+        assert src.startswith("packaged asset" if ck == "auto" else "fresh feature maps"), src
+        with torch.no_grad():
+            losses[ck] = model(ids, labels=ids).loss.item()
+        lp.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref.logits)
+    base = ref.loss.item()
+    assert losses["auto"] < base + 0.15, (losses, base)  # measured: +0.09 nats at 768 tokens
+    assert losses["none"] > losses["auto"] + 1.0, (losses, base)
+
+
+def test_generate_cli_runs_lola_on_the_embedded_model(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    prompt = tmp_path / "essay.txt"
+    prompt.write_text((SHARED_DATA / "pg_essays" / "avg.txt").read_text()[:3000] + "\n\nSummarise the essay in one sentence.")
+    res = CliRunner().invoke(main, ["generate", "--model", "smollm2-135m", "--method", "lola", "--prompt-file",
+                                   str(prompt), "--max-new-tokens", "8", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "method weights: packaged asset smollm2-135m-instruct-lolcats" in res.output, res.output
