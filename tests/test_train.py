@@ -161,7 +161,7 @@ def test_linearize_recipe_is_valid_and_overridable():
     )
     assert r2.stages[0].lr == pytest.approx(1e-3) and r2.stages[1].steps == 7
     assert [s.seq_len for s in r2.stages] == [128, 128]
-    assert r2.method_config == {"window": 32, "init_window_factor": -2.197} and r2.data.text == "/x" and r2.layers == [0, 2]
+    assert r2.method_config == {"window": 32, "init_window_factor": -2.197, "checkpoint": "none"} and r2.data.text == "/x" and r2.layers == [0, 2]
     assert r2.fingerprint() != r.fingerprint()
     assert load_recipe(REPO / "recipes" / "linearize.yaml", ["stages.0.lr=5e-3"]).fingerprint() == r.fingerprint()
 
