@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
+from longctx_patch.evals.common import git_commit  # noqa: E402
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script only
 if SMOKE:
@@ -36,11 +36,7 @@ RES: dict = {
     "command": "PYTHONPATH=. python3 evals/bench_lola.py",
     "torch": torch.__version__,
 }
-try:
-    RES["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                   cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-except Exception:  # noqa: BLE001
-    RES["commit"] = "unknown"
+RES["commit"] = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
 ROWS: list[tuple[str, str]] = []
 
 

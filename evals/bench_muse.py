@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from longctx_patch.kernels.muse import make_plan, muse_attention
 from longctx_patch.kernels.muse.reference import muse_reference_planned
 from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned
+from longctx_patch.evals.common import git_commit  # noqa: E402
 
 RES: dict = {}
 OUT = os.environ.get("OUT") or "evals/results"
@@ -232,7 +232,7 @@ def main():
     ap.add_argument("--config", default='{"block_size": 128, "q_clusters": 4, "k_clusters": 4, "topk_blocks": 2, '
                                         '"topk_clusters": 4}')
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     RES.update(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), commit=commit, command="PYTHONPATH=. python3 evals/bench_muse.py " + " ".join(sys.argv[1:]),
         torch=torch.__version__, triton=triton.__version__, config=json.loads(args.config))

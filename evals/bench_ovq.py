@@ -11,20 +11,16 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from longctx_patch.evals.common import git_commit  # noqa: E402
 
 
 def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("LONGCTX_COMMIT", "unknown")
+    return git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
 
 
 def rel(a, b) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -19,6 +18,7 @@ import traceback
 import torch
 
 import longctx_patch as lp
+from longctx_patch.evals.common import git_commit  # noqa: E402
 
 METHODS = {
     "muse": ({"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
@@ -97,11 +97,7 @@ def main():
                      "traceback": traceback.format_exc()[-2000:]}
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
-    try:  # the device copy of the tree has no .git: pass LONGCTX_COMMIT there
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("LONGCTX_COMMIT", "")
+    commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
            "command": "PYTHONPATH=. python3 evals/gpu_integration.py", "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import longctx_patch
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.methods.exact import softmax_attention
+from longctx_patch.evals.common import git_commit  # noqa: E402
 
 GRID = [
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
@@ -83,7 +83,7 @@ def main():
         rows.append(row)
         print(f"{json.dumps(cfg):110s} mean {row['mean_rel_err']:.4f} max {row['max_rel_err']:.4f} "
               f"({time.time() - t0:.0f}s)", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
                layers=list(layers),
