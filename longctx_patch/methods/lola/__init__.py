@@ -62,10 +62,14 @@ def convert_to_lola(model, sparse_cache: int = 256, **overrides):
                           "Unpatch and patch the layers with lola directly instead")
     groups = [(g.layers, g.config.to_dict()) for g in st.groups]
     sd = {k: v.clone() for k, v in method_state_dict(model).items()}
+    # weights a checkpoint merged LoRA deltas into stay merged; unpatch() of the lola model restores them
+    saved = dict(st.saved_weights)
+    st.saved_weights.clear()
     unpatch(model)
     for layers, cfg in groups:
         cfg = {**cfg, "checkpoint": None, "sparse_cache": sparse_cache, **overrides}
         patch(model, "lola", layers=layers, **cfg)
+    _state(model).saved_weights.update(saved)
     load_method_state_dict(model, sd, source="the lolcats parameters")
     return model
 
