@@ -80,7 +80,7 @@ def fingerprint(model) -> list[float] | None:
     """A few rows of the input embedding (first FINGERPRINT_COLS columns), or None without embeddings."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     w = getattr(emb, "weight", None)
-    if w is None or w.dim() != 2:
+    if w is None or w.dim() != 2 or w.is_meta:  # no embeddings, or weights not materialised yet
         return None
     rows = [r for r in FINGERPRINT_ROWS if r < w.shape[0]]
     cols = min(FINGERPRINT_COLS, w.shape[1])
