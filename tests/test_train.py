@@ -144,6 +144,16 @@ def write_recipe(path: Path, d: dict) -> Path:
 REPO = Path(__file__).resolve().parent.parent
 
 
+def test_linearize_extend_recipe_continues_from_trained_weights():
+    from longctx_patch.train import load_recipe
+
+    r = load_recipe(REPO / "recipes" / "linearize-extend.yaml")
+    assert [s.objective for s in r.stages] == ["attention_transfer"] and r.stages[0].trainable == ["method"]
+    assert r.stages[0].seq_len == 4096 and r.method == "lolcats" and r.method_config == {"checkpoint": "auto"}
+    assert load_recipe(REPO / "recipes" / "linearize-extend.yaml", ["method_config.checkpoint=/x"]).method_config == {
+        "checkpoint": "/x"}
+
+
 def test_linearize_recipe_is_valid_and_overridable():
     from longctx_patch.train import load_recipe
 
