@@ -134,7 +134,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref.logits)
     base = ref.loss.item()
-    assert losses["auto"] < base + 0.15, (losses, base)  # measured: +0.09 nats at 768 tokens
+    assert losses["auto"] < base + 0.2, (losses, base)  # measured: +0.13 nats at 768 tokens (fresh maps: +2.4)
     assert losses["none"] > losses["auto"] + 1.0, (losses, base)
 
 
