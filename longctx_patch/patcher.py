@@ -246,13 +246,14 @@ def _restore(decoder, st: PatchState, i: int) -> None:
             setattr(orig, name, sub)
     for (layer, name) in [key for key in st.saved_weights if key[0] == i]:
         saved = st.saved_weights.pop((layer, name))
-        w = _shared_weight(getattr(orig, name))
+        w = shared_weight(getattr(orig, name))
         with torch.no_grad():
             w.copy_(saved.to(device=w.device, dtype=w.dtype))
     decoder[i].self_attn = orig
 
 
-def _shared_weight(proj: nn.Module) -> torch.Tensor:
+def shared_weight(proj: nn.Module) -> torch.Tensor:
+    """The weight of a projection, or of the layer a PEFT wrapper holds (`base_layer`)."""
     return getattr(proj, "base_layer", proj).weight
 
 
@@ -260,7 +261,7 @@ def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tenso
     """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
     in place: keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
     st = _state(model)
-    w = _shared_weight(getattr(st.modules[layer], name))
+    w = shared_weight(getattr(st.modules[layer], name))
     if (layer, name) not in st.saved_weights:
         st.saved_weights[(layer, name)] = w.detach().to("cpu", copy=True)
     return w

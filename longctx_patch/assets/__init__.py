@@ -94,21 +94,18 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return float(torch.nn.functional.cosine_similarity(ta, tb, dim=0))
 
 
-def matches(asset: Asset, model, method_config) -> bool:
-    if model_shape(model) != asset.info.get("model_shape"):
-        return False
-    want = asset.info.get("method_config", {})
-    if "feature_dim" in want and getattr(method_config, "feature_dim", None) != want["feature_dim"]:
-        return False
-    fp = fingerprint(model)
-    return fp is not None and _cosine(fp, asset.info.get("fingerprint", [])) >= MIN_COSINE
-
-
 def find_asset(model, method_config, kind: str = "lolcats") -> Asset | None:
-    """The first asset of `kind` trained for `model` (same shape, matching embedding fingerprint) with the
-    same feature_dim as `method_config`; None when there is none."""
+    """The first asset of `kind` trained for `model` (same shape, embedding fingerprint with cosine similarity
+    >= MIN_COSINE) with the same feature_dim as `method_config`; None when there is none."""
+    shape, fp = model_shape(model), None
     for a in iter_assets():
-        if a.info.get("kind") == kind and matches(a, model, method_config):
+        want = a.info.get("method_config", {})
+        if a.info.get("kind") != kind or a.info.get("model_shape") != shape:
+            continue
+        if "feature_dim" in want and getattr(method_config, "feature_dim", None) != want["feature_dim"]:
+            continue
+        fp = fingerprint(model) if fp is None else fp
+        if fp is not None and _cosine(fp, a.info.get("fingerprint", [])) >= MIN_COSINE:
             return a
     return None
 
@@ -161,4 +158,4 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     return out
 
 
-__all__ = ["Asset", "find_asset", "fingerprint", "iter_assets", "matches", "search_dirs", "write_asset"]
+__all__ = ["Asset", "find_asset", "fingerprint", "iter_assets", "search_dirs", "write_asset"]

@@ -16,6 +16,7 @@ import re
 import torch
 
 from ...errors import CheckpointError
+from ...patcher import shared_weight
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -160,7 +161,7 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
         if tuple(t.shape) != tuple(own.shape):
             shapes.append(f"{key}: expected {tuple(own.shape)}, got {tuple(t.shape)}")
     for (i, proj, ab), (t, key, _) in lora.items():
-        w = _base_weight(getattr(mods[i], proj))
+        w = shared_weight(getattr(mods[i], proj))
         other = lora.get((i, proj, "B" if ab == "A" else "A"))
         if t.dim() != 2:
             shapes.append(f"{key}: expected a matrix, got {tuple(t.shape)}")
@@ -191,11 +192,6 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
                 continue
             _apply_lora(model, i, proj, getattr(mods[i], proj), t, lora[(i, proj, "B")][0], alpha)
     return {"layers": len({i for i, _ in method}), "lora_pairs": sum(1 for k in lora if k[2] == "A")}
-
-
-def _base_weight(proj) -> torch.Tensor:
-    base = getattr(proj, "base_layer", proj)
-    return base.weight
 
 
 def _apply_lora(model, layer: int, name: str, proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
