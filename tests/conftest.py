@@ -66,3 +66,31 @@ def pg_essays_dir():
     if not d.is_dir():
         pytest.fail(f"test data {d} is missing (the repo expects ../shared/data beside it)")
     return d
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_left_padded_batch_matches_single(model, lens, max_new_tokens: int, seed: int = 4) -> None:
+    """Greedy generate() of a left-padded batch of random prompts (lengths `lens`) gives, row by row, the
+    tokens (prompt and continuation) of generating each prompt alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in lens]
+    L = max(lens)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        for r, p in enumerate(prompts):
+            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            assert torch.equal(batch[r, L - len(p):], one[0]), (r, batch[r], one[0])

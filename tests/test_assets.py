@@ -14,12 +14,14 @@ from conftest import REPO, SHARED_DATA, tiny_model
 ASSET = REPO / "longctx_patch" / "assets" / "smollm2-135m-instruct-lolcats"
 
 
-def _trained_run_dir(tmp_path, model, seed=0):
-    """A `trainable/` folder as `longctx finetune` writes it: lolcats weights (perturbed away from the fresh
-    init so that loading is visible) + a PEFT LoRA adapter with non-zero B."""
+def _trained_run_dir(tmp_path, ids, seed=0):
+    """A `trainable/` folder as `longctx finetune` writes it, from a tiny model: lolcats weights (perturbed
+    away from the fresh init so that loading is visible) + a PEFT LoRA adapter with non-zero B.
+    Returns (folder, the trained model's logits on `ids`)."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
 
+    model = tiny_model()
     lp.patch(model, "lolcats", checkpoint="none", window=4, chunk=4)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -36,15 +38,13 @@ def _trained_run_dir(tmp_path, model, seed=0):
             if "lora_B" in n:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     peft_model.save_pretrained(str(d / "adapter"))
-    return d, peft_model
+    with torch.no_grad():
+        return d, peft_model(ids).logits
 
 
 def test_checkpoint_folder_with_adapter_matches_the_trained_model_and_unpatch_restores(tmp_path):
     ids = torch.randint(3, 128, (2, 23))
-    trained = tiny_model()
-    d, peft_model = _trained_run_dir(tmp_path, trained)
-    with torch.no_grad():
-        want = peft_model(ids).logits
+    d, want = _trained_run_dir(tmp_path, ids)
 
     model = tiny_model()
     with torch.no_grad():
@@ -69,10 +69,7 @@ def test_checkpoint_folder_with_adapter_matches_the_trained_model_and_unpatch_re
 
 def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
     ids = torch.randint(3, 128, (1, 19))
-    trained = tiny_model()
-    d, peft_model = _trained_run_dir(tmp_path, trained)
-    with torch.no_grad():
-        want = peft_model(ids).logits
+    d, want = _trained_run_dir(tmp_path, ids)
     base = tiny_model()
     out = assets.write_asset(d, base, tmp_path / "assets" / "tiny", name="tiny", description="test",
                              dtype=torch.float32)

@@ -9,7 +9,7 @@ import longctx_patch as lp
 from longctx_patch.errors import CheckpointError, ConfigError, NotPatchedError
 from longctx_patch.methods.lolcats import LolaLayer, export_lolcats_checkpoint
 
-from conftest import tiny_model
+from conftest import assert_left_padded_batch_matches_single, tiny_model
 
 KW = dict(window=5, feature_dim=8, chunk=4, backend="torch")
 
@@ -85,20 +85,7 @@ def test_left_padded_batch_equals_single_prompts(method, extra, lens):
     pad lengths that are multiples of chunk; lolcats does not depend on that."""
     model = tiny_model("llama")
     lp.patch(model, method, **KW, **extra)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 128, (n,), generator=g) for n in lens]
-    L = max(lens)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = p
-        am[r, L - len(p):] = 1
-    with torch.no_grad():
-        batch = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        for r, p in enumerate(prompts):
-            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=8, do_sample=False, pad_token_id=0)
-            assert torch.equal(batch[r, L - len(p):], one[0]), (r, batch[r], one[0])
+    assert_left_padded_batch_matches_single(model, lens, max_new_tokens=8)
 
 
 def test_cache_bytes_do_not_grow_with_length():

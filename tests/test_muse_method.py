@@ -13,7 +13,7 @@ from longctx_patch.kernels.muse import make_plan, muse_reference_planned  # noqa
 from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned  # noqa: E402
 from longctx_patch.methods import get_method  # noqa: E402
 
-from conftest import tiny_model  # noqa: E402
+from conftest import assert_left_padded_batch_matches_single, tiny_model  # noqa: E402
 
 SMALL = dict(block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0)
 
@@ -87,20 +87,7 @@ def test_short_prompts_and_decode_are_exact():
 def test_left_padded_batch_matches_single_prompts_when_exact():
     model = tiny_model()
     lp.patch(model, "muse", topk_blocks=99, **SMALL)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (37, 20)]
-    L = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = p
-        am[r, L - len(p):] = 1
-    with torch.no_grad():
-        batch = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        for r, p in enumerate(prompts):
-            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=6,
-                                 do_sample=False, pad_token_id=0)
-            assert torch.equal(batch[r, L:], one[0, len(p):])
+    assert_left_padded_batch_matches_single(model, (37, 20), max_new_tokens=6)
 
 
 def test_training_step_through_muse():

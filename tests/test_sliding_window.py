@@ -6,7 +6,7 @@ import torch
 import longctx_patch as lp
 from longctx_patch.methods.exact import attention_mask, softmax_attention
 
-from conftest import tiny_model
+from conftest import assert_left_padded_batch_matches_single, tiny_model
 
 
 def _naive(q, k, v, scale, window, key_mask=None):
@@ -65,20 +65,7 @@ def test_greedy_generate_with_cache_equals_recompute(family):
 def test_left_padded_batch_equals_single_prompts():
     model = tiny_model("llama")
     lp.patch(model, "sliding-window", window=5)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (11, 4, 8)]
-    L = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = p
-        am[r, L - len(p):] = 1
-    with torch.no_grad():
-        batch = model.generate(ids, attention_mask=am, max_new_tokens=9, do_sample=False, pad_token_id=0)
-        for r, p in enumerate(prompts):
-            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=9, do_sample=False, pad_token_id=0)
-            assert torch.equal(batch[r, L:], one[0, len(p):]), f"row {r}"
+    assert_left_padded_batch_matches_single(model, (11, 4, 8), max_new_tokens=9)
 
 
 def test_state_bytes_bounded():

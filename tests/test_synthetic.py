@@ -15,13 +15,7 @@ from longctx_patch.evals import icl, icr, mixers  # noqa: E402
 SMALL_ICR = dict(num_keys=64, num_values=64, num_noise=16)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ ICR data

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from cli.eval_synthetic_cmd import icl_cmd, icr_cmd
@@ -12,13 +11,7 @@ TINY = ["--device", "cpu", "--d-model", "16", "--layers", "1", "--steps", "3", "
         "--tokens-per-step", "128", "--eval-sequences", "2", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_icr_command_writes_results(tmp_path):
