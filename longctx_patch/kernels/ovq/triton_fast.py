@@ -249,6 +249,17 @@ def _blk(M: int) -> tuple[int, int]:
     return 128, 8
 
 
+def _assign_scratch(splits: int, B: int, H: int, C: int, device):
+    """Buffers of the assignment kernels for one chunk of C keys: per dictionary-row split, the best
+    similarity, the spread statistic and the row index (pmax, pbest, pidx); reduced, the best similarity,
+    its row and the rank of each key (best, idx, rank)."""
+    n = B * H * C
+    pmax = torch.empty(splits * n, device=device, dtype=torch.float32)
+    return (pmax, torch.empty_like(pmax), torch.empty(splits * n, device=device, dtype=torch.int64),
+            torch.empty(n, device=device, dtype=torch.float32), torch.empty(n, device=device, dtype=torch.int64),
+            torch.empty(n, device=device, dtype=torch.int32))
+
+
 def _rows_per_split(M: int) -> int:
     env = os.environ.get("LONGCTX_OVQ_SPLIT_ROWS")
     if env:
@@ -296,12 +307,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         nnew_t = (t_after - t_before).t().to(torch.int32).contiguous()
         R_st = _rows_per_split(C)
         P_st = triton.cdiv(max_centroids, R_st)
-        pmax = torch.empty(P_st * B * H * C, device=q.device, dtype=torch.float32)
-        pbest = torch.empty_like(pmax)
-        pidx = torch.empty(P_st * B * H * C, device=q.device, dtype=torch.int64)
-        best = torch.empty(B * H * C, device=q.device, dtype=torch.float32)
-        idx = torch.empty(B * H * C, device=q.device, dtype=torch.int64)
-        rank = torch.empty(B * H * C, device=q.device, dtype=torch.int32)
+        pmax, pbest, pidx, best, idx, rank = _assign_scratch(P_st, B, H, C, q.device)
     BI = 64
     for t, s0 in enumerate(range(0, L, C)):
         e = min(s0 + C, L)
@@ -362,12 +368,7 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     nnew = n_new.to(torch.int32).contiguous()
     R = _rows_per_split(C)
     ns = max(1, triton.cdiv(n_dict, R))
-    pmax = torch.empty(ns * B * H * C, device=k.device, dtype=torch.float32)
-    pbest = torch.empty_like(pmax)
-    pidx = torch.empty(ns * B * H * C, device=k.device, dtype=torch.int64)
-    best = torch.empty(B * H * C, device=k.device, dtype=torch.float32)
-    idx = torch.empty(B * H * C, device=k.device, dtype=torch.int64)
-    rank = torch.empty(B * H * C, device=k.device, dtype=torch.int32)
+    pmax, pbest, pidx, best, idx, rank = _assign_scratch(ns, B, H, C, k.device)
     rows = torch.empty(B, H, C, device=k.device, dtype=torch.int64)
     BM, nw = _blk(C)
     BI = 64
