@@ -26,6 +26,7 @@ from .methods.base import MethodConfig, PatchContext, PatchedAttention
 
 PATCH_JSON = "longctx_patch.json"
 PATCH_WEIGHTS = "longctx_patch.safetensors"
+ADAPTER_DIR = "adapter"  # a PEFT adapter saved beside our weights (a fine-tune run's trainable/, an asset)
 FORMAT_VERSION = 1
 
 

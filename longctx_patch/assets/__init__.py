@@ -117,14 +117,17 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     `asset.json` with the model's shape and fingerprint (`model` = the base model the run started from)."""
     from safetensors.torch import load_file, save_file
 
+    from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS
+    from ..train.trained import TRAINABLE_DIR
+
     src = Path(trainable_dir)
-    if (src / "trainable").is_dir():
-        src = src / "trainable"
-    weights = src / "longctx_patch.safetensors"
-    rec = src / "longctx_patch.json"
+    if (src / TRAINABLE_DIR).is_dir():
+        src = src / TRAINABLE_DIR
+    weights = src / PATCH_WEIGHTS
+    rec = src / PATCH_JSON
     if not weights.exists() or not rec.exists():
-        raise CheckpointError(f"{src} lacks longctx_patch.safetensors/longctx_patch.json; pass a linearize run's "
-                              "output folder or its trainable/ subfolder")
+        raise CheckpointError(f"{src} lacks {PATCH_WEIGHTS}/{PATCH_JSON}; pass a linearize run's output folder or "
+                              "its trainable/ subfolder")
     record = json.loads(rec.read_text())
     methods = {g["method"] for g in record.get("groups", [record])}
     if methods - {"lolcats", "lola"}:
@@ -135,14 +138,14 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     def cast(sd):
         return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
-    save_file(cast(load_file(str(weights))), str(out / "longctx_patch.safetensors"))
-    shutil.copy(rec, out / "longctx_patch.json")
-    adapter = src / "adapter"
+    save_file(cast(load_file(str(weights))), str(out / PATCH_WEIGHTS))
+    shutil.copy(rec, out / PATCH_JSON)
+    adapter = src / ADAPTER_DIR
     if (adapter / "adapter_config.json").exists():
-        (out / "adapter").mkdir(exist_ok=True)
-        shutil.copy(adapter / "adapter_config.json", out / "adapter" / "adapter_config.json")
+        (out / ADAPTER_DIR).mkdir(exist_ok=True)
+        shutil.copy(adapter / "adapter_config.json", out / ADAPTER_DIR / "adapter_config.json")
         save_file(cast(load_file(str(adapter / "adapter_model.safetensors"))),
-                  str(out / "adapter" / "adapter_model.safetensors"))
+                  str(out / ADAPTER_DIR / "adapter_model.safetensors"))
     cfg = record.get("config") or record.get("groups", [{}])[0].get("config", {})
     info = {
         "name": name,

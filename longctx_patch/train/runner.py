@@ -39,7 +39,7 @@ from ..errors import CheckpointError, ConfigError, LongctxError
 from ..evals.common import git_commit
 from .data import BatchOrder, PackedData, load_documents, local_slice, make_packed, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
-from .trained import ADAPTER_DIR, TRAINABLE_DIR
+from .trained import TRAINABLE_DIR
 
 LOG_FILE = "train_log.json"
 CKPT_DIR = "checkpoints"
@@ -696,7 +696,7 @@ class Finetuner:
         import yaml
         from safetensors.torch import save_file
 
-        from ..patcher import PATCH_JSON, PATCH_WEIGHTS, _patch_record, is_patched, method_state_dict, save_patched
+        from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, _patch_record, is_patched, method_state_dict, save_patched
 
         (self.out / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
         tdir = self.out / TRAINABLE_DIR

@@ -16,15 +16,13 @@ import re
 import torch
 
 from ...errors import CheckpointError
-from ...patcher import shared_weight
+from ...patcher import ADAPTER_DIR, PATCH_WEIGHTS, shared_weight
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LOLCATS = re.compile(r"^layers\.(\d+)\.self_attn\.(.+)$")
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LORA = re.compile(r"^([qkvo]_proj)\.lora_([AB])(?:\.default)?\.weight$")
-PATCH_WEIGHTS = "longctx_patch.safetensors"
-ADAPTER_DIR = "adapter"
 
 
 def _modules(model, modules):
