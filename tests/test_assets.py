@@ -76,6 +76,7 @@ def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
     info = json.loads((out / "asset.json").read_text())
     assert info["model_shape"]["num_hidden_layers"] == 3 and info["method_config"]["feature_dim"] == 64
     monkeypatch.setenv(assets.ENV_PATH, str(tmp_path / "assets"))
+    assert assets.search_dirs() == [tmp_path / "assets", assets.PACKAGE_DIR]  # user folders win over packaged ones
 
     same = tiny_model()  # same seed: the same base model
     lp.patch(same, "lolcats", window=4, chunk=4)

@@ -47,27 +47,34 @@ out = write_asset(sys.argv[2], model, sys.argv[2] + "/assets/smollm2-135m-instru
                   extra={"commit": git_commit(), "recipe": "recipes/linearize.yaml"})
 print("asset:", out)
 PY
-  mkdir -p "$OUT/linearize-run" && cp -r "$RUN"/assets "$RUN"/train_log.json "$OUT/linearize-run/"
-  cp "$RUN"/trainable/lolcats/model.pt "$OUT/linearize-run/" 2>/dev/null || true
+  # the asset folder as one tar (a device call returns at most 8 files, none from deep folders)
+  mkdir -p "$OUT" && (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
+  cp "$RUN"/trainable/lolcats/model.pt "$OUT/lolcats-model.pt" 2>/dev/null || true
   exit 0
 fi
 
-# eval: every method in its own process (the small model leaves the GPU idle between launches)
-M="--model $MODEL --no-progress --out-dir $OUT"
+# eval: every method in its own process (the small model leaves the GPU idle between launches), each with
+# few CPU threads (16 cores shared); results to a work folder, then the JSONs plus one tar of logs and plots
+# to $OUT (a device call returns at most 8 files).
+METHODS=(none 'sliding-window(window=256)' lolcats 'lola(window=64,sparse_cache=64)'
+         'lola(window=128,sparse_cache=128)' 'lola(window=256,sparse_cache=256)')
+W=/tmp/linearize-eval && mkdir -p "$W"
+export OMP_NUM_THREADS=2
+M="--model $MODEL --no-progress --out-dir $W"
 pids=()
-for meth in none 'sliding-window(window=256)' lolcats 'lola(window=64,sparse_cache=64)' \
-            'lola(window=128,sparse_cache=128)' 'lola(window=256,sparse_cache=256)'; do
+for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
   python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2,mk-niah --lengths "$LENGTHS" \
-    --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --name "niah-linearized-$tag" > "$OUT/niah-linearized-$tag.log" 2>&1 &
+    --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --name "niah-linearized-$tag" > "$W/niah-linearized-$tag.log" 2>&1 &
   pids+=($!)
 done
-python3 -m cli.main eval ppl $M --method none --method 'sliding-window(window=256)' --method lolcats \
-  --method 'lola(window=64,sparse_cache=64)' --method 'lola(window=128,sparse_cache=128)' \
-  --method 'lola(window=256,sparse_cache=256)' --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
-  --name ppl-linearized > "$OUT/ppl-linearized.log" 2>&1 &
+ppl_methods=()
+for meth in "${METHODS[@]}"; do ppl_methods+=(--method "$meth"); done
+python3 -m cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+  --name ppl-linearized > "$W/ppl-linearized.log" 2>&1 &
 pids+=($!)
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
-tail -n 30 "$OUT"/*.log
+mkdir -p "$OUT" && (cd "$W" && tar cf "$OUT/linearize-eval-logs-plots.tar" ./*.log ./*.png 2>/dev/null; cp ./*.json "$OUT"/ 2>/dev/null)
+tail -n 12 "$W"/*.log
 exit $rc

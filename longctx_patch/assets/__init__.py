@@ -4,8 +4,8 @@ An asset is a folder holding what a `longctx finetune recipes/linearize.yaml` ru
 (`longctx_patch.safetensors`: feature maps + window factors; `adapter/`: the PEFT LoRA adapter) and an
 `asset.json` describing the base model it was trained on: its shape and a fingerprint of its token
 embeddings, so that `checkpoint=auto` (the default of `lolcats` and `lola`) picks the asset only for that
-model. Folders are searched in the package's own `assets/` and then in every folder of the environment
-variable LONGCTX_ASSET_PATH (os.pathsep-separated).
+model. Folders are searched first in every folder of the environment variable LONGCTX_ASSET_PATH
+(os.pathsep-separated), so that a newly trained asset takes precedence, then in the package's own `assets/`.
 """
 
 from __future__ import annotations
@@ -42,11 +42,8 @@ class Asset:
 
 
 def search_dirs() -> list[Path]:
-    dirs = [PACKAGE_DIR]
-    for d in os.environ.get(ENV_PATH, "").split(os.pathsep):
-        if d.strip():
-            dirs.append(Path(d.strip()).expanduser())
-    return dirs
+    dirs = [Path(d.strip()).expanduser() for d in os.environ.get(ENV_PATH, "").split(os.pathsep) if d.strip()]
+    return dirs + [PACKAGE_DIR]
 
 
 def iter_assets() -> Iterator[Asset]:
