@@ -135,6 +135,55 @@ def test_gradients_reach_earlier_chunks_through_dictionary():
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
+def _parallel_vs_loop(backend, S, C, N, growth, dtype=torch.float32, with_state=False, seed=0):
+    """Output, final state and gradients (q, k, v and the initial sums) of the chunk-parallel training path
+    against the chunk-by-chunk loop on the same inputs."""
+    q, k, v = _qkv(2, 4, 2, S, 16, seed=seed, dtype=dtype)
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[0, : min(11, S - 1)] = False  # left padding, across a chunk boundary
+    kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend=backend)
+    st0, sb = None, None
+    if with_state:
+        qa, ka, va = _qkv(2, 4, 2, 2 * C, 16, seed=seed + 1, dtype=dtype)
+        _, st0, _, sb = ovq_attention(qa, ka, va, None, None, None, **kw)
+    g = torch.Generator().manual_seed(seed + 2)
+    do = torch.randn(2, 4, S, 16, generator=g)
+    res = []
+    for parallel in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        st = None
+        if st0 is not None:
+            st = OVQState(st0.key_sums.clone().requires_grad_(), st0.value_sums.clone().requires_grad_(),
+                          st0.counts.clone(), st0.n_active.clone(), st0.seen.clone())
+        o, st_out, op, sb_out = ovq_attention(qq, kk, vv, st, None, valid, seen_bound=sb, parallel=parallel, **kw)
+        loss = (o.float() * do).sum() + st_out.key_sums.square().sum() + (st_out.value_sums * 0.5).sum()
+        leaves = [qq, kk, vv] + ([st.key_sums, st.value_sums] if st is not None else [])
+        grads = torch.autograd.grad(loss, leaves)
+        res.append((o.detach(), st_out, op, sb_out, grads))
+    (o_a, st_a, op_a, sb_a, g_a), (o_b, st_b, op_b, sb_b, g_b) = res
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(o_b, o_a, **tol)
+    torch.testing.assert_close(st_b.key_sums, st_a.key_sums, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st_b.value_sums, st_a.value_sums, atol=1e-4, rtol=1e-4)
+    assert torch.equal(st_b.counts, st_a.counts)
+    assert st_b.n_active.tolist() == st_a.n_active.tolist() and st_b.seen.tolist() == st_a.seen.tolist()
+    assert sb_a == sb_b and (op_a is None) == (op_b is None)
+    if op_a is not None:
+        assert torch.equal(op_a.keys, op_b.keys) and torch.equal(op_a.valid, op_b.valid)
+    for a, b in zip(g_a, g_b):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(b, a, **tol)
+
+
+@pytest.mark.parametrize("S,C,N,growth", [(45, 8, 12, 4.0), (48, 8, 64, 0.0), (7, 8, 12, 4.0), (40, 4, 6, 2.0)])
+def test_parallel_training_path_equals_loop(S, C, N, growth):
+    _parallel_vs_loop("torch", S, C, N, growth)
+
+
+def test_parallel_training_path_equals_loop_from_a_state():
+    _parallel_vs_loop("torch", 29, 8, 16, 4.0, with_state=True, seed=3)
+
+
 # --------------------------------------------------------------------------------------- method
 def _patched(chunk=4, N=16, growth=6.0, family="llama", **kw):
     model = tiny_model(family, **kw)

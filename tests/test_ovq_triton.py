@@ -186,3 +186,17 @@ def test_patched_model_triton_backend_prefill_then_decode():
     lp.patch(ref_model, "ovq", chunk_size=4, max_centroids=6, growth=3.0, backend="torch")
     with torch.no_grad():
         torch.testing.assert_close(ref_model(ids, use_cache=False).logits, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("S,C,N,growth,dtype", [(45, 16, 12, 4.0, torch.float32), (48, 16, 40, 0.0, torch.float32),
+                                                (40, 16, 12, 4.0, torch.bfloat16)])
+def test_parallel_training_path_triton_equals_loop(S, C, N, growth, dtype):
+    from test_ovq import _parallel_vs_loop
+
+    _parallel_vs_loop("triton", S, C, N, growth, dtype=dtype)
+
+
+def test_parallel_training_path_triton_from_a_state():
+    from test_ovq import _parallel_vs_loop
+
+    _parallel_vs_loop("triton", 37, 16, 24, 4.0, with_state=True, seed=4)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...errors import ConfigError
 from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
-                        update_state)
+                        select_and_assign, update_state)
 
 
 @dataclass
@@ -62,7 +62,8 @@ def target_int(seen: int, max_centroids: int, growth: float) -> int:
 
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
                   key_valid: Tensor | None, *, chunk_size: int, max_centroids: int, growth: float,
-                  backend: str = "auto", seen_bound: int | None = None, exact_assign: bool = True):
+                  backend: str = "auto", seen_bound: int | None = None, exact_assign: bool = True,
+                  parallel: bool | None = None):
     """OVQ attention of new tokens.
 
     ``q``: ``[B, Hq, S, D]`` (unit-normalised, times beta); ``k``, ``v``: ``[B, H, S, D]``;
@@ -73,6 +74,10 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
 
     With the Triton backend and no gradient needed, the fused path of ``triton_fast`` runs and
     updates ``state`` in place; otherwise the state is never modified (a new one is returned).
+    When a gradient is needed and the call starts at a chunk boundary (no open chunk: every training
+    forward), ``parallel`` selects the chunk-parallel path (:func:`_ovq_parallel`); ``parallel=False``
+    runs the chunk-by-chunk loop, which gives the same result. ``None`` (default): parallel on CUDA, where
+    the loop is bound by kernel launches; the loop on the CPU, where it is the faster of the two.
     """
     B, Hq, S, D = q.shape
     H = k.shape[1]
@@ -110,6 +115,11 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
         from .triton_attn import chunk_attention_triton as attn
     else:
         attn = chunk_attention_ref
+    if parallel is None:
+        parallel = q.is_cuda
+    if needs_grad and parallel and off == 0:
+        return _ovq_parallel(q, k, v, key_valid, state, seen_bound, attn, be, chunk_size=C,
+                             max_centroids=max_centroids, growth=growth, exact_assign=exact_assign)
     outs = []
     new_open = None
     for s0 in range(0, L, C):
@@ -134,3 +144,120 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
             new_open = OpenChunk(kc.detach(), vc.detach(), validc)
     o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return o, state, new_open, seen_bound
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk-parallel training path
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, be: str, *, chunk_size: int,
+                max_centroids: int, growth: float, exact_assign: bool) -> tuple[Tensor, OVQState]:
+    """The discrete pass: the row of every token of every complete chunk, ``[T, B, H, C]`` int64 (-1 for
+    padding), and the state after the last complete chunk (its sums are not used: the differentiable
+    pass recomputes them). ``state`` is not modified."""
+    B, H, L = k.shape[:3]
+    C = chunk_size
+    T = L // C
+    rows = torch.full((T, B, H, C), -1, dtype=torch.long, device=k.device)
+    st = OVQState(state.key_sums.detach().clone().contiguous(), state.value_sums.detach().clone().contiguous(),
+                  state.counts.clone().contiguous(), state.n_active.clone(), state.seen.clone())
+    if T == 0:
+        return rows, st
+    if be == "triton":
+        from .triton_fast import ovq_forward_fast
+
+        _, st, _, _ = ovq_forward_fast(None, k.detach(), v.detach(), valid, 0, st, seen_bound, chunk_size=C,
+                                       max_centroids=max_centroids, growth=growth, exact_assign=exact_assign,
+                                       rows_out=rows)
+        return rows, st
+    for t in range(T):
+        kc, vc, vd = k[:, :, t * C:(t + 1) * C], v[:, :, t * C:(t + 1) * C], valid[:, t * C:(t + 1) * C]
+        n_real = vd.sum(-1).to(torch.long)
+        n_new = plan_growth(st.seen, st.n_active, n_real, max_centroids, growth)
+        rows[t] = select_and_assign(st, kc, vd, n_new)
+        st = apply_assignments(st, kc, vc, rows[t], n_new, n_real)
+    return rows, st
+
+
+def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, attn, be: str, *,
+                  chunk_size: int, max_centroids: int, growth: float, exact_assign: bool):
+    """Chunk-parallel OVQ for training: the same maths as the chunk-by-chunk loop, in two passes.
+
+    1. Discrete (no gradient): the row every token joins (:func:`_assign_all`; the fused Triton
+       update on CUDA). Assignments depend only on the detached keys, as in the loop.
+    2. Differentiable: each chunk's contribution to the row sums is one scatter-add; an exclusive
+       cumulative sum over chunks gives the dictionary every chunk attends to (the state before it
+       absorbed anything), so the gradient reaches earlier chunks' keys and values exactly as through
+       the loop. All chunks then attend at once: they are folded into the batch dimension of one
+       chunk-attention call (dictionary rows + the chunk's own causal keys, one softmax).
+    Memory: the per-chunk dictionaries, ``T x B x H x rows x (D + Dv)`` floats, as the loop keeps for
+    its backward.
+    """
+    B, Hq, S, D = q.shape
+    H = k.shape[1]
+    Dv = v.shape[-1]
+    C, N = chunk_size, max_centroids
+    L = S
+    T = L // C                       # complete chunks (absorbed)
+    Tp = -(-L // C)                  # chunks with queries
+    rows, st = _assign_all(k, v, valid, state, seen_bound, be, chunk_size=C, max_centroids=N, growth=growth,
+                           exact_assign=exact_assign)
+    Nu = min(N, target_int(seen_bound + T * C, N, growth))        # rows any complete chunk can reach
+    Nd = min(Nu, target_int(seen_bound + (Tp - 1) * C, N, growth))  # rows any chunk's queries can see
+    dev = q.device
+    init_k = state.key_sums[:, :, :Nu].float()
+    init_v = state.value_sums[:, :, :Nu].float()
+    init_c = state.counts[:, :, :Nu].float()
+    if T > 0:
+        w = (rows >= 0).to(torch.float32)                                            # [T, B, H, C]
+        idx = rows.clamp_min(0)
+        kc = k[:, :, :T * C].reshape(B, H, T, C, D).permute(2, 0, 1, 3, 4).float() * w[..., None]
+        vc = v[:, :, :T * C].reshape(B, H, T, C, Dv).permute(2, 0, 1, 3, 4).float() * w[..., None]
+        ck = torch.zeros(T, B, H, Nu, D, device=dev).scatter_add(3, idx[..., None].expand(T, B, H, C, D), kc)
+        cv = torch.zeros(T, B, H, Nu, Dv, device=dev).scatter_add(3, idx[..., None].expand(T, B, H, C, Dv), vc)
+        cc = torch.zeros(T, B, H, Nu, device=dev).scatter_add(3, idx, w)
+        cum_k, cum_v, cum_c = ck.cumsum(0), cv.cumsum(0), cc.cumsum(0)
+    # dictionary before chunk t (t = 0 .. Tp-1): the initial state plus chunks 0 .. t-1
+    if Tp > 1:
+        bk = torch.cat([torch.zeros_like(init_k)[None], cum_k[:Tp - 1]], 0) + init_k[None]
+        bv = torch.cat([torch.zeros_like(init_v)[None], cum_v[:Tp - 1]], 0) + init_v[None]
+        bc = torch.cat([torch.zeros_like(init_c)[None], cum_c[:Tp - 1]], 0) + init_c[None]
+    else:
+        bk, bv, bc = init_k[None], init_v[None], init_c[None]
+    bk, bv, bc = bk[..., :Nd, :], bv[..., :Nd, :], bc[..., :Nd]
+    cnt = bc.clamp_min(1.0)[..., None]
+    mu_k, mu_v = (bk / cnt).to(q.dtype), (bv / cnt).to(q.dtype)                      # [Tp, B, H, Nd, *]
+    bias_d = torch.where(bc > 0, torch.log(bc.clamp_min(1e-30)), torch.full_like(bc, float("-inf")))
+    pad = Tp * C - L
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(B, H, Tp, C, D).permute(2, 0, 1, 3, 4)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(B, H, Tp, C, Dv).permute(2, 0, 1, 3, 4)
+    qp = torch.nn.functional.pad(q, (0, 0, 0, pad)).reshape(B, Hq, Tp, C, D).permute(2, 0, 1, 3, 4)
+    vd = torch.nn.functional.pad(valid, (0, pad), value=False).reshape(B, Tp, C).permute(1, 0, 2)  # [Tp, B, C]
+    bias_c = torch.where(vd, 0.0, float("-inf")).to(torch.float32)[:, :, None, :].expand(Tp, B, H, C)
+    k_all = torch.cat([mu_k, kp.to(q.dtype)], 3).reshape(Tp * B, H, Nd + C, D)
+    v_all = torch.cat([mu_v, vp.to(q.dtype)], 3).reshape(Tp * B, H, Nd + C, Dv)
+    bias = torch.cat([bias_d, bias_c], 3).reshape(Tp * B, H, Nd + C).contiguous()
+    qf = qp.reshape(Tp * B, Hq, C, D)
+    step = max(1, 65535 // Hq)       # CUDA grid limit on the batch x heads axis of the Triton kernels
+    outs = [attn(qf[i:i + step], k_all[i:i + step], v_all[i:i + step], bias[i:i + step], Nd, 0)
+            for i in range(0, Tp * B, step)]
+    o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+    o = o.reshape(Tp, B, Hq, C, Dv).permute(1, 2, 0, 3, 4).reshape(B, Hq, Tp * C, Dv)[:, :, :L]
+    # the state after the complete chunks (differentiable sums), and the open chunk
+    if T > 0:
+        fk = torch.nn.functional.pad(init_k + cum_k[-1], (0, 0, 0, N - Nu))
+        fv = torch.nn.functional.pad(init_v + cum_v[-1], (0, 0, 0, N - Nu))
+        fc = torch.nn.functional.pad(init_c + cum_c[-1], (0, N - Nu))
+        new_state = OVQState(key_sums=_keep_tail(fk, state.key_sums, Nu), value_sums=_keep_tail(fv, state.value_sums, Nu),
+                             counts=_keep_tail(fc, state.counts, Nu), n_active=st.n_active, seen=st.seen)
+    else:
+        new_state = state
+    new_open = OpenChunk(k[:, :, T * C:].detach(), v[:, :, T * C:].detach(), valid[:, T * C:]) if T * C < L else None
+    return o, new_state, new_open, seen_bound + T * C
+
+
+def _keep_tail(new: Tensor, old: Tensor, n: int) -> Tensor:
+    """``new`` for rows ``< n``, ``old`` (the untouched rows of the initial state) for the rest."""
+    if n >= old.shape[2]:
+        return new
+    return torch.cat([new[:, :, :n], old[:, :, n:].to(new.dtype)], 2)

@@ -180,10 +180,11 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
                 skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                 C, H,
                 D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr,
-                ASSIGN_ONLY: tl.constexpr):
+                ASSIGN_ONLY: tl.constexpr, STORE_ROWS: tl.constexpr):
     """Row of every token of a block (new row if selected, else the nearest among old and new rows),
     then atomic adds of its key, value and 1 into that row: each token touches one row.
-    ASSIGN_ONLY: write the rows (-1 for padding) to ROW_OUT ``[B * H, C]`` instead (training path)."""
+    ASSIGN_ONLY: write the rows (-1 for padding) to ROW_OUT ``[B * H, C]`` instead (training path);
+    STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass)."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = pid // H
@@ -227,8 +228,9 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
     idx_o = tl.load(IDX + sbase + oi, mask=in_i, other=0).to(tl.int32)
     use_new = (best_n > best_o) & (rank_n < C)
     row = tl.where(sel_i, n_act + ri, tl.where(use_new, n_act + rank_n, idx_o))
-    if ASSIGN_ONLY:
+    if ASSIGN_ONLY or STORE_ROWS:
         tl.store(ROW_OUT + sbase + oi, tl.where(vi, row, -1).to(tl.int64), mask=in_i)
+    if ASSIGN_ONLY:
         return
     vv = tl.load(VC + b * svb + h * svh + oi[:, None] * svn + offs_dv[None, :], mask=in_i[:, None],
                  other=0.0).to(tl.float32)
@@ -269,10 +271,12 @@ def _rows_per_split(M: int) -> int:
 
 @torch.no_grad()
 def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: int, *, chunk_size: int,
-                     max_centroids: int, growth: float, exact_assign: bool = False):
+                     max_centroids: int, growth: float, exact_assign: bool = False, rows_out=None):
     """No-grad OVQ over ``kk``/``vv`` (open chunk + new tokens, ``[B, H, L, D]``; ``valid`` ``[B, L]``).
 
-    ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens.  ``state`` is updated in place.
+    ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens, or None (no attention: only the dictionary
+    update, ``o`` is None).  ``state`` is updated in place.  ``rows_out``: optional ``[L // C, B, H, C]``
+    int64 tensor that receives the row of every token of every complete chunk (-1 for padding).
     Per chunk: ``_ovq_fwd_split`` (dictionary rows split over programs, plus the chunk's keys) and
     ``_ovq_combine``; for a complete chunk also ``_ovq_chunk_stats`` (row-split), ``_ovq_rank`` and
     ``_ovq_absorb``.  No host sync: a whole prefill can be captured in a CUDA graph.
@@ -280,13 +284,14 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     """
     from .ops import target_int
 
-    B, HQ, S, D = q.shape
-    H, L, DV = kk.shape[1], kk.shape[2], vv.shape[-1]
+    B, H, L, D = kk.shape
+    DV = vv.shape[-1]
+    HQ, S = (q.shape[1], q.shape[2]) if q is not None else (H, L - off)
     C = chunk_size
-    q = q.contiguous()
+    q = q.contiguous() if q is not None else None
     kk, vv = kk.contiguous(), vv.contiguous()
     valid8 = valid.to(torch.int8).contiguous()
-    o = torch.empty(B, HQ, S, DV, device=q.device, dtype=q.dtype)
+    o = torch.empty(B, HQ, S, DV, device=kk.device, dtype=q.dtype) if q is not None else None
     KS, VS, CNT = state.key_sums, state.value_sums, state.counts
     assert KS.is_contiguous() and VS.is_contiguous() and CNT.is_contiguous()
     n_full = L // C
@@ -295,9 +300,10 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     Mmax = min(C, S)
     R_att = _rows_per_split(Mmax)
     P_att = triton.cdiv(max_centroids, R_att) + 1
-    pacc = torch.empty(P_att * B * HQ * Mmax * DV, device=q.device, dtype=torch.float32)
-    pm = torch.empty(P_att * B * HQ * Mmax, device=q.device, dtype=torch.float32)
-    pl = torch.empty_like(pm)
+    if q is not None:
+        pacc = torch.empty(P_att * B * HQ * Mmax * DV, device=kk.device, dtype=torch.float32)
+        pm = torch.empty(P_att * B * HQ * Mmax, device=kk.device, dtype=torch.float32)
+        pl = torch.empty_like(pm)
     if n_full > 0:
         m = valid[:, : n_full * C].reshape(B, n_full, C).sum(-1)
         seen_after = state.seen[:, None] + torch.cumsum(m, 1)
@@ -307,14 +313,16 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         nnew_t = (t_after - t_before).t().to(torch.int32).contiguous()
         R_st = _rows_per_split(C)
         P_st = triton.cdiv(max_centroids, R_st)
-        pmax, pbest, pidx, best, idx, rank = _assign_scratch(P_st, B, H, C, q.device)
+        pmax, pbest, pidx, best, idx, rank = _assign_scratch(P_st, B, H, C, kk.device)
+    if rows_out is not None:
+        assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
     for t, s0 in enumerate(range(0, L, C)):
         e = min(s0 + C, L)
         qs = max(s0, off)
         n_dict = target_int(seen_bound, max_centroids, growth)
         kc, vc, xc = kk[:, :, s0:e], vv[:, :, s0:e], valid8[:, s0:e]
-        if e > qs:
+        if e > qs and q is not None:
             qq, oo = q[:, :, qs - off:e - off], o[:, :, qs - off:e - off]
             M = e - qs
             BM, nw = _blk(M)
@@ -340,11 +348,12 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             _ovq_rank[(B * H, triton.cdiv(C, BI))](
                 xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
             _ovq_absorb[(B * H, triton.cdiv(C, BI))](
-                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT, rank,
+                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
+                rows_out[t] if rows_out is not None else rank,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
                 KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
                 CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=False,
-                num_warps=4)
+                STORE_ROWS=rows_out is not None, num_warps=4)
             seen_bound += C
     if n_full > 0:
         seen = state.seen + m.sum(1)
@@ -381,5 +390,5 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
         k, k, xc, best, idx, nnew, nact, rank, KS, KS, CNT, rows,
         k.stride(0), k.stride(1), k.stride(2), k.stride(0), k.stride(1), k.stride(2), xc.stride(0),
         KS.stride(0), KS.stride(1), KS.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, D=D, DV=D, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=True, num_warps=4)
+        CNT.stride(0), CNT.stride(1), C, H, D=D, DV=D, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=True, STORE_ROWS=False, num_warps=4)
     return rows
