@@ -21,13 +21,17 @@ SAMPLES=${SAMPLES:-2}
 LENGTHS=${LENGTHS:-1k,2k,4k,8k}
 DEPTHS=${DEPTHS:-0,0.25,0.5,0.75,1}
 CONTEXTS=${CONTEXTS:-2k,4k,8k}
+TASKS=${TASKS:-s-niah-1,s-niah-2,mk-niah}
+EVAL_MAX_S=${EVAL_MAX_S:-560}  # each evaluation process is stopped after this long (a device call ends at 600 s)
 EXTRA=${EXTRA:-}  # more finetune options, e.g. --set stages.transfer.batch_size=2
 export LONGCTX_ASSET_PATH=$RUN/assets
 
 if [ "$STEP" = train ]; then
-  rm -rf /tmp/train-text && mkdir -p /tmp/train-text/stdlib
-  cp -r "$DATA"/train/* /tmp/train-text/
-  ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
+  if [ ! -d /tmp/train-text ]; then  # built once per machine (evals/device/ovq_smollm2.sh text builds the same)
+    mkdir -p /tmp/train-text/stdlib
+    cp -r "$DATA"/train/* /tmp/train-text/
+    ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
+  fi
   du -sh /tmp/train-text/*
   python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text /tmp/train-text --output "$RUN" -q \
     --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
@@ -64,13 +68,13 @@ M="--model $MODEL --no-progress --out-dir $W"
 pids=()
 for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
-  python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2,mk-niah --lengths "$LENGTHS" \
+  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" \
     --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --name "niah-linearized-$tag" > "$W/niah-linearized-$tag.log" 2>&1 &
   pids+=($!)
 done
 ppl_methods=()
 for meth in "${METHODS[@]}"; do ppl_methods+=(--method "$meth"); done
-python3 -m cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
   --name ppl-linearized > "$W/ppl-linearized.log" 2>&1 &
 pids+=($!)
 rc=0

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Fine-tune SmolLM2-135M-Instruct patched with OVQ (recipes/ovq-finetune.yaml) on one GPU, every layer and the
+# paper's hybrid (OVQ on even layers, sliding window 256 on odd ones), and evaluate before/after. Run from the
+# repository root on the GPU machine, after the model is assembled at $MODEL (evals/README.md, "GPU runs"):
+#   evals/device/ovq_smollm2.sh text    # training text -> /tmp/train-text (essays + Shakespeare + half the stdlib)
+#   evals/device/ovq_smollm2.sh train   # both fine-tunes, concurrently -> $RUN/all, $RUN/hybrid (+ train JSONs in $OUT)
+#   evals/device/ovq_smollm2.sh eval    # perplexity + NIAH: unpatched, sliding-window, ovq before and after
+# Data: $DATA/train (training text) and $DATA/heldout (essays never trained on: haystack and perplexity text).
+set -euo pipefail
+STEP=${1:?usage: $0 text|train|eval}
+MODEL=${MODEL:-/tmp/smollm2.gguf}
+DATA=${DATA:-.device-data}
+RUN=${RUN:-/tmp/ovq}
+OUT=${OUT:-evals/results}
+STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+CAL_MAX_S=${CAL_MAX_S:-45}
+FT_STEPS=${FT_STEPS:-400}
+FT_MAX_S=${FT_MAX_S:-240}
+CONTEXTS=${CONTEXTS:-4k}
+LENGTHS=${LENGTHS:-2k,4k}
+DEPTHS=${DEPTHS:-0.25,0.5,0.75}
+SAMPLES=${SAMPLES:-3}
+EVAL_MAX_S=${EVAL_MAX_S:-480}
+HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]"
+
+if [ "$STEP" = text ]; then  # the same text as evals/device/linearize_smollm2.sh train builds
+  rm -rf /tmp/train-text && mkdir -p /tmp/train-text/stdlib
+  cp -r "$DATA"/train/* /tmp/train-text/
+  ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
+  du -sh /tmp/train-text/*
+  exit 0
+fi
+
+if [ "$STEP" = train ]; then
+  common=(--model "$MODEL" --text /tmp/train-text -q
+          --set stages.calibrate.max_time_s="$CAL_MAX_S" --set stages.calibrate.save_every=100000
+          --set stages.finetune.steps="$FT_STEPS" --set stages.finetune.max_time_s="$FT_MAX_S"
+          --set stages.finetune.eval_every=100 --set stages.finetune.save_every=100000)
+  python3 -m cli.main finetune recipes/ovq-finetune.yaml "${common[@]}" --output "$RUN/all" \
+    --results "$OUT/ovq-finetune-smollm2-135m-train.json" > "$RUN-all.log" 2>&1 &
+  p1=$!
+  python3 -m cli.main finetune recipes/ovq-finetune.yaml "${common[@]}" --output "$RUN/hybrid" \
+    --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window --set rest_config.window=256 \
+    --results "$OUT/ovq-finetune-hybrid-smollm2-135m-train.json" > "$RUN-hybrid.log" 2>&1 &
+  p2=$!
+  rc=0
+  wait $p1 || rc=1
+  wait $p2 || rc=1
+  tail -n 15 "$RUN-all.log" "$RUN-hybrid.log"
+  exit $rc
+fi
+
+# eval: each model in its own process with few CPU threads; the JSONs to $OUT, logs and plots as one tar
+W=/tmp/ovq-eval && mkdir -p "$W"
+export OMP_NUM_THREADS=2
+E=(--no-progress --out-dir "$W")
+pids=()
+t() { timeout "$EVAL_MAX_S" "$@"; }
+t python3 -m cli.main eval ppl --model "$MODEL" "${E[@]}" --method none --method 'sliding-window(window=256)' --method ovq \
+  --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+  --name ppl-ovq-before > "$W/ppl-ovq-before.log" 2>&1 &
+pids+=($!)
+for v in all hybrid; do
+  t python3 -m cli.main eval ppl --model "$RUN/$v/model" "${E[@]}" --method none --no-baseline --text "$DATA/heldout" \
+    --context "$CONTEXTS" --windows 4 --name "ppl-ovq-finetuned-$v" > "$W/ppl-ovq-finetuned-$v.log" 2>&1 &
+  pids+=($!)
+  t python3 -m cli.main eval niah --model "$RUN/$v/model" "${E[@]}" --method none --tasks s-niah-1,s-niah-2 \
+    --lengths "$LENGTHS" --depths "$DEPTHS" --samples "$SAMPLES" --haystack "$DATA/heldout" \
+    --name "niah-ovq-finetuned-$v" > "$W/niah-ovq-finetuned-$v.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+mkdir -p "$OUT" && (cd "$W" && tar cf "$OUT/ovq-eval.tar" ./*.json ./*.log ./*.png 2>/dev/null || true)
+tail -n 8 "$W"/*.log
+exit $rc
