@@ -59,6 +59,13 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in sys.argv)
 
 
+def _full(t):
+    """A DTensor (an FSDP shard) as the full tensor (collective); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _rng_state() -> dict[str, Any]:
     import numpy as np
 
@@ -77,6 +84,60 @@ def _set_rng_state(st: dict[str, Any]) -> None:
     if "cuda" in st and torch.cuda.is_available():
         with contextlib.suppress(Exception):
             torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _env_flag(name: str) -> bool:
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env(name, default=False)
+
+
+@contextlib.contextmanager
+def _env_set(name: str, value: str | None):
+    """Sets an environment variable for the duration of the block (None: leaves it alone)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _refuse_unsupported(recipe: Recipe, fsdp: bool, mixed_precision: str, given_model) -> None:
+    """Launch modes and recipe/FSDP combinations the runner cannot run, refused before anything is loaded."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        raise ConfigError(
+            "accelerate's DeepSpeed mode is not supported by longctx finetune; use data parallel "
+            "(accelerate launch --num_processes N) or FSDP2 (--use_fsdp --fsdp_version 2), see recipes/README.md"
+        )
+    if not fsdp:
+        return
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise ConfigError(
+            f"longctx finetune supports FSDP2 only (fully_shard), not FSDP{version} (which also cannot run on CPU); "
+            "pass --fsdp_version 2 to accelerate launch (fsdp_version: 2 in an accelerate config file)"
+        )
+    if given_model is not None:
+        raise ConfigError(
+            "FSDP needs the model loaded from the recipe (model: / --model), not a model object: after each stage "
+            "the sharded model is reloaded unsharded"
+        )
+    if mixed_precision == "fp16":
+        raise ConfigError("FSDP with fp16 is not supported (no sharded grad scaler); set mixed_precision: bf16 or no")
+    for i, st in enumerate(recipe.stages):
+        if st.objective == "attention_transfer" and set(st.trainable or ["method"]) != {"method"}:
+            raise ConfigError(
+                f"stages.{i} ({st.name}): under FSDP an attention_transfer stage trains the method's parameters only "
+                f"(trainable: [method], not {st.trainable}): the transfer loss bypasses the layers' outputs, where "
+                "FSDP reduces the gradients of sharded weights; train LoRA in a next_token stage, or use DDP"
+            )
 
 
 def lr_lambda(stage: Stage) -> Callable[[int], float]:
@@ -175,22 +236,48 @@ class Finetuner:
         mp = recipe.mixed_precision
         if mp == "auto":
             mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        # the launcher's choice, read before Accelerator(): on CPU accelerate drops FSDP (and DeepSpeed)
+        # silently and runs plain data parallel, and builds an FSDP1 plugin that fails without a GPU
+        want_fsdp = _env_flag("ACCELERATE_USE_FSDP")
+        _refuse_unsupported(recipe, want_fsdp, mp, model)
         # cpu=True is what makes accelerate run several CPU processes (gloo) instead of one each
         self.accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
         acc = self.accelerator
-        if acc.distributed_type.name not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU"):
+        if acc.distributed_type.name not in (
+            "NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "FSDP"
+        ):
             raise ConfigError(
-                f"accelerate's {acc.distributed_type.name} mode is not supported by longctx finetune; "
-                "use a single process or data parallel (accelerate launch --multi_gpu / --num_processes N)"
+                f"accelerate's {acc.distributed_type.name} mode is not supported by longctx finetune; use a single "
+                "process, data parallel (accelerate launch --num_processes N) or FSDP2 (--use_fsdp --fsdp_version 2)"
             )
         self.rank, self.world = acc.process_index, acc.num_processes
         self.is_main = acc.is_main_process
+        self.fsdp_requested = want_fsdp
+        self.fsdp = self._fsdp_plugin() if want_fsdp and self.world > 1 else None
         self._given_model = (model, tokenizer)
         self.root: nn.Module | None = None  # the model forward is called on (PeftModel once LoRA is added)
         self.trained: dict[int, nn.Parameter] = {}  # every parameter trained by a stage so far, by identity
         self.stage_logs: list[StageLog] = []
         self._eval_time = 0.0
         self.wall_start = time.time()
+
+    def _fsdp_plugin(self):
+        """The accelerate FSDP2 settings of the launch (wrap policy, reshard_after_forward); the ones this runner
+        cannot honour are refused."""
+        from accelerate import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is None:  # CPU: accelerate ran as MULTI_CPU; read the same settings from the environment
+            plugin = FullyShardedDataParallelPlugin()
+        if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+            raise ConfigError("--fsdp_offload_params true is not supported by longctx finetune; leave it false")
+        if plugin.activation_checkpointing:
+            raise ConfigError(
+                "--fsdp_activation_checkpointing is not supported by longctx finetune; leave it false and set "
+                "stages.N.gradient_checkpointing: true instead (it works under FSDP)"
+            )
+        return plugin
 
     # ------------------------------------------------------------------------------------------- setup
     def _log(self, msg: str) -> None:
@@ -208,7 +295,10 @@ class Finetuner:
 
             if not r.model:
                 raise ConfigError("no model given; pass --model NAME|DIR (or set `model:` in the recipe)")
-            model, tok = load_model(r.model, dtype=r.dtype, device=self.accelerator.device)
+            # every process loads the whole model (transformers' FSDP "cpu_ram_efficient_loading" would leave
+            # the other processes with empty weights, which only accelerate's own FSDP wrapping fills in)
+            with _env_set("FSDP_CPU_RAM_EFFICIENT_LOADING", "false" if self.fsdp_requested else None):
+                model, tok = load_model(r.model, dtype=r.dtype, device=self.accelerator.device)
             if r.method:
                 from ..methods import get_method
                 from ..patcher import is_patched, patch, patched_layers
@@ -342,23 +432,60 @@ class Finetuner:
         return best
 
     def _named_trained(self) -> dict[str, torch.Tensor]:
-        """Every parameter trained so far, named as in the current root model."""
+        """Every parameter trained so far, named as in the current root model, as full tensors on the CPU.
+        Collective under FSDP (every process gathers the shards)."""
+        if self.fsdp is not None:
+            self._reshard_all(self.root)
         return {
-            n: p.detach().to("cpu").contiguous() for n, p in self.root.named_parameters() if id(p) in self.trained
+            n: _full(p).detach().to("cpu").contiguous()
+            for n, p in self.root.named_parameters()
+            if id(p) in self.trained
         }
+
+    def _optimizer_state(self, optimizer) -> dict[str, Any]:
+        """optimizer.state_dict() with full tensors (collective under FSDP): the format of a single process."""
+        sd = optimizer.state_dict()
+        if self.fsdp is None:
+            return sd
+        state = {i: {k: _full(v) for k, v in sd["state"][i].items()} for i in sorted(sd["state"])}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def _load_optimizer_state(self, optimizer, sd: dict[str, Any]) -> None:
+        """Loads a saved (full) optimizer state; under FSDP each state tensor is cut to its parameter's shard."""
+        if self.fsdp is not None:
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            saved = [i for g in sd["param_groups"] for i in g["params"]]
+            now = [p for g in optimizer.param_groups for p in g["params"]]
+            by_index = dict(zip(saved, now))
+            state = {}
+            for i, st in sd["state"].items():
+                p = by_index.get(i)
+                if isinstance(p, DTensor):
+                    st = {
+                        k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                        if k != "step" and torch.is_tensor(v) and v.shape == p.shape
+                        else v
+                        for k, v in st.items()
+                    }
+                state[i] = st
+            sd = {"state": state, "param_groups": sd["param_groups"]}
+        optimizer.load_state_dict(sd)
 
     def save_checkpoint(self, si: int, step: int, optimizer, scheduler, keep: int = 2, completed: bool = False) -> None:
         from accelerate.utils import gather_object
         from safetensors.torch import save_file
 
-        rng = gather_object([_rng_state()])  # collective: every process takes part
+        # collectives: every process takes part (under FSDP they gather the full tensors)
+        rng = gather_object([_rng_state()])
+        trained, opt_state = self._named_trained(), self._optimizer_state(optimizer)
         if self.is_main:
             d = self._ckpt_root() / f"stage{si}-step{step:07d}"
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            save_file(self._named_trained(), str(tmp / "trained.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            save_file(trained, str(tmp / "trained.safetensors"))
+            torch.save(opt_state, tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(rng, tmp / "rng.pt")
             state = {
@@ -403,19 +530,114 @@ class Finetuner:
             sd = load_file(str(d / "trained.safetensors"))
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {d}: trained.safetensors cannot be read ({e})") from None
+        self._load_trained(sd, f"checkpoint {d}")
+
+    def _load_trained(self, sd: dict[str, torch.Tensor], source: str) -> None:
         params = dict(self.root.named_parameters())
         unknown = sorted(set(sd) - set(params))
         if unknown:
-            raise CheckpointError(f"checkpoint {d} holds parameters the model lacks: {unknown[:5]}")
+            raise CheckpointError(f"{source} holds parameters the model lacks: {unknown[:5]}")
         with torch.no_grad():
             for n, t in sd.items():
                 if params[n].shape != t.shape:
-                    raise CheckpointError(f"checkpoint {d}: {n} has shape {tuple(t.shape)}, model {tuple(params[n].shape)}")
+                    raise CheckpointError(f"{source}: {n} has shape {tuple(t.shape)}, model {tuple(params[n].shape)}")
                 params[n].copy_(t.to(params[n].device, params[n].dtype))
                 self.trained[id(params[n])] = params[n]
 
+    # ------------------------------------------------------------------------------------------- FSDP
+    def _shard(self, root: nn.Module, keep_gathered: bool = False) -> nn.Module:
+        """FSDP2 (`fully_shard`) in place: one unit per decoder layer (plus the modules the accelerate wrap policy
+        names), the rest (embeddings, final norm, head) in the root unit. Frozen and trainable parameters (the
+        base model, LoRA) share a unit. Returns `root` (now an FSDPModule).
+
+        The method's own parameters (feature maps, window factors, ...; small) are left out of the units and
+        replicated, their gradients averaged by `_average_replicated_grads`: the attention-transfer loss reaches
+        them only through per-layer side losses, not through the layers' outputs (teacher forcing detaches them),
+        so FSDP's backward hooks, which hang on those outputs, would never reduce their gradients.
+
+        `keep_gathered`: every unit keeps its gathered parameters from forward until `_reshard_all` (after the
+        optimizer step). For attention transfer whose backward needs the frozen weights (no teacher forcing:
+        gradients cross the layers; gradient checkpointing: layers are recomputed): FSDP would re-gather them
+        only through the same output hooks."""
+        import torch.distributed as dist
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ..architectures import get_adapter
+
+        plugin = self.fsdp
+        # every process must shard the same values; a LoRA adapter is initialised from each process's own RNG
+        # stream (DDP broadcasts rank 0's module states at wrapping; fully_shard does not)
+        with torch.no_grad():
+            for p in root.parameters():
+                if p.requires_grad:
+                    dist.broadcast(p.data, src=0)
+        units = {id(m) for m in get_adapter(self.model).decoder_layers(self.model)}
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, root) if plugin.auto_wrap_policy is not None else None
+        mesh = init_device_mesh(self.accelerator.device.type, (self.world,))
+        replicated = {p for _, p in method_parameters(self.model)}
+        trained = {n for n, p in root.named_parameters() if id(p) in self.trained}
+        reshard = bool(plugin.reshard_after_forward) and not keep_gathered
+        for m in reversed(list(root.modules())):  # children before their parents
+            if m is not root and (id(m) in units or (policy is not None and policy(m))):
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, ignored_params=replicated)
+        fully_shard(root, mesh=mesh, ignored_params=replicated, **({"reshard_after_forward": False} if keep_gathered else {}))
+        if keep_gathered:
+            root.set_reshard_after_backward(False)
+        # the parameters are new (sharded) objects now; keep the bookkeeping by identity
+        self.trained = {id(p): p for n, p in root.named_parameters() if n in trained}
+        return root
+
+    @staticmethod
+    def _reshard_all(root: nn.Module) -> None:
+        """Frees every FSDP unit's gathered parameters. A unit left gathered (after a forward without backward,
+        e.g. evaluation, the root unit keeps them; `keep_gathered`) has them as the module's parameters, and
+        they go stale once the optimizer steps the shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def _average_replicated_grads(self, params: list[nn.Parameter]) -> None:
+        """FSDP: the mean over processes of the gradients of the unsharded (method) parameters, as DDP takes it."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None and not isinstance(p, DTensor):
+                groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in groups.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world
+            for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(v.view_as(g))
+
+    def _rebuild(self, upto: int, trained: dict[str, torch.Tensor]) -> None:
+        """After an FSDP stage: an FSDP2 model cannot be unwrapped, so the model is loaded afresh (unsharded) and
+        given the structure of stages 0..upto (LoRA) and every trained tensor, as --resume does. The RNG state is
+        carried over, so the next stage starts exactly as it would have without the reload."""
+        rng = _rng_state()
+        self.root = self.model = None
+        self.trained = {}
+        self.accelerator.free_memory()
+        self.load()
+        for stage in self.recipe.stages[: upto + 1]:
+            self.setup_stage(stage)
+        self._load_trained(trained, "the gathered FSDP state")
+        _set_rng_state(rng)
+
     # ------------------------------------------------------------------------------------------- losses
     def _forward_loss(self, model, batch: torch.Tensor, stage: Stage, transfer) -> torch.Tensor:
+        if self.fsdp is not None:  # the FSDP model is not prepared by accelerate, which adds autocast for DDP
+            with self.accelerator.autocast():
+                return self._forward_loss_inner(model, batch, stage, transfer)
+        return self._forward_loss_inner(model, batch, stage, transfer)
+
+    def _forward_loss_inner(self, model, batch: torch.Tensor, stage: Stage, transfer) -> torch.Tensor:
         if stage.objective == "attention_transfer":
             transfer.clear()
             model(input_ids=batch, use_cache=False, logits_to_keep=1)
@@ -483,10 +705,16 @@ class Finetuner:
             )
         order = BatchOrder(log.train_chunks, stage.batch_size, self.recipe.seed + 7919 * si)
 
+        if self.fsdp is not None:  # shard first: the optimizer holds the sharded parameters
+            self.root.train()
+            keep = stage.objective == "attention_transfer" and (not stage.teacher_forcing or stage.gradient_checkpointing)
+            model = self._shard(self.root, keep_gathered=keep)
+            now = dict(model.named_parameters())
+            params = [(n, now[n]) for n, _ in params]
         optimizer = torch.optim.AdamW(self.param_groups(stage, params), lr=stage.lr, betas=tuple(stage.betas))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
         if ckpt is not None:
-            optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
+            self._load_optimizer_state(optimizer, torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
             scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=False))
             rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
             if len(rng) == self.world:
@@ -498,7 +726,8 @@ class Finetuner:
             # dropout streams differ per process; the model itself was initialised identically everywhere
             torch.manual_seed(self.recipe.seed + 1_000 * si + self.rank)
         self.root.train()
-        model, optimizer = acc.prepare(self.root, optimizer)
+        if self.fsdp is None:
+            model, optimizer = acc.prepare(self.root, optimizer)
         # the scheduler is stepped by hand once per optimizer step (not prepared: no per-process scaling)
 
         trainable = [p for _, p in params]
@@ -524,20 +753,28 @@ class Finetuner:
                     batch = data.train[order.indices(m)]
                     batch = local_slice(batch, self.rank, self.world).to(acc.device)
                     sync = micro == stage.grad_accum - 1
-                    ctx = contextlib.nullcontext() if sync else acc.no_sync(model)
+                    if self.fsdp is not None:  # reduce-scatter the accumulated gradients on the last micro-step
+                        model.set_requires_gradient_sync(sync)
+                        ctx = contextlib.nullcontext()
+                    else:
+                        ctx = contextlib.nullcontext() if sync else acc.no_sync(model)
                     with ctx:
                         loss = self._forward_loss(model, batch, stage, transfer)
                         acc.backward(loss / stage.grad_accum)
                     local += loss.detach().float() / stage.grad_accum
+                if self.fsdp is not None:
+                    self._average_replicated_grads(trainable)
                 if stage.max_grad_norm:
                     gn = acc.clip_grad_norm_(trainable, stage.max_grad_norm)
-                    gn = float(gn) if gn is not None else float("nan")
+                    gn = float(_full(gn)) if gn is not None else float("nan")
                 else:
                     gn = float("nan")
                 lr_now = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                if self.fsdp is not None:
+                    self._reshard_all(model)
                 loss_val = float(acc.reduce(local, reduction="mean"))
                 if not math.isfinite(loss_val):
                     raise LongctxError(
@@ -600,9 +837,14 @@ class Finetuner:
             si, log.steps_done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints, completed=True
         )
         # back to the plain model for the next stage / the final save
-        self.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
-        acc.free_memory()
-        del optimizer, scheduler
+        if self.fsdp is not None:
+            trained = self._named_trained()
+            del model, optimizer, scheduler, params, trainable
+            self._rebuild(si, trained)
+        else:
+            self.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
+            acc.free_memory()
+            del optimizer, scheduler
         self._log(
             f"{stage.name}: {log.steps_done} steps, {log.tokens} tokens, {log.time_s:.1f} s, "
             f"loss {log.first_loss if log.first_loss is None else round(log.first_loss, 4)} -> "
@@ -674,6 +916,7 @@ class Finetuner:
             "method_config": r.method_config,
             "layers": r.layers,
             "world_size": self.world,
+            "parallel": "fsdp2" if self.fsdp is not None else ("ddp" if self.world > 1 else "none"),
             "mixed_precision": self.accelerator.mixed_precision,
             "data_tokens": int(self.ids.numel()),
             "tokens": int(sum(l.tokens for l in self.stage_logs)),
