@@ -1,10 +1,22 @@
 """The fine-tune loop behind `longctx finetune`: stages of attention transfer and next-token training.
 
-One `Accelerator` drives the run, so the same code runs on one CPU/GPU and under
-`accelerate launch --num_processes N` (DDP, gloo on CPU, NCCL on GPUs). A stage's `batch_size` is the
-global micro-batch: every process builds the same batch from the seeded chunk order and takes its own
+One `Accelerator` drives the run, so the same code runs on one CPU/GPU and under several processes
+(gloo on CPU, NCCL on GPUs; run from the repository root):
+
+    accelerate launch --multi_gpu --num_processes 2 -m cli.finetune_cmd RECIPE.yaml --model ... --text ...
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 \
+        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer \
+        --fsdp_reshard_after_forward true -m cli.finetune_cmd RECIPE.yaml --model ... --text ...
+
+The first is data parallel (DDP, through accelerate.prepare). The second is FSDP2: the runner applies
+`fully_shard` itself, on CPU too, where accelerate does no FSDP (`_shard`). Each decoder layer is a unit,
+the rest sits in the root unit, and the method's own parameters stay replicated with their gradients
+averaged. After each stage the model is reloaded unsharded with the trained tensors (`_rebuild`). FSDP1,
+DeepSpeed, param offload, FSDP activation checkpointing and fp16 are refused. A stage's `batch_size` is
+the global micro-batch: every process builds the same batch from the seeded chunk order and takes its own
 rows, so N processes follow the optimisation of one process with the same recipe (up to reduction order).
-Only the main process writes files.
+Only the main process writes files. Checkpoints and outputs hold full tensors in the single-process
+format in every mode (gathered from the shards under FSDP).
 
 Output directory:
     train_log.json              tokens, steps, time, loss and eval curves per stage
