@@ -72,7 +72,6 @@ def op_rows(shapes):
         row["parallel_vs_flash"] = row["sdpa_flash_fwd_bwd_ms"] / row["parallel_fwd_bwd_ms"]
         print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
         rows.append(row)
-        del q, k, v, do, kr, vr, outs
         torch.cuda.empty_cache()
     return rows
 
