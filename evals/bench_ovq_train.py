@@ -35,16 +35,17 @@ def rel(a, b) -> float:
 
 def op_rows(shapes):
     rows = []
-    for B, Hq, H, S, D, C, N, growth in shapes:
+    for B, Hq, H, S, D, C, N, growth, exact in shapes:
         g = torch.Generator(device="cuda").manual_seed(S)
         q = (F.normalize(torch.randn(B, Hq, S, D, device="cuda", generator=g), dim=-1) * 8).bfloat16().requires_grad_()
         k = F.normalize(torch.randn(B, H, S, D, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
         v = torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16().requires_grad_()
         do = torch.randn(B, Hq, S, D, device="cuda", generator=g).bfloat16()
-        row = {"B": B, "Hq": Hq, "Hkv": H, "S": S, "D": D, "chunk_size": C, "max_centroids": N, "growth": growth}
+        row = {"B": B, "Hq": Hq, "Hkv": H, "S": S, "D": D, "chunk_size": C, "max_centroids": N, "growth": growth,
+               "exact_assign": exact}
         outs = {}
         for name, par in (("parallel", True), ("loop", False)):
-            kw = {"chunk_size": C, "max_centroids": N, "growth": growth, "backend": "triton", "exact_assign": True,
+            kw = {"chunk_size": C, "max_centroids": N, "growth": growth, "backend": "triton", "exact_assign": exact,
                   "parallel": par}
 
             def fb(kw=kw):
@@ -116,8 +117,10 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA")
-    shapes = [(1, 32, 8, 8192, 64, 256, 1024, 256.0), (1, 32, 8, 8192, 64, 64, 1024, 256.0),
-              (8, 9, 3, 2048, 64, 64, 1024, 256.0), (2, 2, 2, 4096, 64, 64, 448, 256.0)]
+    # exact_assign: float32 (IEEE) assignment dot products, or bf16 ones (the ovq method's default)
+    shapes = [(1, 32, 8, 8192, 64, 256, 1024, 256.0, False), (1, 32, 8, 8192, 64, 64, 1024, 256.0, False),
+              (1, 32, 8, 8192, 64, 64, 1024, 256.0, True), (8, 9, 3, 2048, 64, 64, 1024, 256.0, False),
+              (2, 2, 2, 4096, 64, 64, 448, 256.0, False), (2, 2, 2, 4096, 64, 64, 448, 256.0, True)]
     res = {"task": "ovq-train-speed", "device": device_description(torch.device("cuda")),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "commit": git_commit(), "command": "PYTHONPATH=. python3 " + shlex.join(["evals/bench_ovq_train.py", *sys.argv[1:]]),

@@ -316,7 +316,7 @@ class OVQMixer(_NormedMixin, Mixer):
         qs, ks = self._scaled(q, k)
         o, _, _, _ = ovq_attention(qs, ks, v.float(), None, None, None, chunk_size=int(self.opts["chunk"]),
                                    max_centroids=int(self.opts["max_centroids"]), growth=float(self.opts["growth"]),
-                                   backend=self.backend(q))
+                                   backend=self.backend(q), exact_assign=False)  # as the ovq method: bf16 assignment dots
         return o.transpose(1, 2)
 
     def state_bytes(self, length):
