@@ -114,7 +114,7 @@ def test_write_asset_refuses_other_methods(tmp_path):
 
 def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     """The shipped SmolLM2 asset: found by checkpoint=auto, close to the original model on held-out text
-    within its training length (1k), far better than fresh feature maps, and unpatch is exact."""
+    at 768 tokens, far better than fresh feature maps, and unpatch is exact."""
     model, tok = smollm2
     assert (ASSET / "asset.json").exists() and (ASSET / "adapter" / "adapter_config.json").exists()
     essay = (SHARED_DATA / "pg_essays" / "avg.txt").read_text()  # held out of the linearize run's training text
@@ -132,7 +132,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref.logits)
     base = ref.loss.item()
-    assert losses["auto"] < base + 0.2, (losses, base)  # measured: +0.13 nats at 768 tokens (fresh maps: +2.4)
+    assert losses["auto"] < base + 0.2, (losses, base)  # measured: +0.18 nats at 768 tokens (fresh maps: +2.4)
     assert losses["none"] > losses["auto"] + 1.0, (losses, base)
 
 
