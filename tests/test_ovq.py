@@ -313,6 +313,27 @@ def test_training_step_updates_beta_and_projections():
     assert attn.v_proj.weight.grad.abs().sum() > 0 and attn.k_proj.weight.grad.abs().sum() > 0
 
 
+def test_train_paths_give_the_same_loss_and_gradients():
+    """train_path=parallel and train_path=loop through a patched model (left-padded batch, GQA)."""
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    res = []
+    for path in ("loop", "parallel"):
+        model = tiny_model("llama")
+        lp.patch(model, "ovq", chunk_size=4, max_centroids=6, growth=3.0, backend="torch", train_path=path)
+        model.train()
+        out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+        out.loss.backward()
+        attn = model.model.layers[0].self_attn
+        res.append((out.loss.detach(), attn.k_proj.weight.grad.clone(), attn.ovq_log_beta.grad.clone()))
+    (la, ga, ba), (lb, gb, bb) = res
+    torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+    assert ga.abs().sum() > 0
+    torch.testing.assert_close(gb, ga, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(bb, ba, atol=1e-5, rtol=1e-4)
+
+
 def test_triton_backend_rejects_odd_head_dim():
     q = torch.randn(1, 2, 5, 24)
     k = torch.randn(1, 1, 5, 24)
