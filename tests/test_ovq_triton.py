@@ -189,7 +189,7 @@ def test_patched_model_triton_backend_prefill_then_decode():
 
 
 @pytest.mark.parametrize("S,C,N,growth,dtype", [(45, 16, 12, 4.0, torch.float32), (48, 16, 40, 0.0, torch.float32),
-                                                (40, 16, 12, 4.0, torch.bfloat16)])
+                                                (40, 16, 12, 4.0, torch.bfloat16), (9, 16, 12, 4.0, torch.float32)])
 def test_parallel_training_path_triton_equals_loop(S, C, N, growth, dtype):
     from test_ovq import _parallel_vs_loop
 

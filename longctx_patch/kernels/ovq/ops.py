@@ -117,7 +117,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
         attn = chunk_attention_ref
     if parallel is None:
         parallel = q.is_cuda
-    if needs_grad and parallel and off == 0:
+    if needs_grad and parallel and off == 0 and S > 0:
         return _ovq_parallel(q, k, v, key_valid, state, seen_bound, attn, be, chunk_size=C,
                              max_centroids=max_centroids, growth=growth, exact_assign=exact_assign)
     outs = []
