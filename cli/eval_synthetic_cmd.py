@@ -53,6 +53,9 @@ def training_options(f):
         click.option("--lrs", default="3e-4,1e-3,3e-3", show_default=True,
                      help="Comma-separated learning rates (the best one per mixer is reported)."),
         click.option("--steps", default=2000, show_default=True, type=click.IntRange(1), help="Training steps per run."),
+        click.option("--curriculum", default=None, metavar="LENGTH:FRACTION",
+                     help="Train the first FRACTION of the steps at LENGTH tokens only, then cycle through --lengths "
+                          "(e.g. 256:0.3: recall is learned far sooner on short sequences)."),
         click.option("--conv", default=4, show_default=True, type=click.IntRange(0), help="Short causal convolution width (0 = none)."),
         click.option("--heads", default=2, show_default=True, type=click.IntRange(1), help="Heads per mixer."),
         click.option("--layers", default=2, show_default=True, type=click.IntRange(1), help="Blocks."),
@@ -69,11 +72,12 @@ def training_options(f):
     return f
 
 
-def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step, eval_sequences, device):
+def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step, eval_sequences, device,
+           curriculum=None):
     import torch
 
     from longctx_patch.errors import DeviceError
-    from longctx_patch.evals.mixers import DEFAULT_MIXERS, ModelConfig, TrainConfig, parse_mixers
+    from longctx_patch.evals.mixers import DEFAULT_MIXERS, ModelConfig, TrainConfig, parse_curriculum, parse_mixers
 
     specs = parse_mixers(list(mixer_items) or ",".join(DEFAULT_MIXERS))
     if device is None:
@@ -81,8 +85,10 @@ def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DeviceError(f"--device {device} was asked for but CUDA is not available; use --device cpu (small sizes)")
     mcfg = ModelConfig(d_model=d_model, n_layers=layers, n_heads=heads, conv=conv).validate()
+    c_len, c_frac = parse_curriculum(curriculum)
     tcfg = TrainConfig(steps=steps, lrs=_floats(lrs, "learning rates"), seeds=_ints(seeds, "seeds"),
-                       tokens_per_step=tokens_per_step, eval_sequences=eval_sequences, device=device).validate()
+                       tokens_per_step=tokens_per_step, eval_sequences=eval_sequences, device=device,
+                       curriculum_length=c_len, curriculum_fraction=c_frac).validate()
     return specs, mcfg, tcfg
 
 
@@ -115,17 +121,17 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
 @training_options
 @friendly_errors
 def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items, d_model, layers, heads, conv, steps,
-            lrs, seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
+            curriculum, lrs, seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
     """In-context recall (MQAR): train every mixer from scratch, report accuracy vs length and state bytes."""
     from longctx_patch.evals.common import parse_sizes
     from longctx_patch.evals.icr import IcrConfig, IcrTask
 
     Ls = parse_sizes(lengths)
     specs, mcfg, tcfg = _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step,
-                               eval_sequences, device)
+                               eval_sequences, device, curriculum)
     for var in (["basic", "positional"] if variant == "both" else [variant]):
         task = IcrTask(IcrConfig(variant=var, num_keys=num_keys, num_values=num_values, tokens_per_pair=tokens_per_pair))
-        task.check_lengths(Ls)
+        task.check_lengths(Ls + ([tcfg.curriculum_length] if tcfg.curriculum_length else []))
         _run(task, specs, Ls, mcfg, tcfg, workers=workers, out_dir=out_dir, name=f"{name or 'icr'}-{var}",
              label=var, plots=not no_plots, quiet=quiet)
 
@@ -141,18 +147,18 @@ def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items
 @click.option("--lengths", default="2k", show_default=True, help="Sequence lengths (an example takes two positions).")
 @training_options
 @friendly_errors
-def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layers, heads, conv, steps, lrs, seeds,
-            tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
+def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layers, heads, conv, steps, curriculum, lrs,
+            seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
     """In-context regression with F hidden functions: per-function error as the context grows, every mixer."""
     from longctx_patch.evals.common import parse_sizes
     from longctx_patch.evals.icl import IclConfig, IclTask
 
     Ls = parse_sizes(lengths)
     specs, mcfg, tcfg = _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step,
-                               eval_sequences, device)
+                               eval_sequences, device, curriculum)
     for F in _ints(functions, "function counts"):
         task = IclTask(IclConfig(num_functions=F, dim=dim, segment=segment, noise=noise))
-        task.check_lengths(Ls)
+        task.check_lengths(Ls + ([tcfg.curriculum_length] if tcfg.curriculum_length else []))
         _run(task, specs, Ls, mcfg, tcfg, workers=workers, out_dir=out_dir, name=f"{name or 'icl'}-F{F}",
              label=f"F={F}", plots=not no_plots, quiet=quiet)
 

@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--steps", type=int, default=None, help="fixed steps (skips the budget rule)")
+    ap.add_argument("--curriculum", default=None, metavar="LENGTH:FRACTION",
+                    help="the first FRACTION of the steps at LENGTH tokens only (e.g. 256:0.3)")
     ap.add_argument("--eval-reserve", type=float, default=30.0, help="seconds kept for evaluation and writing")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, labelled as a smoke run")
     args = ap.parse_args()
@@ -180,8 +182,10 @@ def main():
     deadline = t0 + args.budget - args.eval_reserve if not args.cpu_smoke else None
     print(f"steps per run: {steps} (train window {window:.0f} s, serial estimate {serial * steps:.0f} s, "
           f"assumed speed-up {speedup})", flush=True)
+    c_len, c_frac = M.parse_curriculum(args.curriculum)
     tcfg = M.TrainConfig(steps=steps, lrs=lrs, seeds=seeds, tokens_per_step=args.tokens_per_step,
-                         eval_sequences=args.eval_sequences, device=device, log_every=25)
+                         eval_sequences=args.eval_sequences, device=device, log_every=25,
+                         curriculum_length=c_len, curriculum_fraction=c_frac).validate()
 
     # 2. runs
     # order: learning rate and seed outermost, so that a deadline cut shortens the same (last) learning rate of

@@ -231,6 +231,37 @@ def test_tiny_training_loss_decreases(name):
     assert rec["state_bytes"]["64"] > 0
 
 
+def test_curriculum_trains_short_sequences_first(monkeypatch):
+    task = icr.IcrTask(icr.IcrConfig(num_keys=32, num_values=32, num_noise=8))
+    seen = []
+    orig = task.sample
+
+    def sample(length, batch, seed):
+        seen.append((length, batch))
+        return orig(length, batch, seed)
+
+    monkeypatch.setattr(task, "sample", sample)
+    mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
+    tcfg = mixers.TrainConfig(steps=10, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2, log_every=1,
+                              curriculum_length=32, curriculum_fraction=0.4).validate()
+    rec = mixers.train_one(task, mixers.parse_mixer("softmax"), [64, 128], mcfg, tcfg, 1e-2, seed=0)
+    train = seen[:10]  # then the evaluation's batches
+    assert train[:4] == [(32, 8)] * 4
+    assert [L for L, _ in train[4:]] == [64, 128, 64, 128, 64, 128] and train[5] == (128, 2)
+    assert rec["steps_done"] == 10 and set(rec["eval"]) == {"64", "128"}
+
+
+def test_parse_curriculum():
+    assert mixers.parse_curriculum("256:0.3") == (256, 0.3)
+    assert mixers.parse_curriculum("1k:0.5") == (1024, 0.5)
+    assert mixers.parse_curriculum(None) == (None, 0.0)
+    for bad in ("256", "256:1.5", "256:0", "x:0.2", "256:abc"):
+        with pytest.raises(ConfigError, match="LENGTH:FRACTION|bad length"):
+            mixers.parse_curriculum(bad)
+    with pytest.raises(ConfigError, match="curriculum fraction"):
+        mixers.TrainConfig(curriculum_length=64, curriculum_fraction=1.0).validate()
+
+
 def test_tiny_icl_training_and_report(tmp_path):
     task = icl.IclTask(icl.IclConfig(num_functions=2, dim=2, segment=2, shot_bins=(0, 2, 4)))
     mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)

@@ -30,10 +30,13 @@ def test_icr_command_writes_results(tmp_path):
 
 def test_icl_command_and_errors(tmp_path):
     res = CliRunner().invoke(icl_cmd, ["--functions", "3", "--dim", "2", "--lengths", "64", "--mixers", "softmax",
-                                       "--out-dir", str(tmp_path), "--no-plots", *TINY])
+                                       "--curriculum", "32:0.5", "--out-dir", str(tmp_path), "--no-plots", *TINY])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "icl-F3.json").read_text())
     assert data["summary"]["softmax"]["eval"]["64"]["mse_by_shots"]
+    assert data["train_config"]["curriculum_length"] == 32 and data["train_config"]["curriculum_fraction"] == 0.5
+    bad = CliRunner().invoke(icr_cmd, ["--curriculum", "64", "--out-dir", str(tmp_path), *TINY])
+    assert bad.exit_code == 1 and "LENGTH:FRACTION" in bad.output
     bad = CliRunner().invoke(icr_cmd, ["--mixers", "mamba", "--out-dir", str(tmp_path), *TINY])
     assert bad.exit_code == 1 and "unknown mixer" in bad.output
     bad = CliRunner().invoke(icr_cmd, ["--lengths", "8k", "--num-keys", "16", "--mixers", "softmax",

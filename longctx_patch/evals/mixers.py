@@ -551,10 +551,18 @@ class TrainConfig:
     eval_tokens_per_batch: int = 65536
     device: str = "cpu"
     log_every: int = 10
+    # curriculum: the first `curriculum_fraction` of the steps train at `curriculum_length` only (short
+    # sequences, where the recall circuit forms), the rest cycle through the run's lengths
+    curriculum_length: int | None = None
+    curriculum_fraction: float = 0.0
 
     def validate(self) -> "TrainConfig":
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.curriculum_length is not None and self.curriculum_length < 1:
+            raise ConfigError(f"curriculum length must be >= 1 token, got {self.curriculum_length}")
+        if not 0.0 <= self.curriculum_fraction < 1.0:
+            raise ConfigError(f"curriculum fraction must be in [0, 1), got {self.curriculum_fraction}")
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
             raise ConfigError(f"learning rates must be > 0, got {self.lrs}")
         if not self.seeds:
@@ -562,6 +570,30 @@ class TrainConfig:
         if self.tokens_per_step < 1 or self.eval_sequences < 1:
             raise ConfigError("tokens_per_step and eval_sequences must be >= 1")
         return self
+
+
+def curriculum_at(step: int, tcfg: TrainConfig) -> int | None:
+    """The curriculum's sequence length at ``step``, or None once the curriculum is over (or without one)."""
+    if tcfg.curriculum_length and step < int(tcfg.curriculum_fraction * tcfg.steps):
+        return int(tcfg.curriculum_length)
+    return None
+
+
+def parse_curriculum(text: str | None) -> tuple[int | None, float]:
+    """``'256:0.3'`` -> (256, 0.3): the first 30% of the steps at 256 tokens. None / '' -> no curriculum."""
+    if not text:
+        return None, 0.0
+    from .common import parse_size
+
+    length, sep, frac = str(text).partition(":")
+    try:
+        fraction = float(frac) if sep else float("nan")
+    except ValueError:
+        fraction = float("nan")
+    if not 0.0 < fraction < 1.0:
+        raise ConfigError(f"bad curriculum {text!r}; write LENGTH:FRACTION, e.g. 256:0.3 (the first 30% of the "
+                          "steps at 256 tokens)")
+    return parse_size(length), fraction
 
 
 def _batch_to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -598,7 +630,8 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
               deadline: float | None = None) -> dict[str, Any]:
     """Trains one model from scratch and evaluates it at every length. Returns a JSON-ready record.
 
-    Steps cycle through ``lengths``; a step at length ``L`` uses ``max(1, tokens_per_step // L)`` sequences.
+    Steps cycle through ``lengths`` (after the curriculum's steps at ``curriculum_length``, if any); a step at
+    length ``L`` uses ``max(1, tokens_per_step // L)`` sequences.
     ``deadline`` (a ``time.time()`` value): training stops there even if ``steps`` are not done; the record's
     ``steps_done`` says how many ran (a guard for time-limited runs, reported, never silent).
     """
@@ -622,7 +655,7 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
     for step in range(tcfg.steps):
         if deadline is not None and time.time() > deadline:
             break
-        L = lengths[step % len(lengths)]
+        L = curriculum_at(step, tcfg) or lengths[step % len(lengths)]
         bs = max(1, tcfg.tokens_per_step // L)
         batch = _batch_to(task.sample(L, bs, 1_000_003 * (seed + 1) + step), device)
         for gr in opt.param_groups:
