@@ -190,8 +190,9 @@ def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQStat
        absorbed anything), so the gradient reaches earlier chunks' keys and values exactly as through
        the loop. All chunks then attend at once: they are folded into the batch dimension of one
        chunk-attention call (dictionary rows + the chunk's own causal keys, one softmax).
-    Memory: the per-chunk dictionaries, ``T x B x H x rows x (D + Dv)`` floats, as the loop keeps for
-    its backward.
+    Memory: every chunk's dictionary at once, ``T x B x H x rows x (D + Dv)`` float32 (about 3x the
+    loop's peak at 8k tokens on the H200, docs/PERFORMANCE.md); the ovq method's ``train_path=loop``
+    trades the speed back for memory.
     """
     B, Hq, S, D = q.shape
     H = k.shape[1]
