@@ -12,7 +12,7 @@ MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/linearize}
 OUT=${OUT:-evals/results}
-STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+. "$(dirname "$0")/train_text.sh"
 TRANSFER_STEPS=${TRANSFER_STEPS:-1200}
 LORA_STEPS=${LORA_STEPS:-600}
 TRANSFER_MAX_S=${TRANSFER_MAX_S:-240}
@@ -27,13 +27,8 @@ EXTRA=${EXTRA:-}  # more finetune options, e.g. --set stages.transfer.batch_size
 export LONGCTX_ASSET_PATH=$RUN/assets
 
 if [ "$STEP" = train ]; then
-  if [ ! -d /tmp/train-text ]; then  # built once per machine (evals/device/ovq_smollm2.sh text builds the same)
-    mkdir -p /tmp/train-text/stdlib
-    cp -r "$DATA"/train/* /tmp/train-text/
-    ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
-  fi
-  du -sh /tmp/train-text/*
-  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text /tmp/train-text --output "$RUN" -q \
+  build_train_text
+  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN" -q \
     --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
     --set stages.transfer.eval_every=200 --set stages.transfer.save_every=100000 \
     --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \

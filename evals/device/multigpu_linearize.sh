@@ -12,7 +12,7 @@ MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/multigpu}
 OUT=${OUT:-evals/results}
-STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+. "$(dirname "$0")/train_text.sh"
 NPROC=${NPROC:-2}
 CPU=${CPU:-0}
 TRANSFER_STEPS=${TRANSFER_STEPS:-300}
@@ -25,13 +25,9 @@ SAMPLES=${SAMPLES:-2}
 MODES=${MODES:-single ddp fsdp}
 NAME=${NAME:-multigpu-linearize-smollm2-135m}
 
-if [ ! -d /tmp/train-text ]; then
-  mkdir -p /tmp/train-text/stdlib
-  cp -r "$DATA"/train/* /tmp/train-text/
-  ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
-fi
+build_train_text
 mkdir -p "$RUN" "$OUT"
-recipe_args=(recipes/linearize.yaml --model "$MODEL" --text /tmp/train-text -q
+recipe_args=(recipes/linearize.yaml --model "$MODEL" --text "$TEXT" -q
   --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.lora.steps="$LORA_STEPS"
   --set stages.transfer.seq_len="$SEQ" --set stages.lora.seq_len="$SEQ"
   --set stages.transfer.batch_size="$BATCH" --set stages.lora.batch_size="$BATCH"

@@ -2,7 +2,7 @@
 # Fine-tune SmolLM2-135M-Instruct patched with OVQ (recipes/ovq-finetune.yaml) on one GPU, every layer and the
 # paper's hybrid (OVQ on even layers, sliding window 256 on odd ones), and evaluate before/after. Run from the
 # repository root on the GPU machine, after the model is assembled at $MODEL (evals/README.md, "GPU runs"):
-#   evals/device/ovq_smollm2.sh text    # training text -> /tmp/train-text (essays + Shakespeare + half the stdlib)
+#   evals/device/ovq_smollm2.sh text    # training text -> $TEXT (evals/device/train_text.sh)
 #   evals/device/ovq_smollm2.sh train   # both fine-tunes, concurrently -> $RUN/all, $RUN/hybrid (+ train JSONs in $OUT)
 #   evals/device/ovq_smollm2.sh eval    # perplexity + NIAH: unpatched, sliding-window, ovq before and after
 # Data: $DATA/train (training text) and $DATA/heldout (essays never trained on: haystack and perplexity text).
@@ -12,7 +12,7 @@ MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/ovq}
 OUT=${OUT:-evals/results}
-STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+. "$(dirname "$0")/train_text.sh"
 CAL_MAX_S=${CAL_MAX_S:-45}
 FT_STEPS=${FT_STEPS:-400}
 FT_MAX_S=${FT_MAX_S:-240}
@@ -23,16 +23,13 @@ SAMPLES=${SAMPLES:-3}
 EVAL_MAX_S=${EVAL_MAX_S:-480}
 HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]"
 
-if [ "$STEP" = text ]; then  # the same text as evals/device/linearize_smollm2.sh train builds
-  rm -rf /tmp/train-text && mkdir -p /tmp/train-text/stdlib
-  cp -r "$DATA"/train/* /tmp/train-text/
-  ls "$STDLIB"/*.py | awk 'NR % 2 == 0' | xargs -I{} cp {} /tmp/train-text/stdlib/
-  du -sh /tmp/train-text/*
+if [ "$STEP" = text ]; then  # built before the trainings start, so that concurrent runs share it
+  build_train_text force
   exit 0
 fi
 
 if [ "$STEP" = train ]; then
-  common=(--model "$MODEL" --text /tmp/train-text -q
+  common=(--model "$MODEL" --text "$TEXT" -q
           --set stages.calibrate.max_time_s="$CAL_MAX_S" --set stages.calibrate.save_every=100000
           --set stages.finetune.steps="$FT_STEPS" --set stages.finetune.max_time_s="$FT_MAX_S"
           --set stages.finetune.eval_every=100 --set stages.finetune.save_every=100000)
