@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from longctx_patch.evals.approx import relative_error as rel
 from longctx_patch.evals.common import device_description, git_commit
 from longctx_patch.kernels.ovq import ovq_attention
 
@@ -26,11 +27,6 @@ def bench(fn) -> float:
     import triton.testing as tt
 
     return float(tt.do_bench(fn, warmup=10, rep=100, return_mode="median"))
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def op_rows(shapes):
