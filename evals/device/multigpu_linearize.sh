@@ -23,6 +23,9 @@ CONTEXTS=${CONTEXTS:-2k,4k}
 LENGTHS=${LENGTHS:-2k,4k}
 SAMPLES=${SAMPLES:-2}
 MODES=${MODES:-single ddp fsdp}
+# the summary covers these (default MODES); a mode whose results are already in $RUN is not run again, so the
+# modes can be split over several calls on one warm machine: MODES="single ddp", then MODES=fsdp SUMMARY_MODES=...
+SUMMARY_MODES=${SUMMARY_MODES:-$MODES}
 NAME=${NAME:-multigpu-linearize-smollm2-135m}
 
 build_train_text
@@ -36,6 +39,7 @@ recipe_args=(recipes/linearize.yaml --model "$MODEL" --text "$TEXT" -q
 env_prefix=()
 if [ "$CPU" = 1 ]; then env_prefix=(env CUDA_VISIBLE_DEVICES=); fi
 for mode in $MODES; do
+  if [ -f "$RUN/$NAME-$mode-niah.json" ]; then echo "== $mode: done before, kept"; continue; fi
   rm -rf "${RUN:?}/$mode"
   case $mode in
     single) launch=(python3 -m cli.main finetune);
@@ -71,7 +75,7 @@ PY
     --no-progress --out-dir "$RUN" --name "$NAME-$mode-niah" > "$RUN/$mode-niah.log" 2>&1
 done
 
-python3 - "$RUN" "$OUT" "$NAME" $MODES <<'PY'
+python3 - "$RUN" "$OUT" "$NAME" $SUMMARY_MODES <<'PY'
 import json, os, sys
 from longctx_patch.evals.common import git_commit
 run, out, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
