@@ -554,6 +554,26 @@ def test_max_time_ends_a_stage_early(tiny_dir, text_file, tmp_path):
     assert [s["steps_done"] for s in again["stages"]] == [1, 2]
 
 
+def test_losses_logged_at_log_points_match_every_step_logging(tiny_dir, text_file, tmp_path):
+    """Losses stay on the device between log points; the logged means, first/final losses and grad norms
+    equal those of a run that logs every step, and tokens/s after the first log point is recorded."""
+    from longctx_patch.train import Finetuner, recipe_from_dict
+
+    logs = {}
+    for every in (1, 3):
+        d = recipe_dict(tiny_dir, text_file, method=None)
+        d["stages"] = [dict(d["stages"][1], name="lm", steps=6, log_every=every, eval_every=0)]
+        logs[every] = Finetuner(recipe_from_dict(d), tmp_path / f"o{every}", progress=False).run()["stages"][0]
+    one, three = logs[1], logs[3]
+    per_step = [v for _, v in one["loss"]]
+    assert [s for s, _ in three["loss"]] == [3, 6]
+    for (_, mean), chunk in zip(three["loss"], (per_step[:3], per_step[3:])):
+        assert mean == pytest.approx(sum(chunk) / 3, rel=1e-6)
+    assert three["first_loss"] == pytest.approx(per_step[0]) and three["final_loss"] == pytest.approx(per_step[-1])
+    assert three["grad_norm"][-1][1] == pytest.approx(one["grad_norm"][-1][1], rel=1e-5)
+    assert three["steady_tokens_per_s"] > 0 and three["tokens_per_s"] > 0
+
+
 def test_hybrid_recipe_patches_the_other_layers(tiny_dir, text_file, tmp_path):
     """rest_method patches every layer not in `layers` (e.g. sliding-window beside ovq), and the saved
     model reloads with both methods on their layers."""

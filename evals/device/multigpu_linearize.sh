@@ -23,6 +23,7 @@ CONTEXTS=${CONTEXTS:-2k,4k}
 LENGTHS=${LENGTHS:-2k,4k}
 SAMPLES=${SAMPLES:-2}
 MODES=${MODES:-single ddp fsdp}
+EVAL=${EVAL:-1}   # 0: throughput only (no perplexity or NIAH of the trained weights)
 # the summary covers these (default MODES); a mode whose results are already in $RUN is not run again, so the
 # modes can be split over several calls on one warm machine: MODES="single ddp", then MODES=fsdp SUMMARY_MODES=...
 SUMMARY_MODES=${SUMMARY_MODES:-$MODES}
@@ -39,7 +40,7 @@ recipe_args=(recipes/linearize.yaml --model "$MODEL" --text "$TEXT" -q
 env_prefix=()
 if [ "$CPU" = 1 ]; then env_prefix=(env CUDA_VISIBLE_DEVICES=); fi
 for mode in $MODES; do
-  if [ -f "$RUN/$NAME-$mode-niah.json" ]; then echo "== $mode: done before, kept"; continue; fi
+  if [ -f "$RUN/$NAME-$mode-niah.json" ] || { [ "$EVAL" != 1 ] && [ -f "$RUN/$NAME-$mode-train.json" ]; }; then echo "== $mode: done before, kept"; continue; fi
   rm -rf "${RUN:?}/$mode"
   case $mode in
     single) launch=(python3 -m cli.main finetune);
@@ -58,6 +59,7 @@ for mode in $MODES; do
   ${env_prefix_mode[@]+"${env_prefix_mode[@]}"} "${launch[@]}" "${recipe_args[@]}" --output "$RUN/$mode" \
     --results "$RUN/$NAME-$mode-train.json" > "$RUN/$mode.log" 2>&1 || { tail -n 30 "$RUN/$mode.log"; exit 1; }
   echo "$mode: $(( $(date +%s) - t0 )) s"
+  if [ "$EVAL" != 1 ]; then continue; fi
   # the run as an asset folder, so that the evaluation loads exactly these weights (checkpoint=auto)
   python3 - "$MODEL" "$RUN/$mode" <<'PY'
 import sys
@@ -80,26 +82,30 @@ import json, os, sys
 from longctx_patch.evals.common import git_commit
 run, out, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 res = {"task": "multigpu-linearize", "commit": git_commit(), "command": "evals/device/multigpu_linearize.sh (" +
-       " ".join(f"{k}={os.environ[k]}" for k in ("NPROC", "TRANSFER_STEPS", "LORA_STEPS", "SEQ", "BATCH", "MODES")
+       " ".join(f"{k}={os.environ[k]}" for k in ("NPROC", "TRANSFER_STEPS", "LORA_STEPS", "SEQ", "BATCH", "MODES", "EVAL")
                 if k in os.environ) + ")", "runs": {}}
 for m in modes:
     tr = json.load(open(f"{run}/{name}-{m}-train.json"))
-    ppl = json.load(open(f"{run}/{name}-{m}-ppl.json"))
-    niah = json.load(open(f"{run}/{name}-{m}-niah.json"))
+    evaluated = os.path.exists(f"{run}/{name}-{m}-niah.json")
+    ppl = json.load(open(f"{run}/{name}-{m}-ppl.json")) if evaluated else {"ppl": None}
+    niah = json.load(open(f"{run}/{name}-{m}-niah.json")) if evaluated else {"accuracy": None}
     res.setdefault("device", tr["device"])
     res.setdefault("date", tr["date"])
     res["runs"][m] = {
         "world_size": tr.get("world_size"), "parallel": tr.get("parallel"),
-        "stages": {s["name"]: {k: s.get(k) for k in ("steps_done", "tokens", "time_s", "tokens_per_s", "first_loss",
-                                                        "final_loss")} for s in tr["stages"]},
+        "stages": {s["name"]: {k: s.get(k) for k in ("steps_done", "tokens", "time_s", "tokens_per_s",
+                                                        "steady_tokens_per_s", "first_loss", "final_loss")} for s in tr["stages"]},
         "ppl": ppl["ppl"], "niah": niah["accuracy"],
     }
 base = res["runs"].get("single")
 if base:
     for m, r in res["runs"].items():
-        r["tokens_per_s_vs_single"] = {st: (r["stages"][st]["tokens_per_s"] / base["stages"][st]["tokens_per_s"])
-                                       for st in r["stages"] if base["stages"].get(st, {}).get("tokens_per_s")}
+        for key in ("tokens_per_s", "steady_tokens_per_s"):
+            r[key + "_vs_single"] = {st: (r["stages"][st][key] / base["stages"][st][key]) for st in r["stages"]
+                                     if base["stages"].get(st, {}).get(key) and r["stages"][st].get(key)}
 json.dump(res, open(f"{out}/{name}.json", "w"), indent=1)
-print(json.dumps({m: {"tokens/s": {k: round(v["tokens_per_s"] or 0) for k, v in r["stages"].items()}, "ppl": r["ppl"],
+print(json.dumps({m: {"tokens/s": {k: round(v["tokens_per_s"] or 0) for k, v in r["stages"].items()},
+                      "steady tokens/s": {k: round(v["steady_tokens_per_s"] or 0) for k, v in r["stages"].items()},
+                      "ppl": r["ppl"],
                       "niah": r["niah"]} for m, r in res["runs"].items()}, indent=1))
 PY

@@ -211,6 +211,7 @@ class StageLog:
     time_s: float = 0.0  # wall time of the training steps (evaluations and checkpoint writes excluded)
     eval_time_s: float = 0.0
     tokens_per_s: float = 0.0
+    steady_tokens_per_s: float | None = None  # tokens/s after the first log point (no compile or autotune)
     loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last entry]
     eval_loss: list[list[float]] = field(default_factory=list)  # [step, held-out loss]
     lr_curve: list[list[float]] = field(default_factory=list)
@@ -752,7 +753,33 @@ class Finetuner:
             file=sys.stderr,
         )
         t_run, tok_run = time.time(), 0  # live tokens/s and the max_time_s budget (evaluations included)
+        # losses and gradient norms stay on the device until a log point: a float() every step would make the
+        # host wait for the device every step, and a small model's step is mostly launch time
+        pending: list[tuple[int, torch.Tensor, Any, float]] = []  # (step, loss, grad norm, lr)
         window: list[float] = []
+        gn = lr_now = float("nan")
+        steady: list[float] | None = None  # [tokens, training time] at the first log point
+
+        def flush() -> None:
+            nonlocal gn
+            if not pending:
+                return
+            losses = torch.stack([p[1] for p in pending])
+            losses = acc.reduce(losses, reduction="mean").float().cpu().tolist()
+            for (st, _, g, _lr), v in zip(pending, losses):
+                if not math.isfinite(v):
+                    raise LongctxError(
+                        f"stage {stage.name!r}: the loss became {v} at step {st}; lower stages.{si}.lr "
+                        f"or raise stages.{si}.warmup"
+                    )
+                if log.first_loss is None:
+                    log.first_loss = v
+                log.final_loss = v
+                window.append(v)
+            g = pending[-1][2]
+            gn = float(_full(g)) if g is not None else float("nan")
+            pending.clear()
+
         with self._objective(stage) as transfer:
             if start_step == 0 and stage.eval_every and data.eval.shape[0]:
                 ev = self.evaluate(model, data, stage, transfer)
@@ -776,35 +803,28 @@ class Finetuner:
                     local += loss.detach().float() / stage.grad_accum
                 if self.fsdp is not None:
                     self._average_replicated_grads(trainable)
-                if stage.max_grad_norm:
-                    gn = acc.clip_grad_norm_(trainable, stage.max_grad_norm)
-                    gn = float(_full(gn)) if gn is not None else float("nan")
-                else:
-                    gn = float("nan")
+                g = acc.clip_grad_norm_(trainable, stage.max_grad_norm) if stage.max_grad_norm else None
                 lr_now = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if self.fsdp is not None:
                     self._reshard_all(model)
-                loss_val = float(acc.reduce(local, reduction="mean"))
-                if not math.isfinite(loss_val):
-                    raise LongctxError(
-                        f"stage {stage.name!r}: the loss became {loss_val} at step {step + 1}; lower stages.{si}.lr "
-                        f"or raise stages.{si}.warmup"
-                    )
-                if log.first_loss is None:
-                    log.first_loss = loss_val
-                log.final_loss = loss_val
-                window.append(loss_val)
+                done = step + 1
+                pending.append((done, local, g, lr_now))
                 log.tokens += stage.tokens_per_step
                 tok_run += stage.tokens_per_step
-                done = step + 1
                 log.steps_done = done
+                at_log = done % stage.log_every == 0 or done == stage.steps
+                if at_log or bar:  # a progress bar shows every step's loss (and so waits for it)
+                    flush()
                 tps = tok_run / max(time.time() - t_run, 1e-9)
                 pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_val:.4g}", lr=f"{lr_now:.2e}", tok_s=f"{tps:.0f}")
-                if done % stage.log_every == 0 or done == stage.steps:
+                if window:
+                    pbar.set_postfix(loss=f"{window[-1]:.4g}", lr=f"{lr_now:.2e}", tok_s=f"{tps:.0f}")
+                if at_log:
+                    if steady is None:
+                        steady = [log.tokens, log.time_s + time.time() - t0 - self._eval_time]
                     mean = sum(window) / len(window)
                     log.loss.append([done, mean])
                     log.lr_curve.append([done, lr_now])
@@ -828,6 +848,7 @@ class Finetuner:
                 if stage.max_time_s is not None and done < stage.steps:
                     over = torch.tensor(float(time.time() - t_run >= stage.max_time_s), device=acc.device)
                     if float(acc.reduce(over, reduction="sum")) > 0:  # one decision for every process
+                        flush()
                         if window:
                             log.loss.append([done, sum(window) / len(window)])
                             log.lr_curve.append([done, lr_now])
@@ -840,9 +861,13 @@ class Finetuner:
                 log.eval_loss.append([log.steps_done, ev])
                 log.final_eval_loss = ev
         pbar.close()
+        flush()
         log.time_s += time.time() - t0 - self._eval_time
         log.eval_time_s += self._eval_time
         log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
+        if steady is not None and log.tokens > steady[0]:
+            # after the first log point: compilation and autotuning of the first steps left out
+            log.steady_tokens_per_s = (log.tokens - steady[0]) / max(log.time_s - steady[1], 1e-9)
         if stage.gradient_checkpointing:
             self.root.gradient_checkpointing_disable()
         self.save_checkpoint(
