@@ -89,12 +89,13 @@ for m in modes:
     evaluated = os.path.exists(f"{run}/{name}-{m}-niah.json")
     ppl = json.load(open(f"{run}/{name}-{m}-ppl.json")) if evaluated else {"ppl": None}
     niah = json.load(open(f"{run}/{name}-{m}-niah.json")) if evaluated else {"accuracy": None}
-    res.setdefault("device", tr["device"])
+    res.setdefault("device", f"{tr['device']} x{os.environ.get('NPROC', '2')} (one host)")
     res.setdefault("date", tr["date"])
     res["runs"][m] = {
         "world_size": tr.get("world_size"), "parallel": tr.get("parallel"),
         "stages": {s["name"]: {k: s.get(k) for k in ("steps_done", "tokens", "time_s", "tokens_per_s",
-                                                        "steady_tokens_per_s", "first_loss", "final_loss")} for s in tr["stages"]},
+                                                        "steady_tokens_per_s", "peak_memory_gib", "first_loss",
+                                                        "final_loss")} for s in tr["stages"]},
         "ppl": ppl["ppl"], "niah": niah["accuracy"],
     }
 base = res["runs"].get("single")

@@ -212,6 +212,7 @@ class StageLog:
     eval_time_s: float = 0.0
     tokens_per_s: float = 0.0
     steady_tokens_per_s: float | None = None  # tokens/s after the first log point (no compile or autotune)
+    peak_memory_gib: float | None = None  # CUDA only: peak allocated memory of this process during the stage
     loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last entry]
     eval_loss: list[list[float]] = field(default_factory=list)  # [step, held-out loss]
     lr_curve: list[list[float]] = field(default_factory=list)
@@ -744,6 +745,9 @@ class Finetuner:
         # the scheduler is stepped by hand once per optimizer step (not prepared: no per-process scaling)
 
         trainable = [p for _, p in params]
+        cuda = acc.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(acc.device)
         t0 = time.time()
         self._eval_time = 0.0
         show = self.is_main and self.progress
@@ -865,6 +869,8 @@ class Finetuner:
         log.time_s += time.time() - t0 - self._eval_time
         log.eval_time_s += self._eval_time
         log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
+        if cuda:  # this process's peak, training and evaluation of the stage
+            log.peak_memory_gib = torch.cuda.max_memory_allocated(acc.device) / 2**30
         if steady is not None and log.tokens > steady[0]:
             # after the first log point: compilation and autotuning of the first steps left out
             log.steady_tokens_per_s = (log.tokens - steady[0]) / max(log.time_s - steady[1], 1e-9)
