@@ -79,6 +79,31 @@ def test_lola_lambda_zero_is_lolcats_exactly():
         assert torch.equal(la, lb)
 
 
+def test_linear_scale_weighs_the_linear_term():
+    """linear_scale=0 leaves exact softmax over the window (the sliding-window method's output), in the full
+    forward and in cached decoding; linear_scale=s equals scaling every layer's window factor g by 1/s."""
+    base, zero, scaled = tiny_model("llama"), tiny_model("llama"), tiny_model("llama")
+    lp.patch(base, "sliding-window", window=KW["window"])
+    lp.patch(zero, "lolcats", linear_scale=0.0, **KW)
+    lp.patch(scaled, "lolcats", linear_scale=0.25, init_window_factor=-2.197, **KW)  # g = 0.1
+    x = _ids(2, 21, seed=7)
+    with torch.no_grad():
+        want = base(x, use_cache=False).logits
+        torch.testing.assert_close(zero(x, use_cache=False).logits, want, rtol=1e-4, atol=1e-4)
+        got = zero.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, base.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0))
+        ref = tiny_model("llama")
+        lp.patch(ref, "lolcats", init_window_factor=-2.197, **KW)
+        for a, b in zip(ref.model.layers, scaled.model.layers):  # same fresh maps (seeded); g -> g / 0.25
+            g = torch.sigmoid(b.self_attn.window_factors) / 0.25
+            a.self_attn.window_factors.copy_(torch.logit(g))
+        torch.testing.assert_close(scaled(x, use_cache=False).logits, ref(x, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(scaled(x, use_cache=False).logits, want, atol=1e-3)
+    with pytest.raises(ConfigError, match="linear_scale"):
+        lp.patch(tiny_model("llama"), "lolcats", linear_scale=-1.0)
+
+
 @pytest.mark.parametrize("method,extra,lens", [("lolcats", {}, (11, 4, 8)), ("lola", {"sparse_cache": 2}, (12, 4, 8))])
 def test_left_padded_batch_equals_single_prompts(method, extra, lens):
     """lola decides evictions at absolute multiples of `chunk` (padding included), so its batch test uses

@@ -45,6 +45,9 @@ class LolcatsConfig(MethodConfig):
     init_window_factor: float = option(DEFAULT_INIT_WINDOW_FACTOR, "initial window factor of fresh layers (g = sigmoid "
                                        "of it; LoLCATs' recipes start at -2.197, g = 0.1)")
     affine_factors: bool = option(False, "weight the linear term by 1 - g instead of 1 (LoLCATs affine_attention_factors)")
+    linear_scale: float = option(1.0, "multiplies the linear term's weight (numerator and normaliser); below 1 the exact "
+                                      "window and sparse pairs weigh more against the far past (docs/lola.md, "
+                                      "'Needle in a haystack'); 1 = as trained", min=0.0)
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
@@ -53,6 +56,8 @@ class LolcatsConfig(MethodConfig):
     def check(self) -> None:
         if not math.isfinite(self.init_window_factor):
             raise ConfigError(f"{type(self).__name__}: init_window_factor must be finite, got {self.init_window_factor}")
+        if not math.isfinite(self.linear_scale):
+            raise ConfigError(f"{type(self).__name__}: linear_scale must be a finite number >= 0, got {self.linear_scale}")
 
 
 class FeatureMapMLP(nn.Module):
@@ -163,6 +168,8 @@ class LolcatsAttention(PatchedAttention):
     def factors(self):
         g = torch.sigmoid(self.window_factors.float()).view(-1)
         lf = 1 - g if self.method_config.affine_factors else torch.ones_like(g)
+        if self.method_config.linear_scale != 1.0:
+            lf = lf * self.method_config.linear_scale
         return g, lf
 
     def attend(self, q, k, v, cache_layer, padding):
