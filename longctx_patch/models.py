@@ -4,6 +4,7 @@ embedded default model `smollm2-135m` (SmolLM2-135M-Instruct, shipped as a Q4_1 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -88,7 +89,7 @@ def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out_dir.exists():
+        if out_dir.exists():  # an incomplete earlier attempt (the caller holds the lock)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
@@ -108,15 +109,37 @@ def drop_gguf_quantization(model) -> None:
             model.is_quantized = False
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive advisory lock on `lock_path` (POSIX flock; no lock where fcntl does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(lock_path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
-    """A plain HF directory for a GGUF file, made once under cache_dir()."""
+    """A plain HF directory for a GGUF file, made once under cache_dir().
+
+    Safe when several processes start at once (e.g. parallel evaluations on a fresh machine): one of them
+    dequantises under a lock, the others wait for it and then read the finished directory.
+    """
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
     name = name or f"{gguf_path.stem}-{st.st_size:x}"
     out = cache_dir() / name
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        _dequantise_gguf(gguf_path, out)
+        with _exclusive(out.parent / f".{name}.lock"):
+            if not (out / "config.json").exists():  # another process may have made it while we waited
+                _dequantise_gguf(gguf_path, out)
     return out
 
 

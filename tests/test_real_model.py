@@ -1,5 +1,6 @@
 """The embedded SmolLM2-135M-Instruct: loading, patch + generate, unpatch identity, save/load."""
 
+import os
 
 import pytest
 import torch
@@ -74,3 +75,41 @@ def test_cache_dir_env_override(monkeypatch, tmp_path):
     assert models.cache_dir() == tmp_path
     monkeypatch.delenv("LONGCTX_CACHE")
     assert models.cache_dir().name == "longctx-patch"
+
+
+def test_gguf_cache_is_made_once_by_concurrent_processes(tmp_path):
+    """Three processes that start at once on an empty cache: one dequantises (under a lock), the others wait
+    and read the finished directory; none sees a half-written or removed one. The dequantiser is replaced
+    by a slow fake that writes a config.json, so no model is needed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    calls = tmp_path / "calls.txt"
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        import longctx_patch.models as m
+        def fake(src, out):
+            with open({str(calls)!r}, "a") as f:
+                f.write("x\\n")
+            tmp = out.parent / (out.name + ".tmp")
+            tmp.mkdir()
+            time.sleep(1.0)
+            (tmp / "config.json").write_text("{{}}")
+            tmp.rename(out)
+        m._dequantise_gguf = fake
+        out = m.cached_gguf_dir(Path({str(gguf)!r}))
+        assert (out / "config.json").read_text() == "{{}}"
+        print(out)
+    """)
+    env = dict(os.environ, LONGCTX_CACHE=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert len({o.strip() for o, _ in outs}) == 1
+    assert calls.read_text().count("x") == 1
