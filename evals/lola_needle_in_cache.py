@@ -1,0 +1,112 @@
+"""Does LoLA's sparse cache keep the needle? After the prefill of S-NIAH-1 prompts, the share of (query head,
+needle token) pairs that each layer holds exactly in its sparse cache, against the share a random token
+would get (lambda / tokens outside the window).
+
+    PYTHONPATH=. python3 evals/lola_needle_in_cache.py --lengths 2k,4k --linear-scale 0.3 \\
+        --out evals/results/lola-needle-in-cache-smollm2-135m.json
+
+The positions of the kept pairs are followed by wrapping the cache manager's selection step
+(`kernels.lola.ops.lola_evict` / `_select`); the model's outputs are unchanged. CPU or GPU (reference or
+Triton path: both go through the same manager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import longctx_patch as lp  # noqa: E402
+from longctx_patch.evals.common import git_commit  # noqa: E402
+from longctx_patch.evals.niah import make_samples  # noqa: E402
+from longctx_patch.kernels.lola import ops  # noqa: E402
+from longctx_patch.models import load_model  # noqa: E402
+
+
+class KeptPositions:
+    """Follows the position of every sparse-cache slot through the manager's evictions, per layer call."""
+
+    def __init__(self):
+        self.pos: dict[int, torch.Tensor] = {}
+        self._st, self._layer, self._top = None, -1, None
+        self._select, self._evict = ops._select, ops.lola_evict
+
+    def __enter__(self):
+        def select(scores, valid, lam):
+            keep, top = self._select(scores, valid, lam)
+            self._top = top
+            return keep, top
+
+        def evict(st, *, window, lam, backend="auto"):
+            n_ev = st.nb - window
+            if n_ev <= 0 or lam == 0:
+                return self._evict(st, window=window, lam=lam, backend=backend)
+            if self._st is not st:  # one LolaState per layer call: a new one is the next layer
+                self._st, self._layer = st, self._layer + 1
+            B, Hq = st.H.shape[:2]
+            start = st.pos - st.nb  # the buffer holds positions pos - nb .. pos - 1; the oldest n_ev leave
+            sp = self.pos.get(self._layer, torch.full((B, Hq, lam), -1, dtype=torch.long, device=st.H.device))
+            ev = torch.arange(start, start + n_ev, device=st.H.device)[None, None].expand(B, Hq, n_ev)
+            cand = torch.cat([sp, ev], 2)
+            self._evict(st, window=window, lam=lam, backend=backend)
+            self.pos[self._layer] = torch.gather(cand, 2, self._top.indices)
+
+        ops._select, ops.lola_evict = select, evict
+        return self
+
+    def __exit__(self, *exc):
+        ops._select, ops.lola_evict = self._select, self._evict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="2k,4k")
+    ap.add_argument("--depths", default="0.25,0.5,0.75")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--sparse-cache", type=int, default=256)
+    ap.add_argument("--linear-scale", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default="evals/results/lola-needle-in-cache-smollm2-135m.json")
+    a = ap.parse_args()
+    lengths = [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in a.lengths.split(",")]
+    depths = [float(x) for x in a.depths.split(",")]
+    model, tok = load_model(a.model, device=a.device)
+    lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale)
+    model.eval()
+    records = []
+    for s in make_samples(tok, ["s-niah-1"], lengths, depths, 1, seed=0):
+        ids = s.input_ids
+        vt = [tok.convert_tokens_to_ids(c) for c in s.value]  # the digits of the passkey, one token each
+        at = next(i for i in range(len(ids)) if ids[i:i + len(vt)] == vt)
+        with KeptPositions() as kp, torch.no_grad():
+            model(torch.tensor([ids], device=a.device), use_cache=True)
+        by_layer = []
+        for li in range(len(model.model.layers)):
+            sp = kp.pos.get(li)
+            held = torch.stack([(sp[0] == p).any(-1) for p in range(at, at + len(vt))]).float()  # [tokens, Hq]
+            by_layer.append(round(float(held.mean()), 3))
+        rec = dict(length=s.length, depth=s.depth, prompt_tokens=len(ids), needle_at=at, needle_tokens=len(vt),
+                   random_share=round(a.sparse_cache / max(1, len(ids) - a.window), 3),
+                   mean_share=round(sum(by_layer) / len(by_layer), 3), share_by_layer=by_layer)
+        print(json.dumps({k: v for k, v in rec.items() if k != "share_by_layer"}), flush=True)
+        records.append(rec)
+    res = dict(task="lola-needle-in-cache", model=a.model, device=str(torch.cuda.get_device_name() if
+               a.device.startswith("cuda") else "cpu"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               commit=git_commit(), command="python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
+               method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale})",
+               records=records)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
