@@ -12,7 +12,8 @@ METHOD_HELP = (
     "Method to evaluate, repeatable: several --method compare methods on the same inputs in one run "
     "(the model is loaded once). 'none' (or 'unpatched') is the unpatched model. NAME(KEY=VALUE,...) gives one "
     "entry its own config, so a method can be compared with itself: --method 'lola(window=64,sparse_cache=64)' "
-    "--method lola. See 'longctx info'."
+    "--method lola. layers=RANGES patches only those decoder layers and leaves the others exact, e.g. "
+    "--method 'lola(layers=0-23)' or 'lola(layers=0-3+26-29)'. See 'longctx info'."
 )
 SET_HELP = (
     "Method config, repeatable: METHOD.KEY=VALUE sets KEY of one method (e.g. --set sliding-window.window=256); "

@@ -37,6 +37,7 @@ class MethodRun:
 
     name: str  # registered method name, or "none" for the unpatched model
     config: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] | None = None  # decoder layers to patch (None: every layer); the rest stay exact
 
     @property
     def patched(self) -> bool:
@@ -44,9 +45,41 @@ class MethodRun:
 
     @property
     def label(self) -> str:
-        if not self.config:
+        items = [f"{k}={v}" for k, v in self.config.items()]
+        if self.layers is not None:
+            items.append("layers=" + format_layers(self.layers))
+        if not items:
             return self.name
-        return self.name + "(" + ",".join(f"{k}={v}" for k, v in self.config.items()) + ")"
+        return self.name + "(" + ",".join(items) + ")"
+
+
+def parse_layers(text: str) -> list[int]:
+    """'0-23' -> [0..23]; '0-3+26-29' -> [0, 1, 2, 3, 26, 27, 28, 29]; '5' -> [5] (inclusive ranges joined by '+')."""
+    out: list[int] = []
+    for piece in str(text).split("+"):
+        piece = piece.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", piece)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ConfigError(f"bad layers {text!r}: write inclusive ranges joined by '+', e.g. layers=0-23 or "
+                              f"layers=0-3+26-29")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        out.extend(range(lo, hi + 1))
+    return sorted(set(out))
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    """The inverse of `parse_layers`: [0, 1, 2, 5] -> '0-2+5'."""
+    xs = sorted(set(layers))
+    parts: list[str] = []
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return "+".join(parts)
 
 
 def _config_keys(name: str) -> list[str]:
@@ -91,13 +124,18 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
         if name == "none" and items:
             raise ConfigError(f"--method {raw!r}: the unpatched model ('none') has no config")
         own = {}
+        run_layers = None
         for item in items:
             k, v = item.split("=", 1)
             k = k.strip()
+            if k == "layers" and "layers" not in _config_keys(name):
+                run_layers = parse_layers(v)
+                continue
             if k not in _config_keys(name):
-                raise ConfigError(f"--method {raw!r}: {name} has no key {k!r}; its keys: {', '.join(_config_keys(name))}")
+                raise ConfigError(f"--method {raw!r}: {name} has no key {k!r}; its keys: {', '.join(_config_keys(name))}, "
+                                  f"and layers=RANGES (which decoder layers to patch, e.g. layers=0-23)")
             own[k] = v.strip()
-        runs.append(MethodRun(name))
+        runs.append(MethodRun(name, layers=run_layers))
         inline.append(own)
     names = {r.name for r in runs}
     for item in sets:
@@ -155,7 +193,7 @@ def applied(model, run: MethodRun, layers=None) -> Iterator[Any]:
     if not run.patched:
         yield model
         return
-    lp.patch(model, run.name, layers=layers, **run.config)
+    lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, **run.config)
     try:
         yield model
     finally:
