@@ -335,6 +335,8 @@ def write_result(
         "method": [r.label for r in runs],
         "config": {r.label: dict(r.config) for r in runs},
     }
+    if any(r.layers is not None for r in runs):
+        record["layers"] = {r.label: r.layers for r in runs if r.layers is not None}
     clash = set(record) & set(figures)
     if clash:
         raise ValueError(f"figures may not reuse the reserved fields {sorted(clash)}")
