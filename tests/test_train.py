@@ -574,6 +574,31 @@ def test_losses_logged_at_log_points_match_every_step_logging(tiny_dir, text_fil
     assert three["steady_tokens_per_s"] > 0 and three["tokens_per_s"] > 0
 
 
+def test_non_finite_loss_stops_before_a_checkpoint_is_saved(tiny_dir, text_file, tmp_path, monkeypatch):
+    """Losses are read at log points, but a save point reads them too: a NaN at step 2 (log_every 5,
+    save_every 3) raises at the save of step 3, naming step 2, and no checkpoint of it is written."""
+    from longctx_patch.errors import LongctxError
+    from longctx_patch.train import Finetuner, recipe_from_dict
+
+    d = recipe_dict(tiny_dir, text_file, method=None)
+    d["stages"] = [dict(d["stages"][1], name="lm", steps=8, log_every=5, save_every=3, eval_every=0)]
+    d["output"] = {"keep_checkpoints": 5}
+    ft = Finetuner(recipe_from_dict(d), tmp_path / "o", progress=False)
+    real = Finetuner._forward_loss
+    calls = []
+
+    def forward_loss(self, *a, **k):
+        loss = real(self, *a, **k)
+        calls.append(1)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    monkeypatch.setattr(Finetuner, "_forward_loss", forward_loss)
+    with pytest.raises(LongctxError, match="at step 2"):
+        ft.run()
+    assert len(calls) == 3
+    assert not list((tmp_path / "o").glob("checkpoints/*step0000003*"))
+
+
 def test_hybrid_recipe_patches_the_other_layers(tiny_dir, text_file, tmp_path):
     """rest_method patches every layer not in `layers` (e.g. sliding-window beside ovq), and the saved
     model reloads with both methods on their layers."""

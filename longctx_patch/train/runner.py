@@ -844,14 +844,17 @@ class Finetuner:
                         if show:
                             pbar.write(f"{stage.name} step {done}: eval loss {ev:.4g}", file=sys.stderr)
                 if stage.save_every and done % stage.save_every == 0 and done != stage.steps:
+                    flush()  # a non-finite loss raises here, before it could be saved
                     log.time_s += time.time() - t0 - self._eval_time
                     log.eval_time_s += self._eval_time
                     self._eval_time = 0.0
                     self.save_checkpoint(si, done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints)
                     t0 = time.time()
                 if stage.max_time_s is not None and done < stage.steps:
-                    over = torch.tensor(float(time.time() - t_run >= stage.max_time_s), device=acc.device)
-                    if float(acc.reduce(over, reduction="sum")) > 0:  # one decision for every process
+                    over = time.time() - t_run >= stage.max_time_s
+                    if self.world > 1:  # one decision for every process (a single process need not wait for its device)
+                        over = float(acc.reduce(torch.tensor(float(over), device=acc.device), reduction="sum")) > 0
+                    if over:
                         flush()
                         if window:
                             log.loss.append([done, sum(window) / len(window)])
