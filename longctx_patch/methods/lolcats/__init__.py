@@ -47,7 +47,7 @@ class LolcatsConfig(MethodConfig):
     affine_factors: bool = option(False, "weight the linear term by 1 - g instead of 1 (LoLCATs affine_attention_factors)")
     linear_scale: float = option(1.0, "multiplies the linear term's weight (numerator and normaliser); below 1 the exact "
                                       "window and sparse pairs weigh more against the far past (docs/lola.md, "
-                                      "'Needle in a haystack'); 1 = as trained", min=0.0)
+                                      "'Weighing the linear term down'); 1 = as trained", min=0.0)
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
