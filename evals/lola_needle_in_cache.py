@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import longctx_patch as lp  # noqa: E402
-from longctx_patch.evals.common import git_commit  # noqa: E402
+from longctx_patch.evals.common import device_description, git_commit, parse_fractions, parse_sizes  # noqa: E402
 from longctx_patch.evals.niah import make_samples  # noqa: E402
 from longctx_patch.kernels.lola import ops  # noqa: E402
 from longctx_patch.models import load_model  # noqa: E402
@@ -75,8 +75,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="evals/results/lola-needle-in-cache-smollm2-135m.json")
     a = ap.parse_args()
-    lengths = [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in a.lengths.split(",")]
-    depths = [float(x) for x in a.depths.split(",")]
+    lengths, depths = parse_sizes(a.lengths), parse_fractions(a.depths)
     model, tok = load_model(a.model, device=a.device)
     lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale)
     model.eval()
@@ -97,8 +96,7 @@ def main() -> None:
                    mean_share=round(sum(by_layer) / len(by_layer), 3), share_by_layer=by_layer)
         print(json.dumps({k: v for k, v in rec.items() if k != "share_by_layer"}), flush=True)
         records.append(rec)
-    res = dict(task="lola-needle-in-cache", model=a.model, device=str(torch.cuda.get_device_name() if
-               a.device.startswith("cuda") else "cpu"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res = dict(task="lola-needle-in-cache", model=a.model, device=device_description(a.device), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                commit=git_commit(), command="python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
                method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale})",
                records=records)

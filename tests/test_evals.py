@@ -66,21 +66,24 @@ def test_parse_methods_inline_configs_compare_a_method_with_itself():
 
 
 def test_parse_methods_layers_patch_only_those_layers():
-    """layers=RANGES in an inline config patches only those decoder layers; the others stay exact."""
+    """layers=RANGES in an inline config patches only those decoder layers (lp.patch's syntax, ranges joined by
+    '+' because ',' separates the inline items); the others stay exact."""
     from conftest import tiny_model
 
-    from longctx_patch.evals.common import applied, format_layers, parse_layers
+    from longctx_patch.evals.common import applied
 
-    assert parse_layers("0-3+6+8-9") == [0, 1, 2, 3, 6, 8, 9] and format_layers([0, 1, 2, 3, 6, 8, 9]) == "0-3+6+8-9"
-    runs = parse_methods(["lola(window=64,layers=1-2)", "lola(window=64)"])
-    assert runs[0].layers == [1, 2] and runs[0].config == {"window": 64} and runs[1].layers is None
-    assert runs[0].label == "lola(window=64,layers=1-2)"
+    runs = parse_methods(["lola(window=64,layers=1-2)", "lola(window=64)", "lola(layers=0+2)"])
+    assert runs[0].layers == "1-2" and runs[0].config == {"window": 64} and runs[1].layers is None
+    assert runs[0].label == "lola(window=64,layers=1-2)" and runs[2].label == "lola(layers=0+2)"
     model = tiny_model("llama")
-    with applied(model, runs[0]):
-        kinds = [type(layer.self_attn).__name__ for layer in model.model.layers]
-    assert kinds[0] != kinds[1] == kinds[2]  # layers 1 and 2 patched, layer 0 not
-    with pytest.raises(ConfigError, match="layers=0-23"):
-        parse_layers("3-1")
+    for run, patched in ((runs[0], [False, True, True]), (runs[2], [True, False, True])):
+        base = [type(layer.self_attn) for layer in tiny_model("llama").model.layers]
+        with applied(model, run):
+            got = [type(layer.self_attn) is not b for layer, b in zip(model.model.layers, base)]
+        assert got == patched
+    with pytest.raises(ConfigError, match="out of range"):
+        with applied(model, parse_methods(["lola(layers=0-5)"])[0]):
+            pass
 
 
 @pytest.mark.parametrize(
@@ -97,7 +100,8 @@ def test_parse_methods_layers_patch_only_those_layers():
         (["lola(window=64"], [], "NAME(KEY=VALUE,...)"),
         (["lola(window)"], [], "is not KEY=VALUE"),
         (["lola(windw=3)"], [], "no key 'windw'"),
-        (["lola(layers=a)"], [], "bad layers"),
+        (["lola(layers=a)"], [], "cannot read 'a'"),
+        (["lola(layers=3-1)"], [], "selection is empty"),
         (["none(window=3)"], [], "has no config"),
         (["lola(window=0)"], [], "window"),
         ([], [], "no method"),

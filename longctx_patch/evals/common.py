@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
 from ..methods import get_method, list_methods
+from ..patcher import parse_layers
 
 UNPATCHED = ("none", "unpatched")
 DEFAULT_RESULTS_DIR = Path("evals") / "results"
@@ -37,7 +38,7 @@ class MethodRun:
 
     name: str  # registered method name, or "none" for the unpatched model
     config: dict[str, Any] = field(default_factory=dict)
-    layers: list[int] | None = None  # decoder layers to patch (None: every layer); the rest stay exact
+    layers: str | None = None  # decoder layers to patch, `lp.patch`'s syntax ('0-3,26-29'); None: every layer
 
     @property
     def patched(self) -> bool:
@@ -47,39 +48,10 @@ class MethodRun:
     def label(self) -> str:
         items = [f"{k}={v}" for k, v in self.config.items()]
         if self.layers is not None:
-            items.append("layers=" + format_layers(self.layers))
+            items.append("layers=" + self.layers.replace(",", "+"))  # ',' separates the inline items
         if not items:
             return self.name
         return self.name + "(" + ",".join(items) + ")"
-
-
-def parse_layers(text: str) -> list[int]:
-    """'0-23' -> [0..23]; '0-3+26-29' -> [0, 1, 2, 3, 26, 27, 28, 29]; '5' -> [5] (inclusive ranges joined by '+')."""
-    out: list[int] = []
-    for piece in str(text).split("+"):
-        piece = piece.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", piece)
-        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise ConfigError(f"bad layers {text!r}: write inclusive ranges joined by '+', e.g. layers=0-23 or "
-                              f"layers=0-3+26-29")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        out.extend(range(lo, hi + 1))
-    return sorted(set(out))
-
-
-def format_layers(layers: Sequence[int]) -> str:
-    """The inverse of `parse_layers`: [0, 1, 2, 5] -> '0-2+5'."""
-    xs = sorted(set(layers))
-    parts: list[str] = []
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return "+".join(parts)
 
 
 def _config_keys(name: str) -> list[str]:
@@ -129,7 +101,9 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
             k, v = item.split("=", 1)
             k = k.strip()
             if k == "layers" and "layers" not in _config_keys(name):
-                run_layers = parse_layers(v)
+                # inline items are comma-separated, so ranges are joined by '+': layers=0-3+26-29
+                run_layers = v.strip().replace("+", ",")
+                parse_layers(run_layers, sys.maxsize)  # syntax now; the range is checked against the model at patch
                 continue
             if k not in _config_keys(name):
                 raise ConfigError(f"--method {raw!r}: {name} has no key {k!r}; its keys: {', '.join(_config_keys(name))}, "
