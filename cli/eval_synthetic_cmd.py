@@ -131,7 +131,6 @@ def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items
                                eval_sequences, device, curriculum)
     for var in (["basic", "positional"] if variant == "both" else [variant]):
         task = IcrTask(IcrConfig(variant=var, num_keys=num_keys, num_values=num_values, tokens_per_pair=tokens_per_pair))
-        task.check_lengths(Ls + ([tcfg.curriculum_length] if tcfg.curriculum_length else []))
         _run(task, specs, Ls, mcfg, tcfg, workers=workers, out_dir=out_dir, name=f"{name or 'icr'}-{var}",
              label=var, plots=not no_plots, quiet=quiet)
 
@@ -158,7 +157,6 @@ def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layer
                                eval_sequences, device, curriculum)
     for F in _ints(functions, "function counts"):
         task = IclTask(IclConfig(num_functions=F, dim=dim, segment=segment, noise=noise))
-        task.check_lengths(Ls + ([tcfg.curriculum_length] if tcfg.curriculum_length else []))
         _run(task, specs, Ls, mcfg, tcfg, workers=workers, out_dir=out_dir, name=f"{name or 'icl'}-F{F}",
              label=f"F={F}", plots=not no_plots, quiet=quiet)
 

@@ -251,6 +251,20 @@ def test_curriculum_trains_short_sequences_first(monkeypatch):
     assert rec["steps_done"] == 10 and set(rec["eval"]) == {"64", "128"}
 
 
+def test_run_sweep_checks_the_curriculum_length():
+    """A curriculum length the task cannot use (too short for its pairs with 1024 keys) is refused before any
+    training starts, like the run's own lengths."""
+    task = icr.IcrTask(icr.IcrConfig(num_keys=1024, num_values=32, num_noise=8))
+    task.check_lengths([256])  # the run's length is fine
+    mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
+    tcfg = mixers.TrainConfig(steps=2, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2,
+                              curriculum_length=4, curriculum_fraction=0.5).validate()
+    with pytest.raises(ConfigError):
+        task.check_lengths([4])
+    with pytest.raises(ConfigError):
+        mixers.run_sweep(task, [mixers.parse_mixer("softmax")], [256], mcfg, tcfg, progress=False)
+
+
 def test_parse_curriculum():
     assert mixers.parse_curriculum("256:0.3") == (256, 0.3)
     assert mixers.parse_curriculum("1k:0.5") == (1024, 0.5)

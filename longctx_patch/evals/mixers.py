@@ -718,7 +718,8 @@ def run_sweep(task, specs: Sequence[MixerSpec], lengths: Sequence[int], mcfg: Mo
     (several small models share one GPU well). Returns the run records (``error`` set on failure)."""
     tcfg.validate()
     mcfg.validate()
-    task.check_lengths(list(lengths) + list(eval_lengths or []))
+    curriculum = [tcfg.curriculum_length] if tcfg.curriculum_length else []
+    task.check_lengths(list(lengths) + list(eval_lengths or []) + curriculum)
     jobs = [(task, s, list(lengths), mcfg, tcfg, lr, seed, list(eval_lengths) if eval_lengths else None)
             for s in specs for lr in tcfg.lrs for seed in tcfg.seeds]
     records: list[dict] = []
