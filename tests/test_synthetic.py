@@ -261,8 +261,12 @@ def test_run_sweep_checks_the_curriculum_length():
                               curriculum_length=4, curriculum_fraction=0.5).validate()
     with pytest.raises(ConfigError):
         task.check_lengths([4])
+    sampled = []
+    orig = task.sample
+    task.sample = lambda length, batch, seed: sampled.append(length) or orig(length, batch, seed)
     with pytest.raises(ConfigError):
         mixers.run_sweep(task, [mixers.parse_mixer("softmax")], [256], mcfg, tcfg, progress=False)
+    assert sampled == []  # refused up front, not by the first training batch
 
 
 def test_parse_curriculum():
