@@ -34,18 +34,7 @@ if [ "$STEP" = train ]; then
     --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
     --set stages.lora.eval_every=200 --set stages.lora.save_every=100000 \
     --set output.lolcats_export=true --results "$OUT/linearize-smollm2-135m-train.json" $EXTRA
-  python3 - "$MODEL" "$RUN" <<'PY'
-import sys
-from longctx_patch.models import load_model_only
-from longctx_patch.assets import write_asset
-from longctx_patch.evals.common import git_commit
-model = load_model_only(sys.argv[1])
-out = write_asset(sys.argv[2], model, sys.argv[2] + "/assets/smollm2-135m-instruct-lolcats",
-                  name="smollm2-135m-instruct-lolcats",
-                  description="SmolLM2-135M-Instruct linearized with recipes/linearize.yaml",
-                  extra={"commit": git_commit(), "recipe": "recipes/linearize.yaml"})
-print("asset:", out)
-PY
+  write_run_asset "$RUN" "SmolLM2-135M-Instruct linearized with recipes/linearize.yaml"
   # the asset folder as one tar (a device call returns at most 8 files, none from deep folders)
   mkdir -p "$OUT" && (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
   cp "$RUN"/trainable/lolcats/model.pt "$OUT/lolcats-model.pt" 2>/dev/null || true

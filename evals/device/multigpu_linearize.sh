@@ -61,14 +61,7 @@ for mode in $MODES; do
   echo "$mode: $(( $(date +%s) - t0 )) s"
   if [ "$EVAL" != 1 ]; then continue; fi
   # the run as an asset folder, so that the evaluation loads exactly these weights (checkpoint=auto)
-  python3 - "$MODEL" "$RUN/$mode" <<'PY'
-import sys
-from longctx_patch.assets import write_asset
-from longctx_patch.models import load_model_only
-model = load_model_only(sys.argv[1], device="cpu")
-write_asset(sys.argv[2], model, sys.argv[2] + "/assets/smollm2-135m-instruct-lolcats", name="smollm2-135m-instruct-lolcats",
-            description="multi-GPU comparison run")
-PY
+  write_run_asset "$RUN/$mode" "multi-GPU comparison run ($mode)"
   LONGCTX_ASSET_PATH="$RUN/$mode/assets" python3 -m cli.main eval ppl --model "$MODEL" --method lolcats \
     --method 'lola(window=256,sparse_cache=256)' --no-baseline --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
     --no-progress --out-dir "$RUN" --name "$NAME-$mode-ppl" > "$RUN/$mode-ppl.log" 2>&1
