@@ -140,14 +140,16 @@ def check():
                                                 ref.hedgehog_feature_map(q, Wt, out_dtype=torch.float32))
             # LoLA manager: triton vs torch, prefill that ends mid-chunk, then decode steps
             res = {}
+            Wk = make(2, 8, 2, 1, D, 32, dtype, seed=D)[-1]
+            phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=dtype)  # noqa: E731
             for backend in ("torch", "triton"):
                 st = LolaState.empty(2, 8, 2, D, 64, 16, dtype, DEV)
-                o1 = lola_process(st, q, k, v, fq, fk, g, lf, window=32, chunk=64, lam=16, scale=D ** -0.5,
+                o1 = lola_process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=32, chunk=64, lam=16, scale=D ** -0.5,
                                   key_mask_new=km, backend=backend)
                 n2 = sz(60, 5)
                 q2, k2, v2, fq2, fk2, *_ = make(2, 8, 2, n2, D, 32, dtype, seed=D + 1)
                 steps = [lola_process(st, q2[:, :, i:i + 1], k2[:, :, i:i + 1], v2[:, :, i:i + 1],
-                                      fq2[:, :, i:i + 1], fk2[:, :, i:i + 1], g, lf, window=32, chunk=64, lam=16,
+                                      fq2[:, :, i:i + 1], g, lf, phi_k=phi_k, window=32, chunk=64, lam=16,
                                       scale=D ** -0.5, backend=backend) for i in range(n2)]
                 res[backend] = (o1, torch.cat(steps, 1), st)
             out[f"lola_prefill_{dn}_D{D}"] = rel(res["triton"][0][real], res["torch"][0][real])
@@ -161,13 +163,14 @@ def check():
     # CUDA-graph prefill == eager chunks (same kernels): 4096 tokens, chunk 256
     from longctx_patch.kernels.lola import ops as lops
 
-    q, k, v, fq, fk, g, lf, _, _ = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
+    q, k, v, fq, fk, g, lf, _, Wk = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
+    Wk16 = Wk.to(torch.bfloat16)
     res = []
     for graph in (False, True):
         lops.GRAPH_PREFILL = graph
         st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
-        res.append((lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=256, lam=256, scale=128 ** -0.5,
-                                 backend="triton"), st))
+        res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                                 chunk=256, lam=256, scale=128 ** -0.5, backend="triton"), st))
     lops.GRAPH_PREFILL = True
     out["graph_vs_eager_out"] = rel(res[1][0], res[0][0])
     out["graph_vs_eager_H"] = rel(res[1][1].H, res[0][1].H)
@@ -202,8 +205,8 @@ def _prefill(D, label):
 
             def lola_once(chunk=chunk):
                 st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
-                return lola_process(st, q, k, v, fq, fk, g, lf, window=256, chunk=chunk, lam=256, scale=scale,
-                                    backend="triton")
+                return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                                    chunk=chunk, lam=256, scale=scale, backend="triton")
             r[f"lola_eta256_lam256_chunk{chunk}_{'graph' if graph else 'eager'}_ms"] = bench(lola_once, rep=300)
     lops.GRAPH_PREFILL = True
     # exact baselines: full causal attention (kv heads expanded for the backends without GQA)
@@ -290,11 +293,9 @@ def decode():
     st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, dt, DEV, capacity=eta + chunk)
     st.win_k.normal_()
     st.win_v.normal_()
-    st.win_fk.copy_(torch.softmax(torch.randn_like(st.win_fk, dtype=torch.float32), -1))
     st.sp_k.normal_()
     st.sp_v.normal_()
-    st.sp_fk.copy_(torch.softmax(torch.randn_like(st.sp_fk, dtype=torch.float32), -1))
-    st.sp_score = torch.rand(B, Hq, lam, device=DEV)
+    st.sp_score = torch.rand(B, Hkv, lam, device=DEV)
     st.H = torch.rand(B, Hq, 2 * F, D, device=DEV) * 100
     st.s = torch.rand(B, Hq, 2 * F, device=DEV) * 100
     st.nb = eta + chunk // 2
@@ -305,26 +306,28 @@ def decode():
     k1 = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dt)
     v1 = torch.randn(B, Hkv, 1, D, device=DEV, dtype=dt)
     fq1 = torch.softmax(torch.randn(B, Hq, 1, 2 * F, device=DEV), -1).to(dt)
-    fk1 = torch.softmax(torch.randn(B, Hq, 1, 2 * F, device=DEV), -1).to(dt)
+    Wk = (torch.randn(Hq, D, F, device=DEV) * D ** -0.25).to(dt)
+    phi_k = lambda x: tk.feature_map(x, Wk)  # noqa: E731
     state_bytes = st.nbytes()
 
     def step():
         st.nb = eta + chunk // 2  # stay mid-chunk: no eviction in this timing
         st.pos = N + chunk // 2
-        return lola_process(st, q1, k1, v1, fq1, fk1, g, lf, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
-                            backend="triton")
+        return lola_process(st, q1, k1, v1, fq1, g, lf, phi_k=phi_k, window=eta, chunk=chunk, lam=lam,
+                            scale=D ** -0.5, backend="triton")
 
     r["lola_step_ms"] = bench(step)
-    r["lola_decode_kernel_ms"] = bench(lambda: tk.decode_step(q1, st.wk, st.wv, fq1, st.wfk, g, lf, st.H, st.s,
+    st.nb = eta + chunk // 2
+    fk_lin = phi_k(st.win_k[:, :, : chunk // 2])  # the buffered keys older than the window
+    r["lola_decode_kernel_ms"] = bench(lambda: tk.decode_step(q1, st.wk, st.wv, fq1, fk_lin, g, lf, st.H, st.s,
                                                               window=eta, scale=D ** -0.5, sparse_k=st.sp_k,
                                                               sparse_v=st.sp_v, sparse_valid=st.sp_valid))
-    H0, s0, spk, spv, spfk, sps = st.H.clone(), st.s.clone(), st.sp_k.clone(), st.sp_v.clone(), st.sp_fk.clone(), \
-        st.sp_score.clone()
+    H0, s0, spk, spv, sps = st.H.clone(), st.s.clone(), st.sp_k.clone(), st.sp_v.clone(), st.sp_score.clone()
 
     def evict():
         st.nb = eta + chunk
-        st.H, st.s, st.sp_k, st.sp_v, st.sp_fk, st.sp_score = H0.clone(), s0.clone(), spk, spv, spfk, sps
-        lola_evict(st, window=eta, lam=lam, backend="triton")
+        st.H, st.s, st.sp_k, st.sp_v, st.sp_score = H0.clone(), s0.clone(), spk, spv, sps
+        lola_evict(st, window=eta, lam=lam, phi_k=phi_k, backend="triton")
 
     r["lola_evict_ms"] = bench(evict)
     r["lola_per_token_ms"] = r["lola_step_ms"] + r["lola_evict_ms"] / chunk
@@ -346,7 +349,8 @@ def decode():
         q, k, v, fq, fk, g1, lf1, _, _ = make(1, Hq, Hkv, ctx, D, F, dt, seed=ctx)
         st = LolaState.empty(1, Hq, Hkv, D, 2 * F, lam, dt, DEV)
         t = time.time()
-        lola_process(st, q, k, v, fq, fk, g1, lf1, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton")
+        lola_process(st, q, k, v, fq, g1, lf1, phi_k=phi_k, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
+                     backend="triton")
         torch.cuda.synchronize()
         pre_s = time.time() - t
         del q, k, v, fq, fk
@@ -356,8 +360,7 @@ def decode():
         qs, ks, vs, fqs, fks, *_ = make(1, Hq, Hkv, 2 * chunk, D, F, dt, seed=1)
         for i in range(2 * chunk):  # crosses at least one eviction
             lola_process(st, qs[:, :, i:i + 1], ks[:, :, i:i + 1], vs[:, :, i:i + 1], fqs[:, :, i:i + 1],
-                         fks[:, :, i:i + 1], g1, lf1, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
-                         backend="triton")
+                         g1, lf1, phi_k=phi_k, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton")
         torch.cuda.synchronize()
         mem[str(ctx)] = {"state_bytes": st.nbytes(), "decode_peak_extra_bytes": torch.cuda.max_memory_allocated() - base,
                          "prefill_s_eager": round(pre_s, 3)}

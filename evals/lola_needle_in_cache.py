@@ -1,6 +1,7 @@
-"""Does LoLA's sparse cache keep the needle? After the prefill of S-NIAH-1 prompts, the share of (query head,
+"""Does LoLA's sparse cache keep the needle? After the prefill of S-NIAH-1 prompts, the share of (sparse head,
 needle token) pairs that each layer holds exactly in its sparse cache, against the share a random token
-would get (lambda / tokens outside the window).
+would get (lambda / tokens outside the window). Sparse heads are the kv heads (`--sparse-heads kv`, the
+default) or the query heads.
 
     PYTHONPATH=. python3 evals/lola_needle_in_cache.py --lengths 2k,4k --linear-scale 0.3 \\
         --out evals/results/lola-needle-in-cache-smollm2-135m.json
@@ -43,18 +44,18 @@ class KeptPositions:
             self._top = top
             return keep, top
 
-        def evict(st, *, window, lam, backend="auto"):
+        def evict(st, *, window, lam, phi_k, backend="auto"):
             n_ev = st.nb - window
             if n_ev <= 0 or lam == 0:
-                return self._evict(st, window=window, lam=lam, backend=backend)
+                return self._evict(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
             if self._st is not st:  # one LolaState per layer call: a new one is the next layer
                 self._st, self._layer = st, self._layer + 1
-            B, Hq = st.H.shape[:2]
+            B, Hs = st.sp_score.shape[:2]
             start = st.pos - st.nb  # the buffer holds positions pos - nb .. pos - 1; the oldest n_ev leave
-            sp = self.pos.get(self._layer, torch.full((B, Hq, lam), -1, dtype=torch.long, device=st.H.device))
-            ev = torch.arange(start, start + n_ev, device=st.H.device)[None, None].expand(B, Hq, n_ev)
+            sp = self.pos.get(self._layer, torch.full((B, Hs, lam), -1, dtype=torch.long, device=st.H.device))
+            ev = torch.arange(start, start + n_ev, device=st.H.device)[None, None].expand(B, Hs, n_ev)
             cand = torch.cat([sp, ev], 2)
-            self._evict(st, window=window, lam=lam, backend=backend)
+            self._evict(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
             self.pos[self._layer] = torch.gather(cand, 2, self._top.indices)
 
         ops._select, ops.lola_evict = select, evict
@@ -72,12 +73,14 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--sparse-cache", type=int, default=256)
     ap.add_argument("--linear-scale", type=float, default=1.0)
+    ap.add_argument("--sparse-heads", choices=("kv", "query"), default="kv")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="evals/results/lola-needle-in-cache-smollm2-135m.json")
     a = ap.parse_args()
     lengths, depths = parse_sizes(a.lengths), parse_fractions(a.depths)
     model, tok = load_model(a.model, device=a.device)
-    lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale)
+    lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale,
+             sparse_heads=a.sparse_heads)
     model.eval()
     records = []
     for s in make_samples(tok, ["s-niah-1"], lengths, depths, 1, seed=0):
@@ -89,7 +92,7 @@ def main() -> None:
         by_layer = []
         for li in range(len(model.model.layers)):
             sp = kp.pos.get(li)
-            held = torch.stack([(sp[0] == p).any(-1) for p in range(at, at + len(vt))]).float()  # [tokens, Hq]
+            held = torch.stack([(sp[0] == p).any(-1) for p in range(at, at + len(vt))]).float()  # [tokens, Hs]
             by_layer.append(round(float(held.mean()), 3))
         rec = dict(length=s.length, depth=s.depth, prompt_tokens=len(ids), needle_at=at, needle_tokens=len(vt),
                    random_share=round(a.sparse_cache / max(1, len(ids) - a.window), 3),
@@ -98,7 +101,8 @@ def main() -> None:
         records.append(rec)
     res = dict(task="lola-needle-in-cache", model=a.model, device=device_description(a.device), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                commit=git_commit(), command="python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
-               method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale})",
+               method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale},"
+                      f"sparse_heads={a.sparse_heads})",
                records=records)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

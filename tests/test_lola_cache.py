@@ -22,29 +22,30 @@ def _seq(S, seed=0, dtype=torch.float32):
     Wk = torch.randn(HQ, D, F, generator=g) * D ** -0.25
     gw = torch.sigmoid(torch.randn(HQ, generator=g))
     return (q.to(dtype), k.to(dtype), v.to(dtype), ref.hedgehog_feature_map(q, Wq).to(dtype),
-            ref.hedgehog_feature_map(k, Wk).to(dtype), gw, torch.ones(HQ))
+            ref.hedgehog_feature_map(k, Wk).to(dtype), gw, torch.ones(HQ), Wk)
 
 
-def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch"):
-    q, k, v, fq, fk, g, lf = seq
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device)
+def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch", sparse_heads=HKV):
+    q, k, v, fq, fk, g, lf, Wk = seq
+    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
+    phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], fk[:, :, sl], g, lf,
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
                                  window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
                                  key_mask_new=None if mask is None else mask[:, sl], backend=backend))
         i += n
     return torch.cat(outs, 1), st
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_chunked_prefill_equals_token_by_token_and_full(backend):
+@pytest.mark.parametrize("backend,sparse_heads", [("torch", HKV), ("torch", HQ), ("triton", HKV), ("triton", HQ)])
+def test_chunked_prefill_equals_token_by_token_and_full(backend, sparse_heads):
     S = 41 if backend == "torch" else 22  # the interpreter is slow
     seq = _seq(S)
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[1, :6] = False  # left padding of row 1
-    kw = dict(window=6, chunk=4, lam=5, mask=mask, backend=backend)
+    kw = dict(window=6, chunk=4, lam=5, mask=mask, backend=backend, sparse_heads=sparse_heads)
     full, st_full = _run([S], seq, **kw)
     steps, st_steps = _run([1] * S, seq, **kw)
     mixed, st_mixed = _run([13, 1, 1, S - 15], seq, **kw)
@@ -57,25 +58,61 @@ def test_chunked_prefill_equals_token_by_token_and_full(backend):
         torch.testing.assert_close(a.sp_k, b.sp_k)
         assert a.pos == b.pos == S
     # the sparse cache is really used: some slots hold pairs, padding never enters it
-    assert st_full.sp_valid.any()
+    assert st_full.sp_valid.any() and st_full.sp_k.shape[1] == sparse_heads
     # buffer: a fixed block of window + chunk rows, fewer tokens in it
     assert st_full.win_k.shape[2] == 6 + 4 and st_full.nb < 6 + 4
 
 
-def test_triton_manager_matches_torch_manager():
+@pytest.mark.parametrize("sparse_heads", [HKV, HQ])
+def test_triton_manager_matches_torch_manager(sparse_heads):
     S = 30
     seq = _seq(S, seed=1)
-    a, sa = _run([S], seq, window=5, chunk=8, lam=3, backend="torch")
-    b, sb = _run([S], seq, window=5, chunk=8, lam=3, backend="triton")
+    a, sa = _run([S], seq, window=5, chunk=8, lam=3, backend="torch", sparse_heads=sparse_heads)
+    b, sb = _run([S], seq, window=5, chunk=8, lam=3, backend="triton", sparse_heads=sparse_heads)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(sa.H, sb.H, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sa.sp_k, sb.sp_k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("sparse_heads", [HKV, HQ])
+def test_eviction_equals_select_and_fold_reference(backend, sparse_heads):
+    """One eviction of the manager (scores summed over the query heads of a sparse head, top-lambda, fold)
+    against `reference.select_and_fold` written from the definition, with padding among the candidates."""
+    window, chunk, lam = 5, 8, 4
+    q, k, v, fq, fk, g, lf, Wk = _seq(2 * chunk, seed=11)
+    mask = torch.ones(B, 2 * chunk, dtype=torch.bool)
+    mask[0, :3] = False
+    phi_k = lambda x: ref.hedgehog_feature_map(x, Wk)  # noqa: E731
+    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
+    lola_process(st, q[:, :, :chunk], k[:, :, :chunk], v[:, :, :chunk], fq[:, :, :chunk], g, lf, phi_k=phi_k,
+                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5, key_mask_new=mask[:, :chunk], backend=backend)
+    assert st.sp_valid.any()  # the first eviction filled slots; the second one competes with them
+    lola_process(st, q[:, :, chunk:-1], k[:, :, chunk:-1], v[:, :, chunk:-1], fq[:, :, chunk:-1], g, lf,
+                 phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
+                 key_mask_new=mask[:, chunk:-1], backend=backend)
+    n_ev = st.nb + 1 - window
+    Hs = sparse_heads
+    cand_k = torch.cat([st.sp_k, ref.expand_kv(st.win_k[:, :, :n_ev], Hs)], 2)
+    cand_v = torch.cat([st.sp_v, ref.expand_kv(st.win_v[:, :, :n_ev], Hs)], 2)
+    ev_valid = torch.ones(B, n_ev, dtype=torch.bool) if st.win_mask is None else st.win_mask[:, :n_ev]
+    cand_valid = torch.cat([st.sp_valid, ev_valid[:, None].expand(B, Hs, n_ev)], 2)
+    want = ref.select_and_fold(cand_k, cand_v, phi_k(cand_k), cand_valid, st.H, st.s, lam)
+    lola_process(st, q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], fq[:, :, -1:], g, lf, phi_k=phi_k, window=window,
+                 chunk=chunk, lam=lam, scale=D ** -0.5, key_mask_new=mask[:, -1:], backend=backend)
+    assert st.nb == window
+    torch.testing.assert_close(st.sp_k, want[0])
+    torch.testing.assert_close(st.sp_v, want[1])
+    torch.testing.assert_close(st.sp_score, want[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st.H, want[3], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st.s, want[4], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_lambda_zero_is_lolcats(backend):
     S = 37
     seq = _seq(S, seed=2)
-    q, k, v, fq, fk, g, lf = seq
+    q, k, v, fq, fk, g, lf, _ = seq
     want = hybrid_attention(q, k, v, fq, fk, g, lf, window=7, scale=D ** -0.5, chunk=8, backend="torch")
     quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=7).transpose(1, 2)
     torch.testing.assert_close(want, quad, atol=1e-5, rtol=1e-5)
@@ -92,7 +129,7 @@ def test_lambda_zero_is_lolcats(backend):
 def test_bf16_manager_close_to_fp32():
     S = 33
     seq32 = _seq(S, seed=3)
-    seq16 = tuple(x.to(torch.bfloat16) if x.dim() == 4 else x for x in seq32)
+    seq16 = tuple(x.to(torch.bfloat16) if x.dim() == 4 else x for x in seq32)  # Wk stays fp32
     a, _ = _run([S], seq32, window=6, chunk=4, lam=4)
     b, _ = _run([S], seq16, window=6, chunk=4, lam=4, backend="triton")
     assert b.dtype == torch.bfloat16
@@ -117,10 +154,10 @@ def test_colliding_key_is_kept_in_sparse_cache(backend):
     q = torch.randn(B, HQ, S, D, generator=g)
     W = torch.randn(HQ, D, F, generator=g)
     seq = (q, k, v, ref.hedgehog_feature_map(q, W), ref.hedgehog_feature_map(k, W), torch.full((HQ,), 0.5),
-           torch.ones(HQ))
+           torch.ones(HQ), W)
     _, st = _run([S], seq, window=4, chunk=4, lam=lam, backend=backend)
-    # index 20 left the window (S - window = 36 > 20): it must be one of the exact pairs of every head
-    hit = (st.sp_v - v1).abs().amax(-1) < 1e-5  # [B, HQ, lam]
+    # index 20 left the window (S - window = 36 > 20): it must be one of the exact pairs of every kv head
+    hit = (st.sp_v - v1).abs().amax(-1) < 1e-5  # [B, HKV, lam]
     assert hit.any(-1).all(), st.sp_score
     # and the folded state recalls v0 for k0 (the copies of (k0, v0) were folded, not (k0, v1))
     fk0 = ref.hedgehog_feature_map(k0.expand(B, HKV, 1, D), W)

@@ -110,14 +110,17 @@ def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype):
+@pytest.mark.parametrize("dtype,hs", [(torch.float32, 4), (torch.float32, 2), (torch.bfloat16, 2)])
+def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype, hs):
+    """Sparse cache per query head (hs = 4) or per kv head (hs = 2); key features only for the keys some
+    query attends linearly (the manager stores no phi(k))."""
     S, N, L = 19, 40, 11
     q, k, v, fq, fk, g, lf = _inputs(S=S, N=N, dtype=dtype, seed=3)
+    fk = fk[:, :, : N - 9]  # window 9: queries at N - S .. N - 1 attend keys < N - 9 linearly
     gen = torch.Generator().manual_seed(9)
-    spk = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
-    spv = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
-    valid = (torch.rand(2, 4, L, generator=gen) > 0.3).to(DEV)
+    spk = torch.randn(2, hs, L, 16, generator=gen).to(DEV, dtype)
+    spv = torch.randn(2, hs, L, 16, generator=gen).to(DEV, dtype)
+    valid = (torch.rand(2, hs, L, generator=gen) > 0.3).to(DEV)
     H = torch.rand(2, 4, 16, 16, generator=gen).to(DEV)
     s = torch.rand(2, 4, 16, generator=gen).to(DEV) * 3
     km = _left_pad_mask(2, N, [4, 0])
@@ -127,16 +130,22 @@ def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype):
     got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, H, s, window=9, scale=0.25, q_offset=N - S, key_mask=km,
                         state_chunk=0, sparse_k=spk, sparse_v=spv, sparse_valid=valid, block_m=16, block_n=16)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    with pytest.raises(ValueError, match="attended linearly"):  # one linear key short
+        tk.hybrid_fwd(q, k, v, fq, fk[:, :, :-1], g, lf, H, s, window=9, scale=0.25, q_offset=N - S,
+                      state_chunk=0)
+    with pytest.raises(ValueError, match="attended linearly"):
+        ref.lola_attention(q, k, v, fq, fk[:, :, :-1], g, lf, H, s, window=9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_step_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,hs", [(torch.float32, 4), (torch.float32, 2), (torch.bfloat16, 2)])
+def test_decode_step_matches_reference(dtype, hs):
     N, L = 23, 6
     q, k, v, fq, fk, g, lf = _inputs(S=1, N=N, dtype=dtype, seed=5)
+    fk = fk[:, :, : N - 7]  # window 7: only the keys older than the window need features
     gen = torch.Generator().manual_seed(2)
-    spk = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
-    spv = torch.randn(2, 4, L, 16, generator=gen).to(DEV, dtype)
-    valid = (torch.rand(2, 4, L, generator=gen) > 0.4).to(DEV)
+    spk = torch.randn(2, hs, L, 16, generator=gen).to(DEV, dtype)
+    spv = torch.randn(2, hs, L, 16, generator=gen).to(DEV, dtype)
+    valid = (torch.rand(2, hs, L, generator=gen) > 0.4).to(DEV)
     H = torch.rand(2, 4, 16, 16, generator=gen).to(DEV)
     s = torch.rand(2, 4, 16, generator=gen).to(DEV)
     km = _left_pad_mask(2, N, [0, 3])
@@ -148,6 +157,10 @@ def test_decode_step_matches_reference(dtype):
     # no sparse cache, no padding
     want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
     got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    # nothing older than the window: no features at all
+    want = ref.lola_attention(q, k, v, fq, fk[:, :, :0], g, lf, H, s, window=N, scale=0.25)
+    got = tk.decode_step(q, k, v, fq, fk[:, :, :0], g, lf, H, s, window=N, scale=0.25)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
 
 

@@ -129,6 +129,31 @@ def test_cache_bytes_do_not_grow_with_length():
     assert sizes[1024] == sizes[8192] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lola_cache_is_under_a_quarter_of_the_full_kv_cache_at_4k(dtype):
+    """SmolLM2's attention shape (9 query / 3 kv heads, head_dim 64, feature_dim 64), eta = lambda = 256: the
+    cache after a 4096-token prefill is under 1/4 of a full KV cache of the same dtype (keys and values only,
+    one sparse cache per kv head, fp32 linear state), and the module's state_bytes() says so ahead of time.
+    One sparse cache per query head (sparse_heads=query) costs three times the sparse part."""
+    model = tiny_model("llama", num_hidden_layers=1, hidden_size=576, intermediate_size=64, num_attention_heads=9,
+                       num_key_value_heads=3, max_position_embeddings=8192).to(dtype)
+    lp.patch(model, "lola", window=256, sparse_cache=256, feature_dim=64, chunk=64, backend="torch")
+    attn = model.model.layers[0].self_attn
+    S = 4096
+    with torch.no_grad():
+        cache = model(_ids(1, S, seed=3), use_cache=True).past_key_values
+    layer = cache.layers[0]
+    elt = torch.tensor([], dtype=dtype).element_size()
+    full = 2 * 3 * S * 64 * elt
+    assert layer.sp_k.shape == (1, 3, 256, 64) and bool(torch.isfinite(layer.sp_score).all())  # slots all used
+    assert layer.nbytes() <= attn.state_bytes(S, dtype=dtype) < full / 4
+    assert layer.nbytes() >= attn.state_bytes(S, dtype=dtype) - (256 + 64)  # at most the padding mask missing
+    lp.unpatch(model)
+    lp.patch(model, "lola", window=256, sparse_cache=256, feature_dim=64, chunk=64, sparse_heads="query")
+    attn = model.model.layers[0].self_attn
+    assert attn.state_bytes(S, dtype=dtype) > full / 4
+
+
 def test_save_load_round_trip_of_feature_maps(tmp_path):
     model = tiny_model("llama")
     lp.patch(model, "lola", sparse_cache=2, **KW)

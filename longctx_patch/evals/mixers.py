@@ -356,7 +356,7 @@ class LolcatsMixer(Mixer):
     def state_bytes(self, length):
         W, C, F2 = int(self.opts["window"]), int(self.opts["chunk"]), 2 * int(self.opts["feature_dim"])
         buf = min(length, W + C - 1)
-        return buf * self.H * (2 * self.D + F2) * KV_BYTES + self.H * F2 * (self.D + 1) * 4 + self._sparse_bytes()
+        return buf * self.H * 2 * self.D * KV_BYTES + self.H * F2 * (self.D + 1) * 4 + self._sparse_bytes()
 
     def _sparse_bytes(self) -> int:
         return 0
@@ -373,16 +373,20 @@ class LolaMixer(LolcatsMixer):
 
         if torch.is_grad_enabled():
             return super().attend(q, k, v)
-        fq, fk, g, lf = self._parts(q, k)
+        from ..kernels.lola import hedgehog_feature_map
+
+        fq = hedgehog_feature_map(q, self.wq, out_dtype=q.dtype)
+        g = torch.sigmoid(self.window_factor.float())
         B, H, S, D = q.shape
         lam = int(self.opts["sparse"])
         st = LolaState.empty(B, H, H, D, fq.shape[-1], lam, q.dtype, q.device)
-        return lola_process(st, q, k, v, fq, fk, g, lf, window=int(self.opts["window"]), chunk=int(self.opts["chunk"]),
-                            lam=lam, scale=D ** -0.5, backend=self.backend(q))
+        return lola_process(st, q, k, v, fq, g, torch.ones_like(g),
+                            phi_k=lambda x: hedgehog_feature_map(x, self.wk, out_dtype=q.dtype),
+                            window=int(self.opts["window"]), chunk=int(self.opts["chunk"]), lam=lam, scale=D ** -0.5,
+                            backend=self.backend(q))
 
     def _sparse_bytes(self) -> int:
-        F2 = 2 * int(self.opts["feature_dim"])
-        return int(self.opts["sparse"]) * self.H * ((2 * self.D + F2) * KV_BYTES + 4)
+        return int(self.opts["sparse"]) * self.H * (2 * self.D * KV_BYTES + 4)
 
 
 MIXERS: dict[str, type[Mixer]] = {c.name: c for c in (SoftmaxMixer, SlidingMixer, LinearMixer, HedgehogMixer, VQMixer,

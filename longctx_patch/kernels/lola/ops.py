@@ -10,11 +10,16 @@ included); each time the index reaches a multiple of `chunk`, the pairs that hav
 `lam` best stay exact, the others are folded into (H, s). Until then they are attended linearly by
 phi(q) . phi(k) from the window buffer, exactly as LoLCATs would, so lam = 0 is LoLCATs exactly and a
 prefill cut anywhere gives the same result as token-by-token decoding.
+
+The state holds keys and values only: phi(k) is recomputed (`phi_k`, the layer's key feature map) for the
+buffered keys that are attended linearly, and for the candidates of an eviction. The sparse cache has one
+slot set per kv head (shared by its query heads, scored by the sum of their SRE) or per query head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -73,20 +78,19 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
 class LolaState:
     """Decode-time state of one layer. Sizes are fixed: the window buffer has room for window + chunk tokens.
 
-    win_k/win_v [B, Hkv, cap, D], win_fk [B, Hq, cap, F2], win_mask [B, cap] bool or None (no padding so far):
-    the first `nb` rows are the buffered tokens, oldest first (positions pos - nb .. pos - 1);
-    sp_k/sp_v [B, Hq, lam, D], sp_fk [B, Hq, lam, F2], sp_score [B, Hq, lam] fp32 (-inf = empty slot),
-    H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32, pos: tokens seen (padding included).
+    win_k/win_v [B, Hkv, cap, D], win_mask [B, cap] bool or None (no padding so far): the first `nb` rows are
+    the buffered tokens, oldest first (positions pos - nb .. pos - 1);
+    sp_k/sp_v [B, Hs, lam, D], sp_score [B, Hs, lam] fp32 (-inf = empty slot) with Hs = Hkv (one sparse cache
+    per kv head) or Hq (one per query head); H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32; pos: tokens seen
+    (padding included). No phi(k) is stored: `phi_k` recomputes it where it is needed.
     `inplace=False` (set when gradients flow) replaces every in-place buffer write by a concatenation.
     """
 
     win_k: torch.Tensor
     win_v: torch.Tensor
-    win_fk: torch.Tensor
     win_mask: torch.Tensor | None
     sp_k: torch.Tensor
     sp_v: torch.Tensor
-    sp_fk: torch.Tensor
     sp_score: torch.Tensor
     H: torch.Tensor
     s: torch.Tensor
@@ -95,14 +99,17 @@ class LolaState:
     inplace: bool = True
 
     @classmethod
-    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, fk_dtype=None, inplace=True):
-        fk_dtype = fk_dtype or dtype
+    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None):
+        """sparse_heads: heads of the sparse cache, Hkv (default) or Hq."""
+        Hs = Hkv if sparse_heads is None else int(sparse_heads)
+        if Hs not in (Hkv, Hq):
+            raise ValueError(f"sparse_heads must be the kv heads ({Hkv}) or the query heads ({Hq}), not {Hs}")
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         cap = capacity if inplace else 0
         return cls(
-            win_k=z(B, Hkv, cap, D), win_v=z(B, Hkv, cap, D), win_fk=z(B, Hq, cap, F2, dt=fk_dtype), win_mask=None,
-            sp_k=z(B, Hq, lam, D), sp_v=z(B, Hq, lam, D), sp_fk=z(B, Hq, lam, F2, dt=fk_dtype),
-            sp_score=torch.full((B, Hq, lam), float("-inf"), dtype=torch.float32, device=device),
+            win_k=z(B, Hkv, cap, D), win_v=z(B, Hkv, cap, D), win_mask=None,
+            sp_k=z(B, Hs, lam, D), sp_v=z(B, Hs, lam, D),
+            sp_score=torch.full((B, Hs, lam), float("-inf"), dtype=torch.float32, device=device),
             H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32), pos=0, nb=0, inplace=inplace,
         )
 
@@ -126,16 +133,15 @@ class LolaState:
         return self.win_v[:, :, : self.nb]
 
     @property
-    def wfk(self):
-        return self.win_fk[:, :, : self.nb]
-
-    @property
     def wmask(self):
         return None if self.win_mask is None else self.win_mask[:, : self.nb]
 
 
+PhiK = Callable[[torch.Tensor], torch.Tensor]  # keys [B, Hx, N, D] (Hq % Hx == 0) -> phi(k) [B, Hq, N, F2]
+
+
 def _select(scores, valid, lam):
-    """keep mask [B,Hq,Nc] of the lam best valid candidates, and their indices sorted by score."""
+    """keep mask [B,Hs,Nc] of the lam best valid candidates, and their indices sorted by score."""
     scores = scores.masked_fill(~valid, float("-inf"))
     lam_eff = min(lam, scores.shape[-1])
     top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
@@ -145,58 +151,62 @@ def _select(scores, valid, lam):
     return keep, top
 
 
-def lola_evict(st: LolaState, *, window: int, lam: int, backend: str = "auto") -> None:
-    """Score the pairs older than the last `window` tokens with the sparse cache; keep lam, fold the rest."""
+def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str = "auto") -> None:
+    """Score the pairs older than the last `window` tokens with the sparse cache; keep lam, fold the rest.
+
+    Scores are SRE per query head against its (H, s), summed over the query heads of each sparse head."""
     n_ev = st.nb - window
     if n_ev <= 0:
         return
     B, Hq = st.H.shape[:2]
-    ev_k, ev_v, ev_fk = st.win_k[:, :, :n_ev], st.win_v[:, :, :n_ev], st.win_fk[:, :, :n_ev]
+    ev_k, ev_v = st.win_k[:, :, :n_ev], st.win_v[:, :, :n_ev]
     ev_valid = (torch.ones(B, n_ev, dtype=torch.bool, device=ev_k.device) if st.win_mask is None
                 else st.win_mask[:, :n_ev])
     use_tk = _use_triton(backend, st.H, ev_k)
     if lam == 0:
+        ev_fk = phi_k(ev_k)
         w = ev_valid[:, None, :].expand(B, Hq, n_ev).float()
         if use_tk:
             H, s = st.H.contiguous(), st.s.contiguous()
             _tk().fold_into_state(ev_fk, ev_v, w, H, s)
             st.H, st.s = H, s
         else:
-            st.H, st.s = ref.fold(ev_fk, ref.expand_kv(ev_v, Hq), w, st.H, st.s)
+            st.H, st.s = ref.fold(ev_fk, ev_v, w, st.H, st.s)
+        _drop_front(st, n_ev)
+        return
+    Hs = st.sp_k.shape[1]
+    cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hs).to(st.sp_k.dtype)], 2)
+    cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hs).to(st.sp_v.dtype)], 2)
+    cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hs, n_ev)], 2)
+    cand_fk = phi_k(cand_k)
+    if use_tk:
+        scores = _tk().sre_score(cand_fk, cand_v, st.H, st.s, eps=ref.EPS_SRE)
     else:
-        cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hq).to(st.sp_k.dtype)], 2)
-        cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hq).to(st.sp_v.dtype)], 2)
-        cand_fk = torch.cat([st.sp_fk, ev_fk.to(st.sp_fk.dtype)], 2)
-        cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hq, n_ev)], 2)
-        if use_tk:
-            scores = _tk().sre_score(cand_fk, cand_v, st.H, st.s, cand_valid, eps=ref.EPS_SRE)
-        else:
-            scores = ref.sre_scores(cand_fk, cand_v, st.H, st.s).masked_fill(~cand_valid, float("-inf"))
-        keep, top = _select(scores, cand_valid, lam)
-        w = (cand_valid & ~keep).float()
-        if use_tk:
-            H, s = st.H.contiguous(), st.s.contiguous()
-            _tk().fold_into_state(cand_fk, cand_v, w, H, s)
-            st.H, st.s = H, s
-        else:
-            st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
-        idx = top.indices
-        gather = lambda x: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
-        if st.inplace:  # same storage: a captured CUDA graph keeps reading the live state
-            st.sp_k.copy_(gather(cand_k))
-            st.sp_v.copy_(gather(cand_v))
-            st.sp_fk.copy_(gather(cand_fk))
-            st.sp_score.copy_(top.values)
-        else:
-            st.sp_k, st.sp_v, st.sp_fk = gather(cand_k), gather(cand_v), gather(cand_fk)
-            st.sp_score = top.values
+        scores = ref.sre_scores(cand_fk, cand_v, st.H, st.s)
+    keep, top = _select(ref.group_sum(scores, Hs), cand_valid, lam)
+    w = ref.expand_kv((cand_valid & ~keep).float(), Hq)
+    if use_tk:
+        H, s = st.H.contiguous(), st.s.contiguous()
+        _tk().fold_into_state(cand_fk, cand_v, w, H, s)
+        st.H, st.s = H, s
+    else:
+        st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
+    idx, vals = top.indices, top.values
+    gather = lambda x: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
+    new_k, new_v = gather(cand_k), gather(cand_v)
+    if st.inplace:  # same storage: a captured CUDA graph keeps reading the live state
+        st.sp_k.copy_(new_k)
+        st.sp_v.copy_(new_v)
+        st.sp_score.copy_(vals)
+    else:
+        st.sp_k, st.sp_v, st.sp_score = new_k, new_v, vals
     _drop_front(st, n_ev)
 
 
 def _drop_front(st: LolaState, n: int) -> None:
     """Drop the n oldest buffered tokens (shift the rest to the front of the fixed buffer)."""
     keep = st.nb - n
-    names = ["win_k", "win_v", "win_fk"] + (["win_mask"] if st.win_mask is not None else [])
+    names = ["win_k", "win_v"] + (["win_mask"] if st.win_mask is not None else [])
     for name in names:
         t = getattr(st, name)
         src = t[:, :, n: st.nb] if t.dim() > 2 else t[:, n: st.nb]
@@ -215,7 +225,7 @@ def _ensure_mask(st: LolaState, B: int, device) -> None:
         st.win_mask = torch.ones(B, st.win_k.shape[2], dtype=torch.bool, device=device)
 
 
-def _append_window(st: LolaState, k, v, fk, mask_new) -> None:
+def _append_window(st: LolaState, k, v, mask_new) -> None:
     B, n = k.shape[0], k.shape[2]
     if mask_new is not None:
         _ensure_mask(st, B, k.device)
@@ -224,7 +234,6 @@ def _append_window(st: LolaState, k, v, fk, mask_new) -> None:
         e = st.nb + n
         st.win_k[:, :, st.nb:e] = k
         st.win_v[:, :, st.nb:e] = v
-        st.win_fk[:, :, st.nb:e] = fk
         if st.win_mask is not None:
             st.win_mask[:, st.nb:e] = mask_new.bool() if mask_new is not None else True
         st.nb = e
@@ -233,7 +242,6 @@ def _append_window(st: LolaState, k, v, fk, mask_new) -> None:
     new = mask_new.bool() if mask_new is not None else torch.ones(B, n, dtype=torch.bool, device=k.device)
     st.win_k = torch.cat([st.wk, k.to(st.win_k.dtype)], 2)
     st.win_v = torch.cat([st.wv, v.to(st.win_v.dtype)], 2)
-    st.win_fk = torch.cat([st.wfk, fk.to(st.win_fk.dtype)], 2)
     if st.win_mask is not None:
         st.win_mask = torch.cat([st.wmask, new], 1)
     st.nb += n
@@ -243,7 +251,7 @@ def _repack(st: LolaState, cap: int) -> None:
     """After a long parallel prefill: move the buffered tokens back into a buffer of `cap` rows."""
     if not st.inplace or st.win_k.shape[2] == cap:
         return
-    for name in ("win_k", "win_v", "win_fk", "win_mask"):
+    for name in ("win_k", "win_v", "win_mask"):
         t = getattr(st, name)
         if t is None:
             continue
@@ -258,20 +266,23 @@ def _repack(st: LolaState, cap: int) -> None:
         setattr(st, name, buf)
 
 
-def _attend_piece(st, q, fq, g, lf, *, window, scale, backend):
-    """Attention of the newest q.shape[2] tokens (already appended to the window buffer)."""
+def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
+    """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) is computed
+    for the buffered keys that some of these queries attend linearly (at most chunk - 1 + S of them)."""
     nb = st.nb
     S = q.shape[2]
     lam = st.sp_k.shape[2]
+    n_lin = ref.linear_rows(nb - S, S, window)
+    fk = phi_k(st.win_k[:, :, :n_lin]) if n_lin > 0 else fq[:, :, :0]
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     if _use_triton(backend, q, st.win_k, st.H):
         tk = _tk()
         if S == 1:
-            return tk.decode_step(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window,
+            return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
                                   scale=scale, key_mask=st.wmask, **sp)
-        return tk.hybrid_fwd(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window, scale=scale,
+        return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                              q_offset=nb - S, key_mask=st.wmask, state_chunk=0, **sp)
-    o = ref.lola_attention(q, st.wk, st.wv, fq, st.wfk, g, lf, st.H, st.s, window=window, scale=scale,
+    o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                            key_mask=st.wmask, q_offset=nb - S, **sp)
     return o.transpose(1, 2).to(q.dtype)
 
@@ -279,11 +290,12 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend):
 GRAPH_PREFILL = True  # replay full chunks of a long Triton prefill from one captured CUDA graph
 
 
-def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: int, lam: int, scale: float,
-                 key_mask_new=None, backend: str = "auto"):
-    """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2]) and update `st` in place.
+def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
+                 scale: float, key_mask_new=None, backend: str = "auto"):
+    """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]) and update `st` in place.
 
-    key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
+    phi_k: the layer's key feature map, keys [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on
+    buffered keys and eviction candidates. key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
     On CUDA with Triton, a prefill of at least 4 chunks captures the work of one full chunk (append, attend,
     score, select, fold) in a CUDA graph and replays it for every later full chunk: same kernels, same order,
     same result, without the per-chunk launch overhead.
@@ -294,8 +306,8 @@ def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: i
         _repack(st, cap)
     tri = _use_triton(backend, q, k, st.H)
     if lam == 0 and S > 1 and tri:
-        return _lolcats_parallel(st, q, k, v, fq, fk, g, lf, window=window, chunk=chunk, scale=scale,
-                                 key_mask_new=key_mask_new)
+        return _lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
+                                 key_mask_new=key_mask_new, phi_k=phi_k)
     use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk
                  and not torch.cuda.is_current_stream_capturing())
     outs = []
@@ -311,60 +323,63 @@ def lola_process(st: LolaState, q, k, v, fq, fk, g, lf, *, window: int, chunk: i
         if steady and steady_seen:
             if graph is None:
                 try:
-                    graph = _capture_piece(st, q, k, v, fq, fk, mnew, sl, g, lf, window=window, scale=scale,
-                                           lam=lam, backend=backend)
+                    graph = _capture_piece(st, q, k, v, fq, mnew, sl, g, lf, window=window, scale=scale,
+                                           lam=lam, backend=backend, phi_k=phi_k)
                 except Exception:  # noqa: BLE001 - capture is an optimisation; fall back to eager chunks
                     use_graph = False
                     graph = None
             if graph is not None:
                 gr, static, o_s = graph
-                for dst, src in zip(static, (q, k, v, fq, fk)):
+                for dst, src in zip(static, (q, k, v, fq)):
                     dst.copy_(src[:, :, sl])
-                if len(static) > 5:
-                    static[5].copy_(mnew)
+                if len(static) > 4:
+                    static[4].copy_(mnew)
                 gr.replay()
                 st.nb = window
                 outs.append(o_s.clone())
                 st.pos += n
                 i += n
                 continue
-        _append_window(st, k[:, :, sl], v[:, :, sl], fk[:, :, sl], mnew)
-        outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend))
+        _append_window(st, k[:, :, sl], v[:, :, sl], mnew)
+        outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend,
+                                  phi_k=phi_k))
         st.pos += n
         if st.pos % chunk == 0:
-            lola_evict(st, window=window, lam=lam, backend=backend)
+            lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
         steady_seen = steady_seen or steady
         i += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
-def _capture_piece(st, q, k, v, fq, fk, mnew, sl, g, lf, *, window, scale, lam, backend):
+def _capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backend, phi_k):
     """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph."""
-    static = [x[:, :, sl].clone() for x in (q, k, v, fq, fk)]
+    static = [x[:, :, sl].clone() for x in (q, k, v, fq)]
     if mnew is not None:
         _ensure_mask(st, q.shape[0], q.device)
         static.append(mnew.clone())
     nb0 = st.nb
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
-        _append_window(st, static[1], static[2], static[4], static[5] if mnew is not None else None)
-        o_s = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend)
-        lola_evict(st, window=window, lam=lam, backend=backend)
+        _append_window(st, static[1], static[2], static[4] if mnew is not None else None)
+        o_s = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
+                            phi_k=phi_k)
+        lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
     st.nb = nb0  # capture ran no GPU work: the state is still the one before this chunk
     return gr, static, o_s
 
 
-def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_mask_new):
+def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_new, phi_k):
     """lam == 0, many new tokens, Triton: one parallel pass over [window buffer, new tokens] started
     from (H, s), then fold what the sequential manager would have folded by now."""
     tk = _tk()
     S = q.shape[2]
     cap = window + chunk
     if st.nb == 0 and key_mask_new is None and st.win_mask is None:
-        lk, lv, lfk, lm = k, v, fk, None  # nothing buffered: the new tokens are the local keys
+        lk, lv, lm = k, v, None  # nothing buffered: the new tokens are the local keys
     else:
-        _append_window(st, k, v, fk, key_mask_new)
-        lk, lv, lfk, lm = st.wk, st.wv, st.wfk, st.wmask
+        _append_window(st, k, v, key_mask_new)
+        lk, lv, lm = st.wk, st.wv, st.wmask
+    lfk = phi_k(lk)
     nb = lk.shape[2]
     cs = STATE_CHUNK
     Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
@@ -382,7 +397,7 @@ def _lolcats_parallel(st, q, k, v, fq, fk, g, lf, *, window, chunk, scale, key_m
         st.H, st.s = H, s
     keep = nb - max(n_fold, 0)
     # the kept tokens go back into a fixed buffer of `cap` rows
-    names = [("win_k", lk), ("win_v", lv), ("win_fk", lfk)] + ([("win_mask", lm)] if lm is not None else [])
+    names = [("win_k", lk), ("win_v", lv)] + ([("win_mask", lm)] if lm is not None else [])
     for name, src in names:
         shape = list(src.shape)
         shape[2 if src.dim() > 2 else 1] = cap

@@ -10,6 +10,8 @@ Shapes (the convention of the whole package):
   g, lf          [Hq]                             weights of the exact (softmax) and linear terms
   H, s           [B, Hq, F2, D] / [B, Hq, F2]     linear state, fp32
   key_mask       [B, N] bool (True = real token) or None
+  sparse_k/v     [B, Hs, L, D]                    LoLA sparse cache: Hs = Hkv (one cache per kv head, shared by
+                                                  its query heads) or Hq (one per query head); Hq % Hs == 0
 """
 
 from __future__ import annotations
@@ -23,10 +25,34 @@ NEG = -1.0e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m
 
 
 def expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """[B, Hkv, N, *] -> [B, Hq, N, *] (query head h reads kv head h // (Hq // Hkv))."""
+    """[B, Hkv, ...] -> [B, Hq, ...] (query head h reads kv head h // (Hq // Hkv))."""
     if x.shape[1] == hq:
         return x
     return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def linear_rows(q_offset: int, S: int, window: int) -> int:
+    """Local keys that some of the S queries (at key indices q_offset .. q_offset + S - 1) attend linearly:
+    the first max(q_offset + S - window, 0). Only these need phi(k)."""
+    return max(q_offset + S - window, 0)
+
+
+def pad_features(fk: torch.Tensor, N: int, needed: int) -> torch.Tensor:
+    """fk [B, H, NF, F2] -> [B, H, N, F2] with zero rows after NF; NF must be at least `needed`."""
+    NF = fk.shape[2]
+    if NF < needed:
+        raise ValueError(f"key features cover {NF} local keys but {needed} are attended linearly")
+    if NF >= N:
+        return fk
+    return torch.nn.functional.pad(fk, (0, 0, 0, N - NF))
+
+
+def group_sum(x: torch.Tensor, hs: int) -> torch.Tensor:
+    """[B, Hq, ...] -> [B, hs, ...]: the sum over the Hq // hs query heads that share a head (h // (Hq // hs))."""
+    B, Hq = x.shape[:2]
+    if Hq == hs:
+        return x
+    return x.view(B, hs, Hq // hs, *x.shape[2:]).sum(2)
 
 
 def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12, out_dtype=None) -> torch.Tensor:
@@ -156,16 +182,20 @@ def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: floa
 def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | None = None, key_mask=None,
                    q_offset: int | None = None, sparse_k=None, sparse_v=None, sparse_valid=None):
     """Hybrid attention of queries against: local keys (window softmax / linear by distance), a sparse
-    cache of exact keys (per query head, softmax, weight g) and a linear state (H, s). One normaliser;
-    the running max m is taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
+    cache of exact keys (softmax, weight g) and a linear state (H, s). One normaliser; the running max m is
+    taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
 
-    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], fk [B, Hq, N, F2], query i at local key index q_offset + i.
-    sparse_k/v [B, Hq, L, D], sparse_valid [B, Hq, L] bool (empty slots are False).
+    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], query i at local key index q_offset + i.
+    fk [B, Hq, NF, F2]: features of the first NF local keys; NF may be below N but must cover every key that
+    some query attends linearly (index < q_offset + S - window), see `linear_rows`.
+    sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] bool (empty slots are False); query head h reads
+    sparse head h // (Hq // Hs).
     """
     B, Hq, S, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     q_offset = N - S if q_offset is None else q_offset
+    fk = pad_features(fk, N, linear_rows(q_offset, S, window))
     kx, vx = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
     qpos = torch.arange(S, device=q.device)[:, None] + q_offset
     kpos = torch.arange(N, device=q.device)[None, :]
@@ -179,10 +209,10 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
     sc = sc.masked_fill(~win, float("-inf"))
     vals = vx
     if sparse_k is not None and sparse_k.shape[2] > 0:
-        ss = torch.einsum("bhsd,bhld->bhsl", q.float(), sparse_k.float()) * scale
-        ss = ss.masked_fill(~sparse_valid.bool()[:, :, None, :], float("-inf"))
+        ss = torch.einsum("bhsd,bhld->bhsl", q.float(), expand_kv(sparse_k, Hq).float()) * scale
+        ss = ss.masked_fill(~expand_kv(sparse_valid.bool(), Hq)[:, :, None, :], float("-inf"))
         sc = torch.cat([ss, sc], dim=-1)
-        vals = torch.cat([sparse_v.float(), vx], dim=2)
+        vals = torch.cat([expand_kv(sparse_v, Hq).float(), vx], dim=2)
     m = sc.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(sc - m)
@@ -196,53 +226,47 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
 def sre_scores(fk, v, H, s, eps: float = EPS_SRE):
     """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v ||^2 per pair.
 
-    fk [B, Hq, N, F2], v [B, Hq, N, D] (already per query head), H [B, Hq, F2, D], s [B, Hq, F2] -> [B, Hq, N] fp32.
+    fk [B, Hq, N, F2], v [B, Hv, N, D] (Hq % Hv == 0), H [B, Hq, F2, D], s [B, Hq, F2] -> [B, Hq, N] fp32.
     """
     fk = fk.float()
+    v = expand_kv(v, fk.shape[1])
     pred = (fk @ H.float()) / ((fk * s.float()[:, :, None, :]).sum(-1, keepdim=True) + eps)
     return ((v.float() - pred) ** 2).sum(-1)
 
 
 def fold(fk, v, w, H, s):
-    """H + sum_j w_j phi(k_j) v_j^T, s + sum_j w_j phi(k_j) (fp32). fk [B,Hq,N,F2], v [B,Hq,N,D], w [B,Hq,N]."""
+    """H + sum_j w_j phi(k_j) v_j^T, s + sum_j w_j phi(k_j) (fp32). fk [B,Hq,N,F2], v [B,Hv,N,D], w [B,Hq,N]."""
+    v = expand_kv(v, fk.shape[1])
     fkw = fk.float() * w.float()[..., None]
     return H.float() + fkw.transpose(-1, -2) @ v.float(), s.float() + fkw.sum(2)
 
 
-def select_and_fold(cand_k, cand_v, cand_fk, cand_valid, H, s, lam: int, scores=None):
-    """One LoLA eviction step (reference).
+def select_and_fold(cand_k, cand_v, cand_fk, cand_valid, H, s, lam: int):
+    """One LoLA eviction step (reference of `ops.lola_evict`).
 
-    Candidates = the sparse slots followed by the pairs leaving the window, per query head:
-    cand_k/v [B, Hq, Nc, D], cand_fk [B, Hq, Nc, F2], cand_valid [B, Hq, Nc] bool. Every valid candidate
-    is scored by SRE against the *current* (H, s); the `lam` highest stay exact (new sparse slots, sorted
-    by score, empty slots have valid=False and score -inf), the other valid ones are folded into (H, s).
-    Returns (sparse_k, sparse_v, sparse_score, sparse_valid, H, s).
+    Candidates = the sparse slots followed by the pairs leaving the window, per sparse head (Hs = Hkv or Hq):
+    cand_k/v [B, Hs, Nc, D], cand_valid [B, Hs, Nc] bool, cand_fk [B, Hq, Nc, F2] (phi(k) under each query
+    head's feature map). Every valid candidate is scored by SRE against the *current* (H, s) of each query
+    head; a candidate's score is the sum over the query heads that read its sparse head. The `lam` highest
+    stay exact (new sparse slots, sorted by score; empty slots have score -inf), the other valid ones are
+    folded into (H, s) of every query head of the group.
+    Returns (sparse_k, sparse_v, sparse_score, H, s) with lam slots (padded with empty ones).
     """
-    if scores is None:
-        scores = sre_scores(cand_fk, cand_v, H, s)
-    scores = scores.masked_fill(~cand_valid, float("-inf"))
-    Nc = scores.shape[-1]
-    lam_eff = min(lam, Nc)
-    if lam_eff > 0:
-        top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
-        keep = torch.zeros_like(cand_valid)
-        keep.scatter_(-1, top.indices, True)
-    else:
-        keep = torch.zeros_like(cand_valid)
-    w = (cand_valid & ~keep).float()
+    Hq, Hs = cand_fk.shape[1], cand_k.shape[1]
+    scores = group_sum(sre_scores(cand_fk, cand_v, H, s), Hs).masked_fill(~cand_valid, float("-inf"))
+    lam_eff = min(lam, scores.shape[-1])
+    top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
+    keep = torch.zeros_like(cand_valid)
+    keep.scatter_(-1, top.indices, True)
+    w = expand_kv((cand_valid & ~keep).float(), Hq)
     H2, s2 = fold(cand_fk, cand_v, w, H, s)
-    if lam == 0:
-        e = cand_k[:, :, :0]
-        return e, cand_v[:, :, :0], scores[:, :, :0], cand_valid[:, :, :0], H2, s2
     idx = top.indices
     gk = torch.gather(cand_k, 2, idx[..., None].expand(-1, -1, -1, cand_k.shape[-1]))
     gv = torch.gather(cand_v, 2, idx[..., None].expand(-1, -1, -1, cand_v.shape[-1]))
     gsc = top.values
-    gvalid = torch.isfinite(gsc)
     if lam_eff < lam:  # pad to lam empty slots
         padn = lam - lam_eff
         gk = torch.nn.functional.pad(gk, (0, 0, 0, padn))
         gv = torch.nn.functional.pad(gv, (0, 0, 0, padn))
         gsc = torch.nn.functional.pad(gsc, (0, padn), value=float("-inf"))
-        gvalid = torch.nn.functional.pad(gvalid, (0, padn), value=False)
-    return gk, gv, gsc, gvalid, H2, s2
+    return gk, gv, gsc, H2, s2

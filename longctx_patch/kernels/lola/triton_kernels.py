@@ -38,6 +38,15 @@ def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def _feature_rows(fk, q_offset: int, S: int, window: int) -> int:
+    """Rows of fk the kernels may read (all it has); checks they cover the keys attended linearly."""
+    NF = fk.shape[2]
+    need = max(q_offset + S - window, 0)
+    if NF < need:
+        raise ValueError(f"key features cover {NF} local keys but {need} are attended linearly")
+    return NF
+
+
 def _prec(*ts) -> str:
     return "ieee" if all(t.dtype == torch.float32 for t in ts) else "tf32"
 
@@ -132,7 +141,7 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
 @triton.jit
 def _hybrid_fwd_kernel(
     Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
-    M, N, L, D, F2, G, q_off, window, scale_log2,
+    M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2,
     s_q_b, s_q_h, s_q_m,
     s_k_b, s_k_h, s_k_n,
     s_v_b, s_v_h, s_v_n,
@@ -154,6 +163,7 @@ def _hybrid_fwd_kernel(
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // G
+    hs = h // GS
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_f = tl.arange(0, BF)
@@ -191,15 +201,15 @@ def _hybrid_fwd_kernel(
         acc_l += _dot(fqs, hst, PREC, UPCAST)
         l_l += tl.sum(fqs * sst[None, :], 1)
 
-    # 2. sparse cache: exact keys of this query head
+    # 2. sparse cache: exact keys of this query head's sparse head
     if HAS_SP:
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
-            ml = ml & (tl.load(SPM + b * s_spm_b + h * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
-            sk = tl.load(SPK + b * s_spk_b + h * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
+            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
                          mask=ml[:, None] & md[None, :], other=0.0)
-            sv = tl.load(SPV + b * s_spv_b + h * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
+            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
                          mask=ml[:, None] & md[None, :], other=0.0)
             sc = _dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(ml[None, :], sc, float("-inf"))
@@ -222,7 +232,7 @@ def _hybrid_fwd_kernel(
         v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
                     mask=mn[:, None] & md[None, :], other=0.0)
         fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
-                     mask=mn[:, None] & mf[None, :], other=0.0)
+                     mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
         diff = qpos[:, None] - offs_n[None, :]
         win = (diff >= 0) & (diff < window) & mn[None, :]
         lin = (diff >= window) & mn[None, :]
@@ -260,11 +270,14 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
     queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
     there), else one state [B, Hq, F2, D] of the tokens before key 0 (all local keys explicit).
+    fk [B, Hq, NF, F2] may cover only the first NF local keys: those some query attends linearly
+    (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0.
     """
     B, Hq, M, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
     G = Hq // k.shape[1]
+    NF = _feature_rows(fk, q_offset, M, window)
     per_block = state_chunk > 0
     if not per_block:
         Hs, Ss = Hs.unsqueeze(2), Ss.unsqueeze(2)
@@ -278,7 +291,10 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     has_sp = sparse_k is not None and sparse_k.shape[2] > 0
     L = sparse_k.shape[2] if has_sp else 0
+    GS = Hq // sparse_k.shape[1] if has_sp else 1
     spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    if NF == 0:
+        fk = fq  # nothing is read from it
     gw = g.float().contiguous()
     lw = lf.float().contiguous()
     dummy = q
@@ -286,7 +302,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     _hybrid_fwd_kernel[grid](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss,
         sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
-        M, N, L, D, F2, G, q_offset, window, scale * LOG2E,
+        M, N, NF, L, D, F2, G, GS, q_offset, window, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -456,7 +472,7 @@ def fold_into_state(fk, v, w, H, s):
 @triton.jit
 def _decode_kernel(
     Q, K, V, FQ, FK, KM, GW, LFW, H, S, SPK, SPV, SPM, O,
-    N, L, D, F2, G, window, scale_log2,
+    N, NF, L, D, F2, G, GS, window, scale_log2,
     s_q_b, s_q_h,
     s_k_b, s_k_h, s_k_n,
     s_v_b, s_v_h, s_v_n,
@@ -476,6 +492,7 @@ def _decode_kernel(
     b = pid // HQ
     h = pid % HQ
     hk = h // G
+    hs = h // GS
     offs_d = tl.arange(0, BD)
     md = offs_d < D
     q = tl.load(Q + b * s_q_b + h * s_q_h + offs_d, mask=md, other=0.0).to(tl.float32)
@@ -499,10 +516,10 @@ def _decode_kernel(
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
-            ml = ml & (tl.load(SPM + b * s_spm_b + h * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
-            sk = tl.load(SPK + b * s_spk_b + h * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
+            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
                          mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
-            sv = tl.load(SPV + b * s_spv_b + h * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
+            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
                          mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
             sc = tl.sum(sk * q[None, :], 1) * scale_log2
             sc = tl.where(ml, sc, float("-inf"))
@@ -539,7 +556,7 @@ def _decode_kernel(
             mk = offs_k < F2
             fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_k, mask=mk, other=0.0).to(tl.float32)
             fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
-                         mask=lin[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                         mask=(lin & (offs_n < NF))[:, None] & mk[None, :], other=0.0).to(tl.float32)
             a += tl.sum(fk * fq[None, :], 1)
         a = tl.where(lin, a, 0.0)
         acc_l += tl.sum(a[:, None] * v, 0)
@@ -555,23 +572,28 @@ def _decode_kernel(
 
 def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
                 sparse_k=None, sparse_v=None, sparse_valid=None, out=None):
-    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D], fk [B, Hq, N, F2]
-    (the new token is the last local key); state H/s; optional sparse cache. Returns [B, 1, Hq, D]."""
+    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
+    the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
+    attended linearly); state H/s; optional sparse cache [B, Hs, L, *]. Returns [B, 1, Hq, D]."""
     B, Hq, _, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
     G = Hq // k.shape[1]
+    NF = _feature_rows(fk, N - 1, 1, window)
     if out is None:
         out = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     has_sp = sparse_k is not None and sparse_k.shape[2] > 0
     L = sparse_k.shape[2] if has_sp else 0
+    GS = Hq // sparse_k.shape[1] if has_sp else 1
     spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
     dummy = q
+    if NF == 0:
+        fk = fq  # nothing is read from it
     _decode_kernel[(B * Hq,)](
         q, k, v, fq, fk, km if km is not None else dummy, g.float().contiguous(), lf.float().contiguous(), H, s,
         sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
-        N, L, D, F2, G, window, scale * LOG2E,
+        N, NF, L, D, F2, G, GS, window, scale * LOG2E,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

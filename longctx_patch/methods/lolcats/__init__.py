@@ -107,19 +107,20 @@ def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, 
 class LolaLayer(LongctxLayer):
     """Cache layer of `lolcats` / `lola`: window buffer, sparse cache with scores, linear state.
 
-    win_k / win_v [B, Hkv, <window+chunk, D], win_fk [B, Hq, <window+chunk, 2F], win_mask [B, .] (left padding),
-    sp_k / sp_v [B, Hq, lambda, D], sp_fk [B, Hq, lambda, 2F], sp_score [B, Hq, lambda] fp32 (-inf = empty),
-    H [B, Hq, 2F, D] fp32, s [B, Hq, 2F] fp32. Nothing grows with the context.
+    win_k / win_v [B, Hkv, window+chunk, D], win_mask [B, .] (left padding), sp_k / sp_v [B, Hs, lambda, D],
+    sp_score [B, Hs, lambda] fp32 (-inf = empty) with Hs the kv heads (`sparse_heads=kv`) or the query heads,
+    H [B, Hq, 2F, D] fp32, s [B, Hq, 2F] fp32. No phi(k) is stored. Nothing grows with the context.
     """
 
-    state_names = ("win_k", "win_v", "win_fk", "win_mask", "sp_k", "sp_v", "sp_fk", "sp_score", "H", "s")
+    state_names = ("win_k", "win_v", "win_mask", "sp_k", "sp_v", "sp_score", "H", "s")
 
-    def __init__(self, window: int, chunk: int, sparse_cache: int):
+    def __init__(self, window: int, chunk: int, sparse_cache: int, sparse_heads: str = "kv"):
         super().__init__()
         self.window = window
         self.chunk = chunk
         self.sparse_cache = sparse_cache
-        self.nb = 0  # buffered tokens at the front of win_k / win_v / win_fk / win_mask
+        self.sparse_heads = sparse_heads
+        self.nb = 0  # buffered tokens at the front of win_k / win_v / win_mask
 
     def reset(self) -> None:
         super().reset()
@@ -130,7 +131,8 @@ class LolaLayer(LongctxLayer):
             if not self.is_initialized:
                 self.lazy_initialization(like)
             st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device,
-                                 capacity=self.window + self.chunk)
+                                 capacity=self.window + self.chunk,
+                                 sparse_heads=Hq if self.sparse_heads == "query" else Hkv)
             st.pos = self.seen
             return st
         return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb)
@@ -165,6 +167,10 @@ class LolcatsAttention(PatchedAttention):
     def sparse_cache(self) -> int:
         return 0
 
+    @property
+    def sparse_heads(self) -> str:
+        return "kv"
+
     def factors(self):
         g = torch.sigmoid(self.window_factors.float()).view(-1)
         lf = 1 - g if self.method_config.affine_factors else torch.ones_like(g)
@@ -176,38 +182,46 @@ class LolcatsAttention(PatchedAttention):
         cfg: LolcatsConfig = self.method_config
         S = q.shape[2]
         fq = self.feature_map_q(q, out_dtype=q.dtype, backend=cfg.backend)
-        fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
         g, lf = self.factors()
         lam = self.sparse_cache
         new_mask = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
         kw = dict(window=cfg.window, scale=self.scaling, backend=cfg.backend)
+        if cache_layer is None and lam == 0:
+            fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
+            return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, **kw)
+
+        def phi_k(x):  # the cache stores keys only; phi(k) is recomputed where the manager needs it
+            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend)
+
+        kw.update(phi_k=phi_k, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask)
         if cache_layer is None:
-            if lam == 0:
-                return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, **kw)
-            st = LolaState.empty(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
-                                 capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled())
-            return lola_process(st, q, k, v, fq, fk, g, lf, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask, **kw)
+            Hq, Hkv = q.shape[1], k.shape[1]
+            st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
+                                 capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(),
+                                 sparse_heads=Hq if self.sparse_heads == "query" else Hkv)
+            return lola_process(st, q, k, v, fq, g, lf, **kw)
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
         st = cache_layer.get_state(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], q)
         with torch.no_grad():
             # decode-time state is not differentiated through (training uses no cache)
-            st_out = lola_process(st, q, k, v, fq, fk, g, lf, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask, **kw)
+            st_out = lola_process(st, q, k, v, fq, g, lf, **kw)
         cache_layer.set_state(st)
         return st_out
 
     def make_cache_layer(self):
-        return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache)
+        return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache, self.sparse_heads)
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         cfg = self.method_config
         elt = torch.tensor([], dtype=dtype).element_size()
         Hq, Hkv, D, F2 = self.num_heads, self.num_key_value_heads, self.head_dim, 2 * cfg.feature_dim
-        buf = cfg.window + cfg.chunk  # fixed-size window buffer
-        window = batch * buf * (2 * Hkv * D * elt + Hq * F2 * elt + 1)
+        buf = cfg.window + cfg.chunk  # fixed-size window buffer (keys, values, padding mask)
+        window = batch * buf * (2 * Hkv * D * elt + 1)
         lam = self.sparse_cache
-        sparse = batch * Hq * lam * ((2 * D + F2) * elt + 4)
+        Hs = Hq if self.sparse_heads == "query" else Hkv
+        sparse = batch * Hs * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
         return window + sparse + state
 
