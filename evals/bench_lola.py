@@ -6,7 +6,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
   check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
   prefill  32k tokens, 32 query heads (8 kv heads), D = 64 / 128, feature_dim 64:
            lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256, chunked manager, eager and CUDA
-           graph), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
+           graph; sparse cache per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
            KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
 """
@@ -209,6 +209,12 @@ def _prefill(D, label):
                                     chunk=chunk, lam=256, scale=scale, backend="triton")
             r[f"lola_eta256_lam256_chunk{chunk}_{'graph' if graph else 'eager'}_ms"] = bench(lola_once, rep=300)
     lops.GRAPH_PREFILL = True
+
+    def lola_query_heads():  # the per-query-head sparse cache (sparse_heads=query), for comparison
+        st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV, sparse_heads=Hq)
+        return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                            chunk=256, lam=256, scale=scale, backend="triton")
+    r["lola_eta256_lam256_chunk256_graph_query_heads_ms"] = bench(lola_query_heads, rep=300)
     # exact baselines: full causal attention (kv heads expanded for the backends without GQA)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as Fn
