@@ -7,6 +7,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
   prefill  32k tokens, 32 query heads (8 kv heads), D = 64 / 128, feature_dim 64:
            lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256, chunked manager, eager and CUDA
            graph; sparse cache per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
+  profile  GPU time per kernel of one steady lola chunk (eager, 32/8 heads, D = 64, eta = lambda = chunk = 256)
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
            KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
 """
@@ -377,12 +378,59 @@ def decode():
         row(f"decode {kk}", f"{vv:.4g}" if isinstance(vv, float) else str(vv)[:90])
 
 
+@section("profile", 20)
+def profile():
+    """GPU time per kernel of one steady lola chunk (eager, so every kernel is visible): where a chunk goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from longctx_patch.kernels.lola import ops as lops
+
+    B, Hq, Hkv, D, F, chunk = 1, sz(32, 4), sz(8, 2), 64, sz(64, 8), sz(256, 16)
+    n_chunks = 8
+    q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, chunk * (n_chunks + 4), D, F, torch.bfloat16, seed=3)
+    Wk16 = Wk.to(q.dtype)
+    kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=chunk, chunk=chunk, lam=chunk, scale=D ** -0.5,
+              backend="triton")
+    lops.GRAPH_PREFILL = False
+    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, chunk, q.dtype, DEV)
+    warm = 4 * chunk
+    lola_process(st, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], fq[:, :, :warm], g, lf, **kw)
+    torch.cuda.synchronize() if not SMOKE else None
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not SMOKE else [])
+    with tprofile(activities=acts) as prof:
+        for i in range(n_chunks):
+            sl = slice(warm + i * chunk, warm + (i + 1) * chunk)
+            lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, **kw)
+        torch.cuda.synchronize() if not SMOKE else None
+    lops.GRAPH_PREFILL = True
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "cuda_time_total", 0)
+        if dev_us and e.key and not e.key.startswith("aten::") and not e.key.startswith("cuda"):
+            rows.append((e.key[:80], round(dev_us / n_chunks, 2), round(e.count / n_chunks, 2)))
+    rows.sort(key=lambda r: -r[1])
+    RES["profile_lola_chunk256_D64"] = {
+        "shape": f"B=1, {Hq}/{Hkv} heads, D=64, F2={2 * F}, eta = lambda = chunk = {chunk}, eager",
+        "kernels_per_chunk": round(sum(r[2] for r in rows), 1),
+        "gpu_us_per_chunk": round(sum(r[1] for r in rows), 1),
+        "top": [{"kernel": n, "us_per_chunk": t, "launches_per_chunk": c} for n, t, c in rows[:25]],
+    }
+    row("profile kernels / GPU us per chunk", f"{RES['profile_lola_chunk256_D64']['kernels_per_chunk']} / "
+        f"{RES['profile_lola_chunk256_D64']['gpu_us_per_chunk']}")
+    for n, t, c in rows[:12]:
+        row(f"profile {n[:50]}", f"{t} us x{c}")
+
+
 def main():
     if not torch.cuda.is_available() and not SMOKE:
         print("bench_lola needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     print(f"device {RES['device']}, torch {torch.__version__}", flush=True)
     check()
+    profile()
     prefill128()
     decode()
     prefill64()
