@@ -8,6 +8,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
            lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256, chunked manager, eager and CUDA
            graph; sparse cache per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
   profile  GPU time per kernel of one steady lola chunk (eager, 32/8 heads, D = 64, eta = lambda = chunk = 256)
+  tune     lola prefill with the fold tile and the piece query block varied (picks the defaults)
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
            KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
 """
@@ -424,6 +425,38 @@ def profile():
         row(f"profile {n[:50]}", f"{t} us x{c}")
 
 
+@section("tune", 40)
+def tune():
+    """lola prefill (32k, CUDA graph, chunk 256) with the fold kernel's tile and the piece attention's query
+    block varied: the defaults are chosen from this table. Outputs are compared with the default's."""
+    from longctx_patch.kernels.lola import ops as lops
+
+    out = {}
+    for D in (64, 128):
+        B, Hq, Hkv, S, F = 1, sz(32, 4), sz(8, 2), sz(32768, 600), sz(64, 8)
+        q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
+        Wk16 = Wk.to(q.dtype)
+        ref_o = None
+        for fold_block in (64, 32, 16):
+            for block_m in (64, 32, 16):
+                if left() < 15:
+                    break
+                tk.TUNE["fold_block"], tk.TUNE["piece_block_m"] = fold_block, block_m
+
+                def once():
+                    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
+                    return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                                        chunk=sz(256, 16), lam=256, scale=D ** -0.5, backend="triton")
+                o = once()
+                ref_o = o if ref_o is None else ref_o
+                out[f"D{D}_fold{fold_block}_bm{block_m}"] = {"ms": bench(once, rep=300), "rel_err_vs_first": rel(o, ref_o)}
+                row(f"tune D{D} fold {fold_block} block_m {block_m}", f"{out[f'D{D}_fold{fold_block}_bm{block_m}']['ms']:.3f} ms")
+        del q, k, v, fq, fk
+    tk.TUNE["fold_block"], tk.TUNE["piece_block_m"] = None, None
+    lops.GRAPH_PREFILL = True
+    RES["tune_lola_prefill_32k"] = out
+
+
 def main():
     if not torch.cuda.is_available() and not SMOKE:
         print("bench_lola needs a CUDA GPU", file=sys.stderr)
@@ -431,6 +464,7 @@ def main():
     print(f"device {RES['device']}, torch {torch.__version__}", flush=True)
     check()
     profile()
+    tune()
     prefill128()
     decode()
     prefill64()

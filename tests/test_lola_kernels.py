@@ -179,10 +179,15 @@ def test_sre_score_and_fold_match_reference(dtype):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     w = valid.float() * torch.rand(B, Hq, N, generator=gen).to(DEV)
     He, se = ref.fold(fk, vx, w, H, s)
-    H2, s2 = H.clone(), s.clone()
-    tk.fold_into_state(fk, v, w, H2, s2)
-    torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
+    for block in (None, 16):  # default tiles, and the smaller ones that give more programs
+        tk.TUNE["fold_block"] = block
+        try:
+            H2, s2 = H.clone(), s.clone()
+            tk.fold_into_state(fk, v, w, H2, s2)
+        finally:
+            tk.TUNE["fold_block"] = None
+        torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

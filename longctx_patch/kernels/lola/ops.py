@@ -281,7 +281,8 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
             return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
                                   scale=scale, key_mask=st.wmask, **sp)
         return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                             q_offset=nb - S, key_mask=st.wmask, state_chunk=0, **sp)
+                             q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
+                             block_m=tk.TUNE["piece_block_m"] or 64, **sp)
     o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                            key_mask=st.wmask, q_offset=nb - S, **sp)
     return o.transpose(1, 2).to(q.dtype)
