@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--min-steps", type=int, default=40)
     ap.add_argument("--steps", type=int, default=None, help="fixed steps (skips the budget rule)")
     ap.add_argument("--curriculum", default=None, metavar="LENGTH:FRACTION",
-                    help="the first FRACTION of the steps at LENGTH tokens only (e.g. 256:0.3)")
+                    help="the first FRACTION of the steps at LENGTH tokens only (e.g. 64:0.25; README, synthetic section)")
     ap.add_argument("--eval-reserve", type=float, default=30.0, help="seconds kept for evaluation and writing")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, labelled as a smoke run")
     args = ap.parse_args()
@@ -139,6 +139,9 @@ def main():
     tasks = make_tasks([t for t in args.tasks.split(",") if t], args)
     task_lengths = {n: (icl_lengths if n == "icl" else lengths) for n in tasks}
     specs = M.parse_mixers(args.mixers)
+    c_len, c_frac = M.parse_curriculum(args.curriculum)
+    for n, t in tasks.items():  # refuse a length the task cannot hold (keys, curriculum) before any device time
+        t.check_lengths(list(task_lengths[n]) + ([c_len] if c_len else []))
     mcfg = M.ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads).validate()
     lrs = tuple(float(x) for x in args.lrs.split(","))
     seeds = tuple(int(x) for x in args.seeds.split(","))
@@ -182,7 +185,6 @@ def main():
     deadline = t0 + args.budget - args.eval_reserve if not args.cpu_smoke else None
     print(f"steps per run: {steps} (train window {window:.0f} s, serial estimate {serial * steps:.0f} s, "
           f"assumed speed-up {speedup})", flush=True)
-    c_len, c_frac = M.parse_curriculum(args.curriculum)
     tcfg = M.TrainConfig(steps=steps, lrs=lrs, seeds=seeds, tokens_per_step=args.tokens_per_step,
                          eval_sequences=args.eval_sequences, device=device, log_every=25,
                          curriculum_length=c_len, curriculum_fraction=c_frac).validate()

@@ -584,7 +584,7 @@ def curriculum_at(step: int, tcfg: TrainConfig) -> int | None:
 
 
 def parse_curriculum(text: str | None) -> tuple[int | None, float]:
-    """``'256:0.3'`` -> (256, 0.3): the first 30% of the steps at 256 tokens. None / '' -> no curriculum."""
+    """``'64:0.25'`` -> (64, 0.25): the first 25% of the steps at 64 tokens. None / '' -> no curriculum."""
     if not text:
         return None, 0.0
     from .common import parse_size
@@ -595,8 +595,8 @@ def parse_curriculum(text: str | None) -> tuple[int | None, float]:
     except ValueError:
         fraction = float("nan")
     if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"bad curriculum {text!r}; write LENGTH:FRACTION, e.g. 256:0.3 (the first 30% of the "
-                          "steps at 256 tokens)")
+        raise ConfigError(f"bad curriculum {text!r}; write LENGTH:FRACTION, e.g. 64:0.25 (the first 25% of the "
+                          "steps at 64 tokens)")
     return parse_size(length), fraction
 
 
