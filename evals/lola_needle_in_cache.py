@@ -39,10 +39,10 @@ class KeptPositions:
         self._select, self._evict = ops._select, ops.lola_evict
 
     def __enter__(self):
-        def select(scores, valid, lam):
-            keep, top = self._select(scores, valid, lam)
+        def select(scores, valid, lam, **kw):
+            w, top = self._select(scores, valid, lam, **kw)
             self._top = top
-            return keep, top
+            return w, top
 
         def evict(st, *, window, lam, phi_k, backend="auto"):
             n_ev = st.nb - window

@@ -177,6 +177,10 @@ def test_sre_score_and_fold_match_reference(dtype):
     want = ref.sre_scores(fk, vx, H, s).masked_fill(~valid, float("-inf"))
     got = tk.sre_score(fk, v, H, s, valid)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    # summed over the query heads of each kv head (the per-kv-head sparse cache), invalid per kv head
+    valid_kv = valid[:, ::2]
+    want_kv = ref.group_sum(ref.sre_scores(fk, vx, H, s), Hkv).masked_fill(~valid_kv, float("-inf"))
+    torch.testing.assert_close(tk.sre_score(fk, v, H, s, valid_kv, heads=Hkv), want_kv, atol=1e-3, rtol=1e-3)
     w = valid.float() * torch.rand(B, Hq, N, generator=gen).to(DEV)
     He, se = ref.fold(fk, vx, w, H, s)
     for block in (None, 16):  # default tiles, and the smaller ones that give more programs
@@ -186,6 +190,13 @@ def test_sre_score_and_fold_match_reference(dtype):
             tk.fold_into_state(fk, v, w, H2, s2)
         finally:
             tk.TUNE["fold_block"] = None
+        torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
+    # weights per kv head (query head h reads those of h // 2), and one row of weights for every head
+    for wg in (w[:, ::2], w[:, :1]):
+        He, se = ref.fold(fk, vx, ref.expand_kv(wg, Hq) if wg.shape[1] > 1 else wg.expand(B, Hq, N), H, s)
+        H2, s2 = H.clone(), s.clone()
+        tk.fold_into_state(fk, v, wg, H2, s2)
         torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
 

@@ -140,15 +140,15 @@ class LolaState:
 PhiK = Callable[[torch.Tensor], torch.Tensor]  # keys [B, Hx, N, D] (Hq % Hx == 0) -> phi(k) [B, Hq, N, F2]
 
 
-def _select(scores, valid, lam):
-    """keep mask [B,Hs,Nc] of the lam best valid candidates, and their indices sorted by score."""
-    scores = scores.masked_fill(~valid, float("-inf"))
-    lam_eff = min(lam, scores.shape[-1])
-    top = torch.topk(scores, lam_eff, dim=-1, sorted=True)
-    keep = torch.zeros_like(valid)
-    keep.scatter_(-1, top.indices, True)
-    keep &= valid
-    return keep, top
+def _select(scores, valid, lam, masked: bool = False):
+    """The lam best valid candidates (`top`: indices and scores, sorted by score) and the fold weights `w`
+    (1 for every other valid candidate, 0 otherwise), [B, Hs, Nc]. masked: invalid scores are already -inf."""
+    if not masked:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    top = torch.topk(scores, min(lam, scores.shape[-1]), dim=-1, sorted=True)
+    w = valid.float()
+    w.scatter_(-1, top.indices, 0.0)
+    return w, top
 
 
 def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str = "auto") -> None:
@@ -158,48 +158,41 @@ def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: st
     n_ev = st.nb - window
     if n_ev <= 0:
         return
-    B, Hq = st.H.shape[:2]
     ev_k, ev_v = st.win_k[:, :, :n_ev], st.win_v[:, :, :n_ev]
+    B = ev_k.shape[0]
     ev_valid = (torch.ones(B, n_ev, dtype=torch.bool, device=ev_k.device) if st.win_mask is None
                 else st.win_mask[:, :n_ev])
     use_tk = _use_triton(backend, st.H, ev_k)
     if lam == 0:
-        ev_fk = phi_k(ev_k)
-        w = ev_valid[:, None, :].expand(B, Hq, n_ev).float()
-        if use_tk:
-            H, s = st.H.contiguous(), st.s.contiguous()
-            _tk().fold_into_state(ev_fk, ev_v, w, H, s)
-            st.H, st.s = H, s
-        else:
-            st.H, st.s = ref.fold(ev_fk, ev_v, w, st.H, st.s)
-        _drop_front(st, n_ev)
-        return
-    Hs = st.sp_k.shape[1]
-    cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hs).to(st.sp_k.dtype)], 2)
-    cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hs).to(st.sp_v.dtype)], 2)
-    cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hs, n_ev)], 2)
-    cand_fk = phi_k(cand_k)
-    if use_tk:
-        scores = _tk().sre_score(cand_fk, cand_v, st.H, st.s, eps=ref.EPS_SRE)
+        cand_k, cand_v, w = ev_k, ev_v, ev_valid[:, None, :].float()  # fold every valid pair
     else:
-        scores = ref.sre_scores(cand_fk, cand_v, st.H, st.s)
-    keep, top = _select(ref.group_sum(scores, Hs), cand_valid, lam)
-    w = ref.expand_kv((cand_valid & ~keep).float(), Hq)
+        Hs = st.sp_k.shape[1]
+        cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hs).to(st.sp_k.dtype)], 2)
+        cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hs).to(st.sp_v.dtype)], 2)
+        cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hs, n_ev)], 2)
+    cand_fk = phi_k(cand_k)
+    if lam > 0:
+        if use_tk:  # one kernel: SRE summed over each sparse head's query heads, invalid -> -inf
+            scores = _tk().sre_score(cand_fk, cand_v, st.H, st.s, cand_valid, eps=ref.EPS_SRE, heads=Hs)
+        else:
+            scores = ref.group_sum(ref.sre_scores(cand_fk, cand_v, st.H, st.s), Hs)
+        w, top = _select(scores, cand_valid, lam, masked=use_tk)
     if use_tk:
         H, s = st.H.contiguous(), st.s.contiguous()
         _tk().fold_into_state(cand_fk, cand_v, w, H, s)
         st.H, st.s = H, s
     else:
         st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
-    idx, vals = top.indices, top.values
-    gather = lambda x: torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
-    new_k, new_v = gather(cand_k), gather(cand_v)
-    if st.inplace:  # same storage: a captured CUDA graph keeps reading the live state
-        st.sp_k.copy_(new_k)
-        st.sp_v.copy_(new_v)
-        st.sp_score.copy_(vals)
-    else:
-        st.sp_k, st.sp_v, st.sp_score = new_k, new_v, vals
+    if lam > 0:
+        idx = top.indices
+        index = lambda x: idx[..., None].expand(-1, -1, -1, x.shape[-1])  # noqa: E731
+        if st.inplace:  # same storage: a captured CUDA graph keeps reading the live state
+            torch.gather(cand_k, 2, index(cand_k), out=st.sp_k)
+            torch.gather(cand_v, 2, index(cand_v), out=st.sp_v)
+            st.sp_score.copy_(top.values)
+        else:
+            st.sp_k, st.sp_v = torch.gather(cand_k, 2, index(cand_k)), torch.gather(cand_v, 2, index(cand_v))
+            st.sp_score = top.values
     _drop_front(st, n_ev)
 
 
@@ -394,7 +387,7 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
     if n_fold > 0:
         w = (torch.ones(B, n_fold, dtype=torch.bool, device=q.device) if lm is None else lm[:, :n_fold])
         H, s = st.H.contiguous(), st.s.contiguous()
-        tk.fold_into_state(lfk[:, :, :n_fold], lv[:, :, :n_fold], w[:, None, :].expand(B, Hq, n_fold), H, s)
+        tk.fold_into_state(lfk[:, :, :n_fold], lv[:, :, :n_fold], w[:, None, :].float(), H, s)
         st.H, st.s = H, s
     keep = nb - max(n_fold, 0)
     # the kept tokens go back into a fixed buffer of `cap` rows

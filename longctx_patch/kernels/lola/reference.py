@@ -235,8 +235,11 @@ def sre_scores(fk, v, H, s, eps: float = EPS_SRE):
 
 
 def fold(fk, v, w, H, s):
-    """H + sum_j w_j phi(k_j) v_j^T, s + sum_j w_j phi(k_j) (fp32). fk [B,Hq,N,F2], v [B,Hv,N,D], w [B,Hq,N]."""
+    """H + sum_j w_j phi(k_j) v_j^T, s + sum_j w_j phi(k_j) (fp32). fk [B,Hq,N,F2], v [B,Hv,N,D], w [B,Hw,N]
+    (Hw = 1 or Hq % Hw == 0: query head h uses the weights of h // (Hq / Hw))."""
     v = expand_kv(v, fk.shape[1])
+    if w.shape[1] != 1:
+        w = expand_kv(w, fk.shape[1])
     fkw = fk.float() * w.float()[..., None]
     return H.float() + fkw.transpose(-1, -2) @ v.float(), s.float() + fkw.sum(2)
 
