@@ -39,8 +39,8 @@ class KeptPositions:
         self._select, self._evict = ops._select, ops.lola_evict
 
     def __enter__(self):
-        def select(scores, valid, lam, **kw):
-            w, top = self._select(scores, valid, lam, **kw)
+        def select(scores, valid, lam):
+            w, top = self._select(scores, valid, lam)
             self._top = top
             return w, top
 

@@ -335,56 +335,48 @@ def _sre_kernel(
     s_h_b, s_h_h, s_h_f,
     s_s_b, s_s_h,
     s_o_b, s_o_h,
-    HO: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-    HAS_VALID: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_VALID: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
 ):
-    """OUT[b, ho, n] = sum over the GS query heads h = ho * GS + j of SRE_h(candidate n)."""
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
-    b = pid_bh // HO
-    ho = pid_bh % HO
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hv = h // G
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     mn = offs_n < N
     md = offs_d < D
-    sc = tl.zeros([BN], dtype=tl.float32)
-    for j in range(GS):
-        h = ho * GS + j
-        hv = h // G
-        num = tl.zeros([BN, BD], dtype=tl.float32)
-        den = tl.zeros([BN], dtype=tl.float32)
-        for f0 in range(0, F2, BK):
-            offs_k = f0 + tl.arange(0, BK)
-            mk = offs_k < F2
-            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
-                         mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
-                         mask=mk[:, None] & md[None, :], other=0.0)
-            ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
-            num += _dot(fk, hh, PREC, UPCAST)
-            den += tl.sum(fk * ss[None, :], 1)
-        vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
-                     mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
-        err = vv - num / (den[:, None] + eps)
-        err = tl.where(md[None, :], err, 0.0)
-        sc += tl.sum(err * err, 1)
+    num = tl.zeros([BN, BD], dtype=tl.float32)
+    den = tl.zeros([BN], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
+                     mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
+                     mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
+        num += _dot(fk, hh, PREC, UPCAST)
+        den += tl.sum(fk * ss[None, :], 1)
+    vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                 mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+    err = vv - num / (den[:, None] + eps)
+    err = tl.where(md[None, :], err, 0.0)
+    sc = tl.sum(err * err, 1)
     if HAS_VALID:
-        ok = tl.load(VALID + b * s_va_b + ho * s_va_h + offs_n, mask=mn, other=0) != 0
+        ok = tl.load(VALID + b * s_va_b + h * s_va_h + offs_n, mask=mn, other=0) != 0
         sc = tl.where(ok, sc, float("-inf"))
-    tl.store(OUT + b * s_o_b + ho * s_o_h + offs_n, sc, mask=mn)
+    tl.store(OUT + b * s_o_b + h * s_o_h + offs_n, sc, mask=mn)
 
 
-def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True, heads: int | None = None):
-    """SRE of N candidate pairs. fk [B, Hq, N, F2], v [B, Hv, N, D] (Hv = Hq or Hkv), H [B, Hq, F2, D] fp32,
-    s [B, Hq, F2] fp32. heads: Ho output heads (default Hq; Hq % Ho == 0): the score of output head ho is the
-    sum over the query heads ho * Hq/Ho .. (ho + 1) * Hq/Ho - 1. valid [B, Ho, N] bool (invalid -> -inf).
-    Returns [B, Ho, N] fp32."""
+def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True):
+    """SRE of N candidate pairs per query head. fk [B, Hq, N, F2], v [B, Hv, N, D] (Hv = Hq or Hkv),
+    H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32, valid [B, Hq, N] bool (invalid -> -inf). Returns [B, Hq, N] fp32."""
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
     G = Hq // v.shape[1]
-    Ho = Hq if heads is None else int(heads)
-    assert Hq % Ho == 0
-    out = torch.empty(B, Ho, N, device=fk.device, dtype=torch.float32)
+    out = torch.empty(B, Hq, N, device=fk.device, dtype=torch.float32)
     if N == 0:
         return out
     va = valid.to(torch.int8).contiguous() if valid is not None else None
@@ -392,7 +384,7 @@ def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True, 
     s = s.contiguous()
     BN = min(64, _np2(N))
     BK = min(64, _np2(F2))
-    grid = (B * Ho, triton.cdiv(N, BN))
+    grid = (B * Hq, triton.cdiv(N, BN))
     _sre_kernel[grid](
         fk, v, va if va is not None else out, H, s, out,
         N, F2, D, G, eps,
@@ -402,7 +394,7 @@ def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True, 
         H.stride(0), H.stride(1), H.stride(2),
         s.stride(0), s.stride(1),
         out.stride(0), out.stride(1),
-        HO=Ho, GS=Hq // Ho, BN=BN, BD=_np2(D), BK=BK, HAS_VALID=va is not None,
+        HQ=Hq, BN=BN, BD=_np2(D), BK=BK, HAS_VALID=va is not None,
         PREC="ieee" if precise else "tf32",
     )
     return out
