@@ -37,11 +37,17 @@ def linear_rows(q_offset: int, S: int, window: int) -> int:
     return max(q_offset + S - window, 0)
 
 
-def pad_features(fk: torch.Tensor, N: int, needed: int) -> torch.Tensor:
-    """fk [B, H, NF, F2] -> [B, H, N, F2] with zero rows after NF; NF must be at least `needed`."""
-    NF = fk.shape[2]
+def feature_rows(fk: torch.Tensor, q_offset: int, S: int, window: int) -> int:
+    """NF, the local keys fk [B, H, NF, F2] has features of; refuses fewer than the keys attended linearly."""
+    NF, needed = fk.shape[2], linear_rows(q_offset, S, window)
     if NF < needed:
         raise ValueError(f"key features cover {NF} local keys but {needed} are attended linearly")
+    return NF
+
+
+def pad_features(fk: torch.Tensor, N: int, q_offset: int, S: int, window: int) -> torch.Tensor:
+    """fk [B, H, NF, F2] -> [B, H, N, F2] with zero rows after NF (checked by `feature_rows`)."""
+    NF = feature_rows(fk, q_offset, S, window)
     if NF >= N:
         return fk
     return torch.nn.functional.pad(fk, (0, 0, 0, N - NF))
@@ -195,7 +201,7 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     q_offset = N - S if q_offset is None else q_offset
-    fk = pad_features(fk, N, linear_rows(q_offset, S, window))
+    fk = pad_features(fk, N, q_offset, S, window)
     kx, vx = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
     qpos = torch.arange(S, device=q.device)[:, None] + q_offset
     kpos = torch.arange(N, device=q.device)[None, :]

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import feature_rows
+
 LOG2E = 1.4426950408889634
 # The interpreter (TRITON_INTERPRET=1, triton 3.9) returns garbage for tl.dot on bf16 operands: there the
 # operands are upcast to fp32 first (same maths); compiled kernels keep bf16 tensor-core dots.
@@ -36,15 +38,6 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
-
-
-def _feature_rows(fk, q_offset: int, S: int, window: int) -> int:
-    """Rows of fk the kernels may read (all it has); checks they cover the keys attended linearly."""
-    NF = fk.shape[2]
-    need = max(q_offset + S - window, 0)
-    if NF < need:
-        raise ValueError(f"key features cover {NF} local keys but {need} are attended linearly")
-    return NF
 
 
 def _prec(*ts) -> str:
@@ -278,7 +271,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     N = k.shape[2]
     F2 = fq.shape[-1]
     G = Hq // k.shape[1]
-    NF = _feature_rows(fk, q_offset, M, window)
+    NF = feature_rows(fk, q_offset, M, window)
     per_block = state_chunk > 0
     if not per_block:
         Hs, Ss = Hs.unsqueeze(2), Ss.unsqueeze(2)
@@ -454,7 +447,8 @@ def fold_into_state(fk, v, w, H, s):
         return H, s
     assert H.is_contiguous() and s.is_contiguous() and H.dtype == torch.float32
     w = w.float().contiguous()
-    blk = TUNE["fold_block"] or 32  # 32: 2-3% faster lola prefill than 64, 16 is slower (evals/results/lola-tune.json)
+    # 32: 2-3% faster lola prefill than 64 in one sweep, 16 slower; within run-to-run noise (docs/PERFORMANCE.md)
+    blk = TUNE["fold_block"] or 32
     BK = min(blk, _np2(F2))
     BV = min(blk, _np2(D))
     grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))
@@ -582,7 +576,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
     N = k.shape[2]
     F2 = fq.shape[-1]
     G = Hq // k.shape[1]
-    NF = _feature_rows(fk, N - 1, 1, window)
+    NF = feature_rows(fk, N - 1, 1, window)
     if out is None:
         out = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
