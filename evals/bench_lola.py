@@ -128,7 +128,7 @@ def check():
         dn = str(dtype).split(".")[-1]
         if True:
             S0 = sz(777, 77)
-            q, k, v, fq, fk, g, lf, _, _ = make(2, 8, 2, S0, D, 32, dtype, seed=D)
+            q, k, v, fq, fk, g, lf, _, Wk = make(2, 8, 2, S0, D, 32, dtype, seed=D)
             km = torch.ones(2, S0, dtype=torch.bool, device=DEV)
             km[1, :50] = False
             want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=64, key_mask=km).transpose(1, 2)
@@ -142,7 +142,6 @@ def check():
                                                 ref.hedgehog_feature_map(q, Wt, out_dtype=torch.float32))
             # LoLA manager: triton vs torch, prefill that ends mid-chunk, then decode steps
             res = {}
-            Wk = make(2, 8, 2, 1, D, 32, dtype, seed=D)[-1]
             phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=dtype)  # noqa: E731
             for backend in ("torch", "triton"):
                 st = LolaState.empty(2, 8, 2, D, 64, 16, dtype, DEV)

@@ -338,18 +338,20 @@ class LolcatsMixer(Mixer):
         self.wk = nn.Parameter(_hedgehog_init(self.H, self.D, Fd))
         self.window_factor = nn.Parameter(torch.zeros(self.H))
 
-    def _parts(self, q, k):
+    def _phi(self, x, w):
         from ..kernels.lola import hedgehog_feature_map
 
-        fq = hedgehog_feature_map(q, self.wq, out_dtype=q.dtype)
-        fk = hedgehog_feature_map(k, self.wk, out_dtype=q.dtype)
+        return hedgehog_feature_map(x, w, out_dtype=x.dtype)
+
+    def _factors(self):
         g = torch.sigmoid(self.window_factor.float())
-        return fq, fk, g, torch.ones_like(g)
+        return g, torch.ones_like(g)
 
     def attend(self, q, k, v):
         from ..kernels.lola import hybrid_attention
 
-        fq, fk, g, lf = self._parts(q, k)
+        fq, fk = self._phi(q, self.wq), self._phi(k, self.wk)
+        g, lf = self._factors()
         return hybrid_attention(q, k, v, fq, fk, g, lf, window=int(self.opts["window"]), scale=self.D ** -0.5,
                                 chunk=int(self.opts["chunk"]), backend=self.backend(q))
 
@@ -373,15 +375,12 @@ class LolaMixer(LolcatsMixer):
 
         if torch.is_grad_enabled():
             return super().attend(q, k, v)
-        from ..kernels.lola import hedgehog_feature_map
-
-        fq = hedgehog_feature_map(q, self.wq, out_dtype=q.dtype)
-        g = torch.sigmoid(self.window_factor.float())
+        fq = self._phi(q, self.wq)
+        g, lf = self._factors()
         B, H, S, D = q.shape
         lam = int(self.opts["sparse"])
         st = LolaState.empty(B, H, H, D, fq.shape[-1], lam, q.dtype, q.device)
-        return lola_process(st, q, k, v, fq, g, torch.ones_like(g),
-                            phi_k=lambda x: hedgehog_feature_map(x, self.wk, out_dtype=q.dtype),
+        return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: self._phi(x, self.wk),
                             window=int(self.opts["window"]), chunk=int(self.opts["chunk"]), lam=lam, scale=D ** -0.5,
                             backend=self.backend(q))
 

@@ -104,6 +104,11 @@ def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, 
     return out
 
 
+def sparse_head_count(sparse_heads: str, Hq: int, Hkv: int) -> int:
+    """Heads of the sparse cache: the kv heads (`sparse_heads=kv`) or the query heads (`query`)."""
+    return Hq if sparse_heads == "query" else Hkv
+
+
 class LolaLayer(LongctxLayer):
     """Cache layer of `lolcats` / `lola`: window buffer, sparse cache with scores, linear state.
 
@@ -132,7 +137,7 @@ class LolaLayer(LongctxLayer):
                 self.lazy_initialization(like)
             st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device,
                                  capacity=self.window + self.chunk,
-                                 sparse_heads=Hq if self.sparse_heads == "query" else Hkv)
+                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
             st.pos = self.seen
             return st
         return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb)
@@ -198,7 +203,7 @@ class LolcatsAttention(PatchedAttention):
             Hq, Hkv = q.shape[1], k.shape[1]
             st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
                                  capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(),
-                                 sparse_heads=Hq if self.sparse_heads == "query" else Hkv)
+                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
             return lola_process(st, q, k, v, fq, g, lf, **kw)
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
@@ -220,8 +225,7 @@ class LolcatsAttention(PatchedAttention):
         buf = cfg.window + cfg.chunk  # fixed-size window buffer (keys, values, padding mask)
         window = batch * buf * (2 * Hkv * D * elt + 1)
         lam = self.sparse_cache
-        Hs = Hq if self.sparse_heads == "query" else Hkv
-        sparse = batch * Hs * lam * (2 * D * elt + 4)
+        sparse = batch * sparse_head_count(self.sparse_heads, Hq, Hkv) * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
         return window + sparse + state
 
