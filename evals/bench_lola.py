@@ -5,8 +5,9 @@
 Sections (each guarded by a time budget, the JSON is rewritten after each one):
   check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
   prefill  32k tokens, 32 query heads (8 kv heads), D = 64 / 128, feature_dim 64:
-           lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256, chunked manager, eager and CUDA
-           graph; sparse cache per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
+           lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256: the two-pass prefill with its
+           evictions replayed from a CUDA graph or eager, the chunk loop it replaces, pass 1 alone; sparse cache
+           per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
   profile  GPU time per kernel of one steady lola chunk (eager, 32/8 heads, D = 64, eta = lambda = chunk = 256)
   tune     lola prefill with the fold tile and the piece query block varied (picks the defaults)
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
@@ -200,16 +201,30 @@ def _prefill(D, label):
     del st_
     from longctx_patch.kernels.lola import ops as lops
 
+    # two-pass prefill (all evictions, then all chunks at once; evictions replayed from a CUDA graph or eager)
+    # and the chunk loop it replaces (CUDA graph per chunk)
     for chunk in (256, 1024):
-        for graph in (False, True):
-            lops.GRAPH_PREFILL = graph
+        for mode in ("parallel", "parallel_eager", "loop_graph"):
+            lops.PARALLEL_PREFILL = mode.startswith("parallel")
+            lops.GRAPH_PREFILL = mode != "parallel_eager"
 
             def lola_once(chunk=chunk):
                 st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
                 return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
                                     chunk=chunk, lam=256, scale=scale, backend="triton")
-            r[f"lola_eta256_lam256_chunk{chunk}_{'graph' if graph else 'eager'}_ms"] = bench(lola_once, rep=300)
-    lops.GRAPH_PREFILL = True
+            r[f"lola_eta256_lam256_chunk{chunk}_{mode}_ms"] = bench(lola_once, rep=300)
+        lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
+        # pass 1 alone: the evictions
+        fk_all = tk.feature_map(k, Wk16)
+
+        def pass1(chunk=chunk):
+            ev = tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=256, chunk=chunk, window=256,
+                                     sparse_heads=Hkv)
+            ev.run()
+            return ev
+        r[f"lola_chunk{chunk}_pass1_evictions_ms"] = bench(pass1, rep=100)
+        del fk_all
+    lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
 
     def lola_query_heads():  # the per-query-head sparse cache (sparse_heads=query), for comparison
         st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV, sparse_heads=Hq)

@@ -18,6 +18,7 @@ slot set per kv head (shared by its query heads, scored by the sum of their SRE)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -303,6 +304,9 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     if lam == 0 and S > 1 and tri:
         return _lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
                                  key_mask_new=key_mask_new, phi_k=phi_k)
+    if tri and _parallel_ok(st, S, window=window, chunk=chunk, lam=lam):
+        return _lola_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, lam=lam, scale=scale,
+                              key_mask_new=key_mask_new, phi_k=phi_k)
     use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk
                  and not torch.cuda.is_current_stream_capturing())
     outs = []
@@ -403,4 +407,94 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
             buf[:, :keep] = src[:, nb - keep:]
         setattr(st, name, buf)
     st.nb = keep
+    return o
+
+
+PARALLEL_PREFILL = True  # a fresh Triton prefill of >= 2 chunks takes `_lola_parallel` (two passes)
+
+
+def _parallel_ok(st: LolaState, S: int, *, window: int, chunk: int, lam: int) -> bool:
+    return (PARALLEL_PREFILL and lam > 0 and st.pos == 0 and st.nb == 0 and S >= 2 * chunk
+            and window > 0 and window % 16 == 0 and chunk % 16 == 0 and not bool(st.sp_valid.any()))
+
+
+def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask_new, phi_k):
+    """A fresh prefill (empty state, lam > 0, Triton) in two passes, same result as the chunk loop.
+
+    The output of chunk c depends on the stream only through the state left by eviction c - 1: (H, s) and the
+    sparse set. Pass 1 runs every eviction (score, select, fold: three kernels each, replayed from one CUDA
+    graph) and keeps the state after each; pass 2 attends all chunks at once with the parallel hybrid kernel,
+    each block of queries reading the sparse set of its chunk and a linear state made of its chunk's H plus
+    the local keys folded since the chunk's first buffered key (block sums, summed within the chunk).
+    Needs window and chunk multiples of 16 (`_parallel_ok`).
+    """
+    tk = _tk()
+    B, Hq, S, _ = q.shape
+    Hkv = k.shape[1]
+    Hs = st.sp_k.shape[1]
+    C, W = chunk, window
+    km = key_mask_new.bool() if key_mask_new is not None else None
+    fk = phi_k(k)  # [B, Hq, S, F2]: every key is an eviction candidate or attended linearly at some point
+    n_ev = S // C
+    ev = tk.PrefillEvictions(fk, v, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE)
+    ev.run(graph=GRAPH_PREFILL)
+
+    # linear state of each block of keys: H of its chunk + the block sums since the chunk's first local key
+    cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
+    blk_H, blk_s = tk.chunk_states(fk, v, cs, key_mask=km, cumulative=False)
+    NB = blk_H.shape[2] - 1
+    r, P = W // cs, C // cs  # block n holds keys of chunk (n + r) // P
+    T = -(-(NB + r) // P) * P
+
+    def seg_exclusive(x):  # [B, Hq, NB, ...] -> exclusive prefix sums inside each chunk's run of blocks
+        pad = [0, 0] * (x.dim() - 3) + [r, T - NB - r]
+        xp = torch.nn.functional.pad(x, pad).view(B, Hq, T // P, P, *x.shape[3:])
+        inc = torch.cumsum(xp, 3)
+        return (inc - xp).view(B, Hq, T, *x.shape[3:])[:, :, r: r + NB]
+
+    gid = ((torch.arange(NB, device=q.device) * cs + W) // C).clamp_max(n_ev)
+    Hs_eff = seg_exclusive(blk_H[:, :, 1:]) + ev.H_all[gid].permute(1, 2, 0, 3, 4)
+    Ss_eff = seg_exclusive(blk_s[:, :, 1:]) + ev.s_all[gid].permute(1, 2, 0, 3)
+    del blk_H, blk_s
+
+    # the sparse set of every chunk, gathered from the keys by position
+    nch = -(-S // C)
+    idx = ev.SPIDX[:nch].permute(1, 2, 0, 3).long()  # [B, Hs, nch, lam]
+    bi = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
+    spk, spv = k[bi, hi, idx.clamp_min(0)], v[bi, hi, idx.clamp_min(0)]
+    bm = min(64, C & -C)  # query blocks never straddle a chunk
+    o = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs_eff, Ss_eff, window=W, scale=scale, q_offset=0, key_mask=km,
+                      state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
+                      block_m=bm, block_n=min(64, cs))
+    del Hs_eff, Ss_eff, spk, spv
+
+    # the state the chunk loop would have left: after eviction n_ev, window buffer from the last chunk start
+    sc = ev.SPSC[n_ev]
+    order = torch.argsort(sc, dim=-1, descending=True, stable=True)
+    sc = torch.gather(sc, -1, order)
+    fin = torch.gather(ev.SPIDX[n_ev].long(), -1, order)
+    ok = (fin >= 0)[..., None]
+    sk = torch.where(ok, k[bi[..., 0], hi[..., 0], fin.clamp_min(0)], 0).to(st.sp_k.dtype)
+    sv = torch.where(ok, v[bi[..., 0], hi[..., 0], fin.clamp_min(0)], 0).to(st.sp_v.dtype)
+    start = max(n_ev * C - W, 0)
+    nb = S - start
+    if st.inplace:
+        st.sp_k.copy_(sk)
+        st.sp_v.copy_(sv)
+        st.sp_score.copy_(sc)
+        st.H, st.s = ev.H_all[n_ev].clone(), ev.s_all[n_ev].clone()
+        st.win_k[:, :, :nb] = k[:, :, start:]
+        st.win_v[:, :, :nb] = v[:, :, start:]
+        if km is not None:
+            _ensure_mask(st, B, q.device)
+            st.win_mask[:, :nb] = km[:, start:]
+    else:
+        st.sp_k, st.sp_v, st.sp_score = sk, sv, sc
+        st.H, st.s = ev.H_all[n_ev].clone(), ev.s_all[n_ev].clone()
+        st.win_k, st.win_v = k[:, :, start:].to(st.win_k.dtype), v[:, :, start:].to(st.win_v.dtype)
+        if km is not None:
+            st.win_mask = km[:, start:]
+    st.nb = nb
+    st.pos = S
     return o

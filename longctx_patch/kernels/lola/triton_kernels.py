@@ -89,17 +89,18 @@ def _chunk_sums_kernel(
         tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1) * s_os_n + offs_k, sacc, mask=mk)
 
 
-def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
+def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None, cumulative: bool = True):
     """Hs[:, :, n] = H0 + sum_{j < n * state_chunk} phi(k_j) v_j^T (fp32), n = 0 .. ceil(N / state_chunk) - 1.
 
     One parallel kernel writes each chunk's sum into slot c + 1 (slot 0 = H0), then a cumulative sum over
     the slots gives every prefix state. fk [B, Hq, N, F2], v [B, Hkv, N, D], key_mask [B, N] bool or None.
-    Returns (Hs [B, Hq, NS, F2, D], Ss [B, Hq, NS, F2]).
+    Returns (Hs [B, Hq, NS, F2, D], Ss [B, Hq, NS, F2]). cumulative=False: slot n + 1 holds the sum of block
+    n alone (no cumulative sum), with NS = ceil(N / state_chunk) + 1 slots.
     """
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
     G = Hq // v.shape[1]
-    NS = max(1, math.ceil(N / state_chunk))
+    NS = max(1, math.ceil(N / state_chunk)) + (0 if cumulative else 1)
     Hs = torch.empty(B, Hq, NS, F2, D, device=fk.device, dtype=torch.float32)
     Ss = torch.empty(B, Hq, NS, F2, device=fk.device, dtype=torch.float32)
     if H0 is not None:
@@ -125,8 +126,9 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
             Ss.stride(0), Ss.stride(1), Ss.stride(2),
             HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
         )
-        Hs = torch.cumsum(Hs, dim=2)
-        Ss = torch.cumsum(Ss, dim=2)
+        if cumulative:
+            Hs = torch.cumsum(Hs, dim=2)
+            Ss = torch.cumsum(Ss, dim=2)
     return Hs, Ss
 
 
@@ -134,7 +136,7 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
 @triton.jit
 def _hybrid_fwd_kernel(
     Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
-    M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2,
+    M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2, sp_chunk,
     s_q_b, s_q_h, s_q_m,
     s_k_b, s_k_h, s_k_n,
     s_v_b, s_v_h, s_v_n,
@@ -143,9 +145,9 @@ def _hybrid_fwd_kernel(
     s_km_b,
     s_hs_b, s_hs_h, s_hs_n, s_hs_f,
     s_ss_b, s_ss_h, s_ss_n,
-    s_spk_b, s_spk_h, s_spk_l,
-    s_spv_b, s_spv_h, s_spv_l,
-    s_spm_b, s_spm_h,
+    s_spk_b, s_spk_h, s_spk_l, s_spk_c,
+    s_spv_b, s_spv_h, s_spv_l, s_spv_c,
+    s_spm_b, s_spm_h, s_spm_c,
     s_o_b, s_o_m, s_o_h,
     HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
     CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
@@ -196,14 +198,16 @@ def _hybrid_fwd_kernel(
 
     # 2. sparse cache: exact keys of this query head's sparse head
     if HAS_SP:
+        spc = a0 // sp_chunk  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
-            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
-            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
-                         mask=ml[:, None] & md[None, :], other=0.0)
-            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
-                         mask=ml[:, None] & md[None, :], other=0.0)
+            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + spc * s_spm_c + offs_l, mask=offs_l < L,
+                               other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + spc * s_spk_c + offs_l[:, None] * s_spk_l
+                         + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
+            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + spc * s_spv_c + offs_l[:, None] * s_spv_l
+                         + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
             sc = _dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(ml[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -258,14 +262,16 @@ TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None,
 
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
                key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
-               block_m: int = 64, block_n: int = 64, out=None):
+               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None):
     """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`).
 
     Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
     queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
     there), else one state [B, Hq, F2, D] of the tokens before key 0 (all local keys explicit).
     fk [B, Hq, NF, F2] may cover only the first NF local keys: those some query attends linearly
-    (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0.
+    (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0; with
+    sparse_chunk > 0 one sparse set per chunk instead, sparse_k/v [B, Hs, NC, L, D], sparse_valid [B, Hs, NC, L]:
+    the block of queries starting at key index a reads set a // sparse_chunk (block_m must divide sparse_chunk).
     """
     B, Hq, M, D = q.shape
     N = k.shape[2]
@@ -283,10 +289,15 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     if out is None:
         out = torch.empty(B, M, Hq, D, device=q.device, dtype=q.dtype)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    has_sp = sparse_k is not None and sparse_k.shape[2] > 0
-    L = sparse_k.shape[2] if has_sp else 0
+    per_chunk = sparse_chunk > 0
+    has_sp = sparse_k is not None and sparse_k.shape[-2] > 0
+    L = sparse_k.shape[-2] if has_sp else 0
     GS = Hq // sparse_k.shape[1] if has_sp else 1
     spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    if per_chunk:
+        assert sparse_chunk % BM == 0 and q_offset % BM == 0, "block_m must divide sparse_chunk and q_offset"
+        assert sparse_k.dim() == 5, "per-chunk sparse sets are [B, Hs, NC, L, D]"
+    cst = lambda t, i: t.stride(i) if (has_sp and per_chunk) else 0  # noqa: E731
     if NF == 0:
         fk = fq  # nothing is read from it
     gw = g.float().contiguous()
@@ -296,7 +307,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     _hybrid_fwd_kernel[grid](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss,
         sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
-        M, N, NF, L, D, F2, G, GS, q_offset, window, scale * LOG2E,
+        M, N, NF, L, D, F2, G, GS, q_offset, window, scale * LOG2E, sparse_chunk if per_chunk else 1 << 30,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -305,9 +316,11 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         km.stride(0) if km is not None else 0,
         Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
         Ss.stride(0), Ss.stride(1), Ss.stride(2),
-        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0, sparse_k.stride(2) if has_sp else 0,
-        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
-        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
+        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0,
+        sparse_k.stride(-2) if has_sp else 0, cst(sparse_k, 2),
+        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0,
+        sparse_v.stride(-2) if has_sp else 0, cst(sparse_v, 2),
+        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0, cst(spm, 2),
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
         HAS_KM=km is not None, HAS_SP=has_sp, PREC=_prec(q, k, fq),
@@ -665,3 +678,242 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
         H=H, BM=BM, BD=_np2(D), BF=_np2(F), PREC=_prec(w),
     )
     return out
+
+
+# ------------------------------------------------------------------------------------------- prefill evictions
+# The evictions of a whole LoLA prefill (ops._lola_parallel, pass 1): eviction c (at the end of chunk c)
+# scores the sparse slots of slot c and the pairs at positions c*C - W .. (c+1)*C - W - 1 (those >= 0 and
+# not padding) against the state H_all[c], keeps the lam best per sparse head (SPIDX[c + 1]) and folds the
+# others into H_all[c + 1]. Three kernels per eviction; the eviction index is read from a device counter so
+# that one captured CUDA graph replays every eviction.
+@triton.jit
+def _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W,
+                   s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM: tl.constexpr):
+    """Token position of each candidate j (the lam sparse slots, then the evicted pairs), -1 if invalid."""
+    is_sp = offs_j < lam
+    sp = tl.load(SPIDX + c * s_spi_c + b * s_spi_b + hs * s_spi_h + offs_j, mask=is_sp, other=-1)
+    pos = c * C - W + (offs_j - lam)
+    ok = (~is_sp) & (offs_j < NC) & (pos >= 0)
+    if HAS_KM:
+        ok = ok & (tl.load(KM + b * s_km_b + pos, mask=ok, other=0) != 0)
+    return tl.where(is_sp, sp, tl.where(ok, pos, -1))
+
+
+@triton.jit
+def _ev_score_kernel(
+    CNT, SPIDX, KM, FK, V, HALL, SALL, SC,
+    NC, lam, C, W, F2, D, G, GS, eps,
+    s_spi_c, s_spi_b, s_spi_h, s_km_b,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_ha_c, s_ha_b, s_ha_h, s_ha_f,
+    s_sa_c, s_sa_b, s_sa_h,
+    s_sc_b, s_sc_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_KM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    """SC[b, h, j] = SRE of candidate j under query head h's state H_all[c] (-inf for invalid candidates)."""
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    c = tl.load(CNT)
+    offs_j = pid_n * BN + tl.arange(0, BN)
+    idx = _ev_candidates(SPIDX, KM, c, b, h // GS, offs_j, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
+    ok = idx >= 0
+    idx = tl.where(ok, idx, 0)
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    num = tl.zeros([BN, BD], dtype=tl.float32)
+    den = tl.zeros([BN], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + idx[:, None] * s_fk_n + offs_k[None, :],
+                     mask=ok[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        hh = tl.load(HALL + c * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_d[None, :],
+                     mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
+        num += _dot(fk, hh, PREC, UPCAST)
+        den += tl.sum(fk * ss[None, :], 1)
+    vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_d[None, :],
+                 mask=ok[:, None] & md[None, :], other=0.0).to(tl.float32)
+    err = vv - num / (den[:, None] + eps)
+    err = tl.where(md[None, :], err, 0.0)
+    sc = tl.where(ok, tl.sum(err * err, 1), float("-inf"))
+    tl.store(SC + b * s_sc_b + h * s_sc_h + offs_j, sc, mask=offs_j < NC)
+
+
+@triton.jit
+def _ev_select_kernel(
+    CNT, SPIDX, SPSC, KM, SC, WF,
+    NC, lam, C, W,
+    s_spi_c, s_spi_b, s_spi_h, s_km_b,
+    s_sc_b, s_sc_h, s_w_b, s_w_h,
+    HS: tl.constexpr, GS: tl.constexpr, NCP: tl.constexpr, HAS_KM: tl.constexpr,
+):
+    """Per sparse head: sum the SRE over its query heads, keep the lam highest (ties: lowest index) as the
+    slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf) and write fold weights WF (1 = fold)."""
+    pid = tl.program_id(0)
+    b = pid // HS
+    hs = pid % HS
+    c = tl.load(CNT)
+    offs = tl.arange(0, NCP)
+    m = offs < NC
+    tot = tl.zeros([NCP], dtype=tl.float32)
+    for i in range(GS):
+        tot += tl.load(SC + b * s_sc_b + (hs * GS + i) * s_sc_h + offs, mask=m, other=float("-inf"))
+    idx = _ev_candidates(SPIDX, KM, c, b, hs, offs, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
+    valid = (idx >= 0) & m
+    tot = tl.where(valid, tot, float("-inf"))
+    srt = tl.sort(tot, descending=True)
+    thr = tl.max(tl.where(offs == lam - 1, srt, float("-inf")), 0)  # the lam-th highest score
+    gt = tot > thr
+    n_gt = tl.sum(gt.to(tl.int32), 0)
+    eq = (tot == thr) & valid
+    rank = tl.cumsum(eq.to(tl.int32), 0)
+    keep = gt | (eq & (rank <= lam - n_gt))
+    tl.store(WF + b * s_w_b + hs * s_w_h + offs, (valid & ~keep).to(tl.float32), mask=m)
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+    base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
+    n_keep = tl.sum(keep.to(tl.int32), 0)
+    empty = (offs >= n_keep) & (offs < lam)
+    tl.store(SPIDX + base + offs, tl.full([NCP], -1, tl.int32), mask=empty)
+    tl.store(SPSC + base + offs, tl.full([NCP], float("-inf"), tl.float32), mask=empty)
+    tl.store(SPIDX + base + slot, idx, mask=keep)
+    tl.store(SPSC + base + slot, tot, mask=keep)
+
+
+@triton.jit
+def _ev_fold_kernel(
+    CNT, SPIDX, KM, FK, V, WF, HALL, SALL,
+    NC, lam, C, W, F2, D, G, GS,
+    s_spi_c, s_spi_b, s_spi_h, s_km_b,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_w_b, s_w_h,
+    s_ha_c, s_ha_b, s_ha_h, s_ha_f,
+    s_sa_c, s_sa_b, s_sa_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_KM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    """H_all[c + 1] = H_all[c] + sum_j WF_j phi(k_j) v_j^T (and s_all), per query head."""
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hs = h // GS
+    c = tl.load(CNT)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mk = offs_k < F2
+    mv = offs_v < D
+    hoff = b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :]
+    hacc = tl.load(HALL + c * s_ha_c + hoff, mask=mk[:, None] & mv[None, :], other=0.0)
+    sacc = tl.zeros([BK], dtype=tl.float32)
+    for j0 in range(0, NC, BN):
+        offs_j = j0 + tl.arange(0, BN)
+        idx = _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
+        w = tl.load(WF + b * s_w_b + hs * s_w_h + offs_j, mask=offs_j < NC, other=0.0)
+        ok = (idx >= 0) & (w != 0)
+        idx = tl.where(ok, idx, 0)
+        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + idx[:, None] * s_fk_n + offs_k[None, :],
+                     mask=ok[:, None] & mk[None, :], other=0.0).to(tl.float32) * w[:, None]
+        vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_v[None, :],
+                     mask=ok[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        hacc += _dot(tl.trans(fk), vv, PREC, UPCAST)
+        sacc += tl.sum(fk, 0)
+    tl.store(HALL + (c + 1) * s_ha_c + hoff, hacc, mask=mk[:, None] & mv[None, :])
+    if pid_v == 0:
+        s0 = tl.load(SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
+        tl.store(SALL + (c + 1) * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, s0 + sacc, mask=mk)
+
+
+class PrefillEvictions:
+    """Buffers and launches of the evictions of one LoLA prefill (see the comment above `_ev_candidates`).
+
+    fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; n_ev evictions
+    at the ends of chunks 0 .. n_ev - 1. After `run()`: H_all [n_ev + 1, B, Hq, F2, D], s_all, and the sparse
+    slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions, -1 = empty) that chunk c attends in slot c.
+    """
+
+    def __init__(self, fk, v, key_mask, *, n_ev: int, lam: int, chunk: int, window: int, sparse_heads: int,
+                 eps: float = 1e-6):
+        B, Hq, S, F2 = fk.shape
+        D = v.shape[-1]
+        dev = fk.device
+        self.fk, self.v = fk, v
+        self.km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+        self.B, self.Hq, self.Hs, self.F2, self.D = B, Hq, sparse_heads, F2, D
+        self.G, self.GS = Hq // v.shape[1], Hq // sparse_heads
+        self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, window, eps
+        self.NC = lam + chunk
+        self.H_all = torch.zeros(n_ev + 1, B, Hq, F2, D, device=dev, dtype=torch.float32)
+        self.s_all = torch.zeros(n_ev + 1, B, Hq, F2, device=dev, dtype=torch.float32)
+        self.SPIDX = torch.full((n_ev + 1, B, sparse_heads, lam), -1, device=dev, dtype=torch.int32)
+        self.SPSC = torch.full((n_ev + 1, B, sparse_heads, lam), float("-inf"), device=dev, dtype=torch.float32)
+        self.SC = torch.empty(B, Hq, self.NC, device=dev, dtype=torch.float32)
+        self.WF = torch.empty(B, sparse_heads, self.NC, device=dev, dtype=torch.float32)
+        self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
+
+    def _common(self):
+        km = self.km
+        return (self.SPIDX.stride(0), self.SPIDX.stride(1), self.SPIDX.stride(2), km.stride(0) if km is not None else 0)
+
+    def step(self) -> None:
+        """One eviction (index = the device counter), then counter += 1."""
+        fk, v, km = self.fk, self.v, self.km
+        Hq, D, F2, NC = self.Hq, self.D, self.F2, self.NC
+        dummy = self.cnt
+        spi = self._common()
+        ha = (self.H_all.stride(0), self.H_all.stride(1), self.H_all.stride(2), self.H_all.stride(3))
+        sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
+        BN = min(64, _np2(NC))
+        _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](
+            self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.H_all, self.s_all, self.SC,
+            NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
+            *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            *ha, *sa, self.SC.stride(0), self.SC.stride(1),
+            HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC="ieee",
+        )
+        _ev_select_kernel[(self.B * self.Hs,)](
+            self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.WF,
+            NC, self.lam, self.C, self.W, *spi,
+            self.SC.stride(0), self.SC.stride(1), self.WF.stride(0), self.WF.stride(1),
+            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
+            num_warps=8 if NC > 1024 else 4,
+        )
+        blk = TUNE["fold_block"] or 32
+        BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
+        _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
+            self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.WF, self.H_all, self.s_all,
+            NC, self.lam, self.C, self.W, F2, D, self.G, self.GS,
+            *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            self.WF.stride(0), self.WF.stride(1), *ha, *sa,
+            HQ=Hq, BN=min(64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None, PREC="ieee",
+        )
+        self.cnt += 1
+
+    def run(self, graph: bool = True) -> None:
+        """All evictions: the first eagerly (compiles the kernels), the rest by replaying a captured CUDA graph
+        of one eviction when on CUDA (same kernels, same order), else eagerly."""
+        if self.n_ev == 0:
+            return
+        self.step()
+        left = self.n_ev - 1
+        if left == 0:
+            return
+        if graph and self.fk.is_cuda and left >= 2 and not torch.cuda.is_current_stream_capturing():
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.step()
+            except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
+                g = None
+            if g is not None:
+                for _ in range(left):
+                    g.replay()
+                return
+        for _ in range(left):
+            self.step()
