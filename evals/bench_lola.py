@@ -8,7 +8,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
            lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256: the two-pass prefill with its
            evictions replayed from a CUDA graph or eager, the chunk loop it replaces, pass 1 alone; sparse cache
            per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
-  profile  GPU time per kernel of one steady lola chunk (eager, 32/8 heads, D = 64, eta = lambda = chunk = 256)
+  profile  GPU time per kernel of one 32k two-pass lola prefill (evictions eager, 32/8 heads, D = 64, chunk 256/1024)
   tune     lola prefill with the fold tile and the piece query block varied (picks the defaults)
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
            KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
@@ -395,48 +395,46 @@ def decode():
 
 @section("profile", 20)
 def profile():
-    """GPU time per kernel of one steady lola chunk (eager, so every kernel is visible): where a chunk goes."""
+    """GPU time per kernel of one 32k-token two-pass lola prefill (evictions eager, so every kernel is
+    visible): where the prefill goes. D = 64, 32/8 heads, eta = lambda = 256, chunk 256 and 1024."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     from longctx_patch.kernels.lola import ops as lops
 
-    B, Hq, Hkv, D, F, chunk = 1, sz(32, 4), sz(8, 2), 64, sz(64, 8), sz(256, 16)
-    n_chunks = 8
-    q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, chunk * (n_chunks + 4), D, F, torch.bfloat16, seed=3)
+    B, Hq, Hkv, D, F, S = 1, sz(32, 4), sz(8, 2), 64, sz(64, 8), sz(32768, 640)
+    q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=3)
     Wk16 = Wk.to(q.dtype)
-    kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=chunk, chunk=chunk, lam=chunk, scale=D ** -0.5,
-              backend="triton")
     lops.GRAPH_PREFILL = False
-    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, chunk, q.dtype, DEV)
-    warm = 4 * chunk
-    lola_process(st, q[:, :, :warm], k[:, :, :warm], v[:, :, :warm], fq[:, :, :warm], g, lf, **kw)
-    torch.cuda.synchronize() if not SMOKE else None
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not SMOKE else [])
-    with tprofile(activities=acts) as prof:
-        for i in range(n_chunks):
-            sl = slice(warm + i * chunk, warm + (i + 1) * chunk)
-            lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, **kw)
+    for chunk in (sz(256, 32), sz(1024, 64)):
+        kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=sz(256, 32), chunk=chunk, lam=sz(256, 32),
+                  scale=D ** -0.5, backend="triton")
+        lola_process(LolaState.empty(B, Hq, Hkv, D, 2 * F, kw["lam"], q.dtype, DEV), q, k, v, fq, g, lf, **kw)
         torch.cuda.synchronize() if not SMOKE else None
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not SMOKE else [])
+        with tprofile(activities=acts) as prof:
+            lola_process(LolaState.empty(B, Hq, Hkv, D, 2 * F, kw["lam"], q.dtype, DEV), q, k, v, fq, g, lf, **kw)
+            torch.cuda.synchronize() if not SMOKE else None
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "cuda_time_total", 0)
+            if dev_us and e.key and not e.key.startswith("aten::") and not e.key.startswith("cuda"):
+                rows.append((e.key[:80], round(dev_us, 1), e.count))
+        rows.sort(key=lambda r: -r[1])
+        name = f"profile_lola_prefill32k_chunk{chunk}_D64"
+        RES[name] = {
+            "shape": f"B=1, {Hq}/{Hkv} heads, D=64, F2={2 * F}, S={S}, eta = lambda = 256, chunk {chunk}, "
+                     "two-pass prefill, evictions eager",
+            "kernels": sum(r[2] for r in rows),
+            "gpu_us": round(sum(r[1] for r in rows), 1),
+            "top": [{"kernel": n, "us": t, "launches": c} for n, t, c in rows[:25]],
+        }
+        row(f"profile chunk{chunk} kernels / GPU us", f"{RES[name]['kernels']} / {RES[name]['gpu_us']}")
+        for n, t, c in rows[:10]:
+            row(f"profile chunk{chunk} {n[:44]}", f"{t} us x{c}")
     lops.GRAPH_PREFILL = True
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(e, "cuda_time_total", 0)
-        if dev_us and e.key and not e.key.startswith("aten::") and not e.key.startswith("cuda"):
-            rows.append((e.key[:80], round(dev_us / n_chunks, 2), round(e.count / n_chunks, 2)))
-    rows.sort(key=lambda r: -r[1])
-    RES["profile_lola_chunk256_D64"] = {
-        "shape": f"B=1, {Hq}/{Hkv} heads, D=64, F2={2 * F}, eta = lambda = chunk = {chunk}, eager",
-        "kernels_per_chunk": round(sum(r[2] for r in rows), 1),
-        "gpu_us_per_chunk": round(sum(r[1] for r in rows), 1),
-        "top": [{"kernel": n, "us_per_chunk": t, "launches_per_chunk": c} for n, t, c in rows[:25]],
-    }
-    row("profile kernels / GPU us per chunk", f"{RES['profile_lola_chunk256_D64']['kernels_per_chunk']} / "
-        f"{RES['profile_lola_chunk256_D64']['gpu_us_per_chunk']}")
-    for n, t, c in rows[:12]:
-        row(f"profile {n[:50]}", f"{t} us x{c}")
 
 
 @section("tune", 40)

@@ -439,23 +439,9 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
     ev = tk.PrefillEvictions(fk, v, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE)
     ev.run(graph=GRAPH_PREFILL)
 
-    # linear state of each block of keys: H of its chunk + the block sums since the chunk's first local key
+    # linear state of each block of keys: H of its chunk + the keys since the chunk's first buffered key
     cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
-    blk_H, blk_s = tk.chunk_states(fk, v, cs, key_mask=km, cumulative=False)
-    NB = blk_H.shape[2] - 1
-    r, P = W // cs, C // cs  # block n holds keys of chunk (n + r) // P
-    T = -(-(NB + r) // P) * P
-
-    def seg_exclusive(x):  # [B, Hq, NB, ...] -> exclusive prefix sums inside each chunk's run of blocks
-        pad = [0, 0] * (x.dim() - 3) + [r, T - NB - r]
-        xp = torch.nn.functional.pad(x, pad).view(B, Hq, T // P, P, *x.shape[3:])
-        inc = torch.cumsum(xp, 3)
-        return (inc - xp).view(B, Hq, T, *x.shape[3:])[:, :, r: r + NB]
-
-    gid = ((torch.arange(NB, device=q.device) * cs + W) // C).clamp_max(n_ev)
-    Hs_eff = seg_exclusive(blk_H[:, :, 1:]) + ev.H_all[gid].permute(1, 2, 0, 3, 4)
-    Ss_eff = seg_exclusive(blk_s[:, :, 1:]) + ev.s_all[gid].permute(1, 2, 0, 3)
-    del blk_H, blk_s
+    Hs_eff, Ss_eff = tk.local_states(fk, v, km, ev.H_all, ev.s_all, state_chunk=cs, chunk=C, window=W)
 
     # the sparse set of every chunk, gathered from the keys by position
     nch = -(-S // C)

@@ -766,13 +766,30 @@ def _ev_select_kernel(
     idx = _ev_candidates(SPIDX, KM, c, b, hs, offs, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
     valid = (idx >= 0) & m
     tot = tl.where(valid, tot, float("-inf"))
-    srt = tl.sort(tot, descending=True)
-    thr = tl.max(tl.where(offs == lam - 1, srt, float("-inf")), 0)  # the lam-th highest score
-    gt = tot > thr
-    n_gt = tl.sum(gt.to(tl.int32), 0)
-    eq = (tot == thr) & valid
+    # radix select of the lam-th highest score on the float bits (SRE >= 0: the bits order like the values),
+    # 4 bits per pass from the top: `need` is how many of the keys that share `prefix` are still to keep
+    key = tl.where(valid, tot.to(tl.int32, bitcast=True), -1)
+    bins = tl.arange(0, 16)
+    prefix = 0
+    need = lam
+    for p in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * p
+        if p == 0:
+            active = valid
+        else:
+            active = valid & ((key >> (shift + 4)) == prefix)
+        digit = (key >> shift) & 15
+        cnt = tl.sum(((digit[:, None] == bins[None, :]) & active[:, None]).to(tl.int32), 0)  # [16]
+        above = tl.sum(tl.where(bins[None, :] > bins[:, None], cnt[None, :], 0), 1)  # active keys in higher bins
+        bstar = tl.max(tl.where(above + cnt >= need, bins, -1), 0)
+        need = need - tl.sum(tl.where(bins == bstar, above, 0), 0)
+        prefix = prefix * 16 + bstar
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    gt = valid & (key > prefix)
+    eq = valid & (key == prefix)
     rank = tl.cumsum(eq.to(tl.int32), 0)
-    keep = gt | (eq & (rank <= lam - n_gt))
+    keep = gt | (eq & (rank <= need))
+    keep = tl.where(n_valid <= lam, valid, keep)  # fewer valid candidates than slots: keep them all
     tl.store(WF + b * s_w_b + hs * s_w_h + offs, (valid & ~keep).to(tl.float32), mask=m)
     slot = tl.cumsum(keep.to(tl.int32), 0) - 1
     base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
@@ -816,14 +833,14 @@ def _ev_fold_kernel(
         offs_j = j0 + tl.arange(0, BN)
         idx = _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
         w = tl.load(WF + b * s_w_b + hs * s_w_h + offs_j, mask=offs_j < NC, other=0.0)
-        ok = (idx >= 0) & (w != 0)
-        idx = tl.where(ok, idx, 0)
+        ok = (idx >= 0) & (w != 0)  # the weights are 0 or 1: a masked load, no product, so that bf16
+        idx = tl.where(ok, idx, 0)  # operands go to the tensor cores with exact products (fp32 sums)
         fk = tl.load(FK + b * s_fk_b + h * s_fk_h + idx[:, None] * s_fk_n + offs_k[None, :],
-                     mask=ok[:, None] & mk[None, :], other=0.0).to(tl.float32) * w[:, None]
+                     mask=ok[:, None] & mk[None, :], other=0.0)
         vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_v[None, :],
-                     mask=ok[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        hacc += _dot(tl.trans(fk), vv, PREC, UPCAST)
-        sacc += tl.sum(fk, 0)
+                     mask=ok[:, None] & mv[None, :], other=0.0)
+        hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+        sacc += tl.sum(fk.to(tl.float32), 0)
     tl.store(HALL + (c + 1) * s_ha_c + hoff, hacc, mask=mk[:, None] & mv[None, :])
     if pid_v == 0:
         s0 = tl.load(SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
@@ -856,6 +873,9 @@ class PrefillEvictions:
         self.SC = torch.empty(B, Hq, self.NC, device=dev, dtype=torch.float32)
         self.WF = torch.empty(B, sparse_heads, self.NC, device=dev, dtype=torch.float32)
         self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
+        # SRE: phi(k) (exact in fp32) times the fp32 state. "tf32x3" keeps near-fp32 accuracy on the tensor
+        # cores (the ranking of near-equal scores is what matters); TUNE["score_prec"] overrides it
+        self.score_prec = TUNE.get("score_prec") or ("tf32x3" if fk.is_cuda else "ieee")
 
     def _common(self):
         km = self.km
@@ -875,7 +895,7 @@ class PrefillEvictions:
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa, self.SC.stride(0), self.SC.stride(1),
-            HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC="ieee",
+            HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
         )
         _ev_select_kernel[(self.B * self.Hs,)](
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.WF,
@@ -891,7 +911,7 @@ class PrefillEvictions:
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             self.WF.stride(0), self.WF.stride(1), *ha, *sa,
-            HQ=Hq, BN=min(64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None, PREC="ieee",
+            HQ=Hq, BN=min(64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None, PREC=_prec(fk, v),
         )
         self.cnt += 1
 
@@ -917,3 +937,89 @@ class PrefillEvictions:
                 return
         for _ in range(left):
             self.step()
+
+
+@triton.jit
+def _local_states_kernel(
+    FK, V, KM, HALL, SALL, HS, SS,
+    N, NB, n_ev, C, W, F2, D, G,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_v_b, s_v_h, s_v_n,
+    s_km_b,
+    s_ha_c, s_ha_b, s_ha_h, s_ha_f,
+    s_sa_c, s_sa_b, s_sa_h,
+    s_hs_b, s_hs_h, s_hs_n, s_hs_f,
+    s_ss_b, s_ss_h, s_ss_n,
+    HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+):
+    """HS[:, :, n] = H_all[c] + sum of phi(k) v^T over the keys from chunk c's first buffered key
+    (c*C - W, or 0) to n*CS, for the blocks n of chunk c (block n holds keys of chunk (n*CS + W) // C)."""
+    pid_bh = tl.program_id(0)
+    c = tl.program_id(1)
+    pid_kv = tl.program_id(2)
+    pid_k = pid_kv // NV
+    pid_v = pid_kv % NV
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mk = offs_k < F2
+    mv = offs_v < D
+    n_lo = tl.maximum(c * C - W, 0) // CS
+    n_hi = tl.minimum(tl.maximum((c + 1) * C - W, 0) // CS, NB)
+    slot = tl.minimum(c, n_ev)
+    hacc = tl.load(HALL + slot * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :],
+                   mask=mk[:, None] & mv[None, :], other=0.0)
+    sacc = tl.load(SALL + slot * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
+    for n in range(n_lo, n_hi):
+        tl.store(HS + b * s_hs_b + h * s_hs_h + n * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :], hacc,
+                 mask=mk[:, None] & mv[None, :])
+        if pid_v == 0:
+            tl.store(SS + b * s_ss_b + h * s_ss_h + n * s_ss_n + offs_k, sacc, mask=mk)
+        for t0 in range(0, CS, BT):
+            offs_t = n * CS + t0 + tl.arange(0, BT)
+            mt = offs_t < N
+            if HAS_KM:
+                mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=offs_t < N, other=0) != 0)
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_t[:, None] * s_fk_n + offs_k[None, :],
+                         mask=mt[:, None] & mk[None, :], other=0.0)
+            vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
+                         mask=mt[:, None] & mv[None, :], other=0.0)
+            hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+            sacc += tl.sum(fk.to(tl.float32), 0)
+
+
+def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int, window: int):
+    """Per block of `state_chunk` keys, the linear state a query block of a LoLA prefill starts from: the
+    state its chunk c starts with (H_all[c], after eviction c - 1) plus the keys since chunk c's first
+    buffered key (c * chunk - window). state_chunk must divide chunk and window.
+    Returns (Hs [B, Hq, NB, F2, D], Ss [B, Hq, NB, F2]), NB = ceil(N / state_chunk)."""
+    B, Hq, N, F2 = fk.shape
+    D = v.shape[-1]
+    G = Hq // v.shape[1]
+    CS = state_chunk
+    assert chunk % CS == 0 and window % CS == 0
+    NB = max(1, math.ceil(N / CS))
+    n_ev = H_all.shape[0] - 1
+    Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
+    Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
+    BK = min(64, _np2(F2))
+    BV = min(64, _np2(D))
+    NV = triton.cdiv(D, BV)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    nch = math.ceil(N / chunk)
+    grid = (B * Hq, nch, triton.cdiv(F2, BK) * NV)
+    _local_states_kernel[grid](
+        fk, v, km if km is not None else fk, H_all, s_all, Hs, Ss,
+        N, NB, n_ev, chunk, window, F2, D, G,
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        km.stride(0) if km is not None else 0,
+        H_all.stride(0), H_all.stride(1), H_all.stride(2), H_all.stride(3),
+        s_all.stride(0), s_all.stride(1), s_all.stride(2),
+        Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
+        Ss.stride(0), Ss.stride(1), Ss.stride(2),
+        HQ=Hq, CS=CS, BT=min(64, CS), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
+    )
+    return Hs, Ss
