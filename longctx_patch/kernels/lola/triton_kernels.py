@@ -773,7 +773,7 @@ def _ev_select_kernel(
     prefix = 0
     need = lam
     for p in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * p
+        shift = 28 - 4 * p
         if p == 0:
             active = valid
         else:
