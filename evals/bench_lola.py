@@ -9,7 +9,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
            evictions replayed from a CUDA graph or eager, the chunk loop it replaces, pass 1 alone; sparse cache
            per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
   profile  GPU time per kernel of one 32k two-pass lola prefill (evictions eager, 32/8 heads, D = 64, chunk 256/1024)
-  tune     lola prefill with the fold tile and the piece query block varied (picks the defaults)
+  tune     pass 1 of the two-pass lola prefill (the evictions) with tiles, warps, SRE precision varied
   decode   batch 64, 32k context, D = 128: one LoLA decode step (+ the amortised eviction) vs SDPA over a full
            KV cache; cache bytes; peak memory of decoding after 4k / 32k / 128k-token prefills (batch 1)
 """
@@ -439,34 +439,42 @@ def profile():
 
 @section("tune", 40)
 def tune():
-    """lola prefill (32k, CUDA graph, chunk 256) with the fold kernel's tile and the piece attention's query
-    block varied: the defaults are chosen from this table. Outputs are compared with the default's."""
-    from longctx_patch.kernels.lola import ops as lops
-
+    """Pass 1 of the two-pass lola prefill (the evictions, CUDA graph) at 32k, D = 64, 32/8 heads, with the
+    tiles, warps and the SRE precision varied one at a time from the defaults; the sparse slots and the
+    final state are compared with the defaults'. The defaults are chosen from this table."""
     out = {}
-    for D in (64, 128):
-        B, Hq, Hkv, S, F = 1, sz(32, 4), sz(8, 2), sz(32768, 600), sz(64, 8)
-        q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
-        Wk16 = Wk.to(q.dtype)
-        ref_o = None
-        for fold_block in (64, 32, 16):
-            for block_m in (64, 32, 16):
-                if left() < 15:
-                    break
-                tk.TUNE["fold_block"], tk.TUNE["piece_block_m"] = fold_block, block_m
-
-                def once():
-                    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
-                    return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                        chunk=sz(256, 16), lam=256, scale=D ** -0.5, backend="triton")
-                o = once()
-                ref_o = o if ref_o is None else ref_o
-                out[f"D{D}_fold{fold_block}_bm{block_m}"] = {"ms": bench(once, rep=300), "rel_err_vs_first": rel(o, ref_o)}
-                row(f"tune D{D} fold {fold_block} block_m {block_m}", f"{out[f'D{D}_fold{fold_block}_bm{block_m}']['ms']:.3f} ms")
-        del q, k, v, fq, fk
-    tk.TUNE["fold_block"], tk.TUNE["piece_block_m"] = None, None
-    lops.GRAPH_PREFILL = True
-    RES["tune_lola_prefill_32k"] = out
+    B, Hq, Hkv, S, F, D = 1, sz(32, 4), sz(8, 2), sz(32768, 600), sz(64, 8), 64
+    q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
+    fk_all = tk.feature_map(k, Wk.to(q.dtype))
+    variants = [{}, {"score_prec": "tf32"}, {"score_prec": "ieee"}, {"ev_score_bn": 32}, {"ev_score_bn": 128},
+                {"ev_score_warps": 8}, {"ev_fold_block": 64}, {"ev_fold_block": 16}, {"ev_fold_bn": 32},
+                {"ev_fold_bn": 128}, {"ev_fold_warps": 8}, {"ev_select_warps": 4}, {"ev_select_warps": 16}]
+    for chunk in (sz(1024, 64), sz(256, 32)):
+        base = None
+        for var in variants:
+            if left() < 15:
+                break
+            for kk in var:
+                tk.TUNE[kk] = var[kk]
+            name = f"chunk{chunk}_" + ("_".join(f"{a}={b}" for a, b in var.items()) or "default")
+            try:
+                def once(chunk=chunk):
+                    ev = tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=sz(256, 16), chunk=chunk,
+                                             window=sz(256, 32), sparse_heads=Hkv)
+                    ev.run()
+                    return ev
+                ev = once()
+                base = ev if base is None else base
+                same = float((ev.SPIDX[-1].sort(-1).values == base.SPIDX[-1].sort(-1).values).float().mean())
+                out[name] = {"ms": bench(once, rep=100), "H_rel_vs_default": rel(ev.H_all[-1], base.H_all[-1]),
+                             "same_final_slots_vs_default": same}
+                row(f"tune {name}", f"{out[name]['ms']:.3f} ms, slots same {same:.3f}")
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row(f"tune {name}", out[name]["error"][:60])
+            for kk in var:
+                tk.TUNE[kk] = None
+    RES["tune_lola_evictions_32k"] = out
 
 
 def main():

@@ -411,6 +411,7 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
 
 
 PARALLEL_PREFILL = True  # a fresh Triton prefill of >= 2 chunks takes `_lola_parallel` (two passes)
+OVERLAP_SEGMENTS = 4  # pass 2 of `_lola_parallel` in this many pieces, overlapped with the evictions (CUDA)
 
 
 def _parallel_ok(st: LolaState, S: int, *, window: int, chunk: int, lam: int) -> bool:
@@ -437,23 +438,60 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
     fk = phi_k(k)  # [B, Hq, S, F2]: every key is an eviction candidate or attended linearly at some point
     n_ev = S // C
     ev = tk.PrefillEvictions(fk, v, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE)
-    ev.run(graph=GRAPH_PREFILL)
-
-    # linear state of each block of keys: H of its chunk + the keys since the chunk's first buffered key
-    cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
-    Hs_eff, Ss_eff = tk.local_states(fk, v, km, ev.H_all, ev.s_all, state_chunk=cs, chunk=C, window=W)
-
-    # the sparse set of every chunk, gathered from the keys by position
     nch = -(-S // C)
-    idx = ev.SPIDX[:nch].permute(1, 2, 0, 3).long()  # [B, Hs, nch, lam]
+    cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
+    NB = -(-S // cs)
+    F2 = fk.shape[-1]
+    Hs_eff = torch.empty(B, Hq, NB, F2, v.shape[-1], device=q.device, dtype=torch.float32)
+    Ss_eff = torch.empty(B, Hq, NB, F2, device=q.device, dtype=torch.float32)
+    spk = k.new_empty(B, Hs, nch, lam, k.shape[-1])
+    spv = v.new_empty(B, Hs, nch, lam, v.shape[-1])
+    spm = torch.empty(B, Hs, nch, lam, dtype=torch.bool, device=q.device)
+    o = torch.empty(B, S, Hq, q.shape[-1], device=q.device, dtype=q.dtype)
     bi = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
-    spk, spv = k[bi, hi, idx.clamp_min(0)], v[bi, hi, idx.clamp_min(0)]
     bm = min(64, C & -C)  # query blocks never straddle a chunk
-    o = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs_eff, Ss_eff, window=W, scale=scale, q_offset=0, key_mask=km,
-                      state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
-                      block_m=bm, block_n=min(64, cs))
-    del Hs_eff, Ss_eff, spk, spv
+
+    def attend(c0, c1):
+        """Chunks c0 .. c1 - 1 (needs evictions up to c1 - 2): their linear states (H of the chunk + the keys
+        since the chunk's first buffered key), their sparse sets gathered from the keys, then the hybrid."""
+        tk.local_states(fk, v, km, ev.H_all, ev.s_all, state_chunk=cs, chunk=C, window=W, chunks=(c0, c1),
+                        out=(Hs_eff, Ss_eff))
+        idx = ev.SPIDX[c0:c1].permute(1, 2, 0, 3).long()  # [B, Hs, c1 - c0, lam]
+        spk[:, :, c0:c1] = k[bi, hi, idx.clamp_min(0)]
+        spv[:, :, c0:c1] = v[bi, hi, idx.clamp_min(0)]
+        spm[:, :, c0:c1] = idx >= 0
+        a, z = c0 * C, min(c1 * C, S)
+        tk.hybrid_fwd(q[:, :, a:z], k, v, fq[:, :, a:z], fk, g, lf, Hs_eff, Ss_eff, window=W, scale=scale,
+                      q_offset=a, key_mask=km, state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=spm,
+                      sparse_chunk=C, block_m=bm, block_n=min(64, cs), out=o[:, a:z])
+
+    # pass 2 in segments of chunks on a side stream, each started as soon as the evictions it needs are
+    # queued, so that the parallel attention overlaps the (latency-bound) eviction chain
+    n_seg = max(1, min(OVERLAP_SEGMENTS, nch))
+    bounds = [round(i * nch / n_seg) for i in range(n_seg + 1)]
+    segs = [(bounds[i], bounds[i + 1]) for i in range(n_seg) if bounds[i + 1] > bounds[i]]
+    if n_seg > 1 and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+        side = torch.cuda.Stream(device=q.device)
+        todo = list(segs)
+
+        def launch_ready(e):
+            while todo and min(todo[0][1] - 2, n_ev - 1) <= e:
+                c0, c1 = todo.pop(0)
+                done = torch.cuda.Event()
+                done.record()
+                with torch.cuda.stream(side):
+                    side.wait_event(done)
+                    attend(c0, c1)
+
+        launch_ready(-1)
+        ev.run(graph=GRAPH_PREFILL, after=launch_ready)
+        launch_ready(n_ev)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        ev.run(graph=GRAPH_PREFILL)
+        for c0, c1 in segs:
+            attend(c0, c1)
 
     # the state the chunk loop would have left: after eviction n_ev, window buffer from the last chunk start
     sc = ev.SPSC[n_ev]

@@ -257,7 +257,10 @@ def _hybrid_fwd_kernel(
 
 
 # None: the defaults written in the wrappers (benchmarks set these to compare variants)
-TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None}
+TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None,
+        # the evictions of the two-pass prefill (PrefillEvictions)
+        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_fold_block": None, "ev_fold_bn": None,
+        "ev_fold_warps": None, "ev_select_warps": None}
 
 
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
@@ -889,41 +892,47 @@ class PrefillEvictions:
         spi = self._common()
         ha = (self.H_all.stride(0), self.H_all.stride(1), self.H_all.stride(2), self.H_all.stride(3))
         sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
-        BN = min(64, _np2(NC))
+        BN = min(TUNE["ev_score_bn"] or 64, _np2(NC))
         _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](
             self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.H_all, self.s_all, self.SC,
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa, self.SC.stride(0), self.SC.stride(1),
             HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
+            num_warps=TUNE["ev_score_warps"] or 4,
         )
         _ev_select_kernel[(self.B * self.Hs,)](
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.WF,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1), self.WF.stride(0), self.WF.stride(1),
             HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
-            num_warps=8 if NC > 1024 else 4,
+            num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
         )
-        blk = TUNE["fold_block"] or 32
+        blk = TUNE["ev_fold_block"] or 32
         BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
         _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
             self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.WF, self.H_all, self.s_all,
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             self.WF.stride(0), self.WF.stride(1), *ha, *sa,
-            HQ=Hq, BN=min(64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None, PREC=_prec(fk, v),
+            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None,
+            PREC=_prec(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
         )
         self.cnt += 1
 
-    def run(self, graph: bool = True) -> None:
+    def run(self, graph: bool = True, after=None) -> None:
         """All evictions: the first eagerly (compiles the kernels), the rest by replaying a captured CUDA graph
-        of one eviction when on CUDA (same kernels, same order), else eagerly."""
+        of one eviction when on CUDA (same kernels, same order), else eagerly. after(e), if given, is called
+        once eviction e has been queued (the caller can queue work that depends on it)."""
         if self.n_ev == 0:
             return
         self.step()
+        if after is not None:
+            after(0)
         left = self.n_ev - 1
         if left == 0:
             return
+        g = None
         if graph and self.fk.is_cuda and left >= 2 and not torch.cuda.is_current_stream_capturing():
             try:
                 g = torch.cuda.CUDAGraph()
@@ -931,18 +940,19 @@ class PrefillEvictions:
                     self.step()
             except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
                 g = None
+        for e in range(1, self.n_ev):
             if g is not None:
-                for _ in range(left):
-                    g.replay()
-                return
-        for _ in range(left):
-            self.step()
+                g.replay()
+            else:
+                self.step()
+            if after is not None:
+                after(e)
 
 
 @triton.jit
 def _local_states_kernel(
     FK, V, KM, HALL, SALL, HS, SS,
-    N, NB, n_ev, C, W, F2, D, G,
+    N, NB, n_ev, C, W, F2, D, G, c_base,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
     s_km_b,
@@ -956,7 +966,7 @@ def _local_states_kernel(
     """HS[:, :, n] = H_all[c] + sum of phi(k) v^T over the keys from chunk c's first buffered key
     (c*C - W, or 0) to n*CS, for the blocks n of chunk c (block n holds keys of chunk (n*CS + W) // C)."""
     pid_bh = tl.program_id(0)
-    c = tl.program_id(1)
+    c = c_base + tl.program_id(1)
     pid_kv = tl.program_id(2)
     pid_k = pid_kv // NV
     pid_v = pid_kv % NV
@@ -967,7 +977,9 @@ def _local_states_kernel(
     mk = offs_k < F2
     mv = offs_v < D
     n_lo = tl.maximum(c * C - W, 0) // CS
-    n_hi = tl.minimum(tl.maximum((c + 1) * C - W, 0) // CS, NB)
+    # a chunk that starts before key W reads block 0 (its H is 0, nothing evicted yet): each such chunk
+    # writes it too (the same values), so that a call for any range of chunks covers what they read
+    n_hi = tl.minimum(tl.maximum((c + 1) * C - W, CS) // CS, NB)
     slot = tl.minimum(c, n_ev)
     hacc = tl.load(HALL + slot * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :],
                    mask=mk[:, None] & mv[None, :], other=0.0)
@@ -990,10 +1002,12 @@ def _local_states_kernel(
             sacc += tl.sum(fk.to(tl.float32), 0)
 
 
-def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int, window: int):
+def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int, window: int,
+                 chunks: tuple[int, int] | None = None, out=None):
     """Per block of `state_chunk` keys, the linear state a query block of a LoLA prefill starts from: the
     state its chunk c starts with (H_all[c], after eviction c - 1) plus the keys since chunk c's first
-    buffered key (c * chunk - window). state_chunk must divide chunk and window.
+    buffered key (c * chunk - window). state_chunk must divide chunk and window. `chunks` = (c0, c1): only the
+    blocks of those chunks (into `out`, the pair returned by an earlier call).
     Returns (Hs [B, Hq, NB, F2, D], Ss [B, Hq, NB, F2]), NB = ceil(N / state_chunk)."""
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
@@ -1002,17 +1016,22 @@ def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int,
     assert chunk % CS == 0 and window % CS == 0
     NB = max(1, math.ceil(N / CS))
     n_ev = H_all.shape[0] - 1
-    Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
-    Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
+    if out is None:
+        Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
+        Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
+    else:
+        Hs, Ss = out
     BK = min(64, _np2(F2))
     BV = min(64, _np2(D))
     NV = triton.cdiv(D, BV)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    nch = math.ceil(N / chunk)
-    grid = (B * Hq, nch, triton.cdiv(F2, BK) * NV)
+    c0, c1 = chunks if chunks is not None else (0, math.ceil(N / chunk))
+    if c1 <= c0:
+        return Hs, Ss
+    grid = (B * Hq, c1 - c0, triton.cdiv(F2, BK) * NV)
     _local_states_kernel[grid](
         fk, v, km if km is not None else fk, H_all, s_all, Hs, Ss,
-        N, NB, n_ev, chunk, window, F2, D, G,
+        N, NB, n_ev, chunk, window, F2, D, G, c0,
         fk.stride(0), fk.stride(1), fk.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         km.stride(0) if km is not None else 0,
