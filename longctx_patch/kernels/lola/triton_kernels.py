@@ -876,9 +876,9 @@ class PrefillEvictions:
         self.SC = torch.empty(B, Hq, self.NC, device=dev, dtype=torch.float32)
         self.WF = torch.empty(B, sparse_heads, self.NC, device=dev, dtype=torch.float32)
         self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
-        # SRE: phi(k) (exact in fp32) times the fp32 state. "tf32x3" keeps near-fp32 accuracy on the tensor
-        # cores (the ranking of near-equal scores is what matters); TUNE["score_prec"] overrides it
-        self.score_prec = TUNE.get("score_prec") or ("tf32x3" if fk.is_cuda else "ieee")
+        # SRE in fp32 ("ieee"): on the H200 it was faster than tf32x3 (3.76 vs 4.16 ms for the 32 evictions of
+        # a 32k prefill, chunk 1024; evals/results/lola-speed.json, tune), and exact
+        self.score_prec = TUNE.get("score_prec") or "ieee"
 
     def _common(self):
         km = self.km
@@ -906,7 +906,7 @@ class PrefillEvictions:
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1), self.WF.stride(0), self.WF.stride(1),
             HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
-            num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
+            num_warps=TUNE["ev_select_warps"] or (16 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
         BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
@@ -915,7 +915,7 @@ class PrefillEvictions:
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             self.WF.stride(0), self.WF.stride(1), *ha, *sa,
-            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 64, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None,
+            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None,
             PREC=_prec(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
         )
         self.cnt += 1
