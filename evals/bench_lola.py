@@ -6,8 +6,7 @@ Sections (each guarded by a time budget, the JSON is rewritten after each one):
   check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
   prefill  32k tokens, 32 query heads (8 kv heads), D = 64 / 128, feature_dim 64:
            lolcats (lambda = 0, one parallel pass), lola (eta = lambda = 256: the two-pass prefill with its
-           evictions replayed from a CUDA graph (pass 2 overlapped in 4 segments, or in one) or eager, the
-           chunk loop it replaces, pass 1 alone; sparse cache
+           evictions replayed from a CUDA graph or eager, the chunk loop it replaces, pass 1 alone; sparse cache
            per kv head, and per query head for comparison), SDPA cuDNN / flash full causal attention, flex-attention sliding window, fla chunk_linear_attn
   profile  GPU time per kernel of one 32k two-pass lola prefill (evictions eager, 32/8 heads, D = 64, chunk 256/1024)
   tune     pass 1 of the two-pass lola prefill (the evictions) with tiles, warps, SRE precision varied
@@ -205,10 +204,9 @@ def _prefill(D, label):
     # two-pass prefill (all evictions, then all chunks at once; evictions replayed from a CUDA graph or eager)
     # and the chunk loop it replaces (CUDA graph per chunk)
     for chunk in (256, 1024):
-        for mode in ("parallel", "parallel_1seg", "parallel_eager", "loop_graph"):
+        for mode in ("parallel", "parallel_eager", "loop_graph"):
             lops.PARALLEL_PREFILL = mode.startswith("parallel")
             lops.GRAPH_PREFILL = mode != "parallel_eager"
-            lops.OVERLAP_SEGMENTS = 1 if mode == "parallel_1seg" else 4
 
             def lola_once(chunk=chunk):
                 st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
@@ -216,7 +214,6 @@ def _prefill(D, label):
                                     chunk=chunk, lam=256, scale=scale, backend="triton")
             r[f"lola_eta256_lam256_chunk{chunk}_{mode}_ms"] = bench(lola_once, rep=300)
         lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
-        lops.OVERLAP_SEGMENTS = 4
         # pass 1 alone: the evictions
         fk_all = tk.feature_map(k, Wk16)
 

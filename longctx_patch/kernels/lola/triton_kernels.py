@@ -920,15 +920,12 @@ class PrefillEvictions:
         )
         self.cnt += 1
 
-    def run(self, graph: bool = True, after=None) -> None:
+    def run(self, graph: bool = True) -> None:
         """All evictions: the first eagerly (compiles the kernels), the rest by replaying a captured CUDA graph
-        of one eviction when on CUDA (same kernels, same order), else eagerly. after(e), if given, is called
-        once eviction e has been queued (the caller can queue work that depends on it)."""
+        of one eviction when on CUDA (same kernels, same order), else eagerly."""
         if self.n_ev == 0:
             return
         self.step()
-        if after is not None:
-            after(0)
         left = self.n_ev - 1
         if left == 0:
             return
@@ -940,13 +937,11 @@ class PrefillEvictions:
                     self.step()
             except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
                 g = None
-        for e in range(1, self.n_ev):
+        for _ in range(left):
             if g is not None:
                 g.replay()
             else:
                 self.step()
-            if after is not None:
-                after(e)
 
 
 @triton.jit
