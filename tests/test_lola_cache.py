@@ -222,3 +222,49 @@ def test_parallel_prefill_equals_chunk_loop(S, window, chunk, lam, sparse_heads,
     torch.testing.assert_close(st.sp_score[st.sp_valid], st_want.sp_score[st_want.sp_valid], atol=1e-4, rtol=1e-5)
     assert st.nb == st_want.nb and st.pos == st_want.pos == S + 3
     assert torch.equal(st.wk, st_want.wk) and torch.equal(st.wmask, st_want.wmask)
+
+
+def test_prefill_evictions_match_select_and_fold_with_ties():
+    """The eviction kernels of the two-pass prefill (score, radix top-lambda, fold), eviction by eviction,
+    against `reference.select_and_fold` on the same candidates, with duplicated pairs (exactly equal scores
+    at the threshold) and a first eviction with fewer valid pairs than slots."""
+    from longctx_patch.kernels.lola import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(5)
+    S, W, C, lam = 96, 16, 32, 12
+    k = torch.randn(B, HKV, S, D, generator=g)
+    v = torch.randn(B, HKV, S, D, generator=g)
+    k[:, :, 40:48], v[:, :, 40:48] = k[:, :, 30:38].clone(), v[:, :, 30:38].clone()  # 8 duplicated pairs
+    Wk = torch.randn(HQ, D, F, generator=g) * D ** -0.25
+    fk = ref.hedgehog_feature_map(k, Wk)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, :5] = False
+    ev = tk.PrefillEvictions(fk, v, mask, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=HKV)
+    ev.run()
+    H, s = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
+    sp_idx = torch.full((B, HKV, lam), -1)
+    for c in range(S // C):
+        pos = torch.arange(c * C - W, (c + 1) * C - W)
+        ok = pos >= 0
+        pos = pos.clamp_min(0)
+        idx = torch.cat([sp_idx, pos.expand(B, HKV, C)], -1)
+        valid = torch.cat([sp_idx >= 0, (ok[None] & mask[:, pos])[:, None].expand(B, HKV, C)], -1)
+        gi = idx.clamp_min(0)[..., None]
+        ck, cv = torch.gather(k, 2, gi.expand(-1, -1, -1, D)), torch.gather(v, 2, gi.expand(-1, -1, -1, D))
+        cfk = torch.gather(fk, 2, ref.expand_kv(gi, HQ).expand(-1, -1, -1, 2 * F))
+        _, _, sc, H, s = ref.select_and_fold(ck, cv, cfk, valid, H, s, lam)
+        kept = torch.topk(ref.group_sum(ref.sre_scores(cfk, cv, ev.H_all[c], ev.s_all[c]), HKV)
+                          .masked_fill(~valid, float("-inf")), lam, -1).indices
+        sp_idx = torch.where(torch.isfinite(sc), torch.gather(idx, -1, kept), -1)
+        torch.testing.assert_close(ev.H_all[c + 1], H, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ev.s_all[c + 1], s, atol=1e-5, rtol=1e-5)
+        got = ev.SPIDX[c + 1].long()
+        assert torch.equal((got >= 0).sum(-1), (sp_idx >= 0).sum(-1))
+        # same kept pairs (duplicates are interchangeable: compare the keys, not the positions)
+        for t in (k, v):
+            a = torch.gather(t, 2, got.clamp_min(0)[..., None].expand(-1, -1, -1, D)) * (got >= 0)[..., None]
+            b = torch.gather(t, 2, sp_idx.clamp_min(0)[..., None].expand(-1, -1, -1, D)) * (sp_idx >= 0)[..., None]
+            assert torch.equal(a.sort(2).values, b.sort(2).values)
+        H, s = ev.H_all[c + 1], ev.s_all[c + 1]
+        sp_idx = got
+    assert (ev.SPIDX[1] < 0).any() and (ev.SPIDX[-1] >= 0).all()  # first eviction: free slots; last: full
