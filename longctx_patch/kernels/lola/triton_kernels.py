@@ -335,6 +335,29 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
 
 # ------------------------------------------------------------------------------------------- SRE score
 @triton.jit
+def _sre_rows(FKB, rows, ok, s_fk_n, HB, s_h_f, SB, vv, F2, D, eps,
+              BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """|| phi(k)^T H / (phi(k)^T s + eps) - v ||^2 of BN pairs: phi(k) of row rows[i] at FKB + rows[i] * s_fk_n
+    (rows with ok False read as 0), H at HB (row stride s_h_f), s at SB, vv [BN, BD] fp32 values."""
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    num = tl.zeros([BN, BD], dtype=tl.float32)
+    den = tl.zeros([BN], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fk = tl.load(FKB + rows[:, None] * s_fk_n + offs_k[None, :], mask=ok[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        hh = tl.load(HB + offs_k[:, None] * s_h_f + offs_d[None, :], mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(SB + offs_k, mask=mk, other=0.0)
+        num += _dot(fk, hh, PREC, UPCAST)
+        den += tl.sum(fk * ss[None, :], 1)
+    err = vv - num / (den[:, None] + eps)
+    err = tl.where(md[None, :], err, 0.0)
+    return tl.sum(err * err, 1)
+
+
+@triton.jit
 def _sre_kernel(
     FK, V, VALID, H, S, OUT,
     N, F2, D, G, eps,
@@ -356,23 +379,10 @@ def _sre_kernel(
     offs_d = tl.arange(0, BD)
     mn = offs_n < N
     md = offs_d < D
-    num = tl.zeros([BN, BD], dtype=tl.float32)
-    den = tl.zeros([BN], dtype=tl.float32)
-    for f0 in range(0, F2, BK):
-        offs_k = f0 + tl.arange(0, BK)
-        mk = offs_k < F2
-        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
-                     mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
-                     mask=mk[:, None] & md[None, :], other=0.0)
-        ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
-        num += _dot(fk, hh, PREC, UPCAST)
-        den += tl.sum(fk * ss[None, :], 1)
     vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
                  mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
-    err = vv - num / (den[:, None] + eps)
-    err = tl.where(md[None, :], err, 0.0)
-    sc = tl.sum(err * err, 1)
+    sc = _sre_rows(FK + b * s_fk_b + h * s_fk_h, offs_n, mn, s_fk_n, H + b * s_h_b + h * s_h_h, s_h_f,
+                   S + b * s_s_b + h * s_s_h, vv, F2, D, eps, BN, BD, BK, PREC, UPCAST)
     if HAS_VALID:
         ok = tl.load(VALID + b * s_va_b + h * s_va_h + offs_n, mask=mn, other=0) != 0
         sc = tl.where(ok, sc, float("-inf"))
@@ -727,23 +737,11 @@ def _ev_score_kernel(
     idx = tl.where(ok, idx, 0)
     offs_d = tl.arange(0, BD)
     md = offs_d < D
-    num = tl.zeros([BN, BD], dtype=tl.float32)
-    den = tl.zeros([BN], dtype=tl.float32)
-    for f0 in range(0, F2, BK):
-        offs_k = f0 + tl.arange(0, BK)
-        mk = offs_k < F2
-        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + idx[:, None] * s_fk_n + offs_k[None, :],
-                     mask=ok[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        hh = tl.load(HALL + c * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_d[None, :],
-                     mask=mk[:, None] & md[None, :], other=0.0)
-        ss = tl.load(SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
-        num += _dot(fk, hh, PREC, UPCAST)
-        den += tl.sum(fk * ss[None, :], 1)
     vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_d[None, :],
                  mask=ok[:, None] & md[None, :], other=0.0).to(tl.float32)
-    err = vv - num / (den[:, None] + eps)
-    err = tl.where(md[None, :], err, 0.0)
-    sc = tl.where(ok, tl.sum(err * err, 1), float("-inf"))
+    sc = _sre_rows(FK + b * s_fk_b + h * s_fk_h, idx, ok, s_fk_n, HALL + c * s_ha_c + b * s_ha_b + h * s_ha_h,
+                   s_ha_f, SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h, vv, F2, D, eps, BN, BD, BK, PREC, UPCAST)
+    sc = tl.where(ok, sc, float("-inf"))
     tl.store(SC + b * s_sc_b + h * s_sc_h + offs_j, sc, mask=offs_j < NC)
 
 
