@@ -304,7 +304,7 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     if lam == 0 and S > 1 and tri:
         return _lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
                                  key_mask_new=key_mask_new, phi_k=phi_k)
-    if tri and _parallel_ok(st, S, window=window, chunk=chunk, lam=lam):
+    if tri and _parallel_ok(st, q, k, window=window, chunk=chunk, lam=lam):
         return _lola_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, lam=lam, scale=scale,
                               key_mask_new=key_mask_new, phi_k=phi_k)
     use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk
@@ -411,11 +411,32 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
 
 
 PARALLEL_PREFILL = True  # a fresh Triton prefill of >= 2 chunks takes `_lola_parallel` (two passes)
+# the two passes hold O(S) buffers (the state after every eviction, the state of every key block, phi(k) of
+# every key, the sparse set of every chunk); above this share of the free GPU memory the chunk loop runs
+PARALLEL_PREFILL_MEMORY_SHARE = 0.5
 
 
-def _parallel_ok(st: LolaState, S: int, *, window: int, chunk: int, lam: int) -> bool:
-    return (PARALLEL_PREFILL and lam > 0 and st.pos == 0 and st.nb == 0 and S >= 2 * chunk
-            and window > 0 and window % 16 == 0 and chunk % 16 == 0 and not bool(st.sp_valid.any()))
+def parallel_prefill_bytes(B, Hq, Hkv, S, D, F2, *, window, chunk, lam, sparse_heads, itemsize) -> int:
+    """Transient bytes of `_lola_parallel` for one layer (the O(S) buffers; fp32 states)."""
+    cs = math.gcd(math.gcd(window, chunk), 256)
+    states = (S // chunk + 1 + -(-S // cs)) * B * Hq * F2 * (D + 1) * 4
+    feats = B * Hq * S * F2 * itemsize
+    sparse = B * sparse_heads * -(-S // chunk) * lam * (2 * D * itemsize + 1)
+    return states + feats + sparse
+
+
+def _parallel_ok(st: LolaState, q, k, *, window: int, chunk: int, lam: int) -> bool:
+    B, Hq, S, D = q.shape
+    if not (PARALLEL_PREFILL and lam > 0 and st.pos == 0 and st.nb == 0 and S >= 2 * chunk
+            and window > 0 and window % 16 == 0 and chunk % 16 == 0):
+        return False
+    if not q.is_cuda:
+        return True
+    need = parallel_prefill_bytes(B, Hq, k.shape[1], S, D, st.H.shape[2], window=window, chunk=chunk, lam=lam,
+                                  sparse_heads=st.sp_k.shape[1], itemsize=q.element_size())
+    free, _ = torch.cuda.mem_get_info(q.device)
+    free += torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
+    return need <= PARALLEL_PREFILL_MEMORY_SHARE * free
 
 
 def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask_new, phi_k):
@@ -426,7 +447,8 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
     graph) and keeps the state after each; pass 2 attends all chunks at once with the parallel hybrid kernel,
     each block of queries reading the sparse set of its chunk and a linear state made of its chunk's H plus
     the local keys folded since the chunk's first buffered key (block sums, summed within the chunk).
-    Needs window and chunk multiples of 16 (`_parallel_ok`).
+    Needs window and chunk multiples of 16 and, on the GPU, `parallel_prefill_bytes` within
+    PARALLEL_PREFILL_MEMORY_SHARE of the free memory (`_parallel_ok`); otherwise the chunk loop runs.
     """
     tk = _tk()
     B, Hq, S, _ = q.shape
@@ -481,11 +503,12 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
     sv = torch.where(ok, v[bi[..., 0], hi[..., 0], fin.clamp_min(0)], 0).to(st.sp_v.dtype)
     start = max(n_ev * C - W, 0)
     nb = S - start
-    if st.inplace:
+    if st.inplace:  # same storage, as the chunk loop keeps it
         st.sp_k.copy_(sk)
         st.sp_v.copy_(sv)
         st.sp_score.copy_(sc)
-        st.H, st.s = ev.H_all[n_ev].clone(), ev.s_all[n_ev].clone()
+        st.H.copy_(ev.H_all[n_ev])
+        st.s.copy_(ev.s_all[n_ev])
         st.win_k[:, :, :nb] = k[:, :, start:]
         st.win_v[:, :, :nb] = v[:, :, start:]
         if km is not None:
