@@ -1,4 +1,4 @@
-"""Compile the LoLA Triton kernels for sm_90 without a GPU; run as a script (the interpreter must be off).
+"""Compile the LoLA, MuSe and OVQ Triton kernels for sm_90 without a GPU; run as a script (the interpreter must be off).
 
     python tests/compile_sm90.py        # prints one JSON object: kernel case -> {"shared": bytes} or {"error": ...}
 
@@ -19,17 +19,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
+from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
+from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
+from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
+from longctx_patch.kernels.ovq import triton_fast as of  # noqa: E402
 
 FLOAT_SCALARS = {"eps", "scale_log2"}
-F32, BF16, I8, I32 = "*fp32", "*bf16", "*i8", "*i32"
+F32, BF16, I8, I32, I64 = "*fp32", "*bf16", "*i8", "*i32", "*i64"
 
 
 def compile_kernel(kernel, consts: dict, ptrs: dict, options: dict):
-    """ptrs: every pointer argument and its type; other runtime arguments are i32 (fp32 for FLOAT_SCALARS)."""
+    """ptrs: every pointer argument and its type (and "fp32" for a float scalar outside FLOAT_SCALARS); other
+    runtime arguments are i32 (fp32 for FLOAT_SCALARS). The interpreter flags UP / UPCAST default to False."""
     names = kernel.arg_names
     consts = dict(consts)
-    if "UPCAST" in names:
-        consts.setdefault("UPCAST", False)
+    for flag in ("UP", "UPCAST"):
+        if flag in names:
+            consts.setdefault(flag, False)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOAT_SCALARS else "i32") for n in names}
     unknown = set(ptrs) - set(names)
     if unknown:
@@ -71,6 +77,97 @@ CASES = {
                      dict(HQ=32, CS=256, BT=64, BK=64, BV=64, NV=2, HAS_KM=True, PREC="tf32"),
                      bf16("FK", "V", KM=I8, HALL=F32, SALL=F32, HS=F32, SS=F32), {}),
 }
+
+
+def muse_ptrs(*out, **other):
+    """MuSe: bf16 q/k/v and outputs, the plan's tables (int8 masks, int32 assignments, fp32 centroids)."""
+    return bf16("Q", "K", "V", *out, KVAL=I8, QA=I32, KA=I32, CQ=F32, RB=I8, RC=I8, ANY=I8, LSE=F32, scale="fp32",
+                **other)
+
+
+# MuSe (_launch): 8 warps for L * D > 64 * 64; 2 stages up to L * D = 64 * 128, else 1; dk/dv always 1 stage.
+# triton_supported: [L, D] tiles of at most 32 KB (forward) / 16 KB (backward) of the input dtype; the cases
+# below are the largest accepted tiles (bf16 128 x 128 and 64 x 256 forward, 128 x 64 and 64 x 128 backward;
+# fp32 128 x 64 forward, 64 x 64 and 32 x 128 backward).
+CASES.update({
+    "muse_fwd_L128_D64": (mk._muse_fwd, dict(L=128, D=64, NQ=8, NK=4), muse_ptrs("O"),
+                          {"num_warps": 8, "num_stages": 2}),
+    "muse_fwd_L128_D128": (mk._muse_fwd, dict(L=128, D=128, NQ=8, NK=4), muse_ptrs("O"),
+                           {"num_warps": 8, "num_stages": 1}),
+    "muse_bwd_dq_L128_D64": (mk._muse_bwd_dq, dict(L=128, D=64, NQ=8, NK=4), muse_ptrs("DO", "DQ", DELTA=F32),
+                             {"num_warps": 8, "num_stages": 2}),
+    "muse_bwd_dkdv_L128_D64": (mk._muse_bwd_dkdv, dict(L=128, D=64, NQ=8, NK=4),
+                               muse_ptrs("DO", "DK", "DV", DELTA=F32), {"num_warps": 8, "num_stages": 1}),
+    "muse_bwd_dq_L64_D128": (mk._muse_bwd_dq, dict(L=64, D=128, NQ=8, NK=4), muse_ptrs("DO", "DQ", DELTA=F32),
+                             {"num_warps": 8, "num_stages": 2}),
+    "muse_bwd_dkdv_L64_D128": (mk._muse_bwd_dkdv, dict(L=64, D=128, NQ=8, NK=4),
+                               muse_ptrs("DO", "DK", "DV", DELTA=F32), {"num_warps": 8, "num_stages": 1}),
+})
+
+def f32(*names, **other):
+    return {**{n: F32 for n in names}, **other}
+
+
+def muse_ptrs_fp32(*out, **other):
+    return {**muse_ptrs(*out, **other), **f32("Q", "K", "V", *out)}
+
+
+CASES.update({
+    "muse_fwd_L64_D256": (mk._muse_fwd, dict(L=64, D=256, NQ=8, NK=4), muse_ptrs("O"),
+                          {"num_warps": 8, "num_stages": 1}),
+    "muse_fwd_fp32_L128_D64": (mk._muse_fwd, dict(L=128, D=64, NQ=8, NK=4), muse_ptrs_fp32("O"),
+                               {"num_warps": 8, "num_stages": 2}),
+    "muse_bwd_dq_fp32_L64_D64": (mk._muse_bwd_dq, dict(L=64, D=64, NQ=8, NK=4),
+                                 muse_ptrs_fp32("DO", "DQ", DELTA=F32), {"num_warps": 4, "num_stages": 2}),
+    "muse_bwd_dkdv_fp32_L64_D64": (mk._muse_bwd_dkdv, dict(L=64, D=64, NQ=8, NK=4),
+                                   muse_ptrs_fp32("DO", "DK", "DV", DELTA=F32), {"num_warps": 4, "num_stages": 1}),
+    "muse_bwd_dkdv_fp32_L32_D128": (mk._muse_bwd_dkdv, dict(L=32, D=128, NQ=8, NK=4),
+                                    muse_ptrs_fp32("DO", "DK", "DV", DELTA=F32), {"num_warps": 4, "num_stages": 1}),
+})
+
+# OVQ (resolve_backend: head_dim * itemsize <= 256 bytes): bf16 up to D = 128 (below), fp32 up to D = 64.
+CASES.update({
+    "ovq_fwd_split_fp32_D64_BM128": (of._ovq_fwd_split, dict(D=64, DV=64, BM=128, BN=64),
+                                     f32("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32,
+                                         PL=F32), {"num_warps": 8}),
+})
+
+# OVQ: chunk attention (training, _blocks: BM = BN = 64, default warps/stages, fp32 O), the fused no-grad path
+# at chunk 512 (_blk: BM 128 / 8 warps; decode BM 16 / 4 warps) and its assignment kernels (exact_assign -> IEEE).
+OVQ_STATS = bf16("K", DK=F32, CNT=F32, NACT=I32, MAXDOT=F32, BEST=F32, IDX=I64)
+for D in (64, 128):
+    CASES.update({
+        f"ovq_attn_fwd_D{D}": (oa._ovq_attn_fwd, dict(D=D, DV=D, BM=64, BN=64),
+                               bf16("Q", "K", "V", BIAS=F32, O=F32, LSE=F32), {}),
+        f"ovq_attn_bwd_dq_D{D}": (oa._ovq_attn_bwd_dq, dict(D=D, DV=D, BM=64, BN=64),
+                                  bf16("Q", "K", "V", "DO", "DQ", BIAS=F32, LSE=F32, DELTA=F32), {}),
+        f"ovq_attn_bwd_dkdv_D{D}": (oa._ovq_attn_bwd_dkdv, dict(D=D, DV=D, BM=64, BN=64),
+                                    bf16("Q", "K", "V", "DO", "DK", "DV_", BIAS=F32, LSE=F32, DELTA=F32), {}),
+        f"ovq_fwd_split_D{D}_BM128": (of._ovq_fwd_split, dict(D=D, DV=D, BM=128, BN=64),
+                                      bf16("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32,
+                                           PL=F32), {"num_warps": 8}),
+        f"ovq_chunk_stats_D{D}_ieee": (od._ovq_chunk_stats, dict(D=D, BM=128, BN=64, IEEE=True), OVQ_STATS,
+                                       {"num_warps": 8}),
+    })
+CASES.update({
+    "ovq_fwd_split_D64_BM16": (of._ovq_fwd_split, dict(D=64, DV=64, BM=16, BN=64),
+                               bf16("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32, PL=F32),
+                               {"num_warps": 4}),
+    "ovq_combine_D64": (of._ovq_combine, dict(DV=64, BM=64), bf16("O", PACC=F32, PM=F32, PL=F32), {}),
+    "ovq_chunk_stats_D64_bf16": (od._ovq_chunk_stats, dict(D=64, BM=128, BN=64, IEEE=False), OVQ_STATS,
+                                 {"num_warps": 8}),
+    "ovq_chunk_stats_D64_BM64": (od._ovq_chunk_stats, dict(D=64, BM=64, BN=64, IEEE=True), OVQ_STATS, {}),
+    "ovq_rank": (of._ovq_rank, dict(BI=64),
+                 dict(VALID=I8, PMAXDOT=F32, PBEST=F32, PIDX=I64, NNEW=I32, BEST=F32, IDX=I64, RANK=I32), {}),
+})
+# _ovq_absorb: inference (ROW_OUT is the int32 rank buffer, unused), the training pass's STORE_ROWS,
+# assign_rows_triton's ASSIGN_ONLY; each with exact (IEEE) and bf16 dot products.
+for ieee in (True, False):
+    for mode, ao, sr in (("infer", False, False), ("store_rows", False, True), ("assign_only", True, False)):
+        CASES[f"ovq_absorb_{mode}_D64_{'ieee' if ieee else 'bf16'}"] = (
+            of._ovq_absorb, dict(D=64, DV=64, BI=64, IEEE=ieee, ASSIGN_ONLY=ao, STORE_ROWS=sr),
+            bf16("KC", "VC", VALID=I8, BEST=F32, IDX=I64, NNEW=I32, NACT=I32, RANK=I32, KS=F32, VS=F32, CNT=F32,
+                 ROW_OUT=I64 if ao or sr else I32), {"num_warps": 4})
 
 
 def main():

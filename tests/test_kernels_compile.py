@@ -1,4 +1,5 @@
-"""The LoLA Triton kernels compile for the H200 (sm_90) with the installed Triton, on a machine without a GPU.
+"""The LoLA, MuSe and OVQ Triton kernels compile for the H200 (sm_90) with the installed Triton, on a machine
+without a GPU.
 
 The interpreter (TRITON_INTERPRET=1, the other kernel tests) runs the kernels' Python semantics, not the
 compiler: a constexpr re-declared in a loop, a dtype that changes across an `if`, or a tile that needs more
@@ -14,11 +15,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SM90_SMEM = 232448  # bytes of shared memory one block may use on an H100/H200
 SCRIPT = Path(__file__).with_name("compile_sm90.py")
 NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "sre", "fold", "decode", "feature_map",
-         "ev_score", "ev_select", "ev_fold", "local_states"]
+         "ev_score", "ev_select", "ev_fold", "local_states",
+         "muse_fwd_L128_D64", "muse_fwd_L128_D128", "muse_bwd_dq_L128_D64", "muse_bwd_dkdv_L128_D64",
+         "muse_bwd_dq_L64_D128", "muse_bwd_dkdv_L64_D128",
+         "ovq_attn_fwd_D64", "ovq_attn_bwd_dq_D64", "ovq_attn_bwd_dkdv_D64", "ovq_attn_fwd_D128",
+         "ovq_attn_bwd_dq_D128", "ovq_attn_bwd_dkdv_D128", "ovq_fwd_split_D64_BM128", "ovq_fwd_split_D128_BM128",
+         "ovq_fwd_split_D64_BM16", "ovq_combine_D64", "ovq_chunk_stats_D64_ieee", "ovq_chunk_stats_D128_ieee",
+         "ovq_chunk_stats_D64_bf16", "ovq_chunk_stats_D64_BM64", "ovq_rank",
+         "ovq_absorb_infer_D64_ieee", "ovq_absorb_store_rows_D64_ieee", "ovq_absorb_assign_only_D64_ieee",
+         "ovq_absorb_infer_D64_bf16", "ovq_absorb_store_rows_D64_bf16", "ovq_absorb_assign_only_D64_bf16",
+         "muse_fwd_L64_D256", "muse_fwd_fp32_L128_D64", "muse_bwd_dq_fp32_L64_D64", "muse_bwd_dkdv_fp32_L64_D64",
+         "muse_bwd_dkdv_fp32_L32_D128", "ovq_fwd_split_fp32_D64_BM128"]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +46,39 @@ def test_every_case_is_listed(compiled):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_lola_kernel_compiles_for_sm90(compiled, name):
+def test_kernel_compiles_for_sm90(compiled, name):
     res = compiled[name]
     assert "error" not in res, res.get("error", "") + "\n" + res.get("trace", "")
     assert res["cubin_bytes"] > 0
     assert res["shared"] <= SM90_SMEM, f"{name} asks for {res['shared']} B of shared memory"
+
+
+# one step past the largest compiled tiles above: the dispatchers must refuse these on the Triton path
+# (compiled for sm_90 they ask for 245-410 KB of shared memory: MuSe bf16 128 x 256 forward 328 KB, fp32
+# 128 x 128 forward 344 KB, fp32 128 x 64 backward 400 KB; OVQ bf16 D = 256 and fp32 D = 128 fused prefill)
+@pytest.mark.parametrize("dtype,block,D,grad", [
+    (torch.bfloat16, 128, 256, False), (torch.float32, 128, 128, False),
+    (torch.float32, 128, 64, True), (torch.bfloat16, 128, 128, True),
+])
+def test_muse_refuses_tiles_beyond_shared_memory(dtype, block, D, grad):
+    from longctx_patch.kernels.muse import triton_supported
+
+    q = torch.zeros(1, 1, 1, D, dtype=dtype)
+    why = triton_supported(q, block_size=block, q_clusters=8, k_clusters=4, dipole=False, needs_grad=grad)
+    assert why is not None and "block_size" in why
+    # and the largest accepted tiles (compiled above) are accepted
+    q_ok = torch.zeros(1, 1, 1, D, dtype=dtype)
+    assert triton_supported(q_ok, block_size=block // 2, q_clusters=8, k_clusters=4, dipole=False,
+                            needs_grad=grad) is None
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 256), (torch.float32, 128)])
+def test_ovq_refuses_head_dims_beyond_shared_memory(dtype, D):
+    from longctx_patch.errors import ConfigError
+    from longctx_patch.kernels.ovq.ops import resolve_backend
+
+    x = torch.zeros(1, 1, 4, D, dtype=dtype)
+    with pytest.raises(ConfigError, match="head dims"):
+        resolve_backend("triton", x, x, x)
+    y = torch.zeros(1, 1, 4, D // 2, dtype=dtype)
+    assert resolve_backend("triton", y, y, y) == "triton"

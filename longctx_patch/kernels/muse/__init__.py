@@ -19,9 +19,17 @@ def triton_supported(
 ) -> str | None:
     """None when the Triton kernels can run these inputs/settings, else the reason they cannot."""
     D = q.shape[-1]
-    if needs_grad and block_size * D > 64 * 128:
-        return (f"the backward kernels need block_size * head_dim <= 8192 (shared memory); got {block_size} x {D}: "
-                f"use block_size <= {max(16, 8192 // D)} for training")
+    # shared memory (227 KB per block on the H100/H200), from tests/compile_sm90.py: the kernels hold
+    # [block_size, D] tiles of the input dtype; the forward fits up to 32 KB per tile (bf16 128 x 128: 192 KB;
+    # bf16 128 x 256: 320 KB), the backward up to 16 KB (bf16 128 x 64: 164 KB; fp32 128 x 64: 400 KB)
+    tile = block_size * D * q.element_size()
+    if tile > 32768:
+        return (f"block_size {block_size} x head_dim {D} in {q.dtype} needs more shared memory than an H100/H200 "
+                f"block has; use block_size <= {max(16, 32768 // (D * q.element_size()))}")
+    if needs_grad and tile > 16384:
+        return (f"the backward kernels need block_size * head_dim * {q.element_size()} bytes <= 16384 (shared memory); "
+                f"got {block_size} x {D} in {q.dtype}: use block_size <= {max(16, 16384 // (D * q.element_size()))} "
+                "for training")
     if dipole:
         return "the dipole term is only implemented in the reference"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

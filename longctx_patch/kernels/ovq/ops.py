@@ -39,11 +39,15 @@ def _is_pow2(n: int) -> bool:
 def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     if backend == "torch":
         return "torch"
-    shapes_ok = _is_pow2(q.shape[-1]) and _is_pow2(v.shape[-1]) and q.shape[-1] <= 256
+    # head_dim * itemsize <= 256 bytes: the fused prefill kernel holds [128, D] tiles; at bf16 D = 256 or fp32
+    # D = 128 it asks for more shared memory than an H100/H200 block has (tests/compile_sm90.py)
+    width = max(q.shape[-1], v.shape[-1]) * q.element_size()
+    shapes_ok = _is_pow2(q.shape[-1]) and _is_pow2(v.shape[-1]) and q.shape[-1] >= 16 and width <= 256
     if backend == "triton":
         if not shapes_ok:
-            raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to 256, "
-                              f"got {q.shape[-1]}; use backend='auto' or 'torch'")
+            raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to "
+                              f"{256 // q.element_size()} in {q.dtype}, got {q.shape[-1]} / {v.shape[-1]}; use "
+                              "backend='auto' or 'torch'")
         return "triton"
     # auto: Triton on CUDA, the reference elsewhere
     if q.is_cuda and shapes_ok:
