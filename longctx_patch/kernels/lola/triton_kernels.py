@@ -89,18 +89,17 @@ def _chunk_sums_kernel(
         tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1) * s_os_n + offs_k, sacc, mask=mk)
 
 
-def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None, cumulative: bool = True):
+def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
     """Hs[:, :, n] = H0 + sum_{j < n * state_chunk} phi(k_j) v_j^T (fp32), n = 0 .. ceil(N / state_chunk) - 1.
 
     One parallel kernel writes each chunk's sum into slot c + 1 (slot 0 = H0), then a cumulative sum over
     the slots gives every prefix state. fk [B, Hq, N, F2], v [B, Hkv, N, D], key_mask [B, N] bool or None.
-    Returns (Hs [B, Hq, NS, F2, D], Ss [B, Hq, NS, F2]). cumulative=False: slot n + 1 holds the sum of block
-    n alone (no cumulative sum), with NS = ceil(N / state_chunk) + 1 slots.
+    Returns (Hs [B, Hq, NS, F2, D], Ss [B, Hq, NS, F2]).
     """
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
     G = Hq // v.shape[1]
-    NS = max(1, math.ceil(N / state_chunk)) + (0 if cumulative else 1)
+    NS = max(1, math.ceil(N / state_chunk))
     Hs = torch.empty(B, Hq, NS, F2, D, device=fk.device, dtype=torch.float32)
     Ss = torch.empty(B, Hq, NS, F2, device=fk.device, dtype=torch.float32)
     if H0 is not None:
@@ -126,9 +125,8 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None, cumul
             Ss.stride(0), Ss.stride(1), Ss.stride(2),
             HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
         )
-        if cumulative:
-            Hs = torch.cumsum(Hs, dim=2)
-            Ss = torch.cumsum(Ss, dim=2)
+        Hs = torch.cumsum(Hs, dim=2)
+        Ss = torch.cumsum(Ss, dim=2)
     return Hs, Ss
 
 
