@@ -268,3 +268,27 @@ def test_prefill_evictions_match_select_and_fold_with_ties():
         H, s = ev.H_all[c + 1], ev.s_all[c + 1]
         sp_idx = got
     assert (ev.SPIDX[1] < 0).any() and (ev.SPIDX[-1] >= 0).all()  # first eviction: free slots; last: full
+
+
+def test_decode_after_parallel_prefill_crosses_evictions_like_the_loop(monkeypatch):
+    """The state the two-pass prefill leaves (sparse slots sorted by score, window buffer, (H, s)) carries on
+    through decode steps and two more evictions exactly like the state of the chunk loop."""
+    from longctx_patch.kernels.lola import ops as lops
+
+    calls = []
+    real_parallel = lops._lola_parallel
+    monkeypatch.setattr(lops, "_lola_parallel", lambda *a, **kw: calls.append(1) or real_parallel(*a, **kw))
+    S, steps = 80, 40  # prefill ends mid-chunk; decode crosses the evictions at 96 and 112
+    seq = _seq(S + steps, seed=9)
+    mask = torch.ones(B, S + steps, dtype=torch.bool)
+    mask[0, :7] = False
+    kw = dict(window=16, chunk=16, lam=6, mask=mask, sparse_heads=HKV)
+    want, st_want = _run([S] + [1] * steps, seq, backend="torch", **kw)
+    got, st = _run([S] + [1] * steps, seq, backend="triton", **kw)
+    assert calls == [1]
+    real = mask[:, :, None, None].expand_as(want)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.H, st_want.H, atol=1e-5, rtol=1e-5)
+    assert torch.equal(st.sp_valid, st_want.sp_valid)
+    torch.testing.assert_close(st.sp_k, st_want.sp_k)
+    assert st.nb == st_want.nb and st.pos == S + steps
