@@ -459,39 +459,24 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
     fk = phi_k(k)  # [B, Hq, S, F2]: every key is an eviction candidate or attended linearly at some point
     n_ev = S // C
     ev = tk.PrefillEvictions(fk, v, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE)
-    nch = -(-S // C)
-    cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
-    NB = -(-S // cs)
-    F2 = fk.shape[-1]
-    Hs_eff = torch.empty(B, Hq, NB, F2, v.shape[-1], device=q.device, dtype=torch.float32)
-    Ss_eff = torch.empty(B, Hq, NB, F2, device=q.device, dtype=torch.float32)
-    spk = k.new_empty(B, Hs, nch, lam, k.shape[-1])
-    spv = v.new_empty(B, Hs, nch, lam, v.shape[-1])
-    spm = torch.empty(B, Hs, nch, lam, dtype=torch.bool, device=q.device)
-    o = torch.empty(B, S, Hq, q.shape[-1], device=q.device, dtype=q.dtype)
-    bi = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
-    bm = min(64, C & -C)  # query blocks never straddle a chunk
-
-    def attend(c0, c1):
-        """Chunks c0 .. c1 - 1 (needs evictions up to c1 - 2): their linear states (H of the chunk + the keys
-        since the chunk's first buffered key), their sparse sets gathered from the keys, then the hybrid."""
-        tk.local_states(fk, v, km, ev.H_all, ev.s_all, state_chunk=cs, chunk=C, window=W, chunks=(c0, c1),
-                        out=(Hs_eff, Ss_eff))
-        idx = ev.SPIDX[c0:c1].permute(1, 2, 0, 3).long()  # [B, Hs, c1 - c0, lam]
-        spk[:, :, c0:c1] = k[bi, hi, idx.clamp_min(0)]
-        spv[:, :, c0:c1] = v[bi, hi, idx.clamp_min(0)]
-        spm[:, :, c0:c1] = idx >= 0
-        a, z = c0 * C, min(c1 * C, S)
-        tk.hybrid_fwd(q[:, :, a:z], k, v, fq[:, :, a:z], fk, g, lf, Hs_eff, Ss_eff, window=W, scale=scale,
-                      q_offset=a, key_mask=km, state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=spm,
-                      sparse_chunk=C, block_m=bm, block_n=min(64, cs), out=o[:, a:z])
-
+    ev.run(graph=GRAPH_PREFILL)
     # Overlapping pass 2 with the evictions (pass 2 in 4 segments on a low-priority stream, evictions on a
     # high-priority one) measured the same on the H200 (5.98 vs 5.64 ms, 8.23 vs 8.52 ms at 32k, D = 64:
     # evals/results/lola-speed.json): the attention blocks fill the SMs whenever they run. One pass.
-    ev.run(graph=GRAPH_PREFILL)
-    attend(0, nch)
+
+    # each block of keys' linear state: its chunk's H plus the keys since the chunk's first buffered key
+    cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks
+    Hs_eff, Ss_eff = tk.local_states(fk, v, km, ev.H_all, ev.s_all, state_chunk=cs, chunk=C, window=W)
+    # every chunk's sparse set, gathered from the keys by position
+    nch = -(-S // C)
+    idx = ev.SPIDX[:nch].permute(1, 2, 0, 3).long()  # [B, Hs, nch, lam]
+    bi = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
+    spk, spv = k[bi, hi, idx.clamp_min(0)], v[bi, hi, idx.clamp_min(0)]
+    o = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs_eff, Ss_eff, window=W, scale=scale, q_offset=0, key_mask=km,
+                      state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
+                      block_m=min(64, C & -C), block_n=min(64, cs))  # query blocks never straddle a chunk
+    del Hs_eff, Ss_eff, spk, spv
 
     # the state the chunk loop would have left: after eviction n_ev, window buffer from the last chunk start
     sc = ev.SPSC[n_ev]

@@ -874,7 +874,7 @@ class PrefillEvictions:
         self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
         # SRE in fp32 ("ieee"): on the H200 it was faster than tf32x3 (3.76 vs 4.16 ms for the 32 evictions of
         # a 32k prefill, chunk 1024; evals/results/lola-speed.json, tune), and exact
-        self.score_prec = TUNE.get("score_prec") or "ieee"
+        self.score_prec = TUNE["score_prec"] or "ieee"
 
     def _common(self):
         km = self.km
@@ -943,7 +943,7 @@ class PrefillEvictions:
 @triton.jit
 def _local_states_kernel(
     FK, V, KM, HALL, SALL, HS, SS,
-    N, NB, n_ev, C, W, F2, D, G, c_base,
+    N, NB, n_ev, C, W, F2, D, G,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
     s_km_b,
@@ -957,7 +957,7 @@ def _local_states_kernel(
     """HS[:, :, n] = H_all[c] + sum of phi(k) v^T over the keys from chunk c's first buffered key
     (c*C - W, or 0) to n*CS, for the blocks n of chunk c (block n holds keys of chunk (n*CS + W) // C)."""
     pid_bh = tl.program_id(0)
-    c = c_base + tl.program_id(1)
+    c = tl.program_id(1)
     pid_kv = tl.program_id(2)
     pid_k = pid_kv // NV
     pid_v = pid_kv % NV
@@ -969,7 +969,7 @@ def _local_states_kernel(
     mv = offs_v < D
     n_lo = tl.maximum(c * C - W, 0) // CS
     # a chunk that starts before key W reads block 0 (its H is 0, nothing evicted yet): each such chunk
-    # writes it too (the same values), so that a call for any range of chunks covers what they read
+    # writes it (the same values), since the chunk that block 0 belongs to, W // C, may lie past the end
     n_hi = tl.minimum(tl.maximum((c + 1) * C - W, CS) // CS, NB)
     slot = tl.minimum(c, n_ev)
     hacc = tl.load(HALL + slot * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :],
@@ -993,12 +993,10 @@ def _local_states_kernel(
             sacc += tl.sum(fk.to(tl.float32), 0)
 
 
-def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int, window: int,
-                 chunks: tuple[int, int] | None = None, out=None):
+def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int, window: int):
     """Per block of `state_chunk` keys, the linear state a query block of a LoLA prefill starts from: the
     state its chunk c starts with (H_all[c], after eviction c - 1) plus the keys since chunk c's first
-    buffered key (c * chunk - window). state_chunk must divide chunk and window. `chunks` = (c0, c1): only the
-    blocks of those chunks (into `out`, the pair returned by an earlier call).
+    buffered key (c * chunk - window). state_chunk must divide chunk and window.
     Returns (Hs [B, Hq, NB, F2, D], Ss [B, Hq, NB, F2]), NB = ceil(N / state_chunk)."""
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
@@ -1007,22 +1005,16 @@ def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int,
     assert chunk % CS == 0 and window % CS == 0
     NB = max(1, math.ceil(N / CS))
     n_ev = H_all.shape[0] - 1
-    if out is None:
-        Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
-        Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
-    else:
-        Hs, Ss = out
+    Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
+    Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
     BK = min(64, _np2(F2))
     BV = min(64, _np2(D))
     NV = triton.cdiv(D, BV)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    c0, c1 = chunks if chunks is not None else (0, math.ceil(N / chunk))
-    if c1 <= c0:
-        return Hs, Ss
-    grid = (B * Hq, c1 - c0, triton.cdiv(F2, BK) * NV)
+    grid = (B * Hq, math.ceil(N / chunk), triton.cdiv(F2, BK) * NV)
     _local_states_kernel[grid](
         fk, v, km if km is not None else fk, H_all, s_all, Hs, Ss,
-        N, NB, n_ev, chunk, window, F2, D, G, c0,
+        N, NB, n_ev, chunk, window, F2, D, G,
         fk.stride(0), fk.stride(1), fk.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         km.stride(0) if km is not None else 0,
