@@ -177,6 +177,10 @@ def test_sre_score_and_fold_match_reference(dtype):
     want = ref.sre_scores(fk, vx, H, s).masked_fill(~valid, float("-inf"))
     got = tk.sre_score(fk, v, H, s, valid)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    # fp32-accurate for bf16 features too (three bf16 dots against H split in three bf16 parts): one bf16
+    # part alone would be off by ~1e-3 relative
+    want32 = ref.sre_scores(fk.float(), vx.float(), H, s).masked_fill(~valid, float("-inf"))
+    torch.testing.assert_close(got, want32, atol=1e-6, rtol=2e-5)
     w = valid.float() * torch.rand(B, Hq, N, generator=gen).to(DEV)
     He, se = ref.fold(fk, vx, w, H, s)
     for block in (None, 16):  # default tiles, and the smaller ones that give more programs

@@ -48,7 +48,7 @@ def _prec(*ts) -> str:
 @triton.jit
 def _chunk_sums_kernel(
     FK, V, KM, OUT, OUTS,
-    N, F2, D, G,
+    N, F2, D, G, OFF,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
     s_km_b,
@@ -57,7 +57,8 @@ def _chunk_sums_kernel(
     HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
 ):
-    """OUT[:, :, c + 1] = sum over chunk c of phi(k) v^T (and OUTS the sum of phi(k)); slot 0 is left alone."""
+    """OUT[:, :, c + 1] = sum of phi(k) v^T over the keys c*CS - OFF .. (c+1)*CS - OFF - 1 that lie in [0, N)
+    (and OUTS the sum of phi(k)); slot 0 is left alone."""
     pid_bh = tl.program_id(0)
     c = tl.program_id(1)
     pid_kv = tl.program_id(2)
@@ -73,10 +74,10 @@ def _chunk_sums_kernel(
     hacc = tl.zeros([BK, BV], dtype=tl.float32)
     sacc = tl.zeros([BK], dtype=tl.float32)
     for t0 in range(0, CS, BT):
-        offs_t = c * CS + t0 + tl.arange(0, BT)
-        mt = offs_t < N
+        offs_t = c * CS - OFF + t0 + tl.arange(0, BT)
+        mt = (offs_t >= 0) & (offs_t < N)
         if HAS_KM:
-            mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=offs_t < N, other=0) != 0)
+            mt = mt & (tl.load(KM + b * s_km_b + offs_t, mask=mt, other=0) != 0)
         fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_t[:, None] * s_fk_n + offs_k[None, :],
                      mask=mt[:, None] & mk[None, :], other=0.0)
         vv = tl.load(V + b * s_v_b + hk * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
@@ -117,7 +118,7 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
         grid = (B * Hq, NS - 1, triton.cdiv(F2, BK) * NV)
         _chunk_sums_kernel[grid](
             fk, v, km if km is not None else fk, Hs, Ss,
-            N, F2, D, G,
+            N, F2, D, G, 0,
             fk.stride(0), fk.stride(1), fk.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             km.stride(0) if km is not None else 0,
@@ -257,7 +258,7 @@ def _hybrid_fwd_kernel(
 # None: the defaults written in the wrappers (benchmarks set these to compare variants)
 TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None,
         # the evictions of the two-pass prefill (PrefillEvictions)
-        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_fold_block": None, "ev_fold_bn": None,
+        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_score_stages": None, "ev_fold_block": None, "ev_fold_bn": None,
         "ev_fold_warps": None, "ev_select_warps": None}
 
 
@@ -344,12 +345,23 @@ def _sre_rows(FKB, rows, ok, s_fk_n, HB, s_h_f, SB, vv, F2, D, eps,
     for f0 in range(0, F2, BK):
         offs_k = f0 + tl.arange(0, BK)
         mk = offs_k < F2
-        fk = tl.load(FKB + rows[:, None] * s_fk_n + offs_k[None, :], mask=ok[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
+        fk = tl.load(FKB + rows[:, None] * s_fk_n + offs_k[None, :], mask=ok[:, None] & mk[None, :], other=0.0)
         hh = tl.load(HB + offs_k[:, None] * s_h_f + offs_d[None, :], mask=mk[:, None] & md[None, :], other=0.0)
         ss = tl.load(SB + offs_k, mask=mk, other=0.0)
-        num += _dot(fk, hh, PREC, UPCAST)
-        den += tl.sum(fk * ss[None, :], 1)
+        if PREC == "bf16x3":
+            # phi(k) is bf16 (exact as a tensor-core operand); H = h1 + h2 + h3 in three bf16 parts (24 mantissa
+            # bits, fp32's), so three bf16 dots with fp32 sums give fp32-accurate products on the tensor cores
+            fb = fk.to(tl.bfloat16)
+            h1 = hh.to(tl.bfloat16)
+            r1 = hh - h1.to(tl.float32)
+            h2 = r1.to(tl.bfloat16)
+            h3 = (r1 - h2.to(tl.float32)).to(tl.bfloat16)
+            num += _dot(fb, h3, "ieee", UPCAST)
+            num += _dot(fb, h2, "ieee", UPCAST)
+            num += _dot(fb, h1, "ieee", UPCAST)
+        else:
+            num += _dot(fk.to(tl.float32), hh, PREC, UPCAST)
+        den += tl.sum(fk.to(tl.float32) * ss[None, :], 1)
     err = vv - num / (den[:, None] + eps)
     err = tl.where(md[None, :], err, 0.0)
     return tl.sum(err * err, 1)
@@ -412,9 +424,17 @@ def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True):
         s.stride(0), s.stride(1),
         out.stride(0), out.stride(1),
         HQ=Hq, BN=BN, BD=_np2(D), BK=BK, HAS_VALID=va is not None,
-        PREC="ieee" if precise else "tf32",
+        PREC=_score_prec(fk, precise),
     )
     return out
+
+
+def _score_prec(fk, precise: bool = True) -> str:
+    """Precision of the SRE dots phi(k) . H (H fp32): fp32-accurate unless `precise` is False (tf32). bf16 features
+    use three bf16 tensor-core dots against a 3-way bf16 split of H ("bf16x3"), other dtypes fp32 FMA ("ieee")."""
+    if not precise:
+        return "tf32"
+    return "bf16x3" if fk.dtype == torch.bfloat16 else "ieee"
 
 
 # ------------------------------------------------------------------------------------------- fold
@@ -695,8 +715,12 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
 # The evictions of a whole LoLA prefill (ops._lola_parallel, pass 1): eviction c (at the end of chunk c)
 # scores the sparse slots of slot c and the pairs at positions c*C - W .. (c+1)*C - W - 1 (those >= 0 and
 # not padding) against the state H_all[c], keeps the lam best per sparse head (SPIDX[c + 1]) and folds the
-# others into H_all[c + 1]. Three kernels per eviction; the eviction index is read from a device counter so
-# that one captured CUDA graph replays every eviction.
+# others into H_all[c + 1]. The fold does not add the folded pairs one eviction at a time: the state after
+# eviction c is exactly the sum over every pair evicted so far minus the pairs in the sparse set (a pair
+# leaves the window once, then is either folded or held exact), so it is the running sum of the evictions'
+# ranges (summed for all evictions in one parallel launch up front) minus the lam sparse pairs: lam pairs per
+# eviction instead of lam + C. Three kernels per eviction (score, select, fold); the eviction index is read
+# from a device counter so that one captured CUDA graph replays every eviction.
 @triton.jit
 def _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W,
                    s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM: tl.constexpr):
@@ -745,14 +769,14 @@ def _ev_score_kernel(
 
 @triton.jit
 def _ev_select_kernel(
-    CNT, SPIDX, SPSC, KM, SC, WF,
+    CNT, SPIDX, SPSC, KM, SC,
     NC, lam, C, W,
     s_spi_c, s_spi_b, s_spi_h, s_km_b,
-    s_sc_b, s_sc_h, s_w_b, s_w_h,
+    s_sc_b, s_sc_h,
     HS: tl.constexpr, GS: tl.constexpr, NCP: tl.constexpr, HAS_KM: tl.constexpr,
 ):
-    """Per sparse head: sum the SRE over its query heads, keep the lam highest (ties: lowest index) as the
-    slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf) and write fold weights WF (1 = fold)."""
+    """Per sparse head: sum the SRE over its query heads and keep the lam highest (ties: lowest index) as the
+    slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf); the others are folded (_ev_fold_kernel)."""
     pid = tl.program_id(0)
     b = pid // HS
     hs = pid % HS
@@ -789,7 +813,6 @@ def _ev_select_kernel(
     rank = tl.cumsum(eq.to(tl.int32), 0)
     keep = gt | (eq & (rank <= need))
     keep = tl.where(n_valid <= lam, valid, keep)  # fewer valid candidates than slots: keep them all
-    tl.store(WF + b * s_w_b + hs * s_w_h + offs, (valid & ~keep).to(tl.float32), mask=m)
     slot = tl.cumsum(keep.to(tl.int32), 0) - 1
     base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
     n_keep = tl.sum(keep.to(tl.int32), 0)
@@ -802,18 +825,19 @@ def _ev_select_kernel(
 
 @triton.jit
 def _ev_fold_kernel(
-    CNT, SPIDX, KM, FK, V, WF, HALL, SALL,
-    NC, lam, C, W, F2, D, G, GS,
-    s_spi_c, s_spi_b, s_spi_h, s_km_b,
+    CNT, SPIDX, FK, V, HALL, SALL, PH, PS,
+    lam, F2, D, G, GS,
+    s_spi_c, s_spi_b, s_spi_h,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
-    s_w_b, s_w_h,
     s_ha_c, s_ha_b, s_ha_h, s_ha_f,
     s_sa_c, s_sa_b, s_sa_h,
-    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_KM: tl.constexpr,
+    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
 ):
-    """H_all[c + 1] = H_all[c] + sum_j WF_j phi(k_j) v_j^T (and s_all), per query head."""
+    """H_all[c + 1] = P - sum over the sparse slots SPIDX[c + 1] of phi(k) v^T (and s_all), per query head, where
+    P = (PH += H_all[c + 1]) is the sum of every pair evicted by eviction c and before (H_all[c + 1] holds the
+    sum of eviction c's pairs on entry): the linear state holds exactly the evicted pairs not in the sparse set."""
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -825,25 +849,33 @@ def _ev_fold_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     mk = offs_k < F2
     mv = offs_v < D
+    mkv = mk[:, None] & mv[None, :]
     hoff = b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :]
-    hacc = tl.load(HALL + c * s_ha_c + hoff, mask=mk[:, None] & mv[None, :], other=0.0)
+    hacc = tl.zeros([BK, BV], dtype=tl.float32)
     sacc = tl.zeros([BK], dtype=tl.float32)
-    for j0 in range(0, NC, BN):
+    base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
+    for j0 in range(0, lam, BN):
         offs_j = j0 + tl.arange(0, BN)
-        idx = _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W, s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM)
-        w = tl.load(WF + b * s_w_b + hs * s_w_h + offs_j, mask=offs_j < NC, other=0.0)
-        ok = (idx >= 0) & (w != 0)  # the weights are 0 or 1: a masked load, no product, so that bf16
-        idx = tl.where(ok, idx, 0)  # operands go to the tensor cores with exact products (fp32 sums)
+        idx = tl.load(SPIDX + base + offs_j, mask=offs_j < lam, other=-1)
+        ok = idx >= 0
+        idx = tl.where(ok, idx, 0)
         fk = tl.load(FK + b * s_fk_b + h * s_fk_h + idx[:, None] * s_fk_n + offs_k[None, :],
                      mask=ok[:, None] & mk[None, :], other=0.0)
         vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_v[None, :],
                      mask=ok[:, None] & mv[None, :], other=0.0)
         hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
         sacc += tl.sum(fk.to(tl.float32), 0)
-    tl.store(HALL + (c + 1) * s_ha_c + hoff, hacc, mask=mk[:, None] & mv[None, :])
+    # PH / PS: [B, Hq, F2, D] / [B, Hq, F2] contiguous, the running sum of the evicted pairs
+    poff = (b * HQ + h) * F2 * D + offs_k[:, None] * D + offs_v[None, :]
+    p = tl.load(PH + poff, mask=mkv, other=0.0) + tl.load(HALL + (c + 1) * s_ha_c + hoff, mask=mkv, other=0.0)
+    tl.store(PH + poff, p, mask=mkv)
+    tl.store(HALL + (c + 1) * s_ha_c + hoff, p - hacc, mask=mkv)
     if pid_v == 0:
-        s0 = tl.load(SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
-        tl.store(SALL + (c + 1) * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, s0 + sacc, mask=mk)
+        soff = (b * HQ + h) * F2 + offs_k
+        so = b * s_sa_b + h * s_sa_h + offs_k
+        ps = tl.load(PS + soff, mask=mk, other=0.0) + tl.load(SALL + (c + 1) * s_sa_c + so, mask=mk, other=0.0)
+        tl.store(PS + soff, ps, mask=mk)
+        tl.store(SALL + (c + 1) * s_sa_c + so, ps - sacc, mask=mk)
 
 
 class PrefillEvictions:
@@ -870,11 +902,35 @@ class PrefillEvictions:
         self.SPIDX = torch.full((n_ev + 1, B, sparse_heads, lam), -1, device=dev, dtype=torch.int32)
         self.SPSC = torch.full((n_ev + 1, B, sparse_heads, lam), float("-inf"), device=dev, dtype=torch.float32)
         self.SC = torch.empty(B, Hq, self.NC, device=dev, dtype=torch.float32)
-        self.WF = torch.empty(B, sparse_heads, self.NC, device=dev, dtype=torch.float32)
         self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
-        # SRE in fp32 ("ieee"): on the H200 it was faster than tf32x3 (3.76 vs 4.16 ms for the 32 evictions of
-        # a 32k prefill, chunk 1024; evals/results/lola-speed.json, tune), and exact
-        self.score_prec = TUNE["score_prec"] or "ieee"
+        # the running sum of the evicted pairs (the fold kernel adds eviction c's range sum, then subtracts the
+        # sparse set: the state after eviction c is every evicted pair not kept exact)
+        self.PH = torch.zeros(B, Hq, F2, D, device=dev, dtype=torch.float32)
+        self.PS = torch.zeros(B, Hq, F2, device=dev, dtype=torch.float32)
+        # SRE fp32-accurate: bf16 features as three bf16 tensor-core dots ("bf16x3"), else fp32 FMA ("ieee");
+        # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (evals/results/lola-prefill-profile-tune.json)
+        self.score_prec = TUNE["score_prec"] or _score_prec(fk)
+        self._range_sums()
+
+    def _range_sums(self) -> None:
+        """H_all[c + 1] / s_all[c + 1] = the sums over the pairs eviction c takes out of the window (positions
+        c*C - W .. (c+1)*C - W - 1, those >= 0 and not padding), all evictions in one parallel launch."""
+        if self.n_ev == 0:
+            return
+        fk, v, km, H, s = self.fk, self.v, self.km, self.H_all, self.s_all
+        BK, BV = min(64, _np2(self.F2)), min(64, _np2(self.D))
+        NV = triton.cdiv(self.D, BV)
+        _chunk_sums_kernel[(self.B * self.Hq, self.n_ev, triton.cdiv(self.F2, BK) * NV)](
+            fk, v, km if km is not None else fk, H, s,
+            fk.shape[2], self.F2, self.D, self.G, self.W,
+            fk.stride(0), fk.stride(1), fk.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            km.stride(0) if km is not None else 0,
+            H.stride(1), H.stride(2), H.stride(0), H.stride(3),
+            s.stride(1), s.stride(2), s.stride(0),
+            HQ=self.Hq, CS=self.C, BT=min(64, self.C & -self.C), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None,
+            PREC=_prec(fk, v),
+        )
 
     def _common(self):
         km = self.km
@@ -895,23 +951,24 @@ class PrefillEvictions:
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa, self.SC.stride(0), self.SC.stride(1),
             HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
-            num_warps=TUNE["ev_score_warps"] or 4,
+            num_warps=TUNE["ev_score_warps"] or 4, **({"num_stages": TUNE["ev_score_stages"]}
+                                                       if TUNE["ev_score_stages"] else {}),
         )
         _ev_select_kernel[(self.B * self.Hs,)](
-            self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.WF,
+            self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC,
             NC, self.lam, self.C, self.W, *spi,
-            self.SC.stride(0), self.SC.stride(1), self.WF.stride(0), self.WF.stride(1),
+            self.SC.stride(0), self.SC.stride(1),
             HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
             num_warps=TUNE["ev_select_warps"] or (16 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
         BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
         _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
-            self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.WF, self.H_all, self.s_all,
-            NC, self.lam, self.C, self.W, F2, D, self.G, self.GS,
-            *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            self.WF.stride(0), self.WF.stride(1), *ha, *sa,
-            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, _np2(NC)), BK=BK, BV=BV, HAS_KM=km is not None,
+            self.cnt, self.SPIDX, fk, v, self.H_all, self.s_all, self.PH, self.PS,
+            self.lam, F2, D, self.G, self.GS,
+            *spi[:3], fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            *ha, *sa,
+            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, _np2(self.lam)), BK=BK, BV=BV,
             PREC=_prec(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
         )
         self.cnt += 1
