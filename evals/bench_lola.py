@@ -223,6 +223,31 @@ def _prefill(D, label):
             ev.run()
             return ev
         r[f"lola_chunk{chunk}_pass1_evictions_ms"] = bench(pass1, rep=100)
+        # its parts: the buffers and the range sums alone; the graph replays alone (counter reset, so the
+        # replays redo evictions 0 .. n_ev - 2 on stale slots: the timing, not the values, is what counts)
+        r[f"lola_chunk{chunk}_pass1_construct_ms"] = bench(
+            lambda: tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=256, chunk=chunk, window=256,
+                                        sparse_heads=Hkv), rep=100)
+        ev1 = pass1()
+        if getattr(ev1, "graph", None) is not None:
+            def replays(ev1=ev1):
+                ev1.cnt.zero_()
+                for _ in range(ev1.n_ev - 1):
+                    ev1.graph.replay()
+            r[f"lola_chunk{chunk}_pass1_replays_only_ms"] = bench(replays, rep=100)
+        del ev1
+        # host syncs inside a prefill (each one idles the GPU until the host catches up)
+        if not SMOKE:
+            import warnings
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                with warnings.catch_warnings(record=True) as wl:
+                    warnings.simplefilter("always")
+                    lola_once(chunk)
+                    torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            r[f"lola_chunk{chunk}_host_syncs"] = [str(w.message)[:160] for w in wl][:8]
         del fk_all
     lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
 

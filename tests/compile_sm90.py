@@ -69,7 +69,7 @@ CASES = {
     "decode": (tk._decode_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, HAS_SP=True),
                bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32, H=F32, S=F32), {}),
     "feature_map": (tk._feature_map_kernel, dict(H=32, BM=64, BD=128, BF=64, PREC="tf32"), bf16("X", "W", "O"), {}),
-    "ev_score": (tk._ev_score_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, PREC="bf16x3"),
+    "ev_score": (tk._ev_score_kernel, dict(HQ=32, BN=128, BD=128, BK=64, HAS_KM=True, PREC="bf16x3"),
                  bf16("FK", "V", CNT=I32, SPIDX=I32, KM=I8, HALL=F32, SALL=F32, SC=F32), {}),
     "ev_score_fp32": (tk._ev_score_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, PREC="ieee"),
                       {**{n: F32 for n in ("FK", "V", "HALL", "SALL", "SC")}, "CNT": I32, "SPIDX": I32, "KM": I8}, {}),

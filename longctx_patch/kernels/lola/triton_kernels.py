@@ -944,7 +944,9 @@ class PrefillEvictions:
         spi = self._common()
         ha = (self.H_all.stride(0), self.H_all.stride(1), self.H_all.stride(2), self.H_all.stride(3))
         sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
-        BN = min(TUNE["ev_score_bn"] or 64, _np2(NC))
+        # tiles from the sweep at 32k, D = 64 (evals/results/lola-prefill-profile-tune.json): 128 candidates per
+        # score program, a 8-warp select above 1024 candidates (16 and 4 were slower there), 4 warps below
+        BN = min(TUNE["ev_score_bn"] or 128, _np2(NC))
         _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](
             self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.H_all, self.s_all, self.SC,
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
@@ -959,7 +961,7 @@ class PrefillEvictions:
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
             HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
-            num_warps=TUNE["ev_select_warps"] or (16 if NC > 1024 else 4),
+            num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
         BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
@@ -983,6 +985,7 @@ class PrefillEvictions:
         if left == 0:
             return
         g = None
+        self.graph = None
         if graph and self.fk.is_cuda and left >= 2 and not torch.cuda.is_current_stream_capturing():
             try:
                 g = torch.cuda.CUDAGraph()
@@ -990,6 +993,7 @@ class PrefillEvictions:
                     self.step()
             except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
                 g = None
+        self.graph = g  # kept for the benchmark (replay cost alone)
         for _ in range(left):
             if g is not None:
                 g.replay()
