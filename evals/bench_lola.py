@@ -471,11 +471,11 @@ def tune():
     B, Hq, Hkv, S, F, D = 1, sz(32, 4), sz(8, 2), sz(32768, 600), sz(64, 8), 64
     q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=7)
     fk_all = tk.feature_map(k, Wk.to(q.dtype))
-    # defaults: fp32-accurate SRE as three bf16 dots ("bf16x3"), score tile 64, fold tile 32 x 32 over 128
-    # sparse slots, select 16 warps above 1024 candidates (4 below): each variant moves one knob away from them
-    variants = [{}, {"score_prec": "ieee"}, {"score_prec": "tf32"}, {"ev_score_bn": 32}, {"ev_score_bn": 128},
-                {"ev_score_warps": 8}, {"ev_score_stages": 1}, {"ev_fold_block": 64}, {"ev_fold_block": 16},
-                {"ev_fold_bn": 64}, {"ev_fold_warps": 8}, {"ev_select_warps": 8}]
+    # defaults: fp32-accurate SRE as three bf16 dots ("bf16x3"), score tile 128, fold tile 32 x 32 over 128
+    # sparse slots, select with 8-bit digits (tl.histogram), 8 warps above 1024 candidates (4 below): each
+    # variant moves one knob away from them
+    variants = [{}, {"score_prec": "ieee"}, {"ev_score_bn": 64}, {"ev_score_stages": 1}, {"ev_score_warps": 8},
+                {"ev_fold_bn": 64}, {"ev_select_bits": 4}, {"ev_select_warps": 4}, {"ev_select_warps": 16}]
     for chunk in (sz(1024, 64), sz(256, 32)):
         base = None
         for var in variants:

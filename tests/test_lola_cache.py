@@ -226,11 +226,14 @@ def test_parallel_prefill_equals_chunk_loop(S, window, chunk, lam, sparse_heads,
     assert torch.equal(st.wk, st_want.wk) and torch.equal(st.wmask, st_want.wmask)
 
 
-def test_prefill_evictions_match_select_and_fold_with_ties():
-    """The eviction kernels of the two-pass prefill (score, radix top-lambda, fold), eviction by eviction,
-    against `reference.select_and_fold` on the same candidates, with duplicated pairs (exactly equal scores
-    at the threshold) and a first eviction with fewer valid pairs than slots."""
+@pytest.mark.parametrize("select_bits", [8, 4])
+def test_prefill_evictions_match_select_and_fold_with_ties(select_bits, monkeypatch):
+    """The eviction kernels of the two-pass prefill (score, radix top-lambda with 8- and 4-bit digits, fold),
+    eviction by eviction, against `reference.select_and_fold` on the same candidates, with duplicated pairs
+    (exactly equal scores at the threshold) and a first eviction with fewer valid pairs than slots."""
     from longctx_patch.kernels.lola import triton_kernels as tk
+
+    monkeypatch.setitem(tk.TUNE, "ev_select_bits", select_bits)
 
     g = torch.Generator().manual_seed(5)
     S, W, C, lam = 96, 16, 32, 12

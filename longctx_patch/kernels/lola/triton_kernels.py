@@ -258,7 +258,7 @@ def _hybrid_fwd_kernel(
 # None: the defaults written in the wrappers (benchmarks set these to compare variants)
 TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None,
         # the evictions of the two-pass prefill (PrefillEvictions)
-        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_score_stages": None, "ev_fold_block": None, "ev_fold_bn": None,
+        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_score_stages": None, "ev_select_bits": None, "ev_fold_block": None, "ev_fold_bn": None,
         "ev_fold_warps": None, "ev_select_warps": None}
 
 
@@ -773,7 +773,8 @@ def _ev_select_kernel(
     NC, lam, C, W,
     s_spi_c, s_spi_b, s_spi_h, s_km_b,
     s_sc_b, s_sc_h,
-    HS: tl.constexpr, GS: tl.constexpr, NCP: tl.constexpr, HAS_KM: tl.constexpr,
+    HS: tl.constexpr, GS: tl.constexpr, NCP: tl.constexpr, HAS_KM: tl.constexpr, RB: tl.constexpr = 8,
+    NBIN: tl.constexpr = 256,
 ):
     """Per sparse head: sum the SRE over its query heads and keep the lam highest (ties: lowest index) as the
     slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf); the others are folded (_ev_fold_kernel)."""
@@ -790,23 +791,30 @@ def _ev_select_kernel(
     valid = (idx >= 0) & m
     tot = tl.where(valid, tot, float("-inf"))
     # radix select of the lam-th highest score on the float bits (SRE >= 0: the bits order like the values),
-    # 4 bits per pass from the top: `need` is how many of the keys that share `prefix` are still to keep
+    # RB bits per pass from the top (8: a 256-bin tl.histogram per pass, 4 passes; 4: 16 bins counted by
+    # comparison, 8 passes): `need` is how many of the keys that share `prefix` are still to keep
     key = tl.where(valid, tot.to(tl.int32, bitcast=True), -1)
-    bins = tl.arange(0, 16)
+    bins = tl.arange(0, NBIN)
     prefix = 0
     need = lam
-    for p in tl.static_range(8):
-        shift = 28 - 4 * p
+    for p in tl.static_range(32 // RB):
+        shift = 32 - RB * (p + 1)
         if p == 0:
             active = valid
         else:
-            active = valid & ((key >> (shift + 4)) == prefix)
-        digit = (key >> shift) & 15
-        cnt = tl.sum(((digit[:, None] == bins[None, :]) & active[:, None]).to(tl.int32), 0)  # [16]
-        above = tl.sum(tl.where(bins[None, :] > bins[:, None], cnt[None, :], 0), 1)  # active keys in higher bins
-        bstar = tl.max(tl.where(above + cnt >= need, bins, -1), 0)
+            active = valid & ((key >> (shift + RB)) == prefix)
+        digit = (key >> shift) & (NBIN - 1)
+        if RB == 8:
+            cnt = tl.histogram(digit, NBIN, mask=active)  # [NBIN]
+            incl = tl.cumsum(cnt, 0, reverse=True)  # active keys in this bin or higher
+            above = incl - cnt
+        else:
+            cnt = tl.sum(((digit[:, None] == bins[None, :]) & active[:, None]).to(tl.int32), 0)  # [NBIN]
+            above = tl.sum(tl.where(bins[None, :] > bins[:, None], cnt[None, :], 0), 1)  # active keys in higher bins
+            incl = above + cnt
+        bstar = tl.max(tl.where(incl >= need, bins, -1), 0)
         need = need - tl.sum(tl.where(bins == bstar, above, 0), 0)
-        prefix = prefix * 16 + bstar
+        prefix = prefix * NBIN + bstar
     n_valid = tl.sum(valid.to(tl.int32), 0)
     gt = valid & (key > prefix)
     eq = valid & (key == prefix)
@@ -960,7 +968,8 @@ class PrefillEvictions:
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
-            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None,
+            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None, RB=TUNE["ev_select_bits"] or 8,
+            NBIN=1 << (TUNE["ev_select_bits"] or 8),
             num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
@@ -975,30 +984,45 @@ class PrefillEvictions:
         )
         self.cnt += 1
 
+    def _key(self):
+        """What the kernels are specialised on: a graph captured for one key can be captured again without a
+        compile (the launches are already warm)."""
+        t = lambda x: None if x is None else (x.dtype, tuple(x.shape), tuple(x.stride()))  # noqa: E731
+        return (self.fk.device, t(self.fk), t(self.v), t(self.km), self.n_ev, self.lam, self.C, self.W, self.Hs,
+                self.score_prec, tuple(sorted(TUNE.items())))
+
     def run(self, graph: bool = True) -> None:
-        """All evictions: the first eagerly (compiles the kernels), the rest by replaying a captured CUDA graph
-        of one eviction when on CUDA (same kernels, same order), else eagerly."""
+        """All evictions. On CUDA one eviction is captured in a CUDA graph and replayed for every eviction (same
+        kernels, same order); the first time a configuration runs in this process, its first eviction runs
+        eagerly before the capture (that compiles the kernels), later times the capture comes first, while
+        the GPU still works on what was queued before. Elsewhere, or if the capture fails: eagerly."""
+        self.graph = None
         if self.n_ev == 0:
             return
-        self.step()
-        left = self.n_ev - 1
-        if left == 0:
-            return
+        use_graph = graph and self.fk.is_cuda and self.n_ev >= 3 and not torch.cuda.is_current_stream_capturing()
+        key = self._key() if use_graph else None
+        done = 0
+        if not (use_graph and key in _WARM_EVICTIONS):
+            self.step()
+            done = 1
         g = None
-        self.graph = None
-        if graph and self.fk.is_cuda and left >= 2 and not torch.cuda.is_current_stream_capturing():
+        if use_graph:
             try:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self.step()
+                _WARM_EVICTIONS.add(key)
             except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
                 g = None
         self.graph = g  # kept for the benchmark (replay cost alone)
-        for _ in range(left):
+        for _ in range(self.n_ev - done):
             if g is not None:
                 g.replay()
             else:
                 self.step()
+
+
+_WARM_EVICTIONS: set = set()  # PrefillEvictions keys whose kernels have run once (compiled)
 
 
 @triton.jit
