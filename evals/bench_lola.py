@@ -167,17 +167,20 @@ def check():
 
     q, k, v, fq, fk, g, lf, _, Wk = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
     Wk16 = Wk.to(torch.bfloat16)
-    res = []
-    for graph in (False, True):
-        lops.GRAPH_PREFILL = graph
-        st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
-        res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                 chunk=256, lam=256, scale=128 ** -0.5, backend="triton"), st))
-    lops.GRAPH_PREFILL = True
-    out["graph_vs_eager_out"] = rel(res[1][0], res[0][0])
-    out["graph_vs_eager_H"] = rel(res[1][1].H, res[0][1].H)
-    row("check graph_vs_eager_out", f"{out['graph_vs_eager_out']:.2e}")
-    row("check graph_vs_eager_H", f"{out['graph_vs_eager_H']:.2e}")
+    for par in (True, False):  # the two-pass prefill's eviction graph, and the chunk loop's per-chunk graph
+        res = []
+        lops.PARALLEL_PREFILL = par
+        for graph in (False, True):
+            lops.GRAPH_PREFILL = graph
+            st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
+            res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                                     chunk=256, lam=256, scale=128 ** -0.5, backend="triton"), st))
+        lops.GRAPH_PREFILL = lops.PARALLEL_PREFILL = True
+        tag = "" if par else "_chunk_loop"
+        out[f"graph_vs_eager{tag}_out"] = rel(res[1][0], res[0][0])
+        out[f"graph_vs_eager{tag}_H"] = rel(res[1][1].H, res[0][1].H)
+        row(f"check graph_vs_eager{tag}_out", f"{out[f'graph_vs_eager{tag}_out']:.2e}")
+        row(f"check graph_vs_eager{tag}_H", f"{out[f'graph_vs_eager{tag}_H']:.2e}")
 
 
 def _prefill(D, label):

@@ -358,12 +358,15 @@ def _capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, back
         _ensure_mask(st, q.shape[0], q.device)
         static.append(mnew.clone())
     nb0 = st.nb
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
+
+    def piece():
         _append_window(st, static[1], static[2], static[4] if mnew is not None else None)
-        o_s = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
-                            phi_k=phi_k)
+        o = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
+                          phi_k=phi_k)
         lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+        return o
+
+    gr, o_s = _tk().capture_graph(piece)
     st.nb = nb0  # capture ran no GPU work: the state is still the one before this chunk
     return gr, static, o_s
 
