@@ -36,7 +36,8 @@ OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if os.environ.get("BENCH
 RES: dict = {
     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "command": "PYTHONPATH=. python3 evals/bench_lola.py",
+    "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))
+               + " PYTHONPATH=. python3 evals/bench_lola.py",
     "torch": torch.__version__,
 }
 RES["commit"] = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
