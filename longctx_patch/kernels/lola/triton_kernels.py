@@ -216,34 +216,38 @@ def _hybrid_fwd_kernel(
             l_e = l_e * alpha + tl.sum(p, 1)
             m_i = m_new
 
-    # 3. explicit keys: window softmax or linear by distance
+    # 3. explicit keys: window softmax or linear by distance. A tile whose query-key distances all lie
+    # beyond the window skips the softmax products, one whose distances all lie inside skips the linear ones
+    # (distances in the tile: from a0 - (n0 + BN - 1) to a0 + BM - 1 - n0)
     hi = tl.minimum(N, a0 + BM)
     for n0 in range(lo, hi, BN):
         offs_n = n0 + tl.arange(0, BN)
         mn = offs_n < N
         if HAS_KM:
             mn = mn & (tl.load(KM + b * s_km_b + offs_n, mask=offs_n < N, other=0) != 0)
-        k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
-                    mask=mn[:, None] & md[None, :], other=0.0)
         v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
                     mask=mn[:, None] & md[None, :], other=0.0)
-        fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
-                     mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
         diff = qpos[:, None] - offs_n[None, :]
-        win = (diff >= 0) & (diff < window) & mn[None, :]
-        lin = (diff >= window) & mn[None, :]
-        sc = _dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
-        sc = tl.where(win, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        acc_e = acc_e * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
-        l_e = l_e * alpha + tl.sum(p, 1)
-        m_i = m_new
-        a = _dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
-        a = tl.where(lin, a, 0.0)
-        acc_l += _dot(a.to(v.dtype), v, PREC, UPCAST)
-        l_l += tl.sum(a, 1)
+        if a0 - (n0 + BN - 1) < window:  # some pair inside the window (the loop stops at the causal edge)
+            k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                        mask=mn[:, None] & md[None, :], other=0.0)
+            win = (diff >= 0) & (diff < window) & mn[None, :]
+            sc = _dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = tl.where(win, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            acc_e = acc_e * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
+            m_i = m_new
+        if a0 + BM - 1 - n0 >= window:  # some pair beyond it
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
+                         mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
+            lin = (diff >= window) & mn[None, :]
+            a = _dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
+            a = tl.where(lin, a, 0.0)
+            acc_l += _dot(a.to(v.dtype), v, PREC, UPCAST)
+            l_l += tl.sum(a, 1)
 
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
