@@ -195,6 +195,7 @@ def test_lolcats_parallel_prefill_with_padding_matches_torch():
     (64, 32, 32, 40, HKV, torch.float32),   # lam > pairs evicted so far: slots stay empty
     (96, 16, 32, 8, HKV, torch.bfloat16),
     (37, 48, 16, 8, HKV, torch.float32),    # window longer than the sequence: block 0 belongs to no chunk
+    (150, 32, 16, 40, HKV, torch.float32),  # several evictions keep every pair: the state stays exactly 0
 ])
 def test_parallel_prefill_equals_chunk_loop(S, window, chunk, lam, sparse_heads, dtype, monkeypatch):
     """A fresh Triton prefill of >= 2 chunks runs in two passes (all evictions, then all chunks at once);
@@ -224,6 +225,25 @@ def test_parallel_prefill_equals_chunk_loop(S, window, chunk, lam, sparse_heads,
     torch.testing.assert_close(st.sp_score[st.sp_valid], st_want.sp_score[st_want.sp_valid], atol=1e-4, rtol=1e-5)
     assert st.nb == st_want.nb and st.pos == st_want.pos == S + 3
     assert torch.equal(st.wk, st_want.wk) and torch.equal(st.wmask, st_want.wmask)
+
+
+def test_parallel_prefill_equals_chunk_loop_with_tied_scores():
+    """The first eviction sees a state of 0, where a pair's SRE is ||v||^2 (summed over the group): positions
+    8-15 repeat the values of 0-7 (other keys), so 11 slots for 8 pairs of equal scores split a tie at the
+    threshold. Every path keeps the lowest candidate index among equal scores (a stable sort in the reference
+    and the chunk loop, the radix select in the two-pass prefill), so they keep the same pairs; `torch.topk`
+    leaves that order to the device and build (the reason the loop does not use it)."""
+    S = 96
+    q, k, v, fq, fk, gw, lf, Wk = _seq(S, seed=11)
+    v = v.clone()
+    v[:, :, 8:16] = v[:, :, 0:8]
+    seq = (q, k, v, fq, fk, gw, lf, Wk)
+    kw = dict(window=16, chunk=16, lam=11, sparse_heads=HKV)
+    want, st_want = _run([S], seq, backend="torch", **kw)
+    got, st = _run([S], seq, backend="triton", **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.H, st_want.H, atol=1e-5, rtol=1e-5)
+    assert torch.equal(st.sp_k, st_want.sp_k)
 
 
 @pytest.mark.parametrize("select_bits", [8, 4])

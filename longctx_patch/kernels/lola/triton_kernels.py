@@ -773,7 +773,7 @@ def _ev_score_kernel(
 
 @triton.jit
 def _ev_select_kernel(
-    CNT, SPIDX, SPSC, KM, SC,
+    CNT, SPIDX, SPSC, KM, SC, NFOLD,
     NC, lam, C, W,
     s_spi_c, s_spi_b, s_spi_h, s_km_b,
     s_sc_b, s_sc_h,
@@ -781,7 +781,8 @@ def _ev_select_kernel(
     NBIN: tl.constexpr = 256,
 ):
     """Per sparse head: sum the SRE over its query heads and keep the lam highest (ties: lowest index) as the
-    slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf); the others are folded (_ev_fold_kernel)."""
+    slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf); the others are folded (_ev_fold_kernel),
+    and NFOLD[b, hs] counts them (all evictions so far)."""
     pid = tl.program_id(0)
     b = pid // HS
     hs = pid % HS
@@ -828,6 +829,8 @@ def _ev_select_kernel(
     slot = tl.cumsum(keep.to(tl.int32), 0) - 1
     base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
     n_keep = tl.sum(keep.to(tl.int32), 0)
+    nf = NFOLD + b * HS + hs
+    tl.store(nf, tl.load(nf) + n_valid - n_keep)
     empty = (offs >= n_keep) & (offs < lam)
     tl.store(SPIDX + base + offs, tl.full([NCP], -1, tl.int32), mask=empty)
     tl.store(SPSC + base + offs, tl.full([NCP], float("-inf"), tl.float32), mask=empty)
@@ -837,8 +840,8 @@ def _ev_select_kernel(
 
 @triton.jit
 def _ev_fold_kernel(
-    CNT, SPIDX, FK, V, HALL, SALL, PH, PS,
-    lam, F2, D, G, GS,
+    CNT, SPIDX, FK, V, HALL, SALL, PH, PS, NFOLD,
+    lam, F2, D, G, GS, HS,
     s_spi_c, s_spi_b, s_spi_h,
     s_fk_b, s_fk_h, s_fk_n,
     s_v_b, s_v_h, s_v_n,
@@ -879,15 +882,18 @@ def _ev_fold_kernel(
         sacc += tl.sum(fk.to(tl.float32), 0)
     # PH / PS: [B, Hq, F2, D] / [B, Hq, F2] contiguous, the running sum of the evicted pairs
     poff = (b * HQ + h) * F2 * D + offs_k[:, None] * D + offs_v[None, :]
+    # while no pair has been folded (every evicted pair is held exact) the state is exactly 0, as the sequential
+    # fold leaves it; P - sum(kept) would leave rounding noise there, and the SRE divides by phi(k) . s
+    folded = tl.load(NFOLD + b * HS + hs) > 0
     p = tl.load(PH + poff, mask=mkv, other=0.0) + tl.load(HALL + (c + 1) * s_ha_c + hoff, mask=mkv, other=0.0)
     tl.store(PH + poff, p, mask=mkv)
-    tl.store(HALL + (c + 1) * s_ha_c + hoff, p - hacc, mask=mkv)
+    tl.store(HALL + (c + 1) * s_ha_c + hoff, tl.where(folded, p - hacc, 0.0), mask=mkv)
     if pid_v == 0:
         soff = (b * HQ + h) * F2 + offs_k
         so = b * s_sa_b + h * s_sa_h + offs_k
         ps = tl.load(PS + soff, mask=mk, other=0.0) + tl.load(SALL + (c + 1) * s_sa_c + so, mask=mk, other=0.0)
         tl.store(PS + soff, ps, mask=mk)
-        tl.store(SALL + (c + 1) * s_sa_c + so, ps - sacc, mask=mk)
+        tl.store(SALL + (c + 1) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=mk)
 
 
 class PrefillEvictions:
@@ -919,6 +925,7 @@ class PrefillEvictions:
         # sparse set: the state after eviction c is every evicted pair not kept exact)
         self.PH = torch.zeros(B, Hq, F2, D, device=dev, dtype=torch.float32)
         self.PS = torch.zeros(B, Hq, F2, device=dev, dtype=torch.float32)
+        self.NFOLD = torch.zeros(B, sparse_heads, device=dev, dtype=torch.int32)  # pairs folded so far
         # SRE fp32-accurate: bf16 features as three bf16 tensor-core dots ("bf16x3"), else fp32 FMA ("ieee");
         # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (evals/results/lola-prefill-profile-tune.json)
         self.score_prec = TUNE["score_prec"] or _score_prec(fk)
@@ -969,7 +976,7 @@ class PrefillEvictions:
                                                        if TUNE["ev_score_stages"] else {}),
         )
         _ev_select_kernel[(self.B * self.Hs,)](
-            self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC,
+            self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.NFOLD,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
             HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None, RB=TUNE["ev_select_bits"] or 8,
@@ -979,8 +986,8 @@ class PrefillEvictions:
         blk = TUNE["ev_fold_block"] or 32
         BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
         _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
-            self.cnt, self.SPIDX, fk, v, self.H_all, self.s_all, self.PH, self.PS,
-            self.lam, F2, D, self.G, self.GS,
+            self.cnt, self.SPIDX, fk, v, self.H_all, self.s_all, self.PH, self.PS, self.NFOLD,
+            self.lam, F2, D, self.G, self.GS, self.Hs,
             *spi[:3], fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa,
             HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, _np2(self.lam)), BK=BK, BV=BV,
@@ -1006,7 +1013,7 @@ class PrefillEvictions:
         use_graph = graph and self.fk.is_cuda and self.n_ev >= 3 and not torch.cuda.is_current_stream_capturing()
         key = self._key() if use_graph else None
         done = 0
-        if not (use_graph and key in _WARM_EVICTIONS):
+        if not (use_graph and CAPTURE_FIRST and key in _WARM_EVICTIONS):
             self.step()
             done = 1
         g = None
@@ -1025,6 +1032,7 @@ class PrefillEvictions:
 
 
 _WARM_EVICTIONS: set = set()  # PrefillEvictions keys whose kernels have run once (compiled)
+CAPTURE_FIRST = True  # capture before any eager step once a configuration is warm
 _CAPTURE_STREAMS: dict = {}
 
 
