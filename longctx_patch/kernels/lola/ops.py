@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -146,10 +145,9 @@ def _select(scores, valid, lam):
     """The lam best valid candidates (`top`: indices and scores, sorted by score) and the fold weights `w`
     (1 for every other valid candidate, 0 otherwise), [B, Hs, Nc]."""
     scores = scores.masked_fill(~valid, float("-inf"))
-    values, indices = ref.top_lam(scores, min(lam, scores.shape[-1]))  # ties to the lowest index
-    top = SimpleNamespace(values=values, indices=indices)
+    top = ref.top_lam(scores, min(lam, scores.shape[-1]))  # ties to the lowest index
     w = valid.float()
-    w.scatter_(-1, indices, 0.0)
+    w.scatter_(-1, top.indices, 0.0)
     return w, top
 
 

@@ -17,6 +17,7 @@ Shapes (the convention of the whole package):
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import torch
 
@@ -250,13 +251,16 @@ def fold(fk, v, w, H, s):
     return H.float() + fkw.transpose(-1, -2) @ v.float(), s.float() + fkw.sum(2)
 
 
-def top_lam(scores, lam: int):
+TopLam = namedtuple("TopLam", ["values", "indices"])
+
+
+def top_lam(scores, lam: int) -> TopLam:
     """The lam highest scores along the last axis, sorted, ties to the lowest index (a stable sort:
     `torch.topk` leaves the order of equal scores to the device and build). Returns (values, indices).
     Equal SRE scores happen, e.g. for pairs with equal values while the state is still empty; every backend
     (this reference, the chunk loop, the radix select of the two-pass prefill) keeps the same pairs."""
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return vals[..., :lam], idx[..., :lam]
+    return TopLam(vals[..., :lam], idx[..., :lam])
 
 
 def select_and_fold(cand_k, cand_v, cand_fk, cand_valid, H, s, lam: int):
@@ -273,15 +277,15 @@ def select_and_fold(cand_k, cand_v, cand_fk, cand_valid, H, s, lam: int):
     Hq, Hs = cand_fk.shape[1], cand_k.shape[1]
     scores = group_sum(sre_scores(cand_fk, cand_v, H, s), Hs).masked_fill(~cand_valid, float("-inf"))
     lam_eff = min(lam, scores.shape[-1])
-    top_values, top_indices = top_lam(scores, lam_eff)
+    top = top_lam(scores, lam_eff)
     keep = torch.zeros_like(cand_valid)
-    keep.scatter_(-1, top_indices, True)
+    keep.scatter_(-1, top.indices, True)
     w = expand_kv((cand_valid & ~keep).float(), Hq)
     H2, s2 = fold(cand_fk, cand_v, w, H, s)
-    idx = top_indices
+    idx = top.indices
     gk = torch.gather(cand_k, 2, idx[..., None].expand(-1, -1, -1, cand_k.shape[-1]))
     gv = torch.gather(cand_v, 2, idx[..., None].expand(-1, -1, -1, cand_v.shape[-1]))
-    gsc = top_values
+    gsc = top.values
     if lam_eff < lam:  # pad to lam empty slots
         padn = lam - lam_eff
         gk = torch.nn.functional.pad(gk, (0, 0, 0, padn))

@@ -90,6 +90,25 @@ def _chunk_sums_kernel(
         tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1) * s_os_n + offs_k, sacc, mask=mk)
 
 
+def _range_sums(fk, v, km, H, S, n_slots: int, cs: int, off: int, h_strides, s_strides) -> None:
+    """Launch `_chunk_sums_kernel`: slot c + 1 of H / S (c < n_slots) = the sums over keys c*cs - off ..
+    (c+1)*cs - off - 1. h_strides = (batch, head, slot, feature) of H, s_strides = (batch, head, slot) of S;
+    km [B, N] int8 or None."""
+    B, Hq, N, F2 = fk.shape
+    D = v.shape[-1]
+    BK, BV = min(64, _np2(F2)), min(64, _np2(D))
+    NV = triton.cdiv(D, BV)
+    _chunk_sums_kernel[(B * Hq, n_slots, triton.cdiv(F2, BK) * NV)](
+        fk, v, km if km is not None else fk, H, S,
+        N, F2, D, Hq // v.shape[1], off,
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        km.stride(0) if km is not None else 0,
+        *h_strides, *s_strides,
+        HQ=Hq, CS=cs, BT=min(64, cs & -cs), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
+    )
+
+
 def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
     """Hs[:, :, n] = H0 + sum_{j < n * state_chunk} phi(k_j) v_j^T (fp32), n = 0 .. ceil(N / state_chunk) - 1.
 
@@ -99,7 +118,6 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
     """
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
-    G = Hq // v.shape[1]
     NS = max(1, math.ceil(N / state_chunk))
     Hs = torch.empty(B, Hq, NS, F2, D, device=fk.device, dtype=torch.float32)
     Ss = torch.empty(B, Hq, NS, F2, device=fk.device, dtype=torch.float32)
@@ -110,28 +128,28 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
         Hs[:, :, 0] = 0
         Ss[:, :, 0] = 0
     if NS > 1:
-        BK = min(64, _np2(F2))
-        BV = min(64, _np2(D))
-        BT = min(64, state_chunk)
-        NV = triton.cdiv(D, BV)
         km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-        grid = (B * Hq, NS - 1, triton.cdiv(F2, BK) * NV)
-        _chunk_sums_kernel[grid](
-            fk, v, km if km is not None else fk, Hs, Ss,
-            N, F2, D, G, 0,
-            fk.stride(0), fk.stride(1), fk.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            km.stride(0) if km is not None else 0,
-            Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
-            Ss.stride(0), Ss.stride(1), Ss.stride(2),
-            HQ=Hq, CS=state_chunk, BT=BT, BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
-        )
+        _range_sums(fk, v, km, Hs, Ss, NS - 1, state_chunk, 0,
+                    (Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3)),
+                    (Ss.stride(0), Ss.stride(1), Ss.stride(2)))
         Hs = torch.cumsum(Hs, dim=2)
         Ss = torch.cumsum(Ss, dim=2)
     return Hs, Ss
 
 
 # ------------------------------------------------------------------------------------------- hybrid forward
+@triton.jit
+def _online_block(sc, vals, m_i, l_e, acc_e, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of exact keys into the online softmax: sc [BM, BN] log2-scaled scores (-inf = masked; the
+    running max starts at -1e30, so a fully masked block adds 0), vals [BN, BD]. Returns (m_i, l_e, acc_e)."""
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    acc_e = acc_e * alpha[:, None] + _dot(p.to(vals.dtype), vals, PREC, UPCAST)
+    l_e = l_e * alpha + tl.sum(p, 1)
+    return m_new, l_e, acc_e
+
+
 @triton.jit
 def _hybrid_fwd_kernel(
     Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
@@ -209,12 +227,7 @@ def _hybrid_fwd_kernel(
                          + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
             sc = _dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(ml[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            acc_e = acc_e * alpha[:, None] + _dot(p.to(sv.dtype), sv, PREC, UPCAST)
-            l_e = l_e * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_e, acc_e = _online_block(sc, sv, m_i, l_e, acc_e, PREC, UPCAST)
 
     # 3. explicit keys: window softmax or linear by distance. A tile whose query-key distances all lie
     # beyond the window skips the softmax products, one whose distances all lie inside skips the linear ones
@@ -234,12 +247,7 @@ def _hybrid_fwd_kernel(
             win = (diff >= 0) & (diff < window) & mn[None, :]
             sc = _dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(win, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            acc_e = acc_e * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
-            l_e = l_e * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_e, acc_e = _online_block(sc, v, m_i, l_e, acc_e, PREC, UPCAST)
         if a0 + BM - 1 - n0 >= window:  # some pair beyond it
             fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
                          mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
@@ -929,27 +937,16 @@ class PrefillEvictions:
         # SRE fp32-accurate: bf16 features as three bf16 tensor-core dots ("bf16x3"), else fp32 FMA ("ieee");
         # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (evals/results/lola-prefill-profile-tune.json)
         self.score_prec = TUNE["score_prec"] or _score_prec(fk)
-        self._range_sums()
+        self._evicted_range_sums()
 
-    def _range_sums(self) -> None:
+    def _evicted_range_sums(self) -> None:
         """H_all[c + 1] / s_all[c + 1] = the sums over the pairs eviction c takes out of the window (positions
         c*C - W .. (c+1)*C - W - 1, those >= 0 and not padding), all evictions in one parallel launch."""
         if self.n_ev == 0:
             return
-        fk, v, km, H, s = self.fk, self.v, self.km, self.H_all, self.s_all
-        BK, BV = min(64, _np2(self.F2)), min(64, _np2(self.D))
-        NV = triton.cdiv(self.D, BV)
-        _chunk_sums_kernel[(self.B * self.Hq, self.n_ev, triton.cdiv(self.F2, BK) * NV)](
-            fk, v, km if km is not None else fk, H, s,
-            fk.shape[2], self.F2, self.D, self.G, self.W,
-            fk.stride(0), fk.stride(1), fk.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            km.stride(0) if km is not None else 0,
-            H.stride(1), H.stride(2), H.stride(0), H.stride(3),
-            s.stride(1), s.stride(2), s.stride(0),
-            HQ=self.Hq, CS=self.C, BT=min(64, self.C & -self.C), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None,
-            PREC=_prec(fk, v),
-        )
+        H, S = self.H_all, self.s_all
+        _range_sums(self.fk, self.v, self.km, H, S, self.n_ev, self.C, self.W,
+                    (H.stride(1), H.stride(2), H.stride(0), H.stride(3)), (S.stride(1), S.stride(2), S.stride(0)))
 
     def _common(self):
         km = self.km
@@ -975,12 +972,12 @@ class PrefillEvictions:
             num_warps=TUNE["ev_score_warps"] or 4, **({"num_stages": TUNE["ev_score_stages"]}
                                                        if TUNE["ev_score_stages"] else {}),
         )
+        rb = TUNE["ev_select_bits"] or 8
         _ev_select_kernel[(self.B * self.Hs,)](
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.NFOLD,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
-            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None, RB=TUNE["ev_select_bits"] or 8,
-            NBIN=1 << (TUNE["ev_select_bits"] or 8),
+            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None, RB=rb, NBIN=1 << rb,
             num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
