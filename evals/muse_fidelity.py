@@ -5,6 +5,8 @@ the MuSe reference for each configuration of a small grid. CPU is enough (the Tr
 same function from the same plan; tests/test_muse_kernels.py checks that).
 
     PYTHONPATH=. python evals/muse_fidelity.py --seq-len 2048 --out evals/results/muse-fidelity.json
+    PYTHONPATH=. python3 evals/muse_fidelity.py --device cuda --backend auto --model /tmp/smollm2.gguf \
+        --data .device-data --seq-len 65536 --grid '[{"block_size": 128}]'      # long contexts: Triton on a GPU
 """
 
 from __future__ import annotations
@@ -65,10 +67,17 @@ def main():
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
     ap.add_argument("--out", default="evals/results/muse-fidelity.json")
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
+    ap.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or directory (load_model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="torch",
+                    help="MuSe backend: torch (the dense reference: CPU, a few thousand tokens) or auto/triton (CUDA)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
+    model, tok = longctx_patch.load_model(args.model, dtype="float32", device=args.device)
     ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
+    if ids.shape[1] < args.seq_len:
+        sys.exit(f"the text under {args.data} has only {ids.shape[1]} tokens; --seq-len asks for {args.seq_len}")
+    ids = ids.to(model.device)
     qkv, scale = capture_qkv(model, ids)
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     rows = []
@@ -77,14 +86,15 @@ def main():
         for i in layers:
             q, k, v = qkv[i]
             ref = softmax_attention(q, k, v, scale=scale)
-            o = muse_attention(q, k, v, scale=scale, backend="torch", kmeans_iters=2, **cfg)
+            o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **cfg)
             errs.append(((o - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)
         print(f"{json.dumps(cfg):110s} mean {row['mean_rel_err']:.4f} max {row['max_rel_err']:.4f} "
               f"({time.time() - t0:.0f}s)", flush=True)
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
-    res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    res = dict(device=device, backend=args.backend, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
                layers=list(layers),
                model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",

@@ -64,12 +64,15 @@ def time_model(model, context: int, decode_tokens: int, repeats: int, vocab: int
         torch.cuda.reset_peak_memory_stats(device)
     prefill = []
     out = None
+    # like generate(): logits of the last position only (full-vocabulary logits of a long prompt would add
+    # the same large matmul and memory to every method)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad():
         for _ in range(repeats):
             out = None
             _sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True)
+            out = model(input_ids=ids, use_cache=True, **last)
             _sync(device)
             prefill.append(time.perf_counter() - t0)
         cache = out.past_key_values

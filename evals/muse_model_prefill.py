@@ -1,0 +1,54 @@
+"""Model-level prefill of a Llama-3.2-1B-shaped model with random weights: unpatched (sdpa) vs MuSe.
+
+The shape of the MuSe issue's model-level target (16 layers, hidden 2048, 32 query / 8 kv heads, head_dim 64,
+MLP 8192, vocabulary 128256), random weights (no checkpoint is needed for a timing), bf16, batch 1. Timed by
+`longctx_patch.evals.speed.run_speed` (median of `--repeats` prefills, last-position logits as in
+`generate()`); writes NAME.json and NAME.png.
+
+    PYTHONPATH=. python3 evals/muse_model_prefill.py --contexts 16k,64k --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from longctx_patch.evals.common import MethodRun, parse_sizes
+from longctx_patch.evals.speed import run_speed
+
+
+def llama_1b_shaped(device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                      rope_theta=500000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="16k,64k")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--muse", default="{}", help="MuSe config as JSON (default: the package defaults)")
+    ap.add_argument("--out-dir", default="evals/results")
+    ap.add_argument("--name", default="speed-llama-3.2-1b-shaped-muse")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (MuSe's Triton kernels; a 64k prefill of a 1B model)")
+    import json
+
+    model = llama_1b_shaped("cuda", torch.bfloat16)
+    runs = [MethodRun("none"), MethodRun("muse", json.loads(args.muse))]
+    run_speed((model, None), runs, contexts=parse_sizes(args.contexts), decode_tokens=0, repeats=args.repeats,
+              out_dir=args.out_dir, name=args.name, model_name="llama-3.2-1b-shaped-random",
+              command="PYTHONPATH=. python3 evals/muse_model_prefill.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
