@@ -20,11 +20,11 @@ from ..exact import key_mask_for, softmax_attention
 class MuseConfig(MethodConfig):
     block_size: int = option(128, "tokens per spatial block (exact causal attention inside a block); Triton: "
                              "power of two in 16..128", min=2)
-    q_clusters: int = option(8, "query clusters per block and query head (tilt centres of the summaries)", min=1)
+    q_clusters: int = option(16, "query clusters per block and query head (tilt centres of the summaries)", min=1)
     k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
-    topk_clusters: int = option(4, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
-    topk_blocks: int = option(2, "earlier blocks attended exactly per query cluster", min=0)
+    topk_clusters: int = option(8, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
+    topk_blocks: int = option(4, "earlier blocks attended exactly per query cluster", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
