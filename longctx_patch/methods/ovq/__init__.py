@@ -24,7 +24,7 @@ from ..base import Method, MethodConfig, PatchedAttention, option, register_meth
 
 @dataclass
 class OVQConfig(MethodConfig):
-    chunk_size: int = option(64, "tokens per chunk: exact causal attention inside a chunk, dictionary update after it", min=1)
+    chunk_size: int = option(512, "tokens per chunk: exact causal attention inside a chunk, dictionary update after it", min=1)
     max_centroids: int = option(1024, "maximum dictionary rows per key/value head (N)", min=1)
     growth: float = option(
         256.0,
