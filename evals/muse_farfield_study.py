@@ -66,8 +66,8 @@ def global_far_field(q, k, v, tau, *, L=128, local=1, Cq=64, Ck=64, iters=2, top
     far = ar[None, :] < (ar[:, None] - local)  # [n, m]
     R = torch.zeros(nb, Cq, nb, dtype=torch.bool)
     if topb > 0:
-        mass = A[..., 0].sum(-1).T  # [m, i]: exact tilted mass of block m
-        sc = torch.where(far[:, None, :], mass.T[None], torch.full((nb, Cq, nb), -1.0, dtype=A.dtype))
+        mass = A[..., 0].sum(-1)  # [i, m]: exact tilted mass of block m for query cluster i
+        sc = torch.where(far[:, None, :], mass[None], torch.full((nb, Cq, nb), -1.0, dtype=A.dtype))
         val, idx = sc.topk(min(topb, nb), -1)
         R.scatter_(-1, idx, val > 0)
     Fs = torch.einsum("nim,imjf->nijf", (far[:, None, :] & ~R).double(), A)  # far-field sums per (n, i, j)

@@ -97,7 +97,7 @@ def main():
     res = dict(device=device, backend=args.backend, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
                layers=list(layers),
-               model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
+               model=args.model, seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                results=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

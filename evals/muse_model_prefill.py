@@ -11,6 +11,7 @@ MLP 8192, vocabulary 128256), random weights (no checkpoint is needed for a timi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -41,8 +42,6 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (MuSe's Triton kernels; a 64k prefill of a 1B model)")
-    import json
-
     model = llama_1b_shaped("cuda", torch.bfloat16)
     runs = [MethodRun("none"), MethodRun("muse", json.loads(args.muse))]
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts), decode_tokens=0, repeats=args.repeats,
