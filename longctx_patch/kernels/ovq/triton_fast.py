@@ -16,7 +16,6 @@ Same maths as ``reference.update_state`` + ``reference.chunk_attention_ref``; se
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext as _nullctx
 
 import torch
 import triton
@@ -26,18 +25,6 @@ from .reference import OVQState, target_centroids
 from .triton_dict import _ovq_chunk_stats
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-# Run a chunk's assignment statistics (_ovq_chunk_stats + _ovq_rank, which only read the dictionary) on a side
-# stream, concurrently with the chunk's attention; _ovq_absorb waits for both. CUDA only; False: one stream.
-OVERLAP_ASSIGN = True
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device):
-    """One side stream per device, created on first use (normally an eager call before any graph capture)."""
-    key = torch.device(device).index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
 
 
 @triton.jit
@@ -330,29 +317,11 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if rows_out is not None:
         assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
-    # the side stream forks from the current one before each chunk's statistics (so they see the previous
-    # absorb) and joins it before the absorb: every iteration ends with one stream, so this is graph-capturable
-    side = _side_stream(kk.device) if (OVERLAP_ASSIGN and kk.is_cuda and q is not None and n_full > 0) else None
-    main = torch.cuda.current_stream(kk.device) if side is not None else None
     for t, s0 in enumerate(range(0, L, C)):
         e = min(s0 + C, L)
         qs = max(s0, off)
         n_dict = target_int(seen_bound, max_centroids, growth)
         kc, vc, xc = kk[:, :, s0:e], vv[:, :, s0:e], valid8[:, s0:e]
-        full = e - s0 == C
-        if full:
-            BM_st, nw_st = _blk(C)
-            ns = max(1, triton.cdiv(n_dict, R_st))
-            if side is not None:
-                side.wait_stream(main)
-            with torch.cuda.stream(side) if side is not None else _nullctx():
-                _ovq_chunk_stats[(triton.cdiv(C, BM_st), B * H, ns)](
-                    kc, KS, CNT, nact_t[t], pmax, pbest, pidx,
-                    kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                    CNT.stride(0), CNT.stride(1), C, H, R_st, D=D, BM=BM_st, BN=64, IEEE=exact_assign, UP=up,
-                    num_warps=nw_st)
-                _ovq_rank[(B * H, triton.cdiv(C, BI))](
-                    xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
         if e > qs and q is not None:
             qq, oo = q[:, :, qs - off:e - off], o[:, :, qs - off:e - off]
             M = e - qs
@@ -368,9 +337,16 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             BMc = 64 if M > 32 else (32 if M > 16 else 16)
             _ovq_combine[(triton.cdiv(M, BMc), B * HQ)](
                 pacc, pm, pl, oo, oo.stride(0), oo.stride(1), oo.stride(2), M, HQ, nsplit, DV=DV, BM=BMc)
-        if full:
-            if side is not None:
-                main.wait_stream(side)
+        if e - s0 == C:
+            BM, nw = _blk(C)
+            n_old = n_dict
+            ns = max(1, triton.cdiv(n_old, R_st))
+            _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
+                kc, KS, CNT, nact_t[t], pmax, pbest, pidx,
+                kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+                CNT.stride(0), CNT.stride(1), C, H, R_st, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up, num_warps=nw)
+            _ovq_rank[(B * H, triton.cdiv(C, BI))](
+                xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
             _ovq_absorb[(B * H, triton.cdiv(C, BI))](
                 kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
                 rows_out[t] if rows_out is not None else rank,
