@@ -294,7 +294,7 @@ def test_convert_lolcats_model_to_lola():
         convert_to_lola(tiny_model("llama"))
 
 
-def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model():
+def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model(monkeypatch):
     """Through a patched model (the path `generate()` and training evals take): the Triton backend's two-pass
     prefill against the torch backend's chunk loop, fp32, with a left-padded row. Layer 0 sees repeated
     tokens, i.e. equal values, while its linear state is still 0, so equal SRE scores occur (lambda holds two
@@ -308,16 +308,13 @@ def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model():
     cfg = dict(window=32, feature_dim=8, sparse_cache=32, chunk=16)
     calls = []
     real = lops._lola_parallel
+    monkeypatch.setattr(lops, "_lola_parallel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     logits = {}
     for backend in ("torch", "triton"):
         model = tiny_model("llama", num_hidden_layers=2)
         lp.patch(model, "lola", **cfg, backend=backend)
-        lops._lola_parallel = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        try:
-            with torch.no_grad():
-                logits[backend] = model(ids, attention_mask=am, use_cache=False).logits
-        finally:
-            lops._lola_parallel = real
+        with torch.no_grad():
+            logits[backend] = model(ids, attention_mask=am, use_cache=False).logits
     assert len(calls) == 2  # the two layers of the Triton model took the two-pass prefill
     m = am.bool()[:, :, None].expand_as(logits["torch"])
     torch.testing.assert_close(logits["triton"][m], logits["torch"][m], atol=1e-4, rtol=1e-4)
