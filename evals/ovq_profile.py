@@ -1,0 +1,108 @@
+"""Where the OVQ no-grad prefill spends its time: eager vs CUDA-graph time, host time to issue the
+launches, and GPU time per kernel (torch.profiler), at 64k tokens, beside SDPA-cuDNN in the same run.
+
+    PYTHONPATH=. python3 evals/ovq_profile.py [--out FILE] [--seq 65536]
+
+Writes a JSON with `device`, `date`, `commit`, `command` and one entry per configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from longctx_patch.evals.common import git_commit
+
+
+def _cudnn_ms(q, k, v) -> float:
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return tt.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="evals/results/ovq-profile.json")
+    ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--configs", default="32/8:1024:256:512,32/32:4096:1024:512,32/32:4096:256:512",
+                    help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
+    args = ap.parse_args()
+    import triton
+    import triton.testing as tt
+    from longctx_patch.kernels.ovq import ovq_attention
+
+    dev = "cuda"
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": git_commit(), "command": "PYTHONPATH=. python3 evals/ovq_profile.py "
+           + " ".join(sys.argv[1:]), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    S, D = args.seq, 64
+    for spec in args.configs.split(","):
+        heads, n, growth, c = spec.split(":")
+        hq, hk = (int(x) for x in heads.split("/"))
+        n, growth, c = int(n), float(growth), int(c)
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = F.normalize(torch.randn(1, hq, S, D, device=dev, generator=g), dim=-1).mul(12.0).bfloat16()
+        k = F.normalize(torch.randn(1, hk, S, D, device=dev, generator=g), dim=-1).bfloat16()
+        v = torch.randn(1, hk, S, D, device=dev, generator=g).bfloat16()
+        cudnn = _cudnn_ms(q, k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
+        kw = dict(chunk_size=c, max_centroids=n, growth=growth, backend="triton", exact_assign=False)
+
+        def run():
+            with torch.no_grad():
+                return ovq_attention(q, k, v, None, None, None, **kw)
+
+        run()
+        torch.cuda.synchronize()
+        eager = tt.do_bench(run, warmup=5, rep=100, return_mode="median")
+        # host time to issue one prefill (the GPU queue is drained first)
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graphed = tt.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+        del graph
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        per = defaultdict(lambda: [0.0, 0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name][0] += e.device_time / 1e3
+                per[e.name][1] += 1
+        kernels = sorted(({"kernel": k_[:60], "ms": round(v_[0], 3), "count": v_[1]} for k_, v_ in per.items()),
+                         key=lambda r: -r["ms"])
+        row = {"Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n, "growth": growth, "chunk_size": c,
+               "cudnn_ms": cudnn, "eager_ms": eager, "graph_ms": graphed, "host_issue_ms": min(host),
+               "gpu_kernel_ms": sum(r["ms"] for r in kernels), "kernels": kernels[:12],
+               "speedup_eager": cudnn / eager, "speedup_graph": cudnn / graphed}
+        res["rows"].append(row)
+        print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "kernels"}), flush=True)
+        for r in kernels[:8]:
+            print("   ", r, flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
