@@ -153,10 +153,18 @@ def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype, split, monk
                                            valid[:, t:t + 1], backend="triton", exact_assign=True,
                                            seen_bound=sb2, **kw)
             outs.append(o)
+        # two prefills split inside a chunk: the second starts with the open chunk's tail, then whole chunks
+        P2 = C + 3
+        o2a, st2, op2, sb3 = ovq_attention(q[:, :, :P2], k[:, :, :P2], v[:, :, :P2], None, None, valid[:, :P2],
+                                           backend="triton", exact_assign=True, **kw)
+        o2b, st2, op2, _ = ovq_attention(q[:, :, P2:], k[:, :, P2:], v[:, :, P2:], st2, op2, valid[:, P2:],
+                                         backend="triton", exact_assign=True, seen_bound=sb3, **kw)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     real = valid[:, None, :, None].expand_as(o_ref)
     assert _rel(o_fast[real], o_ref[real]) < tol
     assert _rel(torch.cat(outs, 2)[real], o_fast[real]) < tol
+    assert _rel(torch.cat([o2a, o2b], 2)[real], o_fast[real]) < tol
+    assert torch.equal(st2.counts, st_ref.counts)
     assert torch.equal(st_fast.counts, st_ref.counts) and torch.equal(st.counts, st_ref.counts)
     assert st_fast.n_active.tolist() == st_ref.n_active.tolist() and st_fast.seen.tolist() == st_ref.seen.tolist()
     torch.testing.assert_close(st_fast.key_sums, st_ref.key_sums, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..graphs import capture_graph  # noqa: F401 - used by ops and PrefillEvictions
 from .reference import feature_rows
 
 LOG2E = 1.4426950408889634
@@ -1016,7 +1017,7 @@ class PrefillEvictions:
         g = None
         if use_graph:
             try:
-                g, _ = capture_graph(self.step)
+                g, _ = capture_graph(self.step, self.fk.device)
                 _WARM_EVICTIONS.add(key)
             except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
                 g = None
@@ -1030,32 +1031,6 @@ class PrefillEvictions:
 
 _WARM_EVICTIONS: set = set()  # PrefillEvictions keys whose kernels have run once (compiled)
 CAPTURE_FIRST = True  # capture before any eager step once a configuration is warm
-_CAPTURE_STREAMS: dict = {}
-
-
-def capture_graph(fn):
-    """Capture the GPU work of fn() in a CUDA graph; returns (graph, fn's result). Unlike the
-    `torch.cuda.graph` context this does not synchronize the device, run `gc.collect()` or empty the
-    allocator cache first: those cost a prefill about 0.3 ms of idle GPU per capture. The capture runs on a
-    side stream that first waits for the current one; the current stream then waits for it. Allocations
-    inside fn come from the graph's private pool, as with the context."""
-    dev = torch.cuda.current_device()
-    side = _CAPTURE_STREAMS.get(dev)
-    if side is None:
-        side = _CAPTURE_STREAMS[dev] = torch.cuda.Stream(dev)
-    cur = torch.cuda.current_stream(dev)
-    side.wait_stream(cur)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        g.capture_begin()
-        try:
-            out = fn()
-        finally:
-            g.capture_end()
-    cur.wait_stream(side)
-    return g, out
-
-
 @triton.jit
 def _local_states_kernel(
     FK, V, KM, HALL, SALL, HS, SS,

@@ -23,16 +23,22 @@ _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX,
+def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR,
                      skb, skh, skc, sdb, sdh, sdn, scb, sch,
-                     C, H, ROWS,
+                     C, H, ROWS, NB,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                     UP: tl.constexpr):
+                     UP: tl.constexpr, DEV_T: tl.constexpr = False):
+    """DEV_T: the chunk is number ``t = *TPTR`` of a run of whole chunks (K at the run's first chunk, NACT a
+    ``[T, NB]`` table)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)  # split of the dictionary rows: [pid_p * ROWS, (pid_p + 1) * ROWS)
     b = pid_bh // H
     h = pid_bh % H
+    if DEV_T:
+        t = tl.load(TPTR)
+        K += t * C * skc
+        NACT += t * NB
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < C
@@ -89,8 +95,8 @@ def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Te
     BM = 16 if C <= 16 else (32 if C <= 32 else 64)
     BN = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, 1)](
-        k, dict_keys, counts, nact, maxdot, best, idx,
+        k, dict_keys, counts, nact, maxdot, best, idx, nact,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
         counts.stride(0), counts.stride(1),
-        C, H, 1 << 30, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
+        C, H, 1 << 30, B, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
     return maxdot, best, idx

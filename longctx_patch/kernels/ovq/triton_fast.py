@@ -25,6 +25,7 @@ from .reference import OVQState, target_centroids
 from .triton_dict import _ovq_chunk_stats
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured CUDA graph (host-bound otherwise)
 
 
 @triton.jit
@@ -36,20 +37,30 @@ def _mm(a, b, UP: tl.constexpr):
 
 
 @triton.jit
-def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL,
+def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
                    sqb, sqh, sqm, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                    skb, skh, skn, svb, svh, svn, sxb,
-                   M, LC, n_dict, q_off, HQ, G, ROWS, NSPLIT,
-                   D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+                   M, LC, n_dict, q_off, HQ, G, ROWS, NSPLIT, NB,
+                   D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
+                   DEV_T: tl.constexpr):
     """Partial softmax of one block of queries over one split: dictionary rows
     [p * ROWS, (p + 1) * ROWS) for p < NSPLIT - 1, the chunk's own keys for p == NSPLIT - 1.
-    Writes the unnormalised accumulator, running max (log2 units) and sum to PACC / PM / PL."""
+    Writes the unnormalised accumulator, running max (log2 units) and sum to PACC / PM / PL.
+    DEV_T: the chunk is number ``t = *TPTR`` of a run of whole chunks (Q, KC, VC, VALID point at the run's
+    first chunk; M == LC == the chunk size) and its dictionary has ``NACT[t * NB + b]`` rows (``n_dict`` unused)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
+    if DEV_T:
+        t = tl.load(TPTR)
+        n_dict = tl.load(NACT + t * NB + b)
+        Q += t * M * sqm
+        KC += t * LC * skn
+        VC += t * LC * svn
+        VALID += t * LC
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
@@ -109,7 +120,11 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL,
 
 
 @triton.jit
-def _ovq_combine(PACC, PM, PL, O, sob, soh, som, M, HQ, NSPLIT, DV: tl.constexpr, BM: tl.constexpr):
+def _ovq_combine(PACC, PM, PL, O, TPTR, sob, soh, som, M, HQ, NSPLIT, DV: tl.constexpr, BM: tl.constexpr,
+                 DEV_T: tl.constexpr):
+    """Merges the NSPLIT partial softmaxes of ``_ovq_fwd_split`` into O (DEV_T: chunk ``*TPTR`` of the run)."""
+    if DEV_T:
+        O += tl.load(TPTR) * M * som
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
@@ -135,12 +150,18 @@ def _ovq_combine(PACC, PM, PL, O, sob, soh, som, M, HQ, NSPLIT, DV: tl.constexpr
 
 
 @triton.jit
-def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, sxb, C, H, NSPLIT, BI: tl.constexpr):
+def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, H, NSPLIT, NB, BI: tl.constexpr,
+              DEV_T: tl.constexpr):
     """Reduce the row-split statistics of a block of tokens; rank them by spread score (smallest max
-    dot product with the old rows first, ties by position) while the dictionary grows."""
+    dot product with the old rows first, ties by position) while the dictionary grows.
+    DEV_T: chunk ``t = *TPTR`` of a run (VALID at its first chunk, NNEW a ``[T, NB]`` table)."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = pid // H
+    if DEV_T:
+        t = tl.load(TPTR)
+        VALID += t * C
+        NNEW += t * NB
     BH = tl.num_programs(0)
     n_new = tl.load(NNEW + b)
     oi = pid_i * BI + tl.arange(0, BI)
@@ -176,19 +197,29 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, sxb, C, H, NSP
 
 
 @triton.jit
-def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT,
+def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT, TPTR,
                 skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
-                C, H,
+                C, H, NB,
                 D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr,
-                ASSIGN_ONLY: tl.constexpr, STORE_ROWS: tl.constexpr):
+                ASSIGN_ONLY: tl.constexpr, STORE_ROWS: tl.constexpr, DEV_T: tl.constexpr):
     """Row of every token of a block (new row if selected, else the nearest among old and new rows),
     then atomic adds of its key, value and 1 into that row: each token touches one row.
     ASSIGN_ONLY: write the rows (-1 for padding) to ROW_OUT ``[B * H, C]`` instead (training path);
-    STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass)."""
+    STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass).
+    DEV_T: chunk ``t = *TPTR`` of a run (KC, VC, VALID at its first chunk; NNEW, NACT ``[T, NB]`` tables;
+    ROW_OUT ``[T, NB * H, C]``)."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
+    if DEV_T:
+        t = tl.load(TPTR)
+        KC += t * C * skn
+        VC += t * C * svn
+        VALID += t * C
+        NNEW += t * NB
+        NACT += t * NB
+        ROW_OUT += t * NB * H * C
     n_new = tl.load(NNEW + b)
     n_act = tl.load(NACT + b)
     offs_d = tl.arange(0, D)
@@ -317,44 +348,86 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if rows_out is not None:
         assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
-    for t, s0 in enumerate(range(0, L, C)):
-        e = min(s0 + C, L)
+    ctr = torch.zeros(1, device=kk.device, dtype=torch.int32)  # chunk index of a run (DEV_T launches)
+
+    def launch(t, n_dict, nsplit, ns, dev_t):
+        """The kernels of one chunk. dev_t False: chunk t, pointers sliced on the host. dev_t True: chunk
+        t0 + *ctr of the run of whole chunks that starts at chunk t (= t0), the pointers at that chunk; the
+        grids are sized for the run's largest dictionary (nsplit, ns) and the kernels read each chunk's
+        dictionary size from the tables."""
+        s0 = t * C
+        e = min(s0 + C, L) if not dev_t else s0 + C
         qs = max(s0, off)
-        n_dict = target_int(seen_bound, max_centroids, growth)
-        kc, vc, xc = kk[:, :, s0:e], vv[:, :, s0:e], valid8[:, s0:e]
+        kc, vc, xc = kk[:, :, s0:], vv[:, :, s0:], valid8[:, s0:]
+        LC = e - s0
+        full = LC == C
         if e > qs and q is not None:
-            qq, oo = q[:, :, qs - off:e - off], o[:, :, qs - off:e - off]
+            qq, oo = q[:, :, qs - off:], o[:, :, qs - off:]
             M = e - qs
             BM, nw = _blk(M)
-            nsplit = triton.cdiv(n_dict, R_att) + 1
             _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
-                qq, KS, VS, CNT, kc, vc, xc, pacc, pm, pl,
+                qq, KS, VS, CNT, kc, vc, xc, pacc, pm, pl, ctr, nact_t[t:] if full else ctr,
                 qq.stride(0), qq.stride(1), qq.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
                 VS.stride(0), VS.stride(1), VS.stride(2), CNT.stride(0), CNT.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-                xc.stride(0), M, e - s0, n_dict, qs - s0, HQ, G, R_att, nsplit,
-                D=D, DV=DV, BM=BM, BN=64, UP=up, num_warps=nw)
+                xc.stride(0), M, LC, n_dict, qs - s0, HQ, G, R_att, nsplit, B,
+                D=D, DV=DV, BM=BM, BN=64, UP=up, DEV_T=dev_t, num_warps=nw)
             BMc = 64 if M > 32 else (32 if M > 16 else 16)
             _ovq_combine[(triton.cdiv(M, BMc), B * HQ)](
-                pacc, pm, pl, oo, oo.stride(0), oo.stride(1), oo.stride(2), M, HQ, nsplit, DV=DV, BM=BMc)
-        if e - s0 == C:
+                pacc, pm, pl, oo, ctr, oo.stride(0), oo.stride(1), oo.stride(2), M, HQ, nsplit, DV=DV, BM=BMc,
+                DEV_T=dev_t)
+        if full:
             BM, nw = _blk(C)
-            n_old = n_dict
-            ns = max(1, triton.cdiv(n_old, R_st))
             _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
-                kc, KS, CNT, nact_t[t], pmax, pbest, pidx,
+                kc, KS, CNT, nact_t[t:], pmax, pbest, pidx, ctr,
                 kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, R_st, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up, num_warps=nw)
+                CNT.stride(0), CNT.stride(1), C, H, R_st, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up,
+                DEV_T=dev_t, num_warps=nw)
             _ovq_rank[(B * H, triton.cdiv(C, BI))](
-                xc, pmax, pbest, pidx, nnew_t[t], best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
+                xc, pmax, pbest, pidx, nnew_t[t:], best, idx, rank, ctr, xc.stride(0), C, H, ns, B, BI=BI,
+                DEV_T=dev_t)
             _ovq_absorb[(B * H, triton.cdiv(C, BI))](
-                kc, vc, xc, best, idx, nnew_t[t], nact_t[t], rank, KS, VS, CNT,
-                rows_out[t] if rows_out is not None else rank,
+                kc, vc, xc, best, idx, nnew_t[t:], nact_t[t:], rank, KS, VS, CNT,
+                rows_out[t:] if rows_out is not None else rank, ctr,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
                 KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, D=D, DV=DV, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=False,
-                STORE_ROWS=rows_out is not None, num_warps=4)
+                CNT.stride(0), CNT.stride(1), C, H, B, D=D, DV=DV, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=False,
+                STORE_ROWS=rows_out is not None, DEV_T=dev_t, num_warps=4)
+        if dev_t:
+            ctr.add_(1)
+
+    def one(t):  # a chunk on its own (host-side pointers and sizes)
+        nonlocal seen_bound
+        n_dict = target_int(seen_bound, max_centroids, growth)
+        launch(t, n_dict, triton.cdiv(n_dict, R_att) + 1, max(1, triton.cdiv(n_dict, R_st)) if n_full else 1, False)
+        if (t + 1) * C <= L:
             seen_bound += C
+
+    # whole chunks whose queries all are new tokens run as one run (DEV_T); the chunk holding the open chunk's
+    # tail (queries start inside it) and the last, incomplete chunk run on their own
+    t_a, n_chunks = -(-off // C), -(-L // C)
+    for t in range(0, min(t_a, n_chunks)):
+        one(t)
+    n_run = n_full - t_a
+    if n_run > 0:
+        n_last = target_int(seen_bound + (n_run - 1) * C, max_centroids, growth)
+        args = (t_a, n_last, triton.cdiv(n_last, R_att) + 1, max(1, triton.cdiv(n_last, R_st)), True)
+        launch(*args)
+        graph = None
+        if GRAPH_RUNS and kk.is_cuda and n_run >= 3 and not torch.cuda.is_current_stream_capturing():
+            from ..graphs import capture_graph
+            try:
+                graph, _ = capture_graph(lambda: launch(*args), kk.device)
+            except Exception:  # noqa: BLE001 - the graph is an optimisation; launch eagerly instead
+                graph = None
+        for _ in range(n_run - 1):
+            if graph is not None:
+                graph.replay()
+            else:
+                launch(*args)
+        seen_bound += n_run * C
+    for t in range(max(t_a, n_full), n_chunks):
+        one(t)
     if n_full > 0:
         seen = state.seen + m.sum(1)
         state = OVQState(KS, VS, CNT, target_centroids(seen, max_centroids, growth), seen)
@@ -382,13 +455,16 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     BM, nw = _blk(C)
     BI = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
-        k, KS, CNT, nact, pmax, pbest, pidx,
+        k, KS, CNT, nact, pmax, pbest, pidx, nact,
         k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, R, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=_INTERP, num_warps=nw)
-    _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, xc.stride(0), C, H, ns, BI=BI)
+        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=_INTERP, DEV_T=False,
+        num_warps=nw)
+    _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, nact, xc.stride(0), C, H, ns,
+                                           B, BI=BI, DEV_T=False)
     _ovq_absorb[(B * H, triton.cdiv(C, BI))](
-        k, k, xc, best, idx, nnew, nact, rank, KS, KS, CNT, rows,
+        k, k, xc, best, idx, nnew, nact, rank, KS, KS, CNT, rows, nact,
         k.stride(0), k.stride(1), k.stride(2), k.stride(0), k.stride(1), k.stride(2), xc.stride(0),
         KS.stride(0), KS.stride(1), KS.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, D=D, DV=D, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=True, STORE_ROWS=False, num_warps=4)
+        CNT.stride(0), CNT.stride(1), C, H, B, D=D, DV=D, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=True,
+        STORE_ROWS=False, DEV_T=False, num_warps=4)
     return rows
