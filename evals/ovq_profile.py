@@ -59,8 +59,13 @@ def _checks() -> dict:
                                                    "key_sums_rel": _rel(st.key_sums, st_ref.key_sums)}
         triton_fast.GRAPH_RUNS = True
         qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        o_b, *_ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
+        o_b, st_b, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
         out["bf16_default_assign_o_rel"] = _rel(o_b[m].float(), o_ref[m])
+        triton_fast.MEAN_FORM = False  # the same with the dictionary read in its sum form
+        o_s, st_s, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
+        triton_fast.MEAN_FORM = True
+        out["bf16_mean_form_vs_sum_form"] = {"o_rel": _rel(o_b[m].float(), o_s[m].float()),
+                                             "counts_equal": bool(torch.equal(st_b.counts, st_s.counts))}
     return out
 
 
@@ -70,6 +75,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--configs", default="32/8:1024:256:512,32/32:4096:1024:512,32/32:4096:256:512",
                     help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
+    ap.add_argument("--variants", default="default",
+                    help="semicolon-separated NAME[:KEY=VALUE,...]; KEY is an environment variable read by the kernels "
+                         "(LONGCTX_OVQ_BLOCK_N, LONGCTX_OVQ_SPLIT_ROWS, LONGCTX_OVQ_BLOCK_M) or a switch of "
+                         "triton_fast (MEAN_FORM, GRAPH_RUNS: 0/1)")
     args = ap.parse_args()
     import triton
     import triton.testing as tt
@@ -82,7 +91,19 @@ def main() -> None:
     res["checks"] = _checks()
     print("checks", json.dumps(res["checks"]), flush=True)
     S, D = args.seq, 64
-    for spec in args.configs.split(","):
+    from longctx_patch.kernels.ovq import triton_fast
+
+    variants = []
+    for item in args.variants.split(";"):
+        name, _, kv = item.partition(":")
+        variants.append((name, dict(x.split("=", 1) for x in kv.split(",") if x)))
+    for spec, (vname, vset) in [(c, v) for c in args.configs.split(",") for v in variants]:
+        saved_env = {k_: os.environ.get(k_) for k_ in vset if k_.startswith("LONGCTX_")}
+        for k_, v_ in vset.items():
+            if k_.startswith("LONGCTX_"):
+                os.environ[k_] = v_
+            else:
+                setattr(triton_fast, k_, bool(int(v_)))
         heads, n, growth, c = spec.split(":")
         hq, hk = (int(x) for x in heads.split("/"))
         n, growth, c = int(n), float(growth), int(c)
@@ -128,7 +149,13 @@ def main() -> None:
                 per[e.name][1] += 1
         kernels = sorted(({"kernel": k_[:60], "ms": round(v_[0], 3), "count": v_[1]} for k_, v_ in per.items()),
                          key=lambda r: -r["ms"])
-        row = {"Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n, "growth": growth, "chunk_size": c,
+        for k_, v_ in saved_env.items():
+            if v_ is None:
+                os.environ.pop(k_, None)
+            else:
+                os.environ[k_] = v_
+        triton_fast.MEAN_FORM, triton_fast.GRAPH_RUNS = True, True
+        row = {"variant": vname, "settings": vset, "Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n, "growth": growth, "chunk_size": c,
                "cudnn_ms": cudnn, "eager_ms": eager, "graph_ms": graphed, "host_issue_ms": min(host),
                "gpu_kernel_ms": sum(r["ms"] for r in kernels), "kernels": kernels[:12],
                "speedup_eager": cudnn / eager, "speedup_graph": cudnn / graphed}

@@ -133,14 +133,14 @@ CASES.update({
 
 # OVQ (resolve_backend: head_dim * itemsize <= 256 bytes): bf16 up to D = 128 (below), fp32 up to D = 64.
 CASES.update({
-    "ovq_fwd_split_fp32_D64_BM128": (of._ovq_fwd_split, dict(D=64, DV=64, BM=128, BN=64, DEV_T=True),
+    "ovq_fwd_split_fp32_D64_BM128": (of._ovq_fwd_split, dict(D=64, DV=64, BM=128, BN=64, DEV_T=True, MEAN=False),
                                      f32("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32,
                                          PL=F32, TPTR=I32, NACT=I32), {"num_warps": 8}),
 })
 
 # OVQ: chunk attention (training, _blocks: BM = BN = 64, default warps/stages, fp32 O), the fused no-grad path
 # at chunk 512 (_blk: BM 128 / 8 warps; decode BM 16 / 4 warps) and its assignment kernels (exact_assign -> IEEE).
-OVQ_STATS = bf16("K", DK=F32, CNT=F32, NACT=I32, MAXDOT=F32, BEST=F32, IDX=I64, TPTR=I32)
+OVQ_STATS = bf16("K", DK=F32, CNT=F32, NACT=I32, MAXDOT=F32, BEST=F32, IDX=I64, TPTR=I32, KH=F32)
 for D in (64, 128):
     CASES.update({
         f"ovq_attn_fwd_D{D}": (oa._ovq_attn_fwd, dict(D=D, DV=D, BM=64, BN=64),
@@ -149,21 +149,34 @@ for D in (64, 128):
                                   bf16("Q", "K", "V", "DO", "DQ", BIAS=F32, LSE=F32, DELTA=F32), {}),
         f"ovq_attn_bwd_dkdv_D{D}": (oa._ovq_attn_bwd_dkdv, dict(D=D, DV=D, BM=64, BN=64),
                                     bf16("Q", "K", "V", "DO", "DK", "DV_", BIAS=F32, LSE=F32, DELTA=F32), {}),
-        f"ovq_fwd_split_D{D}_BM128": (of._ovq_fwd_split, dict(D=D, DV=D, BM=128, BN=64, DEV_T=True),
+        f"ovq_fwd_split_D{D}_BM128": (of._ovq_fwd_split, dict(D=D, DV=D, BM=128, BN=64, DEV_T=True, MEAN=False),
                                       bf16("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32,
                                            PL=F32, TPTR=I32, NACT=I32), {"num_warps": 8}),
-        f"ovq_chunk_stats_D{D}_ieee": (od._ovq_chunk_stats, dict(D=D, BM=128, BN=64, IEEE=True, DEV_T=True), OVQ_STATS,
+        f"ovq_chunk_stats_D{D}_ieee": (od._ovq_chunk_stats, dict(D=D, BM=128, BN=64, IEEE=True, DEV_T=True, MEAN=False), OVQ_STATS,
                                        {"num_warps": 8}),
     })
 CASES.update({
-    "ovq_fwd_split_D64_BM16": (of._ovq_fwd_split, dict(D=64, DV=64, BM=16, BN=64, DEV_T=False),
+    "ovq_fwd_split_D64_BM16": (of._ovq_fwd_split, dict(D=64, DV=64, BM=16, BN=64, DEV_T=False, MEAN=False),
                                bf16("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32, PL=F32,
                                     TPTR=I32, NACT=I32), {"num_warps": 4}),
+    "ovq_fwd_split_mean_D64_BN128": (of._ovq_fwd_split, dict(D=64, DV=64, BM=128, BN=128, DEV_T=True, MEAN=True),
+                                     bf16("Q", "KC", "VC", "KS", "VS", CNT=F32, VALID=I8, PACC=F32, PM=F32, PL=F32,
+                                          TPTR=I32, NACT=I32), {"num_warps": 8}),
+    "ovq_fwd_split_mean_D128": (of._ovq_fwd_split, dict(D=128, DV=128, BM=128, BN=64, DEV_T=True, MEAN=True),
+                                bf16("Q", "KC", "VC", "KS", "VS", CNT=F32, VALID=I8, PACC=F32, PM=F32, PL=F32,
+                                     TPTR=I32, NACT=I32), {"num_warps": 8}),
+    "ovq_chunk_stats_mean_D128": (od._ovq_chunk_stats, dict(D=128, BM=128, BN=64, IEEE=False, DEV_T=True, MEAN=True),
+                                  bf16("K", "DK", CNT=F32, NACT=I32, MAXDOT=F32, BEST=F32, IDX=I64, TPTR=I32, KH=F32),
+                                  {"num_warps": 8}),
+    "ovq_means_rows_D128": (of._ovq_means, dict(D=128, DV=128, BI=64, FROM_ROWS=True, DEV_T=True, ROW_T=False),
+                            bf16("KM", "VM", ROWS=I64, KS=F32, VS=F32, CNT=F32, KH=F32, TPTR=I32), {}),
+    "ovq_means_all_fp32_D64": (of._ovq_means, dict(D=64, DV=64, BI=64, FROM_ROWS=False, DEV_T=False, ROW_T=False),
+                               dict(KM=F32, VM=F32, ROWS=I64, KS=F32, VS=F32, CNT=F32, KH=F32, TPTR=I32), {}),
     "ovq_combine_D64": (of._ovq_combine, dict(DV=64, BM=64, DEV_T=True), bf16("O", PACC=F32, PM=F32, PL=F32, TPTR=I32),
                         {}),
-    "ovq_chunk_stats_D64_bf16": (od._ovq_chunk_stats, dict(D=64, BM=128, BN=64, IEEE=False, DEV_T=True), OVQ_STATS,
+    "ovq_chunk_stats_D64_bf16": (od._ovq_chunk_stats, dict(D=64, BM=128, BN=64, IEEE=False, DEV_T=True, MEAN=False), OVQ_STATS,
                                  {"num_warps": 8}),
-    "ovq_chunk_stats_D64_BM64": (od._ovq_chunk_stats, dict(D=64, BM=64, BN=64, IEEE=True, DEV_T=False), OVQ_STATS,
+    "ovq_chunk_stats_D64_BM64": (od._ovq_chunk_stats, dict(D=64, BM=64, BN=64, IEEE=True, DEV_T=False, MEAN=False), OVQ_STATS,
                                  {}),
     "ovq_rank": (of._ovq_rank, dict(BI=64, DEV_T=True),
                  dict(VALID=I8, PMAXDOT=F32, PBEST=F32, PIDX=I64, NNEW=I32, BEST=F32, IDX=I64, RANK=I32, TPTR=I32),
@@ -174,7 +187,8 @@ CASES.update({
 for ieee in (True, False):
     for mode, ao, sr in (("infer", False, False), ("store_rows", False, True), ("assign_only", True, False)):
         CASES[f"ovq_absorb_{mode}_D64_{'ieee' if ieee else 'bf16'}"] = (
-            of._ovq_absorb, dict(D=64, DV=64, BI=64, IEEE=ieee, ASSIGN_ONLY=ao, STORE_ROWS=sr, DEV_T=not ao),
+            of._ovq_absorb, dict(D=64, DV=64, BI=64, IEEE=ieee, ASSIGN_ONLY=ao, STORE_ROWS=sr, DEV_T=not ao,
+                               ROW_T=sr),
             bf16("KC", "VC", VALID=I8, BEST=F32, IDX=I64, NNEW=I32, NACT=I32, RANK=I32, KS=F32, VS=F32, CNT=F32,
                  ROW_OUT=I64 if ao or sr else I32, TPTR=I32), {"num_warps": 4})
 

@@ -208,3 +208,32 @@ def test_parallel_training_path_triton_from_a_state():
     from test_ovq import _parallel_vs_loop
 
     _parallel_vs_loop("triton", 37, 16, 24, 4.0, with_state=True, seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mean_form_equals_sum_form(dtype, monkeypatch):
+    """Runs of chunks with bf16 assignment read row means kept beside the sums (MEAN_FORM): same rows, same
+    output as reading the sums; batch with padding, GQA, growth, a second call that starts inside a chunk."""
+    from longctx_patch.kernels.ovq import triton_fast
+
+    g = torch.Generator().manual_seed(5)
+    B, Hq, H, S, C, D = 2, 4, 2, 61, 8, 16
+    q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).to(dtype)
+    k = F.normalize(torch.randn(B, H, S, D, generator=g), dim=-1).to(dtype)
+    v = torch.randn(B, H, S, D, generator=g).to(dtype)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :6] = False
+    kw = dict(chunk_size=C, max_centroids=20, growth=6.0, backend="triton", exact_assign=False)
+    runs = {}
+    for mean in (True, False):
+        monkeypatch.setattr(triton_fast, "MEAN_FORM", mean)
+        with torch.no_grad():
+            o1, st, op, sb = ovq_attention(q[:, :, :21], k[:, :, :21], v[:, :, :21], None, None, valid[:, :21], **kw)
+            o2, st, op, _ = ovq_attention(q[:, :, 21:], k[:, :, 21:], v[:, :, 21:], st, op, valid[:, 21:],
+                                          seen_bound=sb, **kw)
+        runs[mean] = (torch.cat([o1, o2], 2), st)
+    (o_m, st_m), (o_s, st_s) = runs[True], runs[False]
+    assert torch.equal(st_m.counts, st_s.counts)
+    torch.testing.assert_close(st_m.key_sums, st_s.key_sums, atol=1e-5, rtol=1e-5)
+    real = valid[:, None, :, None].expand_as(o_m)
+    assert _rel(o_m[real].float(), o_s[real].float()) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -23,13 +23,14 @@ _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR,
+def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR, KH,
                      skb, skh, skc, sdb, sdh, sdn, scb, sch,
                      C, H, ROWS, NB,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                     UP: tl.constexpr, DEV_T: tl.constexpr = False):
+                     UP: tl.constexpr, DEV_T: tl.constexpr = False, MEAN: tl.constexpr = False):
     """DEV_T: the chunk is number ``t = *TPTR`` of a run of whole chunks (K at the run's first chunk, NACT a
-    ``[T, NB]`` table)."""
+    ``[T, NB]`` table). MEAN (bf16 dot products only): DK holds the row means (``triton_fast._ovq_means``) and
+    KH their halved squared norms, laid out as CNT."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)  # split of the dictionary rows: [pid_p * ROWS, (pid_p + 1) * ROWS)
@@ -52,19 +53,26 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR,
     for start in range(pid_p * ROWS, n_act, BN):
         offs_n = start + tl.arange(0, BN)
         act = offs_n < n_act
-        d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0).to(tl.float32)
-        cnt = tl.load(CNT + b * scb + h * sch + offs_n, mask=act, other=1.0)
-        d = d / tl.maximum(cnt, 1.0)[:, None]
+        if MEAN:  # the host sets MEAN only with bf16 dot products (IEEE false)
+            d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0)
+            half_sq = tl.load(KH + b * scb + h * sch + offs_n, mask=act, other=0.0)
+        else:
+            d = tl.load(dbase + offs_n[:, None] * sdn + offs_d[None, :], mask=act[:, None], other=0.0).to(tl.float32)
+            cnt = tl.load(CNT + b * scb + h * sch + offs_n, mask=act, other=1.0)
+            if IEEE:
+                d = d / tl.maximum(cnt, 1.0)[:, None]
+            else:  # as the mean form's means (triton_fast._ovq_means): the same bf16 operands
+                d = d * (1.0 / tl.maximum(cnt, 1.0))[:, None]
+            half_sq = 0.5 * tl.sum(d * d, 1)
         if IEEE:
             dots = tl.dot(k, tl.trans(d), input_precision="ieee")
         elif UP:  # CPU interpreter: its bf16 dot is wrong, emulate with bf16-rounded float32 operands
             dots = tl.dot(k.to(tl.bfloat16).to(tl.float32), tl.trans(d.to(tl.bfloat16).to(tl.float32)))
         else:
             dots = tl.dot(k.to(tl.bfloat16), tl.trans(d.to(tl.bfloat16)))
-        sq = tl.sum(d * d, 1)
         dots = tl.where(act[None, :], dots, float("-inf"))
         maxdot = tl.maximum(maxdot, tl.max(dots, 1))
-        score = dots - 0.5 * sq[None, :]
+        score = dots - half_sq[None, :]
         blk_best = tl.max(score, 1)
         blk_idx = tl.argmax(score, 1, tie_break_left=True).to(tl.int64) + start
         upd = blk_best > best
@@ -95,7 +103,7 @@ def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Te
     BM = 16 if C <= 16 else (32 if C <= 32 else 64)
     BN = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, 1)](
-        k, dict_keys, counts, nact, maxdot, best, idx, nact,
+        k, dict_keys, counts, nact, maxdot, best, idx, nact, counts,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
         counts.stride(0), counts.stride(1),
         C, H, 1 << 30, B, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)

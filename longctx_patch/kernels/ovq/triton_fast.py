@@ -26,6 +26,7 @@ from .triton_dict import _ovq_chunk_stats
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured CUDA graph (host-bound otherwise)
+MEAN_FORM = True  # runs of chunks with bf16 assignment read row means kept beside the sums (see ovq_forward_fast)
 
 
 @triton.jit
@@ -42,12 +43,13 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
                    skb, skh, skn, svb, svh, svn, sxb,
                    M, LC, n_dict, q_off, HQ, G, ROWS, NSPLIT, NB,
                    D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
-                   DEV_T: tl.constexpr):
+                   DEV_T: tl.constexpr, MEAN: tl.constexpr = False):
     """Partial softmax of one block of queries over one split: dictionary rows
     [p * ROWS, (p + 1) * ROWS) for p < NSPLIT - 1, the chunk's own keys for p == NSPLIT - 1.
     Writes the unnormalised accumulator, running max (log2 units) and sum to PACC / PM / PL.
     DEV_T: the chunk is number ``t = *TPTR`` of a run of whole chunks (Q, KC, VC, VALID point at the run's
-    first chunk; M == LC == the chunk size) and its dictionary has ``NACT[t * NB + b]`` rows (``n_dict`` unused)."""
+    first chunk; M == LC == the chunk size) and its dictionary has ``NACT[t * NB + b]`` rows (``n_dict`` unused).
+    MEAN: KS / VS hold the row means in Q's dtype (``_ovq_means``) instead of the float32 sums."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -80,9 +82,13 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         offs_n = start + tl.arange(0, BN)
         in_n = offs_n < hi
         cnt = tl.load(cb + offs_n, mask=in_n, other=0.0)
-        inv = 1.0 / tl.maximum(cnt, 1.0)
-        ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
-        s = _mm(q, tl.trans((ks * inv[:, None]).to(q.dtype)), UP) * 1.4426950408889634
+        if MEAN:
+            ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
+            s = _mm(q, tl.trans(ks), UP) * 1.4426950408889634
+        else:
+            inv = 1.0 / tl.maximum(cnt, 1.0)
+            ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
+            s = _mm(q, tl.trans((ks * inv[:, None]).to(q.dtype)), UP) * 1.4426950408889634
         bias = tl.where(cnt > 0, tl.log2(tl.maximum(cnt, 1.0)), float("-inf"))
         s = s + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,7 +97,10 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         vs = tl.load(vsb + offs_n[:, None] * svdn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), UP)
+        if MEAN:
+            acc = acc * alpha[:, None] + _mm(p.to(q.dtype), vs, UP)
+        else:
+            acc = acc * alpha[:, None] + _mm(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), UP)
         m_i = m_new
     # -- the chunk's own keys, causal, key padding --
     chi = tl.where(is_chunk, tl.minimum((pid_m + 1) * BM + q_off, LC), 0)
@@ -201,13 +210,13 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
                 skb, skh, skn, svb, svh, svn, sxb, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                 C, H, NB,
                 D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, IEEE: tl.constexpr,
-                ASSIGN_ONLY: tl.constexpr, STORE_ROWS: tl.constexpr, DEV_T: tl.constexpr):
+                ASSIGN_ONLY: tl.constexpr, STORE_ROWS: tl.constexpr, DEV_T: tl.constexpr, ROW_T: tl.constexpr = True):
     """Row of every token of a block (new row if selected, else the nearest among old and new rows),
     then atomic adds of its key, value and 1 into that row: each token touches one row.
     ASSIGN_ONLY: write the rows (-1 for padding) to ROW_OUT ``[B * H, C]`` instead (training path);
     STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass).
     DEV_T: chunk ``t = *TPTR`` of a run (KC, VC, VALID at its first chunk; NNEW, NACT ``[T, NB]`` tables;
-    ROW_OUT ``[T, NB * H, C]``)."""
+    ROW_OUT ``[T, NB * H, C]``; ROW_T False: one chunk's ``[NB * H, C]`` scratch, the same for every chunk)."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = pid // H
@@ -219,7 +228,8 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
         VALID += t * C
         NNEW += t * NB
         NACT += t * NB
-        ROW_OUT += t * NB * H * C
+        if ROW_T:
+            ROW_OUT += t * NB * H * C
     n_new = tl.load(NNEW + b)
     n_act = tl.load(NACT + b)
     offs_d = tl.arange(0, D)
@@ -268,6 +278,45 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
     tl.atomic_add(KS + b * sdb + h * sdh + row[:, None] * sdn + offs_d[None, :], ki, mask=vi[:, None])
     tl.atomic_add(VS + b * svdb + h * svdh + row[:, None] * svdn + offs_dv[None, :], vv, mask=vi[:, None])
     tl.atomic_add(CNT + b * scb + h * sch + row, tl.full([BI], 1.0, tl.float32), mask=vi)
+
+
+@triton.jit
+def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
+               sdb, sdh, sdn, svdb, svdh, svdn, scb, sch, smb, smh, smn, svmb, svmh, svmn,
+               C, H, NB,
+               D: tl.constexpr, DV: tl.constexpr, BI: tl.constexpr, FROM_ROWS: tl.constexpr, DEV_T: tl.constexpr,
+               ROW_T: tl.constexpr):
+    """Row means of the dictionary in the attention's dtype, KM = KS / count and VM = VS / count, and
+    KH = |KS / count|^2 / 2 in float32 (the assignment score's norm term). FROM_ROWS: the rows the chunk's
+    tokens joined (ROWS ``[NB * H, C]``, -1 for padding; with DEV_T and ROW_T at chunk ``*TPTR`` of a
+    ``[T, NB * H, C]`` table), after ``_ovq_absorb``; else rows [pid_i * BI, (pid_i + 1) * BI) of C rows."""
+    pid = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    oi = pid_i * BI + tl.arange(0, BI)
+    in_i = oi < C
+    if FROM_ROWS:
+        if DEV_T:
+            if ROW_T:
+                ROWS += tl.load(TPTR) * NB * H * C
+        r = tl.load(ROWS + pid * C + oi, mask=in_i, other=-1)
+        ok = in_i & (r >= 0)
+        r = tl.where(ok, r, 0)
+    else:
+        r = oi
+        ok = in_i
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    cnt = tl.load(CNT + b * scb + h * sch + r, mask=ok, other=1.0)
+    inv = 1.0 / tl.maximum(cnt, 1.0)
+    mk = tl.load(KS + b * sdb + h * sdh + r[:, None] * sdn + offs_d[None, :], mask=ok[:, None], other=0.0) * inv[:, None]
+    mv = tl.load(VS + b * svdb + h * svdh + r[:, None] * svdn + offs_dv[None, :], mask=ok[:, None],
+                 other=0.0) * inv[:, None]
+    tl.store(KM + b * smb + h * smh + r[:, None] * smn + offs_d[None, :], mk.to(KM.dtype.element_ty), mask=ok[:, None])
+    tl.store(VM + b * svmb + h * svmh + r[:, None] * svmn + offs_dv[None, :], mv.to(VM.dtype.element_ty),
+             mask=ok[:, None])
+    tl.store(KH + b * scb + h * sch + r, 0.5 * tl.sum(mk * mk, 1), mask=ok)  # KH: laid out as CNT
 
 
 def _blk(M: int) -> tuple[int, int]:
@@ -348,7 +397,31 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if rows_out is not None:
         assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
+    BN_D = int(os.environ.get("LONGCTX_OVQ_BLOCK_N", "64"))  # dictionary rows per tile (benchmarks try 128)
     ctr = torch.zeros(1, device=kk.device, dtype=torch.int32)  # chunk index of a run (DEV_T launches)
+
+    def _means(rows, KM, VM, KH, n, *, from_rows, dev_t, row_t):  # all n rows, or the rows a chunk's tokens joined
+        _ovq_means[(B * H, triton.cdiv(n, BI))](
+            rows, KS, VS, CNT, KM, VM, KH, ctr, KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1),
+            VS.stride(2), CNT.stride(0), CNT.stride(1), KM.stride(0), KM.stride(1), KM.stride(2), VM.stride(0),
+            VM.stride(1), VM.stride(2), n, H, B, D=D, DV=DV, BI=BI, FROM_ROWS=from_rows, DEV_T=dev_t, ROW_T=row_t)
+
+    # whole chunks whose queries all are new tokens form one run (DEV_T); the chunk holding the open chunk's
+    # tail (queries start inside it) and the last, incomplete chunk run on their own
+    t_a, n_chunks = -(-off // C), -(-L // C)
+    n_run = max(0, n_full - t_a)
+    # mean form: with a run of chunks and bf16 assignment dots, the attention and the assignment read the row
+    # means (in the attention's dtype) and their halved squared norms, refreshed for the rows each chunk touched
+    mean = MEAN_FORM and not exact_assign and n_run >= 2
+    if mean:
+        NR = KS.shape[2]
+        mdt = q.dtype if q is not None else kk.dtype
+        KM = torch.empty(B, H, NR, D, device=kk.device, dtype=mdt)
+        VM = torch.empty(B, H, NR, DV, device=kk.device, dtype=mdt)
+        KH = torch.empty_like(CNT)
+        rowbuf = torch.empty(B * H * C, device=kk.device, dtype=torch.int64)
+        _means(rowbuf, KM, VM, KH, NR, from_rows=False, dev_t=False, row_t=False)
+    DK, DVS = (KM, VM) if mean else (KS, VS)
 
     def launch(t, n_dict, nsplit, ns, dev_t):
         """The kernels of one chunk. dev_t False: chunk t, pointers sliced on the host. dev_t True: chunk
@@ -366,33 +439,35 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             M = e - qs
             BM, nw = _blk(M)
             _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
-                qq, KS, VS, CNT, kc, vc, xc, pacc, pm, pl, ctr, nact_t[t:] if full else ctr,
-                qq.stride(0), qq.stride(1), qq.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                VS.stride(0), VS.stride(1), VS.stride(2), CNT.stride(0), CNT.stride(1),
+                qq, DK, DVS, CNT, kc, vc, xc, pacc, pm, pl, ctr, nact_t[t:] if full else ctr,
+                qq.stride(0), qq.stride(1), qq.stride(2), DK.stride(0), DK.stride(1), DK.stride(2),
+                DVS.stride(0), DVS.stride(1), DVS.stride(2), CNT.stride(0), CNT.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                 xc.stride(0), M, LC, n_dict, qs - s0, HQ, G, R_att, nsplit, B,
-                D=D, DV=DV, BM=BM, BN=64, UP=up, DEV_T=dev_t, num_warps=nw)
+                D=D, DV=DV, BM=BM, BN=BN_D, UP=up, DEV_T=dev_t, MEAN=mean, num_warps=nw)
             BMc = 64 if M > 32 else (32 if M > 16 else 16)
             _ovq_combine[(triton.cdiv(M, BMc), B * HQ)](
                 pacc, pm, pl, oo, ctr, oo.stride(0), oo.stride(1), oo.stride(2), M, HQ, nsplit, DV=DV, BM=BMc,
                 DEV_T=dev_t)
         if full:
+            row_out = rows_out[t:] if rows_out is not None else (rowbuf if mean else rank)
             BM, nw = _blk(C)
             _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
-                kc, KS, CNT, nact_t[t:], pmax, pbest, pidx, ctr,
-                kc.stride(0), kc.stride(1), kc.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-                CNT.stride(0), CNT.stride(1), C, H, R_st, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=up,
-                DEV_T=dev_t, num_warps=nw)
+                kc, DK, CNT, nact_t[t:], pmax, pbest, pidx, ctr, KH if mean else CNT,
+                kc.stride(0), kc.stride(1), kc.stride(2), DK.stride(0), DK.stride(1), DK.stride(2),
+                CNT.stride(0), CNT.stride(1), C, H, R_st, B, D=D, BM=BM, BN=BN_D, IEEE=exact_assign, UP=up,
+                DEV_T=dev_t, MEAN=mean, num_warps=nw)
             _ovq_rank[(B * H, triton.cdiv(C, BI))](
                 xc, pmax, pbest, pidx, nnew_t[t:], best, idx, rank, ctr, xc.stride(0), C, H, ns, B, BI=BI,
                 DEV_T=dev_t)
             _ovq_absorb[(B * H, triton.cdiv(C, BI))](
-                kc, vc, xc, best, idx, nnew_t[t:], nact_t[t:], rank, KS, VS, CNT,
-                rows_out[t:] if rows_out is not None else rank, ctr,
+                kc, vc, xc, best, idx, nnew_t[t:], nact_t[t:], rank, KS, VS, CNT, row_out, ctr,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), xc.stride(0),
                 KS.stride(0), KS.stride(1), KS.stride(2), VS.stride(0), VS.stride(1), VS.stride(2),
                 CNT.stride(0), CNT.stride(1), C, H, B, D=D, DV=DV, BI=BI, IEEE=exact_assign, ASSIGN_ONLY=False,
-                STORE_ROWS=rows_out is not None, DEV_T=dev_t, num_warps=4)
+                STORE_ROWS=rows_out is not None or mean, DEV_T=dev_t, ROW_T=rows_out is not None, num_warps=4)
+            if mean:
+                _means(row_out, KM, VM, KH, C, from_rows=True, dev_t=dev_t, row_t=rows_out is not None)
         if dev_t:
             ctr.add_(1)
 
@@ -403,12 +478,8 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         if (t + 1) * C <= L:
             seen_bound += C
 
-    # whole chunks whose queries all are new tokens run as one run (DEV_T); the chunk holding the open chunk's
-    # tail (queries start inside it) and the last, incomplete chunk run on their own
-    t_a, n_chunks = -(-off // C), -(-L // C)
     for t in range(0, min(t_a, n_chunks)):
         one(t)
-    n_run = n_full - t_a
     if n_run > 0:
         n_last = target_int(seen_bound + (n_run - 1) * C, max_centroids, growth)
         args = (t_a, n_last, triton.cdiv(n_last, R_att) + 1, max(1, triton.cdiv(n_last, R_st)), True)
@@ -455,7 +526,7 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     BM, nw = _blk(C)
     BI = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
-        k, KS, CNT, nact, pmax, pbest, pidx, nact,
+        k, KS, CNT, nact, pmax, pbest, pidx, nact, CNT,
         k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
         CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=_INTERP, DEV_T=False,
         num_warps=nw)
