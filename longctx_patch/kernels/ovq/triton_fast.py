@@ -342,11 +342,17 @@ def _assign_scratch(splits: int, B: int, H: int, C: int, device):
             torch.empty(n, device=device, dtype=torch.int32))
 
 
-def _rows_per_split(M: int) -> int:
+def _rows_per_split(M: int, attention: bool = False) -> int:
+    """Dictionary rows per program: of the attention (``_ovq_fwd_split``) of M queries, or of the assignment
+    statistics of a chunk of M keys. H200, 64k prefill, chunk 512 (docs/PERFORMANCE.md, OVQ): 1024 rows per
+    attention program beat 512 (fewer partial softmaxes to merge); the statistics keep 512 (with 8 kv heads,
+    1024 leaves too few programs). LONGCTX_OVQ_SPLIT_ROWS sets both."""
     env = os.environ.get("LONGCTX_OVQ_SPLIT_ROWS")
     if env:
         return int(env)
-    return 512 if M > 16 else 256
+    if M <= 16:
+        return 256
+    return 1024 if attention else 512
 
 
 @torch.no_grad()
@@ -378,7 +384,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     G = HQ // H
     up = _INTERP
     Mmax = min(C, S)
-    R_att = _rows_per_split(Mmax)
+    R_att = _rows_per_split(Mmax, attention=True)
     P_att = triton.cdiv(max_centroids, R_att) + 1
     if q is not None:
         pacc = torch.empty(P_att * B * HQ * Mmax * DV, device=kk.device, dtype=torch.float32)
