@@ -5,9 +5,12 @@
 #   evals/device/ovq_smollm2.sh text    # training text -> $TEXT (evals/device/train_text.sh)
 #   evals/device/ovq_smollm2.sh train   # both fine-tunes, concurrently -> $RUN/all, $RUN/hybrid (+ train JSONs in $OUT)
 #   evals/device/ovq_smollm2.sh eval    # perplexity + NIAH: unpatched, sliding-window, ovq before and after
+#   evals/device/ovq_smollm2.sh refs    # the hybrid again, and the references: the same LoRA fine-tune of the
+#                                       # unpatched model and of sliding-window 256 (-> $RUN/{hybrid,lora-none,lora-sw256})
+#   evals/device/ovq_smollm2.sh eval-refs  # perplexity + NIAH of those three
 # Data: $DATA/train (training text) and $DATA/heldout (essays never trained on: haystack and perplexity text).
 set -euo pipefail
-STEP=${1:?usage: $0 text|train|eval}
+STEP=${1:?usage: $0 text|train|eval|refs|eval-refs}
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/ovq}
@@ -47,17 +50,50 @@ if [ "$STEP" = train ]; then
   exit $rc
 fi
 
+if [ "$STEP" = refs ]; then  # recipe as in the file (512-token chunks), three fine-tunes at once
+  common=(--model "$MODEL" --text "$TEXT" -q
+          --set stages.calibrate.max_time_s="$CAL_MAX_S" --set stages.calibrate.save_every=100000
+          --set stages.finetune.steps="$FT_STEPS" --set stages.finetune.max_time_s="$FT_MAX_S"
+          --set stages.finetune.eval_every=100 --set stages.finetune.save_every=100000)
+  # the references: only the recipe's LoRA stage (same rank, lr, steps, data), no OVQ temperatures
+  lora_only="stages=[{name: finetune, objective: next_token, trainable: [lora], lora: {r: 16, alpha: 32, dropout: 0.0,
+    targets: [q_proj, k_proj, v_proj, o_proj]}, lr: 2.0e-4, steps: $FT_STEPS, batch_size: 8, seq_len: 2048, warmup: 20,
+    schedule: cosine, min_lr_ratio: 0.1, max_grad_norm: 1.0, log_every: 10, eval_every: 100, eval_batches: 4,
+    save_every: 100000, max_time_s: $FT_MAX_S}]"
+  python3 -m cli.main finetune recipes/ovq-finetune.yaml "${common[@]}" --output "$RUN/hybrid" \
+    --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window --set rest_config.window=256 \
+    --results "$OUT/ovq-finetune-hybrid-chunk512-smollm2-135m-train.json" > "$RUN-hybrid.log" 2>&1 &
+  p1=$!
+  python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$TEXT" -q --set method=none \
+    --set 'method_config={}' --set "$lora_only" --output "$RUN/lora-none" \
+    --results "$OUT/lora-unpatched-smollm2-135m-train.json" > "$RUN-lora-none.log" 2>&1 &
+  p2=$!
+  python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$TEXT" -q --set method=sliding-window \
+    --set 'method_config={window: 256}' --set "$lora_only" --output "$RUN/lora-sw256" \
+    --results "$OUT/lora-sw256-smollm2-135m-train.json" > "$RUN-lora-sw256.log" 2>&1 &
+  p3=$!
+  rc=0
+  for p in $p1 $p2 $p3; do wait "$p" || rc=1; done
+  tail -n 6 "$RUN-hybrid.log" "$RUN-lora-none.log" "$RUN-lora-sw256.log"
+  exit $rc
+fi
+
 # eval: each model in its own process with few CPU threads; the JSONs to $OUT, logs and plots as one tar
 W=/tmp/ovq-eval && mkdir -p "$W"
 export OMP_NUM_THREADS=2
 E=(--no-progress --out-dir "$W")
 pids=()
 t() { timeout "$EVAL_MAX_S" "$@"; }
-t python3 -m cli.main eval ppl --model "$MODEL" "${E[@]}" --method none --method 'sliding-window(window=256)' --method ovq \
-  --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
-  --name ppl-ovq-before > "$W/ppl-ovq-before.log" 2>&1 &
-pids+=($!)
-for v in all hybrid; do
+if [ "$STEP" = eval-refs ]; then
+  VARIANTS="hybrid lora-none lora-sw256"
+else
+  VARIANTS="all hybrid"
+  t python3 -m cli.main eval ppl --model "$MODEL" "${E[@]}" --method none --method 'sliding-window(window=256)' --method ovq \
+    --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+    --name ppl-ovq-before > "$W/ppl-ovq-before.log" 2>&1 &
+  pids+=($!)
+fi
+for v in $VARIANTS; do
   t python3 -m cli.main eval ppl --model "$RUN/$v/model" "${E[@]}" --method none --no-baseline --text "$DATA/heldout" \
     --context "$CONTEXTS" --windows 4 --name "ppl-ovq-finetuned-$v" > "$W/ppl-ovq-finetuned-$v.log" 2>&1 &
   pids+=($!)
