@@ -135,13 +135,13 @@ def test_gradients_reach_earlier_chunks_through_dictionary():
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
-def _parallel_vs_loop(backend, S, C, N, growth, dtype=torch.float32, with_state=False, seed=0):
+def _parallel_vs_loop(backend, S, C, N, growth, dtype=torch.float32, with_state=False, seed=0, exact_assign=True):
     """Output, final state and gradients (q, k, v and the initial sums) of the chunk-parallel training path
     against the chunk-by-chunk loop on the same inputs."""
     q, k, v = _qkv(2, 4, 2, S, 16, seed=seed, dtype=dtype)
     valid = torch.ones(2, S, dtype=torch.bool)
     valid[0, : min(11, S - 1)] = False  # left padding, across a chunk boundary
-    kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend=backend)
+    kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend=backend, exact_assign=exact_assign)
     st0, sb = None, None
     if with_state:
         qa, ka, va = _qkv(2, 4, 2, 2 * C, 16, seed=seed + 1, dtype=dtype)

@@ -204,6 +204,14 @@ def test_parallel_training_path_triton_equals_loop(S, C, N, growth, dtype):
     _parallel_vs_loop("triton", S, C, N, growth, dtype=dtype)
 
 
+def test_parallel_training_path_bf16_assignment_mean_form():
+    """bf16 assignment dots: the parallel path's assignment pass (a run of chunks in the mean form, rows written
+    per chunk) picks the same rows as the loop's per-chunk assignment (sum form)."""
+    from test_ovq import _parallel_vs_loop
+
+    _parallel_vs_loop("triton", 45, 8, 12, 4.0, exact_assign=False)
+
+
 def test_parallel_training_path_triton_from_a_state():
     from test_ovq import _parallel_vs_loop
 

@@ -9,7 +9,11 @@ Per chunk:
 * ``_ovq_chunk_stats`` (triton_dict.py, row-split): max dot product and nearest row per token;
 * ``_ovq_rank``: reduces the splits and ranks the tokens by spread score (while the dictionary grows);
 * ``_ovq_absorb``: picks each token's row (new row if selected, else nearest among old and new rows)
-  and adds it with atomic adds (sums and counts): each token touches exactly one row.
+  and adds it with atomic adds (sums and counts): each token touches exactly one row;
+* ``_ovq_means`` (mean form): the row means of the rows the chunk's tokens joined.
+
+Runs of whole chunks take the chunk index from a device counter (``DEV_T``), so one captured CUDA graph
+replays every chunk of a run.
 
 Same maths as ``reference.update_state`` + ``reference.chunk_attention_ref``; see docs/ovq.md.
 """
@@ -365,7 +369,10 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     int64 tensor that receives the row of every token of every complete chunk (-1 for padding).
     Per chunk: ``_ovq_fwd_split`` (dictionary rows split over programs, plus the chunk's keys) and
     ``_ovq_combine``; for a complete chunk also ``_ovq_chunk_stats`` (row-split), ``_ovq_rank`` and
-    ``_ovq_absorb``.  No host sync: a whole prefill can be captured in a CUDA graph.
+    ``_ovq_absorb``.  No host sync.  The whole chunks whose queries are all new tokens run as one run: the
+    kernels read the chunk index from a device counter, so on CUDA one chunk is captured in a CUDA graph and
+    replayed (``GRAPH_RUNS``); with bf16 assignment dots the run reads row means kept beside the sums
+    (``MEAN_FORM``, ``_ovq_means``).  docs/ovq.md, "Kernels".
     Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
     from .ops import target_int
