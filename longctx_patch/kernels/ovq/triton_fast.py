@@ -346,6 +346,17 @@ def _assign_scratch(splits: int, B: int, H: int, C: int, device):
             torch.empty(n, device=device, dtype=torch.int32))
 
 
+_UNUSED: dict = {}
+
+
+def _unused_i32(device) -> torch.Tensor:
+    """A one-element int32 tensor per device, passed where a kernel's counter argument is not read."""
+    t = _UNUSED.get(device)
+    if t is None:
+        t = _UNUSED[device] = torch.zeros(1, device=device, dtype=torch.int32)
+    return t
+
+
 def _rows_per_split(M: int, attention: bool = False) -> int:
     """Dictionary rows per program: of the attention (``_ovq_fwd_split``) of M queries, or of the assignment
     statistics of a chunk of M keys. H200, 64k prefill, chunk 512 (docs/PERFORMANCE.md, OVQ): 1024 rows per
@@ -411,7 +422,12 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
     BN_D = int(os.environ.get("LONGCTX_OVQ_BLOCK_N", "64"))  # dictionary rows per tile (benchmarks try 128)
-    ctr = torch.zeros(1, device=kk.device, dtype=torch.int32)  # chunk index of a run (DEV_T launches)
+    # whole chunks whose queries all are new tokens form one run (DEV_T); the chunk holding the open chunk's
+    # tail (queries start inside it) and the last, incomplete chunk run on their own
+    t_a, n_chunks = -(-off // C), -(-L // C)
+    n_run = max(0, n_full - t_a)
+    # chunk index of a run (DEV_T launches); calls without a run (decode steps) pass a shared unused int32
+    ctr = torch.zeros(1, device=kk.device, dtype=torch.int32) if n_run > 0 else _unused_i32(kk.device)
 
     def _means(rows, KM, VM, KH, n, *, from_rows, dev_t, row_t):  # all n rows, or the rows a chunk's tokens joined
         _ovq_means[(B * H, triton.cdiv(n, BI))](
@@ -419,10 +435,6 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
             VS.stride(2), CNT.stride(0), CNT.stride(1), KM.stride(0), KM.stride(1), KM.stride(2), VM.stride(0),
             VM.stride(1), VM.stride(2), n, H, B, D=D, DV=DV, BI=BI, FROM_ROWS=from_rows, DEV_T=dev_t, ROW_T=row_t)
 
-    # whole chunks whose queries all are new tokens form one run (DEV_T); the chunk holding the open chunk's
-    # tail (queries start inside it) and the last, incomplete chunk run on their own
-    t_a, n_chunks = -(-off // C), -(-L // C)
-    n_run = max(0, n_full - t_a)
     # mean form: with a run of chunks and bf16 assignment dots, the attention and the assignment read the row
     # means (in the attention's dtype) and their halved squared norms, refreshed for the rows each chunk touched
     mean = MEAN_FORM and not exact_assign and n_run >= 2
