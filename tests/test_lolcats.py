@@ -52,6 +52,30 @@ def test_feature_maps_are_trainable_and_get_gradients():
     assert names == {"feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors"}
 
 
+def test_lola_trains_with_its_sparse_cache():
+    """With gradients and no cache, lola runs its differentiable path with the sparse cache in place (an
+    attention transfer or fine-tune with method lola trains the maps for the model that runs at inference):
+    same logits as the no-grad inference path, gradients reach the maps, and they differ from lolcats'."""
+    model = tiny_model("llama")
+    lp.patch(model, "lola", **KW, sparse_cache=3)
+    x = _ids(2, 41)
+    with torch.no_grad():
+        infer = model(x, use_cache=False).logits
+    out = model(x, labels=x, use_cache=False)
+    torch.testing.assert_close(out.logits.detach(), infer, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    attn = model.model.layers[1].self_attn
+    g_lola = attn.feature_map_k.mlp.layer.grad.clone()
+    assert g_lola.abs().sum() > 0
+    plain = tiny_model("llama")
+    lp.patch(plain, "lolcats", **KW)  # same seed: the same fresh maps
+    torch.testing.assert_close(plain.model.layers[1].self_attn.feature_map_k.mlp.layer, attn.feature_map_k.mlp.layer)
+    out_p = plain(x, labels=x, use_cache=False)
+    assert not torch.allclose(out_p.logits.detach(), infer, atol=1e-4)
+    out_p.loss.backward()
+    assert not torch.allclose(plain.model.layers[1].self_attn.feature_map_k.mlp.layer.grad, g_lola, atol=1e-7)
+
+
 @pytest.mark.parametrize("family,method,extra", [("llama", "lolcats", {}), ("qwen3", "lola", {"sparse_cache": 3})])
 def test_generate_with_cache_equals_recompute(family, method, extra):
     model = tiny_model(family)
