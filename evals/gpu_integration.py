@@ -24,7 +24,10 @@ METHODS = {
     "muse": ({"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
     "lolcats": ({"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),
     "lola": ({"window": 64, "feature_dim": 32, "sparse_cache": 64, "chunk": 32}, "backend", "triton", "torch"),
-    "ovq": ({"chunk_size": 64, "max_centroids": 256}, "backend", "triton", "torch"),
+    # exact (float32) assignment dots: with the default bf16 dots the Triton path picks other rows at near ties
+    # (fp32 logits then differ by ~4e-3 instead of ~4e-7, CPU interpreter check); evals/ovq_profile.py checks
+    # the default path against the reference
+    "ovq": ({"chunk_size": 64, "max_centroids": 256, "exact_assign": True}, "backend", "triton", "torch"),
 }
 
 
