@@ -366,7 +366,9 @@ def _capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, back
         lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
         return o
 
-    gr, o_s = _tk().capture_graph(piece, q.device)
+    from ..graphs import capture_graph
+
+    gr, o_s = capture_graph(piece, q.device)
     st.nb = nb0  # capture ran no GPU work: the state is still the one before this chunk
     return gr, static, o_s
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..graphs import capture_graph  # noqa: F401 - used by ops and PrefillEvictions
+from ..graphs import capture_graph
 from .reference import feature_rows
 
 LOG2E = 1.4426950408889634
