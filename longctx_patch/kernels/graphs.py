@@ -34,3 +34,30 @@ def capture_graph(fn, device: torch.device | int | None = None):
                 g.capture_end()
         cur.wait_stream(side)
     return g, out
+
+
+def run_steps(step, n: int, device: torch.device, *, graph: bool = True, eager_first: bool = True):
+    """Run ``step()`` ``n`` times, in order. On CUDA (``graph``, ``n >= 3``, not inside a caller's own capture)
+    one step is captured and replayed for the others; a step must then read which step it is from the device
+    (a counter it advances), since every replay has the same arguments. ``eager_first``: run the first step
+    eagerly before the capture (this compiles its kernels); once they are compiled the capture can come
+    first, while the GPU still works on what was queued. If the capture fails, the steps run eagerly.
+    Returns the graph, or None."""
+    use = (graph and n >= 3 and torch.device(device).type == "cuda"
+           and not torch.cuda.is_current_stream_capturing())
+    done = 0
+    if n > 0 and (eager_first or not use):
+        step()
+        done = 1
+    g = None
+    if use:
+        try:
+            g, _ = capture_graph(step, device)
+        except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
+            g = None
+    for _ in range(n - done):
+        if g is not None:
+            g.replay()
+        else:
+            step()
+    return g

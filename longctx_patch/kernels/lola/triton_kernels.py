@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..graphs import capture_graph
+from ..graphs import run_steps
 from .reference import feature_rows
 
 LOG2E = 1.4426950408889634
@@ -1005,32 +1005,16 @@ class PrefillEvictions:
         kernels, same order); the first time a configuration runs in this process, its first eviction runs
         eagerly before the capture (that compiles the kernels), later times the capture comes first, while
         the GPU still works on what was queued before. Elsewhere, or if the capture fails: eagerly."""
-        self.graph = None
-        if self.n_ev == 0:
-            return
-        use_graph = graph and self.fk.is_cuda and self.n_ev >= 3 and not torch.cuda.is_current_stream_capturing()
-        key = self._key() if use_graph else None
-        done = 0
-        if not (use_graph and CAPTURE_FIRST and key in _WARM_EVICTIONS):
-            self.step()
-            done = 1
-        g = None
-        if use_graph:
-            try:
-                g, _ = capture_graph(self.step, self.fk.device)
-                _WARM_EVICTIONS.add(key)
-            except Exception:  # noqa: BLE001 - the graph is an optimisation; run eagerly instead
-                g = None
-        self.graph = g  # kept for the benchmark (replay cost alone)
-        for _ in range(self.n_ev - done):
-            if g is not None:
-                g.replay()
-            else:
-                self.step()
+        key = self._key() if graph and self.fk.is_cuda else None
+        self.graph = run_steps(self.step, self.n_ev, self.fk.device, graph=graph,
+                               eager_first=key not in _WARM_EVICTIONS)
+        if self.graph is not None:  # kept for the benchmark (replay cost alone)
+            _WARM_EVICTIONS.add(key)
 
 
 _WARM_EVICTIONS: set = set()  # PrefillEvictions keys whose kernels have run once (compiled)
-CAPTURE_FIRST = True  # capture before any eager step once a configuration is warm
+
+
 @triton.jit
 def _local_states_kernel(
     FK, V, KM, HALL, SALL, HS, SS,

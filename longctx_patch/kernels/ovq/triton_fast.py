@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..graphs import run_steps
 from .reference import OVQState, target_centroids
 from .triton_dict import _ovq_chunk_stats
 
@@ -508,19 +509,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if n_run > 0:
         n_last = target_int(seen_bound + (n_run - 1) * C, max_centroids, growth)
         args = (t_a, n_last, triton.cdiv(n_last, R_att) + 1, max(1, triton.cdiv(n_last, R_st)), True)
-        launch(*args)
-        graph = None
-        if GRAPH_RUNS and kk.is_cuda and n_run >= 3 and not torch.cuda.is_current_stream_capturing():
-            from ..graphs import capture_graph
-            try:
-                graph, _ = capture_graph(lambda: launch(*args), kk.device)
-            except Exception:  # noqa: BLE001 - the graph is an optimisation; launch eagerly instead
-                graph = None
-        for _ in range(n_run - 1):
-            if graph is not None:
-                graph.replay()
-            else:
-                launch(*args)
+        run_steps(lambda: launch(*args), n_run, kk.device, graph=GRAPH_RUNS)
         seen_bound += n_run * C
     for t in range(max(t_a, n_full), n_chunks):
         one(t)
