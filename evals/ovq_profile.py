@@ -149,7 +149,8 @@ def main() -> None:
             else:
                 os.environ[k_] = v_
         triton_fast.MEAN_FORM, triton_fast.GRAPH_RUNS = True, True
-        row = {"variant": vname, "settings": vset, "Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n, "growth": growth, "chunk_size": c,
+        row = {"variant": vname, "settings": vset, "Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n,
+               "growth": growth, "chunk_size": c,
                "cudnn_ms": cudnn, "eager_ms": eager, "graph_ms": graphed, "host_issue_ms": min(host),
                "gpu_kernel_ms": sum(r["ms"] for r in kernels), "kernels": kernels[:12],
                "speedup_eager": cudnn / eager, "speedup_graph": cudnn / graphed}

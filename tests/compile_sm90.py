@@ -152,7 +152,8 @@ for D in (64, 128):
         f"ovq_fwd_split_D{D}_BM128": (of._ovq_fwd_split, dict(D=D, DV=D, BM=128, BN=64, DEV_T=True, MEAN=False),
                                       bf16("Q", "KC", "VC", KS=F32, VS=F32, CNT=F32, VALID=I8, PACC=F32, PM=F32,
                                            PL=F32, TPTR=I32, NACT=I32), {"num_warps": 8}),
-        f"ovq_chunk_stats_D{D}_ieee": (od._ovq_chunk_stats, dict(D=D, BM=128, BN=64, IEEE=True, DEV_T=True, MEAN=False), OVQ_STATS,
+        f"ovq_chunk_stats_D{D}_ieee": (od._ovq_chunk_stats,
+                                       dict(D=D, BM=128, BN=64, IEEE=True, DEV_T=True, MEAN=False), OVQ_STATS,
                                        {"num_warps": 8}),
     })
 CASES.update({
@@ -174,9 +175,11 @@ CASES.update({
                                dict(KM=F32, VM=F32, ROWS=I64, KS=F32, VS=F32, CNT=F32, KH=F32, TPTR=I32), {}),
     "ovq_combine_D64": (of._ovq_combine, dict(DV=64, BM=64, DEV_T=True), bf16("O", PACC=F32, PM=F32, PL=F32, TPTR=I32),
                         {}),
-    "ovq_chunk_stats_D64_bf16": (od._ovq_chunk_stats, dict(D=64, BM=128, BN=64, IEEE=False, DEV_T=True, MEAN=False), OVQ_STATS,
+    "ovq_chunk_stats_D64_bf16": (od._ovq_chunk_stats, dict(D=64, BM=128, BN=64, IEEE=False, DEV_T=True, MEAN=False),
+                                 OVQ_STATS,
                                  {"num_warps": 8}),
-    "ovq_chunk_stats_D64_BM64": (od._ovq_chunk_stats, dict(D=64, BM=64, BN=64, IEEE=True, DEV_T=False, MEAN=False), OVQ_STATS,
+    "ovq_chunk_stats_D64_BM64": (od._ovq_chunk_stats, dict(D=64, BM=64, BN=64, IEEE=True, DEV_T=False, MEAN=False),
+                                 OVQ_STATS,
                                  {}),
     "ovq_rank": (of._ovq_rank, dict(BI=64, DEV_T=True),
                  dict(VALID=I8, PMAXDOT=F32, PBEST=F32, PIDX=I64, NNEW=I32, BEST=F32, IDX=I64, RANK=I32, TPTR=I32),

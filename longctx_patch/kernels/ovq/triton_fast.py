@@ -315,7 +315,8 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     offs_dv = tl.arange(0, DV)
     cnt = tl.load(CNT + b * scb + h * sch + r, mask=ok, other=1.0)
     inv = 1.0 / tl.maximum(cnt, 1.0)
-    mk = tl.load(KS + b * sdb + h * sdh + r[:, None] * sdn + offs_d[None, :], mask=ok[:, None], other=0.0) * inv[:, None]
+    mk = tl.load(KS + b * sdb + h * sdh + r[:, None] * sdn + offs_d[None, :], mask=ok[:, None],
+                 other=0.0) * inv[:, None]
     mv = tl.load(VS + b * svdb + h * svdh + r[:, None] * svdn + offs_dv[None, :], mask=ok[:, None],
                  other=0.0) * inv[:, None]
     tl.store(KM + b * smb + h * smh + r[:, None] * smn + offs_d[None, :], mk.to(KM.dtype.element_ty), mask=ok[:, None])
