@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--out", default="evals/results/lola-train-step.json")
     ap.add_argument("--methods", default="lolcats,lola")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--sparse-cache", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
@@ -33,9 +36,9 @@ def main() -> None:
     for meth in args.methods.split(","):
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(dev)
-        kw = dict(window=64, chunk=64, checkpoint="none")
+        kw = dict(window=args.window, chunk=args.chunk, checkpoint="none")
         if meth == "lola":
-            kw.update(sparse_cache=256)
+            kw.update(sparse_cache=args.sparse_cache)
         lp.patch(model, meth, **kw)
         ids = torch.randint(3, 49000, (args.batch, args.seq), device=dev)
         times = []
