@@ -76,6 +76,55 @@ def test_lola_trains_with_its_sparse_cache():
     assert not torch.allclose(plain.model.layers[1].self_attn.feature_map_k.mlp.layer.grad, g_lola, atol=1e-7)
 
 
+def _freeze_all_but_the_maps(model):
+    for name, p in model.named_parameters():
+        p.requires_grad_("feature_map" in name or "window_factors" in name)
+
+
+def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monkeypatch):
+    """In an attention transfer the base model is frozen: q, k and v need no gradient, only the feature maps and
+    window factors do. On CUDA `backend=auto` runs the Triton kernels (no backward) when nothing needs a
+    gradient; the layer must see that the maps do (it looked at q, k only: outputs without a gradient, and the
+    transfer stopped with 'element 0 of tensors does not require grad'). The CUDA decision is made here on the
+    CPU, where the interpreter runs the kernels."""
+    from longctx_patch.kernels.lola import ops
+
+    real = ops._use_triton
+
+    def as_on_cuda(backend, *tensors):
+        if backend == "auto":
+            return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None))
+        return real(backend, *tensors)
+
+    x = _ids(2, 41)
+    grads = {}
+    for name in ("cuda decision", "reference"):
+        model = tiny_model("llama")
+        lp.patch(model, "lola", **{**KW, "backend": "auto"}, sparse_cache=3)
+        _freeze_all_but_the_maps(model)
+        if name == "cuda decision":
+            monkeypatch.setattr(ops, "_use_triton", as_on_cuda)
+        else:
+            monkeypatch.setattr(ops, "_use_triton", real)
+        model(x, labels=x, use_cache=False).loss.backward()
+        attn = model.model.layers[1].self_attn
+        grads[name] = [attn.feature_map_q.mlp.layer.grad, attn.feature_map_k.mlp.layer.grad, attn.window_factors.grad]
+    for got, want in zip(grads["cuda decision"], grads["reference"]):
+        assert got is not None and got.abs().sum() > 0
+        torch.testing.assert_close(got, want)
+
+
+def test_triton_backend_under_grad_is_refused():
+    model = tiny_model("llama")
+    lp.patch(model, "lola", **{**KW, "backend": "triton"}, sparse_cache=3)
+    _freeze_all_but_the_maps(model)
+    x = _ids(1, 17)
+    with pytest.raises(ConfigError, match="no backward"):
+        model(x, labels=x, use_cache=False)
+    with torch.no_grad():  # inference with the forced backend still runs
+        assert torch.isfinite(model(x, use_cache=False).logits).all()
+
+
 @pytest.mark.parametrize("family,method,extra", [("llama", "lolcats", {}), ("qwen3", "lola", {"sparse_cache": 3})])
 def test_generate_with_cache_equals_recompute(family, method, extra):
     model = tiny_model(family)

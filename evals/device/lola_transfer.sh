@@ -17,6 +17,8 @@ OUT=${OUT:-evals/results}
 . "$(dirname "$0")/train_text.sh"
 W=${W:-256}
 S=${S:-256}
+# backend=torch below: on 2026-11-30 `auto` still ran the Triton kernels (no backward) when only the maps
+# needed gradients; fixed since (lola_process checks the maps' outputs and window factors), auto now does the same
 CHUNK=${CHUNK:-256}  # the training path is a PyTorch chunk loop: 64-token chunks take 15.5 s a step at 2 x 4096 on the H200
 LRS=${LRS:-3e-3 1e-2}
 STEPS=${STEPS:-400}
@@ -43,7 +45,7 @@ if [ "$STEP" = train ]; then
             save_every: 100000}"
     python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN/lr$lr" -q \
       --set method=lola --set method_config.checkpoint=auto --set method_config.window="$W" \
-      --set method_config.sparse_cache="$S" --set method_config.chunk="$CHUNK" --set "stages=[$stage]" \
+      --set method_config.sparse_cache="$S" --set method_config.chunk="$CHUNK" --set method_config.backend=torch --set "stages=[$stage]" \
       --results "$OUT/lola-transfer-lr$lr-smollm2-135m-train.json" > "$RUN-lr$lr.log" 2>&1 &
     pids+=($!)
   done

@@ -28,17 +28,23 @@ from . import reference as ref
 
 
 def _use_triton(backend: str, *tensors) -> bool:
+    """Whether the Triton kernels run. They have no backward, so `auto` takes the (differentiable) PyTorch path
+    whenever one of `tensors` needs a gradient; pass every input that may be trained (q, k, v and the feature
+    maps' outputs, the window factors)."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
     if backend == "torch":
         return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
     if backend == "triton":
+        if grad:
+            from ...errors import ConfigError
+
+            raise ConfigError("backend='triton' was asked for while gradients are needed, but the LoLA/LoLCATs "
+                              "Triton kernels have no backward; train with backend='auto' (the PyTorch path is "
+                              "taken under grad) or backend='torch'")
         return True
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
-    if not all(t.is_cuda for t in tensors if t is not None):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None):
-        return False
-    return True
+    return all(t.is_cuda for t in tensors if t is not None) and not grad
 
 
 def _tk():
@@ -301,7 +307,9 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     cap = window + chunk
     if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
         _repack(st, cap)
-    tri = _use_triton(backend, q, k, st.H)
+    tri = _use_triton(backend, q, k, v, fq, g, lf, st.H)
+    if not tri:  # every step below (attention pieces, evictions, phi(k)) on the same, differentiable, path
+        backend = "torch"
     if lam == 0 and S > 1 and tri:
         return _lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
                                  key_mask_new=key_mask_new, phi_k=phi_k)
