@@ -7,7 +7,8 @@ relative error of the output, the chunks whose queries differ, and the first evi
     PYTHONPATH=. python3 evals/lola_determinism.py [--reps 3] [--dtype float32] [--lolcats-first] [--out FILE]
 
 Start it while other work runs on the same GPU to test under load (on 2026-11-30 the second eviction's scores
-diverged in 2 of 3 runs under load and in none solo: evals/results/lola-determinism-h200.json).
+diverged in 2 of 3 runs under load and in none solo: evals/results/lola-determinism-h200.json). Next:
+under load with --no-graph, which tells the CUDA graph replay from the kernels.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--lolcats-first", action="store_true", help="run the LoLCATs hybrid first, as bench_lola's check")
     ap.add_argument("--seq", type=int, default=777)
+    ap.add_argument("--no-graph", action="store_true", help="run the evictions eagerly (no CUDA graph)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tk = bl.tk
@@ -42,6 +44,10 @@ def main() -> None:
         return run(self, graph)
 
     tk.PrefillEvictions.run = keep
+    if args.no_graph:
+        from longctx_patch.kernels.lola import ops
+
+        ops.GRAPH_PREFILL = False
     dtype, D, S0, dev = getattr(torch, args.dtype), 64, args.seq, bl.DEV
     rows = []
     for rep in range(args.reps):
@@ -84,7 +90,7 @@ def main() -> None:
     res = {"task": "lola-determinism", "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "command": "PYTHONPATH=. python3 evals/lola_determinism.py " + " ".join(sys.argv[1:]),
-           "dtype": args.dtype, "lolcats_first": args.lolcats_first, "rows": rows}
+           "dtype": args.dtype, "lolcats_first": args.lolcats_first, "graph": not args.no_graph, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
