@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--out", default="evals/results/lola-train-step.json")
-    ap.add_argument("--methods", default="lolcats,lola")
+    ap.add_argument("--methods", default="lolcats,lola,lola-loop")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sparse-cache", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=64)
@@ -33,13 +33,17 @@ def main() -> None:
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
     rows = []
+    import longctx_patch.methods.lolcats as lolcats_method
+
     for meth in args.methods.split(","):
+        # lola-loop: lola trained through its PyTorch chunk loop instead of its sparse sets
+        lolcats_method.TRAIN_WITH_SETS = meth != "lola-loop"
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(dev)
         kw = dict(window=args.window, chunk=args.chunk, checkpoint="none")
-        if meth == "lola":
+        if meth in ("lola", "lola-loop"):
             kw.update(sparse_cache=args.sparse_cache)
-        lp.patch(model, meth, **kw)
+        lp.patch(model, meth.replace("-loop", ""), **kw)
         ids = torch.randint(3, 49000, (args.batch, args.seq), device=dev)
         times = []
         for _ in range(3):

@@ -87,8 +87,10 @@ def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monk
     gradient; the layer must see that the maps do (it looked at q, k only: outputs without a gradient, and the
     transfer stopped with 'element 0 of tensors does not require grad'). The CUDA decision is made here on the
     CPU, where the interpreter runs the kernels."""
+    import longctx_patch.methods.lolcats as lolcats_method
     from longctx_patch.kernels.lola import ops
 
+    monkeypatch.setattr(lolcats_method, "TRAIN_WITH_SETS", False)  # the chunk loop's own dispatch
     real = ops._use_triton
 
     def as_on_cuda(backend, *tensors):

@@ -17,9 +17,9 @@ OUT=${OUT:-evals/results}
 . "$(dirname "$0")/train_text.sh"
 W=${W:-256}
 S=${S:-256}
-# backend=torch below: on 2026-11-30 `auto` still ran the Triton kernels (no backward) when only the maps
-# needed gradients; fixed since (lola_process checks the maps' outputs and window factors), auto now does the same
-CHUNK=${CHUNK:-256}  # the training path is a PyTorch chunk loop: 64-token chunks take 15.5 s a step at 2 x 4096 on the H200
+CHUNK=${CHUNK:-64}  # the eviction chunk while training (the inference default). The run of 2026-11-30 used 256 and
+# backend=torch: then training went through the PyTorch chunk loop (15.5 s a step at 2 x 4096 with 64-token chunks)
+# and `auto` wrongly took the Triton kernels; lola now trains through its sparse sets (kernels/lola/training.py)
 LRS=${LRS:-3e-3 1e-2}
 STEPS=${STEPS:-400}
 MAX_S=${MAX_S:-270}
@@ -45,7 +45,7 @@ if [ "$STEP" = train ]; then
             save_every: 100000}"
     python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN/lr$lr" -q \
       --set method=lola --set method_config.checkpoint=auto --set method_config.window="$W" \
-      --set method_config.sparse_cache="$S" --set method_config.chunk="$CHUNK" --set method_config.backend=torch --set "stages=[$stage]" \
+      --set method_config.sparse_cache="$S" --set method_config.chunk="$CHUNK" --set "stages=[$stage]" \
       --results "$OUT/lola-transfer-lr$lr-smollm2-135m-train.json" > "$RUN-lr$lr.log" 2>&1 &
     pids+=($!)
   done

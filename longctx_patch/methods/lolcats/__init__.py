@@ -21,11 +21,14 @@ from torch import nn
 from ...cache import LongctxLayer
 from ...errors import ConfigError
 from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
+from ...kernels.lola.training import lola_attention_sets, sparse_positions
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
 from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
 
 LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
 DEFAULT_INIT_WINDOW_FACTOR = 2.0  # sigmoid = 0.88: an untrained patch stays much closer to the original (docs/lola.md)
+# lola under gradients: sparse sets first (no grad), then one differentiable pass; False: the chunk loop
+TRAIN_WITH_SETS = True
 
 
 @dataclass
@@ -199,11 +202,20 @@ class LolcatsAttention(PatchedAttention):
             return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend)
 
         kw.update(phi_k=phi_k, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask)
+        hs = sparse_head_count(self.sparse_heads, q.shape[1], k.shape[1])
+        if cache_layer is None and TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
+            # training: the sparse sets chosen without gradients, then one differentiable pass (same value
+            # as the chunk loop, many times faster to train through; kernels/lola/training.py)
+            fk = phi_k(k)
+            sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk, lam=lam,
+                                    sparse_heads=hs)
+            return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
+                                       scale=self.scaling, key_mask=new_mask)
         if cache_layer is None:
             Hq, Hkv = q.shape[1], k.shape[1]
             st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
                                  capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(),
-                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
+                                 sparse_heads=hs)
             return lola_process(st, q, k, v, fq, g, lf, **kw)
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
@@ -214,6 +226,12 @@ class LolcatsAttention(PatchedAttention):
             st_out = lola_process(st, q, k, v, fq, g, lf, **kw)
         cache_layer.set_state(st)
         return st_out
+
+    def _needs_grad(self, *tensors) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        return (any(t.requires_grad for t in tensors)
+                or any(p.requires_grad for p in self.feature_map_k.parameters()))
 
     def make_cache_layer(self):
         return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache, self.sparse_heads)

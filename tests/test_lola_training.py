@@ -1,0 +1,108 @@
+"""LoLA's training path (sparse sets chosen without gradients, then one differentiable pass) against the
+differentiable chunk loop: same outputs and gradients, on random inputs and through a patched model."""
+
+import pytest
+import torch
+
+import longctx_patch as lp
+import longctx_patch.methods.lolcats as lolcats_method
+from longctx_patch.kernels.lola import reference as ref
+from longctx_patch.kernels.lola.ops import LolaState, lola_process
+from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+
+from conftest import tiny_model
+
+
+def _inputs(B, Hq, Hkv, S, D, F, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, generator=g).requires_grad_()
+    k = torch.randn(B, Hkv, S, D, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, S, D, generator=g).requires_grad_()
+    Wq = (torch.randn(Hq, D, F, generator=g) * D ** -0.25).requires_grad_()
+    Wk = (torch.randn(Hq, D, F, generator=g) * D ** -0.25).requires_grad_()
+    gw = torch.randn(Hq, generator=g).requires_grad_()
+    return q, k, v, Wq, Wk, gw
+
+
+@pytest.mark.parametrize("sparse_heads,S,block", [("kv", 203, 48), ("query", 203, 1024), ("kv", 64, 16)])
+def test_sets_path_equals_the_chunk_loop(sparse_heads, S, block):
+    """Odd length (203: a partial last chunk), GQA (6 query / 2 kv heads), left padding in row 1, a sparse cache
+    per kv head or per query head, query blocks of several chunks or one."""
+    B, Hq, Hkv, D, F = 2, 6, 2, 16, 8
+    W, C, lam = 12, 16, 5
+    Hs = Hkv if sparse_heads == "kv" else Hq
+    q, k, v, Wq, Wk, gw = _inputs(B, Hq, Hkv, S, D, F)
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[1, :13] = False
+    weights = torch.linspace(-1, 1, D)
+
+    def run(sets_path):
+        fq = ref.hedgehog_feature_map(q, Wq)
+        g = torch.sigmoid(gw)
+        lf = 1 - g
+        phi_k = lambda x: ref.hedgehog_feature_map(x, Wk)  # noqa: E731
+        if sets_path:
+            fk = phi_k(k)
+            sets = sparse_positions(fk.detach(), v.detach(), km, window=W, chunk=C, lam=lam, sparse_heads=Hs)
+            o = lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
+                                    block=block)
+        else:
+            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, torch.float32, "cpu", capacity=W + C, inplace=False,
+                                 sparse_heads=Hs)
+            o = lola_process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=W, chunk=C, lam=lam, scale=D ** -0.5,
+                             key_mask_new=km, backend="torch")
+        o = o * km[:, :, None, None]
+        return o.detach(), torch.autograd.grad((o * weights).sum(), [q, k, v, Wq, Wk, gw])
+
+    want, gwant = run(False)
+    got, ggot = run(True)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    for a, b in zip(ggot, gwant):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=5e-6 * float(b.abs().max()), rtol=1e-4)
+
+
+def test_sparse_positions_keep_the_highest_recall_errors():
+    """Every set holds lam distinct earlier positions (padding never), empty until the first eviction."""
+    B, Hq, Hkv, S, D, F = 2, 4, 2, 150, 8, 4
+    W, C, lam = 8, 16, 6
+    q, k, v, Wq, Wk, gw = _inputs(B, Hq, Hkv, S, D, F, seed=3)
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[0, :20] = False
+    fk = ref.hedgehog_feature_map(k, Wk)
+    sets = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hkv)
+    assert sets.shape == (-(-S // C), B, Hkv, lam)
+    assert (sets[0] == -1).all()
+    for c in range(1, sets.shape[0]):
+        full = sets[c][sets[c] >= 0]
+        assert (full < c * C - W).all()  # evicted keys only: older than the window of the chunk's first query
+        assert km[0, sets[c][0][sets[c][0] >= 0]].all()
+        for b in range(B):
+            for h in range(Hkv):
+                row = sets[c, b, h]
+                row = row[row >= 0]
+                assert len(set(row.tolist())) == len(row)
+    assert (sets[-1] >= 0).all()  # by the end every slot is taken
+
+
+@pytest.mark.parametrize("sparse_heads", ["kv", "query"])
+def test_patched_model_trains_through_sets_like_the_chunk_loop(monkeypatch, sparse_heads):
+    """Through a patched model with a left-padded batch: the loss and the maps' gradients of the sets path equal
+    those of the chunk loop."""
+    kw = dict(window=5, feature_dim=8, chunk=4, backend="torch", sparse_cache=3, sparse_heads=sparse_heads)
+    x = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[1, :6] = 0
+    res = {}
+    for sets_path in (False, True):
+        monkeypatch.setattr(lolcats_method, "TRAIN_WITH_SETS", sets_path)
+        model = tiny_model("llama")
+        lp.patch(model, "lola", **kw)
+        labels = x.masked_fill(mask == 0, -100)
+        out = model(x, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        attn = model.model.layers[1].self_attn
+        res[sets_path] = (out.loss.detach(), attn.feature_map_q.mlp.layer.grad, attn.feature_map_k.mlp.layer.grad,
+                          attn.window_factors.grad, model.model.layers[0].self_attn.q_proj.weight.grad)
+    for a, b in zip(res[True], res[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
