@@ -204,8 +204,8 @@ class LolcatsAttention(PatchedAttention):
         kw.update(phi_k=phi_k, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask)
         hs = sparse_head_count(self.sparse_heads, q.shape[1], k.shape[1])
         if cache_layer is None and TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
-            # training: the sparse sets chosen without gradients, then one differentiable pass (same value
-            # as the chunk loop, many times faster to train through; kernels/lola/training.py)
+            # training: the sparse sets chosen without gradients, then one differentiable pass (the chunk
+            # loop's value without its per-chunk autograd graph; kernels/lola/training.py)
             fk = phi_k(k)
             sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk, lam=lam,
                                     sparse_heads=hs)
