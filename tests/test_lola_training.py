@@ -106,3 +106,23 @@ def test_patched_model_trains_through_sets_like_the_chunk_loop(monkeypatch, spar
                           attn.window_factors.grad, model.model.layers[0].self_attn.q_proj.weight.grad)
     for a, b in zip(res[True], res[False]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_sparse_positions_equal_the_prefill_eviction_kernels():
+    """The positions chosen by `sparse_positions` are the slots of the two-pass prefill's eviction kernels
+    (PrefillEvictions.SPIDX, Triton through the interpreter), chunk by chunk, as sets."""
+    from longctx_patch.kernels.lola import triton_kernels as tk
+
+    B, Hq, Hkv, S, D, F = 2, 4, 2, 96, 16, 8
+    W, C, lam = 16, 32, 12
+    q, k, v, Wq, Wk, gw = _inputs(B, Hq, Hkv, S, D, F, seed=7)
+    k, v = k.detach(), v.detach()
+    fk = ref.hedgehog_feature_map(k, Wk.detach())
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[0, :5] = False
+    ev = tk.PrefillEvictions(fk, v, km, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=Hkv)
+    ev.run()
+    sets = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hkv)
+    assert (sets[1] < 0).any() and (sets[-1] >= 0).all()
+    for c in range(sets.shape[0]):
+        assert torch.equal(sets[c].sort(-1).values, ev.SPIDX[c].long().sort(-1).values)
