@@ -63,19 +63,20 @@ def main() -> None:
                               key_mask_new=km, backend="triton")
         ev = stash[0] if stash else None
         st = bl.LolaState.empty(2, 8, 2, D, 64, 16, dtype, dev)
-        outs, scores = [], []
+        outs, scores, states = [], [], []
         for c0 in range(0, S0, 64):
             sl = slice(c0, min(c0 + 64, S0))
             outs.append(bl.lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf,
                                         phi_k=phi_k, window=32, chunk=64, lam=16, scale=D ** -0.5,
                                         key_mask_new=km[:, sl], backend="torch"))
             scores.append(st.sp_score.sort(-1, descending=True).values.clone())
+            states.append(st.H.clone())  # after eviction c (when chunk c is full)
         o_r = torch.cat(outs, 1)
         err = (o_t.float() - o_r.float()).abs().amax(dim=(-1, -2)) * km
         row = {"rep": rep, "rel_err": bl.rel(o_t[km], o_r[km]),
                "graph": ev is not None and ev.graph is not None,
                "chunks_differing": sorted({int(p) // 64 for p in torch.nonzero(err > 1e-3)[:, 1]}),
-               "first_eviction_differing": None}
+               "first_eviction_differing": None, "first_state_differing": None}
         if ev is not None:
             for c in range(ev.n_ev):
                 a = ev.SPSC[c + 1].sort(-1, descending=True).values
@@ -84,6 +85,11 @@ def main() -> None:
                     row["first_eviction_differing"] = {"eviction": c, "max_score_diff": d,
                                                        "triton_top4": a[0, 0, :4].tolist(),
                                                        "torch_top4": scores[c][0, 0, :4].tolist()}
+                    break
+            for c in range(ev.n_ev):  # the linear state after eviction c: H_all[c + 1] against the loop's H
+                e = bl.rel(ev.H_all[c + 1], states[c])
+                if e > 1e-5:
+                    row["first_state_differing"] = {"eviction": c, "rel_err": e}
                     break
         rows.append(row)
         print(json.dumps(row), flush=True)
