@@ -15,15 +15,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import longctx_patch as lp  # noqa: E402
-from longctx_patch.evals.common import device_description, git_commit, parse_fractions, parse_sizes  # noqa: E402
-from longctx_patch.evals.niah import make_samples  # noqa: E402
+from longctx_patch.evals.common import (  # noqa: E402
+    MethodRun, device_description, parse_fractions, parse_sizes, write_result)
+from longctx_patch.evals.niah import make_samples, value_span  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola.training import sparse_positions  # noqa: E402
 from longctx_patch.methods.lolcats import LolcatsAttention, sparse_head_count  # noqa: E402
@@ -75,19 +75,19 @@ def main() -> None:
     ap.add_argument("--out", default="evals/results/lola-mass-smollm2-135m.json")
     a = ap.parse_args()
     model, tok = load_model(a.model, device=a.device)
-    lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale)
+    run = MethodRun("lola", dict(window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale))
+    lp.patch(model, run.name, **run.config)
     model.eval()
     records = []
     orig = LolcatsAttention.attend
     for smp in make_samples(tok, ["s-niah-1"], parse_sizes(a.lengths), parse_fractions(a.depths), 1, seed=0):
         ids = smp.input_ids
-        vt = [tok.convert_tokens_to_ids(c) for c in smp.value]
-        at = next(i for i in range(len(ids)) if ids[i:i + len(vt)] == vt)
+        span = value_span(tok, smp)
         layers = []
 
-        def attend(self, q, k, v, cache_layer, padding, _layers=layers, _at=at, _n=len(vt)):
+        def attend(self, q, k, v, cache_layer, padding, _layers=layers, _span=span):
             with torch.no_grad():
-                _layers.append(last_query_masses(self, q, k, v, slice(_at, _at + _n)))
+                _layers.append(last_query_masses(self, q, k, v, _span))
             return orig(self, q, k, v, cache_layer, padding)
 
         LolcatsAttention.attend = attend
@@ -105,19 +105,15 @@ def main() -> None:
                                   needle_in_cache=bool(d["needle_in_cache"][h]),
                                   linear_share_mean=round(float(d["linear_share"].mean()), 4)))
         top = sorted(per_layer, key=lambda r: -r["teacher_needle"])[:5]
-        rec = dict(length=smp.length, depth=smp.depth, prompt_tokens=len(ids), needle_at=at, needle_tokens=len(vt),
+        rec = dict(length=smp.length, depth=smp.depth, prompt_tokens=len(ids), needle_at=span.start,
+                   needle_tokens=span.stop - span.start,
                    linear_share_mean=round(sum(r["linear_share_mean"] for r in per_layer) / len(per_layer), 4),
                    top_retrieval_layers=top, layers=per_layer)
         print(json.dumps({k: v for k, v in rec.items() if k != "layers"}), flush=True)
         records.append(rec)
-    res = dict(task="lola-mass", model=a.model, device=device_description(a.device),
-               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
-               command="PYTHONPATH=. python3 evals/lola_mass.py " + " ".join(sys.argv[1:]),
-               method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale})",
-               records=records)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_result(a.out, task="lola-mass", model=a.model, runs=[run], figures={"records": records},
+                 command="PYTHONPATH=. python3 evals/lola_mass.py " + " ".join(sys.argv[1:]),
+                 device=device_description(a.device))
     print(f"wrote {a.out}")
 
 

@@ -17,15 +17,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import longctx_patch as lp  # noqa: E402
-from longctx_patch.evals.common import device_description, git_commit, parse_fractions, parse_sizes  # noqa: E402
-from longctx_patch.evals.niah import make_samples  # noqa: E402
+from longctx_patch.evals.common import (  # noqa: E402
+    MethodRun, device_description, parse_fractions, parse_sizes, write_result)
+from longctx_patch.evals.niah import make_samples, value_span  # noqa: E402
 from longctx_patch.kernels.lola import ops  # noqa: E402
 from longctx_patch.models import load_model  # noqa: E402
 
@@ -79,34 +79,30 @@ def main() -> None:
     a = ap.parse_args()
     lengths, depths = parse_sizes(a.lengths), parse_fractions(a.depths)
     model, tok = load_model(a.model, device=a.device)
-    lp.patch(model, "lola", window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale,
-             sparse_heads=a.sparse_heads)
+    run = MethodRun("lola", dict(window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale,
+                                 sparse_heads=a.sparse_heads))
+    lp.patch(model, run.name, **run.config)
     model.eval()
     records = []
     for s in make_samples(tok, ["s-niah-1"], lengths, depths, 1, seed=0):
         ids = s.input_ids
-        vt = [tok.convert_tokens_to_ids(c) for c in s.value]  # the digits of the passkey, one token each
-        at = next(i for i in range(len(ids)) if ids[i:i + len(vt)] == vt)
+        span = value_span(tok, s)
         with KeptPositions() as kp, torch.no_grad():
             model(torch.tensor([ids], device=a.device), use_cache=True)
         by_layer = []
         for li in range(len(model.model.layers)):
             sp = kp.pos.get(li)
-            held = torch.stack([(sp[0] == p).any(-1) for p in range(at, at + len(vt))]).float()  # [tokens, Hs]
+            held = torch.stack([(sp[0] == p).any(-1) for p in range(span.start, span.stop)]).float()  # [tokens, Hs]
             by_layer.append(round(float(held.mean()), 3))
-        rec = dict(length=s.length, depth=s.depth, prompt_tokens=len(ids), needle_at=at, needle_tokens=len(vt),
+        rec = dict(length=s.length, depth=s.depth, prompt_tokens=len(ids), needle_at=span.start,
+                   needle_tokens=span.stop - span.start,
                    random_share=round(a.sparse_cache / max(1, len(ids) - a.window), 3),
                    mean_share=round(sum(by_layer) / len(by_layer), 3), share_by_layer=by_layer)
         print(json.dumps({k: v for k, v in rec.items() if k != "share_by_layer"}), flush=True)
         records.append(rec)
-    res = dict(task="lola-needle-in-cache", model=a.model, device=device_description(a.device), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               commit=git_commit(), command="python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
-               method=f"lola(window={a.window},sparse_cache={a.sparse_cache},linear_scale={a.linear_scale},"
-                      f"sparse_heads={a.sparse_heads})",
-               records=records)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_result(a.out, task="lola-needle-in-cache", model=a.model, runs=[run], figures={"records": records},
+                 command="PYTHONPATH=. python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
+                 device=device_description(a.device))
     print(f"wrote {a.out}")
 
 

@@ -177,6 +177,16 @@ def test_niah_needle_at_requested_depth(tok, essays, depth):
     assert abs(s.needle_depth - depth) < 0.04
 
 
+@pytest.mark.parametrize("task", ["s-niah-1", "s-niah-2"])
+def test_niah_value_span_points_at_the_value(tok, essays, task):
+    s = niah.build_sample(tok, task, 700, 0.4, seed=2, haystack=essays)
+    span = niah.value_span(tok, s)
+    assert tok.decode(s.input_ids[span]) == s.value
+    assert span.stop < len(s.input_ids) - 10  # the needle, not the question (which names the key, not the value)
+    with pytest.raises(ValueError, match="not in the prompt"):
+        niah.value_span(tok, niah.NiahSample(**{**s.__dict__, "value": "x9q"}))
+
+
 def test_niah_filler_depth_is_tight(tok):
     for depth in (0.1, 0.6, 0.9):
         s = niah.build_sample(tok, "s-niah-1", 2048, depth, seed=0)

@@ -342,6 +342,18 @@ def make_samples(
     ]
 
 
+def value_span(tokenizer, sample: NiahSample) -> slice:
+    """Token positions of the sample's value in its prompt (the passkey's digits, one token each, as the Llama
+    tokenizers split numbers); ValueError if the prompt does not hold it that way."""
+    want = [tokenizer.convert_tokens_to_ids(c) for c in sample.value]
+    ids = sample.input_ids
+    for i in range(len(ids) - len(want) + 1):
+        if ids[i:i + len(want)] == want:
+            return slice(i, i + len(want))
+    raise ValueError(f"the value {sample.value!r} is not in the prompt as one token per character; "
+                     "these needle diagnostics need a tokenizer that splits numbers into digits")
+
+
 # ----------------------------------------------------------------------------------------------- scoring
 def score(answer: str, value: str) -> bool:
     """Exact match: the value appears verbatim in the answer (numbers not as part of a longer number)."""
