@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import ConfigError
 from . import reference as ref
 
 
@@ -38,8 +39,6 @@ def _use_triton(backend: str, *tensors) -> bool:
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
     if backend == "triton":
         if grad:
-            from ...errors import ConfigError
-
             raise ConfigError("backend='triton' was asked for while gradients are needed, but the LoLA/LoLCATs "
                               "Triton kernels have no backward; train with backend='auto' (the PyTorch path is "
                               "taken under grad) or backend='torch'")
