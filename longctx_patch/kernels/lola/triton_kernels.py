@@ -876,7 +876,12 @@ def _ev_fold_kernel(
     mkv = mk[:, None] & mv[None, :]
     hoff = b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :]
     hacc = tl.zeros([BK, BV], dtype=tl.float32)
-    sacc = tl.zeros([BK], dtype=tl.float32)
+    # the sum of phi(k) is taken as a dot with ones, so that it has H's 2-D layout (every column holds it) and
+    # is stored from column 0 of the pid_v == 0 programs. The earlier form (a [BK] `tl.sum` in a slice layout,
+    # stored under `if pid_v == 0`) compiled, on the H200 with Triton 3.6, to a shared-memory race
+    # (compute-sanitizer racecheck: write-write hazards at that store), which made s_all depend on timing
+    sacc = tl.zeros([BK, BV], dtype=tl.float32)
+    ones = tl.full([BN, BV], 1.0, tl.float32)
     base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
     for j0 in range(0, lam, BN):
         offs_j = j0 + tl.arange(0, BN)
@@ -888,7 +893,7 @@ def _ev_fold_kernel(
         vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_v[None, :],
                      mask=ok[:, None] & mv[None, :], other=0.0)
         hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
-        sacc += tl.sum(fk.to(tl.float32), 0)
+        sacc += tl.dot(tl.trans(fk.to(tl.float32)), ones, input_precision="ieee")
     # PH / PS: [B, Hq, F2, D] / [B, Hq, F2] contiguous, the running sum of the evicted pairs
     poff = (b * HQ + h) * F2 * D + offs_k[:, None] * D + offs_v[None, :]
     # while no pair has been folded (every evicted pair is held exact) the state is exactly 0, as the sequential
@@ -897,12 +902,13 @@ def _ev_fold_kernel(
     p = tl.load(PH + poff, mask=mkv, other=0.0) + tl.load(HALL + (c + 1) * s_ha_c + hoff, mask=mkv, other=0.0)
     tl.store(PH + poff, p, mask=mkv)
     tl.store(HALL + (c + 1) * s_ha_c + hoff, tl.where(folded, p - hacc, 0.0), mask=mkv)
-    if pid_v == 0:
-        soff = (b * HQ + h) * F2 + offs_k
-        so = b * s_sa_b + h * s_sa_h + offs_k
-        ps = tl.load(PS + soff, mask=mk, other=0.0) + tl.load(SALL + (c + 1) * s_sa_c + so, mask=mk, other=0.0)
-        tl.store(PS + soff, ps, mask=mk)
-        tl.store(SALL + (c + 1) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=mk)
+    # s: column 0 of the pid_v == 0 programs ([BK, BV] pointers that repeat along the columns, masked to one)
+    col0 = mk[:, None] & (offs_v[None, :] == 0)
+    soff = (b * HQ + h) * F2 + offs_k[:, None] + 0 * offs_v[None, :]
+    so = b * s_sa_b + h * s_sa_h + offs_k[:, None] + 0 * offs_v[None, :]
+    ps = tl.load(PS + soff, mask=col0, other=0.0) + tl.load(SALL + (c + 1) * s_sa_c + so, mask=col0, other=0.0)
+    tl.store(PS + soff, ps, mask=col0)
+    tl.store(SALL + (c + 1) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=col0)
 
 
 class PrefillEvictions:
