@@ -6,9 +6,9 @@ relative error of the output, the chunks whose queries differ, and the first evi
 
     PYTHONPATH=. python3 evals/lola_determinism.py [--reps 3] [--dtype float32] [--lolcats-first] [--out FILE]
 
-Start it while other work runs on the same GPU to test under load (on 2026-11-30 the second eviction's scores
-diverged in 2 of 3 runs under load and in none solo: evals/results/lola-determinism-h200.json). Next:
-under load with --no-graph, which tells the CUDA graph replay from the kernels.
+Start it while other work runs on the same GPU to test under load. On 2026-11-30 it showed a shared-memory race in
+the eviction fold (8 of 12 runs diverged under load; fixed in b12964d, then 0 of 12):
+evals/results/lola-determinism-fix-h200.json and docs/PERFORMANCE.md (section LoLA).
 """
 from __future__ import annotations
 
