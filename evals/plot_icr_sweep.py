@@ -1,9 +1,10 @@
 """One figure for the ICR learning-rate sweep on the H200: for every mixer, its best of the learning rates run
 (by accuracy at the longest length), accuracy against length and against decode-state bytes, basic and
 positional side by side. Reads the result JSONs of `evals/bench_synthetic.py`; every run of a mixer and task
-found in them counts (a run stopped by its deadline is drawn hollow).
+found in them counts (a run stopped by its deadline is drawn hollow). `--seeds-table` prints instead, per task
+and mixer, the mean accuracy over the seeds run at lr 3e-3 with its lowest and highest (the README's table).
 
-    python3 evals/plot_icr_sweep.py [--out evals/results/synthetic-h200-icr-sweep-best.png] [JSON ...]
+    python3 evals/plot_icr_sweep.py [--out evals/results/synthetic-h200-icr-sweep-best.png] [--seeds-table]
 """
 from __future__ import annotations
 
@@ -19,6 +20,32 @@ DEFAULT = {
                        "synthetic-h200-curriculum-4000-lrs-icr-positional.json",
                        "synthetic-h200-sweep-c-icr-positional.json", "synthetic-h200-sweep-b-icr-positional.json"],
 }
+SEEDS = {  # lr 3e-3: seed 0 (the sweep's runs) and seeds 1, 2
+    "icr-basic": ["synthetic-h200-curriculum-4000-icr-basic.json", "synthetic-h200-sweep-b-icr-basic.json",
+                  "synthetic-h200-seeds-icr-basic.json", "synthetic-h200-seeds-b-icr-basic.json"],
+    "icr-positional": ["synthetic-h200-curriculum-4000-icr-positional.json",
+                       "synthetic-h200-sweep-b-icr-positional.json", "synthetic-h200-seeds-icr-positional.json",
+                       "synthetic-h200-seeds-b-icr-positional.json"],
+}
+
+
+def seed_table(files, lr: float = 3e-3) -> str:
+    """Markdown rows: mixer | seeds | mean accuracy (lowest-highest) per length, over the complete runs at `lr`."""
+    by = {}
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        for r in d["runs"]:
+            if r.get("eval") and abs(r["lr"] - lr) < 1e-12 and r["steps_done"] >= d["train_config"]["steps"]:
+                by.setdefault(r["mixer"].split(":")[0], {})[r["seed"]] = r
+    rows = []
+    for mixer, runs in by.items():
+        lengths = sorted(next(iter(runs.values()))["eval"], key=int)
+        cells = []
+        for L in lengths:
+            a = [100 * r["eval"][L]["accuracy"] for r in runs.values()]
+            cells.append(f"{sum(a) / len(a):.1f} ({min(a):.1f}-{max(a):.1f})" if len(a) > 1 else f"{a[0]:.1f}")
+        rows.append(f"| {mixer} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def best_runs(files):
@@ -42,7 +69,13 @@ def best_runs(files):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS / "synthetic-h200-icr-sweep-best.png"))
+    ap.add_argument("--seeds-table", action="store_true", help="print the seeds table (lr 3e-3) instead of plotting")
     args = ap.parse_args()
+    if args.seeds_table:
+        for task, names in SEEDS.items():
+            print(f"{task}: mixer | seeds | accuracy by length, mean (lowest-highest)")
+            print(seed_table([RESULTS / n for n in names]))
+        return
     import matplotlib
 
     matplotlib.use("Agg")
