@@ -474,7 +474,10 @@ def _fold_kernel(
     mv = offs_v < D
     hp = H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_v[None, :]
     hacc = tl.load(hp, mask=mk[:, None] & mv[None, :], other=0.0)
-    sacc = tl.zeros([BK], dtype=tl.float32)
+    # the sum of w phi(k) as a dot with ones, in H's 2-D layout, stored from column 0 of the pid_v == 0 programs:
+    # the [BK] slice-layout form stored under a branch is the pattern that raced in _ev_fold_kernel (see there)
+    sacc = tl.zeros([BK, BV], dtype=tl.float32)
+    ones = tl.full([BN, BV], 1.0, tl.float32)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mn = offs_n < N
@@ -484,11 +487,11 @@ def _fold_kernel(
         vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_v[None, :],
                      mask=mn[:, None] & mv[None, :], other=0.0).to(tl.float32)
         hacc += _dot(tl.trans(fk), vv, PREC, UPCAST)
-        sacc += tl.sum(fk, 0)
+        sacc += tl.dot(tl.trans(fk), ones, input_precision="ieee")
     tl.store(hp, hacc, mask=mk[:, None] & mv[None, :])
-    if pid_v == 0:
-        sp = S + b * s_s_b + h * s_s_h + offs_k
-        tl.store(sp, tl.load(sp, mask=mk, other=0.0) + sacc, mask=mk)
+    col0 = mk[:, None] & (offs_v[None, :] == 0)
+    sp = S + b * s_s_b + h * s_s_h + offs_k[:, None] + 0 * offs_v[None, :]
+    tl.store(sp, tl.load(sp, mask=col0, other=0.0) + sacc, mask=col0)
 
 
 def fold_into_state(fk, v, w, H, s):
