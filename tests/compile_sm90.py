@@ -196,12 +196,28 @@ for ieee in (True, False):
                  ROW_OUT=I64 if ao or sr else I32, TPTR=I32), {"num_warps": 4})
 
 
+def branch_converts(ttgir: str) -> int:
+    """How many layout conversions (`ttg.convert_layout`) the TTGIR has inside `scf.if` regions. One op per line;
+    braces of attributes open and close on their line, so the net count per line tracks the regions."""
+    depth, ifs, n = 0, [], 0
+    for line in ttgir.splitlines():
+        if ifs and "ttg.convert_layout" in line:
+            n += 1
+        if "scf.if" in line and line.rstrip().endswith("{"):
+            ifs.append(depth)
+        depth += line.count("{") - line.count("}")
+        while ifs and depth <= ifs[-1]:
+            ifs.pop()
+    return n
+
+
 def main():
     out = {}
     for name, (kernel, consts, ptrs, options) in CASES.items():
         try:
             k = compile_kernel(kernel, consts, ptrs, options)
-            out[name] = {"shared": int(k.metadata.shared), "cubin_bytes": len(k.asm.get("cubin", b""))}
+            out[name] = {"shared": int(k.metadata.shared), "cubin_bytes": len(k.asm.get("cubin", b"")),
+                         "branch_converts": branch_converts(k.asm["ttgir"])}
         except Exception as e:  # noqa: BLE001 - reported per kernel
             out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:], "trace": traceback.format_exc()[-2000:]}
     print(json.dumps(out))

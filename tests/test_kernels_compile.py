@@ -55,6 +55,15 @@ def test_kernel_compiles_for_sm90(compiled, name):
     assert res["shared"] <= SM90_SMEM, f"{name} asks for {res['shared']} B of shared memory"
 
 
+@pytest.mark.parametrize("name", ["fold", "ev_fold"])
+def test_lola_folds_convert_no_layout_inside_a_branch(compiled, name):
+    """The LoLA folds store s (the sum of phi(k)) without a layout conversion inside a branch. The earlier form, a
+    [BK] slice-layout sum converted through shared memory under `if pid_v == 0`, raced on the H200 (racecheck
+    hazards at that store; s_all depended on timing under load: docs/PERFORMANCE.md, LoLA). The CPU kernel tests
+    cannot see a race, so this checks the compiled form."""
+    assert compiled[name].get("branch_converts") == 0, compiled[name]
+
+
 # one step past the largest compiled tiles above: the dispatchers must refuse these on the Triton path
 # (compiled for sm_90 they ask for 245-410 KB of shared memory: MuSe bf16 128 x 256 forward 328 KB, fp32
 # 128 x 128 forward 344 KB, fp32 128 x 64 backward 400 KB; OVQ bf16 D = 256 and fp32 D = 128 fused prefill)
