@@ -40,23 +40,30 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return tuple(int(v) for v in vals)
 
 
-def training_options(f):
+def training_options(*, steps: int, curriculum: str, tokens_per_step: int):
+    """The training options both commands share; the defaults given are each task's measured working setting
+    (README, "Synthetic long-context benchmarks": without the curriculum every mixer, softmax included, stayed at
+    chance / the predict-0 plateau)."""
+    return lambda f: _add_training_options(f, steps, curriculum, tokens_per_step)
+
+
+def _add_training_options(f, steps, curriculum, tokens_per_step):
     opts = [
         click.option("--workers", default=1, show_default=True, type=click.IntRange(1),
                      help="Parallel training processes (several small models share one GPU well)."),
         click.option("--device", default=None, metavar="DEVICE", help="cpu | cuda | cuda:N (default: cuda when available)."),
         click.option("--eval-sequences", default=64, show_default=True, type=click.IntRange(1),
                      help="Held-out sequences per length for the evaluation."),
-        click.option("--tokens-per-step", default=16384, show_default=True, type=click.IntRange(1),
+        click.option("--tokens-per-step", default=tokens_per_step, show_default=True, type=click.IntRange(1),
                      help="Tokens per training step (batch = tokens // length)."),
         click.option("--seeds", default="0", show_default=True, help="Comma-separated training seeds."),
-        click.option("--lrs", default="3e-4,1e-3,3e-3", show_default=True,
+        click.option("--lrs", default="1e-3,3e-3,5e-3", show_default=True,
                      help="Comma-separated learning rates (the best one per mixer is reported)."),
-        click.option("--steps", default=2000, show_default=True, type=click.IntRange(1), help="Training steps per run."),
-        click.option("--curriculum", default=None, metavar="LENGTH:FRACTION",
+        click.option("--steps", default=steps, show_default=True, type=click.IntRange(1), help="Training steps per run."),
+        click.option("--curriculum", default=curriculum, show_default=True, metavar="LENGTH:FRACTION|none",
                      help="Train the first FRACTION of the steps at LENGTH tokens only, then cycle through --lengths "
-                          "(e.g. 64:0.25: recall is learned on short sequences first; with 256 keys, 128- and 256-token "
-                          "curricula stayed at chance)."),
+                          "(the task is learned on short sequences first; without it, or with 128- and 256-token "
+                          "curricula, every mixer stayed at chance). 'none': no curriculum."),
         click.option("--conv", default=4, show_default=True, type=click.IntRange(0), help="Short causal convolution width (0 = none)."),
         click.option("--heads", default=2, show_default=True, type=click.IntRange(1), help="Heads per mixer."),
         click.option("--layers", default=2, show_default=True, type=click.IntRange(1), help="Blocks."),
@@ -109,7 +116,8 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
 
 
 @click.command("icr", context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="\b\nExamples:\n  longctx eval icr --variant both --lengths 512,1k,2k,4k --steps 3000 --workers 6\n"
+               epilog="\b\nExamples:\n  longctx eval icr --workers 6                # the README's H200 settings (the defaults)\n"
+                      "  longctx eval icr --lengths 1k,2k,4k,8k --num-keys 512 --num-values 512 --mixers softmax,ovq\n"
                       "  longctx eval icr --device cpu --lengths 128 --steps 100 --d-model 32 --mixers softmax,ovq")
 @click.option("--variant", type=click.Choice(["basic", "positional", "both"]), default="both", show_default=True,
               help="basic: recall the value of a key; positional: the value at the key's FIRST or SECOND occurrence.")
@@ -117,9 +125,10 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
               help="Sequence lengths; training cycles through them, every model is evaluated at each.")
 @click.option("--tokens-per-pair", default=16, show_default=True, type=click.IntRange(6),
               help="Key/value pairs in a sequence = length // this.")
-@click.option("--num-keys", default=1024, show_default=True, type=click.IntRange(1), help="Key vocabulary.")
-@click.option("--num-values", default=1024, show_default=True, type=click.IntRange(2), help="Value vocabulary.")
-@training_options
+@click.option("--num-keys", default=256, show_default=True, type=click.IntRange(1),
+              help="Key vocabulary (at least the pairs of the longest length: 512 for 8k).")
+@click.option("--num-values", default=256, show_default=True, type=click.IntRange(2), help="Value vocabulary.")
+@training_options(steps=4000, curriculum="64:0.25", tokens_per_step=16384)
 @friendly_errors
 def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items, d_model, layers, heads, conv, steps,
             curriculum, lrs, seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
@@ -137,15 +146,19 @@ def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items
 
 
 @click.command("icl", context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="\b\nExamples:\n  longctx eval icl --functions 16,64 --lengths 2k --steps 3000 --workers 6\n"
-                      "  longctx eval icl --device cpu --functions 4 --dim 4 --lengths 128 --steps 100 --d-model 32")
-@click.option("--functions", default="16,64", show_default=True,
-              help="Hidden functions per sequence (F, up to 128); a comma list runs one sweep per value.")
-@click.option("--dim", default=8, show_default=True, type=click.IntRange(1), help="Input dimension of the regression.")
+               epilog="\b\nExamples:\n  longctx eval icl --workers 6                # the README's H200 settings at F=16 (the defaults)\n"
+                      "  longctx eval icl --functions 64 --lengths 2k,4k --mixers softmax,ovq:max_centroids=1024,growth=512\n"
+                      "  longctx eval icl --device cpu --functions 4 --lengths 128 --steps 100 --d-model 32")
+@click.option("--functions", default="16", show_default=True,
+              help="Hidden functions per sequence (F, up to 128); a comma list runs one sweep per value. More "
+                   "functions need longer sequences (each function needs more than 2 x --dim examples).")
+@click.option("--dim", default=4, show_default=True, type=click.IntRange(1),
+              help="Input dimension of the regression (at 8, 2500 steps left every mixer at the predict-0 plateau).")
 @click.option("--segment", default=4, show_default=True, type=click.IntRange(1), help="Examples per segment (one function).")
 @click.option("--noise", default=0.0, show_default=True, type=click.FloatRange(0), help="Std of the label noise.")
-@click.option("--lengths", default="2k", show_default=True, help="Sequence lengths (an example takes two positions).")
-@training_options
+@click.option("--lengths", default="512,1k,2k", show_default=True,
+              help="Sequence lengths (an example takes two positions).")
+@training_options(steps=2500, curriculum="64:0.2", tokens_per_step=8192)
 @friendly_errors
 def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layers, heads, conv, steps, curriculum, lrs,
             seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):

@@ -273,6 +273,7 @@ def test_parse_curriculum():
     assert mixers.parse_curriculum("256:0.3") == (256, 0.3)
     assert mixers.parse_curriculum("1k:0.5") == (1024, 0.5)
     assert mixers.parse_curriculum(None) == (None, 0.0)
+    assert mixers.parse_curriculum("none") == (None, 0.0)
     for bad in ("256", "256:1.5", "256:0", "x:0.2", "256:abc"):
         with pytest.raises(ConfigError, match="LENGTH:FRACTION|bad length"):
             mixers.parse_curriculum(bad)

@@ -583,8 +583,8 @@ def curriculum_at(step: int, tcfg: TrainConfig) -> int | None:
 
 
 def parse_curriculum(text: str | None) -> tuple[int | None, float]:
-    """``'64:0.25'`` -> (64, 0.25): the first 25% of the steps at 64 tokens. None / '' -> no curriculum."""
-    if not text:
+    """``'64:0.25'`` -> (64, 0.25): the first 25% of the steps at 64 tokens. None / '' / 'none' -> no curriculum."""
+    if not text or str(text).strip().lower() == "none":
         return None, 0.0
     from .common import parse_size
 
