@@ -91,20 +91,16 @@ def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, 
         w = torch.empty(heads, head_dim, feature_dim)
         bound = math.sqrt(6.0 / (head_dim * feature_dim))  # kaiming_uniform_(a=0) on a 3-D tensor: fan_in = D * F
         return w.uniform_(-bound, bound, generator=generator)
-    out = torch.empty(heads, head_dim, feature_dim)
-    for h in range(heads):
-        cols = []
-        left = feature_dim
-        while left > 0:
-            g = torch.randn(head_dim, head_dim, generator=generator)
-            qm, _ = torch.linalg.qr(g)
-            take = min(left, head_dim)
-            cols.append(qm[:, :take])
-            left -= take
-        dirs = torch.cat(cols, 1)  # [D, F], orthonormal columns within each block of D
-        norms = torch.randn(head_dim, feature_dim, generator=generator).norm(dim=0)  # chi(D)
-        out[h] = dirs * norms[None, :] * head_dim ** -0.25
-    return out
+    # the random draws in the order of a per-head loop (blocks of D directions, then the norms), and one batched
+    # QR over all blocks: hundreds of tiny QR calls cost tens of seconds on a busy 2-core CPU
+    blocks = -(-feature_dim // head_dim)
+    gauss, norms = [], []
+    for _ in range(heads):
+        gauss += [torch.randn(head_dim, head_dim, generator=generator) for _ in range(blocks)]
+        norms.append(torch.randn(head_dim, feature_dim, generator=generator).norm(dim=0))  # chi(D)
+    qm, _ = torch.linalg.qr(torch.stack(gauss))  # [heads * blocks, D, D]
+    dirs = qm.reshape(heads, blocks, head_dim, head_dim).transpose(1, 2).reshape(heads, head_dim, blocks * head_dim)
+    return dirs[:, :, :feature_dim] * torch.stack(norms)[:, None, :] * head_dim ** -0.25
 
 
 def sparse_head_count(sparse_heads: str, Hq: int, Hkv: int) -> int:
