@@ -25,6 +25,29 @@ def parse_sets(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
+def method_and_config(method: str, sets, layers):
+    """`--method NAME` or `NAME(KEY=VALUE,...)` (eval's syntax) plus `--set KEY=VALUE` items -> (name, config,
+    layers), validated before any model is loaded. Inline values win over --set ones; an inline `layers=RANGES`
+    (ranges joined by '+': layers=0-3+26-29) is --layers."""
+    import longctx_patch as lp
+    from longctx_patch.methods import split_method_spec
+
+    name, items = split_method_spec(method)
+    name = name.strip()
+    config = parse_sets(sets)
+    meth = lp.get_method(name)
+    for item in items:
+        k, v = (x.strip() for x in item.split("=", 1))
+        if k == "layers" and "layers" not in meth.config_cls.__dataclass_fields__:
+            if layers is not None:
+                raise click.UsageError(f"--method {method!r} gives layers= and --layers is given too; keep one")
+            layers = v.replace("+", ",")
+        else:
+            config[k] = v
+    meth.parse_config(config)  # fail on a bad key or value before loading the model
+    return name, config, layers
+
+
 def device_dtype_options(f):
     f = click.option("--dtype", default=None, metavar="DTYPE",
                      help="float32 | bfloat16 | float16 (default: the checkpoint's; float32 for GGUF/the embedded model).")(f)
@@ -60,7 +83,7 @@ def friendly_errors(f):
                 traceback.print_exc()
             else:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                click.echo(f"error: {msg}  (run with --debug for the traceback)", err=True)
+                click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
             sys.exit(1)
 
     return wrapper

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import device_dtype_options, friendly_errors, model_option, parse_sets
+from .common import device_dtype_options, friendly_errors, method_and_config, model_option
 
 SAMPLE_TOKENS = 1024
 
@@ -71,9 +71,8 @@ def sample_text() -> str:
 def _load_and_patch(model, method, sets, layers, device, dtype):
     import longctx_patch as lp
 
-    config = parse_sets(sets)
     if method:
-        lp.get_method(method).parse_config(config)  # fail before loading the model
+        method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
     elif sets or layers:
         raise click.UsageError("--set/--layers need --method")
     click.echo(f"loading {model} ...", err=True)
@@ -99,7 +98,8 @@ def _weight_sources(model) -> list[str]:
 
 @main.command()
 @model_option
-@click.option("--method", required=True, metavar="METHOD", help="Method name (see 'longctx info').")
+@click.option("--method", required=True, metavar="METHOD",
+              help="Method name (see 'longctx info'), optionally with its config inline: 'lola(window=256,sparse_cache=256)'.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Method config value, repeatable (e.g. --set window=256). See 'longctx info' for keys.")
 @click.option("--layers", default=None, metavar="SPEC", help="Layers to patch, e.g. '0-7,12' (default: all).")
@@ -127,8 +127,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     from longctx_patch.evals.common import format_bytes
     from longctx_patch.patcher import _state
 
-    config = parse_sets(sets)
-    lp.get_method(method).parse_config(config)  # fail on a bad method/config before loading the model
+    method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
     click.echo(f"loading {model} ...", err=True)
     m, tok = lp.load_model(model, dtype=dtype, device=device)
     dev = next(m.parameters()).device
@@ -190,7 +189,8 @@ def _ranges(idx: list[int]) -> str:
 # --------------------------------------------------------------------------------------------- generate
 @main.command()
 @model_option
-@click.option("--method", default=None, metavar="METHOD", help="Patch with this method first (default: none).")
+@click.option("--method", default=None, metavar="METHOD",
+              help="Patch with this method first (default: none); NAME or NAME(KEY=VALUE,...), as for 'longctx patch'.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Method config value, repeatable.")
 @click.option("--layers", default=None, metavar="SPEC", help="Layers to patch, e.g. '0-7,12' (default: all).")
 @click.option("--prompt", "-p", default=None, help="The prompt text.")
@@ -198,8 +198,9 @@ def _ranges(idx: list[int]) -> str:
               help="Read the prompt from this file (e.g. a long essay followed by a question).")
 @click.option("--chat/--no-chat", default=None,
               help="Apply the tokenizer's chat template (default: when the tokenizer has one).")
-@click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--stream/--no-stream", default=False, help="Print text as it is generated.")
+@click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1),
+              help="How many tokens to generate at most (fewer if the model ends its answer).")
+@click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is generated.")
 @device_dtype_options
 @friendly_errors
 def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, device, dtype) -> None:

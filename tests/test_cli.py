@@ -70,6 +70,12 @@ def test_generate_stream_and_prompt_file(tiny_dir, tmp_path):
         (["generate"], "exactly one of --prompt or --prompt-file"),
         (["generate", "--model", "/nonexistent/x.gguf", "--prompt", "hi"], "not found"),
         (["generate", "--prompt", "hi", "--set", "window=3"], "--set/--layers need --method"),
+        (["generate", "--model", "/nonexistent/dir", "--prompt", "hi"], "no such directory or file"),
+        # eval's inline NAME(KEY=VALUE,...) form, checked before the model loads
+        (["patch", "--method", "lola(window=-3)"], "bad value -3 for window"),
+        (["patch", "--method", "lola(foo=1)"], "unknown key(s) foo"),
+        (["generate", "--method", "lola(window=64", "--prompt", "hi"], "NAME(KEY=VALUE,...)"),
+        (["generate", "--method", "exact(layers=0-1)", "--layers", "1", "--prompt", "hi"], "keep one"),
     ],
 )
 def test_bad_input_one_line_nonzero(args, needle):
@@ -79,6 +85,21 @@ def test_bad_input_one_line_nonzero(args, needle):
     assert "Traceback" not in r.output
     errors = [line for line in r.output.splitlines() if line.startswith("error:") or line.startswith("Error:")]
     assert len(errors) == 1
+
+
+def test_inline_method_config_patches(tiny_dir):
+    """`--method 'NAME(KEY=VALUE,...)'` works for patch and generate as for eval, inline layers included."""
+    r = run("patch", "--model", str(tiny_dir), "--method", "sliding-window(window=3,layers=0)", "--fidelity-tokens", "16")
+    assert r.exit_code == 0, r.output
+    assert "'window': 3" in r.output and "on layers 0 " in r.output
+
+
+def test_python_patch_explains_the_inline_form():
+    import longctx_patch as lp
+    from longctx_patch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"patch\(model, 'lola', window=8\)"):
+        lp.get_method("lola(window=8)")
 
 
 def test_debug_shows_traceback():

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..methods import get_method, list_methods
+from ..methods import get_method, list_methods, split_method_spec
 from ..patcher import parse_layers
 
 UNPATCHED = ("none", "unpatched")
@@ -59,21 +59,6 @@ def _config_keys(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _split_inline(raw: str) -> tuple[str, list[str]]:
-    """'lola(window=64,sparse_cache=64)' -> ('lola', ['window=64', 'sparse_cache=64'])."""
-    raw = raw.strip()
-    if "(" not in raw:
-        return raw, []
-    if not raw.endswith(")"):
-        raise ConfigError(f"bad --method {raw!r}: write NAME or NAME(KEY=VALUE,...), e.g. 'lola(window=64,sparse_cache=64)'")
-    name, inner = raw[:-1].split("(", 1)
-    items = [i.strip() for i in inner.split(",") if i.strip()]
-    for i in items:
-        if "=" not in i:
-            raise ConfigError(f"bad --method {raw!r}: {i!r} is not KEY=VALUE")
-    return name, items
-
-
 def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[MethodRun]:
     """Turns `--method` names and `--set` items into validated `MethodRun`s, e.g.
     `parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])`.
@@ -87,7 +72,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
     runs: list[MethodRun] = []
     inline: list[dict[str, str]] = []
     for raw in methods:
-        base, items = _split_inline(raw)
+        base, items = split_method_spec(raw)
         name = base.strip().lower().replace("_", "-")
         if name == "unpatched":
             name = "none"

@@ -32,8 +32,30 @@ def get_method(name: str) -> Method:
     _load_builtins()
     key = name.replace("_", "-")
     if key not in _REGISTRY:
+        if "(" in name:
+            base, items = split_method_spec(name)
+            kw = ", ".join(f"{i.split('=', 1)[0].strip()}={i.split('=', 1)[1].strip()}" for i in items)
+            raise ConfigError(f"method {name!r}: in Python the options are keyword arguments, e.g. "
+                              f"patch(model, {base.strip()!r}, {kw}); the NAME(KEY=VALUE,...) form is the CLI's "
+                              f"--method syntax")
         raise ConfigError(f"unknown method {name!r}; available methods: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[key]
+
+
+def split_method_spec(raw: str) -> tuple[str, list[str]]:
+    """The CLI's inline method syntax: 'lola(window=64,sparse_cache=64)' -> ('lola', ['window=64',
+    'sparse_cache=64']); 'lola' -> ('lola', [])."""
+    raw = raw.strip()
+    if "(" not in raw:
+        return raw, []
+    if not raw.endswith(")"):
+        raise ConfigError(f"bad method {raw!r}: write NAME or NAME(KEY=VALUE,...), e.g. 'lola(window=64,sparse_cache=64)'")
+    name, inner = raw[:-1].split("(", 1)
+    items = [i.strip() for i in inner.split(",") if i.strip()]
+    for i in items:
+        if "=" not in i:
+            raise ConfigError(f"bad method {raw!r}: {i!r} is not KEY=VALUE")
+    return name, items
 
 
 __all__ = [
@@ -45,4 +67,5 @@ __all__ = [
     "list_methods",
     "option",
     "register_method",
+    "split_method_spec",
 ]
