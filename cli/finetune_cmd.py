@@ -92,6 +92,9 @@ def _quote(items: list[str]) -> list[str]:
     """Values given through options are literal strings (a path such as `1e3` or `null.txt` stays a string)."""
     out = []
     for it in items:
+        if "=" not in it:  # left for apply_overrides to refuse with its KEY=VALUE message
+            out.append(it)
+            continue
         key, _, val = it.partition("=")
         if key in ("model", "data.text", "data.dataset", "data.split", "data.field") and val != "null":
             val = "'" + val.replace("'", "''") + "'"

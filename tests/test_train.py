@@ -415,6 +415,11 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     assert plan.exit_code == 0, plan.output
     assert "# transfer       attention_transfer   method           300         8192  2457600" in plan.output
     assert "# lora           next_token           lora              50         8192  409600" in plan.output
+    # --dry-run checks the method and its config too (before any model is loaded)
+    for item, needle in (("method=nope", "unknown method 'nope'"), ("method_config.window=abc", "bad value 'abc'"),
+                         ("method_config.foo=1", "unknown key(s) foo"), ("noequals", "expected KEY=VALUE")):
+        bad = CliRunner().invoke(finetune_cmd, [str(REPO / "recipes" / "linearize.yaml"), "--dry-run", "--set", item])
+        assert bad.exit_code != 0 and needle in bad.output, (item, bad.output)
 
     # user errors become one-line messages, not tracebacks
     bad = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tiny_dir), "--set", "stages.0.lr=-2"])

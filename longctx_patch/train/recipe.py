@@ -363,6 +363,14 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         raise ConfigError(f"rest_config: expected a mapping of rest_method's keys, got {r.rest_config!r}")
     if r.rest_method is not None and (r.method is None or r.layers is None):
         raise ConfigError("rest_method patches the layers not in `layers`: set `method:` and a `layers:` list too")
+    from ..methods import get_method  # the method and its config checked now, not after the model has loaded
+
+    for key, meth, cfg in (("method", r.method, r.method_config), ("rest_method", r.rest_method, r.rest_config)):
+        if meth is not None:
+            try:
+                get_method(meth).parse_config(dict(cfg))
+            except ConfigError as e:
+                raise ConfigError(f"{key}: {e}") from None
     r.seed = _check_type("seed", r.seed, int, minimum=0)
     r.dtype = _check_type("dtype", r.dtype, str, choices=DTYPES)
     r.mixed_precision = _check_type("mixed_precision", r.mixed_precision, str, choices=PRECISIONS)
