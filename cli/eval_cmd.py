@@ -103,7 +103,8 @@ def _docs(texts, dataset, split, field, max_docs):
 
 @click.group("eval", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def eval_group() -> None:
-    """Evaluate methods: retrieval (niah), perplexity (ppl), attention fidelity (approx), speed.
+    """Evaluate methods: retrieval (niah), perplexity (ppl), attention fidelity (approx), speed; and train
+    small models from scratch on synthetic recall (icr) and regression (icl) with every sequence mixer.
 
     Every task compares the methods given with --method on the same inputs, prints a table and writes
     OUT_DIR/NAME.json (device, date, commit, command, model, method, config + figures) and a PNG plot.

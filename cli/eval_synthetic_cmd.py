@@ -19,20 +19,20 @@ MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME:KEY=VA
               "Default: all of them.")
 
 
-def _floats(text: str, what: str) -> tuple[float, ...]:
+def _floats(text: str, what: str, example: str = "1e-3,3e-3") -> tuple[float, ...]:
     from longctx_patch.errors import ConfigError
 
     try:
         vals = tuple(float(s) for s in str(text).split(",") if s.strip())
     except ValueError:
-        raise ConfigError(f"bad {what} {text!r}; write comma-separated numbers, e.g. 3e-4,1e-3,3e-3") from None
+        raise ConfigError(f"bad {what} {text!r}; write comma-separated numbers, e.g. {example}") from None
     if not vals:
         raise ConfigError(f"no {what} given")
     return vals
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    vals = _floats(text, what)
+def _ints(text: str, what: str, example: str = "0,1,2") -> tuple[int, ...]:
+    vals = _floats(text, what, example)
     from longctx_patch.errors import ConfigError
 
     if any(v != int(v) for v in vals):
@@ -169,7 +169,7 @@ def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layer
     Ls = parse_sizes(lengths)
     specs, mcfg, tcfg = _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step,
                                eval_sequences, device, curriculum)
-    for F in _ints(functions, "function counts"):
+    for F in _ints(functions, "function counts", "16,32"):
         task = IclTask(IclConfig(num_functions=F, dim=dim, segment=segment, noise=noise))
         _run(task, specs, Ls, mcfg, tcfg, workers=workers, out_dir=out_dir, name=f"{name or 'icl'}-F{F}",
              label=f"F={F}", plots=not no_plots, quiet=quiet)

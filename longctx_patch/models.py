@@ -155,12 +155,16 @@ def _resolve_path(name_or_path) -> str:
         return name
     if os.path.exists(name):
         raise ModelLoadError(f"{name} is a file but not a .gguf model; pass a directory, a .gguf file or a hub id")
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name:
+        # a path, not a hub id (hub ids are NAME or ORG/NAME)
+        raise ModelLoadError(f"{name}: no such directory or file; pass an existing model directory, a .gguf file, "
+                             f"the alias {', '.join(ALIASES)} or a hub id in the local Hugging Face cache")
     return name
 
 
 def _offline_hint(path: str, e: Exception) -> ModelLoadError:
     return ModelLoadError(
-        f"could not load {path!r}: {str(e).splitlines()[0]}. Use a local directory, a .gguf file, the alias "
+        f"could not load {path!r}: {str(e).splitlines()[0].rstrip('.')}. Use a local directory, a .gguf file, the alias "
         f"{DEFAULT_MODEL!r}, or a hub id already in the local Hugging Face cache (this machine may be offline)."
     )
 
