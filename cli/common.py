@@ -45,6 +45,12 @@ def method_and_config(method: str, sets, layers):
         else:
             config[k] = v
     meth.parse_config(config)  # fail on a bad key or value before loading the model
+    if layers is not None:
+        import sys
+
+        from longctx_patch.patcher import parse_layers
+
+        parse_layers(layers, sys.maxsize)  # the syntax now; the range is checked against the model at patch time
     return name, config, layers
 
 

@@ -95,9 +95,10 @@ def parse_layers(layers, num_layers: int) -> list[int]:
     else:
         out = [int(x) for x in layers]
     out = [i + num_layers if i < 0 else i for i in out]
-    bad = [i for i in out if not 0 <= i < num_layers]
+    bad = sorted({i for i in out if not 0 <= i < num_layers})
     if bad:
-        raise ConfigError(f"layers: {bad} out of range; this model has layers 0-{num_layers - 1}")
+        shown = f"{bad[0]}..{bad[-1]} ({len(bad)} indices)" if len(bad) > 8 else str(bad)
+        raise ConfigError(f"layers: {shown} out of range; this model has layers 0-{num_layers - 1}")
     if not out:
         raise ConfigError("layers: the selection is empty")
     return sorted(set(out))

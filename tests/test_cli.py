@@ -76,6 +76,7 @@ def test_generate_stream_and_prompt_file(tiny_dir, tmp_path):
         (["patch", "--method", "lola(foo=1)"], "unknown key(s) foo"),
         (["generate", "--method", "lola(window=64", "--prompt", "hi"], "NAME(KEY=VALUE,...)"),
         (["generate", "--method", "exact(layers=0-1)", "--layers", "1", "--prompt", "hi"], "keep one"),
+        (["patch", "--method", "exact", "--layers", "abc"], "cannot read 'abc'"),
     ],
 )
 def test_bad_input_one_line_nonzero(args, needle):
