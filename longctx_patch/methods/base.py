@@ -34,9 +34,11 @@ def _allowed(f: dataclasses.Field) -> str:
         return "one of " + ", ".join(repr(c) for c in m["choices"])
     kind = _base_type(f)
     parts = [kind.__name__ if isinstance(kind, type) else str(kind)]
-    if m.get("min") is not None:
+    if m.get("min") is not None and m.get("max") is not None:
+        parts.append(f"in {m['min']}..{m['max']}")
+    elif m.get("min") is not None:
         parts.append(f">= {m['min']}")
-    if m.get("max") is not None:
+    elif m.get("max") is not None:
         parts.append(f"<= {m['max']}")
     if _optional(f):
         parts.append("or None")
