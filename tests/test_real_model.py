@@ -57,15 +57,20 @@ def test_missing_embedded_package_says_install_command(monkeypatch):
         models.embedded_gguf("smollm2-135m")
 
 
-def test_load_errors_are_named(tmp_path):
+def test_load_errors_are_named(tmp_path, monkeypatch):
     with pytest.raises(lp.ModelLoadError, match="not found"):
         lp.load_model(str(tmp_path / "missing.gguf"))
     f = tmp_path / "weights.bin"
     f.write_bytes(b"x")
     with pytest.raises(lp.ModelLoadError, match="not a .gguf"):
         lp.load_model(str(f))
-    with pytest.raises(lp.ModelLoadError, match="offline|could not load"):
+    with pytest.raises(lp.ModelLoadError, match="no such directory or file"):  # a path, not a hub id
         lp.load_model(str(tmp_path / "no-such-org" / "no-such-model-xyz"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network retries in the test
+    with pytest.raises(lp.ModelLoadError, match="could not load.*offline"):  # a hub id not in the local cache
+        lp.load_model("no-such-org/no-such-model-xyz")
     with pytest.raises(lp.ModelLoadError, match="unknown dtype"):
         lp.load_model("smollm2-135m", dtype="float8")
 
