@@ -1,5 +1,6 @@
 """`lolcats` / `lola` methods on tiny models: training, generate(), padding, cache size, checkpoints."""
 
+import contextlib
 import os
 
 import pytest
@@ -50,6 +51,47 @@ def test_feature_maps_are_trainable_and_get_gradients():
     # the feature maps are new parameters of the module; q/k/v/o stay the original objects
     names = set(attn.method_parameters())
     assert names == {"feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors"}
+
+
+@pytest.mark.parametrize("method,extra", [("lolcats", {}), ("lola", {"sparse_cache": 3})])
+def test_gradients_flow_with_the_default_use_cache(method, extra):
+    """A training forward outside Trainer leaves `use_cache` on (the config's default). The attention must stay
+    in the autograd graph there: same loss and gradients as use_cache=False, the cache it fills continues like
+    a no-grad prefill's, and continuing a cached sequence with gradients gives the no-grad values and gradients
+    for the new tokens."""
+    from longctx_patch.methods import lolcats as lolcats_module
+
+    lolcats_module._WARNED_CACHE_IN_TRAINING.discard(method)  # warned once per process
+    model = tiny_model("llama")
+    lp.patch(model, method, **KW, **extra)
+    model.train()
+    attn = model.model.layers[0].self_attn
+    x = _ids(2, 23)
+    grads = []
+    for use_cache in (None, False):  # None: the config's default (True)
+        model.zero_grad()
+        kw = {} if use_cache is None else {"use_cache": use_cache}
+        with pytest.warns(UserWarning, match="use_cache=False") if use_cache is None else contextlib.nullcontext():
+            out = model(x, labels=x, **kw)
+        out.loss.backward()
+        assert attn.q_proj.weight.grad is not None and attn.feature_map_k.mlp.layer.grad is not None
+        grads.append((out.loss.detach(), attn.q_proj.weight.grad.clone(), attn.feature_map_k.mlp.layer.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        pre = model(x[:, :17], use_cache=True)
+        want = model(x[:, 17:], past_key_values=pre.past_key_values).logits
+    pre = model(x[:, :17], use_cache=True)  # with gradients
+    with torch.no_grad():
+        got = model(x[:, 17:], past_key_values=pre.past_key_values).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    model.zero_grad()
+    with torch.no_grad():
+        pre = model(x[:, :17], use_cache=True)
+    cont = model(x[:, 17:], past_key_values=pre.past_key_values).logits  # with gradients, from a cached state
+    torch.testing.assert_close(cont, want, atol=1e-5, rtol=1e-5)
+    cont.sum().backward()
+    assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.abs().sum() > 0
 
 
 def test_lola_trains_with_its_sparse_cache():

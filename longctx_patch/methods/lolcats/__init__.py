@@ -11,7 +11,9 @@ Maths, initialisation and cache layout: docs/lola.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -217,8 +219,22 @@ class LolcatsAttention(PatchedAttention):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
         st = cache_layer.get_state(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], q)
-        with torch.no_grad():
-            # decode-time state is not differentiated through (training uses no cache)
+        if self._needs_grad(q, k, v, fq, g, lf):
+            # gradients with a cache (a forward outside Trainer leaves `use_cache` on by default): the output must
+            # stay in the graph. From an empty cache it comes from the training path, as without a cache, and
+            # the cache is then filled without gradients; continuing a cached sequence, the chunk loop runs
+            # out of place on the cached state (gradients reach the new tokens, the cached state is a constant)
+            if st.pos == 0:
+                _warn_cache_in_training(self.method_name)
+                out = self.attend(q, k, v, None, padding)
+                with torch.no_grad():
+                    lola_process(st, q.detach(), k.detach(), v.detach(), fq.detach(), g.detach(), lf.detach(), **kw)
+            else:
+                st = dataclasses.replace(st, inplace=False)
+                out = lola_process(st, q, k, v, fq, g, lf, **kw)
+            cache_layer.set_state(st)
+            return out
+        with torch.no_grad():  # decode and no-grad prefill: the cached state is updated in place
             st_out = lola_process(st, q, k, v, fq, g, lf, **kw)
         cache_layer.set_state(st)
         return st_out
@@ -242,6 +258,16 @@ class LolcatsAttention(PatchedAttention):
         sparse = batch * sparse_head_count(self.sparse_heads, Hq, Hkv) * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
         return window + sparse + state
+
+
+_WARNED_CACHE_IN_TRAINING: set = set()
+
+
+def _warn_cache_in_training(method: str) -> None:
+    if method not in _WARNED_CACHE_IN_TRAINING:
+        _WARNED_CACHE_IN_TRAINING.add(method)
+        warnings.warn(f"{method}: a forward with gradients and use_cache=True computes the attention twice (once "
+                      "to differentiate, once to fill the cache); pass use_cache=False when training", stacklevel=3)
 
 
 def load_method_weights(model, modules, config: LolcatsConfig) -> str:
