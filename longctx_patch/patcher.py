@@ -329,6 +329,11 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`."""
     from safetensors.torch import save_file
 
+    if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
+        # PeftModel.save_pretrained writes the adapter only: the directory would have no base model to load
+        raise ConfigError("save_patched got a PEFT model, whose save_pretrained writes only the adapter; call "
+                          "model = model.merge_and_unload() first (the patch stays on the merged model), or save the "
+                          "adapter with model.save_pretrained(DIR) and keep the base checkpoint")
     st = _state(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
@@ -361,7 +366,12 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
         with open(path) as f:
             rec = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} not found: {directory} was not written by save_patched()") from None
+        hint = ""
+        if os.path.exists(os.path.join(os.fspath(directory), "config.json")):
+            hint = ("; it is a plain HF checkpoint (Trainer.save_model and save_pretrained write those): save a "
+                    "patched model with longctx_patch.save_patched(model, DIR), e.g. after trainer.train(), "
+                    "save_patched(trainer.model, DIR)")
+        raise CheckpointError(f"{path} not found: {directory} was not written by save_patched(){hint}") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     groups = rec.get("patches") or [{k: rec[k] for k in ("method", "config", "layers") if k in rec}]

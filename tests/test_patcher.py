@@ -190,9 +190,13 @@ def test_method_weights_round_trip_and_bad_weights(tmp_path, temperature_method)
     assert "layers.0.log_temp: expected (4, 1, 1), got (3,)" in msg
 
 
-def test_load_patched_rejects_foreign_directories(tmp_path):
+def test_load_patched_rejects_foreign_directories(tmp_path, tiny_llama):
     with pytest.raises(lp.CheckpointError, match="not written by save_patched"):
         lp.load_patched(tmp_path)
+    plain = tmp_path / "plain"  # what Trainer.save_model writes: a plain checkpoint, no patch record
+    tiny_llama.save_pretrained(plain)
+    with pytest.raises(lp.CheckpointError, match=r"plain HF checkpoint.*save_patched\(trainer.model, DIR\)"):
+        lp.load_patched(plain)
     (tmp_path / "longctx_patch.json").write_text("{not json")
     with pytest.raises(lp.CheckpointError, match="not valid JSON"):
         lp.load_patched(tmp_path)
@@ -251,3 +255,15 @@ def test_op_level_entry_point_of_every_method():
         assert o.shape == (1, 200, 4, 64) and torch.isfinite(o).all(), name
     torch.testing.assert_close(get_method("exact").module_cls.op(q, k, v, scale=0.125, config=None),
                                softmax_attention(q, k, v, scale=0.125))
+
+
+def test_save_patched_refuses_a_peft_model(tmp_path, tiny_llama):
+    """PeftModel.save_pretrained writes only the adapter, so the directory could not be loaded back."""
+    from peft import LoraConfig, get_peft_model
+
+    lp.patch(tiny_llama, "sliding-window", window=4)
+    pm = get_peft_model(tiny_llama, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(lp.ConfigError, match="merge_and_unload"):
+        lp.save_patched(pm, tmp_path / "x")
+    lp.save_patched(pm.merge_and_unload(), tmp_path / "y")
+    assert lp.patched_layers(lp.load_patched(tmp_path / "y"))
