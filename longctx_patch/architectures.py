@@ -33,6 +33,18 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
+_ROTARY: dict[str, Callable] = {}  # modeling module -> its apply_rotary_pos_emb, filled when a layer is patched
+
+
+def _rotary_fn(modeling_module: str) -> Callable:
+    # a plain dict read once filled (at patch time): an import inside the attention call costs every call and
+    # breaks torch.compile's graph there
+    fn = _ROTARY.get(modeling_module)
+    if fn is None:
+        fn = _ROTARY[modeling_module] = importlib.import_module(modeling_module).apply_rotary_pos_emb
+    return fn
+
+
 @dataclass(frozen=True)
 class ArchAdapter:
     model_type: str
@@ -40,7 +52,7 @@ class ArchAdapter:
     has_qk_norm: bool = False
 
     def rotary_fn(self) -> Callable:
-        return importlib.import_module(self.modeling_module).apply_rotary_pos_emb
+        return _rotary_fn(self.modeling_module)
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         base = base_model(model)

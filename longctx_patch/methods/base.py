@@ -193,6 +193,7 @@ class PatchedAttention(nn.Module):
         self.scaling = getattr(orig, "scaling", spec.scaling)
         self.is_causal = True
         self._adapter = adapter
+        adapter.rotary_fn()  # resolved now, outside the forward (see architectures._rotary_fn)
         self._ctx: PatchContext | None = None
 
     # -- op level -------------------------------------------------------------------------------------
