@@ -267,7 +267,8 @@ def _warn_cache_in_training(method: str) -> None:
     if method not in _WARNED_CACHE_IN_TRAINING:
         _WARNED_CACHE_IN_TRAINING.add(method)
         warnings.warn(f"{method}: a forward with gradients and use_cache=True computes the attention twice (once "
-                      "to differentiate, once to fill the cache); pass use_cache=False when training", stacklevel=3)
+                      "to differentiate, once to fill the cache); pass use_cache=False when training, and run inference "
+                      "under torch.no_grad()", stacklevel=3)
 
 
 def load_method_weights(model, modules, config: LolcatsConfig) -> str:
