@@ -189,35 +189,13 @@ class LolcatsAttention(PatchedAttention):
         S = q.shape[2]
         fq = self.feature_map_q(q, out_dtype=q.dtype, backend=cfg.backend)
         g, lf = self.factors()
-        lam = self.sparse_cache
         new_mask = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
-        kw = dict(window=cfg.window, scale=self.scaling, backend=cfg.backend)
-        if cache_layer is None and lam == 0:
-            fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
-            return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, **kw)
-
-        def phi_k(x):  # the cache stores keys only; phi(k) is recomputed where the manager needs it
-            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend)
-
-        kw.update(phi_k=phi_k, chunk=cfg.chunk, lam=lam, key_mask_new=new_mask)
-        hs = sparse_head_count(self.sparse_heads, q.shape[1], k.shape[1])
-        if cache_layer is None and TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
-            # training: the sparse sets chosen without gradients, then one differentiable pass (the chunk
-            # loop's value without its per-chunk autograd graph; kernels/lola/training.py)
-            fk = phi_k(k)
-            sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk, lam=lam,
-                                    sparse_heads=hs)
-            return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
-                                       scale=self.scaling, key_mask=new_mask)
         if cache_layer is None:
-            Hq, Hkv = q.shape[1], k.shape[1]
-            st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
-                                 capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(),
-                                 sparse_heads=hs)
-            return lola_process(st, q, k, v, fq, g, lf, **kw)
+            return self._attend_fresh(q, k, v, fq, g, lf, new_mask)
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
+        kw = self._process_kw(q, new_mask)
         st = cache_layer.get_state(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], q)
         if self._needs_grad(q, k, v, fq, g, lf):
             # gradients with a cache (a forward outside Trainer leaves `use_cache` on by default): the output must
@@ -226,7 +204,7 @@ class LolcatsAttention(PatchedAttention):
             # out of place on the cached state (gradients reach the new tokens, the cached state is a constant)
             if st.pos == 0:
                 _warn_cache_in_training(self.method_name)
-                out = self.attend(q, k, v, None, padding)
+                out = self._attend_fresh(q, k, v, fq, g, lf, new_mask)
                 with torch.no_grad():
                     lola_process(st, q.detach(), k.detach(), v.detach(), fq.detach(), g.detach(), lf.detach(), **kw)
             else:
@@ -238,6 +216,40 @@ class LolcatsAttention(PatchedAttention):
             st_out = lola_process(st, q, k, v, fq, g, lf, **kw)
         cache_layer.set_state(st)
         return st_out
+
+    def _process_kw(self, q, new_mask) -> dict:
+        """`lola_process`'s options; phi(k) is recomputed where the manager needs it (the cache stores keys only)."""
+        cfg: LolcatsConfig = self.method_config
+
+        def phi_k(x):
+            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend)
+
+        return dict(window=cfg.window, scale=self.scaling, backend=cfg.backend, phi_k=phi_k, chunk=cfg.chunk,
+                    lam=self.sparse_cache, key_mask_new=new_mask)
+
+    def _attend_fresh(self, q, k, v, fq, g, lf, new_mask):
+        """A sequence from its start, no cache kept: lolcats' parallel hybrid; lola's training path under
+        gradients, else its chunk loop from an empty state."""
+        cfg: LolcatsConfig = self.method_config
+        lam = self.sparse_cache
+        if lam == 0:
+            fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
+            return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, window=cfg.window,
+                                    scale=self.scaling, backend=cfg.backend)
+        kw = self._process_kw(q, new_mask)
+        Hq, Hkv = q.shape[1], k.shape[1]
+        hs = sparse_head_count(self.sparse_heads, Hq, Hkv)
+        if TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
+            # training: the sparse sets chosen without gradients, then one differentiable pass (the chunk
+            # loop's value without its per-chunk autograd graph; kernels/lola/training.py)
+            fk = kw["phi_k"](k)
+            sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk, lam=lam,
+                                    sparse_heads=hs)
+            return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
+                                       scale=self.scaling, key_mask=new_mask)
+        st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
+                             capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(), sparse_heads=hs)
+        return lola_process(st, q, k, v, fq, g, lf, **kw)
 
     def _needs_grad(self, *tensors) -> bool:
         if not torch.is_grad_enabled():
