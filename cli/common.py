@@ -30,6 +30,7 @@ def method_and_config(method: str, sets, layers):
     layers), validated before any model is loaded. Inline values win over --set ones; an inline `layers=RANGES`
     (ranges joined by '+': layers=0-3+26-29) is --layers."""
     import longctx_patch as lp
+    from longctx_patch.evals.common import inline_layers
     from longctx_patch.methods import split_method_spec
 
     name, items = split_method_spec(method)
@@ -41,16 +42,12 @@ def method_and_config(method: str, sets, layers):
         if k == "layers" and "layers" not in meth.config_cls.__dataclass_fields__:
             if layers is not None:
                 raise click.UsageError(f"--method {method!r} gives layers= and --layers is given too; keep one")
-            layers = v.replace("+", ",")
+            layers = v
         else:
             config[k] = v
     meth.parse_config(config)  # fail on a bad key or value before loading the model
     if layers is not None:
-        import sys
-
-        from longctx_patch.patcher import parse_layers
-
-        parse_layers(layers, sys.maxsize)  # the syntax now; the range is checked against the model at patch time
+        layers = inline_layers(layers)  # the syntax now ('+' or ','); the range when the model is patched
     return name, config, layers
 
 

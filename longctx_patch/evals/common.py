@@ -59,6 +59,15 @@ def _config_keys(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def inline_layers(value: str) -> str:
+    """An inline `layers=RANGES` item -> `lp.patch`'s layers syntax: the items of NAME(...) are comma-separated,
+    so ranges are joined by '+' (layers=0-3+26-29 -> '0-3,26-29'). The syntax is checked now; the range is
+    checked against the model when it is patched."""
+    layers = value.strip().replace("+", ",")
+    parse_layers(layers, sys.maxsize)
+    return layers
+
+
 def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[MethodRun]:
     """Turns `--method` names and `--set` items into validated `MethodRun`s, e.g.
     `parse_methods(["exact", "sliding-window"], ["sliding-window.window=256"])`.
@@ -86,9 +95,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
             k, v = item.split("=", 1)
             k = k.strip()
             if k == "layers" and "layers" not in _config_keys(name):
-                # inline items are comma-separated, so ranges are joined by '+': layers=0-3+26-29
-                run_layers = v.strip().replace("+", ",")
-                parse_layers(run_layers, sys.maxsize)  # syntax now; the range is checked against the model at patch
+                run_layers = inline_layers(v)
                 continue
             if k not in _config_keys(name):
                 raise ConfigError(f"--method {raw!r}: {name} has no key {k!r}; its keys: {', '.join(_config_keys(name))}, "
