@@ -17,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
+    os.environ.setdefault("BENCH_SMOKE", "1")  # bench_lola's CPU mode (its inputs on the CPU, the interpreter on)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_lola as bl  # noqa: E402  (make(): the LoLA/LoLCATs inputs of its check)
 
 
 def rel(a, b) -> float:
@@ -40,17 +44,11 @@ def randn(g, *shape, dtype=torch.float32, scale=1.0):
 
 
 def lola_inputs(S, D, dtype, seed):
-    from longctx_patch.kernels.lola import reference as ref
-
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q, k, v = randn(g, 2, 8, S, D, dtype=dtype), randn(g, 2, 2, S, D, dtype=dtype), randn(g, 2, 2, S, D, dtype=dtype)
-    Wq, Wk = randn(g, 8, D, 32, scale=D ** -0.25), randn(g, 8, D, 32, scale=D ** -0.25)
-    fq = ref.hedgehog_feature_map(q, Wq, out_dtype=dtype)
-    fk = ref.hedgehog_feature_map(k, Wk, out_dtype=dtype)
-    gw = torch.sigmoid(randn(g, 8))
+    """bench_lola's check inputs (B=2, 8/2 heads, feature dim 32) and a key mask with left padding in row 1."""
+    q, k, v, fq, fk, gw, lf, _, Wk = bl.make(2, 8, 2, S, D, 32, dtype, seed=seed)
     km = torch.ones(2, S, dtype=torch.bool, device=DEV)
-    km[1, : S // 6] = False  # left padding in row 1
-    return q, k, v, fq, fk, gw, torch.ones(8, device=DEV), Wk, km
+    km[1, : S // 6] = False
+    return q, k, v, fq, fk, gw, lf, Wk, km
 
 
 def check_lolcats(S: int) -> None:
