@@ -28,7 +28,8 @@ def _dot(a, b, UP: tl.constexpr):
     if UP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
-        return tl.dot(a, b)
+        # fp32 operands: fp32 products (ieee), as torch computes fp32 attention; no effect on bf16/fp16
+        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
