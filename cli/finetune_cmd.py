@@ -22,7 +22,7 @@ from cli.common import friendly_errors
     "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--model", "-m", "model", default=None, help="Model to train: hub id, local dir, .gguf file or alias (overrides the recipe's `model`).")
+@click.option("--model", "-m", "model", default=None, metavar="MODEL", help="Model to train: hub id, local dir, .gguf file or alias (overrides the recipe's `model`).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key by dotted path, e.g. stages.0.lr=1e-3, stages.lora.steps=50, method_config.window=128. Repeatable.")
 @click.option("--text", default=None, type=click.Path(exists=True), help="Training text: a file or a folder of text files.")
 @click.option("--dataset", default=None, help="Training text from a local Hugging Face dataset (save_to_disk folder, .jsonl/.csv/.parquet file, or a cached name).")
@@ -36,7 +36,6 @@ from cli.common import friendly_errors
 @friendly_errors
 def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet, dry_run):
     """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
-    from longctx_patch.errors import LongctxError
     from longctx_patch.train import load_recipe, run_finetune
 
     overrides = list(sets)
@@ -53,14 +52,11 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
         overrides.append(f"data.field={field}")
     if text is not None and dataset is not None:
         raise click.UsageError("give one text source: --text or --dataset")
-    try:
-        r = load_recipe(recipe, _quote(overrides))
-        if dry_run:
-            _print_plan(r, output)
-            return
-        log = run_finetune(r, output, resume=resume, results=results, progress=not quiet)
-    except LongctxError as e:
-        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+    r = load_recipe(recipe, _quote(overrides))  # errors: one `error: ...` line from friendly_errors, like every verb
+    if dry_run:
+        _print_plan(r, output)
+        return
+    log = run_finetune(r, output, resume=resume, results=results, progress=not quiet)
     if not quiet:
         lines = [f"{s['name']}: {s['steps_done']} steps, {s['tokens']} tokens, {s['time_s']:.1f} s, loss "
                  f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"
