@@ -1,0 +1,119 @@
+"""MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward against
+the PyTorch reference, then forward time against torch SDPA (cuDNN) in the same run. Forward only: the cells path
+has no backward kernel yet.
+
+    PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
+
+Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
+the plan (Lloyd clustering of every block's keys, retrieval scoring, the tile mask) and the cell summaries.
+Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from longctx_patch.evals.common import git_commit
+from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
+
+OUT = os.environ.get("OUT", "evals/results")
+T0 = time.time()
+BUDGET = float(os.environ.get("CELLS_BUDGET_S", "500"))
+SEQS = [int(x) for x in os.environ.get("CELLS_SEQS", "65536,131072,16384,32768").split(",")]
+CFGS = json.loads(os.environ.get("CELLS_CFGS", '[{"block_size": 256, "k_clusters": 32, "topk_blocks": 8}, '
+                                 '{"block_size": 128, "k_clusters": 16, "topk_blocks": 16}, '
+                                 '{"block_size": 256, "k_clusters": 16, "topk_blocks": 8}]'))
+RES: dict = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=git_commit(),
+                 command="PYTHONPATH=. python3 evals/bench_muse_cells.py", torch=torch.__version__,
+                 triton=triton.__version__, checks=[], speed=[])
+
+
+def save():
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "muse-cells-speed.json"), "w") as f:
+        json.dump(RES, f, indent=1)
+
+
+def bench(fn, rep=50):
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def qkv(S, D, dtype, H=32, Hkv=8, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.float32, generator=g).to(dtype)  # noqa: E731
+    return mk(H), mk(Hkv), mk(Hkv)
+
+
+def checks():
+    for dtype in (torch.float32, torch.bfloat16):
+        for S, cfg in ((3001, dict(block_size=256, k_clusters=32, topk_blocks=3)),
+                       (2049, dict(block_size=128, k_clusters=16, topk_blocks=2))):
+            q, k, v = qkv(S, 64, dtype, H=8, Hkv=2, seed=S)
+            km = torch.ones(1, S, dtype=torch.bool, device="cuda")
+            sc = 64**-0.5
+            plan = make_cells_plan(q, k, scale=sc, key_mask=km, **cfg)
+            o = cells_triton(q, k, v, plan, scale=sc)
+            r = cells_reference(q.float(), k.float(), v.float(), plan, scale=sc)
+            ex = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
+                                                v.float().repeat_interleave(4, 1), is_causal=True, scale=sc)
+            row = dict(dtype=str(dtype), S=S, cfg=cfg, fwd_vs_reference=rel(o, r),
+                       approx_err_vs_exact_random=rel(r, ex.transpose(1, 2)))
+            RES["checks"].append(row)
+            print(json.dumps(row), flush=True)
+    save()
+
+
+def speed():
+    for cfg in CFGS:
+        for D in (64, 128):
+            for S in SEQS:
+                if time.time() - T0 > BUDGET:
+                    RES.setdefault("skipped", []).append(dict(cfg=cfg, D=D, S=S))
+                    continue
+                row = dict(cfg=cfg, D=D, S=S)
+                try:
+                    q, k, v = qkv(S, D, torch.bfloat16, seed=S + D)
+                    sc = D**-0.5
+                    kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                        row["cudnn_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+                    with torch.no_grad():
+                        row["cells_fwd_ms"] = bench(lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=sc, **cfg),
+                                                                         scale=sc))
+                        plan = make_cells_plan(q, k, scale=sc, **cfg)
+                        row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
+                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
+                        row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
+                    row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["cells_fwd_ms"]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:400]
+                    traceback.print_exc()
+                torch.cuda.empty_cache()
+                RES["speed"].append(row)
+                print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+                save()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    try:
+        checks()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    speed()
+    save()
