@@ -44,15 +44,23 @@ def _init_centroids(x: torch.Tensor, valid: torch.Tensor, C: int) -> torch.Tenso
     x [N, L, D] float32, valid [N, L] bool -> [N, C, D] (zeros for a block with no valid token).
     """
     N, L, D = x.shape
+    rows = torch.arange(N, device=x.device)
     first = valid.to(torch.int64).argmax(-1)  # first valid position (0 when none)
-    cent = [x[torch.arange(N, device=x.device), first]]
-    dmin = ((x - cent[0][:, None]) ** 2).sum(-1)
+    x2 = (x * x).sum(-1)  # [N, L]
+
+    def dist(c):  # squared distance of every token to c [N, D], as |x|^2 - 2 x.c + |c|^2 (one pass over x)
+        return (x2 - 2 * torch.bmm(x, c[:, :, None])[..., 0] + (c * c).sum(-1)[:, None]).clamp_min(0)
+
+    cent = [x[rows, first]]
+    dmin = dist(cent[0])
+    dmin[rows, first] = 0  # exactly: a chosen token is never the farthest (the expanded form rounds)
     neg = torch.full_like(dmin, -1.0)
     for _ in range(1, C):
         idx = torch.where(valid, dmin, neg).argmax(-1)
-        c = x[torch.arange(N, device=x.device), idx]
+        c = x[rows, idx]
         cent.append(c)
-        dmin = torch.minimum(dmin, ((x - c[:, None]) ** 2).sum(-1))
+        dmin = torch.minimum(dmin, dist(c))
+        dmin[rows, idx] = 0
     out = torch.stack(cent, 1)
     return out * valid.any(-1).to(out.dtype)[:, None, None]
 
