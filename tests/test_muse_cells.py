@@ -8,6 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan  # noqa: E402
 from longctx_patch.methods.exact import softmax_attention  # noqa: E402
 
@@ -93,3 +94,89 @@ def test_later_keys_do_not_change_earlier_outputs():
     plan2 = make_cells_plan(q, k2, scale=0.25, block_size=128, k_clusters=8, topk_blocks=1)
     o2 = cells_triton(q, k2, v2, plan2, scale=0.25)
     assert torch.equal(o[:, :512], o2[:, :512]) and not torch.allclose(o[:, 512:], o2[:, 512:])
+
+
+def test_muse_attention_dispatch_and_errors():
+    from longctx_patch.kernels.muse import muse_attention
+
+    q, k, v = qkv(1, 4, 2, 300, 32, seed=7)
+    kw = dict(scale=0.2, block_size=128, k_clusters=16, topk_blocks=1, far_field="cells")
+    torch.testing.assert_close(muse_attention(q, k, v, backend="triton", **kw),
+                               muse_attention(q, k, v, backend="torch", **kw), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="far_field='tilted'"):
+        muse_attention(q, k, v, dipole=True, **kw)
+    with pytest.raises(ConfigError, match="no backward kernel"):
+        muse_attention(q.requires_grad_(True), k, v, backend="triton", **kw)
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        muse_attention(q, k, v, backend="triton", **dict(kw, block_size=64))
+    with pytest.raises(ConfigError, match="far_field"):
+        muse_attention(q, k, v, scale=0.2, far_field="global")
+    # with gradients, auto takes the reference, and the gradient reaches q, k and v
+    o = muse_attention(q, k.requires_grad_(True), v.requires_grad_(True), **kw)
+    o.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+def test_patched_model_with_cells_far_field():
+    import longctx_patch as lp
+    from longctx_patch.methods import get_method
+
+    from conftest import tiny_model
+
+    with pytest.raises(ConfigError, match="far_field"):
+        get_method("muse").parse_config({"far_field": "cells", "dipole": "true"})
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits.clone()
+    cfg = dict(far_field="cells", block_size=128, k_clusters=8, topk_blocks=0, min_seq_len=0)
+    out = {}
+    for backend in ("torch", "triton"):
+        lp.patch(model, "muse", backend=backend, **cfg)
+        with torch.no_grad():
+            out[backend] = model(ids).logits
+        lp.unpatch(model)
+    lp.patch(model, "muse", **dict(cfg, topk_blocks=99))
+    with torch.no_grad():
+        exact = model(ids).logits
+        gen = model.generate(ids[:, :300], max_new_tokens=4, do_sample=False)
+    lp.unpatch(model)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(after, before) and gen.shape == (1, 304)
+    assert not torch.allclose(out["torch"], before, atol=1e-4)  # the far field really ran
+    torch.testing.assert_close(out["triton"], out["torch"], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(exact, before, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_triton_matches_reference_on_smollm2_qkv(smollm2):
+    """Real post-rotary Q/K/V of SmolLM2 layer 5 (9 query / 3 kv heads, D=64), 389 tokens; fp32 and bf16."""
+    import longctx_patch as lp
+
+    model, tok = smollm2
+    store = {}
+    lp.patch(model, "exact", layers=[5])
+    att = model.model.layers[5].self_attn
+    orig = att.attend
+
+    def rec(q, k, v, cache_layer, padding):
+        store["qkv"] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
+        return orig(q, k, v, cache_layer, padding)
+
+    att.attend = rec
+    try:
+        text = "The history of the river valley begins with farmers who planted barley along its banks. " * 30
+        ids = tok(text, return_tensors="pt").input_ids[:, :389]
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        lp.unpatch(model)
+    q0, k0, v0 = store["qkv"]
+    for dtype, tol in [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)]:
+        q, k, v = (t.to(dtype) for t in (q0, k0, v0))
+        plan = make_cells_plan(q, k, scale=0.125, block_size=128, k_clusters=16, topk_blocks=1)
+        assert plan.retrieved.any()
+        o = cells_triton(q, k, v, plan, scale=0.125)
+        r = cells_reference(q.float(), k.float(), v.float(), plan, scale=0.125)
+        assert rel(o, r) < tol

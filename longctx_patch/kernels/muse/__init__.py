@@ -63,6 +63,7 @@ def muse_attention(
     key_mask: torch.Tensor | None = None,
     backend: str = "auto",
     plan: MusePlan | None = None,
+    far_field: str = "tilted",
 ) -> torch.Tensor:
     """Causal MuSe attention.
 
@@ -77,7 +78,16 @@ def muse_attention(
     Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
     of two; for the backward L * D <= 8192.
     backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
+    far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
+    super-key shared by every query; `topk_blocks` retrieved per query block; q_clusters, topk_clusters unused).
+    The cells path has a Triton forward only: with gradients it runs the reference.
     """
+    if far_field == "cells":
+        return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
+                      topk_blocks=topk_blocks, local_blocks=local_blocks, dipole=dipole, key_mask=key_mask,
+                      backend=backend)
+    if far_field != "tilted":
+        raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -125,4 +135,47 @@ def muse_attention(
     return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
 
 
-__all__ = ["MusePlan", "make_plan", "lloyd", "muse_attention", "muse_reference_planned", "triton_supported"]
+def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
+    """None if the cells Triton forward can run these inputs, else what to change."""
+    D = q.shape[-1]
+    if block_size % 128:
+        return f"block_size {block_size} must be a multiple of 128 for the cells kernel"
+    if D & (D - 1) or not 16 <= D <= 256:
+        return f"head_dim {D} must be a power of two in 16..256"
+    return None
+
+
+def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, local_blocks, dipole, key_mask,
+           backend):
+    from .cells import cells_reference, cells_triton, make_cells_plan
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if dipole:
+        raise ConfigError("muse: dipole=True needs far_field='tilted'")
+    if k_clusters > block_size:
+        raise ConfigError("muse: k_clusters must be <= block_size")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = cells_supported(q, block_size=block_size)
+    if backend == "triton":
+        if why is not None:
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
+        if needs_grad:
+            raise ConfigError("muse far_field='cells' has no backward kernel: use backend='torch' (the reference) "
+                              "to train through it, or far_field='tilted'")
+        if not q.is_cuda:
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+    elif backend == "auto":
+        backend = "triton" if (q.is_cuda and why is None and not needs_grad) else "torch"
+    plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
+                           kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, local_blocks=local_blocks,
+                           key_mask=key_mask)
+    if backend == "triton":
+        return cells_triton(q, k, v, plan, scale=scale)
+    return cells_reference(q, k, v, plan, scale=scale)
+
+
+__all__ = ["cells_supported", "MusePlan", "make_plan", "lloyd", "muse_attention", "muse_reference_planned", "triton_supported"]

@@ -19,7 +19,7 @@ from ..exact import key_mask_for, softmax_attention
 @dataclass
 class MuseConfig(MethodConfig):
     block_size: int = option(128, "tokens per spatial block (exact causal attention inside a block); Triton: "
-                             "power of two in 16..128", min=2)
+                             "power of two in 16..128 (far_field=tilted), multiple of 128 (cells)", min=2)
     q_clusters: int = option(16, "query clusters per block and query head (tilt centres of the summaries)", min=1)
     k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
@@ -27,6 +27,9 @@ class MuseConfig(MethodConfig):
     topk_blocks: int = option(4, "earlier blocks attended exactly per query cluster", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
+    far_field: str = option("tilted", "tilted: one summary per (query cluster, cell) pair, quadratic in blocks; cells: "
+                            "each cell one super-key shared by all queries, linear in blocks (prefill kernel only; "
+                            "q_clusters and topk_clusters unused)", choices=["tilted", "cells"])
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
@@ -37,11 +40,13 @@ class MuseConfig(MethodConfig):
                 f"MuseConfig: q_clusters ({self.q_clusters}) and k_clusters ({self.k_clusters}) must be <= "
                 f"block_size ({self.block_size})"
             )
+        if self.far_field == "cells" and self.dipole:
+            raise ConfigError("MuseConfig: dipole=True needs far_field='tilted' (the cells have no dipole term)")
 
     def kernel_kwargs(self) -> dict:
         return dict(block_size=self.block_size, q_clusters=self.q_clusters, k_clusters=self.k_clusters,
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters, topk_blocks=self.topk_blocks,
-                    local_blocks=self.local_blocks, dipole=self.dipole, backend=self.backend)
+                    local_blocks=self.local_blocks, dipole=self.dipole, backend=self.backend, far_field=self.far_field)
 
 
 def _past_len(cache_layer) -> int:
