@@ -24,9 +24,8 @@ Two paths compute the same function:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
