@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...errors import ConfigError, DeviceError
@@ -82,11 +84,7 @@ def muse_attention(
     super-key shared by every query; `topk_blocks` retrieved per query block; q_clusters, topk_clusters unused).
     The cells path has a Triton forward only: with gradients it runs the reference.
     """
-    if far_field == "cells":
-        return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
-                      topk_blocks=topk_blocks, local_blocks=local_blocks, dipole=dipole, key_mask=key_mask,
-                      backend=backend)
-    if far_field != "tilted":
+    if far_field not in ("tilted", "cells"):
         raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -96,6 +94,10 @@ def muse_attention(
         raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
     if k_clusters > block_size or q_clusters > block_size:
         raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
+    if far_field == "cells":
+        return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
+                      topk_blocks=topk_blocks, local_blocks=local_blocks, dipole=dipole, key_mask=key_mask,
+                      backend=backend)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
                            needs_grad=needs_grad)
@@ -109,11 +111,7 @@ def muse_attention(
     if backend == "triton":
         if why is not None:
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        if not q.is_cuda:
-            import os
-
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        _check_triton_device(q)
     if plan is None:
         plan = make_plan(
             q.detach(),
@@ -135,6 +133,11 @@ def muse_attention(
     return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
 
 
+def _check_triton_device(q: torch.Tensor) -> None:
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+
+
 def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
     """None if the cells Triton forward can run these inputs, else what to change."""
     D = q.shape[-1]
@@ -149,12 +152,8 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
            backend):
     from .cells import cells_reference, cells_triton, make_cells_plan
 
-    if backend not in BACKENDS:
-        raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
-    if k_clusters > block_size:
-        raise ConfigError("muse: k_clusters must be <= block_size")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     why = cells_supported(q, block_size=block_size)
     if backend == "triton":
@@ -163,11 +162,7 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
         if needs_grad:
             raise ConfigError("muse far_field='cells' has no backward kernel: use backend='torch' (the reference) "
                               "to train through it, or far_field='tilted'")
-        if not q.is_cuda:
-            import os
-
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        _check_triton_device(q)
     elif backend == "auto":
         backend = "triton" if (q.is_cuda and why is None and not needs_grad) else "torch"
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
