@@ -1,6 +1,6 @@
-"""MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward against
-the PyTorch reference, then forward time against torch SDPA (cuDNN) in the same run. Forward only: the cells path
-has no backward kernel yet.
+"""MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward and
+backward against the PyTorch reference, then forward and forward+backward time against torch SDPA (cuDNN) in the
+same run.
 
     PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
 
@@ -66,11 +66,18 @@ def checks():
             km = torch.ones(1, S, dtype=torch.bool, device="cuda")
             sc = 64**-0.5
             plan = make_cells_plan(q, k, scale=sc, key_mask=km, **cfg)
+            q, k, v = (t.requires_grad_(True) for t in (q, k, v))
             o = cells_triton(q, k, v, plan, scale=sc)
-            r = cells_reference(q.float(), k.float(), v.float(), plan, scale=sc)
+            do = torch.randn_like(o)
+            g = torch.autograd.grad(o, (q, k, v), do)
+            qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+            r = cells_reference(qr, kr, vr, plan, scale=sc)
+            gr = torch.autograd.grad(r, (qr, kr, vr), do.float())
+            q, k, v, r = q.detach(), k.detach(), v.detach(), r.detach()
             ex = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
                                                 v.float().repeat_interleave(4, 1), is_causal=True, scale=sc)
-            row = dict(dtype=str(dtype), S=S, cfg=cfg, fwd_vs_reference=rel(o, r),
+            row = dict(dtype=str(dtype), S=S, cfg=cfg, fwd_vs_reference=rel(o, r), dq=rel(g[0], gr[0]),
+                       dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]),
                        approx_err_vs_exact_random=rel(r, ex.transpose(1, 2)))
             RES["checks"].append(row)
             print(json.dumps(row), flush=True)
@@ -99,6 +106,21 @@ def speed():
                         row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
                         row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
                     row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["cells_fwd_ms"]
+                    save()
+                    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+                    kxg, vxg = (t.detach().repeat_interleave(4, 1).requires_grad_(True) for t in (k, v))
+                    do = torch.randn_like(q)
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        row["cudnn_fwdbwd_ms"] = bench(
+                            lambda: F.scaled_dot_product_attention(qg, kxg, vxg, is_causal=True).backward(do))
+                    do2 = do.transpose(1, 2)
+
+                    def fwdbwd():
+                        p = make_cells_plan(qg, kg, scale=sc, **cfg)
+                        cells_triton(qg, kg, vg, p, scale=sc).backward(do2)
+
+                    row["cells_fwdbwd_ms"] = bench(fwdbwd)
+                    row["speedup_fwdbwd_vs_cudnn"] = row["cudnn_fwdbwd_ms"] / row["cells_fwdbwd_ms"]
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:400]
                     traceback.print_exc()

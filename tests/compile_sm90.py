@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
+from longctx_patch.kernels.muse import cells as mc  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
@@ -209,6 +210,31 @@ def branch_converts(ttgir: str) -> int:
         while ifs and depth <= ifs[-1]:
             ifs.pop()
     return n
+
+
+def cells_ptrs(t, *out, **other):
+    """Pointer arguments of the cells kernels: tensors of dtype t, the plan's tables and fp32 statistics."""
+    base = dict(LOGN=F32, KVAL=I8, EXL=I32, RET=I8, LSE=F32, DELTA=F32, DQ=F32, DK=F32, DV=F32, DMU=F32, DVB=F32,
+                scale="fp32")
+    return {**{n: t for n in ("Q", "K", "V", "MU", "VB", "DO", "O")}, **base, **other}
+
+
+def _cells_case(kernel, D, dtype, bwd):
+    """The tiles `_CellsAttention` launches with (query tiles of 64 in the fp32 dK/dV and dcells kernels)."""
+    BN = 64 if D >= 128 else 128
+    BM = 64 if dtype == F32 and kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells) else 128
+    consts = dict(L=256, CK=32, LOC=1, NE=9, D=D, BM=BM, BN=BN)
+    consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
+    ptrs = {n: t for n, t in cells_ptrs(dtype).items() if n in kernel.arg_names}
+    return (kernel, consts, ptrs, {"num_warps": 8 if 128 * D >= 128 * 128 else 4, "num_stages": 1 if bwd else 2})
+
+
+for _D in (64, 128):
+    for _t, _tn in ((BF16, ""), (F32, "_fp32")):
+        CASES[f"cells_fwd{_tn}_D{_D}"] = _cells_case(mc._cells_fwd, _D, _t, False)
+        CASES[f"cells_bwd_dq{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dq, _D, _t, True)
+        CASES[f"cells_bwd_dkdv{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dkdv, _D, _t, True)
+        CASES[f"cells_bwd_dcells{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dcells, _D, _t, True)
 
 
 def main():

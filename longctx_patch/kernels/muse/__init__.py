@@ -82,7 +82,7 @@ def muse_attention(
     backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
     far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
     super-key shared by every query; `topk_blocks` retrieved per query block; q_clusters, topk_clusters unused).
-    The cells path has a Triton forward only: with gradients it runs the reference.
+    Cells Triton path: block_size a multiple of 128, D a power of two in 16..128 (forward and backward).
     """
     if far_field not in ("tilted", "cells"):
         raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
@@ -143,8 +143,8 @@ def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
     D = q.shape[-1]
     if block_size % 128:
         return f"block_size {block_size} must be a multiple of 128 for the cells kernel"
-    if D & (D - 1) or not 16 <= D <= 256:
-        return f"head_dim {D} must be a power of two in 16..256"
+    if D & (D - 1) or not 16 <= D <= 128:
+        return f"head_dim {D} must be a power of two in 16..128 (shared memory of the backward kernels)"
     return None
 
 
@@ -154,17 +154,13 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
 
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     why = cells_supported(q, block_size=block_size)
     if backend == "triton":
         if why is not None:
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        if needs_grad:
-            raise ConfigError("muse far_field='cells' has no backward kernel: use backend='torch' (the reference) "
-                              "to train through it, or far_field='tilted'")
         _check_triton_device(q)
     elif backend == "auto":
-        backend = "triton" if (q.is_cuda and why is None and not needs_grad) else "torch"
+        backend = "triton" if (q.is_cuda and why is None) else "torch"
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
                            kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, local_blocks=local_blocks,
                            key_mask=key_mask)

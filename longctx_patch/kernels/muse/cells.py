@@ -15,10 +15,13 @@ compressed keys: the work per query is `(2 + topk_blocks) * L + (n - 1 - local) 
 
 Two paths compute the same function:
 - `cells_reference`: dense PyTorch per chunk of query blocks (any device, differentiable);
-- `cells_triton`: a Triton forward (no gradient): one program per (128-query tile, batch x query head) runs one
-  online softmax over the cell keys of the far blocks (a contiguous `[nb * Ck, D]` array, with `log n` as a
-  bias and the retrieved blocks masked), the retrieved and local blocks (a per-query-block list) and its own
-  block (causal).
+- `cells_triton`: Triton kernels in an `autograd.Function`. Forward: one program per (128-query tile, batch x
+  query head) runs one online softmax over the cell keys of the far blocks (a contiguous `[nb * Ck, D]` array,
+  with `log n` as a bias and the retrieved blocks masked), the retrieved and local blocks (a per-query-block
+  list) and its own block (causal). Backward (FlashAttention-2 scheme, recomputing P from the saved LSE, no
+  atomics): dQ per query tile; dK/dV per exact key tile over the query blocks that attend it exactly; dMU/dVB
+  per cell tile over the query blocks that summarise it; the cell means' gradients reach k and v through
+  `cell_summaries` (autograd).
 """
 
 from __future__ import annotations
@@ -233,33 +236,207 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
     return torch.where(val > 0, idx, torch.full_like(idx, -1)).to(torch.int32).contiguous()
 
 
-@torch.no_grad()
-def cells_triton(q, k, v, plan: CellsPlan, *, scale: float, block_m: int = 128) -> torch.Tensor:
-    """`cells_reference` as one Triton forward (no gradient). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D].
-    Needs `block_size` a multiple of `block_m` (128) and D a power of two."""
-    B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
-    L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
-    BM = min(block_m, L)
-    BN = 64 if D >= 128 else 128
-    BN = min(BN, L)
+@triton.jit
+def _p_ds(s, lse2, do, vals, delta, UP: tl.constexpr):
+    """Row-major pair [BM queries, BN keys]: probabilities and dS = P * (dO V^T - Delta)."""
+    p = tl.exp2(s - lse2[:, None])
+    dp = _mm(do, tl.trans(vals), UP)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, scale, H, HKV, NB, Sp, NCK,
+                  L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, D: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_m = tile * BM + tl.arange(0, BM)
+    n = (tile * BM) // L
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    qk = scale * 1.4426950408889634
+    q = tl.load(Q + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :])
+    do = tl.load(DO + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :])
+    lse2 = tl.load(LSE + bh * Sp + offs_m) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Sp + offs_m)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = tl.maximum(n - LOC, 0) * CK
+    for c0 in range(0, hi, BN):
+        cidx = c0 + offs_n
+        ok = cidx < hi
+        ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
+        mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
+        s = tl.where(ok[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
+        p, ds = _p_ds(s, lse2, do, vb, delta, UP)
+        dq += _mm(ds.to(mu.dtype), mu, UP)
+    for e in range(NE + 1):
+        if e < NE:
+            mblk = tl.load(EXL + (bh * NB + n) * NE + e)
+        else:
+            mblk = n
+        if mblk >= 0:
+            kend = L
+            if e == NE:
+                kend = (tile * BM) % L + BM
+            for k0 in range(0, kend, BN):
+                pos = mblk * L + k0 + offs_n
+                kv = tl.load(KVAL + b * Sp + pos) != 0
+                k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+                v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+                ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
+                s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+                p, ds = _p_ds(s, lse2, do, v, delta, UP)
+                dq += _mm(ds.to(k.dtype), k, UP)
+    tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
+
+
+@triton.jit
+def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, NB, Sp,
+                    L: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    UP: tl.constexpr):
+    """dK, dV of the exact keys: one program per (BN keys of block m, batch x kv head), over the query blocks that
+    attend block m exactly (its own block causally, the LOC blocks after it, and those that retrieved it)."""
+    kt = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    G = H // HKV
+    b = bkv // HKV
+    hk = bkv % HKV
+    offs_n = kt * BN + tl.arange(0, BN)
+    m = (kt * BN) // L
+    offs_d = tl.arange(0, D)
+    offs_q = tl.arange(0, BM)
+    qk = scale * 1.4426950408889634
+    k = tl.load(K + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+    v = tl.load(V + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+    kv = tl.load(KVAL + b * Sp + offs_n) != 0
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    for g in range(G):
+        bh = b * H + hk * G + g
+        for n in range(m, NB):
+            exact = (n - m <= LOC) | (tl.load(RET + (bh * NB + n) * NB + m) != 0)
+            if exact:
+                for q0 in range(0, L, BM):
+                    qpos = n * L + q0 + offs_q
+                    q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                    do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                    lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+                    delta = tl.load(DELTA + bh * Sp + qpos)
+                    ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
+                    s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+                    p, ds = _p_ds(s, lse2, do, v, delta, UP)
+                    dv += _mm(tl.trans(p.to(do.dtype)), do, UP)
+                    dk += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+    tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
+    tl.store(DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dv)
+
+
+@triton.jit
+def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, HKV, NB, Sp, NCK,
+                      L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, UP: tl.constexpr):
+    """dMU, dVB of BN cells (batch x kv head): over the query blocks after them that do not retrieve their block."""
+    ct = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    G = H // HKV
+    b = bkv // HKV
+    hk = bkv % HKV
+    cidx = ct * BN + tl.arange(0, BN)
+    okc = cidx < NCK
+    cb = cidx // CK
+    offs_d = tl.arange(0, D)
+    offs_q = tl.arange(0, BM)
+    qk = scale * 1.4426950408889634
+    mu = tl.load(MU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
+    vb = tl.load(VB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
+    bias = tl.load(LOGN + bkv * NCK + cidx, mask=okc, other=float("-inf")) * 1.4426950408889634
+    dmu = tl.zeros([BN, D], tl.float32)
+    dvb = tl.zeros([BN, D], tl.float32)
+    for g in range(G):
+        bh = b * H + hk * G + g
+        for n in range((ct * BN) // CK + LOC + 1, NB):
+            okn = okc & (cb < n - LOC) & (tl.load(RET + (bh * NB + n) * NB + cb, mask=okc, other=1) == 0)
+            for q0 in range(0, L, BM):
+                qpos = n * L + q0 + offs_q
+                q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+                delta = tl.load(DELTA + bh * Sp + qpos)
+                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
+                p, ds = _p_ds(s, lse2, do, vb, delta, UP)
+                dvb += _mm(tl.trans(p.to(do.dtype)), do, UP)
+                dmu += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+    tl.store(DMU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dmu * scale, mask=okc[:, None])
+    tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
+
+
+class _CellsAttention(torch.autograd.Function):
+    """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
+    ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+        B, Hq, S, D = q.shape
+        Hkv = k.shape[1]
+        L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
+        BM, BN = min(128, L), min(64 if D >= 128 else 128, L)
+        MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
+        VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
+        logn = torch.where(plan.counts > 0, plan.counts.clamp_min(1).log(), torch.full_like(plan.counts, -math.inf))
+        logn = logn.reshape(B * Hkv, nb * Ck).contiguous()
+        pad = (0, 0, 0, Sp - S)
+        Q, K, V = (torch.nn.functional.pad(t, pad).contiguous() for t in (q, k, v))
+        exl = exact_lists(plan)
+        ret = plan.retrieved.to(torch.int8).contiguous()
+        kval = plan.key_valid.to(torch.int8).contiguous()
+        O = torch.empty_like(Q)
+        LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
+        up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
+        warps = 8 if BM * D >= 128 * 128 else 4
+        _cells_fwd[(Sp // BM, B * Hq)](
+            Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=BM, BN=BN, UP=up, num_warps=warps,
+            num_stages=2)
+        ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
+        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, BM, BN, up, warps, scale)
+        return O[:, :, :S].transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, do):
+        Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
+        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, BM, BN, up, warps, scale = ctx.meta
+        DO = torch.nn.functional.pad(do.transpose(1, 2).to(Q.dtype), (0, 0, 0, Sp - S)).contiguous()
+        DELTA = (DO.float() * O.float()).sum(-1).contiguous()
+        f32 = dict(device=Q.device, dtype=torch.float32)
+        DQ = torch.empty(B, Hq, Sp, D, **f32)
+        DK = torch.empty(B, Hkv, Sp, D, **f32)
+        DV = torch.empty(B, Hkv, Sp, D, **f32)
+        DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
+        DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
+        NE = exl.shape[-1]
+        _cells_bwd_dq[(Sp // BM, B * Hq)](
+            Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=loc, NE=NE, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        BMK = 64 if Q.dtype == torch.float32 else BM  # fp32 query tiles of 128 need 256 KB of shared memory (sm_90)
+        _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
+            Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
+            L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
+            Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        cast = lambda t, like: t.to(like.dtype)  # noqa: E731
+        return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
+                cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB), None, None)
+
+
+def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
+    """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
+    q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
+    of two. The cell means are computed in fp32 (differentiably) and rounded to the input dtype."""
     mu, vbar = cell_summaries(k.float(), v.float(), plan)
-    mu = mu.to(q.dtype).reshape(B * Hkv, nb * Ck, D).contiguous()
-    vbar = vbar.to(q.dtype).reshape(B * Hkv, nb * Ck, D).contiguous()
-    logn = torch.where(plan.counts > 0, plan.counts.clamp_min(1).log(), torch.full_like(plan.counts, -math.inf))
-    logn = logn.reshape(B * Hkv, nb * Ck).contiguous()
-    pad = (0, 0, 0, Sp - S)
-    Q = torch.nn.functional.pad(q, pad).contiguous()
-    K = torch.nn.functional.pad(k, pad).contiguous()
-    V = torch.nn.functional.pad(v, pad).contiguous()
-    exl = exact_lists(plan)
-    ret = plan.retrieved.to(torch.int8).contiguous()
-    kval = plan.key_valid.to(torch.int8).contiguous()
-    O = torch.empty_like(Q)
-    LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _cells_fwd[(Sp // BM, B * Hq)](
-        Q, K, V, mu, vbar, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-        L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=BM, BN=BN,
-        UP=interp and q.dtype != torch.float32, num_warps=8 if BM * D >= 128 * 128 else 4, num_stages=2)
-    return O[:, :, :S].transpose(1, 2)
+    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)

@@ -28,8 +28,8 @@ class MuseConfig(MethodConfig):
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
     far_field: str = option("tilted", "tilted: one summary per (query cluster, cell) pair, quadratic in blocks; cells: "
-                            "each cell one super-key shared by all queries, linear in blocks (prefill kernel only; "
-                            "q_clusters and topk_clusters unused)", choices=["tilted", "cells"])
+                            "each cell one super-key shared by all queries, linear in blocks (q_clusters and "
+                            "topk_clusters unused)", choices=["tilted", "cells"])
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
