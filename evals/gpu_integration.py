@@ -20,14 +20,16 @@ import torch
 import longctx_patch as lp
 from longctx_patch.evals.common import git_commit  # noqa: E402
 
-METHODS = {
-    "muse": ({"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
-    "lolcats": ({"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),
-    "lola": ({"window": 64, "feature_dim": 32, "sparse_cache": 64, "chunk": 32}, "backend", "triton", "torch"),
+METHODS = {  # label: (method, config, backend key, fast backend, reference backend)
+    "muse": ("muse", {"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
+    "muse-cells": ("muse", {"min_seq_len": 256, "far_field": "cells", "block_size": 128, "k_clusters": 8,
+                            "topk_blocks": 1}, "backend", "triton", "torch"),
+    "lolcats": ("lolcats", {"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),
+    "lola": ("lola", {"window": 64, "feature_dim": 32, "sparse_cache": 64, "chunk": 32}, "backend", "triton", "torch"),
     # exact (float32) assignment dots: with the default bf16 dots the Triton path picks other rows at near ties
     # (fp32 logits then differ by ~4e-3 instead of ~4e-7, CPU interpreter check); evals/ovq_profile.py checks
     # the default path against the reference
-    "ovq": ({"chunk_size": 64, "max_centroids": 256, "exact_assign": True}, "backend", "triton", "torch"),
+    "ovq": ("ovq", {"chunk_size": 64, "max_centroids": 256, "exact_assign": True}, "backend", "triton", "torch"),
 }
 
 
@@ -53,7 +55,7 @@ def rel(a, b):
 
 
 def check(method, dtype, S=777):
-    cfg, key, fast, ref = METHODS[method]
+    name, cfg, key, fast, ref = METHODS[method]
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(3, 512, (2, S), generator=g).to(DEVICE)
     am = torch.ones_like(ids)
@@ -62,7 +64,7 @@ def check(method, dtype, S=777):
     outs = {}
     for backend in (ref, fast):
         model = tiny_llama(dtype)
-        lp.patch(model, method, **cfg, **{key: backend})
+        lp.patch(model, name, **cfg, **{key: backend})
         sync()
         t = time.perf_counter()
         with torch.no_grad():
