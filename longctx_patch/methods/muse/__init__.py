@@ -24,7 +24,8 @@ class MuseConfig(MethodConfig):
     k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(8, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
-    topk_blocks: int = option(4, "earlier blocks attended exactly per query cluster", min=0)
+    topk_blocks: int = option(4, "earlier blocks attended exactly per query cluster (per query block with "
+                              "far_field=cells)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
     far_field: str = option("tilted", "tilted: one summary per (query cluster, cell) pair, quadratic in blocks; cells: "
