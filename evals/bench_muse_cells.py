@@ -1,6 +1,7 @@
 """MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward and
 backward against the PyTorch reference, then forward and forward+backward time against torch SDPA (cuDNN) in the
-same run.
+same run. Also times the plan replayed from one CUDA graph (`cells_plan_graph_ms`, with a check that it gives
+the eager plan), to decide whether the product path should capture it.
 
     PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
 
@@ -24,6 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.evals.common import git_commit
+from longctx_patch.kernels.graphs import capture_graph
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
 
 OUT = os.environ.get("OUT", "evals/results")
@@ -103,6 +105,14 @@ def speed():
                                                                          scale=sc))
                         plan = make_cells_plan(q, k, scale=sc, **cfg)
                         row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
+                        try:  # the plan's launches captured in one CUDA graph (not the product path yet)
+                            graph, gplan = capture_graph(lambda: make_cells_plan(q, k, scale=sc, **cfg))
+                            row["cells_plan_graph_ms"] = bench(graph.replay)
+                            row["plan_graph_equal"] = bool(torch.equal(gplan.retrieved, plan.retrieved)
+                                                           and torch.equal(gplan.k_assign, plan.k_assign))
+                            del graph, gplan
+                        except Exception as e:  # noqa: BLE001
+                            row["plan_graph_error"] = repr(e)[:300]
                         row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
                         row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
                     row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["cells_fwd_ms"]
