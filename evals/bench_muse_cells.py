@@ -6,7 +6,7 @@ the eager plan), to decide whether the product path should capture it.
     PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
-the plan (Lloyd clustering of every block's keys, retrieval scoring, the tile mask) and the cell summaries.
+the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
 Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S.
 """
 
