@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .plan import _blocks, lloyd
+from .triton_kernels import _dot as _mm  # ieee fp32 dots; interpreter-safe bf16
 
 
 @dataclass
@@ -150,6 +151,42 @@ def cells_reference(q, k, v, plan: CellsPlan, *, scale: float, chunk_elems: int 
 
 
 @triton.jit
+def _online(s, vals, m_i, l_i, acc, UP: tl.constexpr):
+    """One online-softmax step in the log2 domain: logits s [BM, BN], values [BN, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + _mm(p.to(vals.dtype), vals, UP)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr, D: tl.constexpr):
+    """Cells c0 .. c0 + BN of the far field of query block n (cells of blocks < n - LOC: `hi`; retrieved blocks
+    masked): mask, mean keys, mean values, log2-domain bias."""
+    cidx = c0 + offs_n
+    ok = cidx < hi
+    ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
+    mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
+    return ok, mu, vb, bias
+
+
+@triton.jit
+def _exact_src(EXL, bh, NB, n, e, tile, NE: tl.constexpr, BM: tl.constexpr, L: tl.constexpr):
+    """Exact source e of a query tile: the listed earlier blocks (e < NE; -1 = none), then its own block (e == NE)
+    up to the tile's last query. Returns (block, number of its keys to visit)."""
+    mblk = n
+    kend = (tile * BM) % L + BM
+    if e < NE:
+        mblk = tl.load(EXL + (bh * NB + n) * NE + e)
+        kend = L
+    return mblk, kend
+
+
+@triton.jit
 def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB, Sp, NCK,
                L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, D: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
@@ -170,59 +207,26 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        cidx = c0 + offs_n
-        ok = cidx < hi
-        cb = cidx // CK
-        ok = ok & (tl.load(RET + (bh * NB + n) * NB + cb, mask=ok, other=1) == 0)
-        mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
-        s = _mm(q, tl.trans(mu), UP) * qk + bias[None, :]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(vb.dtype), vb, UP)
-        m_i = m_new
-    # exact: the listed earlier blocks (retrieved and local; -1 = none), then the own block causally
+        ok, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
+        s = tl.where(ok[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
+        m_i, l_i, acc = _online(s, vb, m_i, l_i, acc, UP)
+    # exact: the listed earlier blocks (retrieved and local), then the own block causally
     for e in range(NE + 1):
-        if e < NE:
-            mblk = tl.load(EXL + (bh * NB + n) * NE + e)
-        else:
-            mblk = n
+        mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
         if mblk >= 0:
-            kend = L
-            if e == NE:
-                kend = (tile * BM) % L + BM  # keys of the own block up to the tile's last query
             for k0 in range(0, kend, BN):
                 pos = mblk * L + k0 + offs_n
                 kv = tl.load(KVAL + b * Sp + pos) != 0
                 k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                s = _mm(q, tl.trans(k), UP) * qk
-                ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UP)
-                m_i = m_new
+                ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
+                s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+                m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     tl.store(LSE + bh * Sp + offs_m, tl.where(has, (m_fin + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, 0.0))
-
-
-@triton.jit
-def _mm(a, b, UP: tl.constexpr):
-    if UP:  # the CPU interpreter (3.9) mis-multiplies bf16 operands: upcast the already-rounded values
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b, input_precision="ieee")
 
 
 def exact_lists(plan: CellsPlan) -> torch.Tensor:
@@ -265,24 +269,13 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     dq = tl.zeros([BM, D], tl.float32)
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        cidx = c0 + offs_n
-        ok = cidx < hi
-        ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
-        mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
+        ok, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
         s = tl.where(ok[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
         p, ds = _p_ds(s, lse2, do, vb, delta, UP)
         dq += _mm(ds.to(mu.dtype), mu, UP)
     for e in range(NE + 1):
-        if e < NE:
-            mblk = tl.load(EXL + (bh * NB + n) * NE + e)
-        else:
-            mblk = n
+        mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
         if mblk >= 0:
-            kend = L
-            if e == NE:
-                kend = (tile * BM) % L + BM
             for k0 in range(0, kend, BN):
                 pos = mblk * L + k0 + offs_n
                 kv = tl.load(KVAL + b * Sp + pos) != 0
