@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .plan import _blocks, lloyd
+from .reference import masked_softmax
 from .triton_kernels import _dot as _mm  # ieee fp32 dots; interpreter-safe bf16
 
 
@@ -139,12 +140,7 @@ def cells_reference(q, k, v, plan: CellsPlan, *, scale: float, chunk_elems: int 
         summ = far[None, None] & ~torch.gather(R, -1, cblk.expand(B, Hq, len(t), nb * Ck)) & cell_ok[:, :, None]
         se = (scale * Q[:, :, t] @ K.transpose(-1, -2)).masked_fill(~exact, -math.inf)
         sc = (scale * Q[:, :, t] @ mu.transpose(-1, -2) + logn[:, :, None]).masked_fill(~summ, -math.inf)
-        logits = torch.cat([se, sc], -1)
-        mx = logits.amax(-1, keepdim=True)
-        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
-        p = torch.exp(logits - mx)
-        den = p.sum(-1, keepdim=True)
-        p = p / torch.where(den > 0, den, torch.ones_like(den))
+        p = masked_softmax(torch.cat([se, sc], -1))
         outs.append(p[..., :Sp] @ V + p[..., Sp:] @ vbar)
     out = torch.cat(outs, 2)[:, :, :S]
     return out.transpose(1, 2).to(q.dtype)

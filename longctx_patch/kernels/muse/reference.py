@@ -25,6 +25,15 @@ import torch
 from .plan import MusePlan, _blocks
 
 
+def masked_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where -inf marks masked entries; a row with no entry gives zeros (not NaN)."""
+    rmax = logits.amax(-1, keepdim=True)
+    rmax = torch.where(torch.isfinite(rmax), rmax, torch.zeros_like(rmax)).detach()
+    p = torch.exp(logits - rmax)
+    den = p.sum(-1, keepdim=True)
+    return p / torch.where(den > 0, den, torch.ones_like(den))
+
+
 def _chunk(Q, K, V, ka, kval, plan: MusePlan, n0: int, n1: int, *, scale: float, dipole: bool, ct) -> torch.Tensor:
     """Output [B, H, n1 - n0, L, D] of query blocks n0..n1-1 (K, V, ka expanded to the query heads)."""
     B, Hq, nb, L, D = K.shape
@@ -85,12 +94,7 @@ def _chunk(Q, K, V, ka, kval, plan: MusePlan, n0: int, n1: int, *, scale: float,
     # ---- one softmax over both
     se_f = se.flatten(-2)  # [B,H,n,t,m*l]
     ys_f = ys.flatten(-3)  # [B,H,n,t,i*m*j]
-    logits = torch.cat([se_f, ys_f], -1)
-    rmax = logits.amax(-1, keepdim=True)
-    rmax = torch.where(torch.isfinite(rmax), rmax, torch.zeros_like(rmax)).detach()
-    p = torch.exp(logits - rmax)
-    den = p.sum(-1, keepdim=True)
-    p = p / torch.where(den > 0, den, torch.ones_like(den))
+    p = masked_softmax(torch.cat([se_f, ys_f], -1))
     pe = p[..., : se_f.shape[-1]].reshape(se.shape)
     ps = p[..., se_f.shape[-1] :].reshape(ys.shape)
     out = torch.einsum("bhntml,bhmld->bhntd", pe, V) + torch.einsum("bhntimj,bhnimjd->bhntd", ps, Vt)
