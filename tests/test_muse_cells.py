@@ -195,27 +195,11 @@ def test_training_step_through_cells_matches_between_backends():
 @pytest.mark.slow
 def test_triton_matches_reference_on_smollm2_qkv(smollm2):
     """Real post-rotary Q/K/V of SmolLM2 layer 5 (9 query / 3 kv heads, D=64), 389 tokens; fp32 and bf16."""
-    import longctx_patch as lp
+    from longctx_patch.evals.approx import capture
 
     model, tok = smollm2
-    store = {}
-    lp.patch(model, "exact", layers=[5])
-    att = model.model.layers[5].self_attn
-    orig = att.attend
-
-    def rec(q, k, v, cache_layer, padding):
-        store["qkv"] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
-        return orig(q, k, v, cache_layer, padding)
-
-    att.attend = rec
-    try:
-        text = "The history of the river valley begins with farmers who planted barley along its banks. " * 30
-        ids = tok(text, return_tensors="pt").input_ids[:, :389]
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        lp.unpatch(model)
-    q0, k0, v0 = store["qkv"]
+    text = "The history of the river valley begins with farmers who planted barley along its banks. " * 30
+    q0, k0, v0, _ = capture(model, tok(text, return_tensors="pt").input_ids[:, :389], layers=[5])[5]
     for dtype, tol in [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)]:
         q, k, v = (t.to(dtype) for t in (q0, k0, v0))
         plan = make_cells_plan(q, k, scale=0.125, block_size=128, k_clusters=16, topk_blocks=1)

@@ -105,25 +105,11 @@ def test_training_step_through_muse():
 @pytest.mark.slow
 def test_triton_matches_reference_on_smollm2_qkv(smollm2):
     """Real post-rotary Q/K/V of SmolLM2 (9 query / 3 kv heads, D=64), odd length; fp32 and bf16."""
+    from longctx_patch.evals.approx import capture
+
     model, tok = smollm2
-    store = {}
-    lp.patch(model, "exact", layers=[5])
-    att = model.model.layers[5].self_attn
-    orig = att.attend
-
-    def rec(q, k, v, cache_layer, padding):
-        store["qkv"] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
-        return orig(q, k, v, cache_layer, padding)
-
-    att.attend = rec
-    try:
-        text = "The history of the river valley begins with farmers who planted barley along its banks. " * 6
-        ids = tok(text, return_tensors="pt").input_ids[:, :51]
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        lp.unpatch(model)
-    q0, k0, v0 = store["qkv"]
+    text = "The history of the river valley begins with farmers who planted barley along its banks. " * 6
+    q0, k0, v0, _ = capture(model, tok(text, return_tensors="pt").input_ids[:, :51], layers=[5])[5]
     scale = 64**-0.5
     for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
         q, k, v = (t.to(dtype).requires_grad_(True) for t in (q0, k0, v0))
