@@ -90,44 +90,53 @@ def global_far_field(q, k, v, tau, *, L=128, local=1, Cq=64, Ck=64, iters=2, top
     return out
 
 
-def layer_error(q, k, v, tau, **cfg) -> float:
+def layer_error(q, k, v, tau, head=global_far_field, **cfg) -> float:
+    """||o - o_exact|| / ||o_exact|| over all heads of one layer, o = head(qh, kh, vh, tau, **cfg) per head."""
     G = q.shape[1] // k.shape[1]
     num = den = 0.0
     S = q.shape[2]
     causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     for h in range(q.shape[1]):
         qh, kh, vh = q[0, h].double(), k[0, h // G].double(), v[0, h // G].double()
-        o = global_far_field(qh, kh, vh, tau, **cfg)
+        o = head(qh, kh, vh, tau, **cfg)
         r = torch.softmax((tau * qh @ kh.T).masked_fill(causal, -math.inf), -1) @ vh
         num += ((o - r) ** 2).sum().item()
         den += (r**2).sum().item()
     return math.sqrt(num / den)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=2048)
+def run_study(doc: str, script: str, error_fn, grid, *, seq_len: int, layers: str, out: str, defaults: dict):
+    """The command line of a far-field study: capture SmolLM2's Q/K/V of essays (CPU), error_fn(q, k, v, tau,
+    **cfg) per layer and config, one JSON with device, date, commit and command."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-    ap.add_argument("--layers", default="0,3,7,11,15,19,23,27")
+    ap.add_argument("--layers", default=layers)
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
-    ap.add_argument("--out", default="evals/results/muse-farfield-study.json")
+    ap.add_argument("--out", default=out)
     args = ap.parse_args()
     model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
     ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
     qkv, scale = capture_qkv(model, ids)
-    layers = [int(x) for x in args.layers.split(",")]
+    layer_ids = [int(x) for x in args.layers.split(",")]
     rows = []
-    for cfg in json.loads(args.grid) if args.grid else GRID:
+    for cfg in json.loads(args.grid) if args.grid else grid:
         t0 = time.time()
-        errs = [layer_error(*qkv[i], scale, **cfg) for i in layers]
+        errs = [error_fn(*qkv[i], scale, **cfg) for i in layer_ids]
         rows.append(dict(config=cfg, mean_rel_err=sum(errs) / len(errs), per_layer=errs))
-        print(f"{json.dumps(cfg):60s} mean {rows[-1]['mean_rel_err']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        print(f"{json.dumps(cfg):70s} mean {rows[-1]['mean_rel_err']:.4f} "
+              f"{[round(e, 4) for e in errs]} ({time.time() - t0:.0f}s)", flush=True)
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), command="PYTHONPATH=. python evals/muse_farfield_study.py " + " ".join(sys.argv[1:]),
-               model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", layers=layers,
-               defaults=dict(L=128, local=1, iters=2), metric="||o - o_exact|| / ||o_exact||", results=rows)
+               commit=git_commit(), command=f"PYTHONPATH=. python evals/{script} " + " ".join(sys.argv[1:]),
+               model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", layers=layer_ids,
+               defaults=defaults, metric="||o - o_exact|| / ||o_exact||", results=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+def main():
+    run_study(__doc__, "muse_farfield_study.py", layer_error, GRID, seq_len=2048, layers="0,3,7,11,15,19,23,27",
+              out="evals/results/muse-farfield-study.json", defaults=dict(L=128, local=1, iters=2))
 
 
 if __name__ == "__main__":

@@ -19,22 +19,17 @@ mean query) or `score="max"` (the largest monopole mass over the block's queries
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-import longctx_patch
-from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse.plan import lloyd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import capture_qkv, real_text  # noqa: E402
+from muse_farfield_study import layer_error as farfield_layer_error  # noqa: E402
+from muse_farfield_study import run_study  # noqa: E402
 
 GRID = [
     dict(L=128, Ck=16, topb=4),
@@ -131,10 +126,6 @@ def fast_head(q, k, v, tau, *, L=128, Ck=16, topb=8, local=1, iters=2, quad=Fals
 
 
 def layer_error(q, k, v, tau, **cfg) -> float:
-    G = q.shape[1] // k.shape[1]
-    num = den = 0.0
-    S = q.shape[2]
-    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     if "perblock" in cfg:  # the package's MuSe (per-block query clusters), for comparison on the same data
         from longctx_patch.kernels.muse.plan import make_plan
         from longctx_patch.kernels.muse.reference import muse_reference_planned
@@ -148,41 +139,12 @@ def layer_error(q, k, v, tau, **cfg) -> float:
         r = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
                                                               scale=tau, enable_gqa=True)
         return float((o.transpose(1, 2) - r).norm() / r.norm())
-    for h in range(q.shape[1]):
-        qh, kh, vh = q[0, h].double(), k[0, h // G].double(), v[0, h // G].double()
-        o = fast_head(qh, kh, vh, tau, **cfg)
-        r = torch.softmax((tau * qh @ kh.T).masked_fill(causal, -math.inf), -1) @ vh
-        num += ((o - r) ** 2).sum().item()
-        den += (r**2).sum().item()
-    return math.sqrt(num / den)
+    return farfield_layer_error(q, k, v, tau, head=fast_head, **cfg)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-    ap.add_argument("--layers", default="0,7,15,23")
-    ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
-    ap.add_argument("--out", default="evals/results/muse-fast-study.json")
-    args = ap.parse_args()
-    model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
-    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
-    qkv, scale = capture_qkv(model, ids)
-    layers = [int(x) for x in args.layers.split(",")]
-    rows = []
-    for cfg in json.loads(args.grid) if args.grid else GRID:
-        t0 = time.time()
-        errs = [layer_error(*qkv[i], scale, **cfg) for i in layers]
-        rows.append(dict(config=cfg, mean_rel_err=sum(errs) / len(errs), per_layer=errs))
-        print(f"{json.dumps(cfg):70s} mean {rows[-1]['mean_rel_err']:.4f} "
-              f"{[round(e, 4) for e in errs]} ({time.time() - t0:.0f}s)", flush=True)
-    res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), command="PYTHONPATH=. python evals/muse_fast_study.py " + " ".join(sys.argv[1:]),
-               model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", layers=layers,
-               defaults=dict(local=1, iters=2, tilt="none", score="mean"),
-               metric="||o - o_exact|| / ||o_exact||", results=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    run_study(__doc__, "muse_fast_study.py", layer_error, GRID, seq_len=8192, layers="0,7,15,23",
+              out="evals/results/muse-fast-study.json", defaults=dict(local=1, iters=2, tilt="none", score="mean"))
 
 
 if __name__ == "__main__":
