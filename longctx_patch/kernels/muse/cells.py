@@ -44,7 +44,6 @@ class CellsPlan:
     block_size: int
     k_clusters: int
     local_blocks: int
-    seq_len: int
     padded_len: int
     num_blocks: int
     k_assign: torch.Tensor  # [B, Hkv, Sp] int64: cell of each key within its block
@@ -92,7 +91,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                 bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
                 val, idx = bs.topk(min(topk_blocks, nb), -1)
                 retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
-    return CellsPlan(L, Ck, local_blocks, S, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
+    return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
 
 
 def cell_summaries(k, v, plan: CellsPlan):
