@@ -20,6 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
 from longctx_patch.kernels.muse import cells as mc  # noqa: E402
+from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
@@ -235,6 +236,17 @@ for _D in (64, 128):
         CASES[f"cells_bwd_dq{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dq, _D, _t, True)
         CASES[f"cells_bwd_dkdv{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dkdv, _D, _t, True)
         CASES[f"cells_bwd_dcells{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dcells, _D, _t, True)
+
+# the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the
+# tilted design's query clusters (L 128, 8 clusters)
+for _name, _t, _L, _D, _C in (("cells_D64", BF16, 256, 64, 32), ("cells_D128", BF16, 256, 128, 32),
+                              ("tilted_q_D64", BF16, 128, 64, 8), ("C16_D128", BF16, 256, 128, 16)):
+    CASES[f"lloyd_{_name}"] = (mcl._lloyd_kernel, dict(D=_D, LP=_L, CP=max(16, _C)),
+                               dict(X=_t, VALID=I8, CENT=F32, ASSIGN=I64, COUNT=F32),
+                               {"num_warps": max(4, min(16, _L * _D // 2048))})
+for _D, _C in ((64, 32), (128, 16)):
+    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=128 // _C),
+                                          dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
 
 def main():

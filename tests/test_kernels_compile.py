@@ -33,7 +33,9 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "sre", "sre_bf
          "muse_bwd_dkdv_fp32_L32_D128", "ovq_fwd_split_fp32_D64_BM128",
          "ovq_fwd_split_mean_D64_BN128", "ovq_fwd_split_mean_D128", "ovq_chunk_stats_mean_D128",
          "ovq_means_rows_D128", "ovq_means_all_fp32_D64"] \
-    + [f"cells_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dcells")]
+    + [f"cells_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dcells")] \
+    + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
+       "block_scores_D128_C16"]
 
 
 @pytest.fixture(scope="module")

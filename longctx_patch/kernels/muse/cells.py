@@ -55,10 +55,14 @@ class CellsPlan:
 @torch.no_grad()
 def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: int = 32, kmeans_iters: int = 2,
                     topk_blocks: int = 8, local_blocks: int = 1, key_mask: torch.Tensor | None = None,
-                    chunk_elems: int = 2**26) -> CellsPlan:
+                    chunk_elems: int = 2**26, backend: str = "auto") -> CellsPlan:
     """Key cells per block and kv head (Lloyd, farthest-point init: plan.lloyd) and the retrieved blocks of every
     query block: block m is scored at the mean query of block n by `logsumexp_c(scale * qbar . mu_c + log n_c)`
-    and the `topk_blocks` best blocks before the local ones are exact."""
+    and the `topk_blocks` best blocks before the local ones are exact.
+    backend: "auto" (the Triton clustering and scoring of kernels/muse/cluster.py on CUDA, PyTorch elsewhere),
+    "torch" or "triton"; both give the same plan up to near-ties (see cluster.py)."""
+    from .cluster import block_scores_supported, block_scores_triton
+
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -71,15 +75,22 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         key_valid[:, :S] &= key_mask.to(device=dev, dtype=torch.bool)
     vb = key_valid.view(B, 1, nb, L)
     cent, ka, cnt = lloyd(_blocks(k, L, Sp).reshape(-1, L, D), vb.expand(B, Hkv, nb, L).reshape(-1, L), Ck,
-                          kmeans_iters)
+                          kmeans_iters, backend=backend)
     cent = cent.view(B, Hkv, nb, Ck, D)
     cnt = cnt.view(B, Hkv, nb, Ck)
     retrieved = torch.zeros(B, Hq, nb, nb, dtype=torch.bool, device=dev)
     if topk_blocks > 0 and nb > local_blocks + 1:
-        qb = _blocks(q.float(), L, Sp)  # [B, Hq, nb, L, D]
-        qv = vb.to(torch.float32)[..., None]  # [B, 1, nb, L, 1]
-        qbar = (qb * qv).sum(3) / qv.sum(3).clamp_min(1)  # [B, Hq, nb, D]
+        qb = _blocks(q, L, Sp)  # [B, Hq, nb, L, D]
+        if key_mask is not None:
+            qb = qb * vb[..., None].to(qb.dtype)
+        qbar = qb.sum(3, dtype=torch.float32) / vb.sum(3, dtype=torch.float32).clamp_min(1)[..., None]
         logn = torch.where(cnt > 0, cnt.clamp_min(1).log(), torch.full_like(cnt, -math.inf))
+        kk = min(topk_blocks, nb)
+        use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+        if use_triton and block_scores_supported(D, Ck):
+            val, idx = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks).topk(kk, -1)
+            retrieved.scatter_(-1, idx, torch.isfinite(val))
+            return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
         ar = torch.arange(nb, device=dev)
         far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
         step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
@@ -89,7 +100,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                 sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
                 bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
                 bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
-                val, idx = bs.topk(min(topk_blocks, nb), -1)
+                val, idx = bs.topk(kk, -1)
                 retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import ConfigError
+
 
 @dataclass
 class MusePlan:
@@ -66,14 +68,24 @@ def _init_centroids(x: torch.Tensor, valid: torch.Tensor, C: int) -> torch.Tenso
 
 
 @torch.no_grad()
-def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int):
+def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int, backend: str = "auto"):
     """Batched Lloyd k-means inside each block.
 
     x [N, L, D] (any float dtype; computed in float32), valid [N, L] bool.
     Returns centroids [N, C, D] float32 (mean of the members; an empty cluster keeps its previous value),
     assign [N, L] int64 (invalid tokens get cluster 0; they are masked everywhere) and counts [N, C] (valid members).
     Ties go to the lowest cluster index (argmax), so the result is deterministic.
+    backend: "auto" (the Triton kernel `cluster.lloyd_triton` on CUDA when it takes the shape, else this PyTorch
+    code), "torch" or "triton".
     """
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        from .cluster import lloyd_supported, lloyd_triton
+
+        why = lloyd_supported(x, C)
+        if why is None:
+            return lloyd_triton(x, valid, C, iters)
+        if backend == "triton":
+            raise ConfigError(f"muse clustering backend='triton' cannot run: {why}")
     xf = x.float()
     vf = valid.to(torch.float32)
     cent = _init_centroids(xf, valid, C)

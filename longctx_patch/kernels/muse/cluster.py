@@ -1,0 +1,185 @@
+"""Triton kernels of the MuSe plan: the per-block Lloyd clustering and the cells' block-retrieval scores.
+
+The PyTorch plan (`plan.lloyd`, `cells.make_cells_plan`) issues a few hundred small launches per call (a
+farthest-point step is a handful of launches, and there are `C - 1` of them); these kernels do the same work in
+one launch each:
+
+- `_lloyd_kernel`: one program per block of `L` bf16 tokens. The block's `[L, D]` tile stays in registers for the
+  farthest-point init and the `iters + 1` assign/update rounds (`2 x . c - |c|^2`, ties to the lowest cluster,
+  as `plan.lloyd`). Every dot runs on the tensor cores with exact products and fp32 sums (see the kernel).
+- `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
+  `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots), written as
+  `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
+
+Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
+between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
+well-separated and real inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fdot(a, b, acc, UP: tl.constexpr):
+    """a @ b + acc with fp32 accumulation: bf16 operands on the tensor cores, or upcast to fp32 (UP: the CPU
+    interpreter, which mis-multiplies bf16; the operands are bf16 values, so the products are the same)."""
+    if UP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _xdot(x, c, UP: tl.constexpr):
+    """x [M, D] bf16 times c [D, N] fp32 to fp32 accuracy: c = hi + mid + lo in bf16 (exact to ~2^-24 of c), so
+    three bf16 products with fp32 accumulation."""
+    hi = c.to(tl.bfloat16)
+    r = c - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    acc = _fdot(x, lo, tl.zeros([x.shape[0], c.shape[1]], dtype=tl.float32), UP)
+    return _fdot(x, hi, _fdot(x, mid, acc, UP), UP)
+
+
+@triton.jit
+def _lloyd_kernel(X, VALID, CENT, ASSIGN, COUNT, L, C, ITERS, D: tl.constexpr, LP: tl.constexpr,
+                  CP: tl.constexpr, UP: tl.constexpr):
+    """X [N, L, D] bf16 (contiguous), VALID [N, L] int8 -> CENT [N, C, D] fp32, ASSIGN [N, L] int64, COUNT [N, C]
+    fp32. LP, CP: L and C rounded up to powers of two (CP >= 16 for the dots). The tile stays bf16 (its exact
+    values) and every dot is exact in its products: a chosen centre in the init is a row of X (bf16), a cluster
+    indicator is 0/1, and a mean centroid is split in three bf16 parts (`_xdot`)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_l = tl.arange(0, LP)
+    offs_d = tl.arange(0, D)
+    offs_c = tl.arange(0, CP)
+    in_l = offs_l < L
+    base = X + row * L * D
+    x = tl.load(base + offs_l[:, None] * D + offs_d[None, :], mask=in_l[:, None], other=0.0)
+    val = tl.load(VALID + row * L + offs_l, mask=in_l, other=0) != 0
+    xf = x.to(tl.float32)
+    x2 = tl.sum(xf * xf, 1)
+    # farthest-point init: the first valid token, then the valid token farthest from the chosen ones; the squared
+    # distance to a new centre c (column 0 of a [D, 16] operand) is |x|^2 - 2 x.c + |c|^2, clamped at 0
+    col0 = tl.arange(0, 16)[None, :] == 0
+    idx = tl.argmax(val.to(tl.int32), 0)
+    c = tl.load(base + idx * D + offs_d)
+    cent = tl.where(offs_c[:, None] == 0, c.to(tl.float32)[None, :], 0.0)
+    zero = tl.zeros([LP, 16], dtype=tl.float32)
+    cf = c.to(tl.float32)
+    xc = tl.sum(_fdot(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, UP), 1)
+    dmin = tl.where(offs_l == idx, 0.0, tl.maximum(x2 - 2 * xc + tl.sum(cf * cf, 0), 0.0))
+    for j in range(1, C):
+        idx = tl.argmax(tl.where(val, dmin, -1.0), 0)
+        c = tl.load(base + idx * D + offs_d)
+        cf = c.to(tl.float32)
+        cent = tl.where(offs_c[:, None] == j, cf[None, :], cent)
+        xc = tl.sum(_fdot(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, UP), 1)
+        d = tl.maximum(x2 - 2 * xc + tl.sum(cf * cf, 0), 0.0)
+        dmin = tl.where(offs_l == idx, 0.0, tl.minimum(dmin, d))
+    any_valid = tl.max(val.to(tl.float32), 0)
+    cent = cent * any_valid
+    vf = val.to(tl.float32)
+    in_c = offs_c < C
+    a = tl.zeros([LP], dtype=tl.int32)
+    cnt = tl.zeros([CP], dtype=tl.float32)
+    for _ in range(ITERS + 1):
+        s = 2 * _xdot(x, tl.trans(cent), UP) - tl.sum(cent * cent, 1)[None, :]
+        s = tl.where(in_c[None, :], s, float("-inf"))
+        a = tl.argmax(s, 1).to(tl.int32)
+        oh = tl.where(a[:, None] == offs_c[None, :], vf[:, None], 0.0)
+        cnt = tl.sum(oh, 0)
+        tot = _fdot(tl.trans(oh.to(tl.bfloat16)), x, tl.zeros([CP, D], dtype=tl.float32), UP)
+        cent = tl.where(cnt[:, None] > 0, tot / tl.maximum(cnt, 1.0)[:, None], cent)
+    tl.store(CENT + (row * C + offs_c)[:, None] * D + offs_d[None, :], cent, mask=in_c[:, None])
+    tl.store(COUNT + row * C + offs_c, cnt, mask=in_c)
+    tl.store(ASSIGN + row * L + offs_l, a.to(tl.int64), mask=in_l)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def lloyd_supported(x: torch.Tensor, C: int) -> str | None:
+    """None when `lloyd_triton` takes x [N, L, D] and C clusters, else why not."""
+    L, D = x.shape[1], x.shape[2]
+    if x.dtype != torch.bfloat16:
+        return f"dtype {x.dtype} (the clustering kernel takes bf16 tokens)"
+    if D & (D - 1) or not 16 <= D <= 256:
+        return f"head_dim {D} is not a power of two in 16..256"
+    if triton.next_power_of_2(L) * D > 256 * 128:
+        return f"a block of {L} x {D} does not fit one program's registers"
+    if C > 256:
+        return f"{C} clusters > 256"
+    return None
+
+
+def lloyd_triton(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int):
+    """`plan.lloyd` in one launch (same arguments and results)."""
+    N, L, D = x.shape
+    x = x.contiguous()
+    cent = torch.empty(N, C, D, device=x.device, dtype=torch.float32)
+    assign = torch.empty(N, L, device=x.device, dtype=torch.int64)
+    count = torch.empty(N, C, device=x.device, dtype=torch.float32)
+    if N == 0:
+        return cent, assign, count
+    LP = triton.next_power_of_2(L)
+    warps = max(4, min(16, LP * D // 2048))
+    _lloyd_kernel[(N,)](x, valid.to(torch.int8).contiguous(), cent, assign, count, L, C, iters, D=D, LP=LP,
+                        CP=max(16, triton.next_power_of_2(C)), UP=_interpreting(), num_warps=warps)
+    return cent, assign, count
+
+
+@triton.jit
+def _block_scores_kernel(QBAR, CENT, LOGN, BS, scale, HQ, HKV, NB, LOC, D: tl.constexpr, CK: tl.constexpr,
+                         NT: tl.constexpr, MT: tl.constexpr):
+    """QBAR [B*HQ, NB, D] fp32, CENT [B*HKV, NB*CK, D] fp32, LOGN [B*HKV, NB*CK] fp32 -> BS [B*HQ, NB, NB]
+    (pre-filled with -inf; the programs write the far blocks m < n - LOC)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    bkv = (bh // HQ) * HKV + (bh % HQ) // (HQ // HKV)
+    offs_n = pid * NT + tl.arange(0, NT)
+    offs_d = tl.arange(0, D)
+    offs_j = tl.arange(0, MT * CK)
+    offs_m = tl.arange(0, MT)
+    in_n = offs_n < NB
+    qbar = tl.load(QBAR + (bh * NB + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
+    hi = tl.minimum(NB, pid * NT + NT - 1 - LOC)  # far blocks of the tile's last query block
+    for m0 in range(0, hi, MT):
+        col = m0 * CK + offs_j
+        in_j = col < NB * CK
+        mu = tl.load(CENT + (bkv * NB * CK + col)[:, None] * D + offs_d[None, :], mask=in_j[:, None], other=0.0)
+        logn = tl.load(LOGN + bkv * NB * CK + col, mask=in_j, other=float("-inf"))
+        s = tl.dot(qbar, tl.trans(mu), input_precision="ieee") * scale + logn[None, :]
+        s = tl.reshape(s, (NT, MT, CK))
+        mx = tl.max(s, 2)
+        mxs = tl.where(mx == float("-inf"), 0.0, mx)
+        lse = mxs + tl.log(tl.sum(tl.exp(s - mxs[:, :, None]), 2))
+        m = m0 + offs_m
+        far = m[None, :] < offs_n[:, None] - LOC
+        tl.store(BS + (bh * NB + offs_n)[:, None] * NB + m[None, :], tl.where(far, lse, float("-inf")),
+                 mask=in_n[:, None] & (m < NB)[None, :])
+
+
+def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tensor, *, scale: float,
+                        local_blocks: int) -> torch.Tensor:
+    """qbar [B, Hq, nb, D], cent [B, Hkv, nb, Ck, D], logn [B, Hkv, nb, Ck] (fp32) -> [B, Hq, nb, nb] fp32: the
+    score of block m for query block n when m < n - local_blocks, else -inf."""
+    B, Hq, nb, D = qbar.shape
+    Hkv, Ck = cent.shape[1], cent.shape[3]
+    bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
+    NT, MT = 16, max(1, 128 // Ck)
+    _block_scores_kernel[(triton.cdiv(nb, NT), B * Hq)](
+        qbar.float().contiguous(), cent.float().contiguous(), logn.float().contiguous(), bs, scale, Hq, Hkv, nb,
+        local_blocks, D=D, CK=Ck, NT=NT, MT=MT, num_warps=4)
+    return bs
+
+
+def block_scores_supported(D: int, Ck: int) -> bool:
+    return not D & (D - 1) and 16 <= D <= 256 and not Ck & (Ck - 1) and Ck <= 128
