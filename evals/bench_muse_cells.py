@@ -1,7 +1,7 @@
 """MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward and
 backward against the PyTorch reference, then forward and forward+backward time against torch SDPA (cuDNN) in the
-same run. Also times the plan replayed from one CUDA graph (`cells_plan_graph_ms`, with a check that it gives
-the eager plan), to decide whether the product path should capture it.
+same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/cluster.py,
+and the PyTorch code), with how far the two plans agree; a profile of one 64k forward lists the kernels' times.
 
     PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
 
@@ -25,7 +25,6 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.graphs import capture_graph
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
 
 OUT = os.environ.get("OUT", "evals/results")
@@ -68,6 +67,9 @@ def checks():
             km = torch.ones(1, S, dtype=torch.bool, device="cuda")
             sc = 64**-0.5
             plan = make_cells_plan(q, k, scale=sc, key_mask=km, **cfg)
+            tplan = make_cells_plan(q, k, scale=sc, key_mask=km, backend="torch", **cfg)
+            agree = dict(plan_assign_agreement=float((tplan.k_assign == plan.k_assign).float().mean()),
+                         plan_retrieved_agreement=float((tplan.retrieved == plan.retrieved).float().mean()))
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
             o = cells_triton(q, k, v, plan, scale=sc)
             do = torch.randn_like(o)
@@ -80,7 +82,7 @@ def checks():
                                                 v.float().repeat_interleave(4, 1), is_causal=True, scale=sc)
             row = dict(dtype=str(dtype), S=S, cfg=cfg, fwd_vs_reference=rel(o, r), dq=rel(g[0], gr[0]),
                        dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]),
-                       approx_err_vs_exact_random=rel(r, ex.transpose(1, 2)))
+                       approx_err_vs_exact_random=rel(r, ex.transpose(1, 2)), **agree)
             RES["checks"].append(row)
             print(json.dumps(row), flush=True)
     save()
@@ -105,14 +107,12 @@ def speed():
                                                                          scale=sc))
                         plan = make_cells_plan(q, k, scale=sc, **cfg)
                         row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
-                        try:  # the plan's launches captured in one CUDA graph (not the product path yet)
-                            graph, gplan = capture_graph(lambda: make_cells_plan(q, k, scale=sc, **cfg))
-                            row["cells_plan_graph_ms"] = bench(graph.replay)
-                            row["plan_graph_equal"] = bool(torch.equal(gplan.retrieved, plan.retrieved)
-                                                           and torch.equal(gplan.k_assign, plan.k_assign))
-                            del graph, gplan
-                        except Exception as e:  # noqa: BLE001
-                            row["plan_graph_error"] = repr(e)[:300]
+                        row["cells_plan_torch_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, backend="torch",
+                                                                                   **cfg), rep=20)
+                        tplan = make_cells_plan(q, k, scale=sc, backend="torch", **cfg)
+                        row["plan_assign_agreement"] = float((tplan.k_assign == plan.k_assign).float().mean())
+                        row["plan_retrieved_agreement"] = float((tplan.retrieved == plan.retrieved).float().mean())
+                        del tplan
                         row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
                         row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
                     row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["cells_fwd_ms"]
@@ -140,12 +140,31 @@ def speed():
                 save()
 
 
+def profile(S=65536, D=64):
+    """Per-kernel CUDA time of one forward (plan included) at the first configuration."""
+    cfg = CFGS[0]
+    q, k, v = qkv(S, D, torch.bfloat16, seed=1)
+    run = lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=D**-0.5, **cfg), scale=D**-0.5)  # noqa: E731
+    with torch.no_grad():
+        run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    RES["profile"] = dict(S=S, D=D, cfg=cfg, total_ms=sum(e.device_time_total for e in ev) / 1e3,
+                          kernels=[dict(name=e.key[:90], ms=e.device_time_total / 1e3, calls=e.count) for e in ev[:20]])
+    print(json.dumps(RES["profile"]), flush=True)
+    save()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    try:
-        checks()
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
+    for part in (checks, profile):
+        try:
+            part()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
     speed()
     save()

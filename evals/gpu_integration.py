@@ -89,11 +89,16 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "evals/results"))
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 for a slow smoke run")
     ap.add_argument("--seq", type=int, default=777)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of rows (default all: {', '.join(METHODS)})")
     a = ap.parse_args()
+    methods = a.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        sys.exit(f"unknown --methods {unknown}; choose from {', '.join(METHODS)}")
     global DEVICE
     DEVICE = a.device
     rows = []
-    for method in METHODS:
+    for method in methods:
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 r = check(method, dtype, a.seq)
@@ -104,7 +109,7 @@ def main():
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
-           "command": "PYTHONPATH=. python3 evals/gpu_integration.py", "torch": torch.__version__,
+           "command": "PYTHONPATH=. python3 evals/gpu_integration.py" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gpu-integration.json"), "w") as f:

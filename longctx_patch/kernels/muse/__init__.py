@@ -125,12 +125,19 @@ def muse_attention(
             topk_blocks=topk_blocks,
             local_blocks=local_blocks,
             key_mask=key_mask,
+            backend=_plan_backend(backend),
         )
     if backend == "triton":
         from .triton_kernels import muse_triton_planned
 
         return muse_triton_planned(q, k, v, plan, scale=scale)
     return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
+
+
+def _plan_backend(backend: str) -> str:
+    """The plan's kernels follow the attention backend: PyTorch for "torch"; for "triton", the Triton plan
+    kernels where they take the inputs (bf16 keys for the clustering), PyTorch elsewhere."""
+    return "torch" if backend == "torch" else "auto"
 
 
 def _check_triton_device(q: torch.Tensor) -> None:
@@ -163,7 +170,7 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
         backend = "triton" if (q.is_cuda and why is None) else "torch"
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
                            kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, local_blocks=local_blocks,
-                           key_mask=key_mask)
+                           key_mask=key_mask, backend=_plan_backend(backend))
     if backend == "triton":
         return cells_triton(q, k, v, plan, scale=scale)
     return cells_reference(q, k, v, plan, scale=scale)

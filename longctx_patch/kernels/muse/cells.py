@@ -50,6 +50,7 @@ class CellsPlan:
     counts: torch.Tensor  # [B, Hkv, nb, Ck] float32: real keys per cell
     key_valid: torch.Tensor  # [B, Sp] bool
     retrieved: torch.Tensor  # [B, Hq, nb, nb] bool: block m attended exactly by query block n (local excluded)
+    max_retrieved: int  # an upper bound on retrieved.sum(-1), known without reading the tensor
 
 
 @torch.no_grad()
@@ -90,7 +91,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         if use_triton and block_scores_supported(D, Ck):
             val, idx = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks).topk(kk, -1)
             retrieved.scatter_(-1, idx, torch.isfinite(val))
-            return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
+            return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved, kk)
         ar = torch.arange(nb, device=dev)
         far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
         step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
@@ -102,7 +103,8 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                 bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
                 val, idx = bs.topk(kk, -1)
                 retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
-    return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved)
+    return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
+                     min(topk_blocks, nb))
 
 
 def cell_summaries(k, v, plan: CellsPlan):
@@ -241,7 +243,7 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
     nb, loc = plan.num_blocks, plan.local_blocks
     ar = torch.arange(nb, device=R.device)
     R |= ((ar[None, :] < ar[:, None]) & (ar[None, :] >= ar[:, None] - loc))[None, None]
-    NE = max(1, int(R.sum(-1).max()))
+    NE = max(1, min(nb, plan.max_retrieved + loc))  # static: no device-to-host copy
     val, idx = R.to(torch.int8).topk(NE, dim=-1)  # the True blocks (order irrelevant)
     return torch.where(val > 0, idx, torch.full_like(idx, -1)).to(torch.int32).contiguous()
 

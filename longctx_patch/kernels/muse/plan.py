@@ -130,6 +130,7 @@ def make_plan(
     topk_blocks: int = 2,
     local_blocks: int = 1,
     key_mask: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> MusePlan:
     """Clusters queries/keys per block and picks the exactly computed blocks/cells of each query cluster.
 
@@ -138,7 +139,7 @@ def make_plan(
     attention mass of language models sits). Retrieval scores a cell (m, j) for query cluster (n, i) by its
     monopole mass estimate `scale * c_ni . kc_mj + log count_mj`, a block by the log-sum-exp of its cells;
     for each query cluster the `topk_blocks` best other earlier blocks, then the `topk_clusters` best
-    remaining earlier cells are exact.
+    remaining earlier cells are exact. backend: of the clustering (`lloyd`).
     """
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
@@ -155,10 +156,10 @@ def make_plan(
 
     qb = _blocks(q, L, Sp).reshape(B * Hq * nb, L, D)
     qvalid = kv_blocks.expand(B, Hq, nb, L).reshape(-1, L)
-    qc, qa, _ = lloyd(qb, qvalid, q_clusters, kmeans_iters)
+    qc, qa, _ = lloyd(qb, qvalid, q_clusters, kmeans_iters, backend)
     kb = _blocks(k, L, Sp).reshape(B * Hkv * nb, L, D)
     kvalid = kv_blocks.expand(B, Hkv, nb, L).reshape(-1, L)
-    kc, ka, kcnt = lloyd(kb, kvalid, k_clusters, kmeans_iters)
+    kc, ka, kcnt = lloyd(kb, kvalid, k_clusters, kmeans_iters, backend)
 
     q_centroids = qc.reshape(B, Hq, nb, q_clusters, D)
     q_assign = qa.reshape(B, Hq, Sp).to(torch.int32)
