@@ -7,7 +7,9 @@ and the PyTorch code), with how far the two plans agree; a profile of one 64k fo
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
-Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S.
+Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S,
+CELLS_PARTS (default checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps
+the fastest for the speed rows).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.evals.common import git_commit
+from longctx_patch.kernels.muse import cells as cells_mod
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
 
 OUT = os.environ.get("OUT", "evals/results")
@@ -158,13 +161,48 @@ def profile(S=65536, D=64):
     save()
 
 
+TILES = {64: [(128, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 3),
+              (64, 64, 4, 3), (64, 128, 4, 2)],
+         128: [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 2)]}
+
+
+def tune(S=65536):
+    """Forward kernel time per tile choice (BM, BN, warps, stages) at the first configuration; the fastest is kept
+    in cells.FWD_TILES for the speed rows. Each choice's output is checked against the first one's."""
+    cfg = CFGS[0]
+    RES["tune"] = []
+    for D, choices in TILES.items():
+        q, k, v = qkv(S, D, torch.bfloat16, seed=2)
+        with torch.no_grad():
+            plan = make_cells_plan(q, k, scale=D**-0.5, **cfg)
+            best, ref = None, None
+            for t in choices:
+                cells_mod.FWD_TILES[(D, torch.bfloat16)] = t
+                try:
+                    o = cells_triton(q, k, v, plan, scale=D**-0.5)
+                    ref = o if ref is None else ref
+                    row = dict(D=D, S=S, tiles=t, ms=bench(lambda: cells_triton(q, k, v, plan, scale=D**-0.5)),
+                               diff_vs_first=rel(o, ref))
+                    if row["diff_vs_first"] < 1e-2 and (best is None or row["ms"] < best[1]):
+                        best = (t, row["ms"])
+                except Exception as e:  # noqa: BLE001
+                    row = dict(D=D, tiles=t, error=repr(e)[:200])
+                RES["tune"].append(row)
+                print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+            cells_mod.FWD_TILES[(D, torch.bfloat16)] = best[0]
+            RES.setdefault("tiles_used", {})[D] = best[0]
+        torch.cuda.empty_cache()
+    save()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    for part in (checks, profile):
-        try:
-            part()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    speed()
+    parts = os.environ.get("CELLS_PARTS", "checks,profile,tune,speed").split(",")
+    for part in (checks, profile, tune, speed):
+        if part.__name__ in parts:
+            try:
+                part()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
     save()

@@ -245,7 +245,7 @@ for _name, _t, _L, _D, _C in (("cells_D64", BF16, 256, 64, 32), ("cells_D128", B
                                dict(X=_t, VALID=I8, CENT=F32, ASSIGN=I64, COUNT=F32),
                                {"num_warps": max(4, min(16, _L * _D // 2048))})
 for _D, _C in ((64, 32), (128, 16)):
-    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=128 // _C),
+    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=mcl.scores_tiles(_D, _C)[1]),
                                           dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
 

@@ -198,8 +198,9 @@ def _exact_src(EXL, bh, NB, n, e, tile, NE: tl.constexpr, BM: tl.constexpr, L: t
 def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB, Sp, NCK,
                L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, D: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    # programs run in launch order, axis 0 fastest: the longest (last) query tiles of every head start first
+    bh = tl.program_id(0).to(tl.int64)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // H
     h = bh % H
     kvh = b * HKV + h // (H // HKV)
@@ -376,6 +377,11 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
     tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
 
 
+# forward tiles by (head_dim, dtype): (query tile BM, key tile BN, warps, pipeline stages); others take
+# BM 128, BN 128 (64 for D >= 128), 4 warps (8 for D >= 128), 2 stages. BM and BN must divide block_size.
+FWD_TILES: dict = {}
+
+
 class _CellsAttention(torch.autograd.Function):
     """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
     ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
@@ -399,10 +405,12 @@ class _CellsAttention(torch.autograd.Function):
         LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
         up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
         warps = 8 if BM * D >= 128 * 128 else 4
-        _cells_fwd[(Sp // BM, B * Hq)](
+        fm, fn, fw, fs = FWD_TILES.get((D, q.dtype), (BM, BN, warps, 2))
+        fm, fn = min(fm, L), min(fn, L)
+        _cells_fwd[(B * Hq, Sp // fm)](
             Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=BM, BN=BN, UP=up, num_warps=warps,
-            num_stages=2)
+            L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=fm, BN=fn, UP=up, num_warps=fw,
+            num_stages=fs)
         ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
         ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, BM, BN, up, warps, scale)
         return O[:, :, :S].transpose(1, 2)

@@ -8,7 +8,8 @@ one launch each:
   farthest-point init and the `iters + 1` assign/update rounds (`2 x . c - |c|^2`, ties to the lowest cluster,
   as `plan.lloyd`). Every dot runs on the tensor cores with exact products and fp32 sums (see the kernel).
 - `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
-  `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots), written as
+  `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots as three tf32 products),
+  written as
   `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
@@ -156,7 +157,7 @@ def _block_scores_kernel(QBAR, CENT, LOGN, BS, scale, HQ, HKV, NB, LOC, D: tl.co
         in_j = col < NB * CK
         mu = tl.load(CENT + (bkv * NB * CK + col)[:, None] * D + offs_d[None, :], mask=in_j[:, None], other=0.0)
         logn = tl.load(LOGN + bkv * NB * CK + col, mask=in_j, other=float("-inf"))
-        s = tl.dot(qbar, tl.trans(mu), input_precision="ieee") * scale + logn[None, :]
+        s = tl.dot(qbar, tl.trans(mu), input_precision="tf32x3") * scale + logn[None, :]
         s = tl.reshape(s, (NT, MT, CK))
         mx = tl.max(s, 2)
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
@@ -167,6 +168,11 @@ def _block_scores_kernel(QBAR, CENT, LOGN, BS, scale, HQ, HKV, NB, LOC, D: tl.co
                  mask=in_n[:, None] & (m < NB)[None, :])
 
 
+def scores_tiles(D: int, Ck: int) -> tuple[int, int]:
+    """(query blocks, key blocks) per tile of `_block_scores_kernel`: [16, D] x [D, 128 or 64 cells]."""
+    return 16, max(1, (128 if D <= 64 else 64) // Ck)
+
+
 def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tensor, *, scale: float,
                         local_blocks: int) -> torch.Tensor:
     """qbar [B, Hq, nb, D], cent [B, Hkv, nb, Ck, D], logn [B, Hkv, nb, Ck] (fp32) -> [B, Hq, nb, nb] fp32: the
@@ -174,7 +180,7 @@ def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tens
     B, Hq, nb, D = qbar.shape
     Hkv, Ck = cent.shape[1], cent.shape[3]
     bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
-    NT, MT = 16, max(1, 128 // Ck)
+    NT, MT = scores_tiles(D, Ck)
     _block_scores_kernel[(triton.cdiv(nb, NT), B * Hq)](
         qbar.float().contiguous(), cent.float().contiguous(), logn.float().contiguous(), bs, scale, Hq, Hkv, nb,
         local_blocks, D=D, CK=Ck, NT=NT, MT=MT, num_warps=4)
