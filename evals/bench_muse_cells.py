@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -38,7 +39,8 @@ CFGS = json.loads(os.environ.get("CELLS_CFGS", '[{"block_size": 256, "k_clusters
                                  '{"block_size": 128, "k_clusters": 16, "topk_blocks": 16}, '
                                  '{"block_size": 256, "k_clusters": 16, "topk_blocks": 8}]'))
 RES: dict = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=git_commit(),
-                 command="PYTHONPATH=. python3 evals/bench_muse_cells.py", torch=torch.__version__,
+                 command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
+                                  + ["PYTHONPATH=. python3 evals/bench_muse_cells.py"]), torch=torch.__version__,
                  triton=triton.__version__, checks=[], speed=[])
 
 

@@ -221,13 +221,17 @@ def cells_ptrs(t, *out, **other):
 
 
 def _cells_case(kernel, D, dtype, bwd):
-    """The tiles `_CellsAttention` launches with (query tiles of 64 in the fp32 dK/dV and dcells kernels)."""
-    BN = 64 if D >= 128 else 128
-    BM = 64 if dtype == F32 and kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells) else 128
+    """The tiles `_CellsAttention` launches with (`cells_tiles`, block_size 256)."""
+    import torch
+
+    BM, BN, warps, stages_or_bmk = mc.cells_tiles(D, torch.float32 if dtype == F32 else torch.bfloat16, 256)[
+        "bwd" if bwd else "fwd"]
+    if kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells):
+        BM = stages_or_bmk
     consts = dict(L=256, CK=32, LOC=1, NE=9, D=D, BM=BM, BN=BN)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     ptrs = {n: t for n, t in cells_ptrs(dtype).items() if n in kernel.arg_names}
-    return (kernel, consts, ptrs, {"num_warps": 8 if 128 * D >= 128 * 128 else 4, "num_stages": 1 if bwd else 2})
+    return (kernel, consts, ptrs, {"num_warps": warps, "num_stages": 1 if bwd else stages_or_bmk})
 
 
 for _D in (64, 128):

@@ -172,7 +172,7 @@ def _online(s, vals, m_i, l_i, acc, UP: tl.constexpr):
 @triton.jit
 def _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr, D: tl.constexpr):
     """Cells c0 .. c0 + BN of the far field of query block n (cells of blocks < n - LOC: `hi`; retrieved blocks
-    masked): mask, mean keys, mean values, log2-domain bias."""
+    masked): mask, mean keys, mean values, log2-domain bias (`log2 n`; -inf where masked or empty)."""
     cidx = c0 + offs_n
     ok = cidx < hi
     ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
@@ -216,8 +216,8 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        ok, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
-        s = tl.where(ok[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
+        _, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
+        s = _mm(q, tl.trans(mu), UP) * qk + bias[None, :]  # bias is -inf where not ok
         m_i, l_i, acc = _online(s, vb, m_i, l_i, acc, UP)
     # exact: the listed earlier blocks (retrieved and local), then the own block causally
     for e in range(NE + 1):
@@ -278,8 +278,8 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     dq = tl.zeros([BM, D], tl.float32)
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        ok, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
-        s = tl.where(ok[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
+        _, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
+        s = _mm(q, tl.trans(mu), UP) * qk + bias[None, :]  # bias is -inf where not ok
         p, ds = _p_ds(s, lse2, do, vb, delta, UP)
         dq += _mm(ds.to(mu.dtype), mu, UP)
     for e in range(NE + 1):
@@ -377,9 +377,23 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
     tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
 
 
-# forward tiles by (head_dim, dtype): (query tile BM, key tile BN, warps, pipeline stages); others take
-# BM 128, BN 128 (64 for D >= 128), 4 warps (8 for D >= 128), 2 stages. BM and BN must divide block_size.
+# forward tiles by (head_dim, dtype) that replace cells_tiles' choice: (BM, BN, warps, stages); for benchmarks
 FWD_TILES: dict = {}
+
+
+def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
+    """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages) and bwd (BM, BN, warps,
+    query tile of the dK/dV and dcells kernels). bf16/fp16: the fastest forward of an H200 sweep
+    (evals/bench_muse_cells.py `tune`), and backward tiles that compile without register spills for sm_90
+    (128 x 64, 8 warps). fp32: tiles that fit sm_90's shared memory (fp32 query tiles of 64 in dK/dV, dcells).
+    BM and BN divide block_size L (a multiple of 128)."""
+    if dtype == torch.float32:
+        BN, warps = (64, 8) if D >= 128 else (128, 4)
+        fwd, bwd = (128, BN, warps, 2), (128, BN, warps, 64)
+    else:
+        fwd, bwd = (128, 128, 8 if D >= 128 else 4, 2), (128, 64, 8, 128)
+    fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
+    return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)))
 
 
 class _CellsAttention(torch.autograd.Function):
@@ -391,7 +405,7 @@ class _CellsAttention(torch.autograd.Function):
         B, Hq, S, D = q.shape
         Hkv = k.shape[1]
         L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
-        BM, BN = min(128, L), min(64 if D >= 128 else 128, L)
+        tiles = cells_tiles(D, q.dtype, L)
         MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
         VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
         logn = torch.where(plan.counts > 0, plan.counts.clamp_min(1).log(), torch.full_like(plan.counts, -math.inf))
@@ -404,21 +418,19 @@ class _CellsAttention(torch.autograd.Function):
         O = torch.empty_like(Q)
         LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
         up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
-        warps = 8 if BM * D >= 128 * 128 else 4
-        fm, fn, fw, fs = FWD_TILES.get((D, q.dtype), (BM, BN, warps, 2))
-        fm, fn = min(fm, L), min(fn, L)
+        fm, fn, fw, fs = tiles["fwd"]
         _cells_fwd[(B * Hq, Sp // fm)](
             Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
             L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=fm, BN=fn, UP=up, num_warps=fw,
             num_stages=fs)
         ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
-        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, BM, BN, up, warps, scale)
+        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, tiles["bwd"], up, scale)
         return O[:, :, :S].transpose(1, 2)
 
     @staticmethod
     def backward(ctx, do):
         Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
-        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, BM, BN, up, warps, scale = ctx.meta
+        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, (BM, BN, warps, BMK), up, scale = ctx.meta
         DO = torch.nn.functional.pad(do.transpose(1, 2).to(Q.dtype), (0, 0, 0, Sp - S)).contiguous()
         DELTA = (DO.float() * O.float()).sum(-1).contiguous()
         f32 = dict(device=Q.device, dtype=torch.float32)
@@ -431,7 +443,6 @@ class _CellsAttention(torch.autograd.Function):
         _cells_bwd_dq[(Sp // BM, B * Hq)](
             Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
             L=L, CK=Ck, LOC=loc, NE=NE, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        BMK = 64 if Q.dtype == torch.float32 else BM  # fp32 query tiles of 128 need 256 KB of shared memory (sm_90)
         _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
             Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
             L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
