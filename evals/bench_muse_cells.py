@@ -8,7 +8,8 @@ and the PyTorch code), with how far the two plans agree; a profile of one 64k fo
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
 Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S,
-CELLS_PARTS (default checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps
+A config with "far_field": "tilted" is passed to `muse_attention` and timed forward only. CELLS_PARTS (default
+checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps
 the fastest for the speed rows).
 """
 
@@ -29,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import cells as cells_mod
+from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
 
 OUT = os.environ.get("OUT", "evals/results")
@@ -107,6 +109,14 @@ def speed():
                     kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                         row["cudnn_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+                    if cfg.get("far_field") == "tilted":  # the per-block design, for comparison: forward only
+                        with torch.no_grad():
+                            row["muse_fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, **cfg), rep=20)
+                        row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["muse_fwd_ms"]
+                        RES["speed"].append(row)
+                        print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+                        save()
+                        continue
                     with torch.no_grad():
                         row["cells_fwd_ms"] = bench(lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=sc, **cfg),
                                                                          scale=sc))
