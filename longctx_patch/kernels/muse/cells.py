@@ -91,18 +91,18 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         if use_triton and block_scores_supported(D, Ck):
             val, idx = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks).topk(kk, -1)
             retrieved.scatter_(-1, idx, torch.isfinite(val))
-            return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved, kk)
-        ar = torch.arange(nb, device=dev)
-        far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
-        step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
-        for g in range(Hkv):
-            for n0 in range(0, nb, step):
-                n1 = min(nb, n0 + step)
-                sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
-                bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
-                bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
-                val, idx = bs.topk(kk, -1)
-                retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
+        else:
+            ar = torch.arange(nb, device=dev)
+            far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
+            step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
+            for g in range(Hkv):
+                for n0 in range(0, nb, step):
+                    n1 = min(nb, n0 + step)
+                    sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
+                    bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
+                    bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
+                    val, idx = bs.topk(kk, -1)
+                    retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
                      min(topk_blocks, nb))
 

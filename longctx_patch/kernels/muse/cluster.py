@@ -9,8 +9,7 @@ one launch each:
   as `plan.lloyd`). Every dot runs on the tensor cores with exact products and fp32 sums (see the kernel).
 - `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
   `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots as three tf32 products),
-  written as
-  `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
+  written as `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
 between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
