@@ -7,10 +7,10 @@ and the PyTorch code), with how far the two plans agree; a profile of one 64k fo
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
-Env: CELLS_SEQS (default 65536,131072,16384,32768), CELLS_CFGS (JSON list of plan configs), CELLS_BUDGET_S,
-A config with "far_field": "tilted" is passed to `muse_attention` and timed forward only. CELLS_PARTS (default
-checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps
-the fastest for the speed rows).
+Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; one with
+"far_field": "tilted" goes to `muse_attention` and is timed forward only); CELLS_BUDGET_S; CELLS_PARTS (default
+checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps the fastest for the
+speed rows).
 """
 
 from __future__ import annotations
