@@ -21,7 +21,7 @@ import longctx_patch as lp
 from longctx_patch.evals.common import git_commit  # noqa: E402
 
 METHODS = {  # label: (method, config, backend key, fast backend, reference backend)
-    "muse": ("muse", {"min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
+    "muse": ("muse", {"far_field": "tilted", "min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
     "muse-cells": ("muse", {"min_seq_len": 256, "far_field": "cells", "block_size": 128, "k_clusters": 8,
                             "topk_blocks": 1}, "backend", "triton", "torch"),
     "lolcats": ("lolcats", {"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),

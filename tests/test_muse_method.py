@@ -15,7 +15,7 @@ from longctx_patch.methods import get_method  # noqa: E402
 
 from conftest import assert_left_padded_batch_matches_single, tiny_model  # noqa: E402
 
-SMALL = dict(block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0)
+SMALL = dict(far_field="tilted", block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0)
 
 
 def rel(a, b):
@@ -24,8 +24,16 @@ def rel(a, b):
 
 def test_config_validation():
     m = get_method("muse")
-    cfg = m.parse_config({"block_size": "32", "dipole": "true"})
+    cfg = m.parse_config({"far_field": "tilted", "block_size": "32", "dipole": "true"})
     assert cfg.block_size == 32 and cfg.dipole is True
+    # far-field-dependent defaults: the cells ones unless far_field=tilted, and a value set wins
+    cells, tilted = m.parse_config({}), m.parse_config({"far_field": "tilted"})
+    assert cells.far_field == "cells" and cells.kernel_kwargs()["block_size"] == 256
+    assert (cells.get("k_clusters"), cells.get("topk_blocks")) == (16, 16)
+    assert (tilted.get("block_size"), tilted.get("k_clusters"), tilted.get("topk_blocks")) == (128, 4, 4)
+    assert m.parse_config({"topk_blocks": 3}).kernel_kwargs()["topk_blocks"] == 3
+    with pytest.raises(ConfigError, match="k_clusters"):
+        m.parse_config({"k_clusters": 512})  # > the cells' default block of 256
     with pytest.raises(ConfigError, match="unknown"):
         m.parse_config({"blocksize": 32})
     with pytest.raises(ConfigError, match="q_clusters"):
@@ -132,7 +140,8 @@ def test_smollm2_generate_with_muse_and_unpatch_identity(smollm2):
     with torch.no_grad():
         before = model(ids).logits.clone()
     # 5 blocks of 32: each query block summarises at least one earlier block (1 local, 1 retrieved)
-    lp.patch(model, "muse", block_size=32, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=2, min_seq_len=128)
+    lp.patch(model, "muse", far_field="tilted", block_size=32, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=2,
+             min_seq_len=128)
     try:
         with torch.no_grad():
             patched = model(ids).logits

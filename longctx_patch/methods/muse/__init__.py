@@ -16,38 +16,58 @@ from ..base import Method, MethodConfig, PatchedAttention, option, register_meth
 from ..exact import key_mask_for, softmax_attention
 
 
+# defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
+# field", the speed / error trade-off at 64k)
+FAR_FIELD_DEFAULTS = {
+    "cells": dict(block_size=256, k_clusters=16, topk_blocks=16),
+    "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4),
+}
+
+
 @dataclass
 class MuseConfig(MethodConfig):
-    block_size: int = option(128, "tokens per spatial block (exact causal attention inside a block); Triton: "
-                             "power of two in 16..128 (far_field=tilted), multiple of 128 (cells)", min=2)
-    q_clusters: int = option(16, "query clusters per block and query head (tilt centres of the summaries)", min=1)
-    k_clusters: int = option(4, "key clusters per block and kv head (one super-key per cluster and block)", min=1)
+    far_field: str = option("cells", "cells: each key cluster of an earlier block is one super-key shared by all "
+                            "queries, linear in blocks (the fast path; q_clusters and topk_clusters unused); tilted: "
+                            "one summary per (query cluster, cell) pair, quadratic in blocks (more accurate at 64k, "
+                            "slower than exact attention)", choices=["cells", "tilted"])
+    block_size: int | None = option(None, "tokens per spatial block (exact causal attention inside a block); default "
+                                    "256 (cells) / 128 (tilted); Triton: a multiple of 128 (cells), a power of two "
+                                    "in 16..128 (tilted)", min=2)
+    q_clusters: int = option(16, "tilted: query clusters per block and query head (tilt centres of the summaries)",
+                             min=1)
+    k_clusters: int | None = option(None, "key clusters (cells) per block and kv head, each one super-key; default "
+                                    "16 (cells) / 4 (tilted)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
-    topk_clusters: int = option(8, "earlier cells (key cluster of a block) attended exactly per query cluster", min=0)
-    topk_blocks: int = option(4, "earlier blocks attended exactly per query cluster (per query block with "
-                              "far_field=cells)", min=0)
+    topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
+    topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
+                                     "cluster (tilted); default 16 (cells) / 4 (tilted)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
-    dipole: bool = option(False, "first-order (dipole) correction of the super-keys' values; reference path only")
-    far_field: str = option("tilted", "tilted: one summary per (query cluster, cell) pair, quadratic in blocks; cells: "
-                            "each cell one super-key shared by all queries, linear in blocks (q_clusters and "
-                            "topk_clusters unused)", choices=["tilted", "cells"])
+    dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
+                          "only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
 
+    def get(self, name: str) -> int:
+        """The value of a far-field-dependent option: the one set, else FAR_FIELD_DEFAULTS[far_field]."""
+        v = getattr(self, name)
+        return FAR_FIELD_DEFAULTS[self.far_field][name] if v is None else v
+
     def check(self) -> None:
-        if self.q_clusters > self.block_size or self.k_clusters > self.block_size:
+        L = self.get("block_size")
+        if self.get("k_clusters") > L or (self.far_field == "tilted" and self.q_clusters > L):
             raise ConfigError(
-                f"MuseConfig: q_clusters ({self.q_clusters}) and k_clusters ({self.k_clusters}) must be <= "
-                f"block_size ({self.block_size})"
+                f"MuseConfig: q_clusters ({self.q_clusters}, tilted) and k_clusters ({self.get('k_clusters')}) must "
+                f"be <= block_size ({L})"
             )
         if self.far_field == "cells" and self.dipole:
             raise ConfigError("MuseConfig: dipole=True needs far_field='tilted' (the cells have no dipole term)")
 
     def kernel_kwargs(self) -> dict:
-        return dict(block_size=self.block_size, q_clusters=self.q_clusters, k_clusters=self.k_clusters,
-                    kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters, topk_blocks=self.topk_blocks,
-                    local_blocks=self.local_blocks, dipole=self.dipole, backend=self.backend, far_field=self.far_field)
+        return dict(block_size=self.get("block_size"), q_clusters=self.q_clusters, k_clusters=self.get("k_clusters"),
+                    kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
+                    topk_blocks=self.get("topk_blocks"), local_blocks=self.local_blocks, dipole=self.dipole,
+                    backend=self.backend, far_field=self.far_field)
 
 
 def _past_len(cache_layer) -> int:
@@ -62,7 +82,7 @@ class MuseAttention(PatchedAttention):
 
     def uses_muse(self, q_len: int, past: int) -> bool:
         c = self.method_config
-        return past == 0 and q_len > c.block_size and q_len >= c.min_seq_len
+        return past == 0 and q_len > c.get("block_size") and q_len >= c.min_seq_len
 
     @classmethod
     def op(cls, q, k, v, *, scale, config):
@@ -84,7 +104,8 @@ class MuseAttention(PatchedAttention):
 @register_method
 class Muse(Method):
     name = "muse"
-    description = "multipole semantic attention for long prefills (clustered tilted summaries + exact retrieval); exact decode"
+    description = ("multipole semantic attention for long prefills (clustered key summaries + exact retrieval of "
+                   "blocks); exact decode")
     config_cls = MuseConfig
     module_cls = MuseAttention
 
