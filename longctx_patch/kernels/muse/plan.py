@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ConfigError
+from .cluster import lloyd_supported, lloyd_triton
 
 
 @dataclass
@@ -79,8 +80,6 @@ def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int, backend: str
     code), "torch" or "triton".
     """
     if backend == "triton" or (backend == "auto" and x.is_cuda):
-        from .cluster import lloyd_supported, lloyd_triton
-
         why = lloyd_supported(x, C)
         if why is None:
             return lloyd_triton(x, valid, C, iters)
