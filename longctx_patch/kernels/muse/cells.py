@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cluster import block_scores_supported, block_scores_triton
 from .plan import _blocks, lloyd
 from .reference import masked_softmax
 from .triton_kernels import _dot as _mm  # ieee fp32 dots; interpreter-safe bf16
@@ -62,8 +63,6 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     and the `topk_blocks` best blocks before the local ones are exact.
     backend: "auto" (the Triton clustering and scoring of kernels/muse/cluster.py on CUDA, PyTorch elsewhere),
     "torch" or "triton"; both give the same plan up to near-ties (see cluster.py)."""
-    from .cluster import block_scores_supported, block_scores_triton
-
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -170,16 +169,31 @@ def _online(s, vals, m_i, l_i, acc, UP: tl.constexpr):
 
 
 @triton.jit
-def _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr, D: tl.constexpr):
+def _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr,
+               D: tl.constexpr, UP: tl.constexpr):
     """Cells c0 .. c0 + BN of the far field of query block n (cells of blocks < n - LOC: `hi`; retrieved blocks
-    masked): mask, mean keys, mean values, log2-domain bias (`log2 n`; -inf where masked or empty)."""
+    masked): mean keys, mean values and the log2-domain logits of the query tile q (`qk q.mu + log2 n`; -inf where
+    masked or empty)."""
     cidx = c0 + offs_n
     ok = cidx < hi
     ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
     mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
-    return ok, mu, vb, bias
+    return mu, vb, _mm(q, tl.trans(mu), UP) * qk + bias[None, :]
+
+
+@triton.jit
+def _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE: tl.constexpr,
+                L: tl.constexpr, D: tl.constexpr, UP: tl.constexpr):
+    """Keys k0 .. k0 + BN of exact source e (`_exact_src`: block mblk): keys, values and the log2-domain logits of
+    the query tile q, -inf for padding and, in the own block (e == NE), for keys after the query."""
+    pos = mblk * L + k0 + offs_n
+    kv = tl.load(KVAL + b * Sp + pos) != 0
+    k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
+    return k, v, tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
 
 
 @triton.jit
@@ -216,26 +230,22 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        _, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
-        s = _mm(q, tl.trans(mu), UP) * qk + bias[None, :]  # bias is -inf where not ok
+        _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         m_i, l_i, acc = _online(s, vb, m_i, l_i, acc, UP)
     # exact: the listed earlier blocks (retrieved and local), then the own block causally
     for e in range(NE + 1):
         mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
         if mblk >= 0:
             for k0 in range(0, kend, BN):
-                pos = mblk * L + k0 + offs_n
-                kv = tl.load(KVAL + b * Sp + pos) != 0
-                k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
-                s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+                _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE, L, D,
+                                      UP)
                 m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-    tl.store(LSE + bh * Sp + offs_m, tl.where(has, (m_fin + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, 0.0))
+    lse = (m_fin + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453  # natural log, for the backward
+    tl.store(LSE + bh * Sp + offs_m, tl.where(has, lse, 0.0))
 
 
 def exact_lists(plan: CellsPlan) -> torch.Tensor:
@@ -278,20 +288,14 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     dq = tl.zeros([BM, D], tl.float32)
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        _, mu, vb, bias = _cell_tile(MU, VB, LOGN, RET, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D)
-        s = _mm(q, tl.trans(mu), UP) * qk + bias[None, :]  # bias is -inf where not ok
+        mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         p, ds = _p_ds(s, lse2, do, vb, delta, UP)
         dq += _mm(ds.to(mu.dtype), mu, UP)
     for e in range(NE + 1):
         mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
         if mblk >= 0:
             for k0 in range(0, kend, BN):
-                pos = mblk * L + k0 + offs_n
-                kv = tl.load(KVAL + b * Sp + pos) != 0
-                k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-                ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
-                s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+                k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE, L, D, UP)
                 p, ds = _p_ds(s, lse2, do, v, delta, UP)
                 dq += _mm(ds.to(k.dtype), k, UP)
     tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
