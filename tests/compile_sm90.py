@@ -228,7 +228,7 @@ def _cells_case(kernel, D, dtype, bwd):
         "bwd" if bwd else "fwd"]
     if kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells):
         BM = stages_or_bmk
-    consts = dict(L=256, CK=32, LOC=1, NE=9, D=D, BM=BM, BN=BN)
+    consts = dict(L=256, CK=32, LOC=1, NE=9, NEP=16, PAD=0, D=D, BM=BM, BN=BN)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     ptrs = {n: t for n, t in cells_ptrs(dtype).items() if n in kernel.arg_names}
     return (kernel, consts, ptrs, {"num_warps": warps, "num_stages": 1 if bwd else stages_or_bmk})

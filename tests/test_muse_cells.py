@@ -62,12 +62,16 @@ def test_far_field_approximates_and_improves_with_cells():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [(2, 4, 2, 1000, 32, 128, 16, 2), (1, 2, 1, 700, 64, 256, 32, 1),
                                   (1, 3, 3, 389, 16, 128, 8, 1)])
-def test_triton_matches_reference(case, dtype):
+@pytest.mark.parametrize("masked", [True, False], ids=["key_mask", "no_mask"])
+def test_triton_matches_reference(case, dtype, masked):
+    """With a key mask (a left-padded row: the kernels mask the listed blocks) and without one (they do not)."""
     B, Hq, Hkv, S, D, L, Ck, tb = case
     q, k, v = qkv(B, Hq, Hkv, S, D, dtype, seed=S)
     km = torch.ones(B, S, dtype=torch.bool)
     km[-1, :37] = False  # a left-padded row
-    plan = make_cells_plan(q, k, scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb, key_mask=km)
+    plan = make_cells_plan(q, k, scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb,
+                           key_mask=km if masked else None)
+    assert plan.key_masked == masked
     assert plan.retrieved.any() or tb == 0
     o = cells_triton(q, k, v, plan, scale=D**-0.5)
     r = cells_reference(q.float(), k.float(), v.float(), plan, scale=D**-0.5)
@@ -80,13 +84,15 @@ def test_triton_matches_reference(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [(2, 4, 2, 700, 32, 128, 16, 2), (1, 2, 1, 600, 64, 256, 32, 1)])
-def test_triton_backward_matches_reference(case, dtype):
+@pytest.mark.parametrize("masked", [True, False], ids=["key_mask", "no_mask"])
+def test_triton_backward_matches_reference(case, dtype, masked):
     B, Hq, Hkv, S, D, L, Ck, tb = case
     g = torch.Generator().manual_seed(S)
     q, k, v = (torch.randn(B, h, S, D, generator=g).to(dtype).requires_grad_(True) for h in (Hq, Hkv, Hkv))
     km = torch.ones(B, S, dtype=torch.bool)
     km[-1, :37] = False
-    plan = make_cells_plan(q, k, scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb, key_mask=km)
+    plan = make_cells_plan(q, k, scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb,
+                           key_mask=km if masked else None)
     assert plan.retrieved.any()
     o = cells_triton(q, k, v, plan, scale=D**-0.5)
     do = torch.randn(o.shape, generator=g).to(dtype)

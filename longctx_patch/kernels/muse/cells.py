@@ -52,6 +52,7 @@ class CellsPlan:
     key_valid: torch.Tensor  # [B, Sp] bool
     retrieved: torch.Tensor  # [B, Hq, nb, nb] bool: block m attended exactly by query block n (local excluded)
     max_retrieved: int  # an upper bound on retrieved.sum(-1), known without reading the tensor
+    key_masked: bool = False  # a key mask was given: blocks before the last may hold masked keys
 
 
 @torch.no_grad()
@@ -103,7 +104,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     val, idx = bs.topk(kk, -1)
                     retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
-                     min(topk_blocks, nb))
+                     min(topk_blocks, nb), key_mask is not None)
 
 
 def cell_summaries(k, v, plan: CellsPlan):
@@ -184,34 +185,33 @@ def _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, of
 
 
 @triton.jit
-def _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE: tl.constexpr,
-                L: tl.constexpr, D: tl.constexpr, UP: tl.constexpr):
-    """Keys k0 .. k0 + BN of exact source e (`_exact_src`: block mblk): keys, values and the log2-domain logits of
-    the query tile q, -inf for padding and, in the own block (e == NE), for keys after the query."""
-    pos = mblk * L + k0 + offs_n
-    kv = tl.load(KVAL + b * Sp + pos) != 0
+def _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: tl.constexpr, D: tl.constexpr,
+                UP: tl.constexpr):
+    """Exact keys pos0 .. pos0 + BN: keys, values and the log2-domain logits of the query tile q. MASK 0: none
+    (full earlier blocks without a key mask), 1: -inf for padding, 2: also for keys after the query (own block)."""
+    pos = pos0 + offs_n
     k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
     v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    ok = kv[None, :] & ((e < NE) | (pos[None, :] <= offs_m[:, None]))
-    return k, v, tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
+    s = _mm(q, tl.trans(k), UP) * qk
+    if MASK > 0:
+        ok = (tl.load(KVAL + b * Sp + pos) != 0)[None, :]
+        if MASK == 2:
+            ok = ok & (pos[None, :] <= offs_m[:, None])
+        s = tl.where(ok, s, float("-inf"))
+    return k, v, s
 
 
 @triton.jit
-def _exact_src(EXL, bh, NB, n, e, tile, NE: tl.constexpr, BM: tl.constexpr, L: tl.constexpr):
-    """Exact source e of a query tile: the listed earlier blocks (e < NE; -1 = none), then its own block (e == NE)
-    up to the tile's last query. Returns (block, number of its keys to visit)."""
-    mblk = n
-    kend = (tile * BM) % L + BM
-    if e < NE:
-        mblk = tl.load(EXL + (bh * NB + n) * NE + e)
-        kend = L
-    return mblk, kend
+def _list_len(EXL, row, NE: tl.constexpr, NEP: tl.constexpr):
+    """Number of blocks in row `row` of `exact_lists` (its valid entries come first)."""
+    e = tl.arange(0, NEP)
+    return tl.sum((tl.load(EXL + row * NE + e, mask=e < NE, other=-1) >= 0).to(tl.int32), 0)
 
 
 @triton.jit
 def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB, Sp, NCK,
-               L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, D: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+               L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+               PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     # programs run in launch order, axis 0 fastest: the longest (last) query tiles of every head start first
     bh = tl.program_id(0).to(tl.int64)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -232,14 +232,17 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     for c0 in range(0, hi, BN):
         _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         m_i, l_i, acc = _online(s, vb, m_i, l_i, acc, UP)
-    # exact: the listed earlier blocks (retrieved and local), then the own block causally
-    for e in range(NE + 1):
-        mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
-        if mblk >= 0:
-            for k0 in range(0, kend, BN):
-                _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE, L, D,
-                                      UP)
-                m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+    # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
+    # loads pipeline across blocks; then the own block up to the tile's last query, causally
+    row = bh * NB + n
+    for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
+        mblk = tl.load(EXL + row * NE + it // (L // BN))
+        _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+                              PAD, D, UP)
+        m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+    for k0 in range(0, (tile * BM) % L + BM, BN):
+        _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
@@ -249,13 +252,14 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
 
 
 def exact_lists(plan: CellsPlan) -> torch.Tensor:
-    """[B, Hq, nb, topk + local] int32: the earlier blocks each query block attends exactly (-1 pads)."""
+    """[B, Hq, nb, topk + local] int32: the earlier blocks each query block attends exactly, first in each row;
+    -1 pads the rest (the kernels count a row's blocks and loop over them only)."""
     R = plan.retrieved.clone()
     nb, loc = plan.num_blocks, plan.local_blocks
     ar = torch.arange(nb, device=R.device)
     R |= ((ar[None, :] < ar[:, None]) & (ar[None, :] >= ar[:, None] - loc))[None, None]
     NE = max(1, min(nb, plan.max_retrieved + loc))  # static: no device-to-host copy
-    val, idx = R.to(torch.int8).topk(NE, dim=-1)  # the True blocks (order irrelevant)
+    val, idx = R.to(torch.int8).topk(NE, dim=-1, sorted=True)  # the True blocks first
     return torch.where(val > 0, idx, torch.full_like(idx, -1)).to(torch.int32).contiguous()
 
 
@@ -269,8 +273,8 @@ def _p_ds(s, lse2, do, vals, delta, UP: tl.constexpr):
 
 @triton.jit
 def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, scale, H, HKV, NB, Sp, NCK,
-                  L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, D: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+                  L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+                  PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -291,13 +295,17 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
         mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         p, ds = _p_ds(s, lse2, do, vb, delta, UP)
         dq += _mm(ds.to(mu.dtype), mu, UP)
-    for e in range(NE + 1):
-        mblk, kend = _exact_src(EXL, bh, NB, n, e, tile, NE, BM, L)
-        if mblk >= 0:
-            for k0 in range(0, kend, BN):
-                k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk, k0, e, offs_m, offs_n, offs_d, NE, L, D, UP)
-                p, ds = _p_ds(s, lse2, do, v, delta, UP)
-                dq += _mm(ds.to(k.dtype), k, UP)
+    row = bh * NB + n
+    for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
+        mblk = tl.load(EXL + row * NE + it // (L // BN))
+        k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+                              PAD, D, UP)
+        p, ds = _p_ds(s, lse2, do, v, delta, UP)
+        dq += _mm(ds.to(k.dtype), k, UP)
+    for k0 in range(0, (tile * BM) % L + BM, BN):
+        k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        p, ds = _p_ds(s, lse2, do, v, delta, UP)
+        dq += _mm(ds.to(k.dtype), k, UP)
     tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
 
 
@@ -417,6 +425,8 @@ class _CellsAttention(torch.autograd.Function):
         pad = (0, 0, 0, Sp - S)
         Q, K, V = (torch.nn.functional.pad(t, pad).contiguous() for t in (q, k, v))
         exl = exact_lists(plan)
+        # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
+        lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
         ret = plan.retrieved.to(torch.int8).contiguous()
         kval = plan.key_valid.to(torch.int8).contiguous()
         O = torch.empty_like(Q)
@@ -425,16 +435,15 @@ class _CellsAttention(torch.autograd.Function):
         fm, fn, fw, fs = tiles["fwd"]
         _cells_fwd[(B * Hq, Sp // fm)](
             Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=plan.local_blocks, NE=exl.shape[-1], D=D, BM=fm, BN=fn, UP=up, num_warps=fw,
-            num_stages=fs)
+            L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
         ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
-        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, tiles["bwd"], up, scale)
+        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, lists, tiles["bwd"], up, scale)
         return O[:, :, :S].transpose(1, 2)
 
     @staticmethod
     def backward(ctx, do):
         Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
-        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, (BM, BN, warps, BMK), up, scale = ctx.meta
+        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = ctx.meta
         DO = torch.nn.functional.pad(do.transpose(1, 2).to(Q.dtype), (0, 0, 0, Sp - S)).contiguous()
         DELTA = (DO.float() * O.float()).sum(-1).contiguous()
         f32 = dict(device=Q.device, dtype=torch.float32)
@@ -443,10 +452,9 @@ class _CellsAttention(torch.autograd.Function):
         DV = torch.empty(B, Hkv, Sp, D, **f32)
         DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
         DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
-        NE = exl.shape[-1]
         _cells_bwd_dq[(Sp // BM, B * Hq)](
             Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=loc, NE=NE, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+            L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
         _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
             Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
             L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
