@@ -10,7 +10,7 @@ the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cel
 Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; one with
 "far_field": "tilted" goes to `muse_attention` and is timed forward only); CELLS_BUDGET_S; CELLS_PARTS (default
 checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps the fastest for the
-speed rows).
+speed rows); CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the choices `tune` times).
 """
 
 from __future__ import annotations
@@ -176,6 +176,8 @@ def profile(S=65536, D=64):
 TILES = {64: [(128, 128, 4, 2), (128, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
               (128, 64, 8, 3), (64, 64, 4, 3)],
          128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]}
+if os.environ.get("CELLS_TILES"):  # JSON {"64": [[BM, BN, warps, stages], ...], "128": [...]}
+    TILES = {int(d): [tuple(t) for t in ts] for d, ts in json.loads(os.environ["CELLS_TILES"]).items()}
 
 
 def tune(S=65536):

@@ -403,7 +403,7 @@ def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
         BN, warps = (64, 8) if D >= 128 else (128, 4)
         fwd, bwd = (128, BN, warps, 2), (128, BN, warps, 64)
     else:
-        fwd, bwd = (128, 128, 8 if D >= 128 else 4, 2), (128, 64, 8, 128)
+        fwd, bwd = ((128, 128, 8, 3) if D >= 128 else (128, 128, 4, 2)), (128, 64, 8, 128)
     fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
     return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)))
 
