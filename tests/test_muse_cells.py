@@ -44,6 +44,33 @@ def test_one_key_per_cell_is_exact(path):
                                rtol=2e-5)
 
 
+def test_sink_blocks_are_exact_for_every_far_query_block():
+    """The first `sink_blocks` blocks holding a real key are exact for every query block they are far from, in
+    addition to (not instead of) the `topk_blocks` retrieved ones; with a left-padded row, its first real block."""
+    B, Hq, L, nb, tb = 2, 4, 128, 9, 2
+    q, k, v = qkv(B, Hq, 2, nb * L - 5, 16, seed=4)
+    km = torch.ones(B, nb * L - 5, dtype=torch.bool)
+    km[1, :300] = False  # row 1: blocks 0 and 1 are padding, block 2 holds its first real keys
+    for backend, dt in (("torch", torch.float32), ("triton", torch.bfloat16)):  # the Triton plan takes bf16
+        for sinks in (0, 1, 2):
+            plan = make_cells_plan(q.to(dt), k.to(dt), scale=0.25, block_size=L, k_clusters=8, topk_blocks=tb, sink_blocks=sinks,
+                                   key_mask=km, backend=backend)
+            R = plan.retrieved
+            assert plan.max_retrieved == tb + sinks
+            for b, first in ((0, 0), (1, 2)):
+                for m in range(first, first + sinks):
+                    assert R[b, :, m + 2:, m].all() and not R[b, :, :m + 2, m].any()  # far (local_blocks 1) only
+                # every query block with enough far blocks retrieves tb besides its sinks
+                n = nb - 1
+                far_non_sink = [m for m in range(n - 1) if not first <= m < first + sinks]
+                assert int(R[b, :, n].sum(-1).min()) == min(tb, len(far_non_sink)) + sinks
+    o = cells_triton(q, k, v, plan, scale=0.25)
+    r = cells_reference(q, k, v, plan, scale=0.25)
+    o[1, :300] = 0
+    r[1, :300] = 0
+    assert rel(o, r) < 2e-6
+
+
 def test_far_field_approximates_and_improves_with_cells():
     """Keys near a few directions: the cells summarise them well, and more cells / more retrieval is closer."""
     g = torch.Generator().manual_seed(3)

@@ -50,18 +50,19 @@ class CellsPlan:
     k_assign: torch.Tensor  # [B, Hkv, Sp] int64: cell of each key within its block
     counts: torch.Tensor  # [B, Hkv, nb, Ck] float32: real keys per cell
     key_valid: torch.Tensor  # [B, Sp] bool
-    retrieved: torch.Tensor  # [B, Hq, nb, nb] bool: block m attended exactly by query block n (local excluded)
+    retrieved: torch.Tensor  # [B, Hq, nb, nb] bool: block m exact for query block n (sinks, retrieved; not local)
     max_retrieved: int  # an upper bound on retrieved.sum(-1), known without reading the tensor
     key_masked: bool = False  # a key mask was given: blocks before the last may hold masked keys
 
 
 @torch.no_grad()
 def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: int = 32, kmeans_iters: int = 2,
-                    topk_blocks: int = 8, local_blocks: int = 1, key_mask: torch.Tensor | None = None,
-                    chunk_elems: int = 2**26, backend: str = "auto") -> CellsPlan:
+                    topk_blocks: int = 8, local_blocks: int = 1, sink_blocks: int = 1,
+                    key_mask: torch.Tensor | None = None, chunk_elems: int = 2**26, backend: str = "auto") -> CellsPlan:
     """Key cells per block and kv head (Lloyd, farthest-point init: plan.lloyd) and the retrieved blocks of every
-    query block: block m is scored at the mean query of block n by `logsumexp_c(scale * qbar . mu_c + log n_c)`
-    and the `topk_blocks` best blocks before the local ones are exact.
+    query block: the `sink_blocks` first blocks that hold a real key (attention sinks) are exact for every later
+    query block; of the other blocks before the local ones, block m is scored at the mean query of block n by
+    `logsumexp_c(scale * qbar . mu_c + log n_c)` and the `topk_blocks` best are exact.
     backend: "auto" (the Triton clustering and scoring of kernels/muse/cluster.py on CUDA, PyTorch elsewhere),
     "torch" or "triton"; both give the same plan up to near-ties (see cluster.py)."""
     B, Hq, S, D = q.shape
@@ -80,6 +81,11 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     cent = cent.view(B, Hkv, nb, Ck, D)
     cnt = cnt.view(B, Hkv, nb, Ck)
     retrieved = torch.zeros(B, Hq, nb, nb, dtype=torch.bool, device=dev)
+    ar = torch.arange(nb, device=dev)
+    far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
+    first = vb.any(-1).view(B, nb).to(torch.int8).argmax(-1)  # each row's first block with a real key
+    sink = (ar[None] >= first[:, None]) & (ar[None] < first[:, None] + sink_blocks)  # [B, nb]
+    retrieved |= (far[None] & sink[:, None, :])[:, None]
     if topk_blocks > 0 and nb > local_blocks + 1:
         qb = _blocks(q, L, Sp)  # [B, Hq, nb, L, D]
         if key_mask is not None:
@@ -89,22 +95,22 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         kk = min(topk_blocks, nb)
         use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
         if use_triton and block_scores_supported(D, Ck):
-            val, idx = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks).topk(kk, -1)
-            retrieved.scatter_(-1, idx, torch.isfinite(val))
+            bs = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks)
+            val, idx = bs.masked_fill_(sink[:, None, None, :], -math.inf).topk(kk, -1)
+            retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
         else:
-            ar = torch.arange(nb, device=dev)
-            far = ar[None, :] < ar[:, None] - local_blocks  # [n, m]
             step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
             for g in range(Hkv):
                 for n0 in range(0, nb, step):
                     n1 = min(nb, n0 + step)
                     sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
                     bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
-                    bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)
+                    bs = bs.masked_fill(~far[n0:n1][None, None] | sink[:, None, None, :], -math.inf)
                     val, idx = bs.topk(kk, -1)
-                    retrieved[:, g * G:(g + 1) * G, n0:n1].scatter_(-1, idx, torch.isfinite(val))
+                    r = retrieved[:, g * G:(g + 1) * G, n0:n1]
+                    r.scatter_(-1, idx, torch.isfinite(val) | r.gather(-1, idx))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
-                     min(topk_blocks, nb), key_mask is not None)
+                     min(topk_blocks + sink_blocks, nb), key_mask is not None)
 
 
 def cell_summaries(k, v, plan: CellsPlan):

@@ -42,6 +42,8 @@ class MuseConfig(MethodConfig):
     topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
                                      "cluster (tilted); default 16 (cells) / 4 (tilted)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
+    sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
+                              "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
     dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
                           "only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
@@ -66,7 +68,8 @@ class MuseConfig(MethodConfig):
     def kernel_kwargs(self) -> dict:
         return dict(block_size=self.get("block_size"), q_clusters=self.q_clusters, k_clusters=self.get("k_clusters"),
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
-                    topk_blocks=self.get("topk_blocks"), local_blocks=self.local_blocks, dipole=self.dipole,
+                    topk_blocks=self.get("topk_blocks"), local_blocks=self.local_blocks, sink_blocks=self.sink_blocks,
+                    dipole=self.dipole,
                     backend=self.backend, far_field=self.far_field)
 
 
