@@ -16,6 +16,7 @@ speed rows); CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the choic
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import shlex
@@ -40,6 +41,9 @@ SEQS = [int(x) for x in os.environ.get("CELLS_SEQS", "65536,131072,16384,32768")
 CFGS = json.loads(os.environ.get("CELLS_CFGS", '[{"block_size": 256, "k_clusters": 32, "topk_blocks": 8}, '
                                  '{"block_size": 128, "k_clusters": 16, "topk_blocks": 16}, '
                                  '{"block_size": 256, "k_clusters": 16, "topk_blocks": 8}]'))
+for _c in CFGS:  # record the sink blocks each cells configuration runs with (the plan's default if not given)
+    if _c.get("far_field") != "tilted":
+        _c.setdefault("sink_blocks", inspect.signature(make_cells_plan).parameters["sink_blocks"].default)
 RES: dict = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=git_commit(),
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
                                   + ["PYTHONPATH=. python3 evals/bench_muse_cells.py"]), torch=torch.__version__,

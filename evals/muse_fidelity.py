@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import sys
 import time
@@ -84,6 +85,8 @@ def main():
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     for cfg in json.loads(args.grid) if args.grid else GRID:
+        if cfg.get("far_field") == "cells":  # record the sink blocks it runs with (muse_attention's default if unset)
+            cfg.setdefault("sink_blocks", inspect.signature(muse_attention).parameters["sink_blocks"].default)
         errs, t0 = [], time.time()
         for i in layers:
             q, k, v = qkv[i]
