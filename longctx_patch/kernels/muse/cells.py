@@ -258,7 +258,7 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
 
 
 def exact_lists(plan: CellsPlan) -> torch.Tensor:
-    """[B, Hq, nb, topk + local] int32: the earlier blocks each query block attends exactly, first in each row;
+    """[B, Hq, nb, topk + sinks + local] int32: the earlier blocks each query block attends exactly, first in each row;
     -1 pads the rest (the kernels count a row's blocks and loop over them only)."""
     R = plan.retrieved.clone()
     nb, loc = plan.num_blocks, plan.local_blocks
