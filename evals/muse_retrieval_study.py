@@ -25,8 +25,8 @@ import torch
 
 import longctx_patch
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan
-from longctx_patch.kernels.muse.plan import _blocks, lloyd
+from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.plan import _blocks, lloyd, log_counts
 from longctx_patch.methods.exact import softmax_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,17 +42,16 @@ def rescored(plan, q, k, scale: float, Cq: int, topk: int, sinks: int):
     is log sum_a n_a sum_c n_c exp(scale q_a . mu_c), an estimate of the attention mass the block's queries put on
     block m (Cq = 1 is the package's mean-query score). No key mask (the study's rows are unpadded)."""
     B, Hq, _, D = q.shape
-    L, nb, Sp, Ck = plan.block_size, plan.num_blocks, plan.padded_len, plan.k_clusters
+    L, nb, Sp = plan.block_size, plan.num_blocks, plan.padded_len
     G = Hq // k.shape[1]
-    oh = torch.nn.functional.one_hot(plan.k_assign, Ck).float().view(B, -1, nb, L, Ck)
-    mu = torch.einsum("bhmlc,bhmld->bhmcd", oh, _blocks(k, L, Sp)) / plan.counts.clamp_min(1)[..., None]
-    logn = torch.where(plan.counts > 0, plan.counts.clamp_min(1).log(), torch.full_like(plan.counts, -math.inf))
+    mu = cell_summaries(k, k, plan)[0]
+    logn = log_counts(plan.counts)
     valid = plan.key_valid.view(B, 1, nb, L).expand(B, Hq, nb, L)
     cq, _, nq = lloyd(_blocks(q, L, Sp).reshape(-1, L, D), valid.reshape(-1, L), Cq, 2, backend="torch")
     cq, nq = cq.view(B, Hq, nb, Cq, D), nq.view(B, Hq, nb, Cq)
     sc = scale * torch.einsum("bhnad,bhmcd->bhnamc", cq, mu.repeat_interleave(G, 1))
     bs = torch.logsumexp(sc + logn.repeat_interleave(G, 1)[:, :, None, None], -1)  # [B, Hq, n, a, m]
-    lw = torch.where(nq > 0, nq.clamp_min(1).log(), torch.full_like(nq, -math.inf))
+    lw = log_counts(nq)
     bs = torch.logsumexp(bs + lw[..., None], 3)  # [B, Hq, n, m]
     ar = torch.arange(nb)
     far = ar[None, :] < ar[:, None] - plan.local_blocks

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .cluster import block_scores_supported, block_scores_triton
-from .plan import _blocks, lloyd
+from .plan import _blocks, lloyd, log_counts
 from .reference import masked_softmax
 from .triton_kernels import _dot as _mm  # ieee fp32 dots; interpreter-safe bf16
 
@@ -91,7 +91,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         if key_mask is not None:
             qb = qb * vb[..., None].to(qb.dtype)
         qbar = qb.sum(3, dtype=torch.float32) / vb.sum(3, dtype=torch.float32).clamp_min(1)[..., None]
-        logn = torch.where(cnt > 0, cnt.clamp_min(1).log(), torch.full_like(cnt, -math.inf))
+        logn = log_counts(cnt)
         kk = min(topk_blocks, nb)
         use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
         if use_triton and block_scores_supported(D, Ck):
@@ -426,8 +426,7 @@ class _CellsAttention(torch.autograd.Function):
         tiles = cells_tiles(D, q.dtype, L)
         MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
         VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
-        logn = torch.where(plan.counts > 0, plan.counts.clamp_min(1).log(), torch.full_like(plan.counts, -math.inf))
-        logn = logn.reshape(B * Hkv, nb * Ck).contiguous()
+        logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
         pad = (0, 0, 0, Sp - S)
         Q, K, V = (torch.nn.functional.pad(t, pad).contiguous() for t in (q, k, v))
         exl = exact_lists(plan)

@@ -40,6 +40,11 @@ class MusePlan:
     ret_any: torch.Tensor
 
 
+def log_counts(counts: torch.Tensor) -> torch.Tensor:
+    """log of the members of each cluster, -inf for an empty one (a super-key's log-count bias)."""
+    return torch.where(counts > 0, counts.clamp_min(1).log(), torch.full_like(counts, -math.inf))
+
+
 def _init_centroids(x: torch.Tensor, valid: torch.Tensor, C: int) -> torch.Tensor:
     """Deterministic farthest-point init: the first valid token, then repeatedly the valid token farthest
     (squared L2) from the centroids chosen so far (ties: lowest position).
@@ -174,7 +179,7 @@ def make_plan(
     local = causal & (ar[None, :] >= ar[:, None] - local_blocks)  # [n, m]: n - local_blocks <= m < n
     ret_block |= local[None, None, :, None, :]
     if nb > 1 and (topk_blocks > 0 or topk_clusters > 0):
-        logcnt = torch.where(kcnt > 0, kcnt.clamp_min(1).log(), torch.full_like(kcnt, -math.inf))
+        logcnt = log_counts(kcnt)
         for h0 in range(0, Hq, G):  # one kv head (and its query group) at a time: bounded memory
             g = h0 // G
             sc = scale * torch.einsum("bhnid,bmjd->bhnimj", q_centroids[:, h0 : h0 + G], kc[:, g])

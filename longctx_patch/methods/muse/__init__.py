@@ -69,8 +69,7 @@ class MuseConfig(MethodConfig):
         return dict(block_size=self.get("block_size"), q_clusters=self.q_clusters, k_clusters=self.get("k_clusters"),
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
                     topk_blocks=self.get("topk_blocks"), local_blocks=self.local_blocks, sink_blocks=self.sink_blocks,
-                    dipole=self.dipole,
-                    backend=self.backend, far_field=self.far_field)
+                    dipole=self.dipole, backend=self.backend, far_field=self.far_field)
 
 
 def _past_len(cache_layer) -> int:
