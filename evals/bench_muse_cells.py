@@ -9,8 +9,9 @@ Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
 Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; one with
 "far_field": "tilted" goes to `muse_attention` and is timed forward only); CELLS_BUDGET_S; CELLS_PARTS (default
-checks,profile,tune,speed; `tune` times the forward kernel's tile choices at 64k and keeps the fastest for the
-speed rows); CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the choices `tune` times).
+checks,profile,tune,speed; also fp32: the fp32 forward against SDPA's memory-efficient backend; `tune` times the
+forward kernel's tile choices at 64k and keeps the fastest for the speed rows); CELLS_PROFILE_D (default 64);
+CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the choices `tune` times).
 """
 
 from __future__ import annotations
@@ -71,27 +72,34 @@ def qkv(S, D, dtype, H=32, Hkv=8, seed=0):
 
 
 def checks():
+    """Triton forward and backward against the reference, per dtype and head size; `first_call_s` is the first
+    forward + backward of a new kernel configuration (compile included)."""
     for dtype in (torch.float32, torch.bfloat16):
-        for S, cfg in ((3001, dict(block_size=256, k_clusters=32, topk_blocks=3)),
-                       (2049, dict(block_size=128, k_clusters=16, topk_blocks=2))):
-            q, k, v = qkv(S, 64, dtype, H=8, Hkv=2, seed=S)
+        for D, S, cfg in ((64, 3001, dict(block_size=256, k_clusters=32, topk_blocks=3)),
+                          (64, 2049, dict(block_size=128, k_clusters=16, topk_blocks=2)),
+                          (128, 3001, dict(block_size=256, k_clusters=32, topk_blocks=3))):
+            q, k, v = qkv(S, D, dtype, H=8, Hkv=2, seed=S)
             km = torch.ones(1, S, dtype=torch.bool, device="cuda")
-            sc = 64**-0.5
+            sc = D**-0.5
             plan = make_cells_plan(q, k, scale=sc, key_mask=km, **cfg)
             tplan = make_cells_plan(q, k, scale=sc, key_mask=km, backend="torch", **cfg)
             agree = dict(plan_assign_agreement=float((tplan.k_assign == plan.k_assign).float().mean()),
                          plan_retrieved_agreement=float((tplan.retrieved == plan.retrieved).float().mean()))
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+            t0 = time.time()
             o = cells_triton(q, k, v, plan, scale=sc)
             do = torch.randn_like(o)
             g = torch.autograd.grad(o, (q, k, v), do)
+            torch.cuda.synchronize()
+            first = time.time() - t0
             qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
             r = cells_reference(qr, kr, vr, plan, scale=sc)
             gr = torch.autograd.grad(r, (qr, kr, vr), do.float())
             q, k, v, r = q.detach(), k.detach(), v.detach(), r.detach()
             ex = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
                                                 v.float().repeat_interleave(4, 1), is_causal=True, scale=sc)
-            row = dict(dtype=str(dtype), S=S, cfg=cfg, fwd_vs_reference=rel(o, r), dq=rel(g[0], gr[0]),
+            row = dict(dtype=str(dtype), D=D, S=S, cfg=cfg, first_call_s=first, fwd_vs_reference=rel(o, r),
+                       dq=rel(g[0], gr[0]),
                        dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]),
                        approx_err_vs_exact_random=rel(r, ex.transpose(1, 2)), **agree)
             RES["checks"].append(row)
@@ -159,8 +167,40 @@ def speed():
                 save()
 
 
-def profile(S=65536, D=64):
-    """Per-kernel CUDA time of one forward (plan included) at the first configuration."""
+def fp32():
+    """fp32 forward (tf32x3 dots) of the first configuration against torch SDPA's best fp32 backend
+    (memory-efficient attention; cuDNN and flash take no fp32), 16k and 64k."""
+    cfg = CFGS[0]
+    for D in (64, 128):
+        for S in (16384, 65536):
+            if time.time() - T0 > BUDGET:
+                RES.setdefault("skipped", []).append(dict(part="fp32", D=D, S=S))
+                continue
+            q, k, v = qkv(S, D, torch.float32, seed=S + D)
+            sc = D**-0.5
+            kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+            row = dict(part="fp32", cfg=cfg, D=D, S=S)
+            with torch.no_grad():
+                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                    row["sdpa_efficient_fwd_ms"] = bench(
+                        lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True), rep=20)
+                row["cells_fwd_ms"] = bench(lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=sc, **cfg),
+                                                                 scale=sc), rep=20)
+            row["speedup_fwd"] = row["sdpa_efficient_fwd_ms"] / row["cells_fwd_ms"]
+            RES.setdefault("fp32", []).append(row)
+            print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+            torch.cuda.empty_cache()
+    save()
+
+
+def profile(S=65536):
+    """Per-kernel CUDA time of one forward (plan included) at the first configuration, for each head size in
+    CELLS_PROFILE_D."""
+    for D in (int(d) for d in os.environ.get("CELLS_PROFILE_D", "64").split(",")):
+        _profile(S, D)
+
+
+def _profile(S, D):
     cfg = CFGS[0]
     q, k, v = qkv(S, D, torch.bfloat16, seed=1)
     run = lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=D**-0.5, **cfg), scale=D**-0.5)  # noqa: E731
@@ -171,9 +211,10 @@ def profile(S=65536, D=64):
             run()
             torch.cuda.synchronize()
     ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    RES["profile"] = dict(S=S, D=D, cfg=cfg, total_ms=sum(e.device_time_total for e in ev) / 1e3,
-                          kernels=[dict(name=e.key[:90], ms=e.device_time_total / 1e3, calls=e.count) for e in ev[:20]])
-    print(json.dumps(RES["profile"]), flush=True)
+    row = dict(S=S, D=D, cfg=cfg, total_ms=sum(e.device_time_total for e in ev) / 1e3,
+               kernels=[dict(name=e.key[:90], ms=e.device_time_total / 1e3, calls=e.count) for e in ev[:20]])
+    RES.setdefault("profiles", []).append(row)
+    print(json.dumps(row), flush=True)
     save()
 
 
@@ -217,7 +258,7 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     parts = os.environ.get("CELLS_PARTS", "checks,profile,tune,speed").split(",")
-    for part in (checks, profile, tune, speed):
+    for part in (checks, fp32, profile, tune, speed):
         if part.__name__ in parts:
             try:
                 part()

@@ -37,7 +37,6 @@ import triton.language as tl
 from .cluster import block_scores_supported, block_scores_triton
 from .plan import _blocks, lloyd, log_counts
 from .reference import masked_softmax
-from .triton_kernels import _dot as _mm  # ieee fp32 dots; interpreter-safe bf16
 
 
 @dataclass
@@ -162,6 +161,18 @@ def cells_reference(q, k, v, plan: CellsPlan, *, scale: float, chunk_elems: int 
         outs.append(p[..., :Sp] @ V + p[..., Sp:] @ vbar)
     out = torch.cat(outs, 2)[:, :, :S]
     return out.transpose(1, 2).to(q.dtype)
+
+
+@triton.jit
+def _mm(a, b, UP: tl.constexpr):
+    """a @ b with fp32 accumulation. bf16/fp16 operands: one tensor-core dot. fp32 operands: tf32x3 (each operand
+    split in a tf32 high part and a tf32 remainder, three tensor-core products), within a few fp32 ulps of ieee
+    products; ieee fp32 dots compile to FMA loops that spill on sm_90. UP: the interpreter's bf16 workaround
+    (see triton_kernels._dot)."""
+    if UP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
@@ -403,11 +414,10 @@ def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
     """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages) and bwd (BM, BN, warps,
     query tile of the dK/dV and dcells kernels). bf16/fp16: the fastest forward of an H200 sweep
     (evals/bench_muse_cells.py `tune`), and backward tiles that compile without register spills for sm_90
-    (128 x 64, 8 warps). fp32: tiles that fit sm_90's shared memory (fp32 query tiles of 64 in dK/dV, dcells).
-    BM and BN divide block_size L (a multiple of 128)."""
-    if dtype == torch.float32:
-        BN, warps = (64, 8) if D >= 128 else (128, 4)
-        fwd, bwd = (128, BN, warps, 2), (128, BN, warps, 64)
+    (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that fit sm_90's shared memory with the fewest spills
+    (cuobjdump of the sm_90 build). BM and BN divide block_size L (a multiple of 128)."""
+    if dtype == torch.float32:  # tf32x3 dots keep two tf32 copies of every operand in shared memory
+        fwd, bwd = ((128, 64, 8, 1), (64, 32, 4, 32)) if D >= 128 else ((64, 64, 4, 2), (64, 64, 8, 32))
     else:
         fwd, bwd = ((128, 128, 8, 3) if D >= 128 else (128, 128, 4, 2)), (128, 64, 8, 128)
     fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
