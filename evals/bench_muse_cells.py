@@ -7,11 +7,12 @@ and the PyTorch code), with how far the two plans agree; a profile of one 64k fo
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
-Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; one with
-"far_field": "tilted" goes to `muse_attention` and is timed forward only); CELLS_BUDGET_S; CELLS_PARTS (default
-checks,profile,tune,speed; also fp32: the fp32 forward against SDPA's memory-efficient backend; `tune` times the
-forward kernel's tile choices at 64k and keeps the fastest for the speed rows); CELLS_PROFILE_D (default 64);
-CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the choices `tune` times).
+Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; default the package's
+cells defaults and the previous defaults; one with "far_field": "tilted" goes to `muse_attention` and is timed
+forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,tune,speed; also fp32: the fp32 forward against
+SDPA's memory-efficient backend; `tune` times the forward kernel's tile choices at 64k and keeps the fastest for
+the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the
+choices `tune` times).
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
+from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 OUT = os.environ.get("OUT", "evals/results")
 T0 = time.time()
 BUDGET = float(os.environ.get("CELLS_BUDGET_S", "500"))
 SEQS = [int(x) for x in os.environ.get("CELLS_SEQS", "65536,131072,16384,32768").split(",")]
-CFGS = json.loads(os.environ.get("CELLS_CFGS", '[{"block_size": 256, "k_clusters": 32, "topk_blocks": 8}, '
-                                 '{"block_size": 128, "k_clusters": 16, "topk_blocks": 16}, '
-                                 '{"block_size": 256, "k_clusters": 16, "topk_blocks": 8}]'))
+# default: the package's cells defaults, then the previous defaults (Ck 16, 16 blocks)
+CFGS = json.loads(os.environ["CELLS_CFGS"]) if os.environ.get("CELLS_CFGS") else [
+    dict(FAR_FIELD_DEFAULTS["cells"]), {"block_size": 256, "k_clusters": 16, "topk_blocks": 16}]
 for _c in CFGS:  # record the sink blocks each cells configuration runs with (the plan's default if not given)
     if _c.get("far_field") != "tilted":
         _c.setdefault("sink_blocks", inspect.signature(make_cells_plan).parameters["sink_blocks"].default)

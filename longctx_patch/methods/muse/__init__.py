@@ -19,7 +19,7 @@ from ..exact import key_mask_for, softmax_attention
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
 # field", the speed / error trade-off at 64k)
 FAR_FIELD_DEFAULTS = {
-    "cells": dict(block_size=256, k_clusters=16, topk_blocks=16),
+    "cells": dict(block_size=256, k_clusters=8, topk_blocks=20),
     "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4),
 }
 
@@ -36,11 +36,11 @@ class MuseConfig(MethodConfig):
     q_clusters: int = option(16, "tilted: query clusters per block and query head (tilt centres of the summaries)",
                              min=1)
     k_clusters: int | None = option(None, "key clusters (cells) per block and kv head, each one super-key; default "
-                                    "16 (cells) / 4 (tilted)", min=1)
+                                    "8 (cells) / 4 (tilted)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
     topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
-                                     "cluster (tilted); default 16 (cells) / 4 (tilted)", min=0)
+                                     "cluster (tilted); default 20 (cells) / 4 (tilted)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)

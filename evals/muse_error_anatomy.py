@@ -1,0 +1,195 @@
+"""Where does MuSe's long-context error come from? An anatomy of the cells plan on SmolLM2-135M's real Q/K/V.
+
+For each layer, against exact attention (the relative error of the output, as in muse_fidelity.py):
+- `mass_far`: the share of the exact attention that falls on keys the plan leaves to the cells (mean over queries
+  and heads), overall and per head;
+- the error of the plan's far field as the package computes it (`mono`: a cell is one super-key, its mean key and
+  mean value, weight `n exp(s q.mu)`), per head and per query-position bucket;
+- the same plan with other far-field models, to split the error between the cells' weights and their values:
+  `iso` / `diag` add the Gaussian second-order term of the cell's keys to the logit (`s^2 |q|^2 var / 2` with one
+  variance per cell, or `s^2 sum_d q_d^2 var_d / 2` with one per dimension); `wexact` gives each cell its exact
+  weight `sum_j exp(s q.k_j)` with the mean value (what no summary of the weights can beat);
+- `oracle`: the same number of exact blocks per query block, chosen by the exact attention mass of the block's
+  queries instead of the plan's mean-query score (what no retrieval score can beat).
+Dense per query block (B = 1): a CUDA GPU for 64k, the CPU for a few thousand tokens.
+
+    PYTHONPATH=. python3 evals/muse_error_anatomy.py --device cuda --model /tmp/smollm2.gguf --data .device-data \
+        --seq-len 65536 --layers 18,29,8,5 --out $OUT/muse-error-anatomy-64k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import longctx_patch
+from longctx_patch.evals.common import git_commit
+from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, cells_triton, make_cells_plan
+from longctx_patch.kernels.muse.plan import log_counts
+from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from muse_fidelity import capture_qkv, real_text  # noqa: E402
+
+FAR_MODELS = ("mono", "iso", "diag", "wexact")
+
+
+def cell_stats(k, plan):
+    """Per cell: mean key, per-dimension variance of its keys, [B, Hkv, nb, Ck, D] each (float32)."""
+    mu, m2 = cell_summaries(k, k * k, plan)  # the "values" k^2: their cell means are E[k^2]
+    return mu, (m2 - mu * mu).clamp_min(0)
+
+
+def _exact_mask(plan, n, L, S, dev):
+    """[Hq, L, Sp] keys attended exactly by the queries of block n (own block causal, local, retrieved)."""
+    Sp, loc = plan.padded_len, plan.local_blocks
+    pos = torch.arange(Sp, device=dev)
+    t = torch.arange(n * L, (n + 1) * L, device=dev)
+    kblk = pos // L
+    base = ((kblk[None] == n) & (pos[None] <= t[:, None])) | ((kblk[None] < n) & (kblk[None] >= n - loc))
+    ret = plan.retrieved[0, :, n][:, kblk]  # [Hq, Sp]
+    return (base[None] | ret[:, None, :]) & plan.key_valid[0][None, None, :]
+
+
+def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
+    """q [1, Hq, S, D], k/v [1, Hkv, S, D] float32 -> the layer's measures (see the module docstring)."""
+    _, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    dev = q.device
+    plan = make_cells_plan(q, k, scale=scale, **cfg)
+    L, Ck, nb, Sp, loc = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len, plan.local_blocks
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, Sp - S))[0].repeat_interleave(G, 0)  # noqa: E731
+    Q = torch.nn.functional.pad(q, (0, 0, 0, Sp - S))[0]  # [Hq, Sp, D]
+    K, V = pad(k), pad(v)
+    mu, var = cell_stats(k, plan)
+    vbar = cell_summaries(k, v, plan)[1]
+    rep = lambda t: t[0].repeat_interleave(G, 0).flatten(1, 2)  # noqa: E731  [Hq, nb*Ck, ...]
+    mu, var, vbar = rep(mu), rep(var), rep(vbar)
+    logn = log_counts(plan.counts)[0].repeat_interleave(G, 0).flatten(1)  # [Hq, nb*Ck]
+    cell_of_key = (torch.arange(Sp, device=dev) // L * Ck)[None] + plan.k_assign[0].repeat_interleave(G, 0)
+    cblk = torch.arange(nb * Ck, device=dev) // Ck
+    valid = plan.key_valid[0]
+
+    # pass 1: exact attention, its mass per (query block, key block), the plan's exact share
+    o_ex = torch.zeros(Hq, Sp, D, device=dev)
+    mass = torch.zeros(Hq, nb, nb, device=dev)
+    covered = torch.zeros(Hq, Sp, device=dev)
+    pos = torch.arange(Sp, device=dev)
+    for n in range(nb):
+        t = pos[n * L:(n + 1) * L]
+        s = scale * Q[:, t] @ K.transpose(1, 2)  # [Hq, L, Sp]
+        causal = (pos[None] <= t[:, None]) & valid[None]
+        p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), -1)
+        o_ex[:, t] = p @ V
+        mass[:, n] = p.view(Hq, L, nb, L).sum((1, 3))
+        covered[:, t] = (p * _exact_mask(plan, n, L, S, dev)).sum(-1)
+    # the oracle plan: the plan's sinks, then the blocks of most exact mass among the far non-sink ones
+    ar = torch.arange(nb, device=dev)
+    far = ar[None, :] < ar[:, None] - loc
+    first = int(valid.view(nb, L).any(-1).to(torch.int8).argmax())
+    sink = ((ar >= first) & (ar < first + cfg.get("sink_blocks", 1)))[None, None, :] & far[None]
+    kk = min(cfg["topk_blocks"], nb)
+    sc = mass.masked_fill(~far[None] | sink, float("-inf"))
+    val, idx = sc.topk(kk, -1)
+    oracle_R = sink.expand(Hq, nb, nb).clone()
+    oracle_R.scatter_(-1, idx, torch.isfinite(val) | oracle_R.gather(-1, idx))
+    oracle = dataclasses.replace(plan, retrieved=oracle_R[None])
+
+    # pass 2: the far-field models on the plan, and the plan's own model on the oracle plan
+    outs = {m: torch.zeros(Hq, Sp, D, device=dev) for m in (*FAR_MODELS, "oracle")}
+    for n in range(nb):
+        t = pos[n * L:(n + 1) * L]
+        qt = Q[:, t]
+        s = scale * qt @ K.transpose(1, 2)
+        qmu = scale * qt @ mu.transpose(1, 2)  # [Hq, L, nb*Ck]
+        for name, pl in (("plan", plan), ("oracle", oracle)):
+            ex = _exact_mask(pl, n, L, S, dev)
+            se = s.masked_fill(~ex, float("-inf"))
+            summ = (cblk[None] < n - loc)[None] & ~pl.retrieved[0, :, n][:, cblk][:, None, :] \
+                & (logn > float("-inf"))[:, None, :]  # [Hq, 1|L, nb*Ck]
+            models = FAR_MODELS if name == "plan" else ("mono",)
+            for m in models:
+                if m == "mono":
+                    a = qmu + logn[:, None]
+                elif m == "iso":
+                    a = qmu + logn[:, None] + 0.5 * scale**2 * (qt * qt).sum(-1, keepdim=True) * var.mean(-1)[:, None]
+                elif m == "diag":
+                    a = qmu + logn[:, None] + 0.5 * scale**2 * (qt * qt) @ var.transpose(1, 2)
+                else:  # wexact: log sum_j exp(s_j) per cell, over the far keys of the cell
+                    far_keys = valid[None, None] & ~ex & (torch.arange(Sp, device=dev) // L < n - loc)[None, None]
+                    mx = s.amax(-1, keepdim=True)
+                    w = torch.exp(s - mx) * far_keys
+                    a = torch.zeros(Hq, L, nb * Ck, device=dev).scatter_add_(
+                        -1, cell_of_key[:, None, :].expand(Hq, L, Sp), w).log() + mx
+                a = a.masked_fill(~summ, float("-inf"))
+                p = torch.softmax(torch.cat([se, a], -1), -1)
+                o = p[..., :Sp] @ V + p[..., Sp:] @ vbar
+                outs["oracle" if name == "oracle" else m][:, t] = o
+
+    def err(o, rows=slice(0, S), heads=slice(None)):
+        d = (o[heads, rows] - o_ex[heads, rows]).double()
+        return float(d.norm() / o_ex[heads, rows].double().norm())
+
+    # self-check: the `mono` model on the plan is the package's cells attention
+    pkg = (cells_triton if q.is_cuda else cells_reference)(q, k, v, plan, scale=scale)[0].transpose(0, 1)
+    mono_vs_package = float((outs["mono"][:, :S] - pkg).norm() / pkg.norm())
+    edges = [round(S * i / buckets) for i in range(buckets + 1)]
+    real = valid[:S]
+    far_mass = (1 - covered[:, :S][:, real])
+    return dict(
+        config=cfg, mono_vs_package=mono_vs_package,
+        mass_far=float(far_mass.mean()), mass_far_per_head=far_mass.mean(1).tolist(),
+        err={m: err(o) for m, o in outs.items()},
+        err_mono_per_head=[err(outs["mono"], heads=slice(h, h + 1)) for h in range(Hq)],
+        err_oracle_per_head=[err(outs["oracle"], heads=slice(h, h + 1)) for h in range(Hq)],
+        bucket_edges=edges,
+        err_mono_by_position=[err(outs["mono"], rows=slice(a, b)) for a, b in zip(edges[:-1], edges[1:])],
+        mass_far_by_position=[float(1 - covered[:, a:b].mean()) for a, b in zip(edges[:-1], edges[1:])],
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--layers", default="18,29,8,5")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--config", default="{}", help="cells plan options as JSON over the package's cells defaults")
+    ap.add_argument("--out", default="evals/results/muse-error-anatomy.json")
+    args = ap.parse_args()
+    cfg = {**FAR_FIELD_DEFAULTS["cells"], "sink_blocks": 1, **json.loads(args.config)}
+    model, tok = longctx_patch.load_model(args.model, dtype="float32", device=args.device)
+    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
+    if ids.shape[1] < args.seq_len:
+        sys.exit(f"the text under {args.data} has only {ids.shape[1]} tokens; --seq-len asks for {args.seq_len}")
+    qkv, scale = capture_qkv(model, ids.to(model.device))
+    del model
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    res = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               commit=git_commit(),
+               command="PYTHONPATH=. python3 evals/muse_error_anatomy.py " + " ".join(sys.argv[1:]),
+               model=args.model, seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
+               layers={})
+    for i in (int(x) for x in args.layers.split(",")):
+        t0 = time.time()
+        q, k, v = qkv[i]
+        with torch.no_grad():
+            row = anatomy(q, k, v, scale, cfg)
+        res["layers"][str(i)] = row
+        print(f"layer {i}: far mass {row['mass_far']:.3f} " + " ".join(f"{m} {e:.4f}" for m, e in row["err"].items())
+              + f" ({time.time() - t0:.0f}s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
