@@ -9,8 +9,11 @@ For each layer, against exact attention (the relative error of the output, as in
   `iso` / `diag` add the Gaussian second-order term of the cell's keys to the logit (`s^2 |q|^2 var / 2` with one
   variance per cell, or `s^2 sum_d q_d^2 var_d / 2` with one per dimension); `wexact` gives each cell its exact
   weight `sum_j exp(s q.k_j)` with the mean value (what no summary of the weights can beat);
-- `oracle`: the same number of exact blocks per query block, chosen by the exact attention mass of the block's
-  queries instead of the plan's mean-query score (what no retrieval score can beat).
+- other retrievals of as many exact blocks per query block, with the `mono` far field: `oracle` picks the blocks of
+  most exact attention mass of the block's queries (what no retrieval score can beat); `score_keys` scores block m
+  at the block's mean query with every key (`logsumexp_j s qbar.k_j`) instead of the cell means (the package),
+  `score_keys_max` with its best key (`max_j`), `score_cells_iso` with the cell means plus the Gaussian variance
+  term.
 Dense per query block (B = 1): a CUDA GPU for 64k, the CPU for a few thousand tokens.
 
     PYTHONPATH=. python3 evals/muse_error_anatomy.py --device cuda --model /tmp/smollm2.gguf --data .device-data \
@@ -91,26 +94,40 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         o_ex[:, t] = p @ V
         mass[:, n] = p.view(Hq, L, nb, L).sum((1, 3))
         covered[:, t] = (p * _exact_mask(plan, n, L, S, dev)).sum(-1)
-    # the oracle plan: the plan's sinks, then the blocks of most exact mass among the far non-sink ones
+    # other retrievals of the same size: the plan's sinks, then the far non-sink blocks of best score, the score
+    # being the exact attention mass of the block's queries (oracle) or an estimate of it at the mean query
     ar = torch.arange(nb, device=dev)
     far = ar[None, :] < ar[:, None] - loc
     first = int(valid.view(nb, L).any(-1).to(torch.int8).argmax())
     sink = ((ar >= first) & (ar < first + cfg.get("sink_blocks", 1)))[None, None, :] & far[None]
     kk = min(cfg["topk_blocks"], nb)
-    sc = mass.masked_fill(~far[None] | sink, float("-inf"))
-    val, idx = sc.topk(kk, -1)
-    oracle_R = sink.expand(Hq, nb, nb).clone()
-    oracle_R.scatter_(-1, idx, torch.isfinite(val) | oracle_R.gather(-1, idx))
-    oracle = dataclasses.replace(plan, retrieved=oracle_R[None])
 
-    # pass 2: the far-field models on the plan, and the plan's own model on the oracle plan
-    outs = {m: torch.zeros(Hq, Sp, D, device=dev) for m in (*FAR_MODELS, "oracle")}
+    def retrieval(score):  # [Hq, nb, nb] -> the plan with these retrieved blocks
+        val, idx = score.masked_fill(~far[None] | sink, float("-inf")).topk(kk, -1)
+        R = sink.expand(Hq, nb, nb).clone()
+        R.scatter_(-1, idx, torch.isfinite(val) | R.gather(-1, idx))
+        return dataclasses.replace(plan, retrieved=R[None])
+
+    vb = valid.view(nb, L)
+    qbar = (Q.view(Hq, nb, L, D) * vb[None, :, :, None]).sum(2) / vb.sum(1).clamp_min(1)[None, :, None]
+    sk = (scale * qbar @ K.transpose(1, 2)).masked_fill(~valid[None, None], float("-inf")).view(Hq, nb, nb, L)
+    mu_b = mu.view(Hq, nb, Ck, D)
+    iso = (scale * torch.einsum("hnd,hmcd->hnmc", qbar, mu_b) + logn.view(Hq, 1, nb, Ck)
+           + 0.5 * scale**2 * (qbar * qbar).sum(-1)[:, :, None, None] * var.mean(-1).view(Hq, 1, nb, Ck))
+    plans = {"oracle": retrieval(mass),
+             "score_keys": retrieval(torch.logsumexp(sk, -1)),  # sum_j exp(s qbar.k_j) over the block's keys
+             "score_keys_max": retrieval(sk.amax(-1)),  # the block's best key at the mean query
+             "score_cells_iso": retrieval(torch.logsumexp(iso, -1))}  # cells with the Gaussian variance term
+    del sk, iso
+
+    # pass 2: the far-field models on the plan, and the plan's own model on the other retrievals
+    outs = {m: torch.zeros(Hq, Sp, D, device=dev) for m in (*FAR_MODELS, *plans)}
     for n in range(nb):
         t = pos[n * L:(n + 1) * L]
         qt = Q[:, t]
         s = scale * qt @ K.transpose(1, 2)
         qmu = scale * qt @ mu.transpose(1, 2)  # [Hq, L, nb*Ck]
-        for name, pl in (("plan", plan), ("oracle", oracle)):
+        for name, pl in (("plan", plan), *plans.items()):
             ex = _exact_mask(pl, n, L, S, dev)
             se = s.masked_fill(~ex, float("-inf"))
             summ = (cblk[None] < n - loc)[None] & ~pl.retrieved[0, :, n][:, cblk][:, None, :] \
@@ -132,7 +149,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
                 a = a.masked_fill(~summ, float("-inf"))
                 p = torch.softmax(torch.cat([se, a], -1), -1)
                 o = p[..., :Sp] @ V + p[..., Sp:] @ vbar
-                outs["oracle" if name == "oracle" else m][:, t] = o
+                outs[m if name == "plan" else name][:, t] = o
 
     def err(o, rows=slice(0, S), heads=slice(None)):
         d = (o[heads, rows] - o_ex[heads, rows]).double()
