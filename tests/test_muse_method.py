@@ -37,7 +37,7 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="unknown"):
         m.parse_config({"blocksize": 32})
     with pytest.raises(ConfigError, match="q_clusters"):
-        m.parse_config({"block_size": 8, "q_clusters": 16})
+        m.parse_config({"far_field": "tilted", "block_size": 8, "q_clusters": 16})
     with pytest.raises(ConfigError, match="backend"):
         m.parse_config({"backend": "cuda"})
     with pytest.raises(ConfigError, match="kmeans_iters"):
