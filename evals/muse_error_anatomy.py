@@ -100,7 +100,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
     far = ar[None, :] < ar[:, None] - loc
     first = int(valid.view(nb, L).any(-1).to(torch.int8).argmax())
     sink = ((ar >= first) & (ar < first + cfg.get("sink_blocks", 1)))[None, None, :] & far[None]
-    kk = min(cfg["topk_blocks"], nb)
+    kk = min(cfg["topk_blocks"] + cfg.get("peak_blocks", 0), nb)
 
     def retrieval(score):  # [Hq, nb, nb] -> the plan with these retrieved blocks
         val, idx = score.masked_fill(~far[None] | sink, float("-inf")).topk(kk, -1)

@@ -252,6 +252,10 @@ for _D, _C in ((64, 32), (128, 16)):
     CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=mcl.scores_tiles(_D, _C)[1]),
                                           dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
+for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
+    _NT, _BL = mcl.peaks_tiles(_D, 256)
+    CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, BL=_BL),
+                                   dict(QBAR=F32, K=BF16, KVAL=I8, BS=F32, scale="fp32"), {"num_warps": 4})
 
 def main():
     out = {}

@@ -38,6 +38,8 @@ def test_config_validation():
         m.parse_config({"blocksize": 32})
     with pytest.raises(ConfigError, match="q_clusters"):
         m.parse_config({"far_field": "tilted", "block_size": 8, "q_clusters": 16})
+    with pytest.raises(ConfigError, match="peak_blocks"):
+        m.parse_config({"far_field": "tilted", "peak_blocks": 2})
     with pytest.raises(ConfigError, match="backend"):
         m.parse_config({"backend": "cuda"})
     with pytest.raises(ConfigError, match="kmeans_iters"):

@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.muse.cells import make_cells_plan  # noqa: E402
-from longctx_patch.kernels.muse.cluster import block_scores_triton  # noqa: E402
+from longctx_patch.kernels.muse.cells import block_peaks, make_cells_plan  # noqa: E402
+from longctx_patch.kernels.muse.cluster import block_peaks_triton, block_scores_triton  # noqa: E402
 from longctx_patch.kernels.muse.plan import lloyd  # noqa: E402
 
 
@@ -100,8 +100,51 @@ def test_block_scores_equal_the_torch_formula():
     torch.testing.assert_close(bs[torch.isfinite(ref)], ref[torch.isfinite(ref)], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("S,Ck,tb,mask", [(1100, 16, 2, False), (811, 32, 3, True)])
-def test_cells_plan_triton_equals_torch(S, Ck, tb, mask):
+@pytest.mark.parametrize("L,D", [(128, 32), (256, 128)])
+def test_block_peaks_equal_the_brute_force_max(L, D):
+    """The peak score of block m for query block n, max_j scale * qbar_n . k_j over m's real keys, from both
+    backends against a direct max over every (n, m, j): GQA, a padding mask (an empty block), local blocks."""
+    g = torch.Generator().manual_seed(L)
+    B, Hq, Hkv, nb, loc = 2, 6, 2, 9, 1
+    qbar = torch.randn(B, Hq, nb, D, generator=g)
+    kb = torch.randn(B, Hkv, nb, L, D, generator=g).bfloat16()
+    valid = torch.rand(B, nb * L, generator=g) > 0.3
+    valid[1, 2 * L:3 * L] = False  # block 2 of row 1 holds no real key
+    s = 0.25 * torch.einsum("bhnd,bhmld->bhnml", qbar, kb.float().repeat_interleave(Hq // Hkv, 1))
+    ref = s.masked_fill(~valid.view(B, 1, 1, nb, L), -math.inf).amax(-1)
+    ar = torch.arange(nb)
+    ref = ref.masked_fill(~(ar[None, :] < ar[:, None] - loc), -math.inf)
+    assert torch.isinf(ref[1, :, :, 2]).all() and torch.isfinite(ref).any()
+    for got in (block_peaks(qbar, kb, valid, scale=0.25, local_blocks=loc, chunk_elems=5000),
+                block_peaks_triton(qbar, kb, valid, scale=0.25, local_blocks=loc)):
+        assert torch.equal(torch.isinf(got), torch.isinf(ref))
+        torch.testing.assert_close(got[torch.isfinite(ref)], ref[torch.isfinite(ref)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_peak_blocks_retrieve_the_block_of_one_matching_key(backend):
+    """Block 2 holds one key that matches every query of block 7; block 4 holds many keys that match it a little.
+    The mass score ranks block 4 first (more total weight, and the cell means blur block 2's key), so one retrieved
+    block misses block 2; one peak block more retrieves it. Block 0 is the sink, block 6 the local block."""
+    g = torch.Generator().manual_seed(0)
+    L, nb, D = 128, 8, 32
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    k = torch.randn(1, 1, nb * L, D, generator=g) * 0.3
+    k[0, 0, 4 * L:5 * L] += 0.8 * u
+    k[0, 0, 2 * L + 5] = 4 * u
+    q = torch.randn(1, 1, nb * L, D, generator=g)
+    q[0, 0, 7 * L:] = 3 * u
+    q, k = q.bfloat16(), k.bfloat16()  # the Triton clustering takes bf16 keys
+    kw = dict(scale=D**-0.5, block_size=L, k_clusters=16, topk_blocks=1, backend=backend)
+    mass_only = make_cells_plan(q, k, **kw).retrieved[0, 0, 7]
+    with_peak = make_cells_plan(q, k, peak_blocks=1, **kw)
+    assert mass_only.nonzero().flatten().tolist() == [0, 4]
+    assert with_peak.retrieved[0, 0, 7].nonzero().flatten().tolist() == [0, 2, 4]
+    assert with_peak.max_retrieved == 3 and int(with_peak.retrieved.sum(-1).max()) <= 3
+
+
+@pytest.mark.parametrize("S,Ck,tb,pb,mask", [(1100, 16, 2, 0, False), (811, 32, 3, 0, True), (1100, 16, 1, 3, True)])
+def test_cells_plan_triton_equals_torch(S, Ck, tb, pb, mask):
     """The whole plan on clustered keys (exact agreement) with GQA, an odd length and a padding mask. Every block
     has at least Ck valid keys: with fewer, the init repeats a token and the tie between the two equal centroids
     may fall either way (test_lloyd_fewer_valid_tokens_than_clusters covers that case)."""
@@ -114,7 +157,7 @@ def test_cells_plan_triton_equals_torch(S, Ck, tb, mask):
     if mask:
         km = torch.ones(2, S, dtype=torch.bool)
         km[1, :40] = False  # left padding
-    kw = dict(scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb, key_mask=km)
+    kw = dict(scale=D**-0.5, block_size=L, k_clusters=Ck, topk_blocks=tb, peak_blocks=pb, key_mask=km)
     ref = make_cells_plan(q, k, backend="torch", **kw)
     tri = make_cells_plan(q, k, backend="triton", **kw)
     assert torch.equal(tri.retrieved, ref.retrieved) and tri.retrieved.any()

@@ -60,6 +60,7 @@ def muse_attention(
     kmeans_iters: int = 2,
     topk_clusters: int = 4,
     topk_blocks: int = 2,
+    peak_blocks: int = 0,
     local_blocks: int = 1,
     sink_blocks: int = 1,
     dipole: bool = False,
@@ -82,8 +83,9 @@ def muse_attention(
     of two; for the backward L * D <= 8192.
     backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
     far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
-    super-key shared by every query; `topk_blocks` retrieved per query block, plus the `sink_blocks` first blocks
-    with a real key, exact for every query block; q_clusters, topk_clusters unused).
+    super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
+    `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
+    block; q_clusters, topk_clusters unused).
     Cells Triton path: block_size a multiple of 128, D a power of two in 16..128 (forward and backward).
     """
     if far_field not in ("tilted", "cells"):
@@ -98,8 +100,10 @@ def muse_attention(
         raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
     if far_field == "cells":
         return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
-                      topk_blocks=topk_blocks, local_blocks=local_blocks, sink_blocks=sink_blocks, dipole=dipole,
-                      key_mask=key_mask, backend=backend)
+                      topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,
+                      sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask, backend=backend)
+    if peak_blocks:
+        raise ConfigError("muse: peak_blocks needs far_field='cells' (the tilted design retrieves per query cluster)")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
                            needs_grad=needs_grad)
@@ -157,8 +161,8 @@ def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
     return None
 
 
-def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, local_blocks, sink_blocks, dipole,
-           key_mask, backend):
+def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
+           sink_blocks, dipole, key_mask, backend):
     from .cells import cells_reference, cells_triton, make_cells_plan
 
     if dipole:
@@ -171,8 +175,9 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
     elif backend == "auto":
         backend = "triton" if (q.is_cuda and why is None) else "torch"
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
-                           kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, local_blocks=local_blocks,
-                           sink_blocks=sink_blocks, key_mask=key_mask, backend=_plan_backend(backend))
+                           kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
+                           local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
+                           backend=_plan_backend(backend))
     if backend == "triton":
         return cells_triton(q, k, v, plan, scale=scale)
     return cells_reference(q, k, v, plan, scale=scale)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cluster import block_scores_supported, block_scores_triton
+from .cluster import block_peaks_supported, block_peaks_triton, block_scores_supported, block_scores_triton
 from .plan import _blocks, lloyd, log_counts
 from .reference import masked_softmax
 
@@ -56,12 +56,14 @@ class CellsPlan:
 
 @torch.no_grad()
 def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: int = 32, kmeans_iters: int = 2,
-                    topk_blocks: int = 8, local_blocks: int = 1, sink_blocks: int = 1,
+                    topk_blocks: int = 8, peak_blocks: int = 0, local_blocks: int = 1, sink_blocks: int = 1,
                     key_mask: torch.Tensor | None = None, chunk_elems: int = 2**26, backend: str = "auto") -> CellsPlan:
     """Key cells per block and kv head (Lloyd, farthest-point init: plan.lloyd) and the retrieved blocks of every
     query block: the `sink_blocks` first blocks that hold a real key (attention sinks) are exact for every later
     query block; of the other blocks before the local ones, block m is scored at the mean query of block n by
-    `logsumexp_c(scale * qbar . mu_c + log n_c)` and the `topk_blocks` best are exact.
+    the mass estimate `logsumexp_c(scale * qbar . mu_c + log n_c)` and the `topk_blocks` best are exact; then, of
+    the blocks still left, the `peak_blocks` of highest peak score `max_j scale * qbar . k_j` (the block's best
+    key: a block that holds one key the queries match, whose cell mean hides it).
     backend: "auto" (the Triton clustering and scoring of kernels/muse/cluster.py on CUDA, PyTorch elsewhere),
     "torch" or "triton"; both give the same plan up to near-ties (see cluster.py)."""
     B, Hq, S, D = q.shape
@@ -75,7 +77,8 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     if key_mask is not None:
         key_valid[:, :S] &= key_mask.to(device=dev, dtype=torch.bool)
     vb = key_valid.view(B, 1, nb, L)
-    cent, ka, cnt = lloyd(_blocks(k, L, Sp).reshape(-1, L, D), vb.expand(B, Hkv, nb, L).reshape(-1, L), Ck,
+    kb = _blocks(k, L, Sp)  # [B, Hkv, nb, L, D]
+    cent, ka, cnt = lloyd(kb.reshape(-1, L, D), vb.expand(B, Hkv, nb, L).reshape(-1, L), Ck,
                           kmeans_iters, backend=backend)
     cent = cent.view(B, Hkv, nb, Ck, D)
     cnt = cnt.view(B, Hkv, nb, Ck)
@@ -85,14 +88,15 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     first = vb.any(-1).view(B, nb).to(torch.int8).argmax(-1)  # each row's first block with a real key
     sink = (ar[None] >= first[:, None]) & (ar[None] < first[:, None] + sink_blocks)  # [B, nb]
     retrieved |= (far[None] & sink[:, None, :])[:, None]
-    if topk_blocks > 0 and nb > local_blocks + 1:
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if (topk_blocks > 0 or peak_blocks > 0) and nb > local_blocks + 1:
         qb = _blocks(q, L, Sp)  # [B, Hq, nb, L, D]
         if key_mask is not None:
             qb = qb * vb[..., None].to(qb.dtype)
         qbar = qb.sum(3, dtype=torch.float32) / vb.sum(3, dtype=torch.float32).clamp_min(1)[..., None]
+    if topk_blocks > 0 and nb > local_blocks + 1:
         logn = log_counts(cnt)
         kk = min(topk_blocks, nb)
-        use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
         if use_triton and block_scores_supported(D, Ck):
             bs = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks)
             val, idx = bs.masked_fill_(sink[:, None, None, :], -math.inf).topk(kk, -1)
@@ -108,8 +112,38 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     val, idx = bs.topk(kk, -1)
                     r = retrieved[:, g * G:(g + 1) * G, n0:n1]
                     r.scatter_(-1, idx, torch.isfinite(val) | r.gather(-1, idx))
+    if peak_blocks > 0 and nb > local_blocks + 1:
+        if use_triton and block_peaks_supported(k, L):
+            ps = block_peaks_triton(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks)
+        else:
+            ps = block_peaks(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks,
+                             chunk_elems=chunk_elems)
+        val, idx = ps.masked_fill_(retrieved, -math.inf).topk(min(peak_blocks, nb), -1)
+        retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
-                     min(topk_blocks + sink_blocks, nb), key_mask is not None)
+                     min(topk_blocks + peak_blocks + sink_blocks, nb), key_mask is not None)
+
+
+def block_peaks(qbar, kb, key_valid, *, scale: float, local_blocks: int, chunk_elems: int = 2**26) -> torch.Tensor:
+    """The peak score `max_j scale * qbar_n . k_j` over the real keys j of block m, for m < n - local_blocks (else,
+    or with no real key, -inf). qbar [B, Hq, nb, D] fp32, kb [B, Hkv, nb, L, D], key_valid [B, nb * L] bool ->
+    [B, Hq, nb, nb] fp32 (PyTorch; block_peaks_triton computes the same)."""
+    B, Hq, nb, D = qbar.shape
+    Hkv, L = kb.shape[1], kb.shape[3]
+    G = Hq // Hkv
+    ar = torch.arange(nb, device=qbar.device)
+    far = ar[None, :] < ar[:, None] - local_blocks
+    kv = key_valid.view(B, 1, 1, nb, L)
+    out = torch.empty(B, Hq, nb, nb, device=qbar.device, dtype=torch.float32)
+    step = max(1, chunk_elems // max(1, B * G * nb * L))
+    for g in range(Hkv):
+        kg = kb[:, g].float()
+        for n0 in range(0, nb, step):
+            n1 = min(nb, n0 + step)
+            s = torch.einsum("bhnd,bmld->bhnml", qbar[:, g * G:(g + 1) * G, n0:n1], kg)
+            s = (scale * s).masked_fill_(~kv, -math.inf).amax(-1)
+            out[:, g * G:(g + 1) * G, n0:n1] = s.masked_fill_(~far[n0:n1], -math.inf)
+    return out
 
 
 def cell_summaries(k, v, plan: CellsPlan):

@@ -10,6 +10,9 @@ one launch each:
 - `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
   `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots as three tf32 products),
   written as `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
+- `_block_peaks_kernel`: one program per (64 query blocks, batch x query head): the peak score
+  `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
+  query; the fp32 mean query split in three bf16 parts, exact products), in the same layout.
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
 between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
@@ -188,3 +191,62 @@ def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tens
 
 def block_scores_supported(D: int, Ck: int) -> bool:
     return not D & (D - 1) and 16 <= D <= 256 and not Ck & (Ck - 1) and Ck <= 128
+
+
+@triton.jit
+def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.constexpr, D: tl.constexpr,
+                        NT: tl.constexpr, BL: tl.constexpr, UP: tl.constexpr):
+    """QBAR [B*HQ, NB, D] fp32, K [B*HKV, SP, D] bf16 (SP = NB * L), KVAL [B, SP] int8 -> BS [B*HQ, NB, NB] (pre-filled
+    with -inf; the programs write the far blocks m < n - LOC: -inf where block m has no real key)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    bkv = b * HKV + (bh % HQ) // (HQ // HKV)
+    offs_n = pid * NT + tl.arange(0, NT)
+    offs_d = tl.arange(0, D)
+    offs_l = tl.arange(0, BL)
+    in_n = offs_n < NB
+    qbar = tl.load(QBAR + (bh * NB + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
+    # qbar = hi + mid + lo in bf16 (to ~2^-24 of qbar): three exact bf16 products per key tile, fp32 sums
+    q_hi = qbar.to(tl.bfloat16)
+    r = qbar - q_hi.to(tl.float32)
+    q_mid = r.to(tl.bfloat16)
+    q_lo = (r - q_mid.to(tl.float32)).to(tl.bfloat16)
+    hi = tl.minimum(NB, pid * NT + NT - 1 - LOC)  # far blocks of the tile's last query block
+    for m in range(0, hi):
+        best = tl.full([NT], float("-inf"), tl.float32)
+        for l0 in tl.static_range(0, L, BL):
+            pos = m * L + l0 + offs_l
+            kt = tl.load(K + (bkv * SP + pos)[:, None] * D + offs_d[None, :])
+            ok = tl.load(KVAL + b * SP + pos) != 0
+            kT = tl.trans(kt)
+            s = _fdot(q_hi, kT, _fdot(q_mid, kT, _fdot(q_lo, kT, tl.zeros([NT, BL], dtype=tl.float32), UP), UP), UP)
+            best = tl.maximum(best, tl.max(tl.where(ok[None, :], s, float("-inf")), 1))
+        far = m < offs_n - LOC
+        tl.store(BS + (bh * NB + offs_n) * NB + m, tl.where(far, best * scale, float("-inf")), mask=in_n)
+
+
+def block_peaks_supported(k: torch.Tensor, L: int) -> bool:
+    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile."""
+    D = k.shape[-1]
+    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128
+            and L % peaks_tiles(D, L)[1] == 0)
+
+
+def peaks_tiles(D: int, L: int) -> tuple[int, int]:
+    """(query blocks, keys) per tile of `_block_peaks_kernel`: no register spills on sm_90 (cuobjdump)."""
+    return 64, min(L, 128 if D <= 64 else 64)
+
+
+def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,
+                       local_blocks: int) -> torch.Tensor:
+    """qbar [B, Hq, nb, D] fp32, kb [B, Hkv, nb, L, D] (the keys by block, padded), key_valid [B, nb * L] bool ->
+    [B, Hq, nb, nb] fp32: the peak score of block m for query block n when m < n - local_blocks, else -inf."""
+    B, Hq, nb, D = qbar.shape
+    Hkv, L = kb.shape[1], kb.shape[3]
+    bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
+    NT, BL = peaks_tiles(D, L)
+    _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hq)](
+        qbar.float().contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(), key_valid.to(torch.int8).contiguous(),
+        bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, BL=BL, UP=_interpreting(), num_warps=4)
+    return bs

@@ -19,8 +19,8 @@ from ..exact import key_mask_for, softmax_attention
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
 # field", the speed / error trade-off at 64k)
 FAR_FIELD_DEFAULTS = {
-    "cells": dict(block_size=256, k_clusters=8, topk_blocks=20),
-    "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4),
+    "cells": dict(block_size=256, k_clusters=8, topk_blocks=20, peak_blocks=0),
+    "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4, peak_blocks=0),
 }
 
 
@@ -41,6 +41,10 @@ class MuseConfig(MethodConfig):
     topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
     topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
                                      "cluster (tilted); default 20 (cells) / 4 (tilted)", min=0)
+    peak_blocks: int | None = option(None, "cells: more earlier blocks attended exactly per query block, chosen by "
+                                     "their best key at the block's mean query (max_j q.k_j) among those "
+                                     "topk_blocks left: blocks whose one matching key a cell mean hides; default 0",
+                                     min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
@@ -62,14 +66,17 @@ class MuseConfig(MethodConfig):
                 f"MuseConfig: q_clusters ({self.q_clusters}, tilted) and k_clusters ({self.get('k_clusters')}) must "
                 f"be <= block_size ({L})"
             )
+        if self.far_field == "tilted" and self.get("peak_blocks"):
+            raise ConfigError("MuseConfig: peak_blocks needs far_field='cells' (tilted retrieves per query cluster)")
         if self.far_field == "cells" and self.dipole:
             raise ConfigError("MuseConfig: dipole=True needs far_field='tilted' (the cells have no dipole term)")
 
     def kernel_kwargs(self) -> dict:
         return dict(block_size=self.get("block_size"), q_clusters=self.q_clusters, k_clusters=self.get("k_clusters"),
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
-                    topk_blocks=self.get("topk_blocks"), local_blocks=self.local_blocks, sink_blocks=self.sink_blocks,
-                    dipole=self.dipole, backend=self.backend, far_field=self.far_field)
+                    topk_blocks=self.get("topk_blocks"), peak_blocks=self.get("peak_blocks"),
+                    local_blocks=self.local_blocks, sink_blocks=self.sink_blocks, dipole=self.dipole,
+                    backend=self.backend, far_field=self.far_field)
 
 
 def _past_len(cache_layer) -> int:
