@@ -29,7 +29,8 @@ def test_config_validation():
     # far-field-dependent defaults: the cells ones unless far_field=tilted, and a value set wins
     cells, tilted = m.parse_config({}), m.parse_config({"far_field": "tilted"})
     assert cells.far_field == "cells" and cells.kernel_kwargs()["block_size"] == 256
-    assert (cells.get("k_clusters"), cells.get("topk_blocks")) == (8, 20)
+    assert (cells.get("k_clusters"), cells.get("topk_blocks"), cells.get("peak_blocks")) == (8, 10, 10)
+    assert tilted.get("peak_blocks") == 0
     assert (tilted.get("block_size"), tilted.get("k_clusters"), tilted.get("topk_blocks")) == (128, 4, 4)
     assert m.parse_config({"topk_blocks": 3}).kernel_kwargs()["topk_blocks"] == 3
     with pytest.raises(ConfigError, match="k_clusters"):

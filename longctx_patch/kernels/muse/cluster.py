@@ -10,7 +10,7 @@ one launch each:
 - `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
   `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots as three tf32 products),
   written as `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
-- `_block_peaks_kernel`: one program per (64 query blocks, batch x query head): the peak score
+- `_block_peaks_kernel`: one program per (64 query blocks, batch x query head, 16 key blocks): the peak score
   `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
   query; the fp32 mean query split in three bf16 parts, exact products), in the same layout.
 
@@ -195,7 +195,7 @@ def block_scores_supported(D: int, Ck: int) -> bool:
 
 @triton.jit
 def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.constexpr, D: tl.constexpr,
-                        NT: tl.constexpr, BL: tl.constexpr, UP: tl.constexpr):
+                        NT: tl.constexpr, BL: tl.constexpr, MC: tl.constexpr, UP: tl.constexpr):
     """QBAR [B*HQ, NB, D] fp32, K [B*HKV, SP, D] bf16 (SP = NB * L), KVAL [B, SP] int8 -> BS [B*HQ, NB, NB] (pre-filled
     with -inf; the programs write the far blocks m < n - LOC: -inf where block m has no real key)."""
     pid = tl.program_id(0)
@@ -213,7 +213,8 @@ def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.co
     q_mid = r.to(tl.bfloat16)
     q_lo = (r - q_mid.to(tl.float32)).to(tl.bfloat16)
     hi = tl.minimum(NB, pid * NT + NT - 1 - LOC)  # far blocks of the tile's last query block
-    for m in range(0, hi):
+    m0 = tl.program_id(2) * MC  # this program's MC key blocks (programs past `hi` have none)
+    for m in range(m0, tl.minimum(hi, m0 + MC)):
         best = tl.full([NT], float("-inf"), tl.float32)
         for l0 in tl.static_range(0, L, BL):
             pos = m * L + l0 + offs_l
@@ -233,9 +234,10 @@ def block_peaks_supported(k: torch.Tensor, L: int) -> bool:
             and L % peaks_tiles(D, L)[1] == 0)
 
 
-def peaks_tiles(D: int, L: int) -> tuple[int, int]:
-    """(query blocks, keys) per tile of `_block_peaks_kernel`: no register spills on sm_90 (cuobjdump)."""
-    return 64, min(L, 128 if D <= 64 else 64)
+def peaks_tiles(D: int, L: int) -> tuple[int, int, int]:
+    """(query blocks, keys) per tile of `_block_peaks_kernel` and its pipeline stages: no register spills on sm_90
+    (cuobjdump), and shared memory within sm_90's 227 KB (D 128 at 3 stages takes 240 KB)."""
+    return 64, min(L, 128 if D <= 64 else 64), 3 if D <= 64 else 2
 
 
 def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,
@@ -245,8 +247,10 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
     B, Hq, nb, D = qbar.shape
     Hkv, L = kb.shape[1], kb.shape[3]
     bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
-    NT, BL = peaks_tiles(D, L)
-    _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hq)](
+    NT, BL, stages = peaks_tiles(D, L)
+    MC = 16  # key blocks per program: enough programs to fill the GPU at 64k (B * Hq * 4 query tiles * 16)
+    _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hq, triton.cdiv(nb, MC))](
         qbar.float().contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(), key_valid.to(torch.int8).contiguous(),
-        bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, BL=BL, UP=_interpreting(), num_warps=4)
+        bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, BL=BL, MC=MC, UP=_interpreting(), num_warps=4,
+        num_stages=stages)
     return bs

@@ -19,7 +19,7 @@ from ..exact import key_mask_for, softmax_attention
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
 # field", the speed / error trade-off at 64k)
 FAR_FIELD_DEFAULTS = {
-    "cells": dict(block_size=256, k_clusters=8, topk_blocks=20, peak_blocks=0),
+    "cells": dict(block_size=256, k_clusters=8, topk_blocks=10, peak_blocks=10),
     "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4, peak_blocks=0),
 }
 
@@ -40,10 +40,10 @@ class MuseConfig(MethodConfig):
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
     topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
-                                     "cluster (tilted); default 20 (cells) / 4 (tilted)", min=0)
+                                     "cluster (tilted); default 10 (cells) / 4 (tilted)", min=0)
     peak_blocks: int | None = option(None, "cells: more earlier blocks attended exactly per query block, chosen by "
                                      "their best key at the block's mean query (max_j q.k_j) among those "
-                                     "topk_blocks left: blocks whose one matching key a cell mean hides; default 0",
+                                     "topk_blocks left: blocks whose one matching key a cell mean hides; default 10",
                                      min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
