@@ -1,7 +1,7 @@
 """MuSe cells: what lowers the long-context error at a fixed design? A CPU study on SmolLM2-135M's real Q/K/V.
 
 For each layer, the relative error of the attention output against exact attention, for cells plans that differ in
-one knob from the defaults (L 256, Ck 16, 16 blocks, 1 sink block):
+one knob from the defaults of its time (L 256, Ck 16, 16 blocks, 1 sink block; the package has moved since):
 - `cq4` / `cq16`: retrieval scored by a count-weighted log-sum over 4 / 16 query sub-centroids of each query block
   (Lloyd on its queries) instead of the block's mean query (the package);
 - `b24`: 24 retrieved blocks; `ck32`: 32 cells per block; `ck8b24`: 8 cells and 24 blocks.

@@ -24,16 +24,18 @@ CELLS_KEYS = ("block_size", "k_clusters", "topk_blocks")
 
 def key(cfg: dict) -> tuple:
     """A configuration's identity: its far field and the knobs that far field reads. A cells result without
-    `sink_blocks` predates that option (149988f), so it had none."""
+    `sink_blocks` predates that option (149988f), so it had none; one without `peak_blocks` had none either (the
+    plan's default is 0)."""
     ff = cfg.get("far_field", "tilted" if "q_clusters" in cfg else "cells")
     if ff == "tilted":
         return (ff,) + tuple(cfg.get(k) for k in TILTED_KEYS)
-    return (ff,) + tuple(cfg.get(k) for k in CELLS_KEYS) + (cfg.get("sink_blocks", 0),)
+    return (ff,) + tuple(cfg.get(k) for k in CELLS_KEYS) + (cfg.get("sink_blocks", 0), cfg.get("peak_blocks", 0))
 
 
 def label(k: tuple) -> str:
     if k[0] == "cells":
-        return f"cells L{k[1]} Ck{k[2]} b{k[3]}" + (f" sink{k[4]}" if k[4] else "")
+        return (f"cells L{k[1]} Ck{k[2]} b{k[3]}" + (f"+{k[5]}peak" if k[5] else "")
+                + (f" sink{k[4]}" if k[4] else ""))
     return f"tilted L{k[1]} q{k[2]} k{k[3]} b{k[4]} c{k[5]}"
 
 
