@@ -44,9 +44,10 @@ SEQS = [int(x) for x in os.environ.get("CELLS_SEQS", "65536,131072,16384,32768")
 # default: the package's cells defaults, then the previous defaults (Ck 16, 16 blocks)
 CFGS = json.loads(os.environ["CELLS_CFGS"]) if os.environ.get("CELLS_CFGS") else [
     dict(FAR_FIELD_DEFAULTS["cells"]), {"block_size": 256, "k_clusters": 16, "topk_blocks": 16}]
-for _c in CFGS:  # record the sink blocks each cells configuration runs with (the plan's default if not given)
+for _c in CFGS:  # record the sink and peak blocks each cells configuration runs with (the plan's default if not given)
     if _c.get("far_field") != "tilted":
-        _c.setdefault("sink_blocks", inspect.signature(make_cells_plan).parameters["sink_blocks"].default)
+        for _k in ("sink_blocks", "peak_blocks"):
+            _c.setdefault(_k, inspect.signature(make_cells_plan).parameters[_k].default)
 RES: dict = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=git_commit(),
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
                                   + ["PYTHONPATH=. python3 evals/bench_muse_cells.py"]), torch=torch.__version__,

@@ -50,7 +50,7 @@ def cell_stats(k, plan):
     return mu, (m2 - mu * mu).clamp_min(0)
 
 
-def _exact_mask(plan, n, L, S, dev):
+def _exact_mask(plan, n, L, dev):
     """[Hq, L, Sp] keys attended exactly by the queries of block n (own block causal, local, retrieved)."""
     Sp, loc = plan.padded_len, plan.local_blocks
     pos = torch.arange(Sp, device=dev)
@@ -93,7 +93,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), -1)
         o_ex[:, t] = p @ V
         mass[:, n] = p.view(Hq, L, nb, L).sum((1, 3))
-        covered[:, t] = (p * _exact_mask(plan, n, L, S, dev)).sum(-1)
+        covered[:, t] = (p * _exact_mask(plan, n, L, dev)).sum(-1)
     # other retrievals of the same size: the plan's sinks, then the far non-sink blocks of best score, the score
     # being the exact attention mass of the block's queries (oracle) or an estimate of it at the mean query
     ar = torch.arange(nb, device=dev)
@@ -128,7 +128,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         s = scale * qt @ K.transpose(1, 2)
         qmu = scale * qt @ mu.transpose(1, 2)  # [Hq, L, nb*Ck]
         for name, pl in (("plan", plan), *plans.items()):
-            ex = _exact_mask(pl, n, L, S, dev)
+            ex = _exact_mask(pl, n, L, dev)
             se = s.masked_fill(~ex, float("-inf"))
             summ = (cblk[None] < n - loc)[None] & ~pl.retrieved[0, :, n][:, cblk][:, None, :] \
                 & (logn > float("-inf"))[:, None, :]  # [Hq, 1|L, nb*Ck]

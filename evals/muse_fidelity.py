@@ -85,8 +85,9 @@ def main():
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     for cfg in json.loads(args.grid) if args.grid else GRID:
-        if cfg.get("far_field") == "cells":  # record the sink blocks it runs with (muse_attention's default if unset)
-            cfg.setdefault("sink_blocks", inspect.signature(muse_attention).parameters["sink_blocks"].default)
+        if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
+            for k in ("sink_blocks", "peak_blocks"):
+                cfg.setdefault(k, inspect.signature(muse_attention).parameters[k].default)
         errs, t0 = [], time.time()
         for i in layers:
             q, k, v = qkv[i]

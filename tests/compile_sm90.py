@@ -261,6 +261,7 @@ for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
                                    dict(QBAR=F32, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
                                    {"num_warps": 4, "num_stages": _st})
 
+
 def main():
     out = {}
     for name, (kernel, consts, ptrs, options) in CASES.items():

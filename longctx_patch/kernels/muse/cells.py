@@ -99,8 +99,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         kk = min(topk_blocks, nb)
         if use_triton and block_scores_supported(D, Ck):
             bs = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks)
-            val, idx = bs.masked_fill_(sink[:, None, None, :], -math.inf).topk(kk, -1)
-            retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
+            _take_top(retrieved, bs.masked_fill_(sink[:, None, None, :], -math.inf), kk)
         else:
             step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
             for g in range(Hkv):
@@ -109,19 +108,23 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
                     bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
                     bs = bs.masked_fill(~far[n0:n1][None, None] | sink[:, None, None, :], -math.inf)
-                    val, idx = bs.topk(kk, -1)
-                    r = retrieved[:, g * G:(g + 1) * G, n0:n1]
-                    r.scatter_(-1, idx, torch.isfinite(val) | r.gather(-1, idx))
+                    _take_top(retrieved[:, g * G:(g + 1) * G, n0:n1], bs, kk)
     if peak_blocks > 0 and nb > local_blocks + 1:
         if use_triton and block_peaks_supported(k, L):
             ps = block_peaks_triton(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks)
         else:
             ps = block_peaks(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks,
                              chunk_elems=chunk_elems)
-        val, idx = ps.masked_fill_(retrieved, -math.inf).topk(min(peak_blocks, nb), -1)
-        retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
+        _take_top(retrieved, ps.masked_fill_(retrieved, -math.inf), min(peak_blocks, nb))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
                      min(topk_blocks + peak_blocks + sink_blocks, nb), key_mask is not None)
+
+
+def _take_top(retrieved, scores, k: int) -> None:
+    """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` that score above
+    -inf (-inf: not a candidate)."""
+    val, idx = scores.topk(k, -1)
+    retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
 
 
 def block_peaks(qbar, kb, key_valid, *, scale: float, local_blocks: int, chunk_elems: int = 2**26) -> torch.Tensor:
