@@ -39,12 +39,13 @@ class MuseConfig(MethodConfig):
                                     "8 (cells) / 4 (tilted)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
     topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
-    topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells) or per query "
-                                     "cluster (tilted); default 10 (cells) / 4 (tilted)", min=0)
-    peak_blocks: int | None = option(None, "cells: more earlier blocks attended exactly per query block, chosen by "
-                                     "their best key at the block's mean query (max_j q.k_j) among those "
-                                     "topk_blocks left: blocks whose one matching key a cell mean hides; default 10",
-                                     min=0)
+    topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells: those of most "
+                                     "estimated attention mass) or per query cluster (tilted); default 10 (cells) / "
+                                     "4 (tilted)", min=0)
+    peak_blocks: int | None = option(None, "cells: more earlier blocks attended exactly per query block, beyond "
+                                     "topk_blocks: those whose best key scores highest at the block's mean query "
+                                     "(max_j q.k_j), which finds a block whose one matching key a cell mean hides; "
+                                     "default 10 (cells) / 0 (tilted has none)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
     sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
