@@ -185,13 +185,14 @@ def test_patched_model_with_cells_far_field():
     ids = torch.randint(3, 128, (1, 600), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids).logits.clone()
-    cfg = dict(far_field="cells", block_size=128, k_clusters=8, topk_blocks=0, min_seq_len=0)
+    cfg = dict(far_field="cells", block_size=128, k_clusters=8, topk_blocks=0, peak_blocks=0, min_seq_len=0)
     out = {}
     for backend in ("torch", "triton"):
-        lp.patch(model, "muse", backend=backend, **cfg)
-        with torch.no_grad():
-            out[backend] = model(ids).logits
-        lp.unpatch(model)
+        for peak in (0, 1):  # one peak block: of the far blocks 1 and 2 of the last query block, one is exact
+            lp.patch(model, "muse", backend=backend, **dict(cfg, peak_blocks=peak))
+            with torch.no_grad():
+                out[backend, peak] = model(ids).logits
+            lp.unpatch(model)
     lp.patch(model, "muse", **dict(cfg, topk_blocks=99))
     with torch.no_grad():
         exact = model(ids).logits
@@ -200,8 +201,10 @@ def test_patched_model_with_cells_far_field():
     with torch.no_grad():
         after = model(ids).logits
     assert torch.equal(after, before) and gen.shape == (1, 304)
-    assert not torch.allclose(out["torch"], before, atol=1e-4)  # the far field really ran
-    torch.testing.assert_close(out["triton"], out["torch"], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(out["torch", 0], before, atol=1e-4)  # the far field really ran
+    assert not torch.allclose(out["torch", 1], out["torch", 0], atol=1e-4)  # and the peak block changed it
+    for peak in (0, 1):
+        torch.testing.assert_close(out["triton", peak], out["torch", peak], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(exact, before, atol=2e-5, rtol=1e-4)
 
 
