@@ -12,8 +12,10 @@ For each layer, against exact attention (the relative error of the output, as in
 - other retrievals of as many exact blocks per query block, with the `mono` far field: `oracle` picks the blocks of
   most exact attention mass of the block's queries (what no retrieval score can beat); `score_keys` scores block m
   at the block's mean query with every key (`logsumexp_j s qbar.k_j`) instead of the cell means (the package),
-  `score_keys_max` with its best key (`max_j`), `score_cells_iso` with the cell means plus the Gaussian variance
-  term.
+  `score_keys_max` with its best key (`max_j`), `score_keys_top4` with its 4 best, `score_cells_iso` with the cell
+  means plus the Gaussian variance term; and two that use every query of the block, as the oracle does:
+  `score_pair_max` (the best query-key logit of the two blocks) and `score_query_max_mean` (each query's best key
+  in block m, averaged over the block's queries).
 Dense per query block (B = 1): a CUDA GPU for 64k, the CPU for a few thousand tokens.
 
     PYTHONPATH=. python3 evals/muse_error_anatomy.py --device cuda --model /tmp/smollm2.gguf --data .device-data \
@@ -84,6 +86,8 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
     # pass 1: exact attention, its mass per (query block, key block), the plan's exact share
     o_ex = torch.zeros(Hq, Sp, D, device=dev)
     mass = torch.zeros(Hq, nb, nb, device=dev)
+    pair_max = torch.full((Hq, nb, nb), float("-inf"), device=dev)  # best (query, key) logit per block pair
+    qmax_mean = torch.zeros(Hq, nb, nb, device=dev)  # mean over the block's queries of their best key's logit
     covered = torch.zeros(Hq, Sp, device=dev)
     pos = torch.arange(Sp, device=dev)
     for n in range(nb):
@@ -93,6 +97,9 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), -1)
         o_ex[:, t] = p @ V
         mass[:, n] = p.view(Hq, L, nb, L).sum((1, 3))
+        sb = s.masked_fill(~valid[None, None], float("-inf")).view(Hq, L, nb, L).amax(-1)  # [Hq, L, nb]
+        pair_max[:, n] = sb.amax(1)
+        qmax_mean[:, n] = sb.mean(1)
         covered[:, t] = (p * _exact_mask(plan, n, L, dev)).sum(-1)
     # other retrievals of the same size: the plan's sinks, then the far non-sink blocks of best score, the score
     # being the exact attention mass of the block's queries (oracle) or an estimate of it at the mean query
@@ -117,6 +124,9 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
     plans = {"oracle": retrieval(mass),
              "score_keys": retrieval(torch.logsumexp(sk, -1)),  # sum_j exp(s qbar.k_j) over the block's keys
              "score_keys_max": retrieval(sk.amax(-1)),  # the block's best key at the mean query
+             "score_keys_top4": retrieval(torch.logsumexp(sk.topk(4, -1).values, -1)),  # its 4 best keys
+             "score_pair_max": retrieval(pair_max),  # the best (query, key) pair of the two blocks
+             "score_query_max_mean": retrieval(qmax_mean),  # each query's best key, averaged over the queries
              "score_cells_iso": retrieval(torch.logsumexp(iso, -1))}  # cells with the Gaussian variance term
     del sk, iso
 
