@@ -12,7 +12,8 @@ For each layer, against exact attention (the relative error of the output, as in
 - other retrievals of as many exact blocks per query block, with the `mono` far field: `oracle` picks the blocks of
   most exact attention mass of the block's queries (what no retrieval score can beat); `score_keys` scores block m
   at the block's mean query with every key (`logsumexp_j s qbar.k_j`) instead of the cell means (the package),
-  `score_keys_max` with its best key (`max_j`), `score_keys_top4` with its 4 best, `score_cells_iso` with the cell
+  `score_keys_max` with its best key (`max_j`), `score_keys_max_q4` the same at 4 query sub-centroids of the block
+  (Lloyd), the best of the 4, `score_keys_top4` with its 4 best keys, `score_cells_iso` with the cell
   means plus the Gaussian variance term; and two that use every query of the block, as the oracle does:
   `score_pair_max` (the best query-key logit of the two blocks) and `score_query_max_mean` (each query's best key
   in block m, averaged over the block's queries).
@@ -37,7 +38,7 @@ import torch
 import longctx_patch
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, cells_triton, make_cells_plan
-from longctx_patch.kernels.muse.plan import log_counts
+from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -118,6 +119,11 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
     vb = valid.view(nb, L)
     qbar = (Q.view(Hq, nb, L, D) * vb[None, :, :, None]).sum(2) / vb.sum(1).clamp_min(1)[None, :, None]
     sk = (scale * qbar @ K.transpose(1, 2)).masked_fill(~valid[None, None], float("-inf")).view(Hq, nb, nb, L)
+    # 4 query sub-centroids per query block (Lloyd on its queries): the peak score at each, the best one kept
+    cq = lloyd(Q.reshape(Hq * nb, L, D), vb.repeat(Hq, 1), 4, 2, backend="torch")[0].view(Hq, nb, 4, D)
+    sq = torch.einsum("hnad,hsd->hnas", scale * cq, K).masked_fill(~valid[None, None, None], float("-inf"))
+    peak_q4 = sq.view(Hq, nb, 4, nb, L).amax(-1).amax(2)
+    del sq
     mu_b = mu.view(Hq, nb, Ck, D)
     iso = (scale * torch.einsum("hnd,hmcd->hnmc", qbar, mu_b) + logn.view(Hq, 1, nb, Ck)
            + 0.5 * scale**2 * (qbar * qbar).sum(-1)[:, :, None, None] * var.mean(-1).view(Hq, 1, nb, Ck))
@@ -125,6 +131,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
              "score_keys": retrieval(torch.logsumexp(sk, -1)),  # sum_j exp(s qbar.k_j) over the block's keys
              "score_keys_max": retrieval(sk.amax(-1)),  # the block's best key at the mean query
              "score_keys_top4": retrieval(torch.logsumexp(sk.topk(4, -1).values, -1)),  # its 4 best keys
+             "score_keys_max_q4": retrieval(peak_q4),  # the best key at the best of 4 query sub-centroids
              "score_pair_max": retrieval(pair_max),  # the best (query, key) pair of the two blocks
              "score_query_max_mean": retrieval(qmax_mean),  # each query's best key, averaged over the queries
              "score_cells_iso": retrieval(torch.logsumexp(iso, -1))}  # cells with the Gaussian variance term
