@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-import longctx_patch
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, cells_triton, make_cells_plan
+from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, cells_triton, make_cells_plan
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import capture_qkv, real_text  # noqa: E402
+from muse_fidelity import real_qkv  # noqa: E402
 
 FAR_MODELS = ("mono", "iso", "diag", "wexact")
 
@@ -111,9 +110,8 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
     kk = min(cfg["topk_blocks"] + cfg.get("peak_blocks", 0), nb)
 
     def retrieval(score):  # [Hq, nb, nb] -> the plan with these retrieved blocks
-        val, idx = score.masked_fill(~far[None] | sink, float("-inf")).topk(kk, -1)
         R = sink.expand(Hq, nb, nb).clone()
-        R.scatter_(-1, idx, torch.isfinite(val) | R.gather(-1, idx))
+        _take_top(R, score.masked_fill(~far[None] | sink, float("-inf")), kk)
         return dataclasses.replace(plan, retrieved=R[None])
 
     vb = valid.view(nb, L)
@@ -201,17 +199,12 @@ def main():
     ap.add_argument("--out", default="evals/results/muse-error-anatomy.json")
     args = ap.parse_args()
     cfg = {**FAR_FIELD_DEFAULTS["cells"], "sink_blocks": 1, **json.loads(args.config)}
-    model, tok = longctx_patch.load_model(args.model, dtype="float32", device=args.device)
-    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
-    if ids.shape[1] < args.seq_len:
-        sys.exit(f"the text under {args.data} has only {ids.shape[1]} tokens; --seq-len asks for {args.seq_len}")
-    qkv, scale = capture_qkv(model, ids.to(model.device))
-    del model
+    qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     res = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=git_commit(),
                command="PYTHONPATH=. python3 evals/muse_error_anatomy.py " + " ".join(sys.argv[1:]),
-               model=args.model, seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
+               model=args.model, seq_len=args.seq_len, text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                layers={})
     for i in (int(x) for x in args.layers.split(",")):
         t0 = time.time()

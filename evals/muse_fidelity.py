@@ -61,6 +61,16 @@ def capture_qkv(model, ids):
     return [tuple(t.float() for t in got[i][:3]) for i in sorted(got)], float(model.model.layers[0].self_attn.scaling)
 
 
+def real_qkv(model_name: str, data: str, seq_len: int, device: str):
+    """Load `model_name` in fp32 on `device`, tokenise the first `seq_len` tokens of the essays under `data` and
+    capture every layer's post-rotary Q/K/V: ([(q, k, v)] per layer, attention scale). Exits if the text is short."""
+    model, tok = longctx_patch.load_model(model_name, dtype="float32", device=device)
+    ids = tok(real_text(Path(data), seq_len * 8), return_tensors="pt").input_ids[:, :seq_len]
+    if ids.shape[1] < seq_len:
+        sys.exit(f"the text under {data} has only {ids.shape[1]} tokens; --seq-len asks for {seq_len}")
+    return capture_qkv(model, ids.to(model.device))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -74,16 +84,11 @@ def main():
                     help="MuSe backend: torch (the dense reference: CPU, a few thousand tokens) or auto/triton (CUDA)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = longctx_patch.load_model(args.model, dtype="float32", device=args.device)
-    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
-    if ids.shape[1] < args.seq_len:
-        sys.exit(f"the text under {args.data} has only {ids.shape[1]} tokens; --seq-len asks for {args.seq_len}")
-    ids = ids.to(model.device)
-    qkv, scale = capture_qkv(model, ids)
+    qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     rows, refs = [], {}  # exact outputs, computed once per layer
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
-    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    device = torch.cuda.get_device_name(qkv[0][0].device) if qkv[0][0].is_cuda else "cpu"
     for cfg in json.loads(args.grid) if args.grid else GRID:
         if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
             for k in ("sink_blocks", "peak_blocks"):
@@ -103,7 +108,7 @@ def main():
         res = dict(device=device, backend=args.backend,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
-                   layers=list(layers), model=args.model, seq_len=int(ids.shape[1]), text="pg_essays",
+                   layers=list(layers), model=args.model, seq_len=args.seq_len, text="pg_essays",
                    metric="||o - o_exact|| / ||o_exact||", results=rows)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))  # after every configuration: a time limit loses none

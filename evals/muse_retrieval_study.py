@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 
-import longctx_patch
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.plan import _blocks, lloyd, log_counts
 from longctx_patch.methods.exact import softmax_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import capture_qkv, real_text  # noqa: E402
+from muse_fidelity import real_qkv  # noqa: E402
 
 # name: (k_clusters, topk_blocks, sink_blocks, query sub-centroids for the retrieval score; 1 = the mean query)
 VARIANTS = dict(base=(16, 16, 1, 1), cq4=(16, 16, 1, 4), cq16=(16, 16, 1, 16), b24=(16, 24, 1, 1),
@@ -57,8 +56,7 @@ def rescored(plan, q, k, scale: float, Cq: int, topk: int, sinks: int):
     far = ar[None, :] < ar[:, None] - plan.local_blocks
     sink = ar < sinks
     R = (far & sink[None])[None, None].expand_as(plan.retrieved).clone()
-    val, idx = bs.masked_fill(~far[None, None] | sink[None, None, None], -math.inf).topk(min(topk, nb), -1)
-    R.scatter_(-1, idx, torch.isfinite(val) | R.gather(-1, idx))
+    _take_top(R, bs.masked_fill(~far[None, None] | sink[None, None, None], -math.inf), min(topk, nb))
     plan.retrieved = R
     return plan
 
@@ -72,14 +70,11 @@ def main():
     ap.add_argument("--out", default="evals/results/muse-retrieval-study-16k-cpu.json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = longctx_patch.load_model(args.model, dtype="float32", device="cpu")
-    ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
-    qkv, scale = capture_qkv(model, ids)
-    del model
+    qkv, scale = real_qkv(args.model, args.data, args.seq_len, "cpu")
     layers = [int(x) for x in args.layers.split(",")]
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=git_commit(), command="PYTHONPATH=. python evals/muse_retrieval_study.py " + " ".join(sys.argv[1:]),
-               model=args.model, seq_len=int(ids.shape[1]), text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
+               model=args.model, seq_len=args.seq_len, text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                variants={n: dict(k_clusters=c, topk_blocks=t, sink_blocks=s, query_subcentroids=a)
                          for n, (c, t, s, a) in VARIANTS.items()}, per_layer={}, mean={})
     for i in layers:
