@@ -256,10 +256,10 @@ for _D, _C in ((64, 32), (128, 16)):
                                           dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
 for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
-    _NT, _BL, _st = mcl.peaks_tiles(_D, 256)
-    CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, BL=_BL, MC=16),
-                                   dict(QBAR=F32, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
-                                   {"num_warps": 4, "num_stages": _st})
+    _NT, _GP, _BL, _w, _st = mcl.peaks_tiles(_D, 256, 4)
+    CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, GP=_GP, BL=_BL, MC=16),
+                                   dict(QBAR=BF16, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
+                                   {"num_warps": _w, "num_stages": _st})
 
 
 def main():

@@ -102,16 +102,17 @@ def test_block_scores_equal_the_torch_formula():
 
 @pytest.mark.parametrize("L,D,nb", [(128, 32, 37), (256, 128, 9)])
 def test_block_peaks_equal_the_brute_force_max(L, D, nb):
-    """The peak score of block m for query block n, max_j scale * qbar_n . k_j over m's real keys, from both
-    backends against a direct max over every (n, m, j): GQA, a padding mask (an empty block), local blocks, more
-    key blocks than one Triton program takes (37 > 16)."""
+    """The peak score of block m for query block n, max_j scale * qbar_n . k_j over m's real keys (qbar rounded to
+    the keys' bf16), from both backends against a direct max over every (n, m, j): GQA with 3 query heads per kv
+    head (padded to 4 in the kernel's rows), a padding mask (an empty block), local blocks, more key blocks than
+    one Triton program takes (37 > 16), more query blocks than one program's tile (37 > 32)."""
     g = torch.Generator().manual_seed(L)
     B, Hq, Hkv, loc = 2, 6, 2, 1
     qbar = torch.randn(B, Hq, nb, D, generator=g)
     kb = torch.randn(B, Hkv, nb, L, D, generator=g).bfloat16()
     valid = torch.rand(B, nb * L, generator=g) > 0.3
     valid[1, 2 * L:3 * L] = False  # block 2 of row 1 holds no real key
-    s = 0.25 * torch.einsum("bhnd,bhmld->bhnml", qbar, kb.float().repeat_interleave(Hq // Hkv, 1))
+    s = 0.25 * torch.einsum("bhnd,bhmld->bhnml", qbar.bfloat16().float(), kb.float().repeat_interleave(Hq // Hkv, 1))
     ref = s.masked_fill(~valid.view(B, 1, 1, nb, L), -math.inf).amax(-1)
     ar = torch.arange(nb)
     ref = ref.masked_fill(~(ar[None, :] < ar[:, None] - loc), -math.inf)

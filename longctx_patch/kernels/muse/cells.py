@@ -110,7 +110,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     bs = bs.masked_fill(~far[n0:n1][None, None] | sink[:, None, None, :], -math.inf)
                     _take_top(retrieved[:, g * G:(g + 1) * G, n0:n1], bs, kk)
     if peak_blocks > 0 and nb > local_blocks + 1:
-        if use_triton and block_peaks_supported(k, L):
+        if use_triton and block_peaks_supported(k, L, G):
             ps = block_peaks_triton(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks)
         else:
             ps = block_peaks(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks,
@@ -129,8 +129,9 @@ def _take_top(retrieved, scores, k: int) -> None:
 
 def block_peaks(qbar, kb, key_valid, *, scale: float, local_blocks: int, chunk_elems: int = 2**26) -> torch.Tensor:
     """The peak score `max_j scale * qbar_n . k_j` over the real keys j of block m, for m < n - local_blocks (else,
-    or with no real key, -inf). qbar [B, Hq, nb, D] fp32, kb [B, Hkv, nb, L, D], key_valid [B, nb * L] bool ->
-    [B, Hq, nb, nb] fp32 (PyTorch; block_peaks_triton computes the same)."""
+    or with no real key, -inf), with the mean query rounded to the keys' dtype (the scores only rank blocks; bf16
+    keys then take one exact bf16 product). qbar [B, Hq, nb, D] fp32, kb [B, Hkv, nb, L, D], key_valid [B, nb * L]
+    bool -> [B, Hq, nb, nb] fp32 (PyTorch; block_peaks_triton computes the same)."""
     B, Hq, nb, D = qbar.shape
     Hkv, L = kb.shape[1], kb.shape[3]
     G = Hq // Hkv
@@ -139,6 +140,7 @@ def block_peaks(qbar, kb, key_valid, *, scale: float, local_blocks: int, chunk_e
     kv = key_valid.view(B, 1, 1, nb, L)
     out = torch.empty(B, Hq, nb, nb, device=qbar.device, dtype=torch.float32)
     step = max(1, chunk_elems // max(1, B * G * nb * L))
+    qbar = qbar.to(kb.dtype).float()
     for g in range(Hkv):
         kg = kb[:, g].float()
         for n0 in range(0, nb, step):

@@ -10,9 +10,10 @@ one launch each:
 - `_block_scores_kernel`: one program per (16 query blocks, batch x query head): the retrieval score
   `logsumexp_c(scale * qbar_n . mu_mc + log n_mc)` of every far block m (fp32 dots as three tf32 products),
   written as `[B, Hq, nb, nb]` (-inf where block m is not a far block of n) for `torch.topk`.
-- `_block_peaks_kernel`: one program per (64 query blocks, batch x query head, 16 key blocks): the peak score
+- `_block_peaks_kernel`: one program per (query blocks, batch x kv head, 16 key blocks): the peak score
   `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
-  query; the fp32 mean query split in three bf16 parts, exact products), in the same layout.
+  query rounded to bf16; exact products, fp32 sums), in the same layout. The kv head's query heads share each key
+  tile.
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
 between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
@@ -195,49 +196,57 @@ def block_scores_supported(D: int, Ck: int) -> bool:
 
 @triton.jit
 def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.constexpr, D: tl.constexpr,
-                        NT: tl.constexpr, BL: tl.constexpr, MC: tl.constexpr, UP: tl.constexpr):
-    """QBAR [B*HQ, NB, D] fp32, K [B*HKV, SP, D] bf16 (SP = NB * L), KVAL [B, SP] int8 -> BS [B*HQ, NB, NB] (pre-filled
-    with -inf; the programs write the far blocks m < n - LOC: -inf where block m has no real key)."""
+                        NT: tl.constexpr, GP: tl.constexpr, BL: tl.constexpr, MC: tl.constexpr, UP: tl.constexpr):
+    """QBAR [B*HQ, NB, D] bf16 (the mean queries rounded to the keys' dtype), K [B*HKV, SP, D] bf16 (SP = NB * L),
+    KVAL [B, SP] int8 -> BS [B*HQ, NB, NB] (pre-filled with -inf; the programs write the far blocks m < n - LOC:
+    -inf where block m has no real key). One program per (NT query blocks, batch x kv head, MC key blocks): its
+    rows are the NT query blocks of each of the kv head's G = HQ / HKV query heads (GP: G rounded up to a power of
+    two), so every key tile is loaded once for the G heads and enters one [GP * NT, D] x [D, BL] product."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HQ
-    bkv = b * HKV + (bh % HQ) // (HQ // HKV)
-    offs_n = pid * NT + tl.arange(0, NT)
+    bkv = tl.program_id(1).to(tl.int64)
+    G = HQ // HKV
+    b = bkv // HKV
+    r = tl.arange(0, GP * NT)
+    g = r // NT
+    offs_n = pid * NT + r % NT
+    bh = b * HQ + (bkv % HKV) * G + g  # each row's query head
     offs_d = tl.arange(0, D)
     offs_l = tl.arange(0, BL)
-    in_n = offs_n < NB
-    qbar = tl.load(QBAR + (bh * NB + offs_n)[:, None] * D + offs_d[None, :], mask=in_n[:, None], other=0.0)
-    # qbar = hi + mid + lo in bf16 (to ~2^-24 of qbar): three exact bf16 products per key tile, fp32 sums
-    q_hi = qbar.to(tl.bfloat16)
-    r = qbar - q_hi.to(tl.float32)
-    q_mid = r.to(tl.bfloat16)
-    q_lo = (r - q_mid.to(tl.float32)).to(tl.bfloat16)
+    ok_r = (g < G) & (offs_n < NB)
+    qbar = tl.load(QBAR + (bh * NB + offs_n)[:, None] * D + offs_d[None, :], mask=ok_r[:, None], other=0.0)
     hi = tl.minimum(NB, pid * NT + NT - 1 - LOC)  # far blocks of the tile's last query block
     m0 = tl.program_id(2) * MC  # this program's MC key blocks (programs past `hi` have none)
     for m in range(m0, tl.minimum(hi, m0 + MC)):
-        best = tl.full([NT], float("-inf"), tl.float32)
+        best = tl.full([GP * NT], float("-inf"), tl.float32)
         for l0 in tl.static_range(0, L, BL):
             pos = m * L + l0 + offs_l
             kt = tl.load(K + (bkv * SP + pos)[:, None] * D + offs_d[None, :])
             ok = tl.load(KVAL + b * SP + pos) != 0
-            kT = tl.trans(kt)
-            s = _fdot(q_hi, kT, _fdot(q_mid, kT, _fdot(q_lo, kT, tl.zeros([NT, BL], dtype=tl.float32), UP), UP), UP)
+            s = _fdot(qbar, tl.trans(kt), tl.zeros([GP * NT, BL], dtype=tl.float32), UP)
             best = tl.maximum(best, tl.max(tl.where(ok[None, :], s, float("-inf")), 1))
         far = m < offs_n - LOC
-        tl.store(BS + (bh * NB + offs_n) * NB + m, tl.where(far, best * scale, float("-inf")), mask=in_n)
+        tl.store(BS + (bh * NB + offs_n) * NB + m, tl.where(far, best * scale, float("-inf")), mask=ok_r)
 
 
-def block_peaks_supported(k: torch.Tensor, L: int) -> bool:
-    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile."""
+def block_peaks_supported(k: torch.Tensor, L: int, G: int) -> bool:
+    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile, at
+    most 64 query heads per kv head."""
     D = k.shape[-1]
-    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128
-            and L % peaks_tiles(D, L)[1] == 0)
+    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128 and G <= 64
+            and L % peaks_tiles(D, L, G)[2] == 0)
 
 
-def peaks_tiles(D: int, L: int) -> tuple[int, int, int]:
-    """(query blocks, keys) per tile of `_block_peaks_kernel` and its pipeline stages: no register spills on sm_90
-    (cuobjdump), and shared memory within sm_90's 227 KB (D 128 at 3 stages takes 240 KB)."""
-    return 64, min(L, 128 if D <= 64 else 64), 3 if D <= 64 else 2
+# (keys per tile, warps, stages) by head_dim that replace peaks_tiles' choice; for benchmarks
+PEAKS_TILES: dict = {}
+
+
+def peaks_tiles(D: int, L: int, G: int) -> tuple[int, int, int, int, int]:
+    """(query blocks NT, query heads GP, keys BL) per tile of `_block_peaks_kernel`, its warps and pipeline stages:
+    128 rows (GP * NT) per key tile; no register spills on sm_90 (cuobjdump) and shared memory within 227 KB (the
+    pipeline buffers every key tile of a block: L / BL loads x stages)."""
+    GP = triton.next_power_of_2(G)
+    BL, warps, stages = PEAKS_TILES.get(D, (64, 4, 3) if D <= 64 else (64, 8, 2))
+    return max(2, 128 // GP), GP, min(L, BL), warps, stages
 
 
 def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,
@@ -247,10 +256,10 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
     B, Hq, nb, D = qbar.shape
     Hkv, L = kb.shape[1], kb.shape[3]
     bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
-    NT, BL, stages = peaks_tiles(D, L)
-    MC = 16  # key blocks per program: enough programs to fill the GPU at 64k (B * Hq * 4 query tiles * 16)
-    _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hq, triton.cdiv(nb, MC))](
-        qbar.float().contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(), key_valid.to(torch.int8).contiguous(),
-        bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, BL=BL, MC=MC, UP=_interpreting(), num_warps=4,
-        num_stages=stages)
+    NT, GP, BL, warps, stages = peaks_tiles(D, L, Hq // Hkv)
+    MC = 16  # key blocks per program
+    _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hkv, triton.cdiv(nb, MC))](
+        qbar.to(kb.dtype).contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(),
+        key_valid.to(torch.int8).contiguous(), bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, GP=GP,
+        BL=BL, MC=MC, UP=_interpreting(), num_warps=warps, num_stages=stages)
     return bs
