@@ -9,10 +9,10 @@ Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
 Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; default the package's
 cells defaults and the previous defaults; one with "far_field": "tilted" goes to `muse_attention` and is timed
-forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,tune,speed; also fp32: the fp32 forward against
-SDPA's memory-efficient backend; `tune` times the forward kernel's tile choices at 64k and keeps the fastest for
-the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64": [[BM, BN, warps, stages], ...]}: the
-choices `tune` times).
+forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,peaks,tune,speed; also fp32: the fp32 forward against
+SDPA's memory-efficient backend; `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
+64k, each keeping the fastest for the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64":
+[[BM, BN, warps, stages], ...]}: the choices `tune` times); CELLS_PEAKS (JSON [[keys, warps, stages], ...]).
 """
 
 from __future__ import annotations
@@ -257,11 +257,60 @@ def tune(S=65536):
     save()
 
 
+PEAKS = [(64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2), (32, 4, 3), (32, 8, 3)]
+if os.environ.get("CELLS_PEAKS"):  # JSON [[keys per tile, warps, stages], ...]
+    PEAKS = [tuple(t) for t in json.loads(os.environ["CELLS_PEAKS"])]
+
+
+def peaks():
+    """The peak-score kernel (`peak_blocks`) per tile choice (keys per tile, warps, stages) at 64k and 128k, checked
+    against the PyTorch `block_peaks` on the same inputs; the fastest at each D is kept in cluster.PEAKS_TILES."""
+    from longctx_patch.kernels.muse import cluster as cl
+    from longctx_patch.kernels.muse.cells import block_peaks
+    from longctx_patch.kernels.muse.plan import _blocks
+
+    L = CFGS[0]["block_size"]
+    RES["peaks"] = []
+    for D in (64, 128):
+        times: dict = {}
+        for S in (65536, 131072):
+            q, k, _ = qkv(S, D, torch.bfloat16, seed=3)
+            nb = S // L
+            qbar = q.view(1, 32, nb, L, D).float().mean(3)
+            kb = _blocks(k, L, S)
+            valid = torch.ones(1, S, dtype=torch.bool, device="cuda")
+            ref = block_peaks(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
+            fin = torch.isfinite(ref)
+            for t in PEAKS:
+                cl.PEAKS_TILES[D] = t
+                row = dict(D=D, S=S, tiles=t)
+                try:
+                    got = cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
+                    row["same_inf"] = bool(torch.equal(torch.isinf(got), ~fin))
+                    row["max_abs_diff"] = float((got[fin] - ref[fin]).abs().max())
+                    row["ms"] = bench(lambda: cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1))
+                    if row["same_inf"] and row["max_abs_diff"] < 1e-3:
+                        times.setdefault(t, []).append(row["ms"])
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:300]
+                RES["peaks"].append(row)
+                print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+            del q, k, kb, qbar, ref
+            torch.cuda.empty_cache()
+        full = {t: sum(v) for t, v in times.items() if len(v) == 2}
+        if full:
+            cl.PEAKS_TILES[D] = min(full, key=full.get)
+            RES.setdefault("peaks_tiles_used", {})[D] = cl.PEAKS_TILES[D]
+        else:
+            cl.PEAKS_TILES.pop(D, None)
+    save()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    parts = os.environ.get("CELLS_PARTS", "checks,profile,tune,speed").split(",")
-    for part in (checks, fp32, profile, tune, speed):
+    parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
+    for part in (checks, fp32, profile, peaks, tune, speed):
         if part.__name__ in parts:
             try:
                 part()

@@ -88,10 +88,11 @@ def test_far_field_approximates_and_improves_with_cells():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [(2, 4, 2, 1000, 32, 128, 16, 2), (1, 2, 1, 700, 64, 256, 32, 1),
-                                  (1, 3, 3, 389, 16, 128, 8, 1)])
+                                  (1, 3, 3, 389, 16, 128, 8, 1), (1, 2, 1, 512, 32, 128, 8, 1)])
 @pytest.mark.parametrize("masked", [True, False], ids=["key_mask", "no_mask"])
 def test_triton_matches_reference(case, dtype, masked):
-    """With a key mask (a left-padded row: the kernels mask the listed blocks) and without one (they do not)."""
+    """With a key mask (a left-padded row: the kernels mask the listed blocks) and without one (they do not); a
+    length that fills whole blocks (the kernels read the inputs in place)."""
     B, Hq, Hkv, S, D, L, Ck, tb = case
     q, k, v = qkv(B, Hq, Hkv, S, D, dtype, seed=S)
     km = torch.ones(B, S, dtype=torch.bool)

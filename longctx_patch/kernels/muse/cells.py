@@ -152,14 +152,15 @@ def block_peaks(qbar, kb, key_valid, *, scale: float, local_blocks: int, chunk_e
 
 
 def cell_summaries(k, v, plan: CellsPlan):
-    """Mean key and mean value of every cell, differentiable in k and v: [B, Hkv, nb, Ck, D] each."""
+    """Mean key and mean value of every cell, differentiable in k and v: [B, Hkv, nb, Ck, D] each, in k's dtype
+    (each key's weight 1 / n_cell rounded to it; a bf16 mean takes one rounding, the matmul accumulates in fp32)."""
     L, Ck, Sp = plan.block_size, plan.k_clusters, plan.padded_len
     B, Hkv = k.shape[:2]
-    oh = torch.nn.functional.one_hot(plan.k_assign, Ck).to(k.dtype)
-    oh = (oh * plan.key_valid[:, None, :, None].to(k.dtype)).view(B, Hkv, plan.num_blocks, L, Ck)
-    inv = (1.0 / plan.counts.clamp_min(1)).to(k.dtype)[..., None]
-    mu = torch.einsum("bhmlc,bhmld->bhmcd", oh, _blocks(k, L, Sp)) * inv
-    vbar = torch.einsum("bhmlc,bhmld->bhmcd", oh, _blocks(v, L, Sp)) * inv
+    inv = 1.0 / plan.counts.clamp_min(1)  # [B, Hkv, nb, Ck]
+    w = torch.nn.functional.one_hot(plan.k_assign, Ck).view(B, Hkv, plan.num_blocks, L, Ck) * inv[:, :, :, None]
+    w = (w * plan.key_valid.view(B, 1, plan.num_blocks, L, 1)).to(k.dtype)
+    mu = torch.einsum("bhmlc,bhmld->bhmcd", w, _blocks(k, L, Sp))
+    vbar = torch.einsum("bhmlc,bhmld->bhmcd", w, _blocks(v, L, Sp))
     return mu, vbar
 
 
@@ -215,40 +216,42 @@ def _mm(a, b, UP: tl.constexpr):
 
 
 @triton.jit
-def _online(s, vals, m_i, l_i, acc, UP: tl.constexpr):
-    """One online-softmax step in the log2 domain: logits s [BM, BN], values [BN, D]."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+def _online(s, qk, vals, m_i, l_i, acc, EMPTY: tl.constexpr, UP: tl.constexpr):
+    """One online-softmax step in the log2 domain: logits qk * s for the unscaled tile s [BM, BN] (so that the
+    scale and the max subtraction are one FMA), values [BN, D]. EMPTY: a row of the tile may be all -inf with no
+    earlier finite logit (a masked tile); without it the max is finite and needs no guard."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY else m_new
+    p = tl.exp2(s * qk - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     acc = acc * alpha[:, None] + _mm(p.to(vals.dtype), vals, UP)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
-def _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr,
+def _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr,
                D: tl.constexpr, UP: tl.constexpr):
     """Cells c0 .. c0 + BN of the far field of query block n (cells of blocks < n - LOC: `hi`; retrieved blocks
-    masked): mean keys, mean values and the log2-domain logits of the query tile q (`qk q.mu + log2 n`; -inf where
-    masked or empty)."""
+    masked): mean keys, mean values and the unscaled logits of the query tile q (`q.mu + log n / scale`, the
+    callers multiply by scale; -inf where masked or empty)."""
     cidx = c0 + offs_n
     ok = cidx < hi
     ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
     mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) * 1.4426950408889634
-    return mu, vb, _mm(q, tl.trans(mu), UP) * qk + bias[None, :]
+    bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) / scale
+    return mu, vb, _mm(q, tl.trans(mu), UP) + bias[None, :]
 
 
 @triton.jit
-def _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: tl.constexpr, D: tl.constexpr,
+def _exact_tile(K, V, KVAL, q, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: tl.constexpr, D: tl.constexpr,
                 UP: tl.constexpr):
-    """Exact keys pos0 .. pos0 + BN: keys, values and the log2-domain logits of the query tile q. MASK 0: none
+    """Exact keys pos0 .. pos0 + BN: keys, values and the unscaled logits q.k of the query tile q. MASK 0: none
     (full earlier blocks without a key mask), 1: -inf for padding, 2: also for keys after the query (own block)."""
     pos = pos0 + offs_n
     k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
     v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    s = _mm(q, tl.trans(k), UP) * qk
+    s = _mm(q, tl.trans(k), UP)
     if MASK > 0:
         ok = (tl.load(KVAL + b * Sp + pos) != 0)[None, :]
         if MASK == 2:
@@ -286,19 +289,19 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        m_i, l_i, acc = _online(s, vb, m_i, l_i, acc, UP)
+        _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+        m_i, l_i, acc = _online(s, qk, vb, m_i, l_i, acc, True, UP)
     # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
     # loads pipeline across blocks; then the own block up to the tile's last query, causally
     row = bh * NB + n
     for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
         mblk = tl.load(EXL + row * NE + it // (L // BN))
-        _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+        _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
-        m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, PAD > 0, UP)
     for k0 in range(0, (tile * BM) % L + BM, BN):
-        _, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
-        m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+        _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, True, UP)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
@@ -320,9 +323,9 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
 
 
 @triton.jit
-def _p_ds(s, lse2, do, vals, delta, UP: tl.constexpr):
-    """Row-major pair [BM queries, BN keys]: probabilities and dS = P * (dO V^T - Delta)."""
-    p = tl.exp2(s - lse2[:, None])
+def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
+    """Row-major pair [BM queries, BN keys] of unscaled logits s: probabilities and dS = P * (dO V^T - Delta)."""
+    p = tl.exp2(s * qk - lse2[:, None])
     dp = _mm(do, tl.trans(vals), UP)
     return p, p * (dp - delta[:, None])
 
@@ -348,19 +351,19 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     dq = tl.zeros([BM, D], tl.float32)
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
-        mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, qk, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        p, ds = _p_ds(s, lse2, do, vb, delta, UP)
+        mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+        p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
         dq += _mm(ds.to(mu.dtype), mu, UP)
     row = bh * NB + n
     for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
         mblk = tl.load(EXL + row * NE + it // (L // BN))
-        k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+        k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
-        p, ds = _p_ds(s, lse2, do, v, delta, UP)
+        p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
         dq += _mm(ds.to(k.dtype), k, UP)
     for k0 in range(0, (tile * BM) % L + BM, BN):
-        k, v, s = _exact_tile(K, V, KVAL, q, qk, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
-        p, ds = _p_ds(s, lse2, do, v, delta, UP)
+        k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
         dq += _mm(ds.to(k.dtype), k, UP)
     tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
 
@@ -398,8 +401,8 @@ def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, N
                     lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                     delta = tl.load(DELTA + bh * Sp + qpos)
                     ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
-                    s = tl.where(ok, _mm(q, tl.trans(k), UP) * qk, float("-inf"))
-                    p, ds = _p_ds(s, lse2, do, v, delta, UP)
+                    s = tl.where(ok, _mm(q, tl.trans(k), UP), float("-inf"))
+                    p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
                     dv += _mm(tl.trans(p.to(do.dtype)), do, UP)
                     dk += _mm(tl.trans(ds.to(q.dtype)), q, UP)
     tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
@@ -424,7 +427,7 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
     qk = scale * 1.4426950408889634
     mu = tl.load(MU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
     vb = tl.load(VB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
-    bias = tl.load(LOGN + bkv * NCK + cidx, mask=okc, other=float("-inf")) * 1.4426950408889634
+    bias = tl.load(LOGN + bkv * NCK + cidx, mask=okc, other=float("-inf")) / scale
     dmu = tl.zeros([BN, D], tl.float32)
     dvb = tl.zeros([BN, D], tl.float32)
     for g in range(G):
@@ -437,8 +440,8 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
                 do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
                 lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                 delta = tl.load(DELTA + bh * Sp + qpos)
-                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) * qk + bias[None, :], float("-inf"))
-                p, ds = _p_ds(s, lse2, do, vb, delta, UP)
+                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) + bias[None, :], float("-inf"))
+                p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
                 dvb += _mm(tl.trans(p.to(do.dtype)), do, UP)
                 dmu += _mm(tl.trans(ds.to(q.dtype)), q, UP)
     tl.store(DMU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dmu * scale, mask=okc[:, None])
@@ -463,6 +466,13 @@ def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
     return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)))
 
 
+def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
+    """t [B, H, S, D] zero-padded to Sp positions, contiguous (no copy when it already is both)."""
+    if t.shape[2] != Sp:
+        t = torch.nn.functional.pad(t, (0, 0, 0, Sp - t.shape[2]))
+    return t.contiguous()
+
+
 class _CellsAttention(torch.autograd.Function):
     """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
     ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
@@ -476,8 +486,7 @@ class _CellsAttention(torch.autograd.Function):
         MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
         VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
         logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
-        pad = (0, 0, 0, Sp - S)
-        Q, K, V = (torch.nn.functional.pad(t, pad).contiguous() for t in (q, k, v))
+        Q, K, V = (_padded(t, Sp) for t in (q, k, v))
         exl = exact_lists(plan)
         # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
         lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
@@ -498,7 +507,7 @@ class _CellsAttention(torch.autograd.Function):
     def backward(ctx, do):
         Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
         B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = ctx.meta
-        DO = torch.nn.functional.pad(do.transpose(1, 2).to(Q.dtype), (0, 0, 0, Sp - S)).contiguous()
+        DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
         DELTA = (DO.float() * O.float()).sum(-1).contiguous()
         f32 = dict(device=Q.device, dtype=torch.float32)
         DQ = torch.empty(B, Hq, Sp, D, **f32)
@@ -523,6 +532,6 @@ class _CellsAttention(torch.autograd.Function):
 def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
     """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
     q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
-    of two. The cell means are computed in fp32 (differentiably) and rounded to the input dtype."""
-    mu, vbar = cell_summaries(k.float(), v.float(), plan)
-    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
+    of two. The cell means are computed (differentiably) in the input dtype with fp32 accumulation."""
+    mu, vbar = cell_summaries(k, v, plan)
+    return _CellsAttention.apply(q, k, v, mu, vbar, plan, scale)
