@@ -295,7 +295,6 @@ def peaks():
                     row["error"] = repr(e)[:300]
                 RES["peaks"].append(row)
                 print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
-            del q, k, kb, qbar, ref
             torch.cuda.empty_cache()
         full = {t: sum(v) for t, v in times.items() if len(v) == 2}
         if full:
