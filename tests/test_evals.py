@@ -231,6 +231,28 @@ def test_run_niah_writes_json_and_heatmap(tiny, tmp_path):
         assert r["correct"] == niah.score(r["answer"], r["value"])
     assert (tmp_path / "n.png").stat().st_size > 1000
     assert res["figures"]["overall"].keys() == {"exact", "sliding-window(window=32)"}
+    pa = data["paired"]["sliding-window(window=32)"]
+    assert pa["all"]["both"] + pa["all"]["only_reference"] + pa["all"]["only_method"] + pa["all"]["neither"] == 2
+
+
+def test_niah_paired_counts_and_mcnemar():
+    """The paired comparison matches samples by (task, length, depth, index) across methods, whatever their order
+    in the records; the McNemar p-value is the exact binomial tail."""
+    def rec(method, i, ok, task="s-niah-2"):
+        return dict(method=method, task=task, length=100, depth=0.5, index=i, correct=ok)
+
+    ref = [True, True, False, False, True, False]
+    alt = [True, False, True, False, False, False]
+    records = [rec("exact", i, ok) for i, ok in enumerate(ref)] + [rec("m", i, ok) for i, ok in reversed(list(enumerate(alt)))]
+    p = niah.paired(records, ["exact", "m"], ["s-niah-2"], [100])
+    assert p["reference"] == "exact"
+    assert p["m"]["all"] == {"both": 1, "only_reference": 2, "only_method": 1, "neither": 2, "mcnemar_p": 1.0}
+    assert p["m"]["s-niah-2 100"] == p["m"]["all"]
+    assert niah.mcnemar_p(0, 0) == 1.0
+    assert niah.mcnemar_p(0, 6) == pytest.approx(2 / 64)  # 6 discordant, all one way
+    assert niah.mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)
+    assert niah.paired(records, ["exact"], ["s-niah-2"], [100]) == {}
+    assert "2 samples only exact answers, 1 only m" in niah.paired_lines({"paired": p})
 
 
 def test_smollm2_finds_needle_in_essays(smollm2, essays):

@@ -18,6 +18,7 @@ greedy and a sample is correct when the value appears verbatim in the generated 
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import re
 import uuid
@@ -449,6 +450,8 @@ def run_niah(
         }
     )
     echo(accuracy_table(figures, [r.label for r in methods], tasks, lengths))
+    if figures["paired"]:
+        echo(paired_lines(figures))
     result = {"figures": figures}
     if out_dir is not None:
         stem = name or default_name("niah", model_name, methods)
@@ -483,7 +486,60 @@ def summarize(records, labels, tasks, lengths, depths) -> dict[str, Any]:
             }
             for t in tasks
         }
-    return {"accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall}
+    return {"accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall,
+            "paired": paired(records, labels, tasks, lengths)}
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar test: the probability, under "both methods are equally good", of a split of the
+    b + c discordant samples at least as uneven as (b, c) (a binomial test at 1/2)."""
+    n, k = b + c, min(b, c)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired(records, labels, tasks, lengths) -> dict[str, Any]:
+    """Each method after the first against the first (the reference, e.g. `exact`) on the same samples: how many
+    both answer, only the reference, only the method, neither, and the exact McNemar p-value of the difference;
+    over all samples and per task and length."""
+    if len(labels) < 2:
+        return {}
+
+    def split(rows_ref, rows_m):
+        got = {(r["task"], r["length"], r["depth"], r["index"]): r["correct"] for r in rows_m}
+        n = [0, 0, 0, 0]  # both, only the reference, only the method, neither
+        for r in rows_ref:
+            m = got[(r["task"], r["length"], r["depth"], r["index"])]
+            n[(0 if m else 1) if r["correct"] else (2 if m else 3)] += 1
+        return {"both": n[0], "only_reference": n[1], "only_method": n[2], "neither": n[3],
+                "mcnemar_p": round(mcnemar_p(n[1], n[2]), 4)}
+
+    ref = [r for r in records if r["method"] == labels[0]]
+    out: dict[str, Any] = {"reference": labels[0]}
+    for lab in labels[1:]:
+        mine = [r for r in records if r["method"] == lab]
+        out[lab] = {"all": split(ref, mine)}
+        for t in tasks:
+            for L in lengths:
+                sel = lambda rows: [r for r in rows if r["task"] == t and r["length"] == L]  # noqa: E731
+                out[lab][f"{t} {size_label(L)}"] = split(sel(ref), sel(mine))
+    return out
+
+
+def paired_lines(figures) -> str:
+    """One line per method: its samples against the reference's, and the McNemar p-value."""
+    p = figures.get("paired") or {}
+    lines = []
+    for lab, cells in p.items():
+        if lab == "reference":
+            continue
+        a = cells["all"]
+        lines.append(f"{lab} vs {p['reference']}: {a['only_reference']} samples only {p['reference']} answers, "
+                     f"{a['only_method']} only {lab}, {a['both']} both, {a['neither']} neither "
+                     f"(McNemar p = {a['mcnemar_p']:.3g})")
+    return "\n".join(lines)
 
 
 def accuracy_table(figures, labels, tasks, lengths) -> str:
