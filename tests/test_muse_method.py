@@ -15,7 +15,7 @@ from longctx_patch.methods import get_method  # noqa: E402
 
 from conftest import assert_left_padded_batch_matches_single, tiny_model  # noqa: E402
 
-SMALL = dict(far_field="tilted", block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0)
+SMALL = dict(far_field="tilted", block_size=16, q_clusters=2, k_clusters=8, min_seq_len=0, exact_tail=0)
 
 
 def rel(a, b):
@@ -95,6 +95,43 @@ def test_short_prompts_and_decode_are_exact():
     assert all(layer.keys.shape[2] == 48 for layer in cache.layers)  # full KV cache
 
 
+def test_exact_tail_equals_softmax_rows():
+    """`exact_tail` (GQA heads stacked along the query axis) gives the last rows of exact causal attention, with a
+    left-padding key mask."""
+    from longctx_patch.methods.exact import softmax_attention
+    from longctx_patch.methods.muse import exact_tail
+
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, S, D, T = 2, 6, 2, 50, 8, 7
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[1, :11] = False
+    ref = softmax_attention(q, k, v, scale=0.3, key_mask=km)[:, S - T:]
+    torch.testing.assert_close(exact_tail(q[:, :, S - T:], k, v, scale=0.3, key_mask=km), ref)
+
+
+def test_generation_prefill_recomputes_the_tail_exactly():
+    """One layer, so the logits of a position depend only on its own attention row: a prefill that fills a cache
+    in eval mode gives the unpatched logits at its last `exact_tail` positions and MuSe's before them; without a
+    cache, or in training mode, the tail is MuSe's too."""
+    model = tiny_model(num_hidden_layers=1)
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+    lp.patch(model, "muse", **dict(SMALL, topk_blocks=0, topk_clusters=0, local_blocks=0, exact_tail=9))
+    with torch.no_grad():
+        tail = model(ids, use_cache=True).logits
+        plain = model(ids, use_cache=False).logits
+    torch.testing.assert_close(tail[:, -9:], ref[:, -9:], atol=2e-5, rtol=1e-4)
+    assert torch.equal(tail[:, :-9], plain[:, :-9])
+    assert not torch.allclose(plain[:, -9:], ref[:, -9:], atol=1e-3)  # MuSe really approximates the tail
+    with torch.enable_grad():  # the same with autograd on (the tail is joined, not written in place)
+        torch.testing.assert_close(model(ids, use_cache=True).logits.detach(), tail)
+    model.train()
+    trained = model(ids, use_cache=True).logits  # with grad: the tail is not recomputed in training mode
+    torch.testing.assert_close(trained, plain)
+
+
 def test_left_padded_batch_matches_single_prompts_when_exact():
     model = tiny_model()
     lp.patch(model, "muse", topk_blocks=99, **SMALL)
@@ -144,7 +181,7 @@ def test_smollm2_generate_with_muse_and_unpatch_identity(smollm2):
         before = model(ids).logits.clone()
     # 5 blocks of 32: each query block summarises at least one earlier block (1 local, 1 retrieved)
     lp.patch(model, "muse", far_field="tilted", block_size=32, q_clusters=4, k_clusters=4, topk_blocks=1, topk_clusters=2,
-             min_seq_len=128)
+             min_seq_len=128, exact_tail=0)
     try:
         with torch.no_grad():
             patched = model(ids).logits

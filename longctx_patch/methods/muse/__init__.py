@@ -3,17 +3,20 @@
 The softmax kernel of each patched layer is replaced by MuSe (longctx_patch.kernels.muse) for prefill
 without a past (q_len == k_len > block_size and >= min_seq_len); decode steps, continued prefill and
 short sequences take exact softmax attention over a full KV cache, so `generate()` is exact after the
-prompt. The projections are the original ones: no new parameters. docs/muse.md explains every option.
+prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tail` queries exactly. The projections are the original ones: no new parameters. docs/muse.md explains every option.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, muse_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
-from ..exact import key_mask_for, softmax_attention
+from ..exact import attention_mask, key_mask_for, softmax_attention
 
 
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
@@ -52,6 +55,10 @@ class MuseConfig(MethodConfig):
     dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
                           "only")
     min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
+    exact_tail: int = option(128, "prefills that fill a KV cache in eval mode (generate): the last this-many "
+                             "queries attend exactly to every key, recomputed after MuSe (the question at the end of "
+                             "a prompt, and the positions the first generated token reads); 0: off. Training, "
+                             "perplexity without a cache and the op-level kernel are unaffected", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
 
@@ -107,8 +114,28 @@ class MuseAttention(PatchedAttention):
             k, v = cache_layer.update(k, v)
         km = key_mask_for(padding, k.shape[2])
         if self.uses_muse(S, past):
-            return muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+            o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+            t = min(self.method_config.exact_tail, S)
+            if t and cache_layer is not None and not self.training:
+                tail = exact_tail(q[:, :, S - t:], k, v, scale=self.scaling, key_mask=km)
+                if torch.is_grad_enabled():
+                    return torch.cat([o[:, :S - t], tail], 1)
+                o[:, S - t:] = tail
+            return o
         return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
+
+
+def exact_tail(q, k, v, *, scale: float, key_mask=None) -> torch.Tensor:
+    """Exact causal attention of the last T queries q [B, Hq, T, D] to all S keys k/v [B, Hkv, S, D] ->
+    [B, T, Hq, D]. The G = Hq / Hkv query heads of a kv head are stacked along the query axis, so SDPA reads each
+    kv head once instead of G repeated copies."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    mask = attention_mask(T, S, device=q.device, key_mask=key_mask)  # [B or 1, 1, T, S]
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask.repeat(1, 1, G, 1),
+                                       scale=scale)
+    return o.view(B, Hq, T, D).transpose(1, 2)
 
 
 @register_method
@@ -120,4 +147,4 @@ class Muse(Method):
     module_cls = MuseAttention
 
 
-__all__ = ["MuseConfig", "MuseAttention", "Muse"]
+__all__ = ["MuseConfig", "MuseAttention", "Muse", "exact_tail"]
