@@ -135,7 +135,7 @@ def exact_tail(q, k, v, *, scale: float, key_mask=None) -> torch.Tensor:
     mask = attention_mask(T, S, device=q.device, key_mask=key_mask)  # [B or 1, 1, T, S]
     o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask.repeat(1, 1, G, 1),
                                        scale=scale)
-    return o.view(B, Hq, T, D).transpose(1, 2)
+    return o.reshape(B, Hq, T, D).transpose(1, 2)  # SDPA may return a non-contiguous layout
 
 
 @register_method
