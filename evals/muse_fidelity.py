@@ -7,6 +7,8 @@ same function from the same plan; tests/test_muse_kernels.py checks that).
     PYTHONPATH=. python evals/muse_fidelity.py --seq-len 2048 --out evals/results/muse-fidelity.json
     PYTHONPATH=. python3 evals/muse_fidelity.py --device cuda --backend auto --model /tmp/smollm2.gguf \
         --data .device-data --seq-len 65536 --grid '[{"block_size": 128}]'      # long contexts: Triton on a GPU
+    (--dtype bfloat16: MuSe in bf16, as a bf16 model runs it, against the fp32 exact output; a row `{"exact":
+    true}` gives the error of the bf16 rounding alone)
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def main():
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
     ap.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or directory (load_model)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the dtype MuSe runs in (the captured Q/K/V are rounded to it); the exact reference stays "
+                         "fp32. bfloat16 adds a row `exact in bfloat16`: the error of rounding alone")
     ap.add_argument("--backend", default="torch",
                     help="MuSe backend: torch (the dense reference: CPU, a few thousand tokens) or auto/triton (CUDA)")
     args = ap.parse_args()
@@ -89,7 +94,11 @@ def main():
     rows, refs = [], {}  # exact outputs, computed once per layer
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     device = torch.cuda.get_device_name(qkv[0][0].device) if qkv[0][0].is_cuda else "cpu"
-    for cfg in json.loads(args.grid) if args.grid else GRID:
+    dt = getattr(torch, args.dtype)
+    grid = json.loads(args.grid) if args.grid else GRID
+    if dt != torch.float32:
+        grid = [{"exact": True}] + grid
+    for cfg in grid:
         if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
             for k in ("sink_blocks", "peak_blocks"):
                 cfg.setdefault(k, inspect.signature(muse_attention).parameters[k].default)
@@ -99,13 +108,17 @@ def main():
             if i not in refs:
                 refs[i] = softmax_attention(q, k, v, scale=scale)
             ref = refs[i]
-            o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **cfg)
-            errs.append(((o - ref).norm() / ref.norm()).item())
+            q, k, v = (t.to(dt) for t in (q, k, v))
+            if cfg.get("exact"):
+                o = softmax_attention(q, k, v, scale=scale)
+            else:
+                o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **cfg)
+            errs.append(((o.float() - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)
         print(f"{json.dumps(cfg):110s} mean {row['mean_rel_err']:.4f} max {row['max_rel_err']:.4f} "
               f"({time.time() - t0:.0f}s)", flush=True)
-        res = dict(device=device, backend=args.backend,
+        res = dict(device=device, backend=args.backend, dtype=args.dtype,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
                    layers=list(layers), model=args.model, seq_len=args.seq_len, text="pg_essays",
