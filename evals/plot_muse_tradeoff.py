@@ -1,7 +1,8 @@
 """MuSe's speed / error trade-off at 64k from measured results (no GPU needed): forward speedup over cuDNN
 (`evals/bench_muse_cells.py` rows, D=64 and 128, plan included) against the mean attention error over SmolLM2's
 30 layers on a 64k-token text (`evals/muse_fidelity.py --seq-len 65536`), for every configuration measured by
-both. Later result files win for the same configuration and shape.
+both. Later result files win for the same configuration and shape, so a configuration's point is at the kernels
+of its latest speed file (the files name their commit).
 
     python3 evals/plot_muse_tradeoff.py     # writes evals/results/muse-tradeoff-64k.{json,png}
 """
@@ -63,7 +64,7 @@ def main():
                 speed[(key(row["cfg"]), row["D"])] = dict(row, source=os.path.basename(f), device=r["device"])
                 sources.add(os.path.basename(f))
     for f, r in load(os.path.join(a.results, "muse-fidelity-64k*.json")):
-        if r.get("seq_len") != a.seq:
+        if r.get("seq_len") != a.seq or r.get("dtype", "float32") != "float32":  # the fp32 errors (bf16 adds rounding)
             continue
         for row in r["results"]:
             err[key(row["config"])] = dict(mean=row["mean_rel_err"], max=row["max_rel_err"], source=os.path.basename(f))
