@@ -174,6 +174,26 @@ def test_muse_attention_dispatch_and_errors():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("D", [24, 8])
+def test_head_dims_off_the_kernel_grid_run_zero_padded(D):
+    """A head_dim that is not a power of two in 16..128 runs the Triton path zero-padded (24 -> 32, 8 -> 16): the
+    same output and gradients as the reference at the real head_dim; above 128 the Triton path says what to do."""
+    from longctx_patch.kernels.muse import muse_attention
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, 2, 300, D, seed=D))
+    kw = dict(scale=D**-0.5, block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1, far_field="cells")
+    got = muse_attention(q, k, v, backend="triton", **kw)
+    ref = muse_attention(q, k, v, backend="torch", **kw)
+    assert got.shape == ref.shape == (1, 300, 4, D)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    big = torch.zeros(1, 1, 300, 160)
+    with pytest.raises(ConfigError, match="<= 128"):
+        muse_attention(big, big, big, backend="triton", **dict(kw, scale=0.1))
+
+
 def test_patched_model_with_cells_far_field():
     import longctx_patch as lp
     from longctx_patch.methods import get_method

@@ -152,13 +152,19 @@ def _check_triton_device(q: torch.Tensor) -> None:
 
 
 def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
-    """None if the cells Triton forward can run these inputs, else what to change."""
+    """None if the cells Triton kernels can run these inputs, else what to change. A head_dim that is not a power
+    of two in 16..128 runs zero-padded to the next one (`_cells`)."""
     D = q.shape[-1]
     if block_size % 128:
         return f"block_size {block_size} must be a multiple of 128 for the cells kernel"
-    if D & (D - 1) or not 16 <= D <= 128:
-        return f"head_dim {D} must be a power of two in 16..128 (shared memory of the backward kernels)"
+    if D > 128:
+        return f"head_dim {D} must be <= 128 (shared memory of the backward kernels)"
     return None
+
+
+def _kernel_head_dim(D: int) -> int:
+    """The head_dim the cells kernels run at: D rounded up to a power of two, at least 16."""
+    return max(16, 1 << (D - 1).bit_length())
 
 
 def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
@@ -174,12 +180,16 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
         _check_triton_device(q)
     elif backend == "auto":
         backend = "triton" if (q.is_cuda and why is None) else "torch"
+    D = q.shape[-1]
+    Dp = _kernel_head_dim(D) if backend == "triton" else D
+    if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
+        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
                            kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
                            local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
                            backend=_plan_backend(backend))
     if backend == "triton":
-        return cells_triton(q, k, v, plan, scale=scale)
+        return cells_triton(q, k, v, plan, scale=scale)[..., :D]
     return cells_reference(q, k, v, plan, scale=scale)
 
 
