@@ -194,6 +194,24 @@ def test_head_dims_off_the_kernel_grid_run_zero_padded(D):
         muse_attention(big, big, big, backend="triton", **dict(kw, scale=0.1))
 
 
+def test_mixed_dtypes_and_autocast():
+    """Under autocast the rotary embedding hands over fp32 q/k with a bf16 v: the attention runs in the autocast
+    dtype, as SDPA does (bf16 out), forward and backward; without autocast, k and v follow q's dtype."""
+    from longctx_patch.kernels.muse import muse_attention
+
+    q, k, v = qkv(1, 4, 2, 300, 32, seed=11)
+    kw = dict(scale=32**-0.5, block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1, far_field="cells")
+    ref = muse_attention(q, k, v, backend="torch", **kw)
+    got = muse_attention(q, k, v.bfloat16(), backend="triton", **kw)
+    assert got.dtype == torch.float32 and rel(got, ref) < 1e-2
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = muse_attention(qg, kg, vg.bfloat16(), backend="triton", **kw)
+    assert out.dtype == torch.bfloat16 and rel(out, ref) < 1e-2
+    out.float().pow(2).sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 and t.grad.abs().sum() > 0 for t in (qg, kg, vg))
+
+
 def test_patched_model_with_cells_far_field():
     import longctx_patch as lp
     from longctx_patch.methods import get_method

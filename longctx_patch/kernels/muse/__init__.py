@@ -72,7 +72,8 @@ def muse_attention(
     """Causal MuSe attention.
 
     q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
-    key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype.
+    key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype (under autocast, as
+    SDPA: in the autocast dtype; k and v of another dtype than q are cast to it).
 
     block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it);
     q_clusters / k_clusters: clusters per block of queries (per query head) and keys (per kv head);
@@ -86,7 +87,7 @@ def muse_attention(
     super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
     `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
     block; q_clusters, topk_clusters unused).
-    Cells Triton path: block_size a multiple of 128, D a power of two in 16..128 (forward and backward).
+    Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
     """
     if far_field not in ("tilted", "cells"):
         raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
@@ -98,6 +99,11 @@ def muse_attention(
         raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
     if k_clusters > block_size or q_clusters > block_size:
         raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
+    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: the attention runs in the autocast dtype
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) for t in (q, k, v))
+    elif not q.dtype == k.dtype == v.dtype:  # mixed inputs run in q's dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if far_field == "cells":
         return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
                       topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,

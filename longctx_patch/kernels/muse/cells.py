@@ -532,6 +532,7 @@ class _CellsAttention(torch.autograd.Function):
 def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
     """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
     q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
-    of two. The cell means are computed (differentiably) in the input dtype with fp32 accumulation."""
+    of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
+    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
     mu, vbar = cell_summaries(k, v, plan)
-    return _CellsAttention.apply(q, k, v, mu, vbar, plan, scale)
+    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
