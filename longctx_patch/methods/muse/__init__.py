@@ -3,7 +3,8 @@
 The softmax kernel of each patched layer is replaced by MuSe (longctx_patch.kernels.muse) for prefill
 without a past (q_len == k_len > block_size and >= min_seq_len); decode steps, continued prefill and
 short sequences take exact softmax attention over a full KV cache, so `generate()` is exact after the
-prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tail` queries exactly. The projections are the original ones: no new parameters. docs/muse.md explains every option.
+prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tail` queries exactly. The
+projections are the original ones: no new parameters. docs/muse.md explains every option.
 """
 
 from __future__ import annotations
