@@ -63,8 +63,33 @@ def _exact_mask(plan, n, L, dev):
     return (base[None] | ret[:, None, :]) & plan.key_valid[0][None, None, :]
 
 
-def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
-    """q [1, Hq, S, D], k/v [1, Hkv, S, D] float32 -> the layer's measures (see the module docstring)."""
+def _retrievals(Q, K, mu, var, logn, valid, mass, pair_max, qmax_mean, scale, retrieval, Hq, nb, L, Ck, D):
+    """The other retrievals of as many blocks (module docstring): name -> plan."""
+    vb = valid.view(nb, L)
+    qbar = (Q.view(Hq, nb, L, D) * vb[None, :, :, None]).sum(2) / vb.sum(1).clamp_min(1)[None, :, None]
+    sk = (scale * qbar @ K.transpose(1, 2)).masked_fill(~valid[None, None], float("-inf")).view(Hq, nb, nb, L)
+    # 4 query sub-centroids per query block (Lloyd on its queries): the peak score at each, the best one kept
+    cq = lloyd(Q.reshape(Hq * nb, L, D), vb.repeat(Hq, 1), 4, 2, backend="torch")[0].view(Hq, nb, 4, D)
+    sq = torch.einsum("hnad,hsd->hnas", scale * cq, K).masked_fill(~valid[None, None, None], float("-inf"))
+    peak_q4 = sq.view(Hq, nb, 4, nb, L).amax(-1).amax(2)
+    del sq
+    mu_b = mu.view(Hq, nb, Ck, D)
+    iso = (scale * torch.einsum("hnd,hmcd->hnmc", qbar, mu_b) + logn.view(Hq, 1, nb, Ck)
+           + 0.5 * scale**2 * (qbar * qbar).sum(-1)[:, :, None, None] * var.mean(-1).view(Hq, 1, nb, Ck))
+    plans = {"oracle": retrieval(mass),
+             "score_keys": retrieval(torch.logsumexp(sk, -1)),  # sum_j exp(s qbar.k_j) over the block's keys
+             "score_keys_max": retrieval(sk.amax(-1)),  # the block's best key at the mean query
+             "score_keys_top4": retrieval(torch.logsumexp(sk.topk(4, -1).values, -1)),  # its 4 best keys
+             "score_keys_max_q4": retrieval(peak_q4),  # the best key at the best of 4 query sub-centroids
+             "score_pair_max": retrieval(pair_max),  # the best (query, key) pair of the two blocks
+             "score_query_max_mean": retrieval(qmax_mean),  # each query's best key, averaged over the queries
+             "score_cells_iso": retrieval(torch.logsumexp(iso, -1))}  # cells with the Gaussian variance term
+    return plans
+
+
+def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8, far_only: bool = False) -> dict:
+    """q [1, Hq, S, D], k/v [1, Hkv, S, D] float32 -> the layer's measures (see the module docstring); far_only:
+    the far-field models on the plan only, without the other retrievals."""
     _, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -114,28 +139,11 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         _take_top(R, score.masked_fill(~far[None] | sink, float("-inf")), kk)
         return dataclasses.replace(plan, retrieved=R[None])
 
-    vb = valid.view(nb, L)
-    qbar = (Q.view(Hq, nb, L, D) * vb[None, :, :, None]).sum(2) / vb.sum(1).clamp_min(1)[None, :, None]
-    sk = (scale * qbar @ K.transpose(1, 2)).masked_fill(~valid[None, None], float("-inf")).view(Hq, nb, nb, L)
-    # 4 query sub-centroids per query block (Lloyd on its queries): the peak score at each, the best one kept
-    cq = lloyd(Q.reshape(Hq * nb, L, D), vb.repeat(Hq, 1), 4, 2, backend="torch")[0].view(Hq, nb, 4, D)
-    sq = torch.einsum("hnad,hsd->hnas", scale * cq, K).masked_fill(~valid[None, None, None], float("-inf"))
-    peak_q4 = sq.view(Hq, nb, 4, nb, L).amax(-1).amax(2)
-    del sq
-    mu_b = mu.view(Hq, nb, Ck, D)
-    iso = (scale * torch.einsum("hnd,hmcd->hnmc", qbar, mu_b) + logn.view(Hq, 1, nb, Ck)
-           + 0.5 * scale**2 * (qbar * qbar).sum(-1)[:, :, None, None] * var.mean(-1).view(Hq, 1, nb, Ck))
-    plans = {"oracle": retrieval(mass),
-             "score_keys": retrieval(torch.logsumexp(sk, -1)),  # sum_j exp(s qbar.k_j) over the block's keys
-             "score_keys_max": retrieval(sk.amax(-1)),  # the block's best key at the mean query
-             "score_keys_top4": retrieval(torch.logsumexp(sk.topk(4, -1).values, -1)),  # its 4 best keys
-             "score_keys_max_q4": retrieval(peak_q4),  # the best key at the best of 4 query sub-centroids
-             "score_pair_max": retrieval(pair_max),  # the best (query, key) pair of the two blocks
-             "score_query_max_mean": retrieval(qmax_mean),  # each query's best key, averaged over the queries
-             "score_cells_iso": retrieval(torch.logsumexp(iso, -1))}  # cells with the Gaussian variance term
-    del sk, iso
+    plans = {} if far_only else _retrievals(Q, K, mu, var, logn, valid, mass, pair_max, qmax_mean, scale, retrieval,
+                                           Hq, nb, L, Ck, D)
 
     # pass 2: the far-field models on the plan, and the plan's own model on the other retrievals
+
     outs = {m: torch.zeros(Hq, Sp, D, device=dev) for m in (*FAR_MODELS, *plans)}
     for n in range(nb):
         t = pos[n * L:(n + 1) * L]
@@ -181,7 +189,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8) -> dict:
         mass_far=float(far_mass.mean()), mass_far_per_head=far_mass.mean(1).tolist(),
         err={m: err(o) for m, o in outs.items()},
         err_mono_per_head=[err(outs["mono"], heads=slice(h, h + 1)) for h in range(Hq)],
-        err_oracle_per_head=[err(outs["oracle"], heads=slice(h, h + 1)) for h in range(Hq)],
+        err_oracle_per_head=[err(outs["oracle"], heads=slice(h, h + 1)) for h in range(Hq)] if plans else None,
         bucket_edges=edges,
         err_mono_by_position=[err(outs["mono"], rows=slice(a, b)) for a, b in zip(edges[:-1], edges[1:])],
         mass_far_by_position=[float(1 - covered[:, a:b].mean()) for a, b in zip(edges[:-1], edges[1:])],
@@ -197,6 +205,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--config", default="{}", help="cells plan options as JSON over the package's cells defaults")
     ap.add_argument("--out", default="evals/results/muse-error-anatomy.json")
+    ap.add_argument("--far-only", action="store_true", help="only the far-field models on the package's plan")
     args = ap.parse_args()
     cfg = {**FAR_FIELD_DEFAULTS["cells"], "sink_blocks": 1, **json.loads(args.config)}
     qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
@@ -210,7 +219,7 @@ def main():
         t0 = time.time()
         q, k, v = qkv[i]
         with torch.no_grad():
-            row = anatomy(q, k, v, scale, cfg)
+            row = anatomy(q, k, v, scale, cfg, far_only=args.far_only)
         res["layers"][str(i)] = row
         print(f"layer {i}: far mass {row['mass_far']:.3f} " + " ".join(f"{m} {e:.4f}" for m, e in row["err"].items())
               + f" ({time.time() - t0:.0f}s)", flush=True)
