@@ -434,6 +434,32 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     assert sw.exit_code != 0 and "has none" in sw.output
 
 
+def test_muse_adapt_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
+    """recipes/muse-adapt.yaml on a tiny random Llama (CPU: the reference's backward), with blocks of 128 so that
+    sequences of 640 tokens have cells: LoRA trains, the loss falls, and the saved model reloads patched with MuSe
+    and its logits."""
+    import longctx_patch
+    from longctx_patch.train import Finetuner, load_recipe
+
+    r = load_recipe(
+        REPO / "recipes" / "muse-adapt.yaml",
+        [f"model={tiny_dir}", f"data.text={text_file}", "method_config.block_size=128", "method_config.topk_blocks=1",
+         "method_config.peak_blocks=0", "stages.*.seq_len=640", "stages.*.batch_size=1", "stages.*.grad_accum=1",
+         "stages.*.warmup=1", "stages.*.log_every=1", "stages.*.eval_every=0", "stages.*.save_every=0",
+         "stages.adapt.steps=6", "stages.adapt.lr=3e-3", "data.eval_fraction=0.2"],
+    )
+    ft = Finetuner(r, tmp_path / "muse", progress=False)
+    log = ft.run()
+    st = log["stages"][0]
+    assert st["trainable_params"] > 0 and st["steps_done"] == 6
+    assert st["loss"][-1][1] < st["loss"][0][1], st["loss"]
+    ids = torch.randint(3, 259, (1, 640))
+    final = _logits(ft.model, ids)
+    m2, _ = longctx_patch.load_model(str(tmp_path / "muse" / "model"), dtype="float32", device="cpu")
+    assert longctx_patch.patched_layers(m2) == {0: "muse", 1: "muse"}
+    torch.testing.assert_close(_logits(m2, ids), final, rtol=1e-5, atol=1e-5)
+
+
 def test_linearize_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
     """recipes/linearize.yaml with lolcats on a tiny random Llama: the transfer loss falls, the saved weights
     reload to identical outputs, and the LoLCATs-layout export reloads through the lolcats checkpoint loader."""
