@@ -95,21 +95,6 @@ def test_short_prompts_and_decode_are_exact():
     assert all(layer.keys.shape[2] == 48 for layer in cache.layers)  # full KV cache
 
 
-def test_exact_tail_equals_softmax_rows():
-    """`exact_tail` (GQA heads stacked along the query axis) gives the last rows of exact causal attention, with a
-    left-padding key mask."""
-    from longctx_patch.methods.exact import softmax_attention
-    from longctx_patch.methods.muse import exact_tail
-
-    g = torch.Generator().manual_seed(3)
-    B, Hq, Hkv, S, D, T = 2, 6, 2, 50, 8, 7
-    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hkv, Hkv))
-    km = torch.ones(B, S, dtype=torch.bool)
-    km[1, :11] = False
-    ref = softmax_attention(q, k, v, scale=0.3, key_mask=km)[:, S - T:]
-    torch.testing.assert_close(exact_tail(q[:, :, S - T:], k, v, scale=0.3, key_mask=km), ref)
-
-
 def test_generation_prefill_recomputes_the_tail_exactly():
     """One layer, so the logits of a position depend only on its own attention row: a prefill that fills a cache
     in eval mode gives the unpatched logits at its last `exact_tail` positions and MuSe's before them; without a

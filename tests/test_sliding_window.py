@@ -39,6 +39,25 @@ def test_window_equals_masked_exact(S, window):
         torch.testing.assert_close(out.double(), _naive(q, k, v, 0.25, window, mask), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("Sq", [1, 7])
+def test_few_queries_stack_the_gqa_heads(Sq):
+    """Decode steps and a prefill's tail (Sq * G <= Sk) run with the query heads of a kv head stacked along the
+    query axis: the last Sq rows of the dense reference, with a window, a left-padding key mask and 3 query heads
+    per kv head."""
+    g = torch.Generator().manual_seed(Sq)
+    S = 50
+    q = torch.randn(2, 6, S, 16, generator=g)
+    k = torch.randn(2, 2, S, 16, generator=g)
+    v = torch.randn(2, 2, S, 16, generator=g)
+    km = torch.ones(2, S, dtype=torch.bool)
+    km[1, :11] = False
+    for window in (S, 9):
+        for mask in (None, km):
+            out = softmax_attention(q[:, :, S - Sq:], k, v, scale=0.25, window=window, key_mask=mask)
+            ref = _naive(q, k, v, 0.25, window, mask)[:, S - Sq:]
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_mask_rows_never_empty():
     km = torch.zeros(1, 6, dtype=torch.bool)
     m = attention_mask(6, 6, device="cpu", key_mask=km, window=2)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, muse_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
-from ..exact import attention_mask, key_mask_for, softmax_attention
+from ..exact import key_mask_for, softmax_attention
 
 
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
@@ -118,25 +117,12 @@ class MuseAttention(PatchedAttention):
             o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
             t = min(self.method_config.exact_tail, S)
             if t and cache_layer is not None and not self.training:
-                tail = exact_tail(q[:, :, S - t:], k, v, scale=self.scaling, key_mask=km)
+                tail = softmax_attention(q[:, :, S - t:], k, v, scale=self.scaling, key_mask=km)
                 if torch.is_grad_enabled():
                     return torch.cat([o[:, :S - t], tail], 1)
                 o[:, S - t:] = tail
             return o
         return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
-
-
-def exact_tail(q, k, v, *, scale: float, key_mask=None) -> torch.Tensor:
-    """Exact causal attention of the last T queries q [B, Hq, T, D] to all S keys k/v [B, Hkv, S, D] ->
-    [B, T, Hq, D]. The G = Hq / Hkv query heads of a kv head are stacked along the query axis, so SDPA reads each
-    kv head once instead of G repeated copies."""
-    B, Hq, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    mask = attention_mask(T, S, device=q.device, key_mask=key_mask)  # [B or 1, 1, T, S]
-    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask.repeat(1, 1, G, 1),
-                                       scale=scale)
-    return o.reshape(B, Hq, T, D).transpose(1, 2)  # SDPA may return a non-contiguous layout
 
 
 @register_method
@@ -148,4 +134,4 @@ class Muse(Method):
     module_cls = MuseAttention
 
 
-__all__ = ["MuseConfig", "MuseAttention", "Muse", "exact_tail"]
+__all__ = ["MuseConfig", "MuseAttention", "Muse"]
