@@ -42,8 +42,8 @@ def test_window_equals_masked_exact(S, window):
 @pytest.mark.parametrize("Sq", [1, 7])
 def test_few_queries_stack_the_gqa_heads(Sq):
     """Decode steps and a prefill's tail (Sq * G <= Sk) run with the query heads of a kv head stacked along the
-    query axis: the last Sq rows of the dense reference, with a window, a left-padding key mask and 3 query heads
-    per kv head."""
+    query axis: the last Sq rows of the dense reference, with and without a window and a left-padding key mask, 3
+    query heads per kv head; and with one query head per kv head (no stacking)."""
     g = torch.Generator().manual_seed(Sq)
     S = 50
     q = torch.randn(2, 6, S, 16, generator=g)
@@ -51,10 +51,13 @@ def test_few_queries_stack_the_gqa_heads(Sq):
     v = torch.randn(2, 2, S, 16, generator=g)
     km = torch.ones(2, S, dtype=torch.bool)
     km[1, :11] = False
-    for window in (S, 9):
+    for window in (None, S, 9):  # None without a key mask: a decode step's query takes SDPA without a mask
         for mask in (None, km):
             out = softmax_attention(q[:, :, S - Sq:], k, v, scale=0.25, window=window, key_mask=mask)
-            ref = _naive(q, k, v, 0.25, window, mask)[:, S - Sq:]
+            ref = _naive(q, k, v, 0.25, window or S, mask)[:, S - Sq:]
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+            k1, v1 = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)  # G = 1: the unstacked branches
+            out = softmax_attention(q[:, :, S - Sq:], k1, v1, scale=0.25, window=window, key_mask=mask)
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -56,18 +56,23 @@ def softmax_attention(
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
     if G > 1 and Sq * G <= Sk:
         # few queries (decode, the tail of a prefill): the G query heads of a kv head are stacked along the query
-        # axis with the mask repeated, so SDPA reads each kv head once instead of G repeated copies of the cache
-        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
-        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask.repeat(1, 1, G, 1),
-                                           scale=scale)
+        # axis with the mask repeated, so SDPA reads each kv head once instead of G repeated copies of the cache.
+        # A single last query sees every key: no mask, which lets SDPA take its flash kernel.
+        mask = None
+        if not (simple and Sq == 1):
+            mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
+            mask = mask.repeat(1, 1, G, 1)
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
         return o.reshape(B, Hq, Sq, D).transpose(1, 2)  # SDPA may return a non-contiguous layout
     if G > 1:
         k = k.repeat_interleave(G, dim=1)
         v = v.repeat_interleave(G, dim=1)
-    simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
-    if simple and Sq == Sk:
+    if simple and Sq == 1:
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    elif simple and Sq == Sk:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)

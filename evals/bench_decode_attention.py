@@ -1,0 +1,135 @@
+"""Exact attention with few queries (a decode step, a prefill's last queries) on a CUDA GPU: the package's
+`softmax_attention` against the ways it could be written, in the same run.
+
+Variants, all through torch SDPA (which picks its backend from the arguments):
+- `package`: `longctx_patch.methods.exact.softmax_attention` as it is (a kv head's query heads stacked on the query
+  axis; a decode step without padding passes no mask);
+- `repeat`: the cache repeated G times along the head axis, with a boolean mask (what it did before);
+- `stacked_masked`: the stacked layout, always with a mask;
+- `enable_gqa`: SDPA's own GQA flag (`enable_gqa=True`), with a mask only where one is needed.
+Every variant is checked against an fp32 dense reference; times are `triton.testing.do_bench` medians. The decode
+step reads the whole cache once, so its floor is the cache's bytes over the HBM bandwidth (`--hbm-tbs`, H200:
+4.8 TB/s); the JSON gives each time's fraction of that floor.
+
+    PYTHONPATH=. python3 evals/bench_decode_attention.py --out $OUT/decode-attention-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from longctx_patch.evals.common import git_commit
+from longctx_patch.methods.exact import attention_mask, softmax_attention
+
+
+def _reference(q, k, v, scale, key_mask):
+    G = q.shape[1] // k.shape[1]
+    Sq, Sk = q.shape[2], k.shape[2]
+    kk = k.float().repeat_interleave(G, 1)
+    vv = v.float().repeat_interleave(G, 1)
+    s = q.float() @ kk.transpose(-1, -2) * scale
+    s = s.masked_fill(~attention_mask(Sq, Sk, device=q.device, key_mask=key_mask), float("-inf"))
+    return (s.softmax(-1) @ vv).transpose(1, 2)
+
+
+def variants(q, k, v, scale, key_mask):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    needs_mask = key_mask is not None or Sq > 1
+
+    def package():
+        return softmax_attention(q, k, v, scale=scale, key_mask=key_mask)
+
+    def repeat():
+        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask)
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask,
+                                           scale=scale)
+        return o.transpose(1, 2)
+
+    def stacked_masked():
+        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask).repeat(1, 1, G, 1)
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
+        return o.reshape(B, Hq, Sq, D).transpose(1, 2)
+
+    def enable_gqa():
+        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2)
+
+    return {"package": package, "repeat": repeat, "stacked_masked": stacked_masked, "enable_gqa": enable_gqa}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,16384,65536,131072", help="cache lengths (keys)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--queries", default="1,128", help="queries per call: 1 = a decode step, 128 = exact_tail")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--heads", default="32,8", help="query heads, kv heads")
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor, TB/s")
+    ap.add_argument("--out", default="evals/results/decode-attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    import triton
+
+    Hq, Hkv = (int(x) for x in args.heads.split(","))
+    dt = torch.bfloat16
+    rows = []
+    for D in (int(x) for x in args.head_dims.split(",")):
+        for B in (int(x) for x in args.batches.split(",")):
+            for Sk in (int(x) for x in args.contexts.split(",")):
+                for Sq in (int(x) for x in args.queries.split(",")):
+                    for padded in (False, True) if B > 1 else (False,):
+                        g = torch.Generator(device="cuda").manual_seed(Sk + D + B)
+                        q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dt, generator=g)
+                        k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dt, generator=g)
+                        v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dt, generator=g)
+                        key_mask = None
+                        if padded:  # left padding: row b starts b * Sk / (2B) keys late
+                            key_mask = torch.ones(B, Sk, dtype=torch.bool, device="cuda")
+                            for b in range(B):
+                                key_mask[b, : b * Sk // (2 * B)] = False
+                        scale = D ** -0.5
+                        ref = _reference(q, k, v, scale, key_mask)
+                        floor_ms = 2 * B * Hkv * Sk * D * q.element_size() / (args.hbm_tbs * 1e12) * 1e3
+                        row = {"D": D, "B": B, "Sk": Sk, "Sq": Sq, "padded": padded, "floor_ms": floor_ms}
+                        for name, fn in variants(q, k, v, scale, key_mask).items():
+                            try:
+                                err = (fn().float() - ref).abs().max().item()
+                                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                            except Exception as e:  # a backend refusing a shape is a result, not a crash
+                                row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                                continue
+                            row[name] = {"ms": ms, "max_abs_err": err, "floor_fraction": floor_ms / ms}
+                        best_other = min(row[n]["ms"] for n in ("repeat", "stacked_masked", "enable_gqa")
+                                         if "ms" in row[n])
+                        row["package_vs_best_other"] = best_other / row["package"]["ms"]
+                        rows.append(row)
+                        print(f"D{D} B{B} Sk{Sk} Sq{Sq} pad{int(padded)} floor {floor_ms:.4f} ms | " + " | ".join(
+                            f"{n} {row[n]['ms']:.4f} ({row[n]['max_abs_err']:.1e})" if "ms" in row[n]
+                            else f"{n} {row[n]['error'][:60]}" for n in ("package", "repeat", "stacked_masked",
+                                                                          "enable_gqa")), flush=True)
+                        del q, k, v, ref
+                        torch.cuda.empty_cache()
+    out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "commit": git_commit(), "torch": torch.__version__,
+           "command": "PYTHONPATH=. python3 evals/bench_decode_attention.py " + shlex.join(sys.argv[1:]),
+           "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,
+           "metric": "do_bench median ms of one attention call; floor = K and V bytes / HBM bandwidth",
+           "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
