@@ -2,14 +2,17 @@
 `softmax_attention` against the ways it could be written, in the same run.
 
 Variants, all through torch SDPA (which picks its backend from the arguments):
-- `package`: `longctx_patch.methods.exact.softmax_attention` as it is (a kv head's query heads stacked on the query
-  axis; a decode step without padding passes no mask);
-- `repeat`: the cache repeated G times along the head axis, with a boolean mask (what it did before);
-- `stacked_masked`: the stacked layout, always with a mask;
+- `package`: `longctx_patch.methods.exact.softmax_attention` as it is;
+- `repeat`: the cache repeated G times along the head axis, with a boolean mask;
+- `stacked_masked`: a kv head's G query heads stacked on the query axis, with the mask repeated G times;
+- `stacked`: the same, without a mask for a decode step that has no padding;
 - `enable_gqa`: SDPA's own GQA flag (`enable_gqa=True`), with a mask only where one is needed.
 Every variant is checked against an fp32 dense reference; times are `triton.testing.do_bench` medians. The decode
 step reads the whole cache once, so its floor is the cache's bytes over the HBM bandwidth (`--hbm-tbs`, H200:
 4.8 TB/s); the JSON gives each time's fraction of that floor.
+
+A second table (`growing`) times what generation does: `--steps` decode steps whose cache grows by one key per
+step, every step a new shape, so a backend that builds a plan per shape pays for it here and not in `do_bench`.
 
     PYTHONPATH=. python3 evals/bench_decode_attention.py --out $OUT/decode-attention-h200.json
 """
@@ -59,12 +62,45 @@ def variants(q, k, v, scale, key_mask):
         o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
         return o.reshape(B, Hq, Sq, D).transpose(1, 2)
 
+    def stacked():
+        mask = None
+        if needs_mask:
+            mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask).repeat(1, 1, G, 1)
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
+        return o.reshape(B, Hq, Sq, D).transpose(1, 2)
+
     def enable_gqa():
         mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
 
-    return {"package": package, "repeat": repeat, "stacked_masked": stacked_masked, "enable_gqa": enable_gqa}
+    return {"package": package, "repeat": repeat, "stacked_masked": stacked_masked, "stacked": stacked,
+            "enable_gqa": enable_gqa}
+
+
+NAMES = ("package", "repeat", "stacked_masked", "stacked", "enable_gqa")
+
+
+def growing(D, B, S0, steps, Hq, Hkv):
+    """Per-step ms of `steps` decode steps over a cache that grows by one key per step (views of one buffer)."""
+    g = torch.Generator(device="cuda").manual_seed(S0 + D)
+    kb = torch.randn(B, Hkv, S0 + steps, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn_like(kb)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    res = {}
+    for name in NAMES:
+        for _ in range(3):  # warm-up on shapes outside the timed range
+            variants(q, kb[:, :, : S0 - 1], vb[:, :, : S0 - 1], D ** -0.5, None)[name]()
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for t in range(steps):
+            variants(q, kb[:, :, : S0 + t], vb[:, :, : S0 + t], D ** -0.5, None)[name]()
+        t1.record()
+        torch.cuda.synchronize()
+        res[name] = t0.elapsed_time(t1) / steps
+    return res
 
 
 def main():
@@ -74,6 +110,7 @@ def main():
     ap.add_argument("--queries", default="1,128", help="queries per call: 1 = a decode step, 128 = exact_tail")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--heads", default="32,8", help="query heads, kv heads")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps of the growing-cache table")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor, TB/s")
     ap.add_argument("--out", default="evals/results/decode-attention.json")
     args = ap.parse_args()
@@ -110,22 +147,27 @@ def main():
                                 row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
                                 continue
                             row[name] = {"ms": ms, "max_abs_err": err, "floor_fraction": floor_ms / ms}
-                        best_other = min(row[n]["ms"] for n in ("repeat", "stacked_masked", "enable_gqa")
-                                         if "ms" in row[n])
+                        best_other = min(row[n]["ms"] for n in NAMES[1:] if "ms" in row[n])
                         row["package_vs_best_other"] = best_other / row["package"]["ms"]
                         rows.append(row)
                         print(f"D{D} B{B} Sk{Sk} Sq{Sq} pad{int(padded)} floor {floor_ms:.4f} ms | " + " | ".join(
                             f"{n} {row[n]['ms']:.4f} ({row[n]['max_abs_err']:.1e})" if "ms" in row[n]
-                            else f"{n} {row[n]['error'][:60]}" for n in ("package", "repeat", "stacked_masked",
-                                                                          "enable_gqa")), flush=True)
+                            else f"{n} {row[n]['error'][:60]}" for n in NAMES), flush=True)
                         del q, k, v, ref
                         torch.cuda.empty_cache()
+    grow = []
+    for D in (int(x) for x in args.head_dims.split(",")):
+        for S0 in (16384, 65536):
+            r = {"D": D, "B": 1, "S0": S0, "steps": args.steps, "ms_per_step": growing(D, 1, S0, args.steps, Hq, Hkv)}
+            grow.append(r)
+            print(f"growing D{D} S0 {S0}: " + " | ".join(f"{n} {v:.4f}" for n, v in r["ms_per_step"].items()),
+                  flush=True)
     out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__,
            "command": "PYTHONPATH=. python3 evals/bench_decode_attention.py " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,
            "metric": "do_bench median ms of one attention call; floor = K and V bytes / HBM bandwidth",
-           "rows": rows}
+           "rows": rows, "growing": grow}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", args.out)

@@ -40,10 +40,10 @@ def test_window_equals_masked_exact(S, window):
 
 
 @pytest.mark.parametrize("Sq", [1, 7])
-def test_few_queries_stack_the_gqa_heads(Sq):
-    """Decode steps and a prefill's tail (Sq * G <= Sk) run with the query heads of a kv head stacked along the
-    query axis: the last Sq rows of the dense reference, with and without a window and a left-padding key mask, 3
-    query heads per kv head; and with one query head per kv head (no stacking)."""
+def test_few_queries_use_sdpa_gqa(Sq):
+    """Decode steps and a prefill's tail (Sq * G <= Sk) run through SDPA's own GQA: the last Sq rows of the dense
+    reference, with and without a window and a left-padding key mask, 3 query heads per kv head; and with one query
+    head per kv head (the branches without GQA)."""
     g = torch.Generator().manual_seed(Sq)
     S = 50
     q = torch.randn(2, 6, S, 16, generator=g)
@@ -56,7 +56,7 @@ def test_few_queries_stack_the_gqa_heads(Sq):
             out = softmax_attention(q[:, :, S - Sq:], k, v, scale=0.25, window=window, key_mask=mask)
             ref = _naive(q, k, v, 0.25, window or S, mask)[:, S - Sq:]
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-            k1, v1 = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)  # G = 1: the unstacked branches
+            k1, v1 = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)  # G = 1
             out = softmax_attention(q[:, :, S - Sq:], k1, v1, scale=0.25, window=window, key_mask=mask)
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
