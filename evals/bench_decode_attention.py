@@ -1,18 +1,20 @@
 """Exact attention with few queries (a decode step, a prefill's last queries) on a CUDA GPU: the package's
 `softmax_attention` against the ways it could be written, in the same run.
 
-Variants, all through torch SDPA (which picks its backend from the arguments):
+Variants, all through torch SDPA (which picks its backend from the arguments and the allowed set):
 - `package`: `longctx_patch.methods.exact.softmax_attention` as it is;
-- `repeat`: the cache repeated G times along the head axis, with a boolean mask;
-- `stacked_masked`: a kv head's G query heads stacked on the query axis, with the mask repeated G times;
-- `stacked`: the same, without a mask for a decode step that has no padding;
-- `enable_gqa`: SDPA's own GQA flag (`enable_gqa=True`), with a mask only where one is needed.
+- three layouts, each with a mask only where one is needed (padding, or more than one query): `repeat` (the cache
+  repeated G times along the head axis), `stacked` (a kv head's G query heads stacked on the query axis, the mask
+  repeated G times) and `gqa` (SDPA's own `enable_gqa=True`);
+- each layout twice: `auto` (SDPA free to pick, cuDNN included) and `nocudnn` (cuDNN's attention excluded).
 Every variant is checked against an fp32 dense reference; times are `triton.testing.do_bench` medians. The decode
 step reads the whole cache once, so its floor is the cache's bytes over the HBM bandwidth (`--hbm-tbs`, H200:
 4.8 TB/s); the JSON gives each time's fraction of that floor.
 
-A second table (`growing`) times what generation does: `--steps` decode steps whose cache grows by one key per
-step, every step a new shape, so a backend that builds a plan per shape pays for it here and not in `do_bench`.
+`do_bench` repeats one shape. Generation does not: the cache grows by one key per step, so every step is a new
+shape, and a backend that builds a plan per shape pays for it at every step. The second table (`growing`) times
+`--steps` calls of each variant over a cache that grows by one key per call, each variant on its own range of
+lengths so that no variant finds plans another one built.
 
     PYTHONPATH=. python3 evals/bench_decode_attention.py --out $OUT/decode-attention-h200.json
 """
@@ -24,6 +26,7 @@ import datetime
 import json
 import shlex
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -43,63 +46,71 @@ def _reference(q, k, v, scale, key_mask):
 
 
 def variants(q, k, v, scale, key_mask):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     needs_mask = key_mask is not None or Sq > 1
-
-    def package():
-        return softmax_attention(q, k, v, scale=scale, key_mask=key_mask)
+    mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
 
     def repeat():
-        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask)
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask,
                                            scale=scale)
         return o.transpose(1, 2)
 
-    def stacked_masked():
-        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask).repeat(1, 1, G, 1)
-        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
-        return o.reshape(B, Hq, Sq, D).transpose(1, 2)
-
     def stacked():
-        mask = None
-        if needs_mask:
-            mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask).repeat(1, 1, G, 1)
-        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
+        m = None if mask is None else mask.repeat(1, 1, G, 1)
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=m, scale=scale)
         return o.reshape(B, Hq, Sq, D).transpose(1, 2)
 
-    def enable_gqa():
-        mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2)
+    def gqa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
 
-    return {"package": package, "repeat": repeat, "stacked_masked": stacked_masked, "stacked": stacked,
-            "enable_gqa": enable_gqa}
+    def nocudnn(fn):
+        def run():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return fn()
+        return run
+
+    out = {"package": lambda: softmax_attention(q, k, v, scale=scale, key_mask=key_mask)}
+    for name, fn in (("repeat", repeat), ("stacked", stacked), ("gqa", gqa)):
+        out[f"{name}_auto"] = fn
+        out[f"{name}_nocudnn"] = nocudnn(fn)
+    return out
 
 
-NAMES = ("package", "repeat", "stacked_masked", "stacked", "enable_gqa")
+NAMES = ("package", "repeat_auto", "repeat_nocudnn", "stacked_auto", "stacked_nocudnn", "gqa_auto", "gqa_nocudnn")
 
 
-def growing(D, B, S0, steps, Hq, Hkv):
-    """Per-step ms of `steps` decode steps over a cache that grows by one key per step (views of one buffer)."""
+def growing(D, B, Sq, padded, S0, steps, Hq, Hkv):
+    """Mean ms per call of `steps` calls over a cache that grows by one key per call, for every variant (each on
+    its own range of lengths: plans one variant built are never found by another)."""
     g = torch.Generator(device="cuda").manual_seed(S0 + D)
-    kb = torch.randn(B, Hkv, S0 + steps, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    span = steps + 8
+    Smax = S0 + span * len(NAMES)
+    kb = torch.randn(B, Hkv, Smax, D, device="cuda", dtype=torch.bfloat16, generator=g)
     vb = torch.randn_like(kb)
-    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    km = None
+    if padded:
+        km = torch.ones(B, Smax, dtype=torch.bool, device="cuda")
+        for b in range(B):
+            km[b, : b * S0 // (2 * B)] = False
     res = {}
-    for name in NAMES:
-        for _ in range(3):  # warm-up on shapes outside the timed range
-            variants(q, kb[:, :, : S0 - 1], vb[:, :, : S0 - 1], D ** -0.5, None)[name]()
+    for i, name in enumerate(NAMES):
+        base = S0 + i * span
+
+        def call(n):
+            return variants(q, kb[:, :, :n], vb[:, :, :n], D ** -0.5, None if km is None else km[:, :n])[name]()
+
+        call(base)  # warm-up: the first call of a variant (module loading), at a length outside the timed ones
         torch.cuda.synchronize()
-        t0 = torch.cuda.Event(enable_timing=True)
-        t1 = torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for t in range(steps):
-            variants(q, kb[:, :, : S0 + t], vb[:, :, : S0 + t], D ** -0.5, None)[name]()
-        t1.record()
+        t0 = time.perf_counter()
+        for t in range(1, steps + 1):
+            call(base + t)
         torch.cuda.synchronize()
-        res[name] = t0.elapsed_time(t1) / steps
+        res[name] = (time.perf_counter() - t0) / steps * 1e3
     return res
 
 
@@ -110,7 +121,7 @@ def main():
     ap.add_argument("--queries", default="1,128", help="queries per call: 1 = a decode step, 128 = exact_tail")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--heads", default="32,8", help="query heads, kv heads")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps of the growing-cache table")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps of the growing-cache table")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor, TB/s")
     ap.add_argument("--out", default="evals/results/decode-attention.json")
     args = ap.parse_args()
@@ -157,16 +168,19 @@ def main():
                         torch.cuda.empty_cache()
     grow = []
     for D in (int(x) for x in args.head_dims.split(",")):
-        for S0 in (16384, 65536):
-            r = {"D": D, "B": 1, "S0": S0, "steps": args.steps, "ms_per_step": growing(D, 1, S0, args.steps, Hq, Hkv)}
-            grow.append(r)
-            print(f"growing D{D} S0 {S0}: " + " | ".join(f"{n} {v:.4f}" for n, v in r["ms_per_step"].items()),
-                  flush=True)
+        for B, Sq, padded in ((1, 1, False), (8, 1, True), (1, 128, False)):
+            for S0 in (16384, 65536):
+                ms = growing(D, B, Sq, padded, S0, args.steps, Hq, Hkv)
+                grow.append({"D": D, "B": B, "Sq": Sq, "padded": padded, "S0": S0, "steps": args.steps,
+                             "ms_per_call": ms})
+                print(f"growing D{D} B{B} Sq{Sq} pad{int(padded)} S0 {S0}: "
+                      + " | ".join(f"{n} {v:.3f}" for n, v in ms.items()), flush=True)
     out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__,
            "command": "PYTHONPATH=. python3 evals/bench_decode_attention.py " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,
-           "metric": "do_bench median ms of one attention call; floor = K and V bytes / HBM bandwidth",
+           "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM bandwidth; "
+                     "growing: mean ms per call over calls whose key length grows by one",
            "rows": rows, "growing": grow}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import Method, MethodConfig, PatchedAttention, register_method
 
@@ -38,6 +40,13 @@ def attention_mask(
     return allowed
 
 
+def _without_cudnn(device):
+    """SDPA's backends except cuDNN's attention on CUDA (a plan per new shape); nothing to change elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,12 +68,14 @@ def softmax_attention(
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
     if G > 1 and Sq * G <= Sk:
         # few queries (decode, the tail of a prefill): SDPA's own GQA reads each kv head once instead of G repeated
-        # copies of the cache, and a single last query that sees every key goes without a mask. On an H200 this is
-        # 1.1-11x faster than the other ways of writing it (evals/bench_decode_attention.py, PERFORMANCE.md).
+        # copies of the cache, and a single last query that sees every key goes without a mask. cuDNN's attention
+        # is left out: it builds a plan for every new key length, about 40 ms on an H200, so every decode step
+        # paid for one (evals/bench_decode_attention.py, PERFORMANCE.md "Decode").
         mask = None
         if not (simple and Sq == 1):
             mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        with _without_cudnn(q.device):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2)
     if G > 1:
         k = k.repeat_interleave(G, dim=1)
