@@ -40,10 +40,10 @@ def test_window_equals_masked_exact(S, window):
 
 
 @pytest.mark.parametrize("Sq", [1, 7])
-def test_few_queries_use_sdpa_gqa(Sq):
-    """Decode steps and a prefill's tail (Sq * G <= Sk) run through SDPA's own GQA: the last Sq rows of the dense
-    reference, with and without a window and a left-padding key mask, 3 query heads per kv head; and with one query
-    head per kv head (the branches without GQA)."""
+def test_few_queries_stack_the_gqa_heads(Sq):
+    """Decode steps and a prefill's tail (Sq * G <= Sk) run with a kv head's query heads stacked on the query axis:
+    the last Sq rows of the dense reference, with and without a window and a left-padding key mask, 3 query heads
+    per kv head; and with one query head per kv head (the branches without GQA)."""
     g = torch.Generator().manual_seed(Sq)
     S = 50
     q = torch.randn(2, 6, S, 16, generator=g)

@@ -67,25 +67,31 @@ def softmax_attention(
     G = Hq // Hkv
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
     if G > 1 and Sq * G <= Sk:
-        # few queries (decode, the tail of a prefill): SDPA's own GQA reads each kv head once instead of G repeated
-        # copies of the cache, and a single last query that sees every key goes without a mask. cuDNN's attention
-        # is left out: it builds a plan for every new key length, about 40 ms on an H200, so every decode step
-        # paid for one (evals/bench_decode_attention.py, PERFORMANCE.md "Decode").
+        # few queries (decode, the tail of a prefill): the G query heads of a kv head are stacked along the query
+        # axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of the cache, and
+        # a single last query that sees every key goes without a mask (SDPA's flash kernel). cuDNN's attention is
+        # left out: it builds a plan for every new key length, 35-50 ms on an H200, and a decode step is always a
+        # new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
+        # on a growing cache: fastest or within 15% of it in every case (evals/bench_decode_attention.py,
+        # PERFORMANCE.md "Exact attention with few queries").
         mask = None
         if not (simple and Sq == 1):
             mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
+            mask = mask.repeat(1, 1, G, 1)
         with _without_cudnn(q.device):
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=mask, scale=scale)
+        return o.reshape(B, Hq, Sq, D).transpose(1, 2)  # SDPA may return a non-contiguous layout
     if G > 1:
         k = k.repeat_interleave(G, dim=1)
         v = v.repeat_interleave(G, dim=1)
-    if simple and Sq == 1:
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale)
-    elif simple and Sq == Sk:
+    if simple and Sq == Sk:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
+        return o.transpose(1, 2)
+    mask = None
+    if not (simple and Sq == 1):
         mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
+    # with a cache (Sq < Sk) every call has a new key length: no cuDNN (a plan per length, see above)
+    with _without_cudnn(q.device) if Sq < Sk else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.transpose(1, 2)
 
