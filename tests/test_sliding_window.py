@@ -39,11 +39,12 @@ def test_window_equals_masked_exact(S, window):
         torch.testing.assert_close(out.double(), _naive(q, k, v, 0.25, window, mask), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("Sq", [1, 7])
-def test_few_queries_stack_the_gqa_heads(Sq):
-    """Decode steps and a prefill's tail (Sq * G <= Sk) run with a kv head's query heads stacked on the query axis:
-    the last Sq rows of the dense reference, with and without a window and a left-padding key mask, 3 query heads
-    per kv head; and with one query head per kv head (the branches without GQA)."""
+@pytest.mark.parametrize("Sq", [1, 7, 30])
+def test_queries_after_a_cache(Sq):
+    """The last Sq of S tokens (a decode step, a prefill's tail, a chunk after a cache): the last Sq rows of the
+    dense reference (the branches: bottom-right causal without padding or window, the query heads of a kv head
+    stacked when Sq * G <= S, the cache repeated otherwise), with and without a window and a left-padding key
+    mask, 3 query heads per kv head; and with one query head per kv head (the branches without GQA)."""
     g = torch.Generator().manual_seed(Sq)
     S = 50
     q = torch.randn(2, 6, S, 16, generator=g)

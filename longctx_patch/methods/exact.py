@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .base import Method, MethodConfig, PatchedAttention, register_method
 
@@ -66,10 +67,16 @@ def softmax_attention(
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
+    if simple and 1 < Sq < Sk:
+        # the last Sq of Sk tokens, no padding or window (a prefill's tail, a chunk after a cache): causal aligned
+        # to the bottom right, which SDPA's flash kernel takes without a mask and with the kv heads as they are
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk), scale=scale,
+                                           enable_gqa=G > 1)
+        return o.transpose(1, 2)
     if G > 1 and Sq * G <= Sk:
-        # few queries (decode, the tail of a prefill): the G query heads of a kv head are stacked along the query
-        # axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of the cache, and
-        # a single last query that sees every key goes without a mask (SDPA's flash kernel). cuDNN's attention is
+        # few queries (a decode step; a tail with padding or a window): the G query heads of a kv head are stacked
+        # along the query axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of
+        # the cache, and a single last query that sees every key goes without a mask (flash). cuDNN's attention is
         # left out: it builds a plan for every new key length, 35-50 ms on an H200, and a decode step is always a
         # new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
         # on a growing cache: fastest or within 15% of it in every case (evals/bench_decode_attention.py,
