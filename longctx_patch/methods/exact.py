@@ -77,9 +77,10 @@ def softmax_attention(
         # few queries (a decode step; a tail with padding or a window): the G query heads of a kv head are stacked
         # along the query axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of
         # the cache, and a single last query that sees every key goes without a mask (flash). cuDNN's attention is
-        # left out: it builds a plan for every new key length, 35-50 ms on an H200, and a decode step is always a
+        # left out: it builds a plan for every new key length, 35-65 ms on an H200, and a decode step is always a
         # new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
-        # on a growing cache: fastest or within 15% of it in every case (evals/bench_decode_attention.py,
+        # on a growing cache: the fastest with padding, and without padding level with `enable_gqa` (0.07-0.14 ms
+        # host-bound calls at 16k-64k) and 2-11x faster than the repeated cache (evals/bench_decode_attention.py,
         # PERFORMANCE.md "Exact attention with few queries").
         mask = None
         if not (simple and Sq == 1):
