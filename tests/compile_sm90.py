@@ -18,6 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from longctx_patch.kernels import decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
 from longctx_patch.kernels.muse import cells as mc  # noqa: E402
 from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402
@@ -260,6 +261,15 @@ for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
     CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, GP=_GP, BL=_BL, MC=16),
                                    dict(QBAR=BF16, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
                                    {"num_warps": _w, "num_stages": _st})
+
+for _D, _t, _R, _tag in ((128, BF16, 4, "bf16"), (64, BF16, 512, "bf16"), (64, F32, 4, "fp32")):  # as launched
+    _BR, _BN, _w = dk.decode_tiles(_D, _R)
+    CASES[f"decode_split_D{_D}_R{_R}_{_tag}"] = (
+        dk._split_kernel, dict(HKV=8, G=4, NRB=-(-_R // _BR), BR=_BR, BN=_BN, D=_D, HAS_KM=True, HAS_WIN=True,
+                               PREC="ieee" if _t == F32 else "tf32"),
+        dict(Q=_t, K=_t, V=_t, KM=I8, PO=F32, PM=F32, PL=F32), {"num_warps": _w, "num_stages": 2})
+CASES["decode_combine_D128"] = (dk._combine_kernel, dict(HKV=8, G=4, NRB=1, BR=16, D=128),
+                                dict(PO=F32, PM=F32, PL=F32, O=BF16), {"num_warps": 4})
 
 
 def main():

@@ -73,6 +73,14 @@ def softmax_attention(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk), scale=scale,
                                            enable_gqa=G > 1)
         return o.transpose(1, 2)
+    if not simple and Sq < Sk and Sq * G <= Sk and q.is_cuda:
+        # few queries under a mask (a padded batch's decode step or tail, a window): split-key Triton kernels,
+        # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode.py)
+        from ..kernels.decode import decode_kernel_supported, masked_few_query_attention
+
+        if decode_kernel_supported(q, k, v) is None:
+            return masked_few_query_attention(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset,
+                                              window=window)
     if G > 1 and Sq * G <= Sk:
         # few queries (a decode step; a tail with padding or a window): the G query heads of a kv head are stacked
         # along the query axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of

@@ -1,0 +1,204 @@
+"""Exact attention for a few queries against a long KV cache under a key mask: batched decode with padding, or a
+padded prefill's last queries. Split-key Triton kernels ("flash-decoding").
+
+`softmax_attention` (methods/exact.py) runs these on CUDA when the call needs a mask (a padded batch, a window):
+SDPA's flash kernel takes no mask, its masked kernels do not split the keys across the GPU (6-16% of the
+bandwidth ceiling at 64k), and cuDNN's builds a plan for every new cache length (PERFORMANCE.md, "Exact attention
+with few queries").
+
+Layout: the G query heads of a kv head and the Sq queries are stacked into R = G * Sq rows, so each kv head's keys
+are read once for all of them. Kernel 1: one program per (batch row, kv head, block of BR rows) and per split of
+the keys; an online softmax in base 2 over its split; it writes the unnormalised output and the running max and
+sum (fp32). Kernel 2 combines the splits and writes `[B, Sq, Hq, D]` in q's dtype. The mask is the one of
+`attention_mask`: query i sits at key `q_offset + i`, sees keys `<= ` its position (and `> position - window`),
+only real keys (`key_mask`), and always its own key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # the PyTorch path serves everything without it
+    HAVE_TRITON = False
+
+LOG2E = 1.4426950408889634
+
+
+def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when `masked_few_query_attention` can run these tensors, else why not."""
+    if not HAVE_TRITON:
+        return "triton is not installed"
+    if not (q.is_cuda or q.device.type == "cpu" and _interpreting()):
+        return "the kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1)"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D & (D - 1):
+        return f"head_dim {D}: a power of two in 16..256"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "no backward: the kernels serve inference (decode steps, a generation prefill's tail)"
+    return None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dot(a, b, PREC: tl.constexpr, UP: tl.constexpr):
+        """UP: the interpreter returns garbage for tl.dot on bf16 operands; there they are upcast (same maths)."""
+        if UP:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision=PREC)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, KM, PO, PM, PL,
+                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, skmb,
+                      Sk, Sq, q_off, window, scale_log2, chunk, NS,
+                      HKV: tl.constexpr, G: tl.constexpr, NRB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, HAS_KM: tl.constexpr, HAS_WIN: tl.constexpr, PREC: tl.constexpr,
+                      UP: tl.constexpr):
+        pid = tl.program_id(0)  # ((b * HKV + h) * NRB + rb)
+        s = tl.program_id(1)  # split of the keys
+        rb = pid % NRB
+        bh = pid // NRB
+        h = bh % HKV
+        b = bh // HKV
+        rows = rb * BR + tl.arange(0, BR)  # stacked rows: r = g * Sq + i
+        rvalid = rows < G * Sq
+        g = rows // Sq
+        i = rows % Sq
+        qpos = q_off + i
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + i[:, None] * sqs + d[None, :],
+                    mask=rvalid[:, None], other=0.0)
+        start = s * chunk
+        end = tl.minimum(start + chunk, Sk)
+        m = tl.full([BR], float("-inf"), tl.float32)
+        l = tl.zeros([BR], tl.float32)
+        acc = tl.zeros([BR, D], tl.float32)
+        kbase = K + b * skb + h * skh
+        vbase = V + b * svb + h * svh
+        for n0 in range(start, end, BN):
+            cols = n0 + tl.arange(0, BN)
+            cvalid = cols < end
+            kt = tl.load(kbase + cols[:, None] * sks + d[None, :], mask=cvalid[:, None], other=0.0)
+            sc = _dot(q, tl.trans(kt), PREC, UP) * scale_log2
+            ok = cols[None, :] <= qpos[:, None]
+            if HAS_WIN:
+                ok = ok & (cols[None, :] > qpos[:, None] - window)
+            if HAS_KM:
+                km = tl.load(KM + b * skmb + cols, mask=cvalid, other=0) != 0
+                ok = (ok & km[None, :]) | (cols[None, :] == qpos[:, None])
+            ok = ok & cvalid[None, :]
+            sc = tl.where(ok, sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 of -inf is 0
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(sc - m_safe[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            vt = tl.load(vbase + cols[:, None] * svs + d[None, :], mask=cvalid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC, UP)
+            m = m_new
+        r = tl.arange(0, BR)
+        base = pid * NS + s
+        tl.store(PO + (base * BR + r)[:, None] * D + d[None, :], acc)
+        tl.store(PM + base * BR + r, m)
+        tl.store(PL + base * BR + r, l)
+
+    @triton.jit
+    def _combine_kernel(PO, PM, PL, O, sob, sos, soh, Sq, NS,
+                        HKV: tl.constexpr, G: tl.constexpr, NRB: tl.constexpr, BR: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)
+        rb = pid % NRB
+        bh = pid // NRB
+        h = bh % HKV
+        b = bh // HKV
+        r = tl.arange(0, BR)
+        d = tl.arange(0, D)
+        mx = tl.full([BR], float("-inf"), tl.float32)
+        for s in range(0, NS):
+            mx = tl.maximum(mx, tl.load(PM + (pid * NS + s) * BR + r))
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # padding rows of the last block
+        den = tl.zeros([BR], tl.float32)
+        acc = tl.zeros([BR, D], tl.float32)
+        for s in range(0, NS):
+            base = pid * NS + s
+            w = tl.exp2(tl.load(PM + base * BR + r) - mx)
+            den += w * tl.load(PL + base * BR + r)
+            acc += w[:, None] * tl.load(PO + (base * BR + r)[:, None] * D + d[None, :])
+        rows = rb * BR + r
+        rvalid = rows < G * Sq
+        g = rows // Sq
+        i = rows % Sq
+        den = tl.where(rvalid, den, 1.0)
+        out = acc / den[:, None]
+        tl.store(O + b * sob + i[:, None] * sos + (h * G + g)[:, None] * soh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=rvalid[:, None])
+
+
+def decode_tiles(D: int, R: int) -> tuple[int, int, int]:
+    """(rows per program BR, keys per tile BN, warps)."""
+    BR = min(64, max(16, triton.next_power_of_2(R)))
+    BN = 64 if D >= 128 or BR >= 64 else 128
+    return BR, BN, 4
+
+
+def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                               key_mask: torch.Tensor | None = None, q_offset: int | None = None,
+                               window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """Exact causal attention of q `[B, Hq, Sq, D]` (the last queries, at keys `q_offset + i`) on k/v
+    `[B, Hkv, Sk, D]`, with the mask of `methods.exact.attention_mask`; returns `[B, Sq, Hq, D]` in q's dtype.
+
+    `splits` fixes the number of key splits (tests); by default enough programs for two per SM."""
+    why = decode_kernel_supported(q, k, v)
+    if why is not None:
+        raise RuntimeError(f"masked_few_query_attention cannot run: {why}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    q_off = Sk - Sq if q_offset is None else int(q_offset)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    R = G * Sq
+    BR, BN, warps = decode_tiles(D, R)
+    NRB = triton.cdiv(R, BR)
+    progs = B * Hkv * NRB
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = max(1, min(triton.cdiv(Sk, BN), math.ceil(2 * sms / progs)))
+    chunk = triton.cdiv(triton.cdiv(Sk, splits), BN) * BN
+    NS = triton.cdiv(Sk, chunk)
+    dev = q.device
+    po = torch.empty(progs * NS * BR * D, device=dev, dtype=torch.float32)
+    pm = torch.empty(progs * NS * BR, device=dev, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    km = key_mask
+    if km is not None:
+        km = km.to(device=dev, dtype=torch.int8)
+        if km.stride(-1) != 1:
+            km = km.contiguous()
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _split_kernel[(progs, NS)](
+        q, k, v, km if km is not None else q, po, pm, pl,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), km.stride(0) if km is not None else 0,
+        Sk, Sq, q_off, window if window is not None else 0, scale * LOG2E, chunk, NS,
+        HKV=Hkv, G=G, NRB=NRB, BR=BR, BN=BN, D=D, HAS_KM=km is not None, HAS_WIN=window is not None, PREC=prec,
+        UP=_interpreting(),
+        num_warps=warps, num_stages=2)
+    out = torch.empty(B, Sq, Hq, D, device=dev, dtype=q.dtype)
+    _combine_kernel[(progs,)](po, pm, pl, out, out.stride(0), out.stride(1), out.stride(2), Sq, NS,
+                              HKV=Hkv, G=G, NRB=NRB, BR=BR, D=D, num_warps=4)
+    return out

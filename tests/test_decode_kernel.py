@@ -1,0 +1,74 @@
+"""The split-key attention kernels for few queries under a key mask (`kernels/decode.py`) against the dense fp64
+reference, through the Triton interpreter: batched decode with left padding, a padded tail of several queries,
+windows, GQA and plain heads, several key splits, odd lengths, fp32 and bf16."""
+
+import pytest
+import torch
+
+from longctx_patch.kernels.decode import decode_kernel_supported, masked_few_query_attention
+from longctx_patch.methods.exact import attention_mask, softmax_attention
+
+
+def _dense(q, k, v, scale, key_mask, q_offset, window):
+    B, Hq, Sq, D = q.shape
+    G = Hq // k.shape[1]
+    kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    ok = attention_mask(Sq, k.shape[2], device="cpu", key_mask=key_mask, q_offset=q_offset, window=window)
+    s = s.masked_fill(~ok, float("-inf"))
+    return (s.softmax(-1) @ vv).transpose(1, 2)
+
+
+CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, splits
+    (3, 6, 2, 1, 203, 16, None, 3),   # decode, GQA 3, three splits, odd length
+    (2, 4, 4, 1, 130, 32, None, 1),   # plain heads, one split
+    (2, 8, 2, 5, 257, 16, None, 4),   # a padded tail of 5 queries, 20 stacked rows (two row blocks of 16)
+    (2, 6, 2, 3, 150, 16, 40, 2),     # a window
+    (1, 4, 1, 1, 70, 64, 9, 5),       # a narrow window: most splits hold no key of the row
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,window,splits", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_few_query_kernel_equals_reference(B, Hq, Hkv, Sq, Sk, D, window, splits, dtype):
+    g = torch.Generator().manual_seed(Sk + Sq)
+    q = torch.randn(B, Hq, Sq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
+    km = torch.ones(B, Sk, dtype=torch.bool)
+    for b in range(1, B):  # left padding, row b starts b * Sk / 3 keys late; row 0 has none
+        km[b, : b * Sk // 3] = False
+    km[B - 1, Sk // 2] = False  # and a hole in the middle
+    for key_mask in (km, None):
+        if key_mask is None and window is None:
+            continue  # no mask at all: the flash path, not this kernel
+        out = masked_few_query_attention(q, k, v, scale=D ** -0.5, key_mask=key_mask, window=window, splits=splits)
+        ref = _dense(q, k, v, D ** -0.5, key_mask, None, window)
+        assert out.shape == (B, Sq, Hq, D) and out.dtype == dtype
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        # and the package's exact path (SDPA on the CPU) agrees
+        exact = softmax_attention(q, k, v, scale=D ** -0.5, key_mask=key_mask, window=window)
+        torch.testing.assert_close(out.double(), exact.double(), atol=tol, rtol=tol)
+
+
+def test_queries_at_an_offset_and_default_splits():
+    """q_offset other than the end (queries in the middle of the keys) and the automatic split count."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 2, 32, generator=g)
+    k = torch.randn(2, 2, 300, 32, generator=g)
+    v = torch.randn(2, 2, 300, 32, generator=g)
+    km = torch.ones(2, 300, dtype=torch.bool)
+    km[1, :77] = False
+    out = masked_few_query_attention(q, k, v, scale=0.2, key_mask=km, q_offset=150)
+    torch.testing.assert_close(out.double(), _dense(q, k, v, 0.2, km, 150, None), atol=2e-6, rtol=2e-6)
+
+
+def test_supported_says_why_not():
+    q = torch.randn(1, 2, 1, 24)
+    assert "power of two" in decode_kernel_supported(q, q, q)
+    q = torch.randn(1, 2, 1, 32, requires_grad=True)
+    assert "backward" in decode_kernel_supported(q, q.detach(), q.detach())
+    with pytest.raises(RuntimeError, match="cannot run"):
+        masked_few_query_attention(torch.randn(1, 2, 1, 24), torch.randn(1, 2, 5, 24), torch.randn(1, 2, 5, 24),
+                                   scale=0.2)
