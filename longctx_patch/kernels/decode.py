@@ -62,7 +62,9 @@ if HAVE_TRITON:
             b = b.to(tl.float32)
         return tl.dot(a, b, input_precision=PREC)
 
-    @triton.jit
+    # the cache length and what follows from it change at every decode step: not specialised, so one compiled
+    # kernel serves every step (k/v strides stay specialised: multiples of 16 for head_dim >= 16)
+    @triton.jit(do_not_specialize=["skmb", "Sk", "q_off", "window", "NS"])
     def _split_kernel(Q, K, V, KM, PO, PM, PL,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, skmb,
                       Sk, Sq, q_off, window, scale_log2, chunk, NS,
@@ -117,7 +119,7 @@ if HAVE_TRITON:
         tl.store(PM + base * BR + r, m)
         tl.store(PL + base * BR + r, l)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NS"])
     def _combine_kernel(PO, PM, PL, O, sob, sos, soh, Sq, NS,
                         HKV: tl.constexpr, G: tl.constexpr, NRB: tl.constexpr, BR: tl.constexpr, D: tl.constexpr):
         pid = tl.program_id(0)
