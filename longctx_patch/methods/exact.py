@@ -82,11 +82,11 @@ def softmax_attention(
             return masked_few_query_attention(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset,
                                               window=window)
     if G > 1 and Sq * G <= Sk:
-        # few queries (a decode step; a tail with padding or a window): the G query heads of a kv head are stacked
-        # along the query axis (the mask repeated), so SDPA reads each kv head once instead of G repeated copies of
-        # the cache, and a single last query that sees every key goes without a mask (flash). cuDNN's attention is
-        # left out: it builds a plan for every new key length, 35-65 ms on an H200, and a decode step is always a
-        # new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
+        # few queries (a decode step without padding; with a mask where the kernels above cannot run): the G query
+        # heads of a kv head are stacked along the query axis (the mask repeated), so SDPA reads each kv head once
+        # instead of G repeated copies of the cache, and a single last query that sees every key goes without a mask
+        # (flash). cuDNN's attention is left out: it builds a plan for every new key length, 35-65 ms on an H200,
+        # and a decode step is always a new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
         # on a growing cache: the fastest with padding, and without padding level with `enable_gqa` (0.07-0.14 ms
         # host-bound calls at 16k-64k) and 2-11x faster than the repeated cache (evals/bench_decode_attention.py,
         # PERFORMANCE.md "Exact attention with few queries").
