@@ -179,8 +179,8 @@ def main():
            "commit": git_commit(), "torch": torch.__version__,
            "command": "PYTHONPATH=. python3 evals/bench_decode_attention.py " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,
-           "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM bandwidth; "
-                     "growing: mean ms per call over calls whose key length grows by one",
+           "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM "
+                     "bandwidth; growing: mean ms per call over calls whose key length grows by one",
            "rows": rows, "growing": grow}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -98,11 +98,13 @@ def main():
         for t in ("top_self_cpu", "top_self_cuda"):
             print(f"  {t}:")
             for e in row[t][:8]:
-                print(f"    {e['op'][:60]:60s} x{e['calls']:5d} cpu {e['self_cpu_ms']:8.2f} ms cuda {e['self_cuda_ms']:8.2f}")
+                print(f"    {e['op'][:60]:60s} x{e['calls']:5d} cpu {e['self_cpu_ms']:8.2f} ms "
+                      f"cuda {e['self_cuda_ms']:8.2f}")
         results[method] = row
         if method != "none":
             lp.unpatch(model)
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "PYTHONPATH=. python3 evals/model_decode_profile.py " + shlex.join(sys.argv[1:]),
            "model": "llama-3.2-1b-shaped-random", "context": C, "steps": args.steps,
            "profile_steps": args.profile_steps, "results": results}

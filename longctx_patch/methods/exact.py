@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .base import Method, MethodConfig, PatchedAttention, register_method
 
@@ -41,6 +42,10 @@ def attention_mask(
     return allowed
 
 
+# SDPA with a bottom-right causal bias passes `enable_gqa` on to its kernels (checked, not assumed, for older torch)
+_LOWER_RIGHT_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+
+
 def _without_cudnn(device):
     """SDPA's backends except cuDNN's attention on CUDA (a plan per new shape); nothing to change elsewhere."""
     if device.type != "cuda":
@@ -67,7 +72,7 @@ def softmax_attention(
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
-    if simple and 1 < Sq < Sk:
+    if simple and 1 < Sq < Sk and (G == 1 or _LOWER_RIGHT_GQA):
         # the last Sq of Sk tokens, no padding or window (a prefill's tail, a chunk after a cache): causal aligned
         # to the bottom right, which SDPA's flash kernel takes without a mask and with the kv heads as they are
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk), scale=scale,
@@ -86,10 +91,10 @@ def softmax_attention(
         # heads of a kv head are stacked along the query axis (the mask repeated), so SDPA reads each kv head once
         # instead of G repeated copies of the cache, and a single last query that sees every key goes without a mask
         # (flash). cuDNN's attention is left out: it builds a plan for every new key length, 35-65 ms on an H200,
-        # and a decode step is always a new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated cache, with and without cuDNN,
-        # on a growing cache: the fastest with padding, and without padding level with `enable_gqa` (0.07-0.14 ms
-        # host-bound calls at 16k-64k) and 2-11x faster than the repeated cache (evals/bench_decode_attention.py,
-        # PERFORMANCE.md "Exact attention with few queries").
+        # and a decode step is always a new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated
+        # cache, with and without cuDNN, on a growing cache: the fastest with padding, and without padding level
+        # with `enable_gqa` (0.07-0.14 ms host-bound calls at 16k-64k) and 2-11x faster than the repeated cache
+        # (evals/bench_decode_attention.py, PERFORMANCE.md "Exact attention with few queries").
         mask = None
         if not (simple and Sq == 1):
             mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)
