@@ -180,3 +180,15 @@ def test_smollm2_generate_with_muse_and_unpatch_identity(smollm2):
         lp.unpatch(model)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_patching_a_cpu_model_warns_that_muse_runs_its_reference():
+    """On the CPU MuSe runs its dense reference (slower than exact attention): patch() says so, once per call;
+    backend='torch' (asking for the reference) does not warn."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="dense PyTorch reference"):
+        lp.patch(tiny_model("llama"), "muse", **SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lp.patch(tiny_model("llama"), "muse", **SMALL, backend="torch")
