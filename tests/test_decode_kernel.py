@@ -22,7 +22,8 @@ def _dense(q, k, v, scale, key_mask, q_offset, window):
 CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, splits
     (3, 6, 2, 1, 203, 16, None, 3),   # decode, GQA 3, three splits, odd length
     (2, 4, 4, 1, 130, 32, None, 1),   # plain heads, one split
-    (2, 8, 2, 5, 257, 16, None, 4),   # a padded tail of 5 queries, 20 stacked rows (two row blocks of 16)
+    (2, 8, 2, 5, 257, 16, None, 4),   # a padded tail of 5 queries: 20 stacked rows in one block of 32
+    (1, 8, 2, 17, 200, 16, None, 2),  # 17 queries: 68 stacked rows, two blocks of 64 (the second mostly padding)
     (2, 6, 2, 3, 150, 16, 40, 2),     # a window
     (1, 4, 1, 1, 70, 64, 9, 5),       # a narrow window: most splits hold no key of the row
 ]
