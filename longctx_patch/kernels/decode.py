@@ -16,8 +16,8 @@ only real keys (`key_mask`), and always its own key.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 
 import torch
 
@@ -25,9 +25,14 @@ try:
     import triton
     import triton.language as tl
 
+    # the dot with the interpreter's bf16 workaround, and whether the interpreter is on
+    from .lola.triton_kernels import _UPCAST as _INTERPRETING
+    from .lola.triton_kernels import _dot
+
     HAVE_TRITON = True
 except ImportError:  # the PyTorch path serves everything without it
     HAVE_TRITON = False
+    _INTERPRETING = False
 
 LOG2E = 1.4426950408889634
 
@@ -36,7 +41,7 @@ def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     """None when `masked_few_query_attention` can run these tensors, else why not."""
     if not HAVE_TRITON:
         return "triton is not installed"
-    if not (q.is_cuda or q.device.type == "cpu" and _interpreting()):
+    if not (q.is_cuda or q.device.type == "cpu" and _INTERPRETING):
         return "the kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1)"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
@@ -48,19 +53,7 @@ def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 if HAVE_TRITON:
-
-    @triton.jit
-    def _dot(a, b, PREC: tl.constexpr, UP: tl.constexpr):
-        """UP: the interpreter returns garbage for tl.dot on bf16 operands; there they are upcast (same maths)."""
-        if UP:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        return tl.dot(a, b, input_precision=PREC)
 
     # the cache length and what follows from it change at every decode step: not specialised, so one compiled
     # kernel serves every step (k/v strides stay specialised: multiples of 16 for head_dim >= 16)
@@ -167,6 +160,16 @@ def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     why = decode_kernel_supported(q, k, v)
     if why is not None:
         raise RuntimeError(f"masked_few_query_attention cannot run: {why}")
+    return _launch(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch(q, k, v, *, scale, key_mask, q_offset, window, splits):
+    """masked_few_query_attention once `decode_kernel_supported` said yes (softmax_attention checks it itself)."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -178,7 +181,8 @@ def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     NRB = triton.cdiv(R, BR)
     progs = B * Hkv * NRB
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+            if q.is_cuda else 4
         splits = max(1, min(triton.cdiv(Sk, BN), math.ceil(2 * sms / progs)))
     chunk = triton.cdiv(triton.cdiv(Sk, splits), BN) * BN
     NS = triton.cdiv(Sk, chunk)
@@ -198,7 +202,7 @@ def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         v.stride(0), v.stride(1), v.stride(2), km.stride(0) if km is not None else 0,
         Sk, Sq, q_off, window if window is not None else 0, scale * LOG2E, chunk, NS,
         HKV=Hkv, G=G, NRB=NRB, BR=BR, BN=BN, D=D, HAS_KM=km is not None, HAS_WIN=window is not None, PREC=prec,
-        UP=_interpreting(),
+        UP=_INTERPRETING,
         num_warps=warps, num_stages=2)
     out = torch.empty(B, Sq, Hq, D, device=dev, dtype=q.dtype)
     _combine_kernel[(progs,)](po, pm, pl, out, out.stride(0), out.stride(1), out.stride(2), Sq, NS,
