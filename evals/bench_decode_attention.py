@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx_patch.evals.common import git_commit
-from longctx_patch.methods.exact import attention_mask, softmax_attention
+from longctx_patch.methods.exact import _without_cudnn, attention_mask, softmax_attention
 
 
 def _reference(q, k, v, scale, key_mask):
@@ -46,30 +46,32 @@ def _reference(q, k, v, scale, key_mask):
 
 
 def variants(q, k, v, scale, key_mask):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Each variant builds its own mask, as the package does: the mask is part of what a call costs."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     needs_mask = key_mask is not None or Sq > 1
-    mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
+
+    def mask():
+        return attention_mask(Sq, Sk, device=q.device, key_mask=key_mask) if needs_mask else None
 
     def repeat():
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask,
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask(),
                                            scale=scale)
         return o.transpose(1, 2)
 
     def stacked():
-        m = None if mask is None else mask.repeat(1, 1, G, 1)
+        m = mask()
+        m = None if m is None else m.repeat(1, 1, G, 1)
         o = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * Sq, D), k, v, attn_mask=m, scale=scale)
         return o.reshape(B, Hq, Sq, D).transpose(1, 2)
 
     def gqa():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(), scale=scale, enable_gqa=True).transpose(1, 2)
 
     def nocudnn(fn):
         def run():
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            with _without_cudnn(q.device):
                 return fn()
         return run
 
