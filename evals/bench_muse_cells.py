@@ -32,9 +32,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse import cells as cells_mod
+from longctx_patch.kernels.muse import cells_triton as cells_mod
 from longctx_patch.kernels.muse import muse_attention
-from longctx_patch.kernels.muse.cells import cells_reference, cells_triton, make_cells_plan
+from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.cells_triton import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 OUT = os.environ.get("OUT", "evals/results")

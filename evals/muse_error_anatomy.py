@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, cells_triton, make_cells_plan
+from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.cells_triton import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 

@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from longctx_patch.kernels import decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
-from longctx_patch.kernels.muse import cells as mc  # noqa: E402
+from longctx_patch.kernels.muse import cells_triton as mc  # noqa: E402
 from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402

@@ -25,25 +25,21 @@ from typing import Callable
 import torch
 
 from ...errors import ConfigError
+from ..backend import check_backend, resolve_backend
 from . import reference as ref
 
 
 def _use_triton(backend: str, *tensors) -> bool:
-    """Whether the Triton kernels run. They have no backward, so `auto` takes the (differentiable) PyTorch path
-    whenever one of `tensors` needs a gradient; pass every input that may be trained (q, k, v and the feature
-    maps' outputs, the window factors)."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {backend!r}")
-    if backend == "torch":
-        return False
+    """Whether the Triton kernels run (`kernels.backend.resolve_backend`). They have no backward, so `auto` takes
+    the (differentiable) PyTorch path whenever one of `tensors` needs a gradient; pass every input that may be
+    trained (q, k, v and the feature maps' outputs, the window factors)."""
+    check_backend(backend, "lola/lolcats")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
-    if backend == "triton":
-        if grad:
-            raise ConfigError("backend='triton' was asked for while gradients are needed, but the LoLA/LoLCATs "
-                              "Triton kernels have no backward; train with backend='auto' (the PyTorch path is "
-                              "taken under grad) or backend='torch'")
-        return True
-    return all(t.is_cuda for t in tensors if t is not None) and not grad
+    if backend == "triton" and grad:
+        raise ConfigError("backend='triton' was asked for while gradients are needed, but the LoLA/LoLCATs "
+                          "Triton kernels have no backward; train with backend='auto' (the PyTorch path is "
+                          "taken under grad) or backend='torch'")
+    return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
 
 
 def _tk():

@@ -5,16 +5,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ...errors import ConfigError, DeviceError
+from ...errors import ConfigError
+from ..backend import BACKENDS, require_triton, resolve_backend
 from .plan import MusePlan, lloyd, make_plan
 from .reference import muse_reference_planned
-
-BACKENDS = ("auto", "torch", "triton")
-
 
 def triton_supported(
     q: torch.Tensor, *, block_size: int, q_clusters: int, k_clusters: int, dipole: bool, needs_grad: bool = False
@@ -116,14 +112,15 @@ def muse_attention(
     if backend == "auto":
         why_fwd = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
                                    dipole=dipole)
-        if q.is_cuda and why is not None and why_fwd is None:
+        on_gpu = resolve_backend("auto", q, what="muse") == "triton"
+        if on_gpu and why is not None and why_fwd is None:
             # the dense reference would not fit at the lengths the Triton path is for: say what to change
             raise ConfigError(f"muse: {why}")
-        backend = "triton" if (q.is_cuda and why is None) else "torch"
+        backend = "triton" if (on_gpu and why is None) else "torch"
     if backend == "triton":
+        require_triton("muse", q)
         if why is not None:
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        _check_triton_device(q)
     if plan is None:
         plan = make_plan(
             q.detach(),
@@ -152,11 +149,6 @@ def _plan_backend(backend: str) -> str:
     return "torch" if backend == "torch" else "auto"
 
 
-def _check_triton_device(q: torch.Tensor) -> None:
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise DeviceError("muse backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
-
-
 def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
     """None if the cells Triton kernels can run these inputs, else what to change. A head_dim that is not a power
     of two in 16..128 runs zero-padded to the next one (`_cells`)."""
@@ -175,17 +167,17 @@ def _kernel_head_dim(D: int) -> int:
 
 def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
            sink_blocks, dipole, key_mask, backend):
-    from .cells import cells_reference, cells_triton, make_cells_plan
+    from .cells import cells_reference, make_cells_plan
 
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
     why = cells_supported(q, block_size=block_size)
     if backend == "triton":
+        require_triton("muse", q)
         if why is not None:
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        _check_triton_device(q)
     elif backend == "auto":
-        backend = "triton" if (q.is_cuda and why is None) else "torch"
+        backend = "triton" if (resolve_backend("auto", q, what="muse") == "triton" and why is None) else "torch"
     D = q.shape[-1]
     Dp = _kernel_head_dim(D) if backend == "triton" else D
     if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
@@ -195,6 +187,8 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
                            local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
                            backend=_plan_backend(backend))
     if backend == "triton":
+        from .cells_triton import cells_triton
+
         return cells_triton(q, k, v, plan, scale=scale)[..., :D]
     return cells_reference(q, k, v, plan, scale=scale)
 

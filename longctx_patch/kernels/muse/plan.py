@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ConfigError
-from .cluster import lloyd_supported, lloyd_triton
+from ..backend import resolve_backend
 
 
 @dataclass
@@ -84,7 +84,9 @@ def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int, backend: str
     backend: "auto" (the Triton kernel `cluster.lloyd_triton` on CUDA when it takes the shape, else this PyTorch
     code), "torch" or "triton".
     """
-    if backend == "triton" or (backend == "auto" and x.is_cuda):
+    if resolve_backend(backend, x, what="muse clustering") == "triton":
+        from .cluster import lloyd_supported, lloyd_triton
+
         why = lloyd_supported(x, C)
         if why is None:
             return lloyd_triton(x, valid, C, iters)

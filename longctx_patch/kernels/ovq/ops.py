@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ...errors import ConfigError
+from ..backend import resolve_backend as _resolve
 from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
                         select_and_assign, update_state)
 
@@ -37,21 +38,20 @@ def _is_pow2(n: int) -> bool:
 
 
 def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
-    if backend == "torch":
+    """'triton' or 'torch' (`kernels.backend.resolve_backend`), with the OVQ kernels' shape limits."""
+    be = _resolve(backend, q, k, v, what="ovq")
+    if be == "torch":
         return "torch"
     # head_dim * itemsize <= 256 bytes: the fused prefill kernel holds [128, D] tiles; at bf16 D = 256 or fp32
     # D = 128 it asks for more shared memory than an H100/H200 block has (tests/compile_sm90.py)
     width = max(q.shape[-1], v.shape[-1]) * q.element_size()
     shapes_ok = _is_pow2(q.shape[-1]) and _is_pow2(v.shape[-1]) and q.shape[-1] >= 16 and width <= 256
+    if shapes_ok:
+        return "triton"
     if backend == "triton":
-        if not shapes_ok:
-            raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to "
-                              f"{256 // q.element_size()} in {q.dtype}, got {q.shape[-1]} / {v.shape[-1]}; use "
-                              "backend='auto' or 'torch'")
-        return "triton"
-    # auto: Triton on CUDA, the reference elsewhere
-    if q.is_cuda and shapes_ok:
-        return "triton"
+        raise ConfigError(f"backend='triton': the Triton OVQ kernels need power-of-two head dims from 16 to "
+                          f"{256 // q.element_size()} in {q.dtype}, got {q.shape[-1]} / {v.shape[-1]}; use "
+                          "backend='auto' or 'torch'")
     return "torch"
 
 

@@ -1,0 +1,81 @@
+"""Where the Triton kernels can run, and the one backend choice every kernel family makes.
+
+Triton is optional: without it (a CPU-only install of PyTorch brings none) every method runs its PyTorch
+reference. Nothing here imports Triton at module level; the files that define kernels (`triton_*.py`,
+`decode.py`'s guarded block, `muse/cluster.py`) are imported only once `resolve_backend` chose "triton".
+
+`backend` (every method's option of that name):
+- "auto": the Triton kernels on CUDA tensors when Triton is installed (and the caller's shape checks pass),
+  the PyTorch reference otherwise;
+- "triton": the kernels, or a `DeviceError` that names what is missing (Triton, or a CUDA device; on a CPU,
+  TRITON_INTERPRET=1 runs them through Triton's interpreter, for tests);
+- "torch": the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from ..errors import ConfigError, DeviceError
+
+BACKENDS = ("auto", "triton", "torch")
+
+# the Triton interpreter runs the kernels on the CPU (tests); read once, as Triton reads it
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether `import triton` works (without importing it: its import costs about a second)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken install
+        return False
+
+
+def triton_missing(*tensors: torch.Tensor | None) -> str | None:
+    """None when the Triton kernels can run on `tensors`, else what is missing, in words."""
+    if not triton_installed():
+        return ("Triton is not installed (it comes with PyTorch's CUDA builds on Linux, or `pip install triton`) "
+                "and the kernels need it")
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices - {"cuda"} and not (INTERPRET and devices <= {"cpu", "cuda"}):
+        where = ", ".join(sorted(devices))
+        return (f"the tensors are on {where}, and the Triton kernels run on CUDA GPUs (on a CPU only under "
+                "TRITON_INTERPRET=1, Triton's slow interpreter for tests)")
+    return None
+
+
+def check_backend(backend: str, what: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"{what}: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    return backend
+
+
+def require_triton(what: str, *tensors: torch.Tensor | None) -> None:
+    """Raise DeviceError when backend='triton' cannot run on `tensors`."""
+    why = triton_missing(*tensors)
+    if why is not None:
+        raise DeviceError(f"{what} backend='triton' cannot run here: {why}; use backend='auto' (the kernels where "
+                          "they can run, the PyTorch reference elsewhere) or backend='torch'")
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor | None, what: str) -> str:
+    """'triton' or 'torch' for this call (see the module docstring); the caller adds its own shape checks."""
+    check_backend(backend, what)
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        require_triton(what, *tensors)
+        return "triton"
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    return "triton" if on_cuda and triton_installed() else "torch"
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (as triton.next_power_of_2, for host code that must not import Triton)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -1,0 +1,347 @@
+"""The Triton path of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
+and backward kernels in an `autograd.Function`. Imported only when the Triton backend runs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .cells import CellsPlan, cell_summaries
+from .plan import log_counts
+
+@triton.jit
+def _mm(a, b, UP: tl.constexpr):
+    """a @ b with fp32 accumulation. bf16/fp16 operands: one tensor-core dot. fp32 operands: tf32x3 (each operand
+    split in a tf32 high part and a tf32 remainder, three tensor-core products), within a few fp32 ulps of ieee
+    products; ieee fp32 dots compile to FMA loops that spill on sm_90. UP: the interpreter's bf16 workaround
+    (see triton_kernels._dot)."""
+    if UP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
+def _online(s, qk, vals, m_i, l_i, acc, EMPTY: tl.constexpr, UP: tl.constexpr):
+    """One online-softmax step in the log2 domain: logits qk * s for the unscaled tile s [BM, BN] (so that the
+    scale and the max subtraction are one FMA), values [BN, D]. EMPTY: a row of the tile may be all -inf with no
+    earlier finite logit (a masked tile); without it the max is finite and needs no guard."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY else m_new
+    p = tl.exp2(s * qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + _mm(p.to(vals.dtype), vals, UP)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK: tl.constexpr,
+               D: tl.constexpr, UP: tl.constexpr):
+    """Cells c0 .. c0 + BN of the far field of query block n (cells of blocks < n - LOC: `hi`; retrieved blocks
+    masked): mean keys, mean values and the unscaled logits of the query tile q (`q.mu + log n / scale`, the
+    callers multiply by scale; -inf where masked or empty)."""
+    cidx = c0 + offs_n
+    ok = cidx < hi
+    ok = ok & (tl.load(RET + (bh * NB + n) * NB + cidx // CK, mask=ok, other=1) == 0)
+    mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) / scale
+    return mu, vb, _mm(q, tl.trans(mu), UP) + bias[None, :]
+
+
+@triton.jit
+def _exact_tile(K, V, KVAL, q, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: tl.constexpr, D: tl.constexpr,
+                UP: tl.constexpr):
+    """Exact keys pos0 .. pos0 + BN: keys, values and the unscaled logits q.k of the query tile q. MASK 0: none
+    (full earlier blocks without a key mask), 1: -inf for padding, 2: also for keys after the query (own block)."""
+    pos = pos0 + offs_n
+    k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    s = _mm(q, tl.trans(k), UP)
+    if MASK > 0:
+        ok = (tl.load(KVAL + b * Sp + pos) != 0)[None, :]
+        if MASK == 2:
+            ok = ok & (pos[None, :] <= offs_m[:, None])
+        s = tl.where(ok, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
+def _list_len(EXL, row, NE: tl.constexpr, NEP: tl.constexpr):
+    """Number of blocks in row `row` of `exact_lists` (its valid entries come first)."""
+    e = tl.arange(0, NEP)
+    return tl.sum((tl.load(EXL + row * NE + e, mask=e < NE, other=-1) >= 0).to(tl.int32), 0)
+
+
+@triton.jit
+def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB, Sp, NCK,
+               L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+               PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    # programs run in launch order, axis 0 fastest: the longest (last) query tiles of every head start first
+    bh = tl.program_id(0).to(tl.int64)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_m = tile * BM + tl.arange(0, BM)
+    n = (tile * BM) // L  # the query block (BM divides L)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    q = tl.load(Q + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :])
+    qk = scale * 1.4426950408889634  # logits in the log2 domain
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
+    hi = tl.maximum(n - LOC, 0) * CK
+    for c0 in range(0, hi, BN):
+        _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+        m_i, l_i, acc = _online(s, qk, vb, m_i, l_i, acc, True, UP)
+    # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
+    # loads pipeline across blocks; then the own block up to the tile's last query, causally
+    row = bh * NB + n
+    for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
+        mblk = tl.load(EXL + row * NE + it // (L // BN))
+        _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+                              PAD, D, UP)
+        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, PAD > 0, UP)
+    for k0 in range(0, (tile * BM) % L + BM, BN):
+        _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, True, UP)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = (m_fin + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453  # natural log, for the backward
+    tl.store(LSE + bh * Sp + offs_m, tl.where(has, lse, 0.0))
+
+
+def exact_lists(plan: CellsPlan) -> torch.Tensor:
+    """[B, Hq, nb, topk + sinks + local] int32: the earlier blocks each query block attends exactly, first in each row;
+    -1 pads the rest (the kernels count a row's blocks and loop over them only)."""
+    R = plan.retrieved.clone()
+    nb, loc = plan.num_blocks, plan.local_blocks
+    ar = torch.arange(nb, device=R.device)
+    R |= ((ar[None, :] < ar[:, None]) & (ar[None, :] >= ar[:, None] - loc))[None, None]
+    NE = max(1, min(nb, plan.max_retrieved + loc))  # static: no device-to-host copy
+    val, idx = R.to(torch.int8).topk(NE, dim=-1, sorted=True)  # the True blocks first
+    return torch.where(val > 0, idx, torch.full_like(idx, -1)).to(torch.int32).contiguous()
+
+
+@triton.jit
+def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
+    """Row-major pair [BM queries, BN keys] of unscaled logits s: probabilities and dS = P * (dO V^T - Delta)."""
+    p = tl.exp2(s * qk - lse2[:, None])
+    dp = _mm(do, tl.trans(vals), UP)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, scale, H, HKV, NB, Sp, NCK,
+                  L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+                  PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    kvh = b * HKV + h // (H // HKV)
+    offs_m = tile * BM + tl.arange(0, BM)
+    n = (tile * BM) // L
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    qk = scale * 1.4426950408889634
+    q = tl.load(Q + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :])
+    do = tl.load(DO + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :])
+    lse2 = tl.load(LSE + bh * Sp + offs_m) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Sp + offs_m)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = tl.maximum(n - LOC, 0) * CK
+    for c0 in range(0, hi, BN):
+        mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+        p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
+        dq += _mm(ds.to(mu.dtype), mu, UP)
+    row = bh * NB + n
+    for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
+        mblk = tl.load(EXL + row * NE + it // (L // BN))
+        k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
+                              PAD, D, UP)
+        p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
+        dq += _mm(ds.to(k.dtype), k, UP)
+    for k0 in range(0, (tile * BM) % L + BM, BN):
+        k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
+        p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
+        dq += _mm(ds.to(k.dtype), k, UP)
+    tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
+
+
+@triton.jit
+def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, NB, Sp,
+                    L: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    UP: tl.constexpr):
+    """dK, dV of the exact keys: one program per (BN keys of block m, batch x kv head), over the query blocks that
+    attend block m exactly (its own block causally, the LOC blocks after it, and those that retrieved it)."""
+    kt = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    G = H // HKV
+    b = bkv // HKV
+    hk = bkv % HKV
+    offs_n = kt * BN + tl.arange(0, BN)
+    m = (kt * BN) // L
+    offs_d = tl.arange(0, D)
+    offs_q = tl.arange(0, BM)
+    qk = scale * 1.4426950408889634
+    k = tl.load(K + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+    v = tl.load(V + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+    kv = tl.load(KVAL + b * Sp + offs_n) != 0
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    for g in range(G):
+        bh = b * H + hk * G + g
+        for n in range(m, NB):
+            exact = (n - m <= LOC) | (tl.load(RET + (bh * NB + n) * NB + m) != 0)
+            if exact:
+                for q0 in range(0, L, BM):
+                    qpos = n * L + q0 + offs_q
+                    q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                    do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                    lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+                    delta = tl.load(DELTA + bh * Sp + qpos)
+                    ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
+                    s = tl.where(ok, _mm(q, tl.trans(k), UP), float("-inf"))
+                    p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
+                    dv += _mm(tl.trans(p.to(do.dtype)), do, UP)
+                    dk += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+    tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
+    tl.store(DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dv)
+
+
+@triton.jit
+def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, HKV, NB, Sp, NCK,
+                      L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, UP: tl.constexpr):
+    """dMU, dVB of BN cells (batch x kv head): over the query blocks after them that do not retrieve their block."""
+    ct = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    G = H // HKV
+    b = bkv // HKV
+    hk = bkv % HKV
+    cidx = ct * BN + tl.arange(0, BN)
+    okc = cidx < NCK
+    cb = cidx // CK
+    offs_d = tl.arange(0, D)
+    offs_q = tl.arange(0, BM)
+    qk = scale * 1.4426950408889634
+    mu = tl.load(MU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
+    vb = tl.load(VB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], mask=okc[:, None], other=0.0)
+    bias = tl.load(LOGN + bkv * NCK + cidx, mask=okc, other=float("-inf")) / scale
+    dmu = tl.zeros([BN, D], tl.float32)
+    dvb = tl.zeros([BN, D], tl.float32)
+    for g in range(G):
+        bh = b * H + hk * G + g
+        for n in range((ct * BN) // CK + LOC + 1, NB):
+            okn = okc & (cb < n - LOC) & (tl.load(RET + (bh * NB + n) * NB + cb, mask=okc, other=1) == 0)
+            for q0 in range(0, L, BM):
+                qpos = n * L + q0 + offs_q
+                q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+                delta = tl.load(DELTA + bh * Sp + qpos)
+                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) + bias[None, :], float("-inf"))
+                p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
+                dvb += _mm(tl.trans(p.to(do.dtype)), do, UP)
+                dmu += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+    tl.store(DMU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dmu * scale, mask=okc[:, None])
+    tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
+
+
+# forward tiles by (head_dim, dtype) that replace cells_tiles' choice: (BM, BN, warps, stages); for benchmarks
+FWD_TILES: dict = {}
+
+
+def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
+    """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages) and bwd (BM, BN, warps,
+    query tile of the dK/dV and dcells kernels). bf16/fp16: the fastest forward of an H200 sweep
+    (evals/bench_muse_cells.py `tune`), and backward tiles that compile without register spills for sm_90
+    (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that fit sm_90's shared memory with the fewest spills
+    (cuobjdump of the sm_90 build). BM and BN divide block_size L (a multiple of 128)."""
+    if dtype == torch.float32:  # tf32x3 dots keep two tf32 copies of every operand in shared memory
+        fwd, bwd = ((128, 64, 8, 1), (64, 32, 4, 32)) if D >= 128 else ((64, 64, 4, 2), (64, 64, 8, 32))
+    else:
+        fwd, bwd = ((128, 128, 8, 3) if D >= 128 else (128, 128, 4, 2)), (128, 64, 8, 128)
+    fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
+    return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)))
+
+
+def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
+    """t [B, H, S, D] zero-padded to Sp positions, contiguous (no copy when it already is both)."""
+    if t.shape[2] != Sp:
+        t = torch.nn.functional.pad(t, (0, 0, 0, Sp - t.shape[2]))
+    return t.contiguous()
+
+
+class _CellsAttention(torch.autograd.Function):
+    """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
+    ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+        B, Hq, S, D = q.shape
+        Hkv = k.shape[1]
+        L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
+        tiles = cells_tiles(D, q.dtype, L)
+        MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
+        VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
+        logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
+        Q, K, V = (_padded(t, Sp) for t in (q, k, v))
+        exl = exact_lists(plan)
+        # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
+        lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
+        ret = plan.retrieved.to(torch.int8).contiguous()
+        kval = plan.key_valid.to(torch.int8).contiguous()
+        O = torch.empty_like(Q)
+        LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
+        up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
+        fm, fn, fw, fs = tiles["fwd"]
+        _cells_fwd[(B * Hq, Sp // fm)](
+            Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
+        ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
+        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, lists, tiles["bwd"], up, scale)
+        return O[:, :, :S].transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, do):
+        Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
+        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = ctx.meta
+        DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
+        DELTA = (DO.float() * O.float()).sum(-1).contiguous()
+        f32 = dict(device=Q.device, dtype=torch.float32)
+        DQ = torch.empty(B, Hq, Sp, D, **f32)
+        DK = torch.empty(B, Hkv, Sp, D, **f32)
+        DV = torch.empty(B, Hkv, Sp, D, **f32)
+        DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
+        DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
+        _cells_bwd_dq[(Sp // BM, B * Hq)](
+            Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
+            Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
+            L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
+            Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
+            L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        cast = lambda t, like: t.to(like.dtype)  # noqa: E731
+        return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
+                cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB), None, None)
+
+
+def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
+    """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
+    q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
+    of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
+    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
+    mu, vbar = cell_summaries(k, v, plan)
+    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
