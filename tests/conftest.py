@@ -14,7 +14,7 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)
 
 
 def tiny_config(model_type: str = "llama", **kw):
@@ -62,9 +62,9 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def pg_essays_dir():
-    d = SHARED_DATA / "pg_essays"
+    d = TEST_DATA / "pg_essays"
     if not d.is_dir():
-        pytest.fail(f"test data {d} is missing (the repo expects ../shared/data beside it)")
+        pytest.fail(f"test data {d} is missing: it ships with the repository (tests/data/README.md)")
     return d
 
 

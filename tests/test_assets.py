@@ -9,7 +9,7 @@ import longctx_patch as lp
 from longctx_patch import assets
 from longctx_patch.patcher import _patch_record, _state, method_state_dict
 
-from conftest import REPO, SHARED_DATA, tiny_model
+from conftest import REPO, TEST_DATA, tiny_model
 
 ASSET = REPO / "longctx_patch" / "assets" / "smollm2-135m-instruct-lolcats"
 
@@ -117,7 +117,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     at 768 tokens, far better than fresh feature maps, and unpatch is exact."""
     model, tok = smollm2
     assert (ASSET / "asset.json").exists() and (ASSET / "adapter" / "adapter_config.json").exists()
-    essay = (SHARED_DATA / "pg_essays" / "avg.txt").read_text()  # held out of the linearize run's training text
+    essay = (TEST_DATA / "pg_essays" / "avg.txt").read_text()  # held out of the linearize run's training text
     ids = tok(essay, return_tensors="pt").input_ids[:, :768]
     with torch.no_grad():
         ref = model(ids, labels=ids)
@@ -142,7 +142,7 @@ def test_generate_cli_runs_lola_on_the_embedded_model(tmp_path):
     from cli.main import main
 
     prompt = tmp_path / "essay.txt"
-    prompt.write_text((SHARED_DATA / "pg_essays" / "avg.txt").read_text()[:3000] + "\n\nSummarise the essay in one sentence.")
+    prompt.write_text((TEST_DATA / "pg_essays" / "avg.txt").read_text()[:3000] + "\n\nSummarise the essay in one sentence.")
     res = CliRunner().invoke(main, ["generate", "--model", "smollm2-135m", "--method", "lola", "--prompt-file",
                                    str(prompt), "--max-new-tokens", "8", "--device", "cpu"])
     assert res.exit_code == 0, res.output
