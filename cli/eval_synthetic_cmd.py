@@ -85,7 +85,7 @@ def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_
     import torch
 
     from longctx_patch.errors import DeviceError
-    from longctx_patch.evals.mixers import DEFAULT_MIXERS, ModelConfig, TrainConfig, parse_curriculum, parse_mixers
+    from longctx_patch.evals.synthetic import DEFAULT_MIXERS, ModelConfig, TrainConfig, parse_curriculum, parse_mixers
 
     specs = parse_mixers(list(mixer_items) or ",".join(DEFAULT_MIXERS))
     if device is None:
@@ -103,7 +103,7 @@ def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_
 def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plots, quiet, extra=None):
     from pathlib import Path
 
-    from longctx_patch.evals.mixers import run_sweep, write_report
+    from longctx_patch.evals.synthetic import run_sweep, write_report
 
     records = run_sweep(task, specs, lengths, mcfg, tcfg, workers=workers, progress=not quiet)
     path = Path(out_dir) / f"{name}.json"
@@ -134,7 +134,7 @@ def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items
             curriculum, lrs, seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
     """In-context recall (MQAR): train every mixer from scratch, report accuracy vs length and state bytes."""
     from longctx_patch.evals.common import parse_sizes
-    from longctx_patch.evals.icr import IcrConfig, IcrTask
+    from longctx_patch.evals.synthetic.icr import IcrConfig, IcrTask
 
     Ls = parse_sizes(lengths)
     specs, mcfg, tcfg = _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step,
@@ -164,7 +164,7 @@ def icl_cmd(functions, dim, segment, noise, lengths, mixer_items, d_model, layer
             seeds, tokens_per_step, eval_sequences, device, workers, out_dir, name, no_plots, quiet):
     """In-context regression with F hidden functions: per-function error as the context grows, every mixer."""
     from longctx_patch.evals.common import parse_sizes
-    from longctx_patch.evals.icl import IclConfig, IclTask
+    from longctx_patch.evals.synthetic.icl import IclConfig, IclTask
 
     Ls = parse_sizes(lengths)
     specs, mcfg, tcfg = _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_per_step,

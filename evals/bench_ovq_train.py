@@ -77,8 +77,8 @@ def mixer_profile(L=4096):
     """One training step of the synthetic model (2 layers, d_model 128, 2 heads) at length L, ovq and softmax."""
     from torch.profiler import ProfilerActivity, profile
 
-    from longctx_patch.evals import mixers as M
-    from longctx_patch.evals.icr import IcrConfig, IcrTask
+    from longctx_patch.evals import synthetic as M
+    from longctx_patch.evals.synthetic.icr import IcrConfig, IcrTask
 
     task = IcrTask(IcrConfig())
     out = {}

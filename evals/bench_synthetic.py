@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from longctx_patch.evals import mixers as M
+from longctx_patch.evals import synthetic as M
 from longctx_patch.evals.common import device_description, parse_sizes
-from longctx_patch.evals.icl import IclConfig, IclTask
-from longctx_patch.evals.icr import IcrConfig, IcrTask
+from longctx_patch.evals.synthetic.icl import IclConfig, IclTask
+from longctx_patch.evals.synthetic.icr import IcrConfig, IcrTask
+from longctx_patch.evals.synthetic.train import _job
 
 GPU_MIXERS = "softmax,sliding:window=1024,linear,vq:codes=512,ovq,lola"
 
@@ -206,14 +207,14 @@ def main():
 
     if args.workers <= 1:
         for tname, j in jobs:
-            records[tname].append(M._job(j))
+            records[tname].append(_job(j))
             r = records[tname][-1]
             print(f"[{time.time() - t0:5.0f}s] {tname} {r['mixer']} lr={r['lr']:g}: "
                   f"{r.get('error') or {L: round(next(iter(e.values())), 3) for L, e in r['eval'].items()}}", flush=True)
             save_partial()
     else:
         with cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn")) as ex:
-            futs = {ex.submit(M._job, j): tname for tname, j in jobs}
+            futs = {ex.submit(_job, j): tname for tname, j in jobs}
             for f in cf.as_completed(futs):
                 tname = futs[f]
                 r = f.result()

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.evals import icl, icr, mixers  # noqa: E402
+from longctx_patch.evals import synthetic as syn  # noqa: E402
+from longctx_patch.evals.synthetic import icl, icr  # noqa: E402
 
 SMALL_ICR = dict(num_keys=64, num_values=64, num_noise=16)
 
@@ -141,8 +142,8 @@ def test_linear_attention_chunked_matches_reference(S, chunk, dtype):
     fq = torch.rand(2, 3, S, 6, generator=g).to(dtype) + 0.1
     fk = torch.rand(2, 3, S, 6, generator=g).to(dtype) + 0.1
     v = torch.randn(2, 3, S, 5, generator=g).to(dtype)
-    o = mixers.causal_linear_attention(fq, fk, v, chunk=chunk)
-    r = mixers.linear_attention_ref(fq, fk, v)
+    o = syn.causal_linear_attention(fq, fk, v, chunk=chunk)
+    r = syn.linear_attention_ref(fq, fk, v)
     torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
 
 
@@ -154,8 +155,8 @@ def test_vq_attention_chunked_matches_reference(S, chunk, dtype):
     k = torch.nn.functional.normalize(torch.randn(2, 2, S, 8, generator=g), dim=-1).to(dtype)
     v = torch.randn(2, 2, S, 8, generator=g).to(dtype)
     cb = torch.nn.functional.normalize(torch.randn(2, 5, 8, generator=g), dim=-1)
-    o, assign = mixers.vq_attention(q, k, v, cb, chunk=chunk)
-    r = mixers.vq_attention_ref(q, k, v, cb, chunk=chunk)
+    o, assign = syn.vq_attention(q, k, v, cb, chunk=chunk)
+    r = syn.vq_attention_ref(q, k, v, cb, chunk=chunk)
     torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
     assert assign.shape == (2, 2, S) and int(assign.max()) < 5
 
@@ -168,7 +169,7 @@ def test_vq_attention_gradients_match_reference():
     cb = torch.randn(2, 3, 4, generator=g, requires_grad=True)
     w = torch.randn(1, 2, 19, 4, generator=g)
     grads = []
-    for fn in (lambda: mixers.vq_attention(q, k, v, cb, chunk=4)[0], lambda: mixers.vq_attention_ref(q, k, v, cb, chunk=4)):
+    for fn in (lambda: syn.vq_attention(q, k, v, cb, chunk=4)[0], lambda: syn.vq_attention_ref(q, k, v, cb, chunk=4)):
         (fn() * w).sum().backward()
         grads.append([t.grad.clone() for t in (q, k, v, cb)])
         for t in (q, k, v, cb):
@@ -179,20 +180,20 @@ def test_vq_attention_gradients_match_reference():
 
 # ------------------------------------------------------------------------------------------------ mixer specs
 def test_parse_mixers():
-    specs = mixers.parse_mixers(["softmax,ovq:max_centroids=128,growth=64", "sliding:window=32"])
+    specs = syn.parse_mixers(["softmax,ovq:max_centroids=128,growth=64", "sliding:window=32"])
     assert [s.label for s in specs] == ["softmax", "ovq:max_centroids=128,growth=64.0", "sliding:window=32"]
     assert dict(specs[1].options) == {"max_centroids": 128, "growth": 64.0}
     with pytest.raises(ConfigError, match="unknown mixer"):
-        mixers.parse_mixer("mamba")
+        syn.parse_mixer("mamba")
     with pytest.raises(ConfigError, match="bad option"):
-        mixers.parse_mixer("ovq:window=3")
+        syn.parse_mixer("ovq:window=3")
     with pytest.raises(ConfigError, match="given twice"):
-        mixers.parse_mixers("softmax,softmax")
+        syn.parse_mixers("softmax,softmax")
 
 
 def test_state_bytes_ordering():
     def sb(spec, L):
-        return mixers.parse_mixer(spec).build(128, 2).state_bytes(L)
+        return syn.parse_mixer(spec).build(128, 2).state_bytes(L)
 
     assert sb("softmax", 4096) == 4096 * 2 * 2 * 64 * 2
     assert sb("softmax", 4096) == 2 * sb("softmax", 2048)  # grows with length
@@ -218,9 +219,9 @@ TINY = {
 @pytest.mark.parametrize("name", list(TINY))
 def test_tiny_training_loss_decreases(name):
     task = icr.IcrTask(icr.IcrConfig(num_keys=32, num_values=32, num_noise=8))
-    mcfg = mixers.ModelConfig(d_model=32, n_layers=2, n_heads=2, mlp_ratio=1)
-    tcfg = mixers.TrainConfig(steps=24, lrs=(1e-2,), tokens_per_step=256, eval_sequences=4, log_every=1, warmup=0.1)
-    rec = mixers.train_one(task, mixers.parse_mixer(TINY[name]), [64], mcfg, tcfg, 1e-2, seed=0)
+    mcfg = syn.ModelConfig(d_model=32, n_layers=2, n_heads=2, mlp_ratio=1)
+    tcfg = syn.TrainConfig(steps=24, lrs=(1e-2,), tokens_per_step=256, eval_sequences=4, log_every=1, warmup=0.1)
+    rec = syn.train_one(task, syn.parse_mixer(TINY[name]), [64], mcfg, tcfg, 1e-2, seed=0)
     assert not rec["diverged"]
     losses = [v for _, v in rec["losses"]]
     assert len(losses) == 24 and rec["steps_done"] == 24 and all(torch.isfinite(torch.tensor(losses)))
@@ -241,10 +242,10 @@ def test_curriculum_trains_short_sequences_first(monkeypatch):
         return orig(length, batch, seed)
 
     monkeypatch.setattr(task, "sample", sample)
-    mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
-    tcfg = mixers.TrainConfig(steps=10, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2, log_every=1,
+    mcfg = syn.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
+    tcfg = syn.TrainConfig(steps=10, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2, log_every=1,
                               curriculum_length=32, curriculum_fraction=0.4).validate()
-    rec = mixers.train_one(task, mixers.parse_mixer("softmax"), [64, 128], mcfg, tcfg, 1e-2, seed=0)
+    rec = syn.train_one(task, syn.parse_mixer("softmax"), [64, 128], mcfg, tcfg, 1e-2, seed=0)
     train = seen[:10]  # then the evaluation's batches
     assert train[:4] == [(32, 8)] * 4
     assert [L for L, _ in train[4:]] == [64, 128, 64, 128, 64, 128] and train[5] == (128, 2)
@@ -256,8 +257,8 @@ def test_run_sweep_checks_the_curriculum_length():
     training starts, like the run's own lengths."""
     task = icr.IcrTask(icr.IcrConfig(num_keys=1024, num_values=32, num_noise=8))
     task.check_lengths([256])  # the run's length is fine
-    mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
-    tcfg = mixers.TrainConfig(steps=2, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2,
+    mcfg = syn.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
+    tcfg = syn.TrainConfig(steps=2, lrs=(1e-2,), tokens_per_step=256, eval_sequences=2,
                               curriculum_length=4, curriculum_fraction=0.5).validate()
     with pytest.raises(ConfigError):
         task.check_lengths([4])
@@ -265,33 +266,33 @@ def test_run_sweep_checks_the_curriculum_length():
     orig = task.sample
     task.sample = lambda length, batch, seed: sampled.append(length) or orig(length, batch, seed)
     with pytest.raises(ConfigError):
-        mixers.run_sweep(task, [mixers.parse_mixer("softmax")], [256], mcfg, tcfg, progress=False)
+        syn.run_sweep(task, [syn.parse_mixer("softmax")], [256], mcfg, tcfg, progress=False)
     assert sampled == []  # refused up front, not by the first training batch
 
 
 def test_parse_curriculum():
-    assert mixers.parse_curriculum("256:0.3") == (256, 0.3)
-    assert mixers.parse_curriculum("1k:0.5") == (1024, 0.5)
-    assert mixers.parse_curriculum(None) == (None, 0.0)
-    assert mixers.parse_curriculum("none") == (None, 0.0)
+    assert syn.parse_curriculum("256:0.3") == (256, 0.3)
+    assert syn.parse_curriculum("1k:0.5") == (1024, 0.5)
+    assert syn.parse_curriculum(None) == (None, 0.0)
+    assert syn.parse_curriculum("none") == (None, 0.0)
     for bad in ("256", "256:1.5", "256:0", "x:0.2", "256:abc"):
         with pytest.raises(ConfigError, match="LENGTH:FRACTION|bad length"):
-            mixers.parse_curriculum(bad)
+            syn.parse_curriculum(bad)
     with pytest.raises(ConfigError, match="curriculum fraction"):
-        mixers.TrainConfig(curriculum_length=64, curriculum_fraction=1.0).validate()
+        syn.TrainConfig(curriculum_length=64, curriculum_fraction=1.0).validate()
 
 
 def test_tiny_icl_training_and_report(tmp_path):
     task = icl.IclTask(icl.IclConfig(num_functions=2, dim=2, segment=2, shot_bins=(0, 2, 4)))
-    mcfg = mixers.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
-    tcfg = mixers.TrainConfig(steps=12, lrs=(3e-3, 1e-2), tokens_per_step=128, eval_sequences=4, log_every=1)
-    specs = mixers.parse_mixers("softmax,linear:chunk=8")
-    recs = mixers.run_sweep(task, specs, [32], mcfg, tcfg, progress=False)
+    mcfg = syn.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
+    tcfg = syn.TrainConfig(steps=12, lrs=(3e-3, 1e-2), tokens_per_step=128, eval_sequences=4, log_every=1)
+    specs = syn.parse_mixers("softmax,linear:chunk=8")
+    recs = syn.run_sweep(task, specs, [32], mcfg, tcfg, progress=False)
     assert len(recs) == 4 and not any(r.get("error") for r in recs)
     for r in recs:
         losses = [v for _, v in r["losses"]]
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
-    text, summary = mixers.write_report(tmp_path / "icl-smoke.json", task, specs, recs, [32], mcfg, tcfg,
+    text, summary = syn.write_report(tmp_path / "icl-smoke.json", task, specs, recs, [32], mcfg, tcfg,
                                         label="test", command="pytest")
     data = json.loads((tmp_path / "icl-smoke.json").read_text())
     for key in ("device", "date", "commit", "command", "summary", "runs"):

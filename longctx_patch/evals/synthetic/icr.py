@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 IGNORE = -100
 PAD, FIRST, SECOND = 0, 1, 2
@@ -184,7 +184,7 @@ def recover_answers(cfg: IcrConfig, input_ids: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- task
 @dataclass
 class IcrTask:
-    """The ICR task as the trainer in :mod:`.mixers` sees it."""
+    """The ICR task as the trainer in :mod:`.train` sees it."""
 
     config: IcrConfig = field(default_factory=IcrConfig)
     name: str = "icr"

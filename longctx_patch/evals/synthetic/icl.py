@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MAX_FUNCTIONS = 128
 
@@ -132,7 +132,7 @@ def least_squares_error(batch: dict[str, torch.Tensor], cfg: IclConfig, ridge: f
 
 @dataclass
 class IclTask:
-    """The ICL task as the trainer in :mod:`.mixers` sees it."""
+    """The ICL task as the trainer in :mod:`.train` sees it."""
 
     config: IclConfig = field(default_factory=IclConfig)
     name: str = "icl"

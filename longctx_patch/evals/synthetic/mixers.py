@@ -1,0 +1,287 @@
+"""The sequence mixers of the synthetic suite, each a ``Mixer`` with q/k/v/o projections and ``H`` heads of
+``d_model // H``:
+
+============  ====================================================================================  =====================
+name          what it computes                                                                        decode state / layer
+============  ====================================================================================  =====================
+softmax       exact causal softmax attention (``methods.exact.softmax_attention``; unit q/k, learned    ``L`` keys + values
+              temperature as in vq/ovq; ``qknorm=false``: plain ``1/sqrt(D)``)
+sliding       softmax over the last ``window`` tokens                                                 ``window`` k/v
+linear        linear attention, ``phi = elu + 1``                                                     ``D x (D + 1)``
+hedgehog      linear attention with the hedgehog map ``[softmax(xW), softmax(-xW)]``                  ``2F x (D + 1)``
+vq            Transformer-VQ style: a learned, static codebook of ``codes`` keys; the current chunk is     ``codes x (D + 1)`` +
+              exact, older keys are replaced by their nearest code (per-code value sums and counts)    chunk buffer
+ovq           online VQ attention (``kernels.ovq.ovq_attention``): dictionaries learned in the forward   ``N x (2D + 1)`` +
+              pass, exact chunk                                                                        chunk buffer
+lolcats       LoLCATs hybrid: softmax window + hedgehog linear attention under one normaliser          window + ``2F x (D+1)``
+lola          ``lolcats`` trained as such; evaluated with LoLA's sparse cache of ``sparse`` pairs      + ``sparse`` pairs
+              chosen by self-recall error (LoLA is training-free)
+============  ====================================================================================  =====================
+
+``state_bytes(length)`` counts one layer's decode state at batch 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import ConfigError
+from .attention import causal_linear_attention, vq_attention
+
+KV_BYTES = 2  # decode-time keys / values / features counted in bf16; accumulators and dictionaries in fp32
+# initial inverse temperature of the unit-normalised q.k logits (softmax, sliding, vq, ovq). From scratch, 4 learned
+# ICR much faster than 12 (the ovq method's default for patching pretrained models) for softmax and ovq alike:
+# evals/results/synthetic-cpu-ovq-ablation.json
+BETA0 = 4.0
+
+
+# ================================================================================================ mixers
+class Mixer(nn.Module):
+    """Base: ``H`` heads, q/k/v/o projections; subclasses implement ``attend`` and ``state_bytes``."""
+
+    name = ""
+    defaults: dict[str, Any] = {}
+
+    def __init__(self, d_model: int, n_heads: int, **opts):
+        super().__init__()
+        if d_model % n_heads:
+            raise ConfigError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+        self.H, self.D = n_heads, d_model // n_heads
+        self.opts = {**self.defaults, **opts}
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.o = nn.Linear(d_model, d_model, bias=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
+        o = self.attend(q, k, v)  # [B, S, H, D]
+        return self.o(o.reshape(B, S, self.H * self.D).to(x.dtype))
+
+    def attend(self, q, k, v):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def state_bytes(self, length: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def backend(self, t: torch.Tensor) -> str:
+        be = self.opts.get("backend", "auto")
+        return "torch" if (be == "auto" and not t.is_cuda) else be
+
+
+class SoftmaxMixer(Mixer):
+    """Exact softmax. ``qknorm`` (default on): unit-normalised q, k and a learned inverse temperature per head,
+    as ``vq`` and ``ovq`` use, so that the comparison isolates what those compress; off: ``q.k / sqrt(D)``."""
+
+    name = "softmax"
+    defaults = {"qknorm": True, "beta": BETA0}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        if self.opts["qknorm"]:
+            self.log_beta = nn.Parameter(torch.full((self.H,), math.log(float(self.opts["beta"]))))
+
+    def _qk(self, q, k):
+        if not self.opts["qknorm"]:
+            return q, k, self.D ** -0.5
+        beta = self.log_beta.exp()[None, :, None, None]
+        return (F.normalize(q.float(), dim=-1) * beta).to(q.dtype), F.normalize(k.float(), dim=-1).to(k.dtype), 1.0
+
+    def window(self) -> int | None:
+        return None
+
+    def attend(self, q, k, v):
+        from ...methods.exact import softmax_attention
+
+        q, k, scale = self._qk(q, k)
+        return softmax_attention(q, k, v, scale=scale, window=self.window())
+
+    def state_bytes(self, length):
+        return length * self.H * 2 * self.D * KV_BYTES
+
+
+class SlidingMixer(SoftmaxMixer):
+    name = "sliding"
+    defaults = {"window": 64, "qknorm": True, "beta": BETA0}
+
+    def window(self) -> int | None:
+        return int(self.opts["window"])
+
+    def state_bytes(self, length):
+        return min(length, int(self.opts["window"])) * self.H * 2 * self.D * KV_BYTES
+
+
+class LinearMixer(Mixer):
+    name = "linear"
+    defaults = {"chunk": 64}
+
+    def features(self, q, k):
+        return F.elu(q.float()) + 1, F.elu(k.float()) + 1
+
+    def attend(self, q, k, v):
+        fq, fk = self.features(q, k)
+        return causal_linear_attention(fq, fk, v, chunk=int(self.opts["chunk"])).transpose(1, 2)
+
+    def feature_width(self) -> int:
+        return self.D
+
+    def state_bytes(self, length):
+        return self.H * self.feature_width() * (self.D + 1) * 4
+
+
+def _hedgehog_init(H: int, D: int, Fd: int) -> torch.Tensor:
+    return torch.randn(H, D, Fd) / math.sqrt(D)
+
+
+class HedgehogMixer(LinearMixer):
+    name = "hedgehog"
+    defaults = {"chunk": 64, "feature_dim": 32}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        Fd = int(self.opts["feature_dim"])
+        self.wq = nn.Parameter(_hedgehog_init(self.H, self.D, Fd))
+        self.wk = nn.Parameter(_hedgehog_init(self.H, self.D, Fd))
+
+    def features(self, q, k):
+        from ...kernels.lola import hedgehog_feature_map
+
+        return hedgehog_feature_map(q, self.wq, out_dtype=torch.float32), hedgehog_feature_map(k, self.wk, out_dtype=torch.float32)
+
+    def feature_width(self) -> int:
+        return 2 * int(self.opts["feature_dim"])
+
+
+class _NormedMixin:
+    """Unit-normalised q and k with a learned inverse temperature per head (as the ovq method does)."""
+
+    def _init_beta(self, beta: float):
+        self.log_beta = nn.Parameter(torch.full((self.H,), math.log(beta)))
+
+    def _scaled(self, q, k):
+        beta = self.log_beta.exp()[None, :, None, None]
+        return F.normalize(q.float(), dim=-1) * beta, F.normalize(k.float(), dim=-1)
+
+
+class VQMixer(_NormedMixin, Mixer):
+    name = "vq"
+    defaults = {"codes": 256, "chunk": 64, "beta": BETA0, "commit": 0.25}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        self._init_beta(float(self.opts["beta"]))
+        self.codebook = nn.Parameter(torch.randn(self.H, int(self.opts["codes"]), self.D))
+
+    def attend(self, q, k, v):
+        qs, ks = self._scaled(q, k)
+        cb = F.normalize(self.codebook, dim=-1)
+        o, assign = vq_attention(qs, ks, v, cb, chunk=int(self.opts["chunk"]))
+        B, H, S, D = ks.shape
+        picked = torch.gather(cb[None].expand(B, -1, -1, -1), 2, assign[..., None].expand(B, H, S, D))
+        # VQ-VAE losses: move the codes to the keys, and the keys toward their codes
+        self.aux_loss = ((ks.detach() - picked) ** 2).sum(-1).mean() + float(self.opts["commit"]) * (
+            (ks - picked.detach()) ** 2).sum(-1).mean()
+        return o.transpose(1, 2)
+
+    def state_bytes(self, length):
+        K, C = int(self.opts["codes"]), int(self.opts["chunk"])
+        return self.H * K * (self.D + 1) * 4 + min(length, C - 1) * self.H * 2 * self.D * KV_BYTES
+
+
+class OVQMixer(_NormedMixin, Mixer):
+    name = "ovq"
+    defaults = {"max_centroids": 512, "growth": 256.0, "chunk": 64, "beta": BETA0, "backend": "auto"}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        self._init_beta(float(self.opts["beta"]))
+
+    def attend(self, q, k, v):
+        from ...kernels.ovq import ovq_attention
+
+        qs, ks = self._scaled(q, k)
+        o, _, _, _ = ovq_attention(qs, ks, v.float(), None, None, None, chunk_size=int(self.opts["chunk"]),
+                                   max_centroids=int(self.opts["max_centroids"]), growth=float(self.opts["growth"]),
+                                   backend=self.backend(q), exact_assign=False)  # as the ovq method: bf16 assignment dots
+        return o.transpose(1, 2)
+
+    def state_bytes(self, length):
+        N, C = int(self.opts["max_centroids"]), int(self.opts["chunk"])
+        from ...kernels.ovq import target_int
+
+        rows = target_int(length, N, float(self.opts["growth"]))
+        return self.H * rows * (2 * self.D + 1) * 4 + min(length, C - 1) * self.H * 2 * self.D * KV_BYTES
+
+
+class LolcatsMixer(Mixer):
+    name = "lolcats"
+    defaults = {"window": 64, "feature_dim": 32, "chunk": 64, "backend": "auto"}
+
+    def __init__(self, d_model, n_heads, **opts):
+        super().__init__(d_model, n_heads, **opts)
+        Fd = int(self.opts["feature_dim"])
+        self.wq = nn.Parameter(_hedgehog_init(self.H, self.D, Fd))
+        self.wk = nn.Parameter(_hedgehog_init(self.H, self.D, Fd))
+        self.window_factor = nn.Parameter(torch.zeros(self.H))
+
+    def _phi(self, x, w):
+        from ...kernels.lola import hedgehog_feature_map
+
+        return hedgehog_feature_map(x, w, out_dtype=x.dtype)
+
+    def _factors(self):
+        g = torch.sigmoid(self.window_factor.float())
+        return g, torch.ones_like(g)
+
+    def attend(self, q, k, v):
+        from ...kernels.lola import hybrid_attention
+
+        fq, fk = self._phi(q, self.wq), self._phi(k, self.wk)
+        g, lf = self._factors()
+        return hybrid_attention(q, k, v, fq, fk, g, lf, window=int(self.opts["window"]), scale=self.D ** -0.5,
+                                chunk=int(self.opts["chunk"]), backend=self.backend(q))
+
+    def state_bytes(self, length):
+        W, C, F2 = int(self.opts["window"]), int(self.opts["chunk"]), 2 * int(self.opts["feature_dim"])
+        buf = min(length, W + C - 1)
+        return buf * self.H * 2 * self.D * KV_BYTES + self.H * F2 * (self.D + 1) * 4 + self._sparse_bytes()
+
+    def _sparse_bytes(self) -> int:
+        return 0
+
+
+class LolaMixer(LolcatsMixer):
+    name = "lola"
+    defaults = {"window": 64, "feature_dim": 32, "chunk": 64, "sparse": 64, "backend": "auto"}
+
+    def attend(self, q, k, v):
+        """Training forwards (gradients on) are the LoLCATs hybrid: LoLA is training-free, its cache manager
+        runs on a LoLCATs model at inference. Evaluation forwards run the LoLA manager (sparse cache)."""
+        from ...kernels.lola import LolaState, lola_process
+
+        if torch.is_grad_enabled():
+            return super().attend(q, k, v)
+        fq = self._phi(q, self.wq)
+        g, lf = self._factors()
+        B, H, S, D = q.shape
+        lam = int(self.opts["sparse"])
+        st = LolaState.empty(B, H, H, D, fq.shape[-1], lam, q.dtype, q.device)
+        return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: self._phi(x, self.wk),
+                            window=int(self.opts["window"]), chunk=int(self.opts["chunk"]), lam=lam, scale=D ** -0.5,
+                            backend=self.backend(q))
+
+    def _sparse_bytes(self) -> int:
+        return int(self.opts["sparse"]) * self.H * (2 * self.D * KV_BYTES + 4)
+
+
+MIXERS: dict[str, type[Mixer]] = {c.name: c for c in (SoftmaxMixer, SlidingMixer, LinearMixer, HedgehogMixer, VQMixer,
+                                                      OVQMixer, LolcatsMixer, LolaMixer)}
+DEFAULT_MIXERS = ("softmax", "sliding", "linear", "hedgehog", "vq", "ovq", "lolcats", "lola")
+
+
+__all__ = ["MIXERS", "DEFAULT_MIXERS", "Mixer", "KV_BYTES", "BETA0"]
