@@ -8,15 +8,16 @@ NAME-state.png.
 
 from __future__ import annotations
 
+import warnings
 
 import click
 
 from .common import friendly_errors
 from .eval_cmd import _command  # the effective command line, shared with the other eval verbs
 
-MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME:KEY=VALUE,... "
-              "(softmax, sliding, linear, hedgehog, vq, ovq, lolcats, lola; e.g. ovq:max_centroids=128). "
-              "Default: all of them.")
+MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME(KEY=VALUE,...), as --method takes "
+              "(softmax, sliding, linear, hedgehog, vq, ovq, lolcats, lola; e.g. 'ovq(max_centroids=128,growth=64)'; "
+              "a bad key is an error naming the mixer's keys). Default: all of them.")
 
 
 def _floats(text: str, what: str, example: str = "1e-3,3e-3") -> tuple[float, ...]:
@@ -87,7 +88,11 @@ def _setup(mixer_items, d_model, layers, heads, conv, steps, lrs, seeds, tokens_
     from longctx_patch.errors import DeviceError
     from longctx_patch.evals.synthetic import DEFAULT_MIXERS, ModelConfig, TrainConfig, parse_curriculum, parse_mixers
 
-    specs = parse_mixers(list(mixer_items) or ",".join(DEFAULT_MIXERS))
+    with warnings.catch_warnings(record=True) as caught:  # the deprecated NAME:KEY=VALUE form, once per spec
+        warnings.simplefilter("always")
+        specs = parse_mixers(list(mixer_items) or ",".join(DEFAULT_MIXERS))
+    for w in caught:
+        click.echo(f"warning: {w.message}", err=True)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -147,7 +152,7 @@ def icr_cmd(variant, lengths, tokens_per_pair, num_keys, num_values, mixer_items
 
 @click.command("icl", context_settings={"help_option_names": ["-h", "--help"]},
                epilog="\b\nExamples:\n  longctx eval icl --workers 6                # the README's H200 settings at F=16 (the defaults)\n"
-                      "  longctx eval icl --functions 64 --lengths 2k,4k --mixers softmax,ovq:max_centroids=1024,growth=512\n"
+                      "  longctx eval icl --functions 64 --lengths 2k,4k --mixers 'softmax,ovq(max_centroids=1024,growth=512)'\n"
                       "  longctx eval icl --device cpu --functions 4 --lengths 128 --steps 100 --d-model 32")
 @click.option("--functions", default="16", show_default=True,
               help="Hidden functions per sequence (F, up to 128); a comma list runs one sweep per value. More "

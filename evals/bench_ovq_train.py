@@ -82,7 +82,7 @@ def mixer_profile(L=4096):
 
     task = IcrTask(IcrConfig())
     out = {}
-    for spec_text in ("softmax", "ovq:max_centroids=448"):
+    for spec_text in ("softmax", "ovq(max_centroids=448)"):
         spec = M.parse_mixer(spec_text)
         torch.manual_seed(0)
         model = M.SyntheticLM(task.vocab_size, task.feat_dim, task.out_dim, spec, M.ModelConfig()).cuda()

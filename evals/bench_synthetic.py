@@ -34,7 +34,7 @@ from longctx_patch.evals.synthetic.icl import IclConfig, IclTask
 from longctx_patch.evals.synthetic.icr import IcrConfig, IcrTask
 from longctx_patch.evals.synthetic.train import _job
 
-GPU_MIXERS = "softmax,sliding:window=1024,linear,vq:codes=512,ovq,lola"
+GPU_MIXERS = "softmax,sliding(window=1024),linear,vq(codes=512),ovq,lola"
 
 
 def make_tasks(names, args):
@@ -121,8 +121,9 @@ def main():
     t0 = time.time()
     command = "PYTHONPATH=. python3 " + shlex.join(["evals/bench_synthetic.py", *sys.argv[1:]])
     if args.cpu_smoke:
-        args.mixers = "softmax,sliding:window=32,linear:chunk=32,hedgehog:chunk=32,vq:chunk=32,codes=32," \
-                      "ovq:chunk=32,max_centroids=32,growth=16,lolcats:window=32,chunk=32,lola:window=32,chunk=32,sparse=16"
+        args.mixers = "softmax,sliding(window=32),linear(chunk=32),hedgehog(chunk=32),vq(chunk=32,codes=32)," \
+                      "ovq(chunk=32,max_centroids=32,growth=16),lolcats(window=32,chunk=32)," \
+                      "lola(window=32,chunk=32,sparse=16)"
         args.lengths, args.icl_lengths = "128,256", "256"
         args.d_model, args.layers, args.heads = 32, 2, 2
         args.num_keys = args.num_values = 64
@@ -161,7 +162,7 @@ def main():
             step_s[s.label] = probe(probe_task, s, Lp, mcfg, base)
             kept.append(s)
         except Exception as e:  # noqa: BLE001
-            if "backend" in M.MIXERS[s.name].defaults and dict(s.options).get("backend", "auto") == "auto":
+            if getattr(s.config, "backend", None) == "auto":
                 s2 = with_option(s, "backend", "torch")
                 try:
                     step_s[s2.label] = probe(probe_task, s2, Lp, mcfg, base)

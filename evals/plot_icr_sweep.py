@@ -36,7 +36,7 @@ def seed_table(files, lr: float = 3e-3) -> str:
         d = json.loads(Path(f).read_text())
         for r in d["runs"]:
             if r.get("eval") and abs(r["lr"] - lr) < 1e-12 and r["steps_done"] >= d["train_config"]["steps"]:
-                by.setdefault(r["mixer"].split(":")[0], {})[r["seed"]] = r
+                by.setdefault(r["mixer"].split("(")[0].split(":")[0], {})[r["seed"]] = r
     rows = []
     for mixer, runs in by.items():
         lengths = sorted(next(iter(runs.values()))["eval"], key=int)
@@ -60,7 +60,7 @@ def best_runs(files):
             L = max(r["eval"], key=int)
             acc = r["eval"][L]["accuracy"]
             r = dict(r, planned_steps=steps)
-            name = r["mixer"].split(":")[0]
+            name = r["mixer"].split("(")[0].split(":")[0]
             if name not in best or acc > best[name]["eval"][max(best[name]["eval"], key=int)]["accuracy"]:
                 best[name] = r
     return best

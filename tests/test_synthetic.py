@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
+import re  # noqa: E402
+import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -12,6 +14,7 @@ import torch  # noqa: E402
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.evals import synthetic as syn  # noqa: E402
 from longctx_patch.evals.synthetic import icl, icr  # noqa: E402
+from longctx_patch.evals.synthetic import mixers as mixers_mod  # noqa: E402
 
 SMALL_ICR = dict(num_keys=64, num_values=64, num_noise=16)
 
@@ -180,15 +183,81 @@ def test_vq_attention_gradients_match_reference():
 
 # ------------------------------------------------------------------------------------------------ mixer specs
 def test_parse_mixers():
-    specs = syn.parse_mixers(["softmax,ovq:max_centroids=128,growth=64", "sliding:window=32"])
-    assert [s.label for s in specs] == ["softmax", "ovq:max_centroids=128,growth=64.0", "sliding:window=32"]
+    specs = syn.parse_mixers(["softmax,ovq(max_centroids=128,growth=64)", "sliding(window=32)"])
+    assert [s.label for s in specs] == ["softmax", "ovq(max_centroids=128,growth=64.0)", "sliding(window=32)"]
     assert dict(specs[1].options) == {"max_centroids": 128, "growth": 64.0}
-    with pytest.raises(ConfigError, match="unknown mixer"):
+    assert specs[1].config.to_dict() == {"max_centroids": 128, "growth": 64.0, "chunk": 64, "beta": 4.0, "backend": "auto"}
+    assert syn.parse_mixer(specs[1].label) == specs[1]  # a label parses back to its spec
+    with pytest.raises(ConfigError, match="unknown mixer 'mamba'; choose from: softmax, sliding, linear"):
         syn.parse_mixer("mamba")
-    with pytest.raises(ConfigError, match="bad option"):
-        syn.parse_mixer("ovq:window=3")
+    with pytest.raises(ConfigError, match="unknown key.* window; allowed keys: max_centroids, growth, chunk, beta, backend"):
+        syn.parse_mixer("ovq(window=3)")
     with pytest.raises(ConfigError, match="given twice"):
         syn.parse_mixers("softmax,softmax")
+    with pytest.raises(ConfigError, match="chunk given twice"):
+        syn.parse_mixer("ovq(chunk=32,chunk=64)")
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("ovq(backend=cuda)", "bad value 'cuda' for backend; allowed: one of 'auto', 'torch', 'triton'"),
+    ("sliding(window=0)", "bad value 0 for window; allowed: int >= 1"),
+    ("softmax(qknorm=maybe)", "bad value 'maybe' for qknorm; allowed: bool"),
+    ("vq(commit=-1)", "bad value -1.0 for commit; allowed: float >= 0.0"),
+    ("ovq(growth=inf)", "growth must be finite"),
+    ("ovq(max_centroids=128", r"bad mixer .*write NAME or NAME\(KEY=VALUE,...\)"),
+    ("ovq(chunk)", r"bad mixer .*write NAME or NAME\(KEY=VALUE,...\)"),
+])
+def test_mixer_spec_errors_name_the_allowed_values(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        syn.parse_mixers(spec)
+
+
+def test_mixer_spec_validates_when_built_directly():
+    spec = syn.MixerSpec("OVQ", (("backend", "torch"), ("growth", 8)))
+    assert spec.label == "ovq(backend=torch,growth=8.0)" and spec.config.growth == 8.0
+    with pytest.raises(ConfigError, match="unknown key"):
+        syn.MixerSpec("ovq", (("window", 3),))
+    assert isinstance(syn.parse_mixer("lola").build(32, 2).config, mixers_mod.LolaMixerConfig)
+    with pytest.raises(TypeError, match="LolaMixerConfig"):
+        mixers_mod.LolaMixer(32, 2, syn.parse_mixer("lolcats").config)
+
+
+OLD_AND_NEW = [
+    ("softmax:qknorm=false,beta=2", "softmax(qknorm=false,beta=2)"),
+    ("sliding:window=16", "sliding(window=16)"),
+    ("hedgehog:chunk=16,feature_dim=8", "hedgehog(chunk=16,feature_dim=8)"),
+    ("vq:codes=16,chunk=16,commit=0.5", "vq(codes=16,chunk=16,commit=0.5)"),
+    ("ovq:max_centroids=16,growth=8,chunk=32", "ovq(max_centroids=16,growth=8,chunk=32)"),
+    ("lola:window=16,chunk=16,feature_dim=8,sparse=8", "lola(window=16,chunk=16,feature_dim=8,sparse=8)"),
+]
+
+
+@pytest.mark.parametrize("old,new", OLD_AND_NEW)
+def test_old_spec_form_builds_the_same_mixer(old, new):
+    """The deprecated NAME:KEY=VALUE form gives the spec of NAME(KEY=VALUE,...) and says so; both build the same
+    module (same parameters under the same seed, same outputs)."""
+    with pytest.warns(FutureWarning, match=r"NAME:KEY=VALUE form is deprecated.*write " + re.escape(repr(new))):
+        a = syn.parse_mixer(old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new form warns of nothing
+        b = syn.parse_mixer(new)
+    assert a == b and a.label == b.label and a.config == b.config
+    mods = []
+    for spec in (a, b):
+        torch.manual_seed(0)
+        mods.append(spec.build(32, 2).eval())
+    sa, sb = mods[0].state_dict(), mods[1].state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(mods[0](x), mods[1](x))
+
+
+def test_old_spec_form_in_a_list():
+    with pytest.warns(FutureWarning):
+        old = syn.parse_mixers("softmax,ovq:max_centroids=128,growth=64,sliding:window=32,linear")
+    new = syn.parse_mixers("softmax,ovq(max_centroids=128,growth=64),sliding(window=32),linear")
+    assert old == new and len(new) == 4
 
 
 def test_state_bytes_ordering():
@@ -206,13 +275,13 @@ def test_state_bytes_ordering():
 # ------------------------------------------------------------------------------------------------ tiny training
 TINY = {
     "softmax": "softmax",
-    "sliding": "sliding:window=16",
-    "linear": "linear:chunk=16",
-    "hedgehog": "hedgehog:chunk=16,feature_dim=8",
-    "vq": "vq:codes=16,chunk=16",
-    "ovq": "ovq:max_centroids=16,growth=8,chunk=32",
-    "lolcats": "lolcats:window=16,chunk=16,feature_dim=8",
-    "lola": "lola:window=16,chunk=16,feature_dim=8,sparse=8",
+    "sliding": "sliding(window=16)",
+    "linear": "linear(chunk=16)",
+    "hedgehog": "hedgehog(chunk=16,feature_dim=8)",
+    "vq": "vq(codes=16,chunk=16)",
+    "ovq": "ovq(max_centroids=16,growth=8,chunk=32)",
+    "lolcats": "lolcats(window=16,chunk=16,feature_dim=8)",
+    "lola": "lola(window=16,chunk=16,feature_dim=8,sparse=8)",
 }
 
 
@@ -286,7 +355,7 @@ def test_tiny_icl_training_and_report(tmp_path):
     task = icl.IclTask(icl.IclConfig(num_functions=2, dim=2, segment=2, shot_bins=(0, 2, 4)))
     mcfg = syn.ModelConfig(d_model=16, n_layers=1, n_heads=2, mlp_ratio=1)
     tcfg = syn.TrainConfig(steps=12, lrs=(3e-3, 1e-2), tokens_per_step=128, eval_sequences=4, log_every=1)
-    specs = syn.parse_mixers("softmax,linear:chunk=8")
+    specs = syn.parse_mixers("softmax,linear(chunk=8)")
     recs = syn.run_sweep(task, specs, [32], mcfg, tcfg, progress=False)
     assert len(recs) == 4 and not any(r.get("error") for r in recs)
     for r in recs:
@@ -301,5 +370,6 @@ def test_tiny_icl_training_and_report(tmp_path):
     assert (tmp_path / "icl-smoke-state.png").stat().st_size > 0
     assert (tmp_path / "icl-smoke-shots.png").stat().st_size > 0
     assert data["plots"] == ["icl-smoke-length.png", "icl-smoke-state.png", "icl-smoke-shots.png"]
+    assert data["mixer_options"] == {"softmax": {"qknorm": True, "beta": 4.0}, "linear(chunk=8)": {"chunk": 8}}
     assert summary["softmax"]["best_lr"] in (3e-3, 1e-2)
     assert "softmax" in text and "mse@32" in text

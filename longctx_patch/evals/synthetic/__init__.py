@@ -6,8 +6,9 @@ Layout (docs/synthetic.md):
 
 * ``icr``, ``icl``: the tasks (generators, losses, metrics);
 * ``attention``: the attention forms the mixers without a kernel of their own use, with their references;
-* ``mixers``: the mixer classes, ``MIXERS`` and ``DEFAULT_MIXERS``;
-* ``registry``: ``MixerSpec`` and the parsing of mixer specs;
+* ``registry``: ``MIXERS``, ``register_mixer``, ``MixerConfig`` (a ``methods.base.MethodConfig``), ``MixerSpec`` and
+  the parsing of mixer specs ``NAME(KEY=VALUE,...)``;
+* ``mixers``: the mixer classes and their option dataclasses;
 * ``model``: ``SyntheticLM`` and ``ModelConfig``;
 * ``train``: ``TrainConfig``, ``train_one``, ``run_sweep``;
 * ``report``: ``summarize``, ``tables``, ``plot``, ``write_report``.
@@ -16,13 +17,13 @@ Layout (docs/synthetic.md):
 from __future__ import annotations
 
 from .attention import causal_linear_attention, linear_attention_ref, vq_attention, vq_attention_ref
-from .mixers import DEFAULT_MIXERS, MIXERS, Mixer
+from .mixers import Mixer
 from .model import ModelConfig, SyntheticLM
-from .registry import MixerSpec, parse_mixer, parse_mixers
+from .registry import DEFAULT_MIXERS, MIXERS, MixerConfig, MixerSpec, parse_mixer, parse_mixers, register_mixer
 from .report import plot, summarize, tables, write_report
 from .train import TrainConfig, evaluate, parse_curriculum, run_sweep, train_one
 
-__all__ = ["MIXERS", "DEFAULT_MIXERS", "Mixer", "MixerSpec", "parse_mixer", "parse_mixers", "SyntheticLM",
-           "ModelConfig", "TrainConfig", "train_one", "run_sweep", "evaluate", "parse_curriculum", "summarize",
-           "tables", "plot", "write_report", "causal_linear_attention", "linear_attention_ref", "vq_attention",
-           "vq_attention_ref"]
+__all__ = ["MIXERS", "DEFAULT_MIXERS", "Mixer", "MixerConfig", "MixerSpec", "parse_mixer", "parse_mixers",
+           "register_mixer", "SyntheticLM", "ModelConfig", "TrainConfig", "train_one", "run_sweep", "evaluate",
+           "parse_curriculum", "summarize", "tables", "plot", "write_report", "causal_linear_attention",
+           "linear_attention_ref", "vq_attention", "vq_attention_ref"]

@@ -6,7 +6,6 @@ import os
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from .mixers import MIXERS
 from .model import ModelConfig
 from .registry import MixerSpec
 from .train import TrainConfig
@@ -141,7 +140,8 @@ def write_report(path, task, specs: Sequence[MixerSpec], records: Sequence[dict]
     text = tables(task, summary, lengths)
     figures: dict[str, Any] = {
         "label": label,
-        "mixer_options": {s.label: {**MIXERS[s.name].defaults, **dict(s.options)} for s in specs}, "lengths": list(lengths), "task_config": task.describe(), "model_config": asdict(mcfg),
+        "mixer_options": {s.label: s.config.to_dict() for s in specs}, "lengths": list(lengths),
+        "task_config": task.describe(), "model_config": asdict(mcfg),
         "train_config": asdict(tcfg), "primary_metric": task.primary, "summary": summary, "runs": list(records),
         "table": text,
     }
