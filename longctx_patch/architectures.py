@@ -27,6 +27,9 @@ class AttentionSpec:
     hidden_size: int
     scaling: float
     model_type: str
+    # the layer's own sliding window in the original model: each query attends to its last `sliding_window` keys,
+    # its own included (transformers' `kv_idx > q_idx - sliding_window`); None = full causal attention
+    sliding_window: int | None = None
 
     @property
     def num_kv_groups(self) -> int:
@@ -50,6 +53,9 @@ class ArchAdapter:
     model_type: str
     modeling_module: str  # e.g. "transformers.models.llama.modeling_llama"
     has_qk_norm: bool = False
+    # where the family's modeling code reads a layer's sliding window (see layer_window): "none" (llama),
+    # "all_layers" (mistral: `config.sliding_window` on every layer), "layer_types" (qwen2, qwen3)
+    windows: str = "none"
 
     def rotary_fn(self) -> Callable:
         return _rotary_fn(self.modeling_module)
@@ -71,7 +77,33 @@ class ArchAdapter:
             hidden_size=config.hidden_size,
             scaling=head_dim**-0.5,
             model_type=config.model_type,
+            sliding_window=self.layer_window(config, layer_idx),
         )
+
+    def layer_window(self, config, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window as the family's transformers modeling code applies it, or None.
+
+        mistral: `config.sliding_window` on every layer (a `layer_types` in the config is not read by
+        MistralModel). qwen2 / qwen3: `config.sliding_window` on the layers whose `config.layer_types[i]` is
+        "sliding_attention"; the config sets `sliding_window = None` unless `use_sliding_window`, and derives
+        `layer_types` from `max_window_layers` (layers >= it are windowed) when none is given. That rule is
+        repeated here for a config object without `layer_types`.
+        """
+        if self.windows == "none":
+            return None
+        window = getattr(config, "sliding_window", None)
+        if window is None:
+            return None
+        if self.windows == "layer_types":
+            types_ = getattr(config, "layer_types", None)
+            if types_ is not None:
+                windowed = types_[layer_idx] == "sliding_attention"
+            else:
+                windowed = (getattr(config, "use_sliding_window", False)
+                            and layer_idx >= getattr(config, "max_window_layers", 0))
+            if not windowed:
+                return None
+        return int(window)
 
     def project(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, head_dim: int):
         """q [B, Hq, S, D], k/v [B, Hkv, S, D] after the optional q/k norm and rotary, as the original does."""
@@ -91,9 +123,10 @@ class ArchAdapter:
 
 ADAPTERS: dict[str, ArchAdapter] = {
     "llama": ArchAdapter("llama", "transformers.models.llama.modeling_llama"),
-    "mistral": ArchAdapter("mistral", "transformers.models.mistral.modeling_mistral"),
-    "qwen2": ArchAdapter("qwen2", "transformers.models.qwen2.modeling_qwen2"),
-    "qwen3": ArchAdapter("qwen3", "transformers.models.qwen3.modeling_qwen3", has_qk_norm=True),
+    "mistral": ArchAdapter("mistral", "transformers.models.mistral.modeling_mistral", windows="all_layers"),
+    "qwen2": ArchAdapter("qwen2", "transformers.models.qwen2.modeling_qwen2", windows="layer_types"),
+    "qwen3": ArchAdapter("qwen3", "transformers.models.qwen3.modeling_qwen3", has_qk_norm=True,
+                         windows="layer_types"),
 }
 
 # Submodules of an attention layer that a patched module keeps (same objects, same state-dict keys).

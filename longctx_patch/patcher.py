@@ -183,6 +183,9 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
     base = base_model(model)
     decoder = adapter.decoder_layers(model)
     idx = parse_layers(layers, len(decoder))
+    mcfg = model_config(model)
+    specs = {i: adapter.spec(mcfg, i) for i in idx}
+    m.check_layers(list(specs.values()), cfg)  # before anything changes (e.g. a model window it would drop)
     if is_patched(model):
         st = _state(model)
         clash = sorted(set(idx) & set(st.modules))
@@ -193,13 +196,12 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
             )
     else:
         st = _install(model, base)
-    mcfg = model_config(model)
     new: dict[int, PatchedAttention] = {}
     for i in idx:
         orig = decoder[i].self_attn
         if isinstance(orig, PatchedAttention):  # patched outside our bookkeeping (e.g. deep-copied model)
             raise AlreadyPatchedError(f"layer {i} already holds a patched module; unpatch first")
-        mod = m.build(orig, adapter.spec(mcfg, i), cfg, adapter)
+        mod = m.build(orig, specs[i], cfg, adapter)
         p = next(orig.parameters(), None)
         if p is not None:
             mod.to(device=p.device)

@@ -295,7 +295,8 @@ class AttentionTransfer:
         from .exact import key_mask_for, softmax_attention
 
         with torch.no_grad():
-            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]))
+            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]),
+                                        window=module.spec.sliding_window)  # the original layer's window
         diff = (o.float() - teacher.float()) ** 2
         if padding is not None:  # only real query tokens count
             w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
@@ -337,15 +338,50 @@ class Method:
     description: ClassVar[str] = ""
     config_cls: ClassVar[type[MethodConfig]] = MethodConfig
     module_cls: ClassVar[type[PatchedAttention]] = PatchedAttention
+    # how the module treats a layer the original model windows (`AttentionSpec.sliding_window`): a method
+    # that keeps the window sets this True; otherwise `window_conflict` says what it does instead, and
+    # check_layers refuses such layers
+    keeps_model_window: ClassVar[bool] = False
+    window_conflict: ClassVar[str] = "does not keep a layer's sliding window"
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)
+
+    def check_layers(self, specs: list[AttentionSpec], config: MethodConfig) -> None:
+        """Runs before any layer is swapped: ConfigError if a selected layer has a sliding window of the model's
+        own that this method would drop (that would change the model silently)."""
+        if self.keeps_model_window:
+            return
+        windowed = [s for s in specs if s.sliding_window is not None]
+        if not windowed:
+            return
+        layers = _ranges([s.layer_idx for s in windowed])
+        sizes = sorted({s.sliding_window for s in windowed})
+        others = _ranges([s.layer_idx for s in specs if s.sliding_window is None])
+        todo = (f"patch only layers='{others}' with {self.name}" if others
+                else "patch the windowed layers with exact or sliding-window instead")
+        raise ConfigError(
+            f"{self.name}: layers {layers} of this {windowed[0].model_type} model attend only to their last "
+            f"{'/'.join(map(str, sizes))} tokens (the model config's sliding window), and {self.name} "
+            f"{self.window_conflict}; {todo}"
+        )
 
     def build(self, orig: nn.Module, spec: AttentionSpec, config: MethodConfig, adapter: ArchAdapter) -> PatchedAttention:
         return self.module_cls(orig, spec, config, adapter)
 
     def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the `layers=` syntax)."""
+    runs: list[list[int]] = []
+    for i in sorted(idx):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 _REGISTRY: dict[str, Method] = {}

@@ -45,6 +45,7 @@ class Lola(Method):
                    "(training-free; loads LoLCATs checkpoints)")
     config_cls = LolaConfig
     module_cls = LolaAttention
+    window_conflict = "attends linearly (and through its sparse cache) to every token older than its own window"
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)

@@ -313,6 +313,7 @@ class Lolcats(Method):
                    "maps; loads released LoLCATs checkpoints (checkpoint=PATH)")
     config_cls = LolcatsConfig
     module_cls = LolcatsAttention
+    window_conflict = "attends linearly to every token older than its own window"
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)

@@ -133,6 +133,7 @@ class Muse(Method):
                    "blocks); exact decode")
     config_cls = MuseConfig
     module_cls = MuseAttention
+    window_conflict = "approximates full causal attention (cluster summaries of every earlier block)"
 
     def after_patch(self, model, modules, config) -> None:
         dev = next((p.device for p in model.parameters()), None)

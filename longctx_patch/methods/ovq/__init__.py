@@ -147,3 +147,4 @@ class OVQ(Method):
                    "learned online; state O(max_centroids + chunk_size)")
     config_cls = OVQConfig
     module_cls = OVQAttention
+    window_conflict = "attends to a dictionary of every earlier chunk"
