@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
 import types
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,17 @@ def patched_layers(model: nn.Module) -> dict[int, str]:
 
 
 # --------------------------------------------------------------------------------------------- layers
+LAYERS_FORMS = ("None (all layers), an int, a list of ints, or a string like '0-7,12' (0-based, inclusive ranges; "
+                "negative ints count from the end)")
+
+
+def _layer_index(x) -> int | None:
+    """x as a layer index when it is an integer (numpy integers too), else None. Bools are not indices."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return None
+
+
 def parse_layers(layers, num_layers: int) -> list[int]:
     """None -> all; an int; an iterable of ints; or a string like '0-7,12'. Validated against num_layers."""
     if layers is None:
@@ -85,15 +98,24 @@ def parse_layers(layers, num_layers: int) -> list[int]:
             try:
                 if "-" in part[1:]:
                     a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
-                    out.extend(range(int(a), int(b) + 1))
+                    a, b = int(a), int(b)
                 else:
-                    out.append(int(part))
+                    a = b = int(part)
             except ValueError:
-                raise ConfigError(f"layers: cannot read {part!r}; use e.g. '0-7,12' (0-based, inclusive ranges)") from None
-    elif isinstance(layers, int):
-        out = [layers]
+                raise ConfigError(f"layers: cannot read {part!r}; allowed: {LAYERS_FORMS}") from None
+            if b < a:
+                raise ConfigError(f"layers: {part!r} is a reversed range; write it as '{b}-{a}'")
+            out.extend(range(a, b + 1))
+    elif _layer_index(layers) is not None:
+        out = [_layer_index(layers)]
+    elif isinstance(layers, (bytes, Mapping)) or not isinstance(layers, Iterable):
+        raise ConfigError(f"layers: got {layers!r} ({type(layers).__name__}); allowed: {LAYERS_FORMS}")
     else:
-        out = [int(x) for x in layers]
+        for x in layers:
+            i = _layer_index(x)
+            if i is None:
+                raise ConfigError(f"layers: got {x!r} ({type(x).__name__}) in {layers!r}; allowed: {LAYERS_FORMS}")
+            out.append(i)
     out = [i + num_layers if i < 0 else i for i in out]
     bad = sorted({i for i in out if not 0 <= i < num_layers})
     if bad:
@@ -177,6 +199,11 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
 
 # --------------------------------------------------------------------------------------------- patch
 def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
+    if not isinstance(method, str):
+        from .methods import list_methods
+
+        raise ConfigError(f"method: got {method!r} ({type(method).__name__}); pass a method name, one of "
+                          f"{', '.join(list_methods())}")
     adapter = get_adapter(model)
     m = get_method(method)
     cfg = m.parse_config(config)
