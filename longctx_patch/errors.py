@@ -30,7 +30,8 @@ class CheckpointError(LongctxError):
 
 
 class DeviceError(LongctxError):
-    """The requested work needs a device (e.g. CUDA) that is not available."""
+    """The requested work needs a device (e.g. CUDA) that is not available, or weights that are not materialised
+    (a model on the `meta` device)."""
 
 
 __all__ = [

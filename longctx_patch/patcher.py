@@ -22,7 +22,7 @@ from torch import nn
 
 from . import __version__
 from .architectures import base_model, get_adapter, model_config
-from .errors import AlreadyPatchedError, CheckpointError, ConfigError, NotPatchedError
+from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, NotPatchedError
 from .methods import get_method
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
 
@@ -198,6 +198,19 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
 
 
 # --------------------------------------------------------------------------------------------- patch
+def _check_materialised(mod: PatchedAttention, layer: int) -> None:
+    """A method's own parameters created on the meta device would get no values when the model is materialised
+    (to_empty() leaves them uninitialised, and the base checkpoint does not hold them): refuse."""
+    on_meta = sorted(k for k, v in mod.method_parameters().items() if v.is_meta)
+    if on_meta:
+        raise DeviceError(
+            f"layer {layer}'s attention weights are on the meta device (the model was built without its weights, e.g. "
+            f"under torch.device('meta')), where {mod.method_name}'s own parameters ({', '.join(on_meta)}) would "
+            "never get their values; materialise the model first (from_pretrained, or to_empty() then "
+            "load_state_dict()), then call patch()"
+        )
+
+
 def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
     if not isinstance(method, str):
         from .methods import list_methods
@@ -219,10 +232,10 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
                 "call longctx_patch.unpatch(model) first, or patch other layers"
             )
     else:
-        st = _install(model, base)
+        st = None
     mcfg = model_config(model)
-    new: dict[int, PatchedAttention] = {}
-    for i in idx:
+    built: dict[int, tuple[nn.Module, PatchedAttention]] = {}
+    for i in idx:  # build every module before changing the model, so that a failure leaves it as it was
         orig = decoder[i].self_attn
         if isinstance(orig, PatchedAttention):  # patched outside our bookkeeping (e.g. deep-copied model)
             raise AlreadyPatchedError(f"layer {i} already holds a patched module; unpatch first")
@@ -230,6 +243,12 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
         p = next(orig.parameters(), None)
         if p is not None:
             mod.to(device=p.device)
+        _check_materialised(mod, i)
+        built[i] = (orig, mod)
+    if st is None:
+        st = _install(model, base)
+    new: dict[int, PatchedAttention] = {}
+    for i, (orig, mod) in built.items():
         mod._ctx = st.ctx
         mod.train(orig.training)
         st.originals[i] = orig

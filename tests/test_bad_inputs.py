@@ -72,3 +72,55 @@ def test_method_that_is_not_a_name(tiny_llama, method):
     with pytest.raises(lp.ConfigError, match=r"method: got .*; pass a method name, one of .*exact.*sliding-window"):
         lp.patch(tiny_llama, method)
     assert not lp.is_patched(tiny_llama)
+
+
+# ------------------------------------------------------------------------------------------- meta device
+def _meta_model():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config()).eval()
+
+
+@pytest.mark.parametrize("method,config,names", [
+    ("ovq", {}, "ovq_log_beta"),
+    ("lolcats", {"checkpoint": "none", "window": 4, "chunk": 4}, "feature_map_k.mlp.layer, feature_map_q.mlp.layer, "
+                                                                 "window_factors"),
+])
+def test_method_with_parameters_refuses_a_meta_model(method, config, names):
+    model = _meta_model()
+    with pytest.raises(lp.DeviceError, match=rf"layer 0's attention weights are on the meta device.*{method}'s own "
+                                             rf"parameters \({names}\).*materialise the model first"):
+        lp.patch(model, method, **config)
+    assert not lp.is_patched(model)
+    assert type(model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+
+
+def test_meta_refusal_keeps_an_existing_patch_and_applies_to_records(saved):
+    model = _meta_model()
+    lp.patch(model, "exact", layers=[1])
+    with pytest.raises(lp.DeviceError, match="meta device"):
+        lp.patch(model, "ovq", layers=[0, 2])
+    assert lp.patched_layers(model) == {1: "exact"}
+    with pytest.raises(lp.DeviceError, match="meta device"):
+        apply_patch_record(_meta_model(), saved)
+
+
+def test_parameter_free_method_on_a_meta_model_then_materialised():
+    """exact has no parameters of its own: a meta model can be patched, then materialised and loaded."""
+    real = tiny_model()
+    model = _meta_model()
+    lp.patch(model, "exact")
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.is_meta and attn.method_parameters() == {}
+    model.to_empty(device="cpu")
+    model.load_state_dict(real.state_dict())
+    buffers = dict(real.named_buffers())  # non-persistent (rotary inv_freq): not in the state dict
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+    lp.patch(real, "exact")
+    x = _ids(17, batch=2)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, real(x).logits)
+    assert lp.patched_layers(model) == {0: "exact", 1: "exact", 2: "exact"}
