@@ -406,10 +406,55 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     return directory
 
 
+def _version_key(v: str) -> tuple[int, ...] | None:
+    parts = v.split(".")
+    return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
+
+
+def _check_format(path: str, rec: dict[str, Any]) -> None:
+    fmt = rec.get("format", FORMAT_VERSION)  # records written before the key existed are format 1
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        raise CheckpointError(f"{path}: \"format\" is {fmt!r}, not a record format number; write the record again "
+                              "with save_patched()")
+    if fmt > FORMAT_VERSION:
+        wrote = rec.get("version")
+        key, mine = (_version_key(wrote) if isinstance(wrote, str) else None), _version_key(__version__)
+        if key is not None and (mine is None or key > mine):
+            upgrade = f"upgrade longctx-patch to {wrote} or later (pip install -U 'longctx-patch>={wrote}')"
+        else:
+            upgrade = "upgrade longctx-patch to the release that wrote it"
+        by = f"longctx-patch {wrote}" if isinstance(wrote, str) else "a newer longctx-patch"
+        raise CheckpointError(f"{path} was written by {by} in record format {fmt}; longctx-patch {__version__} reads "
+                              f"formats up to {FORMAT_VERSION}: {upgrade}")
+
+
+def _check_group(path: str, where: str, g) -> dict[str, Any]:
+    if not isinstance(g, dict):
+        raise CheckpointError(f"{path}: {where} is {type(g).__name__}, not an object with method/config/layers; write "
+                              "it again with save_patched()")
+    lacking = [k for k in ("method", "config", "layers") if k not in g]
+    if lacking:
+        raise CheckpointError(f"{path} lacks {'/'.join(lacking)}{'' if where == 'the record' else ' in ' + where}; "
+                              "write it again with save_patched()")
+    if not isinstance(g["method"], str):
+        raise CheckpointError(f"{path}: \"method\" of {where} is {g['method']!r}, not a method name such as "
+                              "'sliding-window'")
+    if not isinstance(g["config"], dict):
+        raise CheckpointError(f"{path}: \"config\" of {where} is {g['config']!r}, not an object of method "
+                              "options such as {\"window\": 256}")
+    layers = g["layers"]
+    if not isinstance(layers, list) or not layers or any(_layer_index(i) is None for i in layers):
+        raise CheckpointError(f"{path}: \"layers\" of {where} is {layers!r}, not a non-empty list of 0-based layer "
+                              "indices such as [0, 1, 2]")
+    return {"method": g["method"], "config": g["config"], "layers": layers}
+
+
 def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """The patch groups ([{method, config, layers}], in patch order) of a directory save_patched() wrote.
+    A missing, unreadable, malformed or too new record raises CheckpointError."""
     path = os.path.join(os.fspath(directory), PATCH_JSON)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             rec = json.load(f)
     except FileNotFoundError:
         hint = ""
@@ -418,24 +463,82 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
                     "patched model with longctx_patch.save_patched(model, DIR), e.g. after trainer.train(), "
                     "save_patched(trainer.model, DIR)")
         raise CheckpointError(f"{path} not found: {directory} was not written by save_patched(){hint}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    groups = rec.get("patches") or [{k: rec[k] for k in ("method", "config", "layers") if k in rec}]
-    for g in groups:
-        if not {"method", "config", "layers"} <= set(g):
-            raise CheckpointError(f"{path} lacks method/config/layers")
-    return groups
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); write it again with save_patched()") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); pass the directory save_patched() wrote") from None
+    if not isinstance(rec, dict):
+        raise CheckpointError(f"{path} holds {json.dumps(rec)[:40]}, not the object save_patched() writes; write it "
+                              "again with save_patched()")
+    _check_format(path, rec)
+    if "patches" in rec:
+        patches = rec["patches"]
+        if not isinstance(patches, list) or not patches:
+            raise CheckpointError(f"{path}: \"patches\" is {patches!r}, not a non-empty list of "
+                                  "{method, config, layers} objects; write it again with save_patched()")
+        return [_check_group(path, f"patches[{n}]", g) for n, g in enumerate(patches)]
+    return [_check_group(path, "the record", rec)]
+
+
+def _unreadable_weights(path: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is truncated or corrupt; copy it "
+                           "again, or write it again with save_patched()")
+
+
+def read_method_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The method weights (`longctx_patch.safetensors`) of a directory save_patched() wrote ({} without the file).
+    An unreadable file or non-finite values raise CheckpointError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
+    if not os.path.exists(path):
+        return {}
+    try:
+        sd = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise _unreadable_weights(path, e) from None
+    bad = sorted(k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        shown = str(bad) if len(bad) <= 8 else f"{bad[:8]} and {len(bad) - 8} more"
+        raise CheckpointError(f"{path}: {shown} hold NaN or inf values (the run that wrote them diverged); use an "
+                              "earlier checkpoint of the run, or train again with a lower learning rate")
+    return sd
+
+
+def _check_weights_header(directory: str | os.PathLike) -> None:
+    """Opens the weights file's header only (cheap): a truncated or garbage file fails before a model is loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
+    if not os.path.exists(path):
+        return
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise _unreadable_weights(path, e) from None
 
 
 def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
-    """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step)."""
-    from safetensors.torch import load_file
-
-    for g in read_patch_record(directory):
-        _apply(model, g["method"], g["layers"], g["config"])
-    wpath = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
-    sd = load_file(wpath) if os.path.exists(wpath) else {}
-    load_method_state_dict(model, sd, source=wpath)
+    """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step).
+    On any failure the patches applied here are undone and the model is left as it was."""
+    groups = read_patch_record(directory)
+    sd = read_method_weights(directory)
+    applied: list[PatchGroup] = []
+    try:
+        for n, g in enumerate(groups):
+            try:
+                group, _ = _apply(model, g["method"], g["layers"], g["config"])
+            except ConfigError as e:  # a record that does not fit the installed methods or this model
+                where = f" (patch {n + 1} of {len(groups)})" if len(groups) > 1 else ""
+                raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
+            applied.append(group)
+        load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
+    except BaseException:
+        for group in reversed(applied):
+            _undo_group(model, group)
+        raise
     return model
 
 
@@ -443,5 +546,7 @@ def load_patched(directory: str | os.PathLike, dtype=None, device=None) -> nn.Mo
     """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
     from .models import load_model_only
 
-    read_patch_record(directory)  # fails early, with a clear message, on a directory save_patched() did not write
+    # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
+    read_patch_record(directory)
+    _check_weights_header(directory)
     return load_model_only(directory, dtype=dtype, device=device)

@@ -37,6 +37,153 @@ def _edit_record(directory, **changes):
     path.write_text(json.dumps(rec))
 
 
+# ------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_damaged_weights_file(saved, damage):
+    path = saved / PATCH_WEIGHTS
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:-7], "garbage": b"not a safetensors file at all" * 4, "empty": b""}[damage])
+    with pytest.raises(lp.CheckpointError, match="cannot be read as safetensors.*truncated or corrupt"):
+        lp.load_patched(saved)
+    model = tiny_model()
+    with pytest.raises(lp.CheckpointError, match="truncated or corrupt"):
+        apply_patch_record(model, saved)
+    assert not lp.is_patched(model)
+
+
+@pytest.mark.parametrize("content,phrase", [
+    ("[1, 2]", r"holds \[1, 2\], not the object save_patched\(\) writes"),
+    ("null", r"holds null, not the object save_patched\(\) writes"),
+    ('"ovq"', r"holds \"ovq\", not the object"),
+    ("{not json", "not valid JSON"),
+])
+def test_record_that_is_not_an_object(saved, content, phrase):
+    (saved / PATCH_JSON).write_text(content)
+    with pytest.raises(lp.CheckpointError, match=phrase):
+        lp.load_patched(saved)
+
+
+def test_record_that_is_not_text(saved):
+    (saved / PATCH_JSON).write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(lp.CheckpointError, match="not valid JSON"):
+        read_patch_record(saved)
+
+
+@pytest.mark.parametrize("changes,phrase", [
+    ({"method": 123}, r"\"method\" of the record is 123, not a method name"),
+    ({"method": None}, r"\"method\" of the record is None, not a method name"),
+    ({"config": [1, 2]}, r"\"config\" of the record is \[1, 2\], not an object of method options"),
+    ({"config": "beta=2"}, r"\"config\" of the record is 'beta=2', not an object"),
+    ({"layers": "0-2"}, r"\"layers\" of the record is '0-2', not a non-empty list of 0-based layer indices"),
+    ({"layers": 2}, r"\"layers\" of the record is 2, not a non-empty list"),
+    ({"layers": [0.5]}, r"\"layers\" of the record is \[0.5\], not a non-empty list"),
+    ({"layers": [True]}, r"\"layers\" of the record is \[True\], not a non-empty list"),
+    ({"layers": []}, r"\"layers\" of the record is \[\], not a non-empty list"),
+    ({"layers": None}, r"\"layers\" of the record is None"),
+    ({"format": "1"}, r"\"format\" is '1', not a record format number"),
+    ({"format": True}, r"\"format\" is True, not a record format number"),
+    ({"format": 0}, r"\"format\" is 0, not a record format number"),
+    ({"patches": []}, r"\"patches\" is \[\], not a non-empty list"),
+    ({"patches": [{"method": "exact", "config": {}, "layers": [0]}, 5]}, r"patches\[1\] is int, not an object"),
+    ({"patches": [{"method": "exact", "layers": [0]}]}, r"lacks config in patches\[0\]"),
+])
+def test_malformed_record(saved, changes, phrase):
+    _edit_record(saved, **changes)
+    with pytest.raises(lp.CheckpointError, match=phrase):
+        lp.load_patched(saved)
+    model = tiny_model()
+    with pytest.raises(lp.CheckpointError, match=phrase):
+        apply_patch_record(model, saved)
+    assert not lp.is_patched(model)
+
+
+def test_record_lacking_keys(saved):
+    (saved / PATCH_JSON).write_text(json.dumps({"format": 1, "method": "ovq"}))
+    with pytest.raises(lp.CheckpointError, match="lacks config/layers; write it again with save_patched"):
+        lp.load_patched(saved)
+
+
+def test_newer_record_format_is_refused_naming_the_release(saved):
+    _edit_record(saved, format=999, version="7.2.0")
+    with pytest.raises(lp.CheckpointError, match=r"written by longctx-patch 7.2.0 in record format 999; longctx-patch "
+                                                 r"0.1.0 reads formats up to 1: upgrade longctx-patch to 7.2.0 or later"):
+        lp.load_patched(saved)
+    _edit_record(saved, format=2, version=None)
+    with pytest.raises(lp.CheckpointError, match="a newer longctx-patch in record format 2.*upgrade longctx-patch to "
+                                                 "the release that wrote it"):
+        lp.load_patched(saved)
+
+
+def test_current_format_and_a_record_without_format_still_load(saved):
+    assert read_patch_record(saved) == [{"method": "ovq", "config": read_patch_record(saved)[0]["config"],
+                                         "layers": [0, 2]}]
+    rec = json.loads((saved / PATCH_JSON).read_text())
+    assert rec["format"] == 1
+    del rec["format"]
+    (saved / PATCH_JSON).write_text(json.dumps(rec))
+    assert lp.patched_layers(lp.load_patched(saved)) == {0: "ovq", 2: "ovq"}
+
+
+@pytest.mark.parametrize("changes,phrase", [
+    ({"method": "nope"}, "unknown method 'nope'"),
+    ({"layers": [0, 7]}, r"out of range; this model has layers 0-2"),
+    ({"config": {"bogus": 1}}, "unknown key.*bogus"),
+])
+def test_record_that_does_not_fit_the_model_or_the_methods(saved, changes, phrase):
+    _edit_record(saved, **changes)
+    with pytest.raises(lp.CheckpointError, match=f"{PATCH_JSON}: .*{phrase}"):
+        lp.load_patched(saved)
+
+
+def test_failed_hybrid_record_leaves_the_model_as_it_was(tmp_path):
+    d = tmp_path / "rec"
+    d.mkdir()
+    (d / PATCH_JSON).write_text(json.dumps({"format": 1, "patches": [
+        {"method": "exact", "config": {}, "layers": [0]},
+        {"method": "sliding-window", "config": {"window": 4}, "layers": [9]}]}))
+    model = tiny_model()
+    with pytest.raises(lp.CheckpointError, match=r"\(patch 2 of 2\): layers: \[9\] out of range"):
+        apply_patch_record(model, d)
+    assert not lp.is_patched(model)
+    assert type(model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    # onto a model already patched elsewhere: only the record's own patches are undone
+    lp.patch(model, "exact", layers=[2])
+    with pytest.raises(lp.CheckpointError, match="patch 2 of 2"):
+        apply_patch_record(model, d)
+    assert lp.patched_layers(model) == {2: "exact"}
+
+
+def test_hybrid_record_round_trip(tmp_path):
+    model = tiny_model()
+    lp.patch(model, "ovq", layers=[0])
+    lp.patch(model, "sliding-window", layers=[1, 2], window=5)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.ovq_log_beta.add_(0.25)
+        ref = model(_ids(20)).logits
+    lp.save_patched(model, tmp_path)
+    assert [g["method"] for g in read_patch_record(tmp_path)] == ["ovq", "sliding-window"]
+    loaded = lp.load_patched(tmp_path)
+    assert lp.patched_layers(loaded) == {0: "ovq", 1: "sliding-window", 2: "sliding-window"}
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids(20)).logits, ref)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_method_weights_are_refused(saved, value):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(saved / PATCH_WEIGHTS))
+    sd["layers.2.ovq_log_beta"][1] = value
+    save_file(sd, str(saved / PATCH_WEIGHTS))
+    with pytest.raises(lp.CheckpointError, match=r"\['layers.2.ovq_log_beta'\] hold NaN or inf values.*earlier "
+                                                 "checkpoint"):
+        lp.load_patched(saved)
+    model = tiny_model()
+    with pytest.raises(lp.CheckpointError, match="NaN or inf"):
+        apply_patch_record(model, saved)
+    assert not lp.is_patched(model)
+
+
 # ------------------------------------------------------------------------------------------- patch() arguments
 @pytest.mark.parametrize("layers", [1.5, 1.0, {"a": 1}, {0: 1}, True, False, [0.7], [True], [0, "1"], [[0]],
                                     b"0-1", object(), torch.tensor([0, 1])])
