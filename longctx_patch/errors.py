@@ -34,6 +34,10 @@ class DeviceError(LongctxError):
     (a model on the `meta` device)."""
 
 
+class LongctxWarning(UserWarning):
+    """Warnings of longctx-patch (e.g. a sequence longer than the model's trained context)."""
+
+
 __all__ = [
     "LongctxError",
     "ConfigError",
@@ -43,4 +47,5 @@ __all__ = [
     "ModelLoadError",
     "CheckpointError",
     "DeviceError",
+    "LongctxWarning",
 ]

@@ -12,7 +12,9 @@ import inspect
 import json
 import numbers
 import os
+import sys
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,7 @@ from torch import nn
 
 from . import __version__
 from .architectures import base_model, get_adapter, model_config
-from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, NotPatchedError
+from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
 from .methods import get_method
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
 
@@ -51,6 +53,7 @@ class PatchState:
     # {(layer, submodule name): original weight on the CPU}, kept when a checkpoint merges a delta (e.g. LoRA)
     # into a projection shared with the original module, so that unpatch() puts the weight back
     saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
 
 
 _ATTR = "_longctx_patch_state"
@@ -132,6 +135,47 @@ def _cache_arg_name(base: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _stacklevel_outside_libraries() -> int:
+    """The stacklevel of warnings.warn, called from the caller of this function, that points at the first frame
+    outside torch, transformers, peft, accelerate and this package (the user's forward or generate call)."""
+    prefixes = tuple(os.path.dirname(mod.__file__) + os.sep for name in ("torch", "transformers", "peft", "accelerate")
+                     if (mod := sys.modules.get(name)) is not None and getattr(mod, "__file__", None))
+    prefixes += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(prefixes):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_past_trained_context(st: PatchState, cfg, args, kwargs, cache) -> None:
+    """Warns (once per patch) when this forward reaches past the model's max_position_embeddings. Reads shapes
+    and the cache's token count only (no device synchronisation)."""
+    trained = getattr(cfg, "max_position_embeddings", None)
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds", args[4] if len(args) > 4 else None)
+        new = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else None
+    else:
+        new = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+    if not isinstance(trained, int) or new is None:
+        return
+    past = cache.get_seq_length() if cache is not None else 0
+    total = past + new
+    if total <= trained:
+        return
+    st.context_warned = True
+    methods = sorted({g.method for g in st.groups})
+    which = f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}"
+    warnings.warn(
+        f"this forward reaches {total} tokens ({new} new after {past} cached), past the model's trained context of "
+        f"{trained} tokens (max_position_embeddings); the patched {which} run there, but quality past {trained} "
+        "tokens rests on rotary extrapolation, which the model was not trained for: keep sequences within "
+        f"{trained} tokens or use a model trained on longer contexts (warned once per patched model)",
+        LongctxWarning,
+        stacklevel=_stacklevel_outside_libraries(),
+    )
+
+
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
     st = PatchState(cache_arg=_cache_arg_name(base))
     cfg = model_config(model)
@@ -147,6 +191,8 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         cache = kwargs.get("cache", None)
         if cache is None:
             cache = kwargs.get("past_key_values", None)
+        if not st.context_warned:
+            _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
         use_cache = kwargs.get("use_cache", None)
         if use_cache is None:
             use_cache = getattr(cfg, "use_cache", False)
@@ -257,6 +303,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
         new[i] = mod
     group = PatchGroup(m.name, cfg, idx)
     st.groups.append(group)
+    st.context_warned = False  # the methods changed: the next sequence past the trained context warns again
     return group, new
 
 

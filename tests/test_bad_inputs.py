@@ -271,3 +271,63 @@ def test_parameter_free_method_on_a_meta_model_then_materialised():
     with torch.no_grad():
         assert torch.equal(model(x).logits, real(x).logits)
     assert lp.patched_layers(model) == {0: "exact", 1: "exact", 2: "exact"}
+
+
+# ------------------------------------------------------------------------------------------- trained context
+def _context_warnings(record):
+    return [w for w in record if issubclass(w.category, lp.LongctxWarning)]
+
+
+def test_sequence_past_the_trained_context_warns_once_per_patch():
+    assert issubclass(lp.LongctxWarning, UserWarning)
+    model = tiny_model(max_position_embeddings=32)
+    lp.patch(model, "sliding-window", window=8)
+    with warnings.catch_warnings(record=True) as rec, torch.no_grad():
+        warnings.simplefilter("always")
+        model(_ids(32))  # exactly the trained context: no warning
+        assert _context_warnings(rec) == []
+        model(_ids(40))
+        model(_ids(50))
+    got = _context_warnings(rec)
+    assert len(got) == 1, [str(w.message) for w in got]
+    msg = str(got[0].message)
+    assert "reaches 40 tokens (40 new after 0 cached)" in msg
+    assert "trained context of 32 tokens" in msg and "method sliding-window" in msg
+    assert "rotary extrapolation" in msg and "\n" not in msg
+    assert got[0].filename == __file__  # points at the caller's forward, not at torch or the package
+
+    lp.unpatch(model)  # a new patch warns again
+    lp.patch(model, "exact", layers=[0])
+    lp.patch(model, "sliding-window", layers=[1, 2], window=8)
+    with pytest.warns(lp.LongctxWarning, match="methods exact, sliding-window run there"), torch.no_grad():
+        model(_ids(33))
+
+
+def test_generation_crossing_the_trained_context_warns_with_the_cached_length():
+    model = tiny_model(max_position_embeddings=32)
+    lp.patch(model, "exact")
+    x = _ids(30)
+    with warnings.catch_warnings(record=True) as rec, torch.no_grad():
+        warnings.simplefilter("always")
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = _context_warnings(rec)
+    assert len(got) == 1, [str(w.message) for w in got]
+    assert "reaches 33 tokens (1 new after 32 cached)" in str(got[0].message)
+
+
+def test_no_warning_within_the_trained_context(tiny_llama):
+    lp.patch(tiny_llama, "exact")
+    x = _ids(40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lp.LongctxWarning)
+        with torch.no_grad():
+            tiny_llama.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
+                                pad_token_id=0)
+            tiny_llama(inputs_embeds=tiny_llama.get_input_embeddings()(x))
+
+
+def test_inputs_embeds_past_the_trained_context_warn():
+    model = tiny_model(max_position_embeddings=16)
+    lp.patch(model, "exact")
+    with pytest.warns(lp.LongctxWarning, match=r"reaches 20 tokens \(20 new after 0 cached\)"), torch.no_grad():
+        model(inputs_embeds=model.get_input_embeddings()(_ids(20)))
