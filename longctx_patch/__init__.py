@@ -14,6 +14,7 @@ from .errors import (  # noqa: E402
     ConfigError,
     DeviceError,
     LongctxError,
+    LongctxWarning,
     ModelLoadError,
     NotPatchedError,
     UnsupportedModelError,
@@ -45,4 +46,5 @@ __all__ = [
     "ModelLoadError",
     "CheckpointError",
     "DeviceError",
+    "LongctxWarning",
 ]

@@ -30,7 +30,12 @@ class CheckpointError(LongctxError):
 
 
 class DeviceError(LongctxError):
-    """The requested work needs a device (e.g. CUDA) that is not available."""
+    """The requested work needs a device (e.g. CUDA) that is not available, or weights that are not materialised
+    (a model on the `meta` device)."""
+
+
+class LongctxWarning(UserWarning):
+    """Warnings of longctx-patch (e.g. a sequence longer than the model's trained context)."""
 
 
 __all__ = [
@@ -42,4 +47,5 @@ __all__ = [
     "ModelLoadError",
     "CheckpointError",
     "DeviceError",
+    "LongctxWarning",
 ]

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
+import sys
 import types
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +24,7 @@ from torch import nn
 
 from . import __version__
 from .architectures import base_model, get_adapter, model_config
-from .errors import AlreadyPatchedError, CheckpointError, ConfigError, NotPatchedError
+from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
 from .methods import get_method
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
 
@@ -49,6 +53,7 @@ class PatchState:
     # {(layer, submodule name): original weight on the CPU}, kept when a checkpoint merges a delta (e.g. LoRA)
     # into a projection shared with the original module, so that unpatch() puts the weight back
     saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
 
 
 _ATTR = "_longctx_patch_state"
@@ -73,6 +78,17 @@ def patched_layers(model: nn.Module) -> dict[int, str]:
 
 
 # --------------------------------------------------------------------------------------------- layers
+LAYERS_FORMS = ("None (all layers), an int, a list of ints, or a string like '0-7,12' (0-based, inclusive ranges; "
+                "negative ints count from the end)")
+
+
+def _layer_index(x) -> int | None:
+    """x as a layer index when it is an integer (numpy integers too), else None. Bools are not indices."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return None
+
+
 def parse_layers(layers, num_layers: int) -> list[int]:
     """None -> all; an int; an iterable of ints; or a string like '0-7,12'. Validated against num_layers."""
     if layers is None:
@@ -85,15 +101,24 @@ def parse_layers(layers, num_layers: int) -> list[int]:
             try:
                 if "-" in part[1:]:
                     a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
-                    out.extend(range(int(a), int(b) + 1))
+                    a, b = int(a), int(b)
                 else:
-                    out.append(int(part))
+                    a = b = int(part)
             except ValueError:
-                raise ConfigError(f"layers: cannot read {part!r}; use e.g. '0-7,12' (0-based, inclusive ranges)") from None
-    elif isinstance(layers, int):
-        out = [layers]
+                raise ConfigError(f"layers: cannot read {part!r}; allowed: {LAYERS_FORMS}") from None
+            if b < a:
+                raise ConfigError(f"layers: {part!r} is a reversed range; write it as '{b}-{a}'")
+            out.extend(range(a, b + 1))
+    elif _layer_index(layers) is not None:
+        out = [_layer_index(layers)]
+    elif isinstance(layers, (bytes, Mapping)) or not isinstance(layers, Iterable):
+        raise ConfigError(f"layers: got {layers!r} ({type(layers).__name__}); allowed: {LAYERS_FORMS}")
     else:
-        out = [int(x) for x in layers]
+        for x in layers:
+            i = _layer_index(x)
+            if i is None:
+                raise ConfigError(f"layers: got {x!r} ({type(x).__name__}) in {layers!r}; allowed: {LAYERS_FORMS}")
+            out.append(i)
     out = [i + num_layers if i < 0 else i for i in out]
     bad = sorted({i for i in out if not 0 <= i < num_layers})
     if bad:
@@ -108,6 +133,47 @@ def parse_layers(layers, num_layers: int) -> list[int]:
 def _cache_arg_name(base: nn.Module) -> str:
     params = inspect.signature(type(base).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _stacklevel_outside_libraries() -> int:
+    """The stacklevel of warnings.warn, called from the caller of this function, that points at the first frame
+    outside torch, transformers, peft, accelerate and this package (the user's forward or generate call)."""
+    prefixes = tuple(os.path.dirname(mod.__file__) + os.sep for name in ("torch", "transformers", "peft", "accelerate")
+                     if (mod := sys.modules.get(name)) is not None and getattr(mod, "__file__", None))
+    prefixes += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(prefixes):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_past_trained_context(st: PatchState, cfg, args, kwargs, cache) -> None:
+    """Warns (once per patch) when this forward reaches past the model's max_position_embeddings. Reads shapes
+    and the cache's token count only (no device synchronisation)."""
+    trained = getattr(cfg, "max_position_embeddings", None)
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds", args[4] if len(args) > 4 else None)
+        new = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else None
+    else:
+        new = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+    if not isinstance(trained, int) or new is None:
+        return
+    past = cache.get_seq_length() if cache is not None else 0
+    total = past + new
+    if total <= trained:
+        return
+    st.context_warned = True
+    methods = sorted({g.method for g in st.groups})
+    which = f"method{'s' if len(methods) > 1 else ''} {', '.join(methods)}"
+    warnings.warn(
+        f"this forward reaches {total} tokens ({new} new after {past} cached), past the model's trained context of "
+        f"{trained} tokens (max_position_embeddings); the patched {which} run there, but quality past {trained} "
+        "tokens rests on rotary extrapolation, which the model was not trained for: keep sequences within "
+        f"{trained} tokens or use a model trained on longer contexts (warned once per patched model)",
+        LongctxWarning,
+        stacklevel=_stacklevel_outside_libraries(),
+    )
 
 
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
@@ -125,6 +191,8 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         cache = kwargs.get("cache", None)
         if cache is None:
             cache = kwargs.get("past_key_values", None)
+        if not st.context_warned:
+            _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
         use_cache = kwargs.get("use_cache", None)
         if use_cache is None:
             use_cache = getattr(cfg, "use_cache", False)
@@ -176,7 +244,25 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
 
 
 # --------------------------------------------------------------------------------------------- patch
+def _check_materialised(mod: PatchedAttention, layer: int) -> None:
+    """A method's own parameters created on the meta device would get no values when the model is materialised
+    (to_empty() leaves them uninitialised, and the base checkpoint does not hold them): refuse."""
+    on_meta = sorted(k for k, v in mod.method_parameters().items() if v.is_meta)
+    if on_meta:
+        raise DeviceError(
+            f"layer {layer}'s attention weights are on the meta device (the model was built without its weights, e.g. "
+            f"under torch.device('meta')), where {mod.method_name}'s own parameters ({', '.join(on_meta)}) would "
+            "never get their values; materialise the model first (from_pretrained, or to_empty() then "
+            "load_state_dict()), then call patch()"
+        )
+
+
 def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
+    if not isinstance(method, str):
+        from .methods import list_methods
+
+        raise ConfigError(f"method: got {method!r} ({type(method).__name__}); pass a method name, one of "
+                          f"{', '.join(list_methods())}")
     adapter = get_adapter(model)
     m = get_method(method)
     cfg = m.parse_config(config)
@@ -195,9 +281,9 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
                 "call longctx_patch.unpatch(model) first, or patch other layers"
             )
     else:
-        st = _install(model, base)
-    new: dict[int, PatchedAttention] = {}
-    for i in idx:
+        st = None
+    built: dict[int, tuple[nn.Module, PatchedAttention]] = {}
+    for i in idx:  # build every module before changing the model, so that a failure leaves it as it was
         orig = decoder[i].self_attn
         if isinstance(orig, PatchedAttention):  # patched outside our bookkeeping (e.g. deep-copied model)
             raise AlreadyPatchedError(f"layer {i} already holds a patched module; unpatch first")
@@ -205,6 +291,12 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
         p = next(orig.parameters(), None)
         if p is not None:
             mod.to(device=p.device)
+        _check_materialised(mod, i)
+        built[i] = (orig, mod)
+    if st is None:
+        st = _install(model, base)
+    new: dict[int, PatchedAttention] = {}
+    for i, (orig, mod) in built.items():
         mod._ctx = st.ctx
         mod.train(orig.training)
         st.originals[i] = orig
@@ -213,6 +305,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
         new[i] = mod
     group = PatchGroup(m.name, cfg, idx)
     st.groups.append(group)
+    st.context_warned = False  # the methods changed: the next sequence past the trained context warns again
     return group, new
 
 
@@ -362,10 +455,55 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     return directory
 
 
+def _version_key(v: str) -> tuple[int, ...] | None:
+    parts = v.split(".")
+    return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
+
+
+def _check_format(path: str, rec: dict[str, Any]) -> None:
+    fmt = rec.get("format", FORMAT_VERSION)  # records written before the key existed are format 1
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        raise CheckpointError(f"{path}: \"format\" is {fmt!r}, not a record format number; write the record again "
+                              "with save_patched()")
+    if fmt > FORMAT_VERSION:
+        wrote = rec.get("version")
+        key, mine = (_version_key(wrote) if isinstance(wrote, str) else None), _version_key(__version__)
+        if key is not None and (mine is None or key > mine):
+            upgrade = f"upgrade longctx-patch to {wrote} or later (pip install -U 'longctx-patch>={wrote}')"
+        else:
+            upgrade = "upgrade longctx-patch to the release that wrote it"
+        by = f"longctx-patch {wrote}" if isinstance(wrote, str) else "a newer longctx-patch"
+        raise CheckpointError(f"{path} was written by {by} in record format {fmt}; longctx-patch {__version__} reads "
+                              f"formats up to {FORMAT_VERSION}: {upgrade}")
+
+
+def _check_group(path: str, where: str, g) -> dict[str, Any]:
+    if not isinstance(g, dict):
+        raise CheckpointError(f"{path}: {where} is {type(g).__name__}, not an object with method/config/layers; write "
+                              "it again with save_patched()")
+    lacking = [k for k in ("method", "config", "layers") if k not in g]
+    if lacking:
+        raise CheckpointError(f"{path} lacks {'/'.join(lacking)}{'' if where == 'the record' else ' in ' + where}; "
+                              "write it again with save_patched()")
+    if not isinstance(g["method"], str):
+        raise CheckpointError(f"{path}: \"method\" of {where} is {g['method']!r}, not a method name such as "
+                              "'sliding-window'")
+    if not isinstance(g["config"], dict):
+        raise CheckpointError(f"{path}: \"config\" of {where} is {g['config']!r}, not an object of method "
+                              "options such as {\"window\": 256}")
+    layers = g["layers"]
+    if not isinstance(layers, list) or not layers or any(_layer_index(i) is None for i in layers):
+        raise CheckpointError(f"{path}: \"layers\" of {where} is {layers!r}, not a non-empty list of 0-based layer "
+                              "indices such as [0, 1, 2]")
+    return {"method": g["method"], "config": g["config"], "layers": layers}
+
+
 def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """The patch groups ([{method, config, layers}], in patch order) of a directory save_patched() wrote.
+    A missing, unreadable, malformed or too new record raises CheckpointError."""
     path = os.path.join(os.fspath(directory), PATCH_JSON)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             rec = json.load(f)
     except FileNotFoundError:
         hint = ""
@@ -374,24 +512,82 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
                     "patched model with longctx_patch.save_patched(model, DIR), e.g. after trainer.train(), "
                     "save_patched(trainer.model, DIR)")
         raise CheckpointError(f"{path} not found: {directory} was not written by save_patched(){hint}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    groups = rec.get("patches") or [{k: rec[k] for k in ("method", "config", "layers") if k in rec}]
-    for g in groups:
-        if not {"method", "config", "layers"} <= set(g):
-            raise CheckpointError(f"{path} lacks method/config/layers")
-    return groups
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); write it again with save_patched()") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); pass the directory save_patched() wrote") from None
+    if not isinstance(rec, dict):
+        raise CheckpointError(f"{path} holds {json.dumps(rec)[:40]}, not the object save_patched() writes; write it "
+                              "again with save_patched()")
+    _check_format(path, rec)
+    if "patches" in rec:
+        patches = rec["patches"]
+        if not isinstance(patches, list) or not patches:
+            raise CheckpointError(f"{path}: \"patches\" is {patches!r}, not a non-empty list of "
+                                  "{method, config, layers} objects; write it again with save_patched()")
+        return [_check_group(path, f"patches[{n}]", g) for n, g in enumerate(patches)]
+    return [_check_group(path, "the record", rec)]
+
+
+def _unreadable_weights(path: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is truncated or corrupt; copy it "
+                           "again, or write it again with save_patched()")
+
+
+def read_method_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The method weights (`longctx_patch.safetensors`) of a directory save_patched() wrote ({} without the file).
+    An unreadable file or non-finite values raise CheckpointError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
+    if not os.path.exists(path):
+        return {}
+    try:
+        sd = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise _unreadable_weights(path, e) from None
+    bad = sorted(k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        shown = str(bad) if len(bad) <= 8 else f"{bad[:8]} and {len(bad) - 8} more"
+        raise CheckpointError(f"{path}: {shown} hold NaN or inf values (the run that wrote them diverged); use an "
+                              "earlier checkpoint of the run, or train again with a lower learning rate")
+    return sd
+
+
+def _check_weights_header(directory: str | os.PathLike) -> None:
+    """Opens the weights file's header only (cheap): a truncated or garbage file fails before a model is loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
+    if not os.path.exists(path):
+        return
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise _unreadable_weights(path, e) from None
 
 
 def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
-    """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step)."""
-    from safetensors.torch import load_file
-
-    for g in read_patch_record(directory):
-        _apply(model, g["method"], g["layers"], g["config"])
-    wpath = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
-    sd = load_file(wpath) if os.path.exists(wpath) else {}
-    load_method_state_dict(model, sd, source=wpath)
+    """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step).
+    On any failure the patches applied here are undone and the model is left as it was."""
+    groups = read_patch_record(directory)
+    sd = read_method_weights(directory)
+    applied: list[PatchGroup] = []
+    try:
+        for n, g in enumerate(groups):
+            try:
+                group, _ = _apply(model, g["method"], g["layers"], g["config"])
+            except ConfigError as e:  # a record that does not fit the installed methods or this model
+                where = f" (patch {n + 1} of {len(groups)})" if len(groups) > 1 else ""
+                raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
+            applied.append(group)
+        load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
+    except BaseException:
+        for group in reversed(applied):
+            _undo_group(model, group)
+        raise
     return model
 
 
@@ -399,5 +595,7 @@ def load_patched(directory: str | os.PathLike, dtype=None, device=None) -> nn.Mo
     """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
     from .models import load_model_only
 
-    read_patch_record(directory)  # fails early, with a clear message, on a directory save_patched() did not write
+    # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
+    read_patch_record(directory)
+    _check_weights_header(directory)
     return load_model_only(directory, dtype=dtype, device=device)

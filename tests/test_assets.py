@@ -103,6 +103,55 @@ def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
     assert _state(some).modules[1].weights_source.startswith("packaged asset tiny")
 
 
+def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
+    """A run patched in two groups (lolcats on layer 0, lola on layers 1-2) writes a multi-patch record; its weights
+    make an asset that checkpoint=auto loads for every layer."""
+    from safetensors.torch import save_file
+
+    model = tiny_model()
+    lp.patch(model, "lolcats", layers=[0], checkpoint="none", window=4, chunk=4)
+    lp.patch(model, "lola", layers=[1, 2], checkpoint="none", window=4, chunk=4, sparse_cache=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "feature_map" in n or "window_factors" in n:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    trained = {k: v.clone() for k, v in method_state_dict(model).items()}
+    d = tmp_path / "trainable"
+    d.mkdir()
+    save_file(trained, str(d / "longctx_patch.safetensors"))
+    rec = _patch_record(model)
+    assert [p["method"] for p in rec["patches"]] == ["lolcats", "lola"]
+    (d / "longctx_patch.json").write_text(json.dumps(rec))
+
+    out = assets.write_asset(d, tiny_model(), tmp_path / "assets" / "hybrid", name="hybrid", description="test",
+                             dtype=torch.float32)
+    info = json.loads((out / "asset.json").read_text())
+    assert info["method_config"] == {"window": 4, "feature_dim": 64, "affine_factors": rec["patches"][0]["config"]
+                                     ["affine_factors"]}
+    monkeypatch.setenv(assets.ENV_PATH, str(tmp_path / "assets"))
+    same = tiny_model()
+    lp.patch(same, "lolcats", window=4, chunk=4)
+    assert _state(same).modules[2].weights_source.startswith("packaged asset hybrid")
+    got = method_state_dict(same)
+    assert sorted(got) == sorted(trained)
+    for k in trained:
+        assert torch.equal(got[k], trained[k]), k
+
+    # a second group of another method is refused, naming both; so are groups of different feature_dim
+    rec["patches"][1]["method"] = "sliding-window"
+    (d / "longctx_patch.json").write_text(json.dumps(rec))
+    with pytest.raises(lp.CheckpointError, match=r"\['lolcats', 'sliding-window'\]; assets hold lolcats/lola"):
+        assets.write_asset(d, tiny_model(), tmp_path / "x", name="x", description="x")
+    rec["patches"][1].update(method="lola", config={**rec["patches"][1]["config"], "feature_dim": 16})
+    (d / "longctx_patch.json").write_text(json.dumps(rec))
+    with pytest.raises(lp.CheckpointError, match=r"feature_dim \[16, 64\]; an asset holds feature maps of one"):
+        assets.write_asset(d, tiny_model(), tmp_path / "x", name="x", description="x")
+    (d / "longctx_patch.json").write_text("[1, 2]")  # a damaged record: the patcher's reader says so
+    with pytest.raises(lp.CheckpointError, match="not the object save_patched"):
+        assets.write_asset(d, tiny_model(), tmp_path / "x", name="x", description="x")
+
+
 def test_write_asset_refuses_other_methods(tmp_path):
     d = tmp_path / "run"
     d.mkdir()

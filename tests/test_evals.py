@@ -101,7 +101,7 @@ def test_parse_methods_layers_patch_only_those_layers():
         (["lola(window)"], [], "is not KEY=VALUE"),
         (["lola(windw=3)"], [], "no key 'windw'"),
         (["lola(layers=a)"], [], "cannot read 'a'"),
-        (["lola(layers=3-1)"], [], "selection is empty"),
+        (["lola(layers=3-1)"], [], "reversed range; write it as '1-3'"),
         (["none(window=3)"], [], "has no config"),
         (["lola(window=0)"], [], "window"),
         ([], [], "no method"),

@@ -114,7 +114,7 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     `asset.json` with the model's shape and fingerprint (`model` = the base model the run started from)."""
     from safetensors.torch import load_file, save_file
 
-    from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS
+    from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, read_patch_record
     from ..train.trained import TRAINABLE_DIR
 
     src = Path(trainable_dir)
@@ -125,10 +125,14 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     if not weights.exists() or not rec.exists():
         raise CheckpointError(f"{src} lacks {PATCH_WEIGHTS}/{PATCH_JSON}; pass a linearize run's output folder or "
                               "its trainable/ subfolder")
-    record = json.loads(rec.read_text())
-    methods = {g["method"] for g in record.get("groups", [record])}
+    groups = read_patch_record(src)  # one group, or several (a hybrid: "patches")
+    methods = {g["method"] for g in groups}
     if methods - {"lolcats", "lola"}:
         raise CheckpointError(f"{src} was trained with {sorted(methods)}; assets hold lolcats/lola weights only")
+    dims = sorted({g["config"].get("feature_dim") for g in groups}, key=str)
+    if len(dims) > 1:
+        raise CheckpointError(f"{src}: its patches use feature_dim {dims}; an asset holds feature maps of one "
+                              "feature_dim (checkpoint=auto matches on it): train the layers with one feature_dim")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -143,7 +147,8 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
         shutil.copy(adapter / "adapter_config.json", out / ADAPTER_DIR / "adapter_config.json")
         save_file(cast(load_file(str(adapter / "adapter_model.safetensors"))),
                   str(out / ADAPTER_DIR / "adapter_model.safetensors"))
-    cfg = record.get("config") or record.get("groups", [{}])[0].get("config", {})
+    # the options every patch of the run agrees on (feature_dim always: checked above)
+    cfg = {k: v for k, v in groups[0]["config"].items() if all(g["config"].get(k, v) == v for g in groups)}
     info = {
         "name": name,
         "kind": "lolcats",
