@@ -385,6 +385,124 @@ def test_resume_is_exact(tiny_dir, text_file, temp_method, tmp_path):
         Finetuner(recipe_from_dict(d2), tmp_path / "run0", resume=True, progress=False).run()
 
 
+def test_rng_state_survives_json():
+    """The RNG states a checkpoint stores (python, numpy with a cached gaussian, torch) come back exactly
+    after the JSON round trip."""
+    import random
+
+    import numpy as np
+
+    from longctx_patch.train.runner import _rng_state, _set_rng_state
+
+    random.gauss(0, 1), np.random.standard_normal()  # leave a cached gaussian in both states
+    st = json.loads(json.dumps(_rng_state()))
+    assert st["python"][2] is not None and st["numpy"][3] == 1
+
+    def draw():
+        return random.gauss(0, 1), random.random(), np.random.standard_normal(), np.random.rand(3).tolist(), torch.rand(4)
+
+    a = draw()
+    _set_rng_state(st)
+    b = draw()
+    assert a[:4] == b[:4] and torch.equal(a[4], b[4])
+    with pytest.raises(RuntimeError):  # a truncated torch state (load_resume_state makes it a CheckpointError)
+        _set_rng_state({**st, "torch": st["torch"][:10]})
+
+
+class _WritesMarker:
+    """Unpickling this writes a marker file: a stand-in for a crafted checkpoint that runs code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def test_resume_refuses_pickled_code(tiny_dir, text_file, temp_method, tmp_path):
+    """Resuming reads optimizer.pt with torch.load(weights_only=True) and the scheduler and RNG states as JSON:
+    a crafted pickle planted in a run folder is refused with a one-line CheckpointError and never runs."""
+    import pickle
+    import shutil
+
+    from longctx_patch.train import Finetuner, recipe_from_dict
+    from longctx_patch.train import runner as runner_mod
+
+    d = recipe_dict(tiny_dir, text_file, transfer={"steps": 4, "save_every": 2, "eval_every": 0})
+    d["stages"] = d["stages"][:1]
+    d["output"]["save_model"] = False
+
+    class Interrupt(Exception):
+        pass
+
+    orig = runner_mod.Finetuner.save_checkpoint
+
+    def save_then_stop(self, si, step, *a, **kw):
+        orig(self, si, step, *a, **kw)
+        raise Interrupt
+
+    out = tmp_path / "run"
+    runner_mod.Finetuner.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(Interrupt):
+            Finetuner(recipe_from_dict(d), out, progress=False).run()
+    finally:
+        runner_mod.Finetuner.save_checkpoint = orig
+    ckpt = out / "checkpoints" / "stage0-step0000002"
+    assert sorted(f.name for f in ckpt.iterdir()) == [
+        "optimizer.pt", "rng.json", "scheduler.json", "state.json", "trained.safetensors"
+    ]
+    # what the runner wrote needs no unpickling beyond tensors and plain values
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert opt["state"] and all(type(v) is torch.Tensor for st in opt["state"].values() for v in st.values())
+    rng = json.loads((ckpt / "rng.json").read_text())
+    assert len(rng) == 1 and {"python", "numpy", "torch"} <= set(rng[0])
+    assert json.loads((ckpt / "scheduler.json").read_text())["last_epoch"] == 2
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+
+    # the payload is live: plain unpickling runs it
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_WritesMarker(probe)))
+    assert probe.read_text() == "ran"
+
+    marker = tmp_path / "marker"
+    evil = _WritesMarker(marker)
+    plants = {
+        "optimizer.pt (torch.save)": ("optimizer.pt", lambda f: torch.save(evil, f)),
+        "optimizer.pt (pickle)": ("optimizer.pt", lambda f: f.write_bytes(pickle.dumps(evil))),
+        "optimizer.pt (in the state)": (
+            "optimizer.pt", lambda f: torch.save({"state": {0: {"step": evil}}, "param_groups": opt["param_groups"]}, f)
+        ),
+        "scheduler.json": ("scheduler.json", lambda f: f.write_bytes(pickle.dumps(evil))),
+        "rng.json": ("rng.json", lambda f: f.write_bytes(pickle.dumps(evil))),
+    }
+    for what, (name, plant) in plants.items():
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        plant(ckpt / name)
+        with pytest.raises(CheckpointError, match=name.replace(".", r"\.")) as e:
+            Finetuner(recipe_from_dict(d), out, resume=True, progress=False).run()
+        assert "\n" not in str(e.value), what
+        assert not marker.exists(), what
+    assert "unpickling them could run code" in str(e.value) or "cannot be read" in str(e.value)
+
+    # a checkpoint in the older pickled format (rng.pt, scheduler.pt) is refused, not unpickled
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    (ckpt / "rng.json").unlink()
+    (ckpt / "rng.pt").write_bytes(pickle.dumps(evil))
+    with pytest.raises(CheckpointError, match="older format") as e:
+        Finetuner(recipe_from_dict(d), out, resume=True, progress=False).run()
+    assert "\n" not in str(e.value) and not marker.exists()
+
+    # the untouched checkpoint still resumes to the end
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    log = Finetuner(recipe_from_dict(d), out, resume=True, progress=False).run()
+    assert log["stages"][0]["resumed_from_step"] == 2 and log["stages"][0]["steps_done"] == 4
+
+
 def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     """Full fine-tune of the unpatched model through the click command."""
     from click.testing import CliRunner

@@ -198,8 +198,8 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_dir, text_file, temp_metho
     ck = load_file(str(out / "checkpoints" / "stage1-step0000003" / "trained.safetensors"))
     ck1 = load_file(str(tmp_path / "one" / "checkpoints" / "stage1-step0000003" / "trained.safetensors"))
     assert ck.keys() == ck1.keys() and all(ck[k].shape == ck1[k].shape for k in ck)
-    opt = torch.load(out / "checkpoints" / "stage1-step0000002" / "optimizer.pt", weights_only=False)
-    opt1 = torch.load(tmp_path / "one" / "checkpoints" / "stage1-step0000002" / "optimizer.pt", weights_only=False)
+    opt = torch.load(out / "checkpoints" / "stage1-step0000002" / "optimizer.pt", weights_only=True)
+    opt1 = torch.load(tmp_path / "one" / "checkpoints" / "stage1-step0000002" / "optimizer.pt", weights_only=True)
     assert opt["param_groups"] == opt1["param_groups"] and opt["state"].keys() == opt1["state"].keys()
     for i, st in opt["state"].items():
         for k, v in st.items():

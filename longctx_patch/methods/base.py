@@ -230,6 +230,31 @@ class PatchedAttention(nn.Module):
         sd = self.state_dict()
         return {k: v for k, v in sd.items() if not k.startswith(shared)}
 
+    # -- dtype rule ----------------------------------------------------------------------------------
+    # A method's own floating-point parameters and buffers (everything outside the shared projections) are
+    # float32 whatever the model's dtype, as norms often are: patch() makes them so (`_method_tensors_to_float32`)
+    # and module casts (.to(dtype), .half(), .bfloat16() ...) leave them in float32 while moving them to the new
+    # device. So `patch` then `.to(bf16)` and `.to(bf16)` then `patch` give the same model, and the methods
+    # (which compute with them in float32) keep their precision and small updates under training.
+    def _apply(self, fn, recurse=True):
+        if recurse:
+            for name, child in self.named_children():
+                child._apply(fn if name in SHARED_SUBMODULES else _float32_kept(fn))
+        return super()._apply(_float32_kept(fn), recurse=False)
+
+    def _method_tensors_to_float32(self) -> None:
+        """Casts the method's floating-point parameters and buffers that are not float32 (in place of the
+        Parameter objects, so optimisers holding them stay valid)."""
+        for name, t in self._method_tensors():
+            if t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+
+    def _method_tensors(self):
+        shared = tuple(f"{n}." for n in SHARED_SUBMODULES)
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            if not name.startswith(shared):
+                yield name, t
+
     # -- shared machinery ----------------------------------------------------------------------------
     def project(self, hidden_states, position_embeddings):
         return self._adapter.project(self, hidden_states, position_embeddings, self.head_dim)
@@ -256,6 +281,19 @@ class PatchedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"method={self.method_name!r}, layer={self.layer_idx}, config={self.method_config}"
+
+
+def _float32_kept(fn):
+    """`fn` (a Module._apply conversion) with its dtype change undone on floating-point tensors: they end up
+    float32 on the device `fn` chose (a device move, `to_empty` ... still apply)."""
+
+    def apply(t):
+        out = fn(t)
+        if t.is_floating_point() and out.dtype != torch.float32:
+            return t.to(device=out.device, dtype=torch.float32)
+        return out
+
+    return apply
 
 
 _STANDALONE: dict[tuple, "PatchedAttention"] = {}
@@ -367,7 +405,9 @@ class Method:
         )
 
     def build(self, orig: nn.Module, spec: AttentionSpec, config: MethodConfig, adapter: ArchAdapter) -> PatchedAttention:
-        return self.module_cls(orig, spec, config, adapter)
+        mod = self.module_cls(orig, spec, config, adapter)
+        mod._method_tensors_to_float32()  # the dtype rule (PatchedAttention._apply); methods create them in float32
+        return mod
 
     def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""

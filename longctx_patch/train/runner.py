@@ -24,7 +24,9 @@ Output directory:
     trainable/                  the small trained state: longctx_patch.json + longctx_patch.safetensors
                                 (method weights) and adapter/ (peft LoRA adapter) when a stage used LoRA
     model/                      save_patched() of the final model, LoRA merged (output.save_model)
-    checkpoints/stage{i}-step{n}/  resumable: trained parameters, optimizer, scheduler, step, RNG
+    checkpoints/stage{i}-step{n}/  resumable: state.json (stage, step, logs), trained.safetensors,
+                                optimizer.pt (read with torch.load(weights_only=True)), scheduler.json, rng.json;
+                                resuming never unpickles anything but tensors and plain values
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import datetime as _dt
 import json
 import math
 import os
+import pickle
 import platform
 import random
 import shlex
@@ -56,6 +59,9 @@ from .trained import TRAINABLE_DIR
 LOG_FILE = "train_log.json"
 CKPT_DIR = "checkpoints"
 MODEL_DIR = "model"
+OPTIMIZER_FILE = "optimizer.pt"  # tensors and plain values only: read with torch.load(weights_only=True)
+SCHEDULER_FILE = "scheduler.json"
+RNG_FILE = "rng.json"  # one entry per process
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -79,23 +85,35 @@ def _full(t):
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain JSON values (lists of ints), so that a checkpoint stores them
+    without pickling and resuming reads them without unpickling."""
     import numpy as np
 
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return st
 
 
 def _set_rng_state(st: dict[str, Any]) -> None:
+    """Restores what `_rng_state` returned (after a JSON round trip). Raises TypeError/ValueError on a
+    malformed state (RuntimeError from torch)."""
     import numpy as np
 
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
+    version, internal, gauss_next = st["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), None if gauss_next is None else float(gauss_next)))
+    kind, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((str(kind), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
     if "cuda" in st and torch.cuda.is_available():
         with contextlib.suppress(Exception):
-            torch.cuda.set_rng_state_all(st["cuda"])
+            torch.cuda.set_rng_state_all([torch.tensor(c, dtype=torch.uint8) for c in st["cuda"]])
 
 
 def _env_flag(name: str) -> bool:
@@ -499,9 +517,11 @@ class Finetuner:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             save_file(trained, str(tmp / "trained.safetensors"))
-            torch.save(opt_state, tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng, tmp / "rng.pt")
+            # nothing here needs pickle to read back: tensors and plain values (torch.load(weights_only=True)),
+            # the scheduler and the RNG states as JSON
+            torch.save(opt_state, tmp / OPTIMIZER_FILE)
+            (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict(), allow_nan=True))
+            (tmp / RNG_FILE).write_text(json.dumps(rng))
             state = {
                 "stage": si,
                 "stage_name": self.recipe.stages[si].name,
@@ -536,6 +556,62 @@ class Finetuner:
                 "differ); resume with the same recipe and --set values, or use a new --output directory"
             )
         return state
+
+    @staticmethod
+    def _read_ckpt_file(d: Path, name: str) -> Any:
+        """A checkpoint file, read without unpickling anything but tensors and plain values: JSON, or
+        torch.load(weights_only=True). Any failure is a one-line CheckpointError."""
+        p = d / name
+        if not p.exists():
+            legacy = {SCHEDULER_FILE: "scheduler.pt", RNG_FILE: "rng.pt"}.get(name)
+            if legacy and (d / legacy).exists():
+                raise CheckpointError(
+                    f"checkpoint {d} is in the older format ({legacy}, a pickle, is not loaded: unpickling can run "
+                    "code); resume it with the version that wrote it, or start without --resume"
+                )
+            raise CheckpointError(f"checkpoint {d} lacks {name}; delete it or start without --resume")
+        try:
+            if name.endswith(".json"):
+                return json.loads(p.read_text())
+            return torch.load(p, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise CheckpointError(
+                f"checkpoint {d}: {name} holds objects other than tensors and plain values and is refused "
+                "(unpickling them could run code); delete the checkpoint or start without --resume"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - unreadable in any other way (truncated, not JSON ...)
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {d}: {name} cannot be read ({type(e).__name__}: {msg}); delete it or start without --resume"
+            ) from None
+
+    def load_resume_state(self, d: Path, optimizer, scheduler, start_step: int) -> None:
+        """Optimizer, scheduler and RNG states of checkpoint `d` (the RNG reseeded when the number of processes
+        changed)."""
+        opt_sd = self._read_ckpt_file(d, OPTIMIZER_FILE)
+        sched_sd = self._read_ckpt_file(d, SCHEDULER_FILE)
+        rng = self._read_ckpt_file(d, RNG_FILE)
+        if not (isinstance(opt_sd, dict) and {"state", "param_groups"} <= set(opt_sd)):
+            raise CheckpointError(f"checkpoint {d}: {OPTIMIZER_FILE} is not an optimizer state dict")
+        if not isinstance(sched_sd, dict) or not isinstance(rng, list):
+            bad = SCHEDULER_FILE if not isinstance(sched_sd, dict) else RNG_FILE
+            raise CheckpointError(f"checkpoint {d}: {bad} does not hold the expected state")
+        try:
+            self._load_optimizer_state(optimizer, opt_sd)
+            scheduler.load_state_dict(sched_sd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {d}: the optimizer or scheduler state does not fit this stage ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+            ) from None
+        if len(rng) == self.world:
+            try:
+                _set_rng_state(rng[self.rank])
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint {d}: {RNG_FILE} holds a malformed RNG state ({type(e).__name__})") from None
+        else:
+            self._log(f"note: checkpoint written by {len(rng)} processes, resuming with {self.world}; RNG reseeded")
+            torch.manual_seed(self.recipe.seed + 104729 * start_step + self.rank)
 
     def load_trained_state(self, d: Path) -> None:
         from safetensors.torch import load_file
@@ -728,14 +804,7 @@ class Finetuner:
         optimizer = torch.optim.AdamW(self.param_groups(stage, params), lr=stage.lr, betas=tuple(stage.betas))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
         if ckpt is not None:
-            self._load_optimizer_state(optimizer, torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
-            scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=False))
-            rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
-            if len(rng) == self.world:
-                _set_rng_state(rng[self.rank])
-            else:
-                self._log(f"note: checkpoint written by {len(rng)} processes, resuming with {self.world}; RNG reseeded")
-                torch.manual_seed(self.recipe.seed + 104729 * start_step + self.rank)
+            self.load_resume_state(ckpt, optimizer, scheduler, start_step)
         else:
             # dropout streams differ per process; the model itself was initialised identically everywhere
             torch.manual_seed(self.recipe.seed + 1_000 * si + self.rank)

@@ -158,7 +158,7 @@ class LolcatsAttention(PatchedAttention):
         super().__init__(orig, spec, config, adapter)
         p = next(orig.parameters(), None)
         dev = p.device if p is not None else None
-        dt = p.dtype if p is not None and p.is_floating_point() else torch.float32
+        dt = torch.float32  # a method's parameters are float32 whatever the model's dtype (PatchedAttention._apply)
         gen = torch.Generator().manual_seed(config.seed + spec.layer_idx)
         H, D, F = spec.num_heads, spec.head_dim, config.feature_dim
         wq = init_feature_weight(H, D, F, config.feature_init, gen)

@@ -97,6 +97,7 @@ class OVQAttention(PatchedAttention):
         p = next(orig.parameters(), None)
         dev = p.device if p is not None else None
         init = config.beta if config.qk_norm else self.scaling
+        # float32 whatever the model's dtype, as every method parameter (PatchedAttention._apply)
         log_beta = torch.full((spec.num_heads,), math.log(init), dtype=torch.float32, device=dev)
         self.ovq_log_beta = nn.Parameter(log_beta, requires_grad=config.learn_beta)
 
