@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import friendly_errors
+from cli.common import check_architecture, friendly_errors
 
 
 @click.command(
@@ -53,6 +53,8 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     if text is not None and dataset is not None:
         raise click.UsageError("give one text source: --text or --dataset")
     r = load_recipe(recipe, _quote(overrides))  # errors: one `error: ...` line from friendly_errors, like every verb
+    if r.method not in (None, "none") and r.model:
+        check_architecture(r.model)  # an unsupported architecture fails now, not after the model loads
     if dry_run:
         _print_plan(r, output)
         return

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import device_dtype_options, friendly_errors, method_and_config, model_option
+from .common import InputError, device_dtype_options, friendly_errors, load, method_and_config, model_option
 
 SAMPLE_TOKENS = 1024
 
@@ -75,8 +75,7 @@ def _load_and_patch(model, method, sets, layers, device, dtype):
         method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
     elif sets or layers:
         raise click.UsageError("--set/--layers need --method")
-    click.echo(f"loading {model} ...", err=True)
-    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    m, tok = load(model, device, dtype, layer_specs=[layers] if method else None)
     if method:
         lp.patch(m, method, layers=layers, **config)
         for src in _weight_sources(m):
@@ -128,8 +127,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     from longctx_patch.patcher import _state
 
     method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
-    click.echo(f"loading {model} ...", err=True)
-    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
     dev = next(m.parameters()).device
     ids = tok(sample_text(), return_tensors="pt").input_ids[:, :fidelity_tokens].to(dev)
     with torch.no_grad():
@@ -216,6 +214,10 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
+    if not text.strip():
+        source = "--prompt is empty" if prompt is not None else f"--prompt-file {prompt_file} holds no text"
+        raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "
+                         f"France?\", or a file of text with --prompt-file FILE")
     m, tok = _load_and_patch(model, method, sets, layers, device, dtype)
     if stream:
         for piece in lp.generate(m, tok, text, chat=chat, max_new_tokens=max_new_tokens, stream=True):

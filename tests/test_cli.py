@@ -23,6 +23,20 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny saved GPT-2 (an architecture without an adapter) with the embedded model's tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import longctx_patch as lp
+
+    d = tmp_path_factory.mktemp("gpt2")
+    tok = lp.models.load_tokenizer("smollm2-135m")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=256, vocab_size=len(tok))).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
@@ -116,3 +130,87 @@ def test_real_model_patch_summary():
     assert r.exit_code == 0, r.output
     assert "layers patched: 30/30" in r.output
     assert "8192" in r.output and "0.0311" in r.output  # 255/8192 of the full KV cache at 8k
+
+
+UNSUPPORTED = "model type 'gpt2' is not supported; supported types: llama, mistral, qwen2, qwen3"
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["patch", "--method", "exact"],
+        ["generate", "--method", "sliding-window", "--prompt", "hi"],
+        ["eval", "niah", "--method", "none", "--method", "exact"],
+        ["eval", "ppl", "--method", "sliding-window"],
+        ["eval", "approx"],
+        ["eval", "speed", "--method", "exact"],
+        ["finetune", "recipes/linearize.yaml", "--dry-run"],
+    ],
+)
+def test_unsupported_architecture_fails_before_loading(gpt2_dir, tmp_path, verb):
+    """Every verb that patches gives patch()'s UnsupportedModelError as one line, before loading the weights."""
+    out = ["--out-dir", str(tmp_path)] if verb[0] == "eval" else []
+    r = CliRunner().invoke(main, verb + ["--model", str(gpt2_dir)] + out)
+    assert r.exit_code == 1, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and UNSUPPORTED in errors[0]
+    assert "loading" not in r.output and "Traceback" not in r.output
+
+
+def test_unsupported_architecture_after_load_is_patchs_error(gpt2_dir):
+    """Where the config cannot be read before the load (a .gguf file), the loaded model is checked before any
+    forward pass, with the same message."""
+    from transformers import AutoModelForCausalLM
+
+    from cli.common import check_patchable
+    from longctx_patch.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=UNSUPPORTED):
+        check_patchable(AutoModelForCausalLM.from_pretrained(gpt2_dir))
+
+
+def test_unpatched_unsupported_model_still_generates(gpt2_dir):
+    """Without --method nothing is patched, so any causal LM generates."""
+    r = run("generate", "--model", str(gpt2_dir), "--prompt", "hi", "-n", "2", "--no-chat")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["patch", "--method", "exact", "--layers", "-1"], "--layers '-1': layers are numbered from 0"),
+        (["patch", "--method", "exact", "--layers", "-3--1"], "cannot be negative"),
+        (["patch", "--method", "exact", "--layers", "0,-2"], "write e.g. --layers 0-7,12"),
+        (["generate", "--method", "exact(layers=-1)", "--prompt", "hi"], "write e.g. layers=0-7+12"),
+        (["eval", "niah", "--method", "exact(layers=0+-1)"], "cannot be negative"),
+        (["eval", "approx", "--layers", "-1"], "cannot be negative"),
+        (["generate", "--prompt", ""], "--prompt is empty; give the text"),
+        (["generate", "--prompt", "  \n"], "--prompt is empty"),
+        (["eval", "niah", "--tasks", "foo"], "unknown task(s) foo; choose from s-niah-1, s-niah-2, s-niah-3, mk-niah"),
+        (["eval", "niah", "--tasks", "s-niah-1,,"], None),  # a valid list: passes the check (stops at --lengths)
+        (["eval", "niah", "--tasks", ","], "no task given"),
+        (["eval", "niah", "--tasks", "s-niah-1", "--lengths", "1x"], "bad length '1x'"),
+        (["eval", "niah", "--depths", "2"], "bad depth '2'"),
+        (["eval", "niah", "--method", "lola(foo=1)"], "lola has no key 'foo'"),
+        (["eval", "approx", "--length", "2q"], "bad length '2q'"),
+        (["eval", "approx", "--layers", "x"], "cannot read 'x'"),
+        (["eval", "ppl", "--dtype", "f8"], "unknown dtype 'f8'"),
+        (["eval", "speed", "--device", "tpu"], "unknown device 'tpu'"),
+        (["patch", "--method", "exact", "--dtype", "f8"], "unknown dtype 'f8'"),
+    ],
+)
+def test_rejected_before_the_model_loads(args, needle):
+    if needle is None:  # the control case: a valid --tasks reaches the next check
+        args, needle = args + ["--lengths", "0"], "bad length '0'"
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], r.output
+    assert "loading" not in r.output and "Traceback" not in r.output and "Usage:" not in r.output
+
+
+def test_empty_prompt_file(tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("\n")
+    r = CliRunner().invoke(main, ["generate", "--prompt-file", str(f)])
+    assert r.exit_code == 2 and f"--prompt-file {f} holds no text" in r.output and "loading" not in r.output
