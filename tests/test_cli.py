@@ -214,3 +214,74 @@ def test_empty_prompt_file(tmp_path):
     f.write_text("\n")
     r = CliRunner().invoke(main, ["generate", "--prompt-file", str(f)])
     assert r.exit_code == 2 and f"--prompt-file {f} holds no text" in r.output and "loading" not in r.output
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    """Offline mode off, and a hub endpoint that refuses connections at once (this machine has no network; a
+    machine with one must not download either)."""
+    from huggingface_hub import constants
+
+    import longctx_patch.models as models
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(models, "_hub_probe", {})
+
+
+def _import_loaders():
+    """The loaders' imports (seconds on a busy machine) are done before a load is timed."""
+    from huggingface_hub import snapshot_download  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
+def test_uncached_hub_id_offline_fails_fast(monkeypatch):
+    """HF_HUB_OFFLINE set: one line naming the offline state and what to pass instead, with no network retries
+    (they took about 48 s)."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _import_loaders()
+    t = time.perf_counter()
+    r = CliRunner().invoke(main, ["generate", "--model", "longctx-test/not-cached", "--prompt", "hi"])
+    elapsed = time.perf_counter() - t
+    assert r.exit_code == 1
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "'longctx-test/not-cached' is not in the local Hugging Face cache" in errors[0]
+    assert "HF_HUB_OFFLINE is set" in errors[0] and "a local model directory or a .gguf file" in errors[0]
+    assert elapsed < 5, elapsed
+
+
+def test_uncached_hub_id_unreachable_hub_fails_fast(hub_unreachable):
+    import time
+
+    import longctx_patch as lp
+    from longctx_patch.errors import ModelLoadError
+
+    _import_loaders()
+    t = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"not in the local Hugging Face cache .*http://127\.0\.0\.1:9 cannot be reached"):
+        lp.load_model("longctx-test/not-cached")
+    assert time.perf_counter() - t < 5
+
+
+def test_cached_hub_id_loads_from_the_cache_when_the_hub_is_unreachable(hub_unreachable, tiny_dir, tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from huggingface_hub import constants
+
+    import longctx_patch as lp
+
+    repo = tmp_path / "models--longctx-test--tiny"
+    shutil.copytree(tiny_dir, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    _import_loaders()
+    t = time.perf_counter()
+    model, tok = lp.load_model("longctx-test/tiny", device="cpu")
+    assert time.perf_counter() - t < 5
+    assert model.config.num_hidden_layers == 3 and len(tok) == model.config.vocab_size
