@@ -171,21 +171,32 @@ def _debug() -> bool:
     return bool(root is not None and root.params.get("debug")) or os.environ.get(DEBUG_ENV) == "1"
 
 
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for CLI users: `warning: MESSAGE` on one line of stderr, without the category and
+    the source line (--debug keeps Python's format)."""
+    text = " ".join(str(message).split())
+    click.echo(f"warning: {text}", err=True)
+
+
 def friendly_errors(f):
-    """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback."""
+    """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback.
+    Warnings raised while the verb runs print as one `warning: ...` line (--debug: Python's format)."""
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        try:
-            return f(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - the CLI boundary
-            if _debug():
-                traceback.print_exc()
-            else:
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
-            sys.exit(1)
+        with warnings.catch_warnings():  # puts showwarning back afterwards (several verbs in one process: tests)
+            if not _debug():
+                warnings.showwarning = show_warning
+            try:
+                return f(*args, **kwargs)
+            except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001 - the CLI boundary
+                if _debug():
+                    traceback.print_exc()
+                else:
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
+                sys.exit(1)
 
     return wrapper

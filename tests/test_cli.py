@@ -285,3 +285,21 @@ def test_cached_hub_id_loads_from_the_cache_when_the_hub_is_unreachable(hub_unre
     model, tok = lp.load_model("longctx-test/tiny", device="cpu")
     assert time.perf_counter() - t < 5
     assert model.config.num_hidden_layers == 3 and len(tok) == model.config.vocab_size
+
+
+def test_warnings_print_as_one_line_naming_the_cli_option(tiny_dir):
+    """MuSe's CPU warning reaches a CLI user as one `warning: ...` line naming the option to use, not as a
+    UserWarning with a source line."""
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--fidelity-tokens", "16", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    warned = [line for line in r.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith("warning: muse: the model is on the CPU"), r.stderr
+    assert "--device cuda" in warned[0] and "--set backend=torch" in warned[0]
+    assert "UserWarning" not in r.output and "warnings.warn" not in r.output
+    import warnings
+
+    from cli.common import show_warning
+
+    assert warnings.showwarning is not show_warning  # Python's own again once the verb returns
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "backend=torch", "--fidelity-tokens", "16")
+    assert r.exit_code == 0 and "warning" not in r.stderr.lower(), r.output
