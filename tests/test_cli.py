@@ -303,3 +303,49 @@ def test_warnings_print_as_one_line_naming_the_cli_option(tiny_dir):
     assert warnings.showwarning is not show_warning  # Python's own again once the verb returns
     r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "backend=torch", "--fidelity-tokens", "16")
     assert r.exit_code == 0 and "warning" not in r.stderr.lower(), r.output
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_dir):
+    """A prompt past the progress threshold (from the packaged haystack)."""
+    import longctx_patch as lp
+    from longctx_patch.evals.niah import DEFAULT_HAYSTACK
+    from longctx_patch.generation import PROGRESS_MIN_TOKENS
+
+    tok = lp.models.load_tokenizer(str(tiny_dir))
+    ids = tok(DEFAULT_HAYSTACK.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    text = tok.decode(ids[: PROGRESS_MIN_TOKENS + 64])
+    assert PROGRESS_MIN_TOKENS <= len(tok(text).input_ids) < PROGRESS_MIN_TOKENS + 200
+    return text
+
+
+@pytest.mark.parametrize("method", [None, "sliding-window"])
+def test_prefill_progress_keeps_the_greedy_tokens(tiny_dir, long_prompt, method, capsys, one_thread):
+    import longctx_patch as lp
+
+    model, tok = lp.load_model(str(tiny_dir), device="cpu")
+    if method:
+        lp.patch(model, method, window=64)
+    plain = lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6)
+    assert "prefill" not in capsys.readouterr().err
+    shown = lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6, progress=True)
+    err = capsys.readouterr().err
+    assert shown == plain and len(plain) > 0
+    assert "prefill 1,0" in err and "3/3" in err  # every decoder layer of the prefill is counted
+    assert all(not layer._forward_hooks for layer in model.model.layers)  # the decode steps run without hooks
+    streamed = "".join(lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6, stream=True, progress=True))
+    assert streamed == plain and "3/3" in capsys.readouterr().err
+    lp.generate(model, tok, "short prompt", chat=False, max_new_tokens=2, progress=True)
+    assert "prefill" not in capsys.readouterr().err  # short prompts: no bar
+
+
+def test_generate_progress_flag(tiny_dir, long_prompt, tmp_path, one_thread):
+    """--progress shows the bar on stderr with the same answer; by default it is off when stderr is not a
+    terminal (as under CliRunner)."""
+    f = tmp_path / "long.txt"
+    f.write_text(long_prompt)
+    base = ["generate", "--model", str(tiny_dir), "--prompt-file", str(f), "-n", "4", "--no-chat"]
+    default, shown = run(*base), run(*base, "--progress")
+    assert default.exit_code == 0 and shown.exit_code == 0, shown.output
+    assert "prefill" not in default.stderr and "prefill" in shown.stderr
+    assert shown.stdout == default.stdout and default.stdout.strip()
