@@ -29,33 +29,49 @@ def main(debug: bool) -> None:
 
 # --------------------------------------------------------------------------------------------- info
 @main.command()
+@click.argument("methods", nargs=-1, metavar="[METHOD]...")
 @friendly_errors
-def info() -> None:
+def info(methods) -> None:
     """List methods (with their config fields and defaults), supported architectures, and whether Triton and
-    CUDA are available here."""
+    CUDA are available here. With METHOD names: only those methods and their options.
+
+    \b
+    Examples:
+      longctx info
+      longctx info muse
+    """
     import torch
 
     from longctx_patch import __version__
     from longctx_patch.architectures import supported_model_types
     from longctx_patch.methods import get_method, list_methods
 
+    if methods:
+        for m in [get_method(name.strip()) for name in methods]:  # an unknown name fails before anything prints
+            _describe_method(m)
+        return
     click.echo(f"longctx-patch {__version__}  (torch {torch.__version__})")
     cuda = torch.cuda.is_available()
     click.echo(f"CUDA: {'yes (' + torch.cuda.get_device_name(0) + ')' if cuda else 'no'}")
     try:
         import triton
 
-        tri = f"triton {triton.__version__}" + ("" if cuda else " (no GPU: reference kernels are used)")
+        tri = f"triton {triton.__version__}" + (": the methods' GPU kernels run on it" if cuda else
+                                                 ", unused here: Triton kernels need CUDA, so PyTorch references run")
     except ImportError:
-        tri = "not installed (pip install triton; only needed on GPUs)"
+        tri = ("not installed: the methods' GPU kernels need it, PyTorch references run instead (pip install triton)"
+               if cuda else "not installed; not needed here (Triton kernels need CUDA; without it PyTorch references run)")
     click.echo(f"Triton: {tri}")
     click.echo(f"Architectures: {', '.join(supported_model_types())}")
     click.echo("Methods:")
     for name in list_methods():
-        m = get_method(name)
-        click.echo(f"  {name}: {m.description}")
-        for f in m.config_cls.describe():
-            click.echo(f"      {f['name']} = {f['default']!r}  ({f['allowed']}) {f['help']}")
+        _describe_method(get_method(name))
+
+
+def _describe_method(m) -> None:
+    click.echo(f"  {m.name}: {m.description}")
+    for f in m.config_cls.describe():
+        click.echo(f"      {f['name']} = {f['default']!r}  ({f['allowed']}) {f['help']}")
 
 
 # --------------------------------------------------------------------------------------------- patch

@@ -349,3 +349,25 @@ def test_generate_progress_flag(tiny_dir, long_prompt, tmp_path, one_thread):
     assert default.exit_code == 0 and shown.exit_code == 0, shown.output
     assert "prefill" not in default.stderr and "prefill" in shown.stderr
     assert shown.stdout == default.stdout and default.stdout.strip()
+
+
+def test_info_method_lists_its_options():
+    """`longctx info METHOD` (recipes/README.md points to it) prints that method's options only."""
+    r = run("info", "sliding-window")
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("  sliding-window: ") and "window = 256" in r.output
+    assert "Architectures" not in r.output and "lola" not in r.output
+    r = CliRunner().invoke(main, ["info", "nope"])
+    assert r.exit_code == 1 and "unknown method 'nope'; available methods: exact" in r.output
+
+
+def test_info_says_what_triton_is_for():
+    import torch
+
+    line = next(line for line in run("info").output.splitlines() if line.startswith("Triton:"))
+    if torch.cuda.is_available():
+        assert "GPU kernels" in line
+    else:
+        assert "need CUDA" in line and "PyTorch references run" in line
+    assert "only needed on GPUs" not in line
+
