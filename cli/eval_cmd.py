@@ -153,7 +153,7 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
 
     \b
     Examples:
-      longctx eval niah --lengths 1k,2k --samples 4 --haystack ../shared/data/pg_essays
+      longctx eval niah --lengths 1k,2k --samples 4        # haystack: the packaged Shakespeare text
       longctx eval niah --method none --method sliding-window --set window=256 --tasks s-niah-2
     """
     from longctx_patch.errors import ConfigError
@@ -196,7 +196,7 @@ def ppl_cmd(model, methods, sets, texts, dataset, split, field, max_docs, contex
 
     \b
     Example:
-      longctx eval ppl --method sliding-window --set window=256 --text ../shared/data/pg_essays --context 2k,4k
+      longctx eval ppl --method sliding-window --set window=256 --context 2k,4k    # the packaged Shakespeare text
     """
     from longctx_patch.evals.common import parse_sizes
     from longctx_patch.evals.ppl import run_ppl

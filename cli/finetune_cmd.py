@@ -18,7 +18,7 @@ from cli.common import check_architecture, friendly_errors
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="\b\nRecipe format: recipes/README.md. Example:\n"
     "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
-    "      --text ../shared/data/pg_essays --set stages.transfer.steps=50 --output runs/linearize\n"
+    "      --text longctx_patch/evals/data/shakespeare.txt --set stages.transfer.steps=50 --output runs/linearize\n"
     "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))

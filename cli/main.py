@@ -227,7 +227,8 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
     \b
     Examples:
       longctx generate --prompt "What is the capital of France?"
-      longctx generate --method sliding-window --set window=256 --prompt-file essay.txt --stream
+      python -c "import inspect, textwrap; print(inspect.getsource(textwrap), 'What does dedent do?')" > prompt.txt
+      longctx generate --method sliding-window --set window=256 --prompt-file prompt.txt --stream
     """
     import longctx_patch as lp
 

@@ -371,3 +371,70 @@ def test_info_says_what_triton_is_for():
         assert "need CUDA" in line and "PyTorch references run" in line
     assert "only needed on GPUs" not in line
 
+
+def _all_help() -> str:
+    import click
+
+    def walk(cmd, path):
+        yield path
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, path + [name])
+
+    return "\n".join(run(*p, "--help").output for p in walk(main, []))
+
+
+def _doc_commands(path) -> list[str]:
+    """The command lines of a Markdown file's code blocks (continuation lines joined)."""
+    from conftest import REPO
+
+    inside, lines = False, []
+    for line in (REPO / path).read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    text = "\n".join(lines).replace("\\\n", " ")
+    return [line.split("   #")[0].strip() for line in text.splitlines() if line.startswith(("longctx ", "python -c"))]
+
+
+def test_examples_name_inputs_a_user_has():
+    """No example in --help, the README's CLI lines or recipes/README.md names a file only this repo's authors
+    have."""
+    texts = [_all_help(), "\n".join(_doc_commands("README.md")), "\n".join(_doc_commands("recipes/README.md"))]
+    for text in texts:
+        for missing in ("essay.txt", "my_corpus", "shared/data", "pg_essays"):
+            assert missing not in text
+
+
+@pytest.mark.parametrize("doc", ["README.md", "recipes/README.md"])
+def test_finetune_examples_run_as_shown(doc, monkeypatch):
+    """The fine-tune command lines of the docs validate (--dry-run: nothing is trained), from the repository root."""
+    import shlex
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    lines = [c for c in _doc_commands(doc) if c.startswith("longctx finetune")]
+    assert lines
+    for line in lines:
+        r = CliRunner().invoke(main, shlex.split(line)[1:] + ["--dry-run"])
+        assert r.exit_code == 0, (line, r.output)
+
+
+def test_readme_generate_example_runs(tiny_dir, tmp_path, monkeypatch, one_thread):
+    """The README's prompt-file example: its python line writes prompt.txt, its generate line reads it (on the
+    tiny model, two tokens)."""
+    import shlex
+    import subprocess
+    import sys
+
+    cmds = _doc_commands("README.md")
+    make = next(c for c in cmds if c.startswith("python -c"))
+    gen = next(c for c in cmds if "--prompt-file prompt.txt" in c)
+    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable] + shlex.split(make.split(">")[0])[1:], check=True,
+                   stdout=open(tmp_path / "prompt.txt", "w"))
+    assert (tmp_path / "prompt.txt").stat().st_size > 10_000
+    r = CliRunner().invoke(main, shlex.split(gen)[1:] + ["--model", str(tiny_dir), "-n", "2"])
+    assert r.exit_code == 0, r.output
