@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -191,6 +192,11 @@ def friendly_errors(f):
                 return f(*args, **kwargs)
             except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
                 raise
+            except BrokenPipeError:  # the reader went away (`longctx info | head`): nothing to report
+                with contextlib.suppress(Exception):  # no second error when Python flushes stdout at exit
+                    fd = sys.stdout.fileno()
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+                sys.exit(1)
             except Exception as e:  # noqa: BLE001 - the CLI boundary
                 if _debug():
                     traceback.print_exc()

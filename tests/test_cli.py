@@ -438,3 +438,18 @@ def test_readme_generate_example_runs(tiny_dir, tmp_path, monkeypatch, one_threa
     assert (tmp_path / "prompt.txt").stat().st_size > 10_000
     r = CliRunner().invoke(main, shlex.split(gen)[1:] + ["--model", str(tiny_dir), "-n", "2"])
     assert r.exit_code == 0, r.output
+
+
+def test_closed_pipe_is_not_reported():
+    """`longctx info | head -1`: the reader closing the pipe is not an error to report."""
+    import click
+
+    from cli.common import friendly_errors
+
+    @click.command()
+    @friendly_errors
+    def verb():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    r = CliRunner().invoke(verb, [])
+    assert r.exit_code == 1 and "error" not in r.output.lower()
