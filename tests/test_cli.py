@@ -17,7 +17,7 @@ def tiny_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny")
     tok = lp.models.load_tokenizer("smollm2-135m")
-    model = tiny_model("llama", vocab_size=len(tok))
+    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=8192)  # the long-prompt tests fit
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d
