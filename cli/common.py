@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
 import sys
 import traceback
+import warnings
 
 import click
 
 DEBUG_ENV = "LONGCTX_DEBUG"
+
+
+class InputError(click.ClickException):
+    """Bad command-line input, found before anything is loaded: one `error: ...` line, exit code 2 (as click's
+    usage errors)."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def check_layers_spec(spec: str | None, where: str | None = None, example: str = "--layers 0-7,12") -> None:
+    """Layer selections on the command line are 0-based: a negative index (which the Python API counts from the
+    end) is refused instead of silently meaning a layer counted from the end. `where` names the input in the
+    message (default: `--layers SPEC`)."""
+    if spec is None:
+        return
+    for part in str(spec).replace("+", ",").replace(" ", "").split(","):
+        if re.match(r"-\d", part) or re.search(r"\d--\d", part):
+            raise InputError(f"{where or f'--layers {spec!r}'}: layers are numbered from 0 and cannot be negative "
+                             f"(a model with N layers has layers 0 to N-1); write e.g. {example}")
 
 
 def parse_sets(items: tuple[str, ...] | list[str]) -> dict[str, str]:
@@ -33,6 +58,7 @@ def method_and_config(method: str, sets, layers):
     from longctx_patch.evals.common import inline_layers
     from longctx_patch.methods import split_method_spec
 
+    check_layers_spec(layers)
     name, items = split_method_spec(method)
     name = name.strip()
     config = parse_sets(sets)
@@ -42,6 +68,7 @@ def method_and_config(method: str, sets, layers):
         if k == "layers" and "layers" not in meth.config_cls.__dataclass_fields__:
             if layers is not None:
                 raise click.UsageError(f"--method {method!r} gives layers= and --layers is given too; keep one")
+            check_layers_spec(v, f"--method {method!r}", "layers=0-7+12")
             layers = v
         else:
             config[k] = v
@@ -49,6 +76,79 @@ def method_and_config(method: str, sets, layers):
     if layers is not None:
         layers = inline_layers(layers)  # the syntax now ('+' or ','); the range when the model is patched
     return name, config, layers
+
+
+def check_architecture(model: str) -> None:
+    """Before loading: when MODEL's config can be read without its weights (a local directory, or a hub id whose
+    config.json is in the local Hugging Face cache) and names an architecture no adapter supports, raise the
+    UnsupportedModelError that patching would raise after the load. Anything else is left to the load."""
+    from types import SimpleNamespace
+
+    from longctx_patch.errors import UnsupportedModelError
+    from longctx_patch.models import ALIASES
+
+    model = str(model)
+    if model in ALIASES or model.endswith(".gguf"):
+        return
+    if os.path.isdir(model):
+        config_dir = model
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")  # no network
+        except Exception:  # noqa: BLE001 - not a hub id; the load says so
+            return
+        if not isinstance(cached, str):
+            return
+        config_dir = os.path.dirname(cached)
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        return
+    from transformers import AutoConfig
+
+    from longctx_patch.architectures import get_adapter
+
+    try:
+        config = AutoConfig.from_pretrained(config_dir)
+        get_adapter(SimpleNamespace(config=config))
+    except UnsupportedModelError:
+        raise
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the load itself
+        return
+
+
+def check_patchable(model, layer_specs=(None,)) -> None:
+    """After loading, before any forward pass: the model's architecture has an adapter and every layer selection
+    fits its layer count (the errors patch() would raise later, after a reference pass or another method's run)."""
+    from longctx_patch.architectures import get_adapter
+    from longctx_patch.patcher import parse_layers
+
+    n = len(get_adapter(model).decoder_layers(model))
+    for spec in layer_specs:
+        parse_layers(spec, n)
+
+
+def check_device_dtype(device, dtype) -> None:
+    """--device and --dtype, checked before anything is loaded."""
+    from longctx_patch.models import resolve_device, resolve_dtype
+
+    resolve_dtype(dtype)
+    resolve_device(device)
+
+
+def load(model: str, device, dtype, layer_specs=None):
+    """`(model, tokenizer)` with a `loading MODEL ...` line. `layer_specs`: the layer selections that will be
+    patched (None: nothing is patched); checked against the architecture before and after the load."""
+    import longctx_patch as lp
+
+    check_device_dtype(device, dtype)
+    if layer_specs is not None:
+        check_architecture(model)
+    click.echo(f"loading {model} ...", err=True)
+    pair = lp.load_model(model, dtype=dtype, device=device)
+    if layer_specs is not None:
+        check_patchable(pair[0], layer_specs)
+    return pair
 
 
 def device_dtype_options(f):
@@ -72,21 +172,37 @@ def _debug() -> bool:
     return bool(root is not None and root.params.get("debug")) or os.environ.get(DEBUG_ENV) == "1"
 
 
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for CLI users: `warning: MESSAGE` on one line of stderr, without the category and
+    the source line (--debug keeps Python's format)."""
+    text = " ".join(str(message).split())
+    click.echo(f"warning: {text}", err=True)
+
+
 def friendly_errors(f):
-    """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback."""
+    """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback.
+    Warnings raised while the verb runs print as one `warning: ...` line (--debug: Python's format)."""
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        try:
-            return f(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - the CLI boundary
-            if _debug():
-                traceback.print_exc()
-            else:
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
-            sys.exit(1)
+        with warnings.catch_warnings():  # puts showwarning back afterwards (several verbs in one process: tests)
+            if not _debug():
+                warnings.showwarning = show_warning
+            try:
+                return f(*args, **kwargs)
+            except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+                raise
+            except BrokenPipeError:  # the reader went away (`longctx info | head`): nothing to report
+                with contextlib.suppress(Exception):  # no second error when Python flushes stdout at exit
+                    fd = sys.stdout.fileno()
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+                sys.exit(1)
+            except Exception as e:  # noqa: BLE001 - the CLI boundary
+                if _debug():
+                    traceback.print_exc()
+                else:
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
+                sys.exit(1)
 
     return wrapper

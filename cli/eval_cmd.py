@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 import click
 
-from .common import device_dtype_options, friendly_errors, model_option
+from .common import check_device_dtype, check_layers_spec, device_dtype_options, friendly_errors, load, model_option
 
 METHOD_HELP = (
     "Method to evaluate, repeatable: several --method compare methods on the same inputs in one run "
@@ -76,18 +77,24 @@ def _command() -> str:
 
 def _runs(methods, sets, baseline: bool = False):
     from longctx_patch.evals.common import MethodRun, parse_methods
+    from longctx_patch.methods import split_method_spec
 
     runs = parse_methods(methods, sets)
+    for raw in methods:  # parse_methods has read them; the CLI's layer indices are 0-based
+        for item in split_method_spec(raw)[1]:
+            k, v = (x.strip() for x in item.split("=", 1))
+            if k == "layers":
+                check_layers_spec(v, f"--method {raw!r}", "layers=0-7+12")
     if baseline and not any(r.name in ("exact", "none") for r in runs):
         runs.insert(0, MethodRun("exact"))
     return runs
 
 
-def _load(model, dtype, device):
-    import longctx_patch as lp
-
-    click.echo(f"loading {model} ...", err=True)
-    return lp.load_model(model, dtype=dtype, device=device)
+def _load(model, dtype, device, runs, extra_layers=()):
+    """Loads MODEL; the layer selections of the patched runs (and `extra_layers`) are checked against it before
+    any run starts, and an unsupported architecture fails before the load when its config can be read."""
+    specs = [r.layers for r in runs if r.patched] + list(extra_layers)
+    return load(model, device, dtype, layer_specs=specs or None)
 
 
 def _docs(texts, dataset, split, field, max_docs):
@@ -146,18 +153,24 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
 
     \b
     Examples:
-      longctx eval niah --lengths 1k,2k --samples 4 --haystack ../shared/data/pg_essays
+      longctx eval niah --lengths 1k,2k --samples 4        # haystack: the packaged Shakespeare text
       longctx eval niah --method none --method sliding-window --set window=256 --tasks s-niah-2
     """
+    from longctx_patch.errors import ConfigError
     from longctx_patch.evals.common import parse_fractions, parse_sizes
-    from longctx_patch.evals.niah import load_haystack, run_niah
+    from longctx_patch.evals.niah import TASKS, load_haystack, run_niah
 
+    check_device_dtype(device, dtype)
     runs = _runs(methods, sets)
     task_list = [t.strip().lower() for t in tasks.split(",") if t.strip()]
+    bad = [t for t in task_list if t not in TASKS]
+    if bad or not task_list:
+        raise ConfigError(f"--tasks {tasks!r}: {'unknown task(s) ' + ', '.join(bad) if bad else 'no task given'}; "
+                          f"choose from {', '.join(TASKS)} (comma-separated)")
     length_list, depth_list = parse_sizes(lengths), parse_fractions(depths)
     if haystack is not None:
         load_haystack(haystack)  # fail on a bad path before loading the model
-    pair = _load(model, dtype, device)
+    pair = _load(model, dtype, device, runs)
     run_niah(pair, runs, tasks=task_list, lengths=length_list, depths=depth_list, samples=samples, seed=seed,
              haystack=haystack, out_dir=out_dir, name=name, model_name=model, command=_command(), progress=progress,
              echo=click.echo)
@@ -183,15 +196,16 @@ def ppl_cmd(model, methods, sets, texts, dataset, split, field, max_docs, contex
 
     \b
     Example:
-      longctx eval ppl --method sliding-window --set window=256 --text ../shared/data/pg_essays --context 2k,4k
+      longctx eval ppl --method sliding-window --set window=256 --context 2k,4k    # the packaged Shakespeare text
     """
     from longctx_patch.evals.common import parse_sizes
     from longctx_patch.evals.ppl import run_ppl
 
+    check_device_dtype(device, dtype)
     runs = _runs(methods, sets, baseline=baseline)
     ctx_list = parse_sizes(contexts)
     docs, source = _docs(texts, dataset, split, field, max_docs)
-    pair = _load(model, dtype, device)
+    pair = _load(model, dtype, device, runs)
     run_ppl(pair, runs, docs, contexts=ctx_list, max_windows=windows, buckets=buckets, out_dir=out_dir, name=name,
             model_name=model, source=source, command=_command(), progress=progress, echo=click.echo)
 
@@ -221,14 +235,20 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
     """
     from longctx_patch.evals.approx import run_approx
     from longctx_patch.evals.common import parse_size, parse_sizes
+    from longctx_patch.patcher import parse_layers
 
+    check_device_dtype(device, dtype)
     runs = _runs(methods, sets)
     synth = parse_sizes(lengths) if lengths.strip() else []
     if no_real and not synth:
         raise click.UsageError("--no-real needs --lengths (random inputs), or there is nothing to measure")
+    real_length = parse_size(length)
+    if layers is not None:
+        check_layers_spec(layers)
+        parse_layers(layers, sys.maxsize)  # the syntax now; the range once the model is loaded
     docs, source = (None, "") if no_real else _docs(texts, dataset, split, field, max_docs)
-    pair = _load(model, dtype, device)
-    run_approx(pair, runs, docs, length=parse_size(length), lengths=synth, layers=layers, seed=seed, out_dir=out_dir,
+    pair = _load(model, dtype, device, runs, extra_layers=[layers])
+    run_approx(pair, runs, docs, length=real_length, lengths=synth, layers=layers, seed=seed, out_dir=out_dir,
                name=name, model_name=model, source=source, command=_command(), echo=click.echo)
 
 
@@ -268,9 +288,10 @@ def speed_cmd(model, methods, sets, contexts, decode_tokens, repeats, baseline, 
                      dtype=dtype or "bfloat16", modes=[m.strip() for m in modes.split(",") if m.strip()],
                      out_dir=out_dir, name=name, command=_command(), echo=click.echo)
         return
+    check_device_dtype(device, dtype)
     runs = _runs(methods, sets, baseline=baseline)
     ctx_list = parse_sizes(contexts)
-    pair = _load(model, dtype, device)
+    pair = _load(model, dtype, device, runs)
     run_speed(pair, runs, contexts=ctx_list, decode_tokens=decode_tokens, repeats=repeats, out_dir=out_dir, name=name,
               model_name=model, command=_command(), echo=click.echo)
 

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import friendly_errors
+from cli.common import check_architecture, friendly_errors
 
 
 @click.command(
@@ -18,7 +18,7 @@ from cli.common import friendly_errors
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="\b\nRecipe format: recipes/README.md. Example:\n"
     "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
-    "      --text ../shared/data/pg_essays --set stages.transfer.steps=50 --output runs/linearize\n"
+    "      --text longctx_patch/evals/data/shakespeare.txt --set stages.transfer.steps=50 --output runs/linearize\n"
     "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
@@ -53,6 +53,8 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     if text is not None and dataset is not None:
         raise click.UsageError("give one text source: --text or --dataset")
     r = load_recipe(recipe, _quote(overrides))  # errors: one `error: ...` line from friendly_errors, like every verb
+    if r.method not in (None, "none") and r.model:
+        check_architecture(r.model)  # an unsupported architecture fails now, not after the model loads
     if dry_run:
         _print_plan(r, output)
         return

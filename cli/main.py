@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .common import device_dtype_options, friendly_errors, method_and_config, model_option
+from .common import InputError, device_dtype_options, friendly_errors, load, method_and_config, model_option
 
 SAMPLE_TOKENS = 1024
 
@@ -29,33 +29,49 @@ def main(debug: bool) -> None:
 
 # --------------------------------------------------------------------------------------------- info
 @main.command()
+@click.argument("methods", nargs=-1, metavar="[METHOD]...")
 @friendly_errors
-def info() -> None:
+def info(methods) -> None:
     """List methods (with their config fields and defaults), supported architectures, and whether Triton and
-    CUDA are available here."""
+    CUDA are available here. With METHOD names: only those methods and their options.
+
+    \b
+    Examples:
+      longctx info
+      longctx info muse
+    """
     import torch
 
     from longctx_patch import __version__
     from longctx_patch.architectures import supported_model_types
     from longctx_patch.methods import get_method, list_methods
 
+    if methods:
+        for m in [get_method(name.strip()) for name in methods]:  # an unknown name fails before anything prints
+            _describe_method(m)
+        return
     click.echo(f"longctx-patch {__version__}  (torch {torch.__version__})")
     cuda = torch.cuda.is_available()
     click.echo(f"CUDA: {'yes (' + torch.cuda.get_device_name(0) + ')' if cuda else 'no'}")
     try:
         import triton
 
-        tri = f"triton {triton.__version__}" + ("" if cuda else " (no GPU: reference kernels are used)")
+        tri = f"triton {triton.__version__}" + (": the methods' GPU kernels run on it" if cuda else
+                                                 ", unused here: Triton kernels need CUDA, so PyTorch references run")
     except ImportError:
-        tri = "not installed (pip install triton; only needed on GPUs)"
+        tri = ("not installed: the methods' GPU kernels need it, PyTorch references run instead (pip install triton)"
+               if cuda else "not installed; not needed here (Triton kernels need CUDA; without it PyTorch references run)")
     click.echo(f"Triton: {tri}")
     click.echo(f"Architectures: {', '.join(supported_model_types())}")
     click.echo("Methods:")
     for name in list_methods():
-        m = get_method(name)
-        click.echo(f"  {name}: {m.description}")
-        for f in m.config_cls.describe():
-            click.echo(f"      {f['name']} = {f['default']!r}  ({f['allowed']}) {f['help']}")
+        _describe_method(get_method(name))
+
+
+def _describe_method(m) -> None:
+    click.echo(f"  {m.name}: {m.description}")
+    for f in m.config_cls.describe():
+        click.echo(f"      {f['name']} = {f['default']!r}  ({f['allowed']}) {f['help']}")
 
 
 # --------------------------------------------------------------------------------------------- patch
@@ -75,8 +91,7 @@ def _load_and_patch(model, method, sets, layers, device, dtype):
         method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
     elif sets or layers:
         raise click.UsageError("--set/--layers need --method")
-    click.echo(f"loading {model} ...", err=True)
-    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    m, tok = load(model, device, dtype, layer_specs=[layers] if method else None)
     if method:
         lp.patch(m, method, layers=layers, **config)
         for src in _weight_sources(m):
@@ -128,8 +143,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     from longctx_patch.patcher import _state
 
     method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
-    click.echo(f"loading {model} ...", err=True)
-    m, tok = lp.load_model(model, dtype=dtype, device=device)
+    m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
     dev = next(m.parameters()).device
     ids = tok(sample_text(), return_tensors="pt").input_ids[:, :fidelity_tokens].to(dev)
     with torch.no_grad():
@@ -201,28 +215,40 @@ def _ranges(idx: list[int]) -> str:
 @click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1),
               help="How many tokens to generate at most (fewer if the model ends its answer).")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is generated.")
+@click.option("--progress/--no-progress", default=None,
+              help="Show the progress of a long prompt's prefill (decoder layers done) on stderr "
+                   "(default: when stderr is a terminal).")
 @device_dtype_options
 @friendly_errors
-def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, device, dtype) -> None:
+def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, progress, device,
+             dtype) -> None:
     """Generate text from a prompt with an (optionally patched) model. Greedy decoding.
 
     \b
     Examples:
       longctx generate --prompt "What is the capital of France?"
-      longctx generate --method sliding-window --set window=256 --prompt-file essay.txt --stream
+      python -c "import inspect, textwrap; print(inspect.getsource(textwrap), 'What does dedent do?')" > prompt.txt
+      longctx generate --method sliding-window --set window=256 --prompt-file prompt.txt --stream
     """
     import longctx_patch as lp
 
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
+    if not text.strip():
+        source = "--prompt is empty" if prompt is not None else f"--prompt-file {prompt_file} holds no text"
+        raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "
+                         f"France?\", or a file of text with --prompt-file FILE")
     m, tok = _load_and_patch(model, method, sets, layers, device, dtype)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    kw = dict(chat=chat, max_new_tokens=max_new_tokens, progress=progress)
     if stream:
-        for piece in lp.generate(m, tok, text, chat=chat, max_new_tokens=max_new_tokens, stream=True):
+        for piece in lp.generate(m, tok, text, stream=True, **kw):
             click.echo(piece, nl=False)
         click.echo()
     else:
-        click.echo(lp.generate(m, tok, text, chat=chat, max_new_tokens=max_new_tokens))
+        click.echo(lp.generate(m, tok, text, **kw))
 
 
 # --------------------------------------------------------------------------------------------- sub-verbs

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 from typing import Iterator
 
 import torch
+
+PROGRESS_MIN_TOKENS = 1024  # prompts at least this long get a prefill progress bar when progress=True
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -46,12 +50,15 @@ def generate(
     chat: bool | None = None,
     max_new_tokens: int = 64,
     stream: bool = False,
+    progress: bool = False,
     **generate_kwargs,
 ) -> str | list[str] | Iterator[str]:
     """Generate a continuation of `prompt` (a string, or a list for a left-padded batch).
 
     Greedy unless sampling arguments are given. Returns the new text (a list for a batch), or with
-    `stream=True` an iterator over text pieces as they are produced (single prompt only).
+    `stream=True` an iterator over text pieces as they are produced (single prompt only). `progress=True`
+    shows on stderr how many decoder layers the prefill of a prompt of at least PROGRESS_MIN_TOKENS tokens has
+    done (a long prefill on a CPU takes minutes); the computation is the same.
     """
     device = next(model.parameters()).device
     enc = build_inputs(tokenizer, prompt, chat=chat, device=device)
@@ -60,17 +67,54 @@ def generate(
         kw["do_sample"] = False
     kw.update(generate_kwargs)
     n_in = enc["input_ids"].shape[1]
+    show = progress and n_in >= PROGRESS_MIN_TOKENS
     if stream:
         if not isinstance(prompt, str):
             raise ValueError("stream=True takes a single prompt")
-        return _stream(model, tokenizer, enc, kw)
-    with torch.no_grad():
+        return _stream(model, tokenizer, enc, kw, show)
+    with torch.no_grad(), _prefill_progress(model, n_in, show):
         out = model.generate(**enc, **kw)
     texts = tokenizer.batch_decode(out[:, n_in:], skip_special_tokens=True)
     return texts[0] if isinstance(prompt, str) else texts
 
 
-def _stream(model, tokenizer, enc, kw) -> Iterator[str]:
+@contextlib.contextmanager
+def _prefill_progress(model, n_tokens: int, enabled: bool):
+    """A bar of the decoder layers done by the next forward pass (generate's prefill), from forward hooks on
+    the layers; the hooks go once every layer has run (the decode steps run without them) or on exit."""
+    layers = None
+    if enabled:
+        from .architectures import base_model
+
+        with contextlib.suppress(Exception):  # a model whose layers are not found runs without a bar
+            layers = list(base_model(model).layers)
+    if not layers:
+        yield
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(layers), desc=f"prefill {n_tokens:,} tokens", unit="layer", file=sys.stderr, leave=False,
+               mininterval=0)  # one refresh per layer: every layer shown
+    handles: list = []
+
+    def remove():
+        while handles:
+            handles.pop().remove()
+        bar.close()
+
+    def layer_done(*_):
+        bar.update(1)
+        if bar.n >= len(layers):
+            remove()
+
+    handles += [layer.register_forward_hook(layer_done) for layer in layers]
+    try:
+        yield
+    finally:
+        remove()
+
+
+def _stream(model, tokenizer, enc, kw, progress: bool = False) -> Iterator[str]:
     from transformers import TextIteratorStreamer
 
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -78,7 +122,7 @@ def _stream(model, tokenizer, enc, kw) -> Iterator[str]:
 
     def run():
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _prefill_progress(model, enc["input_ids"].shape[1], progress):
                 model.generate(**enc, **kw, streamer=streamer)
         except BaseException as e:  # surfaced in the consumer
             err.append(e)

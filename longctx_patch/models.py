@@ -159,7 +159,76 @@ def _resolve_path(name_or_path) -> str:
         # a path, not a hub id (hub ids are NAME or ORG/NAME)
         raise ModelLoadError(f"{name}: no such directory or file; pass an existing model directory, a .gguf file, "
                              f"the alias {', '.join(ALIASES)} or a hub id in the local Hugging Face cache")
-    return name
+    return _hub_source(name)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+_hub_probe: dict[str, tuple[float, str | None]] = {}  # endpoint -> (time, why it is unreachable or None)
+
+
+def _hub_offline() -> str | None:
+    """Why the Hugging Face hub cannot be used now (offline mode set, or the endpoint does not answer within
+    HUB_PROBE_TIMEOUT_S), or None when it answers. One probe per endpoint every 60 s."""
+    import time
+
+    from huggingface_hub import constants
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var} is set"
+    if constants.HF_HUB_OFFLINE:
+        return "huggingface_hub is in offline mode"
+    endpoint = constants.ENDPOINT
+    hit = _hub_probe.get(endpoint)
+    if hit is not None and time.monotonic() - hit[0] < 60:
+        return hit[1]
+    why = _probe(endpoint, HUB_PROBE_TIMEOUT_S)
+    _hub_probe[endpoint] = (time.monotonic(), why)
+    return why
+
+
+def _probe(url: str, timeout: float) -> str | None:
+    """None when `url` gives any HTTP answer within `timeout` seconds (name lookup included), else why not.
+    Proxies from the environment are honoured (urllib)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    result: list[str | None] = []
+
+    def head():
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            result.append(None)
+        except urllib.error.HTTPError:  # an HTTP status is an answer
+            result.append(None)
+        except Exception as e:  # noqa: BLE001 - URLError, timeouts, refused connections ...
+            reason = getattr(e, "reason", None) or e
+            result.append(f"{url} cannot be reached: {reason}")
+
+    t = threading.Thread(target=head, daemon=True)  # a name lookup ignores urlopen's timeout
+    t.start()
+    t.join(timeout)
+    return result[0] if result else f"{url} did not answer within {timeout:g} s"
+
+
+def _hub_source(repo_id: str) -> str:
+    """A hub id as transformers should load it: the id itself when the hub answers (files are downloaded or
+    revalidated), else its snapshot in the local cache, without network retries; ModelLoadError at once when
+    it is not cached."""
+    why = _hub_offline()
+    if why is None:
+        return repo_id
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, or not a valid repo id
+        raise ModelLoadError(
+            f"{repo_id!r} is not in the local Hugging Face cache and the hub cannot be used ({why}); pass a local "
+            f"model directory or a .gguf file, or the embedded alias {DEFAULT_MODEL!r}; or download it first on a "
+            f"machine with network (hf download {repo_id})"
+        ) from None
 
 
 def _offline_hint(path: str, e: Exception) -> ModelLoadError:

@@ -17,8 +17,22 @@ def tiny_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny")
     tok = lp.models.load_tokenizer("smollm2-135m")
-    model = tiny_model("llama", vocab_size=len(tok))
+    model = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=8192)  # the long-prompt tests fit
     model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny saved GPT-2 (an architecture without an adapter) with the embedded model's tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import longctx_patch as lp
+
+    d = tmp_path_factory.mktemp("gpt2")
+    tok = lp.models.load_tokenizer("smollm2-135m")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=256, vocab_size=len(tok))).save_pretrained(d)
     tok.save_pretrained(d)
     return d
 
@@ -116,3 +130,326 @@ def test_real_model_patch_summary():
     assert r.exit_code == 0, r.output
     assert "layers patched: 30/30" in r.output
     assert "8192" in r.output and "0.0311" in r.output  # 255/8192 of the full KV cache at 8k
+
+
+UNSUPPORTED = "model type 'gpt2' is not supported; supported types: llama, mistral, qwen2, qwen3"
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["patch", "--method", "exact"],
+        ["generate", "--method", "sliding-window", "--prompt", "hi"],
+        ["eval", "niah", "--method", "none", "--method", "exact"],
+        ["eval", "ppl", "--method", "sliding-window"],
+        ["eval", "approx"],
+        ["eval", "speed", "--method", "exact"],
+        ["finetune", "recipes/linearize.yaml", "--dry-run"],
+    ],
+)
+def test_unsupported_architecture_fails_before_loading(gpt2_dir, tmp_path, verb):
+    """Every verb that patches gives patch()'s UnsupportedModelError as one line, before loading the weights."""
+    out = ["--out-dir", str(tmp_path)] if verb[0] == "eval" else []
+    r = CliRunner().invoke(main, verb + ["--model", str(gpt2_dir)] + out)
+    assert r.exit_code == 1, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and UNSUPPORTED in errors[0]
+    assert "loading" not in r.output and "Traceback" not in r.output
+
+
+def test_unsupported_architecture_after_load_is_patchs_error(gpt2_dir):
+    """Where the config cannot be read before the load (a .gguf file), the loaded model is checked before any
+    forward pass, with the same message."""
+    from transformers import AutoModelForCausalLM
+
+    from cli.common import check_patchable
+    from longctx_patch.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=UNSUPPORTED):
+        check_patchable(AutoModelForCausalLM.from_pretrained(gpt2_dir))
+
+
+def test_unpatched_unsupported_model_still_generates(gpt2_dir):
+    """Without --method nothing is patched, so any causal LM generates."""
+    r = run("generate", "--model", str(gpt2_dir), "--prompt", "hi", "-n", "2", "--no-chat")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["patch", "--method", "exact", "--layers", "-1"], "--layers '-1': layers are numbered from 0"),
+        (["patch", "--method", "exact", "--layers", "-3--1"], "cannot be negative"),
+        (["patch", "--method", "exact", "--layers", "0,-2"], "write e.g. --layers 0-7,12"),
+        (["generate", "--method", "exact(layers=-1)", "--prompt", "hi"], "write e.g. layers=0-7+12"),
+        (["eval", "niah", "--method", "exact(layers=0+-1)"], "cannot be negative"),
+        (["eval", "approx", "--layers", "-1"], "cannot be negative"),
+        (["generate", "--prompt", ""], "--prompt is empty; give the text"),
+        (["generate", "--prompt", "  \n"], "--prompt is empty"),
+        (["eval", "niah", "--tasks", "foo"], "unknown task(s) foo; choose from s-niah-1, s-niah-2, s-niah-3, mk-niah"),
+        (["eval", "niah", "--tasks", "s-niah-1,,"], None),  # a valid list: passes the check (stops at --lengths)
+        (["eval", "niah", "--tasks", ","], "no task given"),
+        (["eval", "niah", "--tasks", "s-niah-1", "--lengths", "1x"], "bad length '1x'"),
+        (["eval", "niah", "--depths", "2"], "bad depth '2'"),
+        (["eval", "niah", "--method", "lola(foo=1)"], "lola has no key 'foo'"),
+        (["eval", "approx", "--length", "2q"], "bad length '2q'"),
+        (["eval", "approx", "--layers", "x"], "cannot read 'x'"),
+        (["eval", "ppl", "--dtype", "f8"], "unknown dtype 'f8'"),
+        (["eval", "speed", "--device", "tpu"], "unknown device 'tpu'"),
+        (["patch", "--method", "exact", "--dtype", "f8"], "unknown dtype 'f8'"),
+    ],
+)
+def test_rejected_before_the_model_loads(args, needle):
+    if needle is None:  # the control case: a valid --tasks reaches the next check
+        args, needle = args + ["--lengths", "0"], "bad length '0'"
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], r.output
+    assert "loading" not in r.output and "Traceback" not in r.output and "Usage:" not in r.output
+
+
+def test_empty_prompt_file(tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("\n")
+    r = CliRunner().invoke(main, ["generate", "--prompt-file", str(f)])
+    assert r.exit_code == 2 and f"--prompt-file {f} holds no text" in r.output and "loading" not in r.output
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    """Offline mode off, and a hub endpoint that refuses connections at once (this machine has no network; a
+    machine with one must not download either)."""
+    from huggingface_hub import constants
+
+    import longctx_patch.models as models
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(models, "_hub_probe", {})
+
+
+def _import_loaders():
+    """The loaders' imports (seconds on a busy machine) are done before a load is timed."""
+    from huggingface_hub import snapshot_download  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
+def test_uncached_hub_id_offline_fails_fast(monkeypatch):
+    """HF_HUB_OFFLINE set: one line naming the offline state and what to pass instead, with no network retries
+    (they took about 48 s)."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _import_loaders()
+    t = time.perf_counter()
+    r = CliRunner().invoke(main, ["generate", "--model", "longctx-test/not-cached", "--prompt", "hi"])
+    elapsed = time.perf_counter() - t
+    assert r.exit_code == 1
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "'longctx-test/not-cached' is not in the local Hugging Face cache" in errors[0]
+    assert "HF_HUB_OFFLINE is set" in errors[0] and "a local model directory or a .gguf file" in errors[0]
+    assert elapsed < 5, elapsed
+
+
+def test_uncached_hub_id_unreachable_hub_fails_fast(hub_unreachable):
+    import time
+
+    import longctx_patch as lp
+    from longctx_patch.errors import ModelLoadError
+
+    _import_loaders()
+    t = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"not in the local Hugging Face cache .*http://127\.0\.0\.1:9 cannot be reached"):
+        lp.load_model("longctx-test/not-cached")
+    assert time.perf_counter() - t < 5
+
+
+def test_cached_hub_id_loads_from_the_cache_when_the_hub_is_unreachable(hub_unreachable, tiny_dir, tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from huggingface_hub import constants
+
+    import longctx_patch as lp
+
+    repo = tmp_path / "models--longctx-test--tiny"
+    shutil.copytree(tiny_dir, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    _import_loaders()
+    t = time.perf_counter()
+    model, tok = lp.load_model("longctx-test/tiny", device="cpu")
+    assert time.perf_counter() - t < 5
+    assert model.config.num_hidden_layers == 3 and len(tok) == model.config.vocab_size
+
+
+def test_warnings_print_as_one_line_naming_the_cli_option(tiny_dir):
+    """MuSe's CPU warning reaches a CLI user as one `warning: ...` line naming the option to use, not as a
+    UserWarning with a source line."""
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--fidelity-tokens", "16", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    warned = [line for line in r.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith("warning: muse: the model is on the CPU"), r.stderr
+    assert "--device cuda" in warned[0] and "--set backend=torch" in warned[0]
+    assert "UserWarning" not in r.output and "warnings.warn" not in r.output
+    import warnings
+
+    from cli.common import show_warning
+
+    assert warnings.showwarning is not show_warning  # Python's own again once the verb returns
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "backend=torch", "--fidelity-tokens", "16")
+    assert r.exit_code == 0 and "warning" not in r.stderr.lower(), r.output
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_dir):
+    """A prompt past the progress threshold (from the packaged haystack)."""
+    import longctx_patch as lp
+    from longctx_patch.evals.niah import DEFAULT_HAYSTACK
+    from longctx_patch.generation import PROGRESS_MIN_TOKENS
+
+    tok = lp.models.load_tokenizer(str(tiny_dir))
+    ids = tok(DEFAULT_HAYSTACK.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    text = tok.decode(ids[: PROGRESS_MIN_TOKENS + 64])
+    assert PROGRESS_MIN_TOKENS <= len(tok(text).input_ids) < PROGRESS_MIN_TOKENS + 200
+    return text
+
+
+@pytest.mark.parametrize("method", [None, "sliding-window"])
+def test_prefill_progress_keeps_the_greedy_tokens(tiny_dir, long_prompt, method, capsys, one_thread):
+    import longctx_patch as lp
+
+    model, tok = lp.load_model(str(tiny_dir), device="cpu")
+    if method:
+        lp.patch(model, method, window=64)
+    plain = lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6)
+    assert "prefill" not in capsys.readouterr().err
+    shown = lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6, progress=True)
+    err = capsys.readouterr().err
+    assert shown == plain and len(plain) > 0
+    assert "prefill 1,0" in err and "3/3" in err  # every decoder layer of the prefill is counted
+    assert all(not layer._forward_hooks for layer in model.model.layers)  # the decode steps run without hooks
+    streamed = "".join(lp.generate(model, tok, long_prompt, chat=False, max_new_tokens=6, stream=True, progress=True))
+    assert streamed == plain and "3/3" in capsys.readouterr().err
+    lp.generate(model, tok, "short prompt", chat=False, max_new_tokens=2, progress=True)
+    assert "prefill" not in capsys.readouterr().err  # short prompts: no bar
+
+
+def test_generate_progress_flag(tiny_dir, long_prompt, tmp_path, one_thread):
+    """--progress shows the bar on stderr with the same answer; by default it is off when stderr is not a
+    terminal (as under CliRunner)."""
+    f = tmp_path / "long.txt"
+    f.write_text(long_prompt)
+    base = ["generate", "--model", str(tiny_dir), "--prompt-file", str(f), "-n", "4", "--no-chat"]
+    default, shown = run(*base), run(*base, "--progress")
+    assert default.exit_code == 0 and shown.exit_code == 0, shown.output
+    assert "prefill" not in default.stderr and "prefill" in shown.stderr
+    assert shown.stdout == default.stdout and default.stdout.strip()
+
+
+def test_info_method_lists_its_options():
+    """`longctx info METHOD` (recipes/README.md points to it) prints that method's options only."""
+    r = run("info", "sliding-window")
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("  sliding-window: ") and "window = 256" in r.output
+    assert "Architectures" not in r.output and "lola" not in r.output
+    r = CliRunner().invoke(main, ["info", "nope"])
+    assert r.exit_code == 1 and "unknown method 'nope'; available methods: exact" in r.output
+
+
+def test_info_says_what_triton_is_for():
+    import torch
+
+    line = next(line for line in run("info").output.splitlines() if line.startswith("Triton:"))
+    if torch.cuda.is_available():
+        assert "GPU kernels" in line
+    else:
+        assert "need CUDA" in line and "PyTorch references run" in line
+    assert "only needed on GPUs" not in line
+
+
+def _all_help() -> str:
+    import click
+
+    def walk(cmd, path):
+        yield path
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, path + [name])
+
+    return "\n".join(run(*p, "--help").output for p in walk(main, []))
+
+
+def _doc_commands(path) -> list[str]:
+    """The command lines of a Markdown file's code blocks (continuation lines joined)."""
+    from conftest import REPO
+
+    inside, lines = False, []
+    for line in (REPO / path).read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    text = "\n".join(lines).replace("\\\n", " ")
+    return [line.split("   #")[0].strip() for line in text.splitlines() if line.startswith(("longctx ", "python -c"))]
+
+
+def test_examples_name_inputs_a_user_has():
+    """No example in --help, the README's CLI lines or recipes/README.md names a file only this repo's authors
+    have."""
+    texts = [_all_help(), "\n".join(_doc_commands("README.md")), "\n".join(_doc_commands("recipes/README.md"))]
+    for text in texts:
+        for missing in ("essay.txt", "my_corpus", "shared/data", "pg_essays"):
+            assert missing not in text
+
+
+@pytest.mark.parametrize("doc", ["README.md", "recipes/README.md"])
+def test_finetune_examples_run_as_shown(doc, monkeypatch):
+    """The fine-tune command lines of the docs validate (--dry-run: nothing is trained), from the repository root."""
+    import shlex
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    lines = [c for c in _doc_commands(doc) if c.startswith("longctx finetune")]
+    assert lines
+    for line in lines:
+        r = CliRunner().invoke(main, shlex.split(line)[1:] + ["--dry-run"])
+        assert r.exit_code == 0, (line, r.output)
+
+
+def test_readme_generate_example_runs(tiny_dir, tmp_path, monkeypatch, one_thread):
+    """The README's prompt-file example: its python line writes prompt.txt, its generate line reads it (on the
+    tiny model, two tokens)."""
+    import shlex
+    import subprocess
+    import sys
+
+    cmds = _doc_commands("README.md")
+    make = next(c for c in cmds if c.startswith("python -c"))
+    gen = next(c for c in cmds if "--prompt-file prompt.txt" in c)
+    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable] + shlex.split(make.split(">")[0])[1:], check=True,
+                   stdout=open(tmp_path / "prompt.txt", "w"))
+    assert (tmp_path / "prompt.txt").stat().st_size > 10_000
+    r = CliRunner().invoke(main, shlex.split(gen)[1:] + ["--model", str(tiny_dir), "-n", "2"])
+    assert r.exit_code == 0, r.output
+
+
+def test_closed_pipe_is_not_reported():
+    """`longctx info | head -1`: the reader closing the pipe is not an error to report."""
+    import click
+
+    from cli.common import friendly_errors
+
+    @click.command()
+    @friendly_errors
+    def verb():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    r = CliRunner().invoke(verb, [])
+    assert r.exit_code == 1 and "error" not in r.output.lower()

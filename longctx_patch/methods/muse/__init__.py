@@ -141,8 +141,8 @@ class Muse(Method):
             warnings.warn(
                 "muse: the model is on the CPU, where MuSe runs its dense PyTorch reference, which is slower than "
                 "exact attention (one SmolLM2 layer at 8k tokens: 6.4 s against 0.47 s on 2 cores). MuSe's speed "
-                "comes from its Triton kernels on CUDA: move the model there (model.cuda()) for long prefills, or "
-                "use the CPU for checks only. backend='torch' silences this.", stacklevel=3)
+                "comes from its Triton kernels on CUDA: move the model there (model.cuda(); CLI: --device cuda) for long "
+                "prefills, or use the CPU for checks only. backend='torch' (CLI: --set backend=torch) silences this.", stacklevel=3)
 
 
 __all__ = ["MuseConfig", "MuseAttention", "Muse"]
