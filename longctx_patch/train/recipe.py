@@ -6,7 +6,7 @@ A recipe is a YAML mapping (format in recipes/README.md):
     method: lolcats
     method_config: {window: 64}
     layers: null
-    data: {text: ../shared/data/pg_essays}
+    data: {text: my_texts/}   # a .txt file or a folder of them
     stages:
       - {name: transfer, objective: attention_transfer, lr: 1.0e-2, steps: 200, seq_len: 1024}
       - {name: lora, objective: next_token, lora: {r: 8, alpha: 16}}
