@@ -1,7 +1,7 @@
 """Reduced GPU sweep of the synthetic benchmarks (ICR basic, ICR positional, ICL) within a time budget.
 
-    PYTHONPATH=. python3 evals/bench_synthetic.py --budget 240 --workers 8 --out $OUT --commit abc1234
-    PYTHONPATH=. python3 evals/bench_synthetic.py --cpu-smoke --out evals/results   # tiny CPU smoke run
+    python3 -m evals.bench.bench_synthetic --budget 240 --workers 8 --out $OUT --commit abc1234
+    python3 -m evals.bench.bench_synthetic --cpu-smoke --out evals/results   # tiny CPU smoke run
 
 1. Probe: every mixer trains a few timed steps at the longest length (kernels warmed up). A mixer whose
    default (Triton on CUDA) path fails is retried with ``backend=torch``; the fallback is recorded.
@@ -119,7 +119,7 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, labelled as a smoke run")
     args = ap.parse_args()
     t0 = time.time()
-    command = "PYTHONPATH=. python3 " + shlex.join(["evals/bench_synthetic.py", *sys.argv[1:]])
+    command = shlex.join(["python3", "-m", "evals.bench.bench_synthetic", *sys.argv[1:]])
     if args.cpu_smoke:
         args.mixers = "softmax,sliding(window=32),linear(chunk=32),hedgehog(chunk=32),vq(chunk=32,codes=32)," \
                       "ovq(chunk=32,max_centroids=32,growth=16),lolcats(window=32,chunk=32)," \

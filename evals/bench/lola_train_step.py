@@ -1,7 +1,7 @@
 """Time one training step (forward + backward) of a SmolLM2-shaped random-weight model patched with `lolcats` and
 with `lola` (the sparse cache in place during training), to size an attention transfer with LoLA.
 
-    PYTHONPATH=. python3 evals/lola_train_step.py [--seq 4096] [--batch 2] [--out FILE]
+    python3 -m evals.bench.lola_train_step [--seq 4096] [--batch 2] [--out FILE]
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "command": "PYTHONPATH=. python3 evals/lola_train_step.py " + " ".join(sys.argv[1:]),
+           "commit": git_commit(), "command": "python3 -m evals.bench.lola_train_step " + " ".join(sys.argv[1:]),
            "seq": args.seq, "batch": args.batch, "layers": args.layers, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -19,7 +19,7 @@ For each layer, against exact attention (the relative error of the output, as in
   in block m, averaged over the block's queries).
 Dense per query block (B = 1): a CUDA GPU for 64k, the CPU for a few thousand tokens.
 
-    PYTHONPATH=. python3 evals/muse_error_anatomy.py --device cuda --model /tmp/smollm2.gguf --data .device-data \
+    python3 -m evals.studies.muse_error_anatomy --device cuda --model /tmp/smollm2.gguf --data .device-data \
         --seq-len 65536 --layers 18,29,8,5 --out $OUT/muse-error-anatomy-64k.json
 """
 
@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
+from evals.shared import SHARED_DATA, take_top
+from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.cells_triton import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import real_qkv  # noqa: E402
 
 FAR_MODELS = ("mono", "iso", "diag", "wexact")
 
@@ -137,7 +136,7 @@ def anatomy(q, k, v, scale: float, cfg: dict, buckets: int = 8, far_only: bool =
 
     def retrieval(score):  # [Hq, nb, nb] -> the plan with these retrieved blocks
         R = sink.expand(Hq, nb, nb).clone()
-        _take_top(R, score.masked_fill(~far[None] | sink, float("-inf")), kk)
+        take_top(R, score.masked_fill(~far[None] | sink, float("-inf")), kk)
         return dataclasses.replace(plan, retrieved=R[None])
 
     plans = {} if far_only else _retrievals(Q, K, mu, var, logn, valid, mass, pair_max, qmax_mean, scale, retrieval,
@@ -201,7 +200,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--layers", default="18,29,8,5")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--config", default="{}", help="cells plan options as JSON over the package's cells defaults")
@@ -213,7 +212,7 @@ def main():
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     res = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=git_commit(),
-               command="PYTHONPATH=. python3 evals/muse_error_anatomy.py " + " ".join(sys.argv[1:]),
+               command="python3 -m evals.studies.muse_error_anatomy " + " ".join(sys.argv[1:]),
                model=args.model, seq_len=args.seq_len, text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                layers={})
     for i in (int(x) for x in args.layers.split(",")):

@@ -1,7 +1,7 @@
 """OVQ on the GPU: kernel checks against the PyTorch reference, prefill speed at 64k against SDPA
 (cuDNN and flash backends), decode state bytes and decode step time from 4k to 128k, training-path speed.
 
-    PYTHONPATH=. python3 evals/bench_ovq.py [--out DIR] [--quick]
+    python3 -m evals.bench.bench_ovq [--out DIR] [--quick]
 
 Prints a short table last and writes ovq-speed.json under --out (default $OUT or evals/results).
 """
@@ -83,7 +83,7 @@ def main():
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)"
     small = args.cpu_smoke
     res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "command": "PYTHONPATH=. python3 evals/bench_ovq.py " + " ".join(sys.argv[1:]),
+           "commit": _commit(), "command": "python3 -m evals.bench.bench_ovq " + " ".join(sys.argv[1:]),
            "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__

@@ -1,7 +1,7 @@
 """GPU integration check: every method patched into a random-weight Llama on CUDA, Triton backend vs the
 PyTorch reference backend, through the model (prefill logits, greedy generate, left-padded batch).
 
-    PYTHONPATH=. python3 evals/gpu_integration.py [--out DIR]
+    python3 -m evals.device.gpu_integration [--out DIR]
 
 Writes gpu-integration.json (device, date, commit, command + one row per method/dtype).
 """
@@ -27,7 +27,7 @@ METHODS = {  # label: (method, config, backend key, fast backend, reference back
     "lolcats": ("lolcats", {"window": 64, "feature_dim": 32}, "backend", "triton", "torch"),
     "lola": ("lola", {"window": 64, "feature_dim": 32, "sparse_cache": 64, "chunk": 32}, "backend", "triton", "torch"),
     # exact (float32) assignment dots: with the default bf16 dots the Triton path picks other rows at near ties
-    # (fp32 logits then differ by ~4e-3 instead of ~4e-7, CPU interpreter check); evals/ovq_profile.py checks
+    # (fp32 logits then differ by ~4e-3 instead of ~4e-7, CPU interpreter check); evals/bench/ovq_profile.py checks
     # the default path against the reference
     "ovq": ("ovq", {"chunk_size": 64, "max_centroids": 256, "exact_assign": True}, "backend", "triton", "torch"),
 }
@@ -109,7 +109,7 @@ def main():
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
-           "command": "PYTHONPATH=. python3 evals/gpu_integration.py" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
+           "command": "python3 -m evals.device.gpu_integration" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gpu-integration.json"), "w") as f:

@@ -2,7 +2,7 @@
 kernels) against the PyTorch reference, forward and gradients in fp32 and bf16, and its speed at 64k against cuDNN;
 a bf16-autocast training step of a patched random Llama (fp32 weights, as the adaptation recipe runs).
 
-    PYTHONPATH=. python3 evals/muse_gpu_extra_checks.py      # writes $OUT/muse-d96-autocast-checks-h200.json
+    python3 -m evals.device.muse_gpu_extra_checks      # writes $OUT/muse-d96-autocast-checks-h200.json
 """
 
 import json
@@ -18,7 +18,7 @@ from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 out = dict(device=torch.cuda.get_device_name(0), commit=git_commit(), date=time.strftime("%Y-%m-%d"),
-           command="PYTHONPATH=. python3 evals/muse_gpu_extra_checks.py")
+           command="python3 -m evals.device.muse_gpu_extra_checks")
 rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
 g = torch.Generator(device="cuda").manual_seed(0)
 cfg = dict(FAR_FIELD_DEFAULTS["cells"], far_field="cells")

@@ -14,22 +14,18 @@ Retrieval: block m is scored for query block n by `score="mean"` (the monopole m
 mean query) or `score="max"` (the largest monopole mass over the block's queries). Error: ||o - o_exact|| /
 ||o_exact|| per layer, over all heads.
 
-    PYTHONPATH=. python evals/muse_fast_study.py --seq-len 8192 --out evals/results/muse-fast-study-8k.json
+    python -m evals.studies.muse_fast_study --seq-len 8192 --out evals/results/muse-fast-study-8k.json
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import torch
 
+from evals.studies.muse_farfield_study import layer_error as farfield_layer_error
+from evals.studies.muse_farfield_study import run_study
 from longctx_patch.kernels.muse.plan import lloyd
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_farfield_study import layer_error as farfield_layer_error  # noqa: E402
-from muse_farfield_study import run_study  # noqa: E402
 
 GRID = [
     dict(L=128, Ck=16, topb=4),
@@ -143,7 +139,7 @@ def layer_error(q, k, v, tau, **cfg) -> float:
 
 
 def main():
-    run_study(__doc__, "muse_fast_study.py", layer_error, GRID, seq_len=8192, layers="0,7,15,23",
+    run_study(__doc__, "evals.studies.muse_fast_study", layer_error, GRID, seq_len=8192, layers="0,7,15,23",
               out="evals/results/muse-fast-study.json", defaults=dict(local=1, iters=2, tilt="none", score="mean"))
 
 

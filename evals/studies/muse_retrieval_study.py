@@ -7,7 +7,7 @@ one knob from the defaults of its time (L 256, Ck 16, 16 blocks, 1 sink block; t
 - `b24`: 24 retrieved blocks; `ck32`: 32 cells per block; `ck8b24`: 8 cells and 24 blocks.
 The package's reference (`cells_reference`) computes every row; 16k tokens take about 3 minutes per layer on 2 cores.
 
-    PYTHONPATH=. python evals/muse_retrieval_study.py --seq-len 16384 --layers 28,7,17,18,3,23,12,0 \
+    python -m evals.studies.muse_retrieval_study --seq-len 16384 --layers 28,7,17,18,3,23,12,0 \
         --out evals/results/muse-retrieval-study-16k-cpu.json
 """
 
@@ -23,13 +23,12 @@ from pathlib import Path
 
 import torch
 
+from evals.shared import SHARED_DATA, blocks, take_top
+from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, make_cells_plan
-from longctx_patch.kernels.muse.plan import _blocks, lloyd, log_counts
+from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.exact import softmax_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import real_qkv  # noqa: E402
 
 # name: (k_clusters, topk_blocks, sink_blocks, query sub-centroids for the retrieval score; 1 = the mean query)
 VARIANTS = dict(base=(16, 16, 1, 1), cq4=(16, 16, 1, 4), cq16=(16, 16, 1, 16), b24=(16, 24, 1, 1),
@@ -46,7 +45,7 @@ def rescored(plan, q, k, scale: float, Cq: int, topk: int, sinks: int):
     mu = cell_summaries(k, k, plan)[0]
     logn = log_counts(plan.counts)
     valid = plan.key_valid.view(B, 1, nb, L).expand(B, Hq, nb, L)
-    cq, _, nq = lloyd(_blocks(q, L, Sp).reshape(-1, L, D), valid.reshape(-1, L), Cq, 2, backend="torch")
+    cq, _, nq = lloyd(blocks(q, L, Sp).reshape(-1, L, D), valid.reshape(-1, L), Cq, 2, backend="torch")
     cq, nq = cq.view(B, Hq, nb, Cq, D), nq.view(B, Hq, nb, Cq)
     sc = scale * torch.einsum("bhnad,bhmcd->bhnamc", cq, mu.repeat_interleave(G, 1))
     bs = torch.logsumexp(sc + logn.repeat_interleave(G, 1)[:, :, None, None], -1)  # [B, Hq, n, a, m]
@@ -56,7 +55,7 @@ def rescored(plan, q, k, scale: float, Cq: int, topk: int, sinks: int):
     far = ar[None, :] < ar[:, None] - plan.local_blocks
     sink = ar < sinks
     R = (far & sink[None])[None, None].expand_as(plan.retrieved).clone()
-    _take_top(R, bs.masked_fill(~far[None, None] | sink[None, None, None], -math.inf), min(topk, nb))
+    take_top(R, bs.masked_fill(~far[None, None] | sink[None, None, None], -math.inf), min(topk, nb))
     plan.retrieved = R
     return plan
 
@@ -65,7 +64,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--layers", default="28,7,17,18,3,23,12,0")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default="evals/results/muse-retrieval-study-16k-cpu.json")
     args = ap.parse_args()
@@ -73,7 +72,7 @@ def main():
     qkv, scale = real_qkv(args.model, args.data, args.seq_len, "cpu")
     layers = [int(x) for x in args.layers.split(",")]
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), command="PYTHONPATH=. python evals/muse_retrieval_study.py " + " ".join(sys.argv[1:]),
+               commit=git_commit(), command="python -m evals.studies.muse_retrieval_study " + " ".join(sys.argv[1:]),
                model=args.model, seq_len=args.seq_len, text="pg_essays", metric="||o - o_exact|| / ||o_exact||",
                variants={n: dict(k_clusters=c, topk_blocks=t, sink_blocks=s, query_subcentroids=a)
                          for n, (c, t, s, a) in VARIANTS.items()}, per_layer={}, mean={})

@@ -5,7 +5,7 @@ MLP 8192, vocabulary 128256), random weights (no checkpoint is needed for a timi
 `longctx_patch.evals.speed.run_speed` (median of `--repeats` prefills, last-position logits as in
 `generate()`); writes NAME.json and NAME.png.
 
-    PYTHONPATH=. python3 evals/muse_model_prefill.py --contexts 16k,64k --out-dir $OUT
+    python3 -m evals.bench.muse_model_prefill --contexts 16k,64k --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main():
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts), decode_tokens=args.decode_tokens,
               repeats=args.repeats,
               out_dir=args.out_dir, name=args.name, model_name="llama-3.2-1b-shaped-random",
-              command="PYTHONPATH=. python3 evals/muse_model_prefill.py " + " ".join(sys.argv[1:]))
+              command="python3 -m evals.bench.muse_model_prefill " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

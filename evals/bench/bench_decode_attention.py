@@ -16,12 +16,13 @@ shape, and a backend that builds a plan per shape pays for it at every step. The
 `--steps` calls of each variant over a cache that grows by one key per call, each variant on its own range of
 lengths so that no variant finds plans another one built.
 
-    PYTHONPATH=. python3 evals/bench_decode_attention.py --out $OUT/decode-attention-h200.json
+    python3 -m evals.bench.bench_decode_attention --out $OUT/decode-attention-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import shlex
@@ -31,8 +32,18 @@ import time
 import torch
 import torch.nn.functional as F
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from longctx_patch.evals.common import git_commit
-from longctx_patch.methods.exact import _without_cudnn, attention_mask, softmax_attention
+from longctx_patch.methods.exact import attention_mask, softmax_attention
+
+
+def without_cudnn(device):
+    """SDPA's backends except cuDNN's attention on CUDA (the set the package's `softmax_attention` allows when
+    cuDNN would build a plan per new shape); nothing to change elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _reference(q, k, v, scale, key_mask):
@@ -71,7 +82,7 @@ def variants(q, k, v, scale, key_mask):
 
     def nocudnn(fn):
         def run():
-            with _without_cudnn(q.device):
+            with without_cudnn(q.device):
                 return fn()
         return run
 
@@ -179,7 +190,7 @@ def main():
                       + " | ".join(f"{n} {v:.3f}" for n, v in ms.items()), flush=True)
     out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__,
-           "command": "PYTHONPATH=. python3 evals/bench_decode_attention.py " + shlex.join(sys.argv[1:]),
+           "command": "python3 -m evals.bench.bench_decode_attention " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,
            "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM "
                      "bandwidth; growing: mean ms per call over calls whose key length grows by one",

@@ -1,6 +1,6 @@
 """MuSe on the GPU: Triton vs reference check, speed vs SDPA (cuDNN, flash), speed/error trade-off.
 
-    PYTHONPATH=. python3 evals/bench_muse.py            # writes $OUT/muse-speed.json (+ .png) or evals/results/
+    python3 -m evals.bench.bench_muse            # writes $OUT/muse-speed.json (+ .png) or evals/results/
 
 (a) Triton forward/backward vs the PyTorch reference in bf16 at a few small shapes (same plan);
 (b) forward and forward+backward times (triton.testing.do_bench, median) vs torch SDPA with the cuDNN and
@@ -234,7 +234,7 @@ def main():
     args = ap.parse_args()
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
     RES.update(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), commit=commit, command="PYTHONPATH=. python3 evals/bench_muse.py " + " ".join(sys.argv[1:]),
+        timespec="seconds"), commit=commit, command="python3 -m evals.bench.bench_muse " + " ".join(sys.argv[1:]),
         torch=torch.__version__, triton=triton.__version__, config=json.loads(args.config))
     cfg = json.loads(args.config)
     seqs = [int(s) for s in args.seqs.split(",")]

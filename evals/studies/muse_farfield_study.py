@@ -10,7 +10,7 @@ mass and removed from the summaries. `nosum` drops the summaries (block-sparse a
 
 Dense float64 per head (CPU, a few minutes at 8k). Error: ||o - o_exact|| / ||o_exact|| per layer.
 
-    PYTHONPATH=. python evals/muse_farfield_study.py --seq-len 2048 --out evals/results/muse-farfield-study-2k.json
+    python -m evals.studies.muse_farfield_study --seq-len 2048 --out evals/results/muse-farfield-study-2k.json
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 import longctx_patch
+from evals.shared import SHARED_DATA
+from evals.studies.muse_fidelity import capture_qkv, real_text
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse.plan import lloyd
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_fidelity import capture_qkv, real_text  # noqa: E402
 
 GRID = [
     dict(Cq=8, Ck=8, topb=2),
@@ -105,12 +104,12 @@ def layer_error(q, k, v, tau, head=global_far_field, **cfg) -> float:
     return math.sqrt(num / den)
 
 
-def run_study(doc: str, script: str, error_fn, grid, *, seq_len: int, layers: str, out: str, defaults: dict):
+def run_study(doc: str, module: str, error_fn, grid, *, seq_len: int, layers: str, out: str, defaults: dict):
     """The command line of a far-field study: capture SmolLM2's Q/K/V of essays (CPU), error_fn(q, k, v, tau,
     **cfg) per layer and config, one JSON with device, date, commit and command."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=seq_len)
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--layers", default=layers)
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
     ap.add_argument("--out", default=out)
@@ -127,7 +126,7 @@ def run_study(doc: str, script: str, error_fn, grid, *, seq_len: int, layers: st
         print(f"{json.dumps(cfg):70s} mean {rows[-1]['mean_rel_err']:.4f} "
               f"{[round(e, 4) for e in errs]} ({time.time() - t0:.0f}s)", flush=True)
     res = dict(device="cpu", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), command=f"PYTHONPATH=. python evals/{script} " + " ".join(sys.argv[1:]),
+               commit=git_commit(), command=f"python -m {module} " + " ".join(sys.argv[1:]),
                model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", layers=layer_ids,
                defaults=defaults, metric="||o - o_exact|| / ||o_exact||", results=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +134,7 @@ def run_study(doc: str, script: str, error_fn, grid, *, seq_len: int, layers: st
 
 
 def main():
-    run_study(__doc__, "muse_farfield_study.py", layer_error, GRID, seq_len=2048, layers="0,3,7,11,15,19,23,27",
+    run_study(__doc__, "evals.studies.muse_farfield_study", layer_error, GRID, seq_len=2048, layers="0,3,7,11,15,19,23,27",
               out="evals/results/muse-farfield-study.json", defaults=dict(L=128, local=1, iters=2))
 
 

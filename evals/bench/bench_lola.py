@@ -1,6 +1,6 @@
 """LoLCATs / LoLA kernels on a CUDA GPU: correctness against the PyTorch references, prefill and decode speed.
 
-    PYTHONPATH=. python3 evals/bench_lola.py            # writes $OUT/lola-speed.json (or evals/results/)
+    python3 -m evals.bench.bench_lola            # writes $OUT/lola-speed.json (or evals/results/)
 
 Sections (each guarded by a time budget, the JSON is rewritten after each one):
   check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
@@ -32,12 +32,12 @@ if SMOKE:
 T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
 OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if os.environ.get("BENCH_SMOKE") == "1"
-                                else os.path.join(os.path.dirname(__file__), "results"))
+                                else os.path.join("evals", "results"))
 RES: dict = {
     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))
-               + " PYTHONPATH=. python3 evals/bench_lola.py",
+               + " python3 -m evals.bench.bench_lola",
     "torch": torch.__version__,
 }
 RES["commit"] = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git

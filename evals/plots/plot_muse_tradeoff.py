@@ -1,10 +1,10 @@
 """MuSe's speed / error trade-off at 64k from measured results (no GPU needed): forward speedup over cuDNN
-(`evals/bench_muse_cells.py` rows, D=64 and 128, plan included) against the mean attention error over SmolLM2's
-30 layers on a 64k-token text (`evals/muse_fidelity.py --seq-len 65536`), for every configuration measured by
+(`evals/bench/bench_muse_cells.py` rows, D=64 and 128, plan included) against the mean attention error over SmolLM2's
+30 layers on a 64k-token text (`evals/studies/muse_fidelity.py --seq-len 65536`), for every configuration measured by
 both. Later result files win for the same configuration and shape, so a configuration's point is at the kernels
 of its latest speed file (the files name their commit).
 
-    python3 evals/plot_muse_tradeoff.py     # writes evals/results/muse-tradeoff-64k.{json,png}
+    python3 -m evals.plots.plot_muse_tradeoff     # writes evals/results/muse-tradeoff-64k.{json,png}
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main():
         sys.exit(f"no configuration has both a speed row at S={a.seq} and a {a.seq}-token fidelity result")
     devices = sorted({s["device"] for s in speed.values()})
     out = dict(device=", ".join(devices), date=datetime.date.today().isoformat(), commit=git_commit(),
-               command="python3 evals/plot_muse_tradeoff.py", seq=a.seq, sources=sorted(sources),
+               command="python3 -m evals.plots.plot_muse_tradeoff", seq=a.seq, sources=sorted(sources),
                metric="forward speedup over cuDNN (bf16, B=1, 32/8 heads, plan included) vs mean relative error of "
                       "the attention output over SmolLM2-135M's 30 layers on a 64k-token text", points=points)
     with open(os.path.join(a.results, "muse-tradeoff-64k.json"), "w") as fh:

@@ -1,10 +1,10 @@
 """One figure for the ICR learning-rate sweep on the H200: for every mixer, its best of the learning rates run
 (by accuracy at the longest length), accuracy against length and against decode-state bytes, basic and
-positional side by side. Reads the result JSONs of `evals/bench_synthetic.py`; every run of a mixer and task
+positional side by side. Reads the result JSONs of `evals/bench/bench_synthetic.py`; every run of a mixer and task
 found in them counts (a run stopped by its deadline is drawn hollow). `--seeds-table` prints instead, per task
 and mixer, the mean accuracy over the seeds run at lr 3e-3 with its lowest and highest (the README's table).
 
-    python3 evals/plot_icr_sweep.py [--out evals/results/synthetic-h200-icr-sweep-best.png] [--seeds-table]
+    python3 -m evals.plots.plot_icr_sweep [--out evals/results/synthetic-h200-icr-sweep-best.png] [--seeds-table]
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from evals.shared import RESULTS
+
 DEFAULT = {
     "icr-basic": ["synthetic-h200-curriculum-4000-icr-basic.json", "synthetic-h200-curriculum-4000-lrs-icr-basic.json",
                   "synthetic-h200-sweep-a-icr-basic.json", "synthetic-h200-sweep-b-icr-basic.json"],

@@ -1,7 +1,7 @@
 """OVQ training path on the GPU: the chunk-parallel path against the chunk-by-chunk loop and torch SDPA (flash)
 forward+backward, plus a profile of one training step of the synthetic-benchmark model with the ovq mixer.
 
-    PYTHONPATH=. python3 evals/bench_ovq_train.py [--out DIR]
+    python3 -m evals.bench.bench_ovq_train [--out DIR]
 
 Writes ovq-train-speed.json (device, date, commit, command) under --out (default $OUT or evals/results).
 """
@@ -119,7 +119,7 @@ def main():
               (2, 2, 2, 4096, 64, 64, 448, 256.0, False), (2, 2, 2, 4096, 64, 64, 448, 256.0, True)]
     res = {"task": "ovq-train-speed", "device": device_description(torch.device("cuda")),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "commit": git_commit(), "command": "PYTHONPATH=. python3 " + shlex.join(["evals/bench_ovq_train.py", *sys.argv[1:]]),
+           "commit": git_commit(), "command": shlex.join(["python3", "-m", "evals.bench.bench_ovq_train", *sys.argv[1:]]),
            "dtype": "bf16 inputs, fp32 dictionaries", "op": op_rows(shapes)}
     res["mixer_step"] = mixer_profile()
     os.makedirs(args.out, exist_ok=True)

@@ -3,31 +3,30 @@ needle token) pairs that each layer holds exactly in its sparse cache, against t
 would get (lambda / tokens outside the window). Sparse heads are the kv heads (`--sparse-heads kv`, the
 default) or the query heads.
 
-    PYTHONPATH=. python3 evals/lola_needle_in_cache.py --lengths 2k,4k --linear-scale 0.3 \\
+    python3 -m evals.studies.lola_needle_in_cache --lengths 2k,4k --linear-scale 0.3 \\
         --out evals/results/lola-needle-in-cache-smollm2-135m.json
 
-The positions of the kept pairs are followed by wrapping the cache manager's selection step
-(`kernels.lola.ops.lola_evict` / `_select`); the model's outputs are unchanged. CPU or GPU (reference or
-Triton path: both go through the same manager).
+The positions of the kept pairs are followed by wrapping the cache manager's eviction step
+(`kernels.lola.ops.lola_evict`) and the selection it makes (`kernels.lola.reference.top_lam`, which it calls
+once per eviction); the model's outputs are unchanged. CPU or GPU (reference or Triton path: both go through
+the same manager).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import longctx_patch as lp  # noqa: E402
-from longctx_patch.evals.common import (  # noqa: E402
+import longctx_patch as lp
+from longctx_patch.evals.common import (
     MethodRun, device_description, parse_fractions, parse_sizes, write_result)
-from longctx_patch.evals.niah import make_samples, value_span  # noqa: E402
-from longctx_patch.kernels.lola import ops  # noqa: E402
-from longctx_patch.models import load_model  # noqa: E402
+from longctx_patch.evals.niah import make_samples, value_span
+from longctx_patch.kernels.lola import ops
+from longctx_patch.kernels.lola import reference as ref
+from longctx_patch.models import load_model
 
 
 class KeptPositions:
@@ -36,13 +35,13 @@ class KeptPositions:
     def __init__(self):
         self.pos: dict[int, torch.Tensor] = {}
         self._st, self._layer, self._top = None, -1, None
-        self._select, self._evict = ops._select, ops.lola_evict
+        self._top_lam, self._evict = ref.top_lam, ops.lola_evict
 
     def __enter__(self):
-        def select(scores, valid, lam):
-            w, top = self._select(scores, valid, lam)
+        def top_lam(scores, lam):
+            top = self._top_lam(scores, lam)
             self._top = top
-            return w, top
+            return top
 
         def evict(st, *, window, lam, phi_k, backend="auto"):
             n_ev = st.nb - window
@@ -55,14 +54,17 @@ class KeptPositions:
             sp = self.pos.get(self._layer, torch.full((B, Hs, lam), -1, dtype=torch.long, device=st.H.device))
             ev = torch.arange(start, start + n_ev, device=st.H.device)[None, None].expand(B, Hs, n_ev)
             cand = torch.cat([sp, ev], 2)
+            self._top = None
             self._evict(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
+            if self._top is None:
+                raise RuntimeError("lola_evict made no top_lam selection: the hook no longer sees the kept pairs")
             self.pos[self._layer] = torch.gather(cand, 2, self._top.indices)
 
-        ops._select, ops.lola_evict = select, evict
+        ref.top_lam, ops.lola_evict = top_lam, evict
         return self
 
     def __exit__(self, *exc):
-        ops._select, ops.lola_evict = self._select, self._evict
+        ref.top_lam, ops.lola_evict = self._top_lam, self._evict
 
 
 def main() -> None:
@@ -101,7 +103,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in rec.items() if k != "share_by_layer"}), flush=True)
         records.append(rec)
     write_result(a.out, task="lola-needle-in-cache", model=a.model, runs=[run], figures={"records": records},
-                 command="PYTHONPATH=. python3 evals/lola_needle_in_cache.py " + " ".join(sys.argv[1:]),
+                 command="python3 -m evals.studies.lola_needle_in_cache " + " ".join(sys.argv[1:]),
                  device=device_description(a.device))
     print(f"wrote {a.out}")
 

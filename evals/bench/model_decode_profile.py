@@ -5,7 +5,7 @@ For each: tokens/s over `--steps` steps with SDPA free to pick its backend, the 
 excluded (`sdpa_kernel`), and a `torch.profiler` table of the ops with the most self CPU and self device time over
 `--profile-steps` steps. Eager decoding, as `generate()` runs it (no CUDA graphs, no compilation).
 
-    PYTHONPATH=. python3 evals/model_decode_profile.py --context 16k --out $OUT/decode-profile.json
+    python3 -m evals.bench.model_decode_profile --context 16k --out $OUT/decode-profile.json
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, "evals")
-    from muse_model_prefill import llama_1b_shaped
+    from evals.bench.muse_model_prefill import llama_1b_shaped
 
     C = parse_sizes(args.context)[0]
     model = llama_1b_shaped(dev, torch.bfloat16)
@@ -105,7 +104,7 @@ def main():
             lp.unpatch(model)
     out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": datetime.date.today().isoformat(), "commit": git_commit(),
-           "command": "PYTHONPATH=. python3 evals/model_decode_profile.py " + shlex.join(sys.argv[1:]),
+           "command": "python3 -m evals.bench.model_decode_profile " + shlex.join(sys.argv[1:]),
            "model": "llama-3.2-1b-shaped-random", "context": C, "steps": args.steps,
            "profile_steps": args.profile_steps, "results": results}
     with open(args.out, "w") as f:

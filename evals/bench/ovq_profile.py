@@ -1,7 +1,7 @@
 """Where the OVQ no-grad prefill spends its time: eager vs CUDA-graph time, host time to issue the
 launches, and GPU time per kernel (torch.profiler), at 64k tokens, beside SDPA-cuDNN in the same run.
 
-    PYTHONPATH=. python3 evals/ovq_profile.py [--out FILE] [--seq 65536]
+    python3 -m evals.bench.ovq_profile [--out FILE] [--seq 65536]
 
 Writes a JSON with `device`, `date`, `commit`, `command` and one entry per configuration.
 """
@@ -82,12 +82,12 @@ def main() -> None:
     args = ap.parse_args()
     import triton
     import triton.testing as tt
-    from evals.bench_ovq import graph_of
+    from evals.bench.bench_ovq import graph_of
     from longctx_patch.kernels.ovq import ovq_attention
 
     dev = "cuda"
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": git_commit(), "command": "PYTHONPATH=. python3 evals/ovq_profile.py "
+        timespec="seconds"), "commit": git_commit(), "command": "python3 -m evals.bench.ovq_profile "
            + " ".join(sys.argv[1:]), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
     res["checks"] = _checks()
     print("checks", json.dumps(res["checks"]), flush=True)

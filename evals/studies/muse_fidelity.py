@@ -4,8 +4,8 @@ Captures post-rotary Q/K/V of every layer on a real text (Paul Graham essays fro
 the MuSe reference for each configuration of a small grid. CPU is enough (the Triton kernels compute the
 same function from the same plan; tests/test_muse_kernels.py checks that).
 
-    PYTHONPATH=. python evals/muse_fidelity.py --seq-len 2048 --out evals/results/muse-fidelity.json
-    PYTHONPATH=. python3 evals/muse_fidelity.py --device cuda --backend auto --model /tmp/smollm2.gguf \
+    python -m evals.studies.muse_fidelity --seq-len 2048 --out evals/results/muse-fidelity.json
+    python3 -m evals.studies.muse_fidelity --device cuda --backend auto --model /tmp/smollm2.gguf \
         --data .device-data --seq-len 65536 --grid '[{"block_size": 128}]'      # long contexts: Triton on a GPU
     (--dtype bfloat16: MuSe in bf16, as a bf16 model runs it, against the fp32 exact output; a row `{"exact":
     true}` gives the error of the bf16 rounding alone)
@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 import longctx_patch
+from evals.shared import SHARED_DATA
+from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.methods.exact import softmax_attention
-from longctx_patch.evals.common import git_commit  # noqa: E402
 
 GRID = [
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
@@ -76,7 +77,7 @@ def real_qkv(model_name: str, data: str, seq_len: int, device: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
     ap.add_argument("--out", default="evals/results/muse-fidelity.json")
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
@@ -120,7 +121,7 @@ def main():
               f"({time.time() - t0:.0f}s)", flush=True)
         res = dict(device=device, backend=args.backend, dtype=args.dtype,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   commit=commit, command="PYTHONPATH=. python evals/muse_fidelity.py " + " ".join(sys.argv[1:]),
+                   commit=commit, command="python -m evals.studies.muse_fidelity " + " ".join(sys.argv[1:]),
                    layers=list(layers), model=args.model, seq_len=args.seq_len, text="pg_essays",
                    metric="||o - o_exact|| / ||o_exact||", results=rows)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,11 @@
 """Every Triton kernel family once, at small shapes, against its PyTorch reference: a light workload to run under
 `compute-sanitizer --tool racecheck` (or memcheck / initcheck), which slows kernels by orders of magnitude, so a
-model-level check (evals/gpu_integration.py) does not finish there. One JSON line per check: the relative error of
+model-level check (evals/device/gpu_integration.py) does not finish there. One JSON line per check: the relative error of
 the Triton path against the reference (forward, and gradients where the path has a backward).
 
-    PYTHONPATH=. compute-sanitizer --tool racecheck python3 evals/racecheck_kernels.py --only muse
-    PYTHONPATH=. python3 evals/racecheck_kernels.py                       # all families, no sanitizer
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 evals/racecheck_kernels.py    # on the CPU (interpreter), slow
+    compute-sanitizer --tool racecheck python3 -m evals.device.racecheck_kernels --only muse
+    python3 -m evals.device.racecheck_kernels                       # all families, no sanitizer
+    TRITON_INTERPRET=1 python3 -m evals.device.racecheck_kernels    # on the CPU (interpreter), slow
 
 Families: lolcats (hybrid prefill), lola (prefill with evictions, then decode steps), muse (clustering plan,
 forward, backward), ovq (chunk attention forward/backward, fused prefill, training path). A race shows as
@@ -17,16 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
-    os.environ.setdefault("BENCH_SMOKE", "1")  # bench_lola's CPU mode (its inputs on the CPU, the interpreter on)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_lola as bl  # noqa: E402  (make(): the LoLA/LoLCATs inputs of its check)
 
 
 def rel(a, b) -> float:
@@ -45,7 +39,9 @@ def randn(g, *shape, dtype=torch.float32, scale=1.0):
 
 def lola_inputs(S, D, dtype, seed):
     """bench_lola's check inputs (B=2, 8/2 heads, feature dim 32) and a key mask with left padding in row 1."""
-    q, k, v, fq, fk, gw, lf, _, Wk = bl.make(2, 8, 2, S, D, 32, dtype, seed=seed)
+    from evals.bench.bench_lola import make  # imported after main() set its CPU mode (BENCH_SMOKE)
+
+    q, k, v, fq, fk, gw, lf, _, Wk = make(2, 8, 2, S, D, 32, dtype, seed=seed)
     km = torch.ones(2, S, dtype=torch.bool, device=DEV)
     km[1, : S // 6] = False
     return q, k, v, fq, fk, gw, lf, Wk, km
@@ -153,6 +149,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families: " + ", ".join(FAMILIES))
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default 300 on CUDA, 150 on the CPU)")
     args = ap.parse_args()
+    if DEV == "cpu":  # before any kernel module is imported: bench_lola's CPU mode and the Triton interpreter
+        os.environ.setdefault("BENCH_SMOKE", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     S = args.seq or (300 if DEV == "cuda" else 150)
     for fam in args.only.split(","):
         if fam not in FAMILIES:

@@ -3,7 +3,7 @@ exact model's softmax mass on the needle's tokens against `lola`'s (the share of
 needle gets, through the sparse cache or the linear term), and the share of `lola`'s normaliser that is its
 linear term. The model runs `lola`; at each layer the same q, k, v give both attentions of the last query.
 
-    PYTHONPATH=. python3 evals/lola_mass.py --lengths 1k,2k,4k --out evals/results/lola-mass-smollm2-135m.json
+    python3 -m evals.studies.lola_mass --lengths 1k,2k,4k --out evals/results/lola-mass-smollm2-135m.json
 
 The hybrid's exact terms are exp(s - m) with m their maximum and its linear term phi(q).phi(k) is not rescaled
 (the LoLCATs normaliser), so the linear term's share grows with the number of keys it covers.
@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import longctx_patch as lp  # noqa: E402
-from longctx_patch.evals.common import (  # noqa: E402
+import longctx_patch as lp
+from longctx_patch.evals.common import (
     MethodRun, device_description, parse_fractions, parse_sizes, write_result)
-from longctx_patch.evals.niah import make_samples, value_span  # noqa: E402
-from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola.training import sparse_positions  # noqa: E402
-from longctx_patch.methods.lolcats import LolcatsAttention, sparse_head_count  # noqa: E402
-from longctx_patch.models import load_model  # noqa: E402
+from longctx_patch.evals.niah import make_samples, value_span
+from longctx_patch.kernels.lola import reference as ref
+from longctx_patch.kernels.lola.training import sparse_positions
+from longctx_patch.methods.lolcats import LolcatsAttention, sparse_head_count
+from longctx_patch.models import load_model
 
 
 def last_query_masses(attn: LolcatsAttention, q, k, v, needle: slice) -> dict:
@@ -112,7 +109,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in rec.items() if k != "layers"}), flush=True)
         records.append(rec)
     write_result(a.out, task="lola-mass", model=a.model, runs=[run], figures={"records": records},
-                 command="PYTHONPATH=. python3 evals/lola_mass.py " + " ".join(sys.argv[1:]),
+                 command="python3 -m evals.studies.lola_mass " + " ".join(sys.argv[1:]),
                  device=device_description(a.device))
     print(f"wrote {a.out}")
 

@@ -1,10 +1,10 @@
-"""Is the LoLA Triton prefill deterministic? Runs the same fresh prefill (the check of evals/bench_lola.py: B=2,
+"""Is the LoLA Triton prefill deterministic? Runs the same fresh prefill (the check of evals/bench/bench_lola.py: B=2,
 8/2 heads, D=64, 777 tokens, left padding in row 1, window 32, chunk 64, lambda 16) several times with the
 Triton kernels and compares each run with the PyTorch backend, run chunk by chunk so that the sparse set after
 every eviction can be compared with the Triton path's (PrefillEvictions.SPSC). Prints and writes, per run: the
 relative error of the output, the chunks whose queries differ, and the first eviction whose kept scores differ.
 
-    PYTHONPATH=. python3 evals/lola_determinism.py [--reps 3] [--dtype float32] [--lolcats-first] [--out FILE]
+    python3 -m evals.device.lola_determinism [--reps 3] [--dtype float32] [--lolcats-first] [--out FILE]
 
 Start it while other work runs on the same GPU to test under load. On 2026-11-30 it showed a shared-memory race in
 the eviction fold (8 of 12 runs diverged under load; fixed in b12964d, then 0 of 12):
@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_lola as bl  # noqa: E402  (shapes, make(), rel(), the kernels' modules)
-
-from longctx_patch.evals.common import git_commit  # noqa: E402
+from evals.bench import bench_lola as bl  # shapes, make(), rel(), the kernels' modules
+from longctx_patch.evals.common import git_commit
 
 
 def main() -> None:
@@ -95,7 +92,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     res = {"task": "lola-determinism", "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "command": "PYTHONPATH=. python3 evals/lola_determinism.py " + " ".join(sys.argv[1:]),
+           "commit": git_commit(), "command": "python3 -m evals.device.lola_determinism " + " ".join(sys.argv[1:]),
            "dtype": args.dtype, "lolcats_first": args.lolcats_first, "graph": not args.no_graph, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

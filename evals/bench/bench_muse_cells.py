@@ -3,7 +3,7 @@ backward against the PyTorch reference, then forward and forward+backward time a
 same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/cluster.py,
 and the PyTorch code), with how far the two plans agree; a profile of one 64k forward lists the kernels' times.
 
-    PYTHONPATH=. python3 evals/bench_muse_cells.py            # writes $OUT/muse-cells-speed.json
+    python3 -m evals.bench.bench_muse_cells            # writes $OUT/muse-cells-speed.json
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from evals.shared import blocks
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import cells_triton as cells_mod
 from longctx_patch.kernels.muse import muse_attention
@@ -49,9 +50,9 @@ for _c in CFGS:  # record the sink and peak blocks each cells configuration runs
     if _c.get("far_field") != "tilted":
         for _k in ("sink_blocks", "peak_blocks"):
             _c.setdefault(_k, inspect.signature(make_cells_plan).parameters[_k].default)
-RES: dict = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=git_commit(),
+RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git_commit(),
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
-                                  + ["PYTHONPATH=. python3 evals/bench_muse_cells.py"]), torch=torch.__version__,
+                                  + ["python3 -m evals.bench.bench_muse_cells"]), torch=torch.__version__,
                  triton=triton.__version__, checks=[], speed=[])
 
 
@@ -268,7 +269,6 @@ def peaks():
     against the PyTorch `block_peaks` on the same inputs; the fastest at each D is kept in cluster.PEAKS_TILES."""
     from longctx_patch.kernels.muse import cluster as cl
     from longctx_patch.kernels.muse.cells import block_peaks
-    from longctx_patch.kernels.muse.plan import _blocks
 
     L = CFGS[0]["block_size"]
     RES["peaks"] = []
@@ -278,7 +278,7 @@ def peaks():
             q, k, _ = qkv(S, D, torch.bfloat16, seed=3)
             nb = S // L
             qbar = q.view(1, 32, nb, L, D).float().mean(3)
-            kb = _blocks(k, L, S)
+            kb = blocks(k, L, S)
             valid = torch.ones(1, S, dtype=torch.bool, device="cuda")
             ref = block_peaks(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
             fin = torch.isfinite(ref)
@@ -306,9 +306,10 @@ def peaks():
     save()
 
 
-if __name__ == "__main__":
+def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    RES["device"] = torch.cuda.get_device_name(0)
     parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
     for part in (checks, fp32, profile, peaks, tune, speed):
         if part.__name__ in parts:
@@ -317,3 +318,7 @@ if __name__ == "__main__":
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
     save()
+
+
+if __name__ == "__main__":
+    main()

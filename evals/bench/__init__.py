@@ -1,0 +1,1 @@
+"""Speed benchmarks (CUDA unless a script says otherwise): `python -m evals.bench.NAME --help`."""
