@@ -28,7 +28,49 @@ from ..methods import get_method, list_methods, split_method_spec
 from ..patcher import parse_layers
 
 UNPATCHED = ("none", "unpatched")
-DEFAULT_RESULTS_DIR = Path("evals") / "results"
+RESULTS_ENV = "LONGCTX_RESULTS"
+
+
+def repo_root(start: str | os.PathLike | None = None) -> Path | None:
+    """The checkout of this project that holds `start` (default: the working directory): the nearest folder, `start`
+    or one above it, with this project's pyproject.toml (name "longctx-patch") and the longctx_patch package; None
+    outside one. A copy of the tree without its .git counts too."""
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "longctx_patch" / "__init__.py").is_file() and (d / "pyproject.toml").is_file():
+            try:
+                text = (d / "pyproject.toml").read_text()
+            except OSError:
+                continue
+            if re.search(r'^name\s*=\s*"longctx-patch"\s*$', text, re.MULTILINE):
+                return d
+    return None
+
+
+def user_results_dir() -> Path:
+    """Results outside a checkout: $XDG_DATA_HOME/longctx-patch/results (default ~/.local/share/...): results
+    are kept, unlike the model cache under ~/.cache/longctx-patch."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "longctx-patch" / "results"
+
+
+def default_results_dir(cwd: str | os.PathLike | None = None) -> Path:
+    """Where results go when no output folder is given: $LONGCTX_RESULTS when set; else, run from inside a checkout
+    of this repository (`cwd`, default the working directory), its evals/results; else `user_results_dir()`.
+    An explicit folder (the CLI's --out-dir, a function's out_dir) always wins over this."""
+    env = os.environ.get(RESULTS_ENV)
+    if env:
+        return Path(env).expanduser()
+    root = repo_root(cwd)
+    if root is not None:
+        return root / "evals" / "results"
+    return user_results_dir()
+
+
+def __getattr__(name: str):
+    if name == "DEFAULT_RESULTS_DIR":  # resolved when read: it follows $LONGCTX_RESULTS and the working directory
+        return default_results_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------- methods
@@ -372,6 +414,10 @@ __all__ = [
     "git_commit",
     "device_description",
     "command_line",
+    "default_results_dir",
+    "repo_root",
+    "user_results_dir",
+    "RESULTS_ENV",
     "default_name",
     "begin_run",
     "format_table",
