@@ -1,5 +1,9 @@
 """Helpers used by several scripts of evals/.
 
+Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (the task's folder of the default
+results folder unless --out or $OUT says otherwise; evals/README.md, Results), with the file names' device and
+model parts from `device_token` and `model_token`.
+
 `take_top` and `blocks` are the cells far field's selection and block layout (the package's
 `kernels.muse.cells._take_top` and `kernels.muse.plan._blocks`, private there); the studies rebuild the
 selection from them, so they must stay equal to the package's (tests/test_evals_layout.py checks it).
@@ -7,13 +11,39 @@ selection from them, so they must stay equal to the package's (tests/test_evals_
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
 
+from longctx_patch.evals.common import default_results_dir, slug
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "evals" / "results"  # the results committed with the checkout (results/INDEX.md)
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"  # the essays of ../shared/data (pg_essays/) beside the checkout
+
+
+def device_token(name: str | None = None) -> str:
+    """The device part of a result file's name: 'cpu', or the GPU's name without its vendor, lower case
+    ('NVIDIA H200' -> 'h200'). `name` is a device's name or a torch device ('cpu', 'cuda', 'cuda:1'); it defaults
+    to this machine's first CUDA device ('cpu' without one)."""
+    if name is None or re.fullmatch(r"cuda(:\d+)?", name.strip()):
+        index = int(name.split(":")[1]) if name and ":" in name else 0
+        name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cpu"
+    name = name.strip()
+    if name.lower().startswith("cpu"):
+        return "cpu"
+    return slug(re.sub(r"^(cuda:\s*)?(nvidia|amd)\s+", "", name, flags=re.IGNORECASE)).lower()
+
+
+def results_dir(task: str, out: str | os.PathLike | None = None) -> Path:
+    """The folder a script writes its result files to, made if missing: `out` when given (its --out, or $OUT on
+    the device machine, whose files come back from there), else the task's folder of the default results folder:
+    <checkout>/evals/results/<task>, or $LONGCTX_RESULTS/<task> (`common.default_results_dir`)."""
+    d = Path(out) if out else default_results_dir() / task
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def take_top(retrieved: torch.Tensor, scores: torch.Tensor, k: int) -> None:
@@ -29,3 +59,18 @@ def blocks(x: torch.Tensor, L: int, Sp: int) -> torch.Tensor:
     if Sp != S:
         x = torch.nn.functional.pad(x, (0, 0, 0, Sp - S))
     return x.reshape(B, H, Sp // L, L, D)
+
+
+def result_file(task: str, name: str, out: str | os.PathLike | None = None) -> Path:
+    """The file a script writes one result to: `out` when given (its --out FILE; the folder is made), else
+    `name` in the task's folder of the default results folder (`results_dir(task)`)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        return Path(out)
+    return results_dir(task) / name
+
+
+def model_token(model: str) -> str:
+    """The model part of a result file's name: an alias as is ('smollm2-135m'), a path by its last part without
+    the extension ('/tmp/smollm2.gguf' -> 'smollm2')."""
+    return slug(Path(model).stem if ("/" in model or os.sep in model) else model).lower()

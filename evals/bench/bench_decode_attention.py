@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit
 from longctx_patch.methods.exact import attention_mask, softmax_attention
 
@@ -136,7 +137,7 @@ def main():
     ap.add_argument("--heads", default="32,8", help="query heads, kv heads")
     ap.add_argument("--steps", type=int, default=24, help="decode steps of the growing-cache table")
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor, TB/s")
-    ap.add_argument("--out", default="evals/results/decode-attention.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/decode/attention-<gpu>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -195,9 +196,10 @@ def main():
            "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM "
                      "bandwidth; growing: mean ms per call over calls whose key length grows by one",
            "rows": rows, "growing": grow}
-    with open(args.out, "w") as f:
+    out = result_file("decode", f"attention-{device_token()}.json", args.out)
+    with open(out, "w") as f:
         json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LoLCATs / LoLA kernels on a CUDA GPU: correctness against the PyTorch references, prefill and decode speed.
 
-    python3 -m evals.bench.bench_lola            # writes $OUT/lola-speed.json (or evals/results/)
+    python3 -m evals.bench.bench_lola            # writes $OUT/speed-<gpu>.json (or evals/results/lola/)
 
 Sections (each guarded by a time budget, the JSON is rewritten after each one):
   check    Triton vs PyTorch reference (fp32 and bf16): ||out - ref|| / ||ref||
@@ -24,15 +24,16 @@ import time
 import traceback
 
 import torch
-from longctx_patch.evals.common import git_commit  # noqa: E402
+
+from evals.shared import device_token, results_dir
+from longctx_patch.evals.common import git_commit
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script only
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
-OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if os.environ.get("BENCH_SMOKE") == "1"
-                                else os.path.join("evals", "results"))
+OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if SMOKE else None)  # None: the results' lola/ folder
 RES: dict = {
     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -49,9 +50,8 @@ def left() -> float:
 
 
 def save() -> None:
-    os.makedirs(OUT, exist_ok=True)
     RES["elapsed_s"] = round(time.time() - T0, 1)
-    with open(os.path.join(OUT, "lola-speed.json"), "w") as f:
+    with open(results_dir("lola", OUT) / f"speed-{device_token()}.json", "w") as f:
         json.dump(RES, f, indent=2)
 
 

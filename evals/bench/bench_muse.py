@@ -1,6 +1,6 @@
 """MuSe on the GPU: Triton vs reference check, speed vs SDPA (cuDNN, flash), speed/error trade-off.
 
-    python3 -m evals.bench.bench_muse            # writes $OUT/muse-speed.json (+ .png) or evals/results/
+    python3 -m evals.bench.bench_muse            # writes $OUT/speed-<gpu>.json (+ -tradeoff.png), or in evals/results/muse/
 
 (a) Triton forward/backward vs the PyTorch reference in bf16 at a few small shapes (same plan);
 (b) forward and forward+backward times (triton.testing.do_bench, median) vs torch SDPA with the cuDNN and
@@ -23,18 +23,18 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from evals.shared import device_token, results_dir
+from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import make_plan, muse_attention
 from longctx_patch.kernels.muse.reference import muse_reference_planned
 from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned
-from longctx_patch.evals.common import git_commit  # noqa: E402
 
 RES: dict = {}
-OUT = os.environ.get("OUT") or "evals/results"
+OUT = os.environ.get("OUT")  # None: the results' muse/ folder
 
 
 def save():
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "muse-speed.json"), "w") as f:
+    with open(results_dir("muse", OUT) / f"speed-{device_token()}.json", "w") as f:
         json.dump(RES, f, indent=1)
 
 
@@ -220,7 +220,7 @@ def plot():
     ax.set_ylabel(f"relative error vs exact at S={rows[0]['S_err']} (random inputs)")
     ax.set_title("MuSe speed / error trade-off")
     fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "muse-tradeoff.png"), dpi=120)
+    fig.savefig(results_dir("muse", OUT) / f"speed-{device_token()}-tradeoff.png", dpi=120)
 
 
 def main():

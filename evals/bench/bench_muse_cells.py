@@ -3,7 +3,7 @@ backward against the PyTorch reference, then forward and forward+backward time a
 same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/cluster.py,
 and the PyTorch code), with how far the two plans agree; a profile of one 64k forward lists the kernels' times.
 
-    python3 -m evals.bench.bench_muse_cells            # writes $OUT/muse-cells-speed.json
+    python3 -m evals.bench.bench_muse_cells            # writes $OUT/cells-speed-<gpu>.json (or in evals/results/muse/)
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). The MuSe time includes
 the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cell summaries.
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from evals.shared import blocks
+from evals.shared import blocks, device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import cells_triton as cells_mod
 from longctx_patch.kernels.muse import muse_attention
@@ -39,7 +39,7 @@ from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.cells_triton import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
-OUT = os.environ.get("OUT", "evals/results")
+OUT = os.environ.get("OUT")  # None: the results' muse/ folder
 T0 = time.time()
 BUDGET = float(os.environ.get("CELLS_BUDGET_S", "500"))
 SEQS = [int(x) for x in os.environ.get("CELLS_SEQS", "65536,131072,16384,32768").split(",")]
@@ -57,8 +57,7 @@ RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git
 
 
 def save():
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "muse-cells-speed.json"), "w") as f:
+    with open(results_dir("muse", OUT) / f"cells-speed-{device_token()}.json", "w") as f:
         json.dump(RES, f, indent=1)
 
 

@@ -3,7 +3,7 @@
 
     python3 -m evals.bench.bench_ovq [--out DIR] [--quick]
 
-Prints a short table last and writes ovq-speed.json under --out (default $OUT or evals/results).
+Prints a short table last and writes speed-<gpu>.json under --out (default $OUT, else evals/results/ovq/).
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from longctx_patch.evals.common import git_commit  # noqa: E402
+
+from evals.shared import device_token, results_dir
+from longctx_patch.evals.common import git_commit
 
 
 def _commit() -> str:
@@ -66,7 +68,7 @@ def inputs(B, Hq, H, S, D, dtype, seed, beta=12.0):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT") or "evals/results")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder (default $OUT, else evals/results/ovq)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny sizes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing useful)")
@@ -150,8 +152,7 @@ def main():
     checks["train_path_fp32"] = {"o": rel(o_t, o_r), "dq": rel(gt[0], gr[0]), "dk": rel(gt[1], gr[1]),
                                  "dv": rel(gt[2], gr[2])}
     res["checks"] = checks
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "ovq-speed.json")
+    path = results_dir("ovq", args.out) / f"speed-{device_token()}.json"
 
     def dump():
         with open(path, "w") as f:

@@ -3,7 +3,7 @@ forward+backward, plus a profile of one training step of the synthetic-benchmark
 
     python3 -m evals.bench.bench_ovq_train [--out DIR]
 
-Writes ovq-train-speed.json (device, date, commit, command) under --out (default $OUT or evals/results).
+Writes train-speed-<gpu>.json (device, date, commit, command) under --out (default $OUT, else evals/results/ovq/).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from evals.shared import device_token, results_dir
 from longctx_patch.evals.approx import relative_error as rel
 from longctx_patch.evals.common import device_description, git_commit
 from longctx_patch.kernels.ovq import ovq_attention
@@ -109,7 +110,7 @@ def mixer_profile(L=4096):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "evals/results")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder (default $OUT, else evals/results/ovq)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA")
@@ -122,8 +123,7 @@ def main():
            "commit": git_commit(), "command": shlex.join(["python3", "-m", "evals.bench.bench_ovq_train", *sys.argv[1:]]),
            "dtype": "bf16 inputs, fp32 dictionaries", "op": op_rows(shapes)}
     res["mixer_step"] = mixer_profile()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "ovq-train-speed.json")
+    path = results_dir("ovq", args.out) / f"train-speed-{device_token()}.json"
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)

@@ -1,7 +1,7 @@
 """Reduced GPU sweep of the synthetic benchmarks (ICR basic, ICR positional, ICL) within a time budget.
 
     python3 -m evals.bench.bench_synthetic --budget 240 --workers 8 --out $OUT --commit abc1234
-    python3 -m evals.bench.bench_synthetic --cpu-smoke --out evals/results   # tiny CPU smoke run
+    python3 -m evals.bench.bench_synthetic --cpu-smoke --out /tmp/smoke   # tiny CPU smoke run
 
 1. Probe: every mixer trains a few timed steps at the longest length (kernels warmed up). A mixer whose
    default (Triton on CUDA) path fails is retried with ``backend=torch``; the fallback is recorded.
@@ -9,9 +9,9 @@
    step times so that the whole sweep fits the budget with ``--workers`` processes sharing the GPU
    (assumed parallel speed-up ``--speedup``, default workers / 3). A deadline guards the budget: a run
    stopped by it reports ``steps_done`` < steps.
-3. All runs go through one process pool; after each run a partial JSON is written. At the end, per task,
-   ``synthetic-<task>.json`` + ``-length.png`` + ``-state.png`` (fields device, date, commit, command) and
-   the tables are printed.
+3. All runs go through one process pool; after each run ``<prefix>-partial.json`` is written. At the end, per
+   task, ``<prefix>-<task>.json`` + ``-length.png`` + ``-state.png`` (fields device, date, commit, command) and
+   the tables are printed; the prefix is ``<device>-<run>`` (evals/README.md, results), e.g. ``h200-seeds``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from evals.shared import device_token, results_dir
 from longctx_patch.evals import synthetic as M
 from longctx_patch.evals.common import device_description, parse_sizes
 from longctx_patch.evals.synthetic.icl import IclConfig, IclTask
@@ -92,8 +92,9 @@ def main():
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--speedup", type=float, default=None,
                     help="assumed parallel speed-up (default workers / 3: 8 processes on one H200 measured ~3x)")
-    ap.add_argument("--prefix", default=None, help="result file prefix (default synthetic / synthetic-cpu-smoke)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "evals/results"))
+    ap.add_argument("--prefix", default=None,
+                    help="result file prefix, <device>-<run> (default <gpu>-sweep, or cpu-smoke with --cpu-smoke)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder (default $OUT, else evals/results/synthetic)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--tasks", default="icr-basic,icr-positional,icl")
     ap.add_argument("--mixers", default=GPU_MIXERS)
@@ -135,8 +136,8 @@ def main():
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir("synthetic", args.out)
+    prefix = args.prefix or ("cpu-smoke" if args.cpu_smoke else f"{device_token() if device == 'cuda' else 'cpu'}-sweep")
     lengths, icl_lengths = parse_sizes(args.lengths), parse_sizes(args.icl_lengths)
     tasks = make_tasks([t for t in args.tasks.split(",") if t], args)
     task_lengths = {n: (icl_lengths if n == "icl" else lengths) for n in tasks}
@@ -203,7 +204,7 @@ def main():
     records = {t: [] for t in tasks}
 
     def save_partial():
-        (out / "synthetic-partial.json").write_text(json.dumps({"steps": steps, "notes": notes, "records": records},
+        (out / f"{prefix}-partial.json").write_text(json.dumps({"steps": steps, "notes": notes, "records": records},
                                                                indent=1, default=str))
 
     if args.workers <= 1:
@@ -227,7 +228,6 @@ def main():
 
     # 3. reports
     label = "CPU smoke run (tiny sizes, not a benchmark)" if args.cpu_smoke else f"reduced sweep on {device}"
-    prefix = args.prefix or ("synthetic-cpu-smoke" if args.cpu_smoke else "synthetic")
     for tname, task in tasks.items():
         path = out / f"{prefix}-{tname}.json"
         extra = {"probe_step_seconds": {s.label: step_s[s.label] for s in specs}, "probe_length": Lp,

@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import longctx_patch as lp
+from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit
 
 
@@ -23,7 +24,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--out", default="evals/results/lola-train-step.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/lola/train-step-<device>.json)")
     ap.add_argument("--methods", default="lolcats,lola,lola-loop")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sparse-cache", type=int, default=256)
@@ -67,7 +68,7 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "command": "python3 -m evals.bench.lola_train_step " + " ".join(sys.argv[1:]),
            "seq": args.seq, "batch": args.batch, "layers": args.layers, "rows": rows}
-    with open(args.out, "w") as f:
+    with open(result_file("lola", f"train-step-{device_token() if dev == 'cuda' else 'cpu'}.json", args.out), "w") as f:
         json.dump(res, f, indent=1)
 
 

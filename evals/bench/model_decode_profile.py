@@ -21,6 +21,7 @@ import time
 import torch
 
 import longctx_patch as lp
+from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit, parse_sizes
 
 
@@ -49,7 +50,7 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--methods", default="none,exact,muse")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script (small --context)")
-    ap.add_argument("--out", default="evals/results/decode-profile.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/decode/profile-llama-3.2-1b-shaped-<device>.json)")
     args = ap.parse_args()
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -107,9 +108,10 @@ def main():
            "command": "python3 -m evals.bench.model_decode_profile " + shlex.join(sys.argv[1:]),
            "model": "llama-3.2-1b-shaped-random", "context": C, "steps": args.steps,
            "profile_steps": args.profile_steps, "results": results}
-    with open(args.out, "w") as f:
+    out = result_file("decode", f"profile-llama-3.2-1b-shaped-{device_token() if dev == 'cuda' else 'cpu'}.json", args.out)
+    with open(out, "w") as f:
         json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    print("wrote", out)
 
 
 if __name__ == "__main__":

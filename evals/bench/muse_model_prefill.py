@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from evals.shared import device_token, results_dir
 from longctx_patch.evals.common import MethodRun, parse_sizes
 from longctx_patch.evals.speed import run_speed
 
@@ -39,8 +40,8 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=0,
                     help="also time greedy decode over this many steps on the prefilled cache (tokens/s)")
     ap.add_argument("--muse", default="{}", help="MuSe config as JSON (default: the package defaults)")
-    ap.add_argument("--out-dir", default="evals/results")
-    ap.add_argument("--name", default="speed-llama-3.2-1b-shaped-muse")
+    ap.add_argument("--out-dir", default=None, help="folder (default evals/results/speed)")
+    ap.add_argument("--name", default=None, help="file stem (default llama-3.2-1b-shaped-muse-<gpu>)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (MuSe's Triton kernels; a 64k prefill of a 1B model)")
@@ -48,7 +49,8 @@ def main():
     runs = [MethodRun("none"), MethodRun("muse", json.loads(args.muse))]
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts), decode_tokens=args.decode_tokens,
               repeats=args.repeats,
-              out_dir=args.out_dir, name=args.name, model_name="llama-3.2-1b-shaped-random",
+              out_dir=results_dir("speed", args.out_dir), name=args.name or f"llama-3.2-1b-shaped-muse-{device_token()}",
+              model_name="llama-3.2-1b-shaped-random",
               command="python3 -m evals.bench.muse_model_prefill " + " ".join(sys.argv[1:]))
 
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit
 
 
@@ -71,7 +72,7 @@ def _checks() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="evals/results/ovq-profile.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/ovq/profile-<gpu>.json)")
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--configs", default="32/8:1024:256:512,32/32:4096:1024:512,32/32:4096:256:512",
                     help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
@@ -158,8 +159,7 @@ def main() -> None:
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "kernels"}), flush=True)
         for r in kernels[:8]:
             print("   ", r, flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        with open(result_file("ovq", f"profile-{device_token()}.json", args.out), "w") as f:
             json.dump(res, f, indent=1)
 
 

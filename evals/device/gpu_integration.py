@@ -3,7 +3,8 @@ PyTorch reference backend, through the model (prefill logits, greedy generate, l
 
     python3 -m evals.device.gpu_integration [--out DIR]
 
-Writes gpu-integration.json (device, date, commit, command + one row per method/dtype).
+Writes all-<gpu>.json, or <methods>-<gpu>.json for --methods (device, date, commit, command + one row per
+method/dtype), under --out (default $OUT, else evals/results/gpu-integration/).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import traceback
 import torch
 
 import longctx_patch as lp
-from longctx_patch.evals.common import git_commit  # noqa: E402
+from evals.shared import device_token, results_dir
+from longctx_patch.evals.common import git_commit
 
 METHODS = {  # label: (method, config, backend key, fast backend, reference backend)
     "muse": ("muse", {"far_field": "tilted", "min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
@@ -86,7 +88,7 @@ def check(method, dtype, S=777):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "evals/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder (default $OUT, else evals/results/gpu-integration)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 for a slow smoke run")
     ap.add_argument("--seq", type=int, default=777)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of rows (default all: {', '.join(METHODS)})")
@@ -111,8 +113,9 @@ def main():
     rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
            "command": "python3 -m evals.device.gpu_integration" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu-integration.json"), "w") as f:
+    what = "all" if methods == list(METHODS) else "+".join(methods)
+    dev = device_token() if DEVICE == "cuda" else "cpu"
+    with open(results_dir("gpu-integration", a.out) / f"{what}-{dev}.json", "w") as f:
         json.dump(rec, f, indent=2)
     print(f"{'method':8} {'dtype':9} {'rel err':>9} {'gen agree':>9} {'ref s':>7} {'triton s':>8}")
     for r in rows:

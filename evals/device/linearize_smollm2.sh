@@ -11,7 +11,8 @@ STEP=${1:?usage: $0 train|eval}
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/linearize}
-OUT=${OUT:-evals/results}
+OUT=${OUT:-evals/results}  # result JSONs go to $OUT/<task>/ as in evals/results (evals/README.md, results)
+DEV=${DEV:-$(python3 -c 'from evals.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"
 TRANSFER_STEPS=${TRANSFER_STEPS:-1200}
 LORA_STEPS=${LORA_STEPS:-600}
@@ -33,7 +34,7 @@ if [ "$STEP" = train ]; then
     --set stages.transfer.eval_every=200 --set stages.transfer.save_every=100000 \
     --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
     --set stages.lora.eval_every=200 --set stages.lora.save_every=100000 \
-    --set output.lolcats_export=true --results "$OUT/linearize-smollm2-135m-train.json" $EXTRA
+    --set output.lolcats_export=true --results "$OUT/finetune/smollm2-135m-linearize-$DEV.json" $EXTRA
   write_run_asset "$RUN" "SmolLM2-135M-Instruct linearized with recipes/linearize.yaml"
   # the asset folder as one tar (a device call returns at most 8 files, none from deep folders)
   mkdir -p "$OUT" && (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
@@ -46,23 +47,25 @@ fi
 # to $OUT (a device call returns at most 8 files).
 METHODS=(none 'sliding-window(window=256)' lolcats 'lola(window=64,sparse_cache=64)'
          'lola(window=128,sparse_cache=128)' 'lola(window=256,sparse_cache=256)')
-W=/tmp/linearize-eval && mkdir -p "$W"
+W=/tmp/linearize-eval && mkdir -p "$W/niah" "$W/ppl"
 export OMP_NUM_THREADS=2
-M="--model $MODEL --no-progress --out-dir $W"
+M="--model $MODEL --no-progress"
 pids=()
 for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
   timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" \
-    --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --name "niah-linearized-$tag" > "$W/niah-linearized-$tag.log" 2>&1 &
+    --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --out-dir "$W/niah" \
+    --name "smollm2-135m-linearized-$tag-$DEV" > "$W/niah-linearized-$tag.log" 2>&1 &
   pids+=($!)
 done
 ppl_methods=()
 for meth in "${METHODS[@]}"; do ppl_methods+=(--method "$meth"); done
 timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
-  --name ppl-linearized > "$W/ppl-linearized.log" 2>&1 &
+  --out-dir "$W/ppl" --name "smollm2-135m-linearized-$DEV" > "$W/ppl-linearized.log" 2>&1 &
 pids+=($!)
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
-mkdir -p "$OUT" && (cd "$W" && tar cf "$OUT/linearize-eval-logs-plots.tar" ./*.log ./*.png 2>/dev/null; cp ./*.json "$OUT"/ 2>/dev/null)
+mkdir -p "$OUT/niah" "$OUT/ppl" && (cd "$W" && tar cf "$OUT/linearize-eval-logs-plots.tar" ./*.log ./*/*.png 2>/dev/null
+  cp niah/*.json "$OUT/niah/" 2>/dev/null; cp ppl/*.json "$OUT/ppl/" 2>/dev/null)
 tail -n 12 "$W"/*.log
 exit $rc

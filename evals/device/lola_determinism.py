@@ -8,7 +8,7 @@ relative error of the output, the chunks whose queries differ, and the first evi
 
 Start it while other work runs on the same GPU to test under load. On 2026-11-30 it showed a shared-memory race in
 the eviction fold (8 of 12 runs diverged under load; fixed in b12964d, then 0 of 12):
-evals/results/lola-determinism-fix-h200.json and docs/PERFORMANCE.md (section LoLA).
+evals/results/lola/determinism-fix-h200.json and docs/PERFORMANCE.md (section LoLA).
 """
 from __future__ import annotations
 

@@ -5,15 +5,16 @@
 # same q/k/v, at each learning rate of $LRS concurrently. Each run becomes an asset folder (its maps + the
 # packaged LoRA adapter, unchanged) and is evaluated on NIAH and perplexity beside the packaged weights.
 # Run from the repository root on the GPU machine, after the model is assembled at $MODEL (evals/README.md):
-#   evals/device/lola_transfer.sh train   # -> $RUN/lr<LR>/ (finetune output + assets/), train JSONs in $OUT
-#   evals/device/lola_transfer.sh eval    # NIAH + perplexity per run and for the packaged weights -> $OUT/*.json
+#   evals/device/lola_transfer.sh train   # -> $RUN/lr<LR>/ (finetune output + assets/), train JSONs in $OUT/finetune
+#   evals/device/lola_transfer.sh eval    # NIAH + perplexity per run and for the packaged weights -> $OUT/{niah,ppl}/
 # Data: $DATA/train (training text, see train_text.sh) and $DATA/heldout (haystack and perplexity text).
 set -euo pipefail
 STEP=${1:?usage: $0 train|eval}
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/lola-transfer}
-OUT=${OUT:-evals/results}
+OUT=${OUT:-evals/results}  # result JSONs go to $OUT/<task>/ as in evals/results (evals/README.md, results)
+DEV=${DEV:-$(python3 -c 'from evals.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"
 W=${W:-256}
 S=${S:-256}
@@ -46,7 +47,7 @@ if [ "$STEP" = train ]; then
     python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN/lr$lr" -q \
       --set method=lola --set method_config.checkpoint=auto --set method_config.window="$W" \
       --set method_config.sparse_cache="$S" --set method_config.chunk="$CHUNK" --set "stages=[$stage]" \
-      --results "$OUT/lola-transfer-lr$lr-smollm2-135m-train.json" > "$RUN-lr$lr.log" 2>&1 &
+      --results "$OUT/finetune/smollm2-135m-lola-transfer-lr$lr-$DEV.json" > "$RUN-lr$lr.log" 2>&1 &
     pids+=($!)
   done
   rc=0
@@ -71,13 +72,13 @@ for lr in packaged $LRS; do
   for meth in "${METHODS[@]}"; do
     tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
     LONGCTX_ASSET_PATH=$assets timeout "$EVAL_MAX_S" python3 -m cli.main eval niah --model "$MODEL" --no-progress \
-      --out-dir "$OUT" --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" --depths "$DEPTHS" --samples "$SAMPLES" \
-      --haystack "$DATA/heldout" --name "niah-lola-transfer-$lr-$tag" > "$Wk/niah-$lr-$tag.log" 2>&1 &
+      --out-dir "$OUT/niah" --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" --depths "$DEPTHS" --samples "$SAMPLES" \
+      --haystack "$DATA/heldout" --name "smollm2-135m-lola-transfer-$lr-$tag-$DEV" > "$Wk/niah-$lr-$tag.log" 2>&1 &
     pids+=($!)
   done
   LONGCTX_ASSET_PATH=$assets timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl --model "$MODEL" --no-progress \
-    --out-dir "$OUT" --method "${METHODS[0]}" --method "${METHODS[1]}" --text "$DATA/heldout" --context "$CONTEXT" --windows "$WINDOWS" \
-    --name "ppl-lola-transfer-$lr" > "$Wk/ppl-$lr.log" 2>&1 &
+    --out-dir "$OUT/ppl" --method "${METHODS[0]}" --method "${METHODS[1]}" --text "$DATA/heldout" --context "$CONTEXT" --windows "$WINDOWS" \
+    --name "smollm2-135m-lola-transfer-$lr-$DEV" > "$Wk/ppl-$lr.log" 2>&1 &
   pids+=($!)
 done
 rc=0

@@ -11,7 +11,8 @@ set -euo pipefail
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/multigpu}
-OUT=${OUT:-evals/results}
+OUT=${OUT:-evals/results}  # the summary goes to $OUT/multigpu/ as in evals/results (evals/README.md, results)
+DEV=${DEV:-$(python3 -c 'from evals.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"
 NPROC=${NPROC:-2}
 CPU=${CPU:-0}
@@ -27,10 +28,11 @@ EVAL=${EVAL:-1}   # 0: throughput only (no perplexity or NIAH of the trained wei
 # the summary covers these (default MODES); a mode whose results are already in $RUN is not run again, so the
 # modes can be split over several calls on one warm machine: MODES="single ddp", then MODES=fsdp SUMMARY_MODES=...
 SUMMARY_MODES=${SUMMARY_MODES:-$MODES}
-NAME=${NAME:-multigpu-linearize-smollm2-135m}
+NAME=${NAME:-multigpu-linearize-smollm2-135m}  # the runs' files in $RUN
+SUMMARY=${SUMMARY:-$OUT/multigpu/linearize-smollm2-135m-${DEV}x${NPROC:-2}.json}
 
 build_train_text
-mkdir -p "$RUN" "$OUT"
+mkdir -p "$RUN" "$(dirname "$SUMMARY")"
 recipe_args=(recipes/linearize.yaml --model "$MODEL" --text "$TEXT" -q
   --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.lora.steps="$LORA_STEPS"
   --set stages.transfer.seq_len="$SEQ" --set stages.lora.seq_len="$SEQ"
@@ -70,10 +72,10 @@ for mode in $MODES; do
     --no-progress --out-dir "$RUN" --name "$NAME-$mode-niah" > "$RUN/$mode-niah.log" 2>&1
 done
 
-python3 - "$RUN" "$OUT" "$NAME" $SUMMARY_MODES <<'PY'
+python3 - "$RUN" "$SUMMARY" "$NAME" $SUMMARY_MODES <<'PY'
 import json, os, sys
 from longctx_patch.evals.common import git_commit
-run, out, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+run, summary, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 res = {"task": "multigpu-linearize", "commit": git_commit(), "command": "evals/device/multigpu_linearize.sh (" +
        " ".join(f"{k}={os.environ[k]}" for k in ("NPROC", "TRANSFER_STEPS", "LORA_STEPS", "SEQ", "BATCH", "MODES", "EVAL")
                 if k in os.environ) + ")", "runs": {}}
@@ -97,7 +99,7 @@ if base:
         for key in ("tokens_per_s", "steady_tokens_per_s"):
             r[key + "_vs_single"] = {st: (r["stages"][st][key] / base["stages"][st][key]) for st in r["stages"]
                                      if base["stages"].get(st, {}).get(key) and r["stages"][st].get(key)}
-json.dump(res, open(f"{out}/{name}.json", "w"), indent=1)
+json.dump(res, open(summary, "w"), indent=1)
 print(json.dumps({m: {"tokens/s": {k: round(v["tokens_per_s"] or 0) for k, v in r["stages"].items()},
                       "steady tokens/s": {k: round(v["steady_tokens_per_s"] or 0) for k, v in r["stages"].items()},
                       "ppl": r["ppl"],

@@ -2,7 +2,7 @@
 kernels) against the PyTorch reference, forward and gradients in fp32 and bf16, and its speed at 64k against cuDNN;
 a bf16-autocast training step of a patched random Llama (fp32 weights, as the adaptation recipe runs).
 
-    python3 -m evals.device.muse_gpu_extra_checks      # writes $OUT/muse-d96-autocast-checks-h200.json
+    python3 -m evals.device.muse_gpu_extra_checks      # writes $OUT/d96-autocast-checks-<gpu>.json (or in evals/results/muse/)
 """
 
 import json
@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import longctx_patch as lp
+from evals.shared import device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
@@ -63,8 +64,8 @@ def main():
         mu = b(lambda: muse_attention(q, k, v, scale=96**-0.5, **cfg))
     out["d96_64k"] = dict(cudnn_fwd_ms=cud, muse_fwd_ms=mu, speedup=cud / mu)
     print(out["d96_64k"], flush=True)
-    json.dump(out, open(os.path.join(os.environ.get("OUT", "evals/results"), "muse-d96-autocast-checks-h200.json"), "w"),
-              indent=1)
+    with open(results_dir("muse", os.environ.get("OUT")) / f"d96-autocast-checks-{device_token()}.json", "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

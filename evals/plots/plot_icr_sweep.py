@@ -4,7 +4,7 @@ positional side by side. Reads the result JSONs of `evals/bench/bench_synthetic.
 found in them counts (a run stopped by its deadline is drawn hollow). `--seeds-table` prints instead, per task
 and mixer, the mean accuracy over the seeds run at lr 3e-3 with its lowest and highest (the README's table).
 
-    python3 -m evals.plots.plot_icr_sweep [--out evals/results/synthetic-h200-icr-sweep-best.png] [--seeds-table]
+    python3 -m evals.plots.plot_icr_sweep [--out evals/results/synthetic/h200-icr-sweep-best.png] [--seeds-table]
 """
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ from pathlib import Path
 from evals.shared import RESULTS
 
 DEFAULT = {
-    "icr-basic": ["synthetic-h200-curriculum-4000-icr-basic.json", "synthetic-h200-curriculum-4000-lrs-icr-basic.json",
-                  "synthetic-h200-sweep-a-icr-basic.json", "synthetic-h200-sweep-b-icr-basic.json"],
-    "icr-positional": ["synthetic-h200-curriculum-4000-icr-positional.json",
-                       "synthetic-h200-curriculum-4000-lrs-icr-positional.json",
-                       "synthetic-h200-sweep-c-icr-positional.json", "synthetic-h200-sweep-b-icr-positional.json"],
+    "icr-basic": ["synthetic/h200-curriculum-4000-icr-basic.json", "synthetic/h200-curriculum-4000-lrs-icr-basic.json",
+                  "synthetic/h200-sweep-a-icr-basic.json", "synthetic/h200-sweep-b-icr-basic.json"],
+    "icr-positional": ["synthetic/h200-curriculum-4000-icr-positional.json",
+                       "synthetic/h200-curriculum-4000-lrs-icr-positional.json",
+                       "synthetic/h200-sweep-c-icr-positional.json", "synthetic/h200-sweep-b-icr-positional.json"],
 }
 SEEDS = {  # lr 3e-3: seed 0 (the sweep's runs) and seeds 1, 2
-    "icr-basic": ["synthetic-h200-curriculum-4000-icr-basic.json", "synthetic-h200-sweep-b-icr-basic.json",
-                  "synthetic-h200-seeds-icr-basic.json", "synthetic-h200-seeds-b-icr-basic.json"],
-    "icr-positional": ["synthetic-h200-curriculum-4000-icr-positional.json",
-                       "synthetic-h200-sweep-b-icr-positional.json", "synthetic-h200-seeds-icr-positional.json",
-                       "synthetic-h200-seeds-b-icr-positional.json"],
+    "icr-basic": ["synthetic/h200-curriculum-4000-icr-basic.json", "synthetic/h200-sweep-b-icr-basic.json",
+                  "synthetic/h200-seeds-icr-basic.json", "synthetic/h200-seeds-b-icr-basic.json"],
+    "icr-positional": ["synthetic/h200-curriculum-4000-icr-positional.json",
+                       "synthetic/h200-sweep-b-icr-positional.json", "synthetic/h200-seeds-icr-positional.json",
+                       "synthetic/h200-seeds-b-icr-positional.json"],
 }
 
 
@@ -69,7 +69,7 @@ def best_runs(files):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(RESULTS / "synthetic-h200-icr-sweep-best.png"))
+    ap.add_argument("--out", default=str(RESULTS / "synthetic/h200-icr-sweep-best.png"))
     ap.add_argument("--seeds-table", action="store_true", help="print the seeds table (lr 3e-3) instead of plotting")
     args = ap.parse_args()
     if args.seeds_table:

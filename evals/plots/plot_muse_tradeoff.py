@@ -4,7 +4,7 @@
 both. Later result files win for the same configuration and shape, so a configuration's point is at the kernels
 of its latest speed file (the files name their commit).
 
-    python3 -m evals.plots.plot_muse_tradeoff     # writes evals/results/muse-tradeoff-64k.{json,png}
+    python3 -m evals.plots.plot_muse_tradeoff     # writes evals/results/muse/tradeoff-64k-<gpu>.{json,png}
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import subprocess
 import sys
 
-from longctx_patch.evals.common import git_commit
+from evals.shared import RESULTS, device_token
+from longctx_patch.evals.common import git_commit, size_label
 
 TILTED_KEYS = ("block_size", "q_clusters", "k_clusters", "topk_blocks", "topk_clusters")
 CELLS_KEYS = ("block_size", "k_clusters", "topk_blocks")
@@ -54,16 +55,16 @@ def load(pattern: str) -> list[tuple[str, dict]]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default="evals/results")
+    ap.add_argument("--results", default=str(RESULTS), help="results folder (default this checkout's evals/results)")
     ap.add_argument("--seq", type=int, default=65536)
     a = ap.parse_args()
     speed, err, sources = {}, {}, set()
-    for f, r in load(os.path.join(a.results, "muse-cells-speed-h200-*.json")):
+    for f, r in load(os.path.join(a.results, "muse", "cells-speed-*.json")):
         for row in r.get("speed", []):
             if row.get("S") == a.seq and "speedup_fwd_vs_cudnn" in row:
                 speed[(key(row["cfg"]), row["D"])] = dict(row, source=os.path.basename(f), device=r["device"])
                 sources.add(os.path.basename(f))
-    for f, r in load(os.path.join(a.results, "muse-fidelity-64k*.json")):
+    for f, r in load(os.path.join(a.results, "muse", "fidelity-*.json")):
         if r.get("seq_len") != a.seq or r.get("dtype", "float32") != "float32":  # the fp32 errors (bf16 adds rounding)
             continue
         for row in r["results"]:
@@ -82,7 +83,8 @@ def main():
                command="python3 -m evals.plots.plot_muse_tradeoff", seq=a.seq, sources=sorted(sources),
                metric="forward speedup over cuDNN (bf16, B=1, 32/8 heads, plan included) vs mean relative error of "
                       "the attention output over SmolLM2-135M's 30 layers on a 64k-token text", points=points)
-    with open(os.path.join(a.results, "muse-tradeoff-64k.json"), "w") as fh:
+    stem = os.path.join(a.results, "muse", f"tradeoff-{size_label(a.seq)}-{device_token(devices[0])}")
+    with open(stem + ".json", "w") as fh:
         json.dump(out, fh, indent=1)
     for p in points:
         print(f"{p['config']:32} D{p['D']:<4} fwd {p['speedup_fwd']:5.2f}x  err {100 * p['err_mean']:5.1f}%")
@@ -111,7 +113,7 @@ def main():
     ax.set_title("MuSe: speed / error at 64k")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(a.results, "muse-tradeoff-64k.png"), dpi=120)
+    fig.savefig(stem + ".png", dpi=120)
 
 
 if __name__ == "__main__":

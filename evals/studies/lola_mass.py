@@ -3,7 +3,7 @@ exact model's softmax mass on the needle's tokens against `lola`'s (the share of
 needle gets, through the sparse cache or the linear term), and the share of `lola`'s normaliser that is its
 linear term. The model runs `lola`; at each layer the same q, k, v give both attentions of the last query.
 
-    python3 -m evals.studies.lola_mass --lengths 1k,2k,4k --out evals/results/lola-mass-smollm2-135m.json
+    python3 -m evals.studies.lola_mass --lengths 1k,2k,4k --out evals/results/lola/mass-smollm2-135m-cpu.json
 
 The hybrid's exact terms are exp(s - m) with m their maximum and its linear term phi(q).phi(k) is not rescaled
 (the LoLCATs normaliser), so the linear term's share grows with the number of keys it covers.
@@ -18,6 +18,7 @@ import sys
 import torch
 
 import longctx_patch as lp
+from evals.shared import device_token, model_token, result_file
 from longctx_patch.evals.common import (
     MethodRun, device_description, parse_fractions, parse_sizes, write_result)
 from longctx_patch.evals.niah import make_samples, value_span
@@ -69,8 +70,9 @@ def main() -> None:
     ap.add_argument("--sparse-cache", type=int, default=256)
     ap.add_argument("--linear-scale", type=float, default=1.0)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="evals/results/lola-mass-smollm2-135m.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/lola/mass-<model>-<device>.json)")
     a = ap.parse_args()
+    out = result_file("lola", f"mass-{model_token(a.model)}-{device_token(a.device)}.json", a.out)
     model, tok = load_model(a.model, device=a.device)
     run = MethodRun("lola", dict(window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale))
     lp.patch(model, run.name, **run.config)
@@ -108,10 +110,10 @@ def main() -> None:
                    top_retrieval_layers=top, layers=per_layer)
         print(json.dumps({k: v for k, v in rec.items() if k != "layers"}), flush=True)
         records.append(rec)
-    write_result(a.out, task="lola-mass", model=a.model, runs=[run], figures={"records": records},
+    write_result(out, task="lola-mass", model=a.model, runs=[run], figures={"records": records},
                  command="python3 -m evals.studies.lola_mass " + " ".join(sys.argv[1:]),
                  device=device_description(a.device))
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

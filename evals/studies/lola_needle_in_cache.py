@@ -4,7 +4,7 @@ would get (lambda / tokens outside the window). Sparse heads are the kv heads (`
 default) or the query heads.
 
     python3 -m evals.studies.lola_needle_in_cache --lengths 2k,4k --linear-scale 0.3 \\
-        --out evals/results/lola-needle-in-cache-smollm2-135m.json
+        --out evals/results/lola/needle-in-cache-smollm2-135m-cpu.json
 
 The positions of the kept pairs are followed by wrapping the cache manager's eviction step
 (`kernels.lola.ops.lola_evict`) and the selection it makes (`kernels.lola.reference.top_lam`, which it calls
@@ -21,6 +21,7 @@ import sys
 import torch
 
 import longctx_patch as lp
+from evals.shared import device_token, model_token, result_file
 from longctx_patch.evals.common import (
     MethodRun, device_description, parse_fractions, parse_sizes, write_result)
 from longctx_patch.evals.niah import make_samples, value_span
@@ -77,8 +78,9 @@ def main() -> None:
     ap.add_argument("--linear-scale", type=float, default=1.0)
     ap.add_argument("--sparse-heads", choices=("kv", "query"), default="kv")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="evals/results/lola-needle-in-cache-smollm2-135m.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/lola/needle-in-cache-<model>-<device>.json)")
     a = ap.parse_args()
+    out = result_file("lola", f"needle-in-cache-{model_token(a.model)}-{device_token(a.device)}.json", a.out)
     lengths, depths = parse_sizes(a.lengths), parse_fractions(a.depths)
     model, tok = load_model(a.model, device=a.device)
     run = MethodRun("lola", dict(window=a.window, sparse_cache=a.sparse_cache, linear_scale=a.linear_scale,
@@ -102,10 +104,10 @@ def main() -> None:
                    mean_share=round(sum(by_layer) / len(by_layer), 3), share_by_layer=by_layer)
         print(json.dumps({k: v for k, v in rec.items() if k != "share_by_layer"}), flush=True)
         records.append(rec)
-    write_result(a.out, task="lola-needle-in-cache", model=a.model, runs=[run], figures={"records": records},
+    write_result(out, task="lola-needle-in-cache", model=a.model, runs=[run], figures={"records": records},
                  command="python3 -m evals.studies.lola_needle_in_cache " + " ".join(sys.argv[1:]),
                  device=device_description(a.device))
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ For each layer, against exact attention (the relative error of the output, as in
 Dense per query block (B = 1): a CUDA GPU for 64k, the CPU for a few thousand tokens.
 
     python3 -m evals.studies.muse_error_anatomy --device cuda --model /tmp/smollm2.gguf --data .device-data \
-        --seq-len 65536 --layers 18,29,8,5 --out $OUT/muse-error-anatomy-64k.json
+        --seq-len 65536 --layers 18,29,8,5 --out $OUT/muse/error-anatomy-smollm2-135m-64k-h200.json
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import datetime
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from evals.shared import SHARED_DATA, take_top
+from evals.shared import SHARED_DATA, device_token, model_token, result_file, take_top
 from evals.studies.muse_fidelity import real_qkv
-from longctx_patch.evals.common import git_commit
+from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.cells_triton import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
@@ -204,9 +203,11 @@ def main():
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--config", default="{}", help="cells plan options as JSON over the package's cells defaults")
-    ap.add_argument("--out", default="evals/results/muse-error-anatomy.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/muse/error-anatomy-<model>-<seq>-<device>.json)")
     ap.add_argument("--far-only", action="store_true", help="only the far-field models on the package's plan")
     args = ap.parse_args()
+    out = result_file("muse", f"error-anatomy-{model_token(args.model)}-{size_label(args.seq_len)}"
+                      f"{'-far' if args.far_only else ''}-{device_token(args.device)}.json", args.out)
     cfg = {**FAR_FIELD_DEFAULTS["cells"], "sink_blocks": 1, **json.loads(args.config)}
     qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
@@ -223,8 +224,7 @@ def main():
         res["layers"][str(i)] = row
         print(f"layer {i}: far mass {row['mass_far']:.3f} " + " ".join(f"{m} {e:.4f}" for m, e in row["err"].items())
               + f" ({time.time() - t0:.0f}s)", flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

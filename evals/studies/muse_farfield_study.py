@@ -10,7 +10,7 @@ mass and removed from the summaries. `nosum` drops the summaries (block-sparse a
 
 Dense float64 per head (CPU, a few minutes at 8k). Error: ||o - o_exact|| / ||o_exact|| per layer.
 
-    python -m evals.studies.muse_farfield_study --seq-len 2048 --out evals/results/muse-farfield-study-2k.json
+    python -m evals.studies.muse_farfield_study --seq-len 2048 --out evals/results/muse/farfield-study-smollm2-135m-2k-cpu.json
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 import longctx_patch
-from evals.shared import SHARED_DATA
+from evals.shared import SHARED_DATA, result_file
 from evals.studies.muse_fidelity import capture_qkv, real_text
-from longctx_patch.evals.common import git_commit
+from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.plan import lloyd
 
 GRID = [
@@ -104,16 +104,18 @@ def layer_error(q, k, v, tau, head=global_far_field, **cfg) -> float:
     return math.sqrt(num / den)
 
 
-def run_study(doc: str, module: str, error_fn, grid, *, seq_len: int, layers: str, out: str, defaults: dict):
+def run_study(doc: str, module: str, error_fn, grid, *, seq_len: int, layers: str, kind: str, defaults: dict):
     """The command line of a far-field study: capture SmolLM2's Q/K/V of essays (CPU), error_fn(q, k, v, tau,
-    **cfg) per layer and config, one JSON with device, date, commit and command."""
+    **cfg) per layer and config, one JSON with device, date, commit and command (default
+    evals/results/muse/<kind>-smollm2-135m-<seq>-cpu.json)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--layers", default=layers)
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
-    ap.add_argument("--out", default=out)
+    ap.add_argument("--out", default=None, help=f"file (default evals/results/muse/{kind}-smollm2-135m-<seq>-cpu.json)")
     args = ap.parse_args()
+    out = result_file("muse", f"{kind}-smollm2-135m-{size_label(args.seq_len)}-cpu.json", args.out)
     model, tok = longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
     ids = tok(real_text(Path(args.data), args.seq_len * 8), return_tensors="pt").input_ids[:, : args.seq_len]
     qkv, scale = capture_qkv(model, ids)
@@ -129,13 +131,12 @@ def run_study(doc: str, module: str, error_fn, grid, *, seq_len: int, layers: st
                commit=git_commit(), command=f"python -m {module} " + " ".join(sys.argv[1:]),
                model="smollm2-135m", seq_len=int(ids.shape[1]), text="pg_essays", layers=layer_ids,
                defaults=defaults, metric="||o - o_exact|| / ||o_exact||", results=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    out.write_text(json.dumps(res, indent=1))
 
 
 def main():
     run_study(__doc__, "evals.studies.muse_farfield_study", layer_error, GRID, seq_len=2048, layers="0,3,7,11,15,19,23,27",
-              out="evals/results/muse-farfield-study.json", defaults=dict(L=128, local=1, iters=2))
+              kind="farfield-study", defaults=dict(L=128, local=1, iters=2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Retrieval: block m is scored for query block n by `score="mean"` (the monopole m
 mean query) or `score="max"` (the largest monopole mass over the block's queries). Error: ||o - o_exact|| /
 ||o_exact|| per layer, over all heads.
 
-    python -m evals.studies.muse_fast_study --seq-len 8192 --out evals/results/muse-fast-study-8k.json
+    python -m evals.studies.muse_fast_study --seq-len 8192 --out evals/results/muse/fast-study-smollm2-135m-8k-cpu.json
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def layer_error(q, k, v, tau, **cfg) -> float:
 
 def main():
     run_study(__doc__, "evals.studies.muse_fast_study", layer_error, GRID, seq_len=8192, layers="0,7,15,23",
-              out="evals/results/muse-fast-study.json", defaults=dict(local=1, iters=2, tilt="none", score="mean"))
+              kind="fast-study", defaults=dict(local=1, iters=2, tilt="none", score="mean"))
 
 
 if __name__ == "__main__":

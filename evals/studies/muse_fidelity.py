@@ -4,7 +4,7 @@ Captures post-rotary Q/K/V of every layer on a real text (Paul Graham essays fro
 the MuSe reference for each configuration of a small grid. CPU is enough (the Triton kernels compute the
 same function from the same plan; tests/test_muse_kernels.py checks that).
 
-    python -m evals.studies.muse_fidelity --seq-len 2048 --out evals/results/muse-fidelity.json
+    python -m evals.studies.muse_fidelity --seq-len 2048 --out evals/results/muse/fidelity-smollm2-135m-2k-cpu.json
     python3 -m evals.studies.muse_fidelity --device cuda --backend auto --model /tmp/smollm2.gguf \
         --data .device-data --seq-len 65536 --grid '[{"block_size": 128}]'      # long contexts: Triton on a GPU
     (--dtype bfloat16: MuSe in bf16, as a bf16 model runs it, against the fp32 exact output; a row `{"exact":
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import longctx_patch
-from evals.shared import SHARED_DATA
-from longctx_patch.evals.common import git_commit
+from evals.shared import SHARED_DATA, device_token, model_token, result_file
+from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.methods.exact import softmax_attention
 
@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
-    ap.add_argument("--out", default="evals/results/muse-fidelity.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/muse/fidelity-<model>-<seq>-<device>.json)")
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
     ap.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or directory (load_model)")
     ap.add_argument("--device", default="cpu")
@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--backend", default="torch",
                     help="MuSe backend: torch (the dense reference: CPU, a few thousand tokens) or auto/triton (CUDA)")
     args = ap.parse_args()
+    out = result_file("muse", f"fidelity-{model_token(args.model)}-{size_label(args.seq_len)}"
+                      f"{'' if args.dtype == 'float32' else '-bf16'}-{device_token(args.device)}.json", args.out)
     torch.manual_seed(0)
     qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
@@ -124,8 +126,7 @@ def main():
                    commit=commit, command="python -m evals.studies.muse_fidelity " + " ".join(sys.argv[1:]),
                    layers=list(layers), model=args.model, seq_len=args.seq_len, text="pg_essays",
                    metric="||o - o_exact|| / ||o_exact||", results=rows)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))  # after every configuration: a time limit loses none
+        out.write_text(json.dumps(res, indent=1))  # after every configuration: a time limit loses none
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ one knob from the defaults of its time (L 256, Ck 16, 16 blocks, 1 sink block; t
 The package's reference (`cells_reference`) computes every row; 16k tokens take about 3 minutes per layer on 2 cores.
 
     python -m evals.studies.muse_retrieval_study --seq-len 16384 --layers 28,7,17,18,3,23,12,0 \
-        --out evals/results/muse-retrieval-study-16k-cpu.json
+        --out evals/results/muse/retrieval-study-smollm2-135m-16k-cpu.json
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from evals.shared import SHARED_DATA, blocks, take_top
+from evals.shared import SHARED_DATA, blocks, model_token, result_file, take_top
 from evals.studies.muse_fidelity import real_qkv
-from longctx_patch.evals.common import git_commit
+from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.exact import softmax_attention
@@ -66,8 +65,9 @@ def main():
     ap.add_argument("--layers", default="28,7,17,18,3,23,12,0")
     ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--out", default="evals/results/muse-retrieval-study-16k-cpu.json")
+    ap.add_argument("--out", default=None, help="file (default evals/results/muse/retrieval-study-<model>-<seq>-cpu.json)")
     args = ap.parse_args()
+    out = result_file("muse", f"retrieval-study-{model_token(args.model)}-{size_label(args.seq_len)}-cpu.json", args.out)
     torch.manual_seed(0)
     qkv, scale = real_qkv(args.model, args.data, args.seq_len, "cpu")
     layers = [int(x) for x in args.layers.split(",")]
@@ -91,8 +91,7 @@ def main():
         res["per_layer"][str(i)] = row
         res["mean"] = {n: sum(r[n] for r in res["per_layer"].values()) / len(res["per_layer"]) for n in VARIANTS}
         print(i, {n: round(e, 4) for n, e in row.items()}, f"{time.time() - t0:.0f}s", flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))  # after every layer
+        out.write_text(json.dumps(res, indent=1))  # after every layer
     print("mean", {n: round(e, 4) for n, e in res["mean"].items()})
 
 
