@@ -1,0 +1,106 @@
+"""evals/results/INDEX.md is what `python -m evals.index` writes from the result files (it cannot go stale), it
+lists every result JSON, every result says where, when and from what it came, and the files follow the layout."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from evals import index
+
+RESULTS = Path(__file__).resolve().parents[1] / "evals" / "results"
+FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "multigpu", "muse", "niah", "ovq", "ppl",
+           "racecheck", "speed", "speed-op", "synthetic"}
+# result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
+LACKING: dict[str, tuple[str, ...]] = {}
+# figures and logs that belong to several runs (no JSON of their own stem)
+STANDALONE = {"synthetic/h200-icr-sweep-best.png"}
+
+
+def result_jsons() -> list[Path]:
+    return sorted(RESULTS.rglob("*.json"))
+
+
+def test_committed_index_is_what_the_results_give(tmp_path):
+    out = tmp_path / "INDEX.md"
+    assert index.main(["--results", str(RESULTS), "--out", str(out)]) == 0
+    committed = (RESULTS / "INDEX.md").read_text()
+    assert out.read_text() == committed, "evals/results/INDEX.md is stale: run python -m evals.index"
+    assert index.main(["--results", str(RESULTS), "--check"]) == 0
+
+
+def test_every_result_json_is_listed_once():
+    text = (RESULTS / "INDEX.md").read_text()
+    linked = re.findall(r"\]\(([^)]+\.json)\)", text)
+    files = sorted(p.relative_to(RESULTS).as_posix() for p in result_jsons())
+    assert len(files) > 200
+    assert sorted(linked) == files
+    assert f"{len(files)} result files" in text
+
+
+def test_every_result_says_device_date_commit_and_command():
+    lacking = {}
+    for p in result_jsons():
+        d = json.loads(p.read_text())
+        missing = tuple(k for k in index.REQUIRED if not d.get(k))
+        if missing:
+            lacking[p.relative_to(RESULTS).as_posix()] = missing
+        else:
+            assert re.match(r"\d{4}-\d{2}-\d{2}", str(d["date"])), p
+            assert re.match(r"[0-9a-f]{7,40}(\s|$)", str(d["commit"])), p
+    assert lacking == {k: v for k, v in LACKING.items() if k in lacking}, "a result file lacks a required field"
+    assert set(lacking) <= set(LACKING), f"new result files without {index.REQUIRED}: {sorted(set(lacking) - set(LACKING))}"
+
+
+def test_the_index_shows_unknown_for_what_a_file_does_not_say(tmp_path):
+    (tmp_path / "niah").mkdir()
+    rec = {"task": "niah", "device": "cpu", "date": "2026-12-01T00:00:00Z", "command": "longctx eval niah",
+           "model": "m", "method": ["exact"], "overall": {"exact": 0.5}}
+    (tmp_path / "niah" / "m-exact-cpu.json").write_text(json.dumps(rec))
+    (tmp_path / "lola").mkdir()
+    (tmp_path / "lola" / "speed-h200-abc1234.json").write_text(json.dumps({"device": "NVIDIA H200", "commit": "abc1234"}))
+    rows = index.collect(tmp_path)
+    assert [r.file for r in rows] == ["lola/speed-h200-abc1234.json", "niah/m-exact-cpu.json"]
+    speed, niah = rows
+    assert (niah.task, niah.commit, niah.headline, niah.missing) == ("niah", "unknown", "accuracy: exact 0.50", ("commit",))
+    assert (speed.task, speed.date, speed.model, speed.method, speed.headline) == ("lola-speed", "unknown", "-", "-", "-")
+    assert speed.missing == ("date", "command")
+    text = index.render(rows)
+    assert "- `niah/m-exact-cpu.json`: no commit" in text and "- `lola/speed-h200-abc1234.json`: no date, command" in text
+
+
+def test_files_are_laid_out_by_task():
+    for p in RESULTS.rglob("*"):
+        rel = p.relative_to(RESULTS)
+        if p.is_dir():
+            assert len(rel.parts) == 1 and rel.name in FOLDERS, f"unexpected folder {rel}"
+            continue
+        if rel.as_posix() == "INDEX.md":
+            continue
+        assert len(rel.parts) == 2 and rel.parts[0] in FOLDERS, f"{rel}: results go in evals/results/<task>/"
+        assert p.suffix in (".json", ".png", ".log"), rel
+        assert re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", rel.stem, re.IGNORECASE), rel
+        if p.suffix == ".json":
+            kinds = index.KINDS.get(rel.parts[0])
+            if kinds:
+                assert index.kind_of(rel) is not None, f"{rel}: names in {rel.parts[0]}/ start with one of {kinds}"
+            device = r"(cpu|h200|h200x2)"
+            if rel.parts[0] == "synthetic":
+                assert re.match(device + "-", rel.stem), f"{rel}: synthetic/<device>-<run>-<task>.json"
+            else:
+                assert re.search(r"-" + device + r"(-[0-9a-f]{7})?$", rel.stem), f"{rel}: ...-<device>[-<commit>].json"
+
+
+@pytest.mark.parametrize("ext", [".png", ".log"])
+def test_plots_and_logs_sit_beside_their_json(ext):
+    stems = {p.relative_to(RESULTS).with_suffix("").as_posix() for p in result_jsons()}
+    for p in RESULTS.rglob("*" + ext):
+        s = p.relative_to(RESULTS).with_suffix("").as_posix()
+        if p.relative_to(RESULTS).as_posix() in STANDALONE:
+            continue
+        beside = any(s == j or s.startswith(j + "-") for j in stems)  # <json-stem>[-<plot>]
+        run_log = ext == ".log" and any(j.startswith(s + "-") for j in stems)  # a run's log: <device>-<run>.log
+        assert beside or run_log, f"{p.relative_to(RESULTS)} has no JSON of its stem"
