@@ -32,11 +32,22 @@ def method_options(default=("exact",)):
     return deco
 
 
+def _default_out_dir(ctx, param, value):
+    """No --out-dir: the run_* functions' default results folder (resolved when they write)."""
+    if value is not None:
+        return value
+    from longctx_patch.evals.common import RESULTS_DEFAULT
+
+    return RESULTS_DEFAULT
+
+
 def output_options(f):
     f = click.option("--name", default=None, metavar="NAME",
                      help="Base name of the result files (default: TASK-MODEL-METHODS).")(f)
-    f = click.option("--out-dir", default="evals/results", show_default=True, type=click.Path(file_okay=False),
-                     help="Folder for NAME.json and NAME.png.")(f)
+    f = click.option("--out-dir", default=None, type=click.Path(file_okay=False), callback=_default_out_dir,
+                     help="Folder for NAME.json and NAME.png (default: $LONGCTX_RESULTS/TASK when set; inside a "
+                          "checkout of this repository its evals/results/TASK; else "
+                          "~/.local/share/longctx-patch/results/TASK).")(f)
     return f
 
 

@@ -71,8 +71,10 @@ def _add_training_options(f, steps, curriculum, tokens_per_step):
         click.option("--d-model", default=128, show_default=True, type=click.IntRange(8), help="Model width."),
         click.option("--mixers", "mixer_items", multiple=True, metavar="SPEC", help=MIXER_HELP),
         click.option("--name", default=None, metavar="NAME", help="Base name of the result files (default: the task and variant)."),
-        click.option("--out-dir", default="evals/results", show_default=True, type=click.Path(file_okay=False),
-                     help="Folder for NAME.json and the plots."),
+        click.option("--out-dir", default=None, type=click.Path(file_okay=False),
+                     help="Folder for NAME.json and the plots (default: the results folder's synthetic/, as for "
+                          "'longctx eval': $LONGCTX_RESULTS, a checkout's evals/results, or "
+                          "~/.local/share/longctx-patch/results)."),
         click.option("--no-plots", is_flag=True, help="Write the JSON only."),
         click.option("--quiet", "-q", is_flag=True, help="No progress bars."),
     ]
@@ -111,7 +113,9 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
     from longctx_patch.evals.synthetic import run_sweep, write_report
 
     records = run_sweep(task, specs, lengths, mcfg, tcfg, workers=workers, progress=not quiet)
-    path = Path(out_dir) / f"{name}.json"
+    from longctx_patch.evals.common import default_results_dir
+
+    path = (Path(out_dir) if out_dir is not None else default_results_dir() / "synthetic") / f"{name}.json"
     text, _ = write_report(path, task, specs, records, lengths, mcfg, tcfg, label=label, command=_command(),
                            plots=plots, extra=extra)
     click.echo(f"\n{task.name} {label}\n{text}\n-> {path}")

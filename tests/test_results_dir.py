@@ -83,3 +83,23 @@ def test_cli_out_dir_wins_over_the_default(no_env, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert (out / "a.json").is_file()
     assert not (tmp_path / "default").exists() and not (tmp_path / "evals").exists()
+
+
+def test_cli_without_out_dir_writes_into_the_default_folders_task_subfolder(no_env, tmp_path, monkeypatch):
+    import longctx_patch as lp
+    from longctx_patch.train.runner import write_results
+
+    model_dir = tmp_path / "tiny"
+    tok = lp.models.load_tokenizer("smollm2-135m")
+    tiny_model("llama", vocab_size=len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    monkeypatch.setenv(common.RESULTS_ENV, str(tmp_path / "default"))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["eval", "approx", "--model", str(model_dir), "--method", "exact", "--length", "32",
+                                  "--lengths", "16", "--name", "a"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "default" / "approx" / "a.json").is_file()
+    assert not (tmp_path / "evals").exists()
+    summary = {"device": "cpu", "date": "d", "commit": "c", "command": "x"}
+    assert write_results("run1", summary) == tmp_path / "default" / "finetune" / "run1.json"
+    assert common.output_dir(None, "niah") is None  # None still means: write nothing

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 
 def relative_error(o, ref) -> float:
@@ -70,7 +70,7 @@ def run_approx(
     lengths: Sequence[int] = (),
     layers=None,
     seed: int = 0,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     source: str = "",
@@ -149,6 +149,7 @@ def run_approx(
     }
     echo(approx_table(figures, labels, lengths))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "approx")
     if out_dir is not None:
         stem = name or default_name("approx", model_name, methods)
         path = write_result(Path(out_dir) / f"{stem}.json", task="approx", model=model_name, runs=methods, figures=figures, command=command)

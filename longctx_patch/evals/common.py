@@ -67,6 +67,26 @@ def default_results_dir(cwd: str | os.PathLike | None = None) -> Path:
     return user_results_dir()
 
 
+class _DefaultFolder:
+    """The `out_dir` default of the run_* functions: `default_results_dir() / TASK` (None: write nothing)."""
+
+    def __repr__(self) -> str:
+        return "<the default results folder>"
+
+
+RESULTS_DEFAULT = _DefaultFolder()
+
+
+def output_dir(out_dir, task: str) -> Path | None:
+    """The folder a run writes into: None for None, `default_results_dir() / task` for RESULTS_DEFAULT, else
+    `out_dir` as given (an explicit folder wins, as the CLI's --out-dir does)."""
+    if out_dir is None:
+        return None
+    if out_dir is RESULTS_DEFAULT:
+        return default_results_dir() / task
+    return Path(out_dir)
+
+
 def __getattr__(name: str):
     if name == "DEFAULT_RESULTS_DIR":  # resolved when read: it follows $LONGCTX_RESULTS and the working directory
         return default_results_dir()
@@ -415,6 +435,8 @@ __all__ = [
     "device_description",
     "command_line",
     "default_results_dir",
+    "output_dir",
+    "RESULTS_DEFAULT",
     "repo_root",
     "user_results_dir",
     "RESULTS_ENV",

@@ -30,6 +30,8 @@ from typing import Any, Sequence
 from ..errors import ConfigError
 from ..generation import has_chat_template
 from .common import (
+    RESULTS_DEFAULT,
+    output_dir,
     MethodRun,
     applied,
     begin_run,
@@ -399,7 +401,7 @@ def run_niah(
     samples: int = 1,
     seed: int = 0,
     haystack: str | Path | None = None,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     command: str | None = None,
@@ -453,6 +455,7 @@ def run_niah(
     if figures["paired"]:
         echo(paired_lines(figures))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "niah")
     if out_dir is not None:
         stem = name or default_name("niah", model_name, methods)
         path = write_result(

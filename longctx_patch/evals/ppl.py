@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 LOSS_CHUNK = 1024  # tokens per chunk of the output projection (keeps [chunk, vocab] logits small)
 
@@ -131,7 +131,7 @@ def run_ppl(
     contexts: Sequence[int] = (2048, 8192),
     max_windows: int = 4,
     buckets: int = 8,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     source: str = "",
@@ -205,6 +205,7 @@ def run_ppl(
         }
     echo(ppl_table(figures, labels, contexts))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "ppl")
     if out_dir is not None:
         stem = name or default_name("ppl", model_name, methods)
         path = write_result(Path(out_dir) / f"{stem}.json", task="ppl", model=model_name, runs=methods, figures=figures, command=command)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, DeviceError
-from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 
 def _sync(device) -> None:
@@ -105,7 +105,7 @@ def run_speed(
     contexts: Sequence[int] = (1024, 4096),
     decode_tokens: int = 32,
     repeats: int = 3,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     command: str | None = None,
@@ -169,6 +169,7 @@ def run_speed(
     ]
     echo(format_table(header, table))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "speed")
     if out_dir is not None:
         stem = name or default_name("speed", model_name, methods)
         path = write_result(Path(out_dir) / f"{stem}.json", task="speed", model=model_name, runs=methods, figures=figures, command=command)
@@ -337,7 +338,7 @@ def run_op_speed(
     dtype: str = "bfloat16",
     modes: Sequence[str] = ("fwd", "fwd+bwd"),
     check: bool = True,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     command: str | None = None,
     echo=print,
@@ -396,6 +397,7 @@ def run_op_speed(
             )
     echo(format_table(header, table))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "speed-op")
     if out_dir is not None:
         stem = name or "speed-op-" + "+".join(r.name for r in methods) + f"-h{heads}-kv{kv_heads}-d{head_dim}"
         path = write_result(

@@ -1081,10 +1081,13 @@ class Finetuner:
 
 
 def write_results(name: str, summary: dict[str, Any]) -> Path:
-    """Writes `evals/results/NAME.json` (or NAME itself when it is a path ending in .json)."""
+    """Writes `finetune/NAME.json` of the default results folder (`evals.common.default_results_dir`), or NAME
+    itself when it is a path ending in .json."""
+    from ..evals.common import default_results_dir
+
     p = Path(name)
     if p.suffix != ".json":
-        p = Path("evals") / "results" / f"{name}.json"
+        p = default_results_dir() / "finetune" / f"{name}.json"
     p.parent.mkdir(parents=True, exist_ok=True)
     rec = {k: summary[k] for k in ("device", "date", "commit", "command")}
     rec["task"] = "finetune"
