@@ -271,6 +271,33 @@ def test_run_ruler_writes_json_and_png_with_paired_samples(tiny, tmp_path, one_t
     assert res["json"] == str(tmp_path / "r.json")
 
 
+def test_cli_eval_ruler(tiny, tmp_path, one_thread, monkeypatch):
+    from cli.main import main
+
+    monkeypatch.setitem(ruler.TOKENS_TO_GENERATE, "niah", 6)
+
+    d = tmp_path / "tiny"
+    tiny[0].save_pretrained(d)
+    tiny[1].save_pretrained(d)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mod.py").write_text("".join(f'def f{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
+                                        for i in range(200)))
+    r = CliRunner().invoke(main, ["eval", "ruler", "--model", str(d), "--method", "exact", "--tasks", "niah_single_2",
+                                  "--lengths", "400", "--samples", "1", "--haystack", str(src),
+                                  "--out-dir", str(tmp_path / "out"), "--no-progress", "--device", "cpu"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "niah_single_2" in r.output and "average" in r.output
+    rec = json.loads(next((tmp_path / "out").glob("ruler-*.json")).read_text())
+    assert rec["tasks"] == ["niah_single_2"] and rec["lengths"] == [400]
+    assert rec["haystack"] == f"Python source under {src}" and rec["samples"][0]["prompt_tokens"] > 200
+    assert rec["command"].startswith("longctx eval ruler ") and f"--haystack {src}" in rec["command"]
+    bad = CliRunner().invoke(main, ["eval", "ruler", "--model", str(d), "--tasks", "niah_single_9"])
+    assert bad.exit_code == 1 and "unknown ruler task" in bad.output
+    assert CliRunner().invoke(main, ["eval", "ruler", "--help"]).exit_code == 0
+
+
 # ----------------------------------------------------------------------------------------------- real model
 @pytest.mark.slow
 @pytest.mark.qwen
