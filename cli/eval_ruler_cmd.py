@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import device_dtype_options, friendly_errors, model_option
+from .common import check_device_dtype, device_dtype_options, friendly_errors, model_option
 from .eval_cmd import _command, _load, _runs, eval_group, method_options, output_options
 
 TASKS_HELP = (
@@ -47,6 +47,7 @@ def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, pro
     from longctx_patch.evals.common import parse_sizes
     from longctx_patch.evals.ruler import TASKS, load_ruler_haystack, run_ruler
 
+    check_device_dtype(device, dtype)
     runs = _runs(methods, sets)
     task_list = list(TASKS) if tasks.strip().lower() == "all" else [t.strip().lower() for t in tasks.split(",") if t.strip()]
     bad = [t for t in task_list if t not in TASKS]
@@ -54,7 +55,7 @@ def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, pro
         raise ConfigError(f"unknown ruler task(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
     length_list = parse_sizes(lengths)
     load_ruler_haystack(haystack)  # fail on a bad path before loading the model
-    pair = _load(model, dtype, device)
+    pair = _load(model, dtype, device, runs)
     run_ruler(pair, runs, tasks=task_list, lengths=length_list, samples=samples, seed=seed, haystack=haystack,
               out_dir=out_dir, name=name, model_name=model, command=_command(), progress=progress, echo=click.echo)
 
