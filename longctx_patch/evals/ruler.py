@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 from ..errors import ConfigError
 from ..generation import has_chat_template
 from . import niah
-from .common import MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
+from .common import RESULTS_DEFAULT, MethodRun, output_dir, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 TASKS = (
     "niah_single_1", "niah_single_2", "niah_single_3",
@@ -503,7 +503,7 @@ def run_ruler(
     samples: int = 1,
     seed: int = 0,
     haystack: str | Path | None = None,
-    out_dir: str | Path | None = "evals/results",
+    out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     command: str | None = None,
@@ -559,6 +559,7 @@ def run_ruler(
     if figures["paired"]:
         echo(niah.paired_lines(figures))
     result = {"figures": figures}
+    out_dir = output_dir(out_dir, "ruler")
     if out_dir is not None:
         stem = name or default_name("ruler", model_name, methods)
         path = write_result(Path(out_dir) / f"{stem}.json", task="ruler", model=model_name, runs=methods,
