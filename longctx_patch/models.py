@@ -178,14 +178,14 @@ def embedded_dir(alias: str = DEFAULT_MODEL) -> Path:
     def make(out: Path) -> None:
         work = Path(tempfile.mkdtemp(prefix=f".{entry.cache_name}.gguf.", dir=out.parent))
         try:
-            _dequantise_gguf(_checked_gguf(entry, parts, work), out, tie_embeddings=entry.tie_embeddings)
+            dequantise_gguf(_checked_gguf(entry, parts, work), out, tie_embeddings=entry.tie_embeddings)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
     return _made_once(entry.cache_name, make)
 
 
-def _dequantise_gguf(gguf_path: Path, out_dir: Path, tie_embeddings: bool = False) -> None:
+def dequantise_gguf(gguf_path: Path, out_dir: Path, tie_embeddings: bool = False) -> None:
     """Load a GGUF with transformers (dequantising it) and save a plain safetensors checkpoint; `tie_embeddings`:
     the input embedding becomes the output head's matrix (one tied weight, as in the original model)."""
     try:
@@ -264,7 +264,7 @@ def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
     name = name or f"{gguf_path.stem}-{st.st_size:x}"
-    return _made_once(name, lambda out: _dequantise_gguf(gguf_path, out))
+    return _made_once(name, lambda out: dequantise_gguf(gguf_path, out))
 
 
 def _resolve_path(name_or_path) -> str:

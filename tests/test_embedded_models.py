@@ -163,14 +163,14 @@ def test_parts_are_assembled_checked_dequantised_and_cached(monkeypatch, tmp_pat
     assert [p.parent.parent.name for p in models.embedded_parts("tiny-qwen")] == [
         f"fake_tiny_qwen_part{i}" for i in (1, 2, 3)]
     calls = []
-    real = models._dequantise_gguf
+    real = models.dequantise_gguf
 
     def spy(gguf_path, out, **kw):
         calls.append(gguf_path)
         assert gguf_path.read_bytes() == blob  # the parts, concatenated in order
         return real(gguf_path, out, **kw)
 
-    monkeypatch.setattr(models, "_dequantise_gguf", spy)
+    monkeypatch.setattr(models, "dequantise_gguf", spy)
     model, tok = lp.load_model("tiny-qwen", dtype="float32", device="cpu")
     assert len(calls) == 1 and not calls[0].exists()  # the assembled file is removed once dequantised
     cache = tmp_path / "cache"
@@ -199,7 +199,7 @@ def test_parts_are_assembled_checked_dequantised_and_cached(monkeypatch, tmp_pat
     assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_end|>") == len(tok) - 1
 
     # second load (and the other alias, and bf16): read from the cache, nothing assembled again
-    monkeypatch.setattr(models, "_dequantise_gguf", lambda *a, **k: pytest.fail("dequantised twice"))
+    monkeypatch.setattr(models, "dequantise_gguf", lambda *a, **k: pytest.fail("dequantised twice"))
     m16, _ = lp.load_model("tiny-qwen-instruct", dtype="bfloat16", device="cpu")
     assert m16.dtype == torch.bfloat16 and m16.lm_head.weight is m16.model.embed_tokens.weight
     torch.testing.assert_close(m16.lm_head.weight.float(), hf.lm_head.weight, rtol=1e-2, atol=1e-2)
@@ -223,7 +223,7 @@ def test_a_wrong_sha256_is_refused_and_nothing_is_cached(monkeypatch, tmp_path, 
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0xFF  # one flipped byte in the middle part
     _register(monkeypatch, tmp_path, bytes(bad), sha=hashlib.sha256(blob).hexdigest())
-    monkeypatch.setattr(models, "_dequantise_gguf", lambda *a, **k: pytest.fail("dequantised a corrupt file"))
+    monkeypatch.setattr(models, "dequantise_gguf", lambda *a, **k: pytest.fail("dequantised a corrupt file"))
     with pytest.raises(ModelLoadError, match=r"has sha256 [0-9a-f]{64} .*expected .*--force-reinstall"):
         lp.load_model("tiny-qwen")
     cache = tmp_path / "cache"

@@ -111,7 +111,7 @@ def test_gguf_cache_is_made_once_by_concurrent_processes(tmp_path):
             time.sleep(1.0)
             (tmp / "config.json").write_text("{{}}")
             tmp.rename(out)
-        m._dequantise_gguf = fake
+        m.dequantise_gguf = fake
         out = m.cached_gguf_dir(Path({str(gguf)!r}))
         assert (out / "config.json").read_text() == "{{}}"
         print(out)

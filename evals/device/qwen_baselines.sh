@@ -10,12 +10,15 @@
 set -euo pipefail
 gguf=$1; out=$2; samples=${3:-4}; lengths=${LENGTHS:-4k,8k,16k,32k}
 mkdir -p "$out" /tmp/stdlib-text
+model=/tmp/qwen2.5-coder-0.5b-hf  # dequantised once, the embedding tied again, as load_model("qwen2.5-coder-0.5b") does
+[ -f "$model/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
+dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$gguf" "$model"
 python3 - > /tmp/stdlib-text/stdlib.txt <<'PY'
 import glob, os
 for p in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
     print(open(p, encoding="utf-8", errors="replace").read())
 PY
-common=(--model "$gguf" --method none --device cuda --dtype bfloat16 --out-dir "$out" --no-progress)
+common=(--model "$model" --method none --device cuda --dtype bfloat16 --out-dir "$out" --no-progress)
 [ "${PPL:-1}" = 0 ] || python3 -m cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
     --name ppl-qwen2.5-coder-0.5b-stdlib-unpatched-h200
 python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
