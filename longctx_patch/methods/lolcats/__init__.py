@@ -261,11 +261,14 @@ class LolcatsAttention(PatchedAttention):
         return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache, self.sparse_heads)
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of `LolaLayer` after a prefill of `context_len` tokens (no padding): the window buffer's keys and
+        values, the sparse cache and the linear state, whatever the length. The buffer's padding mask
+        (`batch * (window + chunk)` bools) is created only once a batch has left padding and is not counted."""
         cfg = self.method_config
         elt = torch.tensor([], dtype=dtype).element_size()
         Hq, Hkv, D, F2 = self.num_heads, self.num_key_value_heads, self.head_dim, 2 * cfg.feature_dim
-        buf = cfg.window + cfg.chunk  # fixed-size window buffer (keys, values, padding mask)
-        window = batch * buf * (2 * Hkv * D * elt + 1)
+        buf = cfg.window + cfg.chunk  # fixed-size window buffer (keys, values)
+        window = batch * buf * 2 * Hkv * D * elt
         lam = self.sparse_cache
         sparse = batch * sparse_head_count(self.sparse_heads, Hq, Hkv) * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
