@@ -133,11 +133,14 @@ class OVQAttention(PatchedAttention):
         return OVQLayer(self.method_config.chunk_size, self.method_config.max_centroids)
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of `OVQLayer` after `context_len` tokens: the dictionary, allocated at `max_centroids` rows from
+        the first token (float32 key/value sums and counts, int64 `n_active`/`absorbed`), plus the open chunk,
+        the `context_len % chunk_size` tokens not yet absorbed (keys and values in `dtype`, a bool each)."""
         cfg: OVQConfig = self.method_config
         H, D = self.num_key_value_heads, self.head_dim
         elt = torch.tensor([], dtype=dtype).element_size()
         dictionary = batch * H * cfg.max_centroids * (2 * D + 1) * 4 + 2 * batch * 8
-        open_chunk = batch * min(context_len, cfg.chunk_size - 1) * (H * 2 * D * elt + 1)
+        open_chunk = batch * (context_len % cfg.chunk_size) * (H * 2 * D * elt + 1)
         return dictionary + open_chunk
 
 
