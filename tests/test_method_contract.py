@@ -1,0 +1,177 @@
+"""The contract every method keeps, checked for each name `list_methods()` returns.
+
+A method registered without an entry in `SETTINGS` fails every test here with a message saying to add one:
+the settings make its approximate path run at 40-100 tokens on the tiny model (blocks, chunks and windows
+of 8-16 tokens), so the checks below exercise the method itself, not a short-sequence fallback.
+
+For each method:
+1. patch then unpatch gives back the original model bit for bit (logits `torch.equal`, same state dict);
+2. save_patched / load_patched round trip: the same logits and the same patch record;
+3. cached decode equals recomputation: greedy `generate()` with the method's cache gives the tokens (and,
+   closely, the logits) of recomputing the whole sequence at every step with no cache (`use_cache=False`).
+   muse approximates the prefill only (decode is exact by design), so a no-cache forward of the whole
+   sequence, which would apply MuSe to the generated tokens too, is not its recomputation: for muse (and any
+   method listed in `PREFILL_ONLY`) each step recomputes the prompt's prefill into a fresh cache and then the
+   whole continuation in one forward over it;
+4. a left-padded batch gives, row by row, the tokens of each prompt alone, for paddings that are multiples
+   of the method's chunk / block (`pad_step` in `SETTINGS`). Paddings that are not such multiples are a
+   known gap of lola, ovq and muse (the chunks of a padded row then fall elsewhere than alone, and the row
+   differs); they are not tested here;
+5. `state_bytes` is what the cache holds: after a prefill of S tokens at batch 1, `past_key_values.nbytes()`
+   equals the sum over patched layers of `state_bytes(S, batch=1, dtype=model dtype)`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import longctx_patch as lp
+from conftest import assert_left_padded_batch_matches_single, tiny_model
+
+# method -> (config, pad_step): small settings under which the method's own path runs at 40-100 tokens, and
+# the padding granularity (a multiple of its chunk / block) at which left-padded rows must match.
+SETTINGS: dict[str, tuple[dict, int]] = {
+    "exact": ({}, 1),
+    "sliding-window": (dict(window=8), 1),
+    "muse": (dict(block_size=8, min_seq_len=16, k_clusters=2, q_clusters=2, topk_blocks=1, topk_clusters=1,
+                  exact_tail=8), 8),
+    "lolcats": (dict(window=8, chunk=8), 8),
+    "lola": (dict(window=8, chunk=8, sparse_cache=4), 8),
+    "ovq": (dict(chunk_size=16, max_centroids=8), 16),
+}
+
+# methods whose approximation applies to a prompt's prefill only (decode and continued prefill are exact)
+PREFILL_ONLY = {"muse"}
+
+METHODS = lp.list_methods()
+
+
+def _settings(name: str) -> tuple[dict, int]:
+    if name not in SETTINGS:
+        pytest.fail(f"method {name!r} has no entry in SETTINGS of tests/test_method_contract.py: add one (its config "
+                    "for a tiny model at 40-100 tokens, and the padding step its batches match at)")
+    return SETTINGS[name]
+
+
+def _patched(name: str, seed: int = 0):
+    config, _ = _settings(name)
+    model = tiny_model("llama", seed=seed)
+    lp.patch(model, name, **config)
+    return model
+
+
+def _patched_modules(model) -> list:
+    return [model.model.layers[i].self_attn for i in sorted(lp.patched_layers(model))]
+
+
+def _ids(B: int, S: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_settings_entry_is_a_method():
+    assert set(SETTINGS) <= set(METHODS), set(SETTINGS) - set(METHODS)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_unpatch_restores_the_model_bit_for_bit(name):
+    config, _ = _settings(name)
+    model = tiny_model("llama")
+    ids = _ids(2, 64, seed=1)
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(ids).logits
+        lp.patch(model, name, **config)
+        patched = model(ids).logits
+        model.generate(ids[:1, :40], max_new_tokens=3, do_sample=False, pad_token_id=0)  # use the method's cache
+        lp.unpatch(model)
+        after = model(ids).logits
+    assert not lp.is_patched(model)
+    if name != "exact":
+        assert not torch.equal(patched, before), "the method changed nothing: its settings do not exercise it"
+    assert torch.equal(after, before)
+    sd_after = model.state_dict()
+    assert sd_after.keys() == sd_before.keys()
+    assert all(torch.equal(sd_after[k], sd_before[k]) for k in sd_before)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_save_load_round_trip(name, tmp_path):
+    model = _patched(name)
+    with torch.no_grad():  # method parameters away from their initial values, so loading them matters
+        for mod in _patched_modules(model):
+            for p in mod.method_parameters().values():
+                if p.is_floating_point():
+                    p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    ids = _ids(2, 64, seed=2)
+    with torch.no_grad():
+        want = model(ids).logits
+    lp.save_patched(model, tmp_path / "a")
+    loaded = lp.load_patched(tmp_path / "a", dtype=torch.float32, device="cpu").eval()
+    assert lp.patched_layers(loaded) == lp.patched_layers(model)
+    with torch.no_grad():
+        got = loaded(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    lp.save_patched(loaded, tmp_path / "b")
+    rec_a = json.loads((tmp_path / "a" / "longctx_patch.json").read_text())
+    rec_b = json.loads((tmp_path / "b" / "longctx_patch.json").read_text())
+    assert rec_b == rec_a
+
+
+def _recomputed_greedy(model, ids: torch.Tensor, n: int, prompt_prefill: bool) -> tuple[torch.Tensor, list]:
+    """Greedy decoding that recomputes the whole sequence at every step: with no cache, or (prompt_prefill) the
+    prompt's prefill into a fresh cache, then every token after the prompt in one forward."""
+    P = ids.shape[1]
+    seq, logits = ids, []
+    for _ in range(n):
+        if prompt_prefill:
+            out = model(ids, use_cache=True)
+            if seq.shape[1] > P:
+                out = model(seq[:, P:], past_key_values=out.past_key_values, use_cache=True)
+        else:
+            out = model(seq, use_cache=False)
+        last = out.logits[:, -1].float()
+        logits.append(last)
+        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+    return seq, logits
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_cached_decode_equals_recomputation(name):
+    model = _patched(name)
+    ids = _ids(1, 40, seed=3)
+    n = 10
+    model.generation_config.eos_token_id = None  # n tokens whatever they are, as the recomputation
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, max_new_tokens=n, do_sample=False,
+                                pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        seq, logits = _recomputed_greedy(model, ids, n, prompt_prefill=name in PREFILL_ONLY)
+    assert torch.equal(cached.sequences, seq), (cached.sequences[0, 40:], seq[0, 40:])
+    assert len(cached.logits) == n
+    for step, (a, b) in enumerate(zip(cached.logits, logits)):
+        torch.testing.assert_close(a.float(), b, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_left_padded_batch_matches_single_prompts(name, one_thread):
+    _, step = _settings(name)
+    model = _patched(name)
+    # lengths 56, 40, 24 with step >= 8 (paddings 0, 16, 32 for step 8 or 16); a step of 1 adds odd paddings
+    lens = [56, 40, 24] if step > 1 else [56, 43, 24]
+    assert all((max(lens) - n) % step == 0 for n in lens)
+    assert_left_padded_batch_matches_single(model, lens, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_state_bytes_equal_the_cache(name):
+    model = _patched(name)
+    dtype = next(model.parameters()).dtype
+    mods = _patched_modules(model)
+    assert len(mods) == model.config.num_hidden_layers
+    for S in (40, 64, 100):
+        with torch.no_grad():
+            cache = model(_ids(1, S, seed=S), use_cache=True).past_key_values
+        want = sum(m.state_bytes(S, batch=1, dtype=dtype) for m in mods)
+        assert cache.nbytes() == want, (S, cache.nbytes(), want)
