@@ -219,18 +219,6 @@ def test_prefill_then_decode_equals_one_forward(family):
     assert layer.open_keys.shape[2] == 27 % 4 and int(layer.n_active.max()) <= 6
 
 
-def test_generate_equals_recompute():
-    model = _patched(chunk=3, N=8, growth=4.0)
-    x = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        got = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, pad_token_id=0)
-        seq = x
-        for _ in range(10):
-            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], 1)
-    assert torch.equal(got, seq)
-
-
 def test_left_padding_by_whole_chunks_equals_single_prompt():
     """Chunks are aligned to cache positions: a row padded by a multiple of chunk_size is unchanged."""
     C = 4
@@ -264,26 +252,8 @@ def test_state_size_constant_from_1k_to_16k():
     assert sizes[0] == sizes[1] == sizes[2]
     mod = model.model.layers[0].self_attn
     assert mod.state_bytes(1024) == mod.state_bytes(16384) == mod.state_bytes(1 << 20)
-    # the state the layer reports matches what the cache holds (same dtype of the open chunk)
-    assert mod.state_bytes(16384 + 100, dtype=torch.float32) >= sizes[2]
-
-
-def test_save_load_round_trip(tmp_path):
-    model = _patched(chunk=4, N=8, growth=4.0)
-    with torch.no_grad():
-        for m in model.model.layers:
-            m.self_attn.ovq_log_beta.add_(torch.linspace(-0.3, 0.3, 4))
-    ids = torch.randint(3, 128, (1, 19), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = model(ids, use_cache=False).logits
-    lp.save_patched(model, tmp_path / "ckpt")
-    loaded = lp.load_patched(tmp_path / "ckpt", dtype="float32", device="cpu")
-    for a, b in zip(model.model.layers, loaded.model.layers):
-        torch.testing.assert_close(a.self_attn.ovq_log_beta, b.self_attn.ovq_log_beta)
-        assert b.self_attn.method_config.max_centroids == 8
-    with torch.no_grad():
-        got = loaded(ids, use_cache=False).logits
-    torch.testing.assert_close(got, ref)
+    # the state the layer reports is what the cache holds (same dtype of the open chunk)
+    assert mod.state_bytes(16384 + 100, dtype=torch.float32) == sizes[2]
 
 
 def test_hybrid_with_sliding_window():
