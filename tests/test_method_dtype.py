@@ -151,7 +151,7 @@ def test_build_makes_a_methods_low_precision_parameters_float32():
     """A method that declares its parameters in the model's dtype still gets float32 ones."""
     from longctx_patch.methods import base, list_methods
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
-    from longctx_patch.methods.exact import key_mask_for, softmax_attention
+    from longctx_patch.kernels.softmax import key_mask_for, softmax_attention
 
     name = "test-bf16-parameter"
 

@@ -242,7 +242,7 @@ def test_peft_lora_on_patched_model_and_unpatch_keeps_adapters():
 def test_op_level_entry_point_of_every_method():
     """`Method.module_cls.op` (used by `longctx eval speed --op`) runs every registered method on plain tensors."""
     from longctx_patch.methods import get_method, list_methods
-    from longctx_patch.methods.exact import softmax_attention
+    from longctx_patch.kernels.softmax import softmax_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 200, 64, generator=g)

@@ -70,7 +70,7 @@ TEMP_METHOD = "test-temperature"
 def register_temp_method() -> str:
     from longctx_patch.methods import base, list_methods
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
-    from longctx_patch.methods.exact import key_mask_for, softmax_attention
+    from longctx_patch.kernels.softmax import key_mask_for, softmax_attention
 
     if TEMP_METHOD in base._REGISTRY:
         return TEMP_METHOD

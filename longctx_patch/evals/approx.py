@@ -115,7 +115,7 @@ def run_approx(
                 mean_err[run.label] = sum(errs.values()) / len(errs)
             del cap
         if lengths:
-            from ..methods.exact import softmax_attention
+            from ..kernels.softmax import softmax_attention
 
             gen = torch.Generator(device="cpu").manual_seed(seed)
             dtype = next(mdl.parameters()).dtype

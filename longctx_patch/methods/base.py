@@ -330,7 +330,7 @@ class AttentionTransfer:
 
     def record(self, module: PatchedAttention, q, k, v, padding, o) -> torch.Tensor:
         """Append this layer's loss; return the output the layer passes on."""
-        from .exact import key_mask_for, softmax_attention
+        from ..kernels.softmax import key_mask_for, softmax_attention
 
         with torch.no_grad():
             teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]),
