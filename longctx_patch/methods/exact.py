@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import LongctxLayer
+from .cache_layer import LongctxLayer
 from ..kernels.softmax import key_mask_for, softmax_attention
 from .base import Method, MethodConfig, PatchedAttention, register_method
 
