@@ -7,11 +7,17 @@ import torch
 
 import longctx_patch as lp
 from longctx_patch import assets
-from longctx_patch.patcher import _patch_record, _state, method_state_dict
+from longctx_patch.checkpoint import patch_record
+from longctx_patch.patcher import _state, method_state_dict, patch_groups
 
 from conftest import REPO, TEST_DATA, tiny_model
 
 ASSET = REPO / "longctx_patch" / "assets" / "smollm2-135m-instruct-lolcats"
+
+
+def _record(model):
+    """The patch record save_patched() writes for `model`."""
+    return patch_record([g.to_record() for g in patch_groups(model)])
 
 
 def _trained_run_dir(tmp_path, ids, seed=0):
@@ -31,7 +37,7 @@ def _trained_run_dir(tmp_path, ids, seed=0):
     d = tmp_path / "trainable"
     d.mkdir()
     save_file({k: v.contiguous() for k, v in method_state_dict(model).items()}, str(d / "longctx_patch.safetensors"))
-    (d / "longctx_patch.json").write_text(json.dumps(_patch_record(model)))
+    (d / "longctx_patch.json").write_text(json.dumps(_record(model)))
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
@@ -120,7 +126,7 @@ def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
     d = tmp_path / "trainable"
     d.mkdir()
     save_file(trained, str(d / "longctx_patch.safetensors"))
-    rec = _patch_record(model)
+    rec = _record(model)
     assert [p["method"] for p in rec["patches"]] == ["lolcats", "lola"]
     (d / "longctx_patch.json").write_text(json.dumps(rec))
 

@@ -383,6 +383,45 @@ def test_checkpoint_errors_list_the_keys(tmp_path):
     assert not os.path.exists(tmp_path / "saved")
 
 
+def test_damaged_or_diverged_safetensors_checkpoints_are_refused(tmp_path):
+    """checkpoint= reads our safetensors (a file, or a folder with an adapter/) with the checked reader of
+    longctx_patch.checkpoint: a damaged file or NaN/inf values are a CheckpointError, and the model stays unpatched."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", **KW)
+    lp.save_patched(model, tmp_path / "saved")
+    weights = tmp_path / "saved" / "longctx_patch.safetensors"
+    good = load_file(str(weights))
+    fresh = tiny_model("llama")
+    for target in (weights, tmp_path / "saved"):  # the file itself, and the folder holding it
+        weights.write_bytes(weights.read_bytes()[:-9])
+        with pytest.raises(CheckpointError, match="cannot be read as safetensors.*truncated or corrupt"):
+            lp.patch(fresh, "lolcats", checkpoint=str(target), **KW)
+        assert not lp.is_patched(fresh)
+        save_file({**good, "layers.1.window_factors": torch.full_like(good["layers.1.window_factors"], float("nan"))},
+                  str(weights))
+        with pytest.raises(CheckpointError, match=r"\['layers.1.window_factors'\] hold NaN or inf values"):
+            lp.patch(fresh, "lolcats", checkpoint=str(target), **KW)
+        assert not lp.is_patched(fresh)
+        save_file(good, str(weights))
+    lp.patch(fresh, "lolcats", checkpoint=str(weights), **KW)  # the intact file loads
+    assert torch.equal(fresh.model.layers[1].self_attn.window_factors, good["layers.1.window_factors"])
+    lp.unpatch(fresh)
+    # a diverged PEFT adapter beside the weights is refused too (its LoRA would be merged into the projections)
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    pm.save_pretrained(str(tmp_path / "saved" / "adapter"))
+    adapter = tmp_path / "saved" / "adapter" / "adapter_model.safetensors"
+    sd = load_file(str(adapter))
+    key = sorted(k for k in sd if "lora_B" in k)[0]
+    save_file({**sd, key: torch.full_like(sd[key], float("inf"))}, str(adapter))
+    before = fresh.model.layers[0].self_attn.q_proj.weight.clone()
+    with pytest.raises(CheckpointError, match=rf"adapter_model.safetensors: \['{key}'\] hold NaN or inf values"):
+        lp.patch(fresh, "lolcats", checkpoint=str(tmp_path / "saved"), **KW)
+    assert not lp.is_patched(fresh) and torch.equal(fresh.model.layers[0].self_attn.q_proj.weight, before)
+
+
 def test_convert_lolcats_model_to_lola():
     from longctx_patch.methods.lola import LolaAttention, convert_to_lola
 

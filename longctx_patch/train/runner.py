@@ -1052,18 +1052,15 @@ class Finetuner:
     def save_outputs(self) -> None:
         """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged)."""
         import yaml
-        from safetensors.torch import save_file
 
-        from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, _patch_record, is_patched, method_state_dict, save_patched
+        from ..checkpoint import ADAPTER_DIR, write_patch
+        from ..patcher import is_patched, method_state_dict, patch_groups, save_patched
 
         (self.out / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
         tdir = self.out / TRAINABLE_DIR
         tdir.mkdir(parents=True, exist_ok=True)
         if is_patched(self.model):
-            w = method_state_dict(self.model)
-            if w:
-                save_file({k: v.to("cpu") for k, v in w.items()}, str(tdir / PATCH_WEIGHTS), metadata={"format": "pt"})
-            (tdir / PATCH_JSON).write_text(json.dumps(_patch_record(self.model), indent=2))
+            write_patch(tdir, [g.to_record() for g in patch_groups(self.model)], method_state_dict(self.model))
         if self._is_peft():
             self.root.save_pretrained(str(tdir / ADAPTER_DIR))
         if self.recipe.output.lolcats_export:

@@ -15,8 +15,9 @@ import re
 
 import torch
 
+from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
 from ...errors import CheckpointError
-from ...patcher import ADAPTER_DIR, PATCH_WEIGHTS, shared_weight
+from ...patcher import shared_weight
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,9 +51,7 @@ def _read_adapter(folder: str) -> tuple[dict[str, torch.Tensor], float] | None:
     weights = os.path.join(folder, ADAPTER_DIR, "adapter_model.safetensors")
     if not os.path.exists(weights):
         raise CheckpointError(f"{cfg_path} has no adapter_model.safetensors beside it")
-    from safetensors.torch import load_file
-
-    return load_file(weights), float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    return read_adapter_weights(folder), float(cfg.get("lora_alpha", cfg.get("r", 8)))
 
 
 def _read(path: str) -> list[tuple[dict[str, torch.Tensor], bool, float | None]]:
@@ -80,12 +79,7 @@ def _read_file(path: str) -> tuple[dict[str, torch.Tensor], bool]:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found; pass a LoLCATs model.pt or a {PATCH_WEIGHTS} file")
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path), True
-        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
-            raise CheckpointError(f"cannot read {path} as safetensors ({e})") from None
+        return read_weights_file(path), True  # checked: a damaged file or NaN/inf values raise CheckpointError
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
