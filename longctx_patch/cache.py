@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .methods.cache_layer import LongctxLayer
+from .methods.patch_access import patched_modules
 
 __all__ = ["LongctxCache", "LongctxLayer"]
 
@@ -25,7 +26,6 @@ class LongctxCache(DynamicCache):
 
     def __init__(self, model=None, *, layers: list | None = None):
         if layers is None:
-            from .patcher import _state
             from .architectures import model_config
 
             cfg = model_config(model)
@@ -33,10 +33,8 @@ class LongctxCache(DynamicCache):
             n = cfg.num_hidden_layers
             if len(base_layers) != n:
                 base_layers = [DynamicLayer() for _ in range(n)]
-            st = _state(model)
-            layers = [
-                st.modules[i].make_cache_layer() if i in st.modules else base_layers[i] for i in range(n)
-            ]
+            mods = patched_modules(model)
+            layers = [mods[i].make_cache_layer() if i in mods else base_layers[i] for i in range(n)]
         super(DynamicCache, self).__init__(layers=layers)
 
     def nbytes(self) -> int:

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .architectures import base_model, get_adapter, model_config
+from .architectures import base_model, get_adapter, model_config, shared_weight
 from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
                          modules_state_dict, read_method_weights, read_patch_record, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
-from .methods import get_method
+from .methods import get_method, patch_access
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
 
 
@@ -76,6 +76,17 @@ def patched_layers(model: nn.Module) -> dict[int, str]:
     if not is_patched(model):
         return {}
     return {i: m.method_name for i, m in sorted(_state(model).modules.items())}
+
+
+def patched_modules(model: nn.Module) -> dict[int, PatchedAttention]:
+    """{layer index: patched module} of `model`, by layer; NotPatchedError when unpatched."""
+    return dict(sorted(_state(model).modules.items()))
+
+
+def patch_context(model: nn.Module) -> PatchContext:
+    """The PatchContext the patched modules of `model` share (the padding of the current batch, the hook of
+    train/transfer.py); NotPatchedError when unpatched."""
+    return _state(model).ctx
 
 
 def patch_groups(model: nn.Module) -> list[PatchGroup]:
@@ -356,11 +367,6 @@ def _restore(decoder, st: PatchState, i: int) -> None:
     decoder[i].self_attn = orig
 
 
-def shared_weight(proj: nn.Module) -> torch.Tensor:
-    """The weight of a projection, or of the layer a PEFT wrapper holds (`base_layer`)."""
-    return getattr(proj, "base_layer", proj).weight
-
-
 def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tensor:
     """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
     in place: keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
@@ -440,3 +446,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
             _undo_group(model, group)
         raise
     return model
+
+
+# the methods and the cache reach the patched modules and keep_original_weight through methods/patch_access.py
+patch_access.provide(patched_modules=patched_modules, keep_original_weight=keep_original_weight)

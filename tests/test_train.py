@@ -310,7 +310,7 @@ def test_two_stage_run_saves_and_reloads(tiny_dir, text_file, temp_method, tmp_p
     assert t["loss"][-1][1] < 0.5 * t["loss"][0][1]
     assert [e[0] for e in t["eval_loss"]] == [0, 3, 6] and t["eval_loss"][-1][1] < t["eval_loss"][0][1]
     assert t["tokens"] == 6 * 4 * 64 and log["tokens"] == (6 + 4) * 4 * 64
-    lt = torch.stack([m.log_t.detach() for m in longctx_patch.patcher._state(ft.model).modules.values()])
+    lt = torch.stack([m.log_t.detach() for m in longctx_patch.patcher.patched_modules(ft.model).values()])
     assert lt.abs().max() < 0.45  # moved from 0.5 towards 0
     # LoRA stage trains adapters only (r=4 on q/k/v/o of 2 layers)
     assert l["trainable"] == ["lora"] and l["trainable_params"] > 0 and l["final_eval_loss"] is not None

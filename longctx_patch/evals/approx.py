@@ -29,9 +29,9 @@ def relative_error(o, ref) -> float:
 
 
 def _modules(model) -> dict[int, Any]:
-    from ..patcher import _state
+    from ..patcher import patched_modules
 
-    return dict(sorted(_state(model).modules.items()))
+    return patched_modules(model)
 
 
 def capture(model, input_ids, layers=None) -> dict[int, tuple]:

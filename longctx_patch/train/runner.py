@@ -189,9 +189,9 @@ def lr_lambda(stage: Stage) -> Callable[[int], float]:
 
 
 def _patched_modules(model: nn.Module) -> dict[int, nn.Module]:
-    from ..patcher import _state, is_patched
+    from ..patcher import is_patched, patched_modules
 
-    return dict(_state(model).modules) if is_patched(model) else {}
+    return patched_modules(model) if is_patched(model) else {}
 
 
 def method_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

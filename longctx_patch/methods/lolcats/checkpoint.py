@@ -15,9 +15,10 @@ import re
 
 import torch
 
+from ...architectures import shared_weight
 from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
 from ...errors import CheckpointError
-from ...patcher import shared_weight
+from ..patch_access import keep_original_weight, patched_modules
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -30,9 +31,7 @@ def _modules(model, modules):
     from . import LolcatsAttention
 
     if modules is None:
-        from ...patcher import _state
-
-        modules = _state(model).modules
+        modules = patched_modules(model)
     return {i: m for i, m in modules.items() if isinstance(m, LolcatsAttention)}
 
 
@@ -196,8 +195,6 @@ def _apply_lora(model, layer: int, name: str, proj, A: torch.Tensor, B: torch.Te
         pa.copy_(A.to(pa.device, pa.dtype))
         pb.copy_(B.to(pb.device, pb.dtype))
         return
-    from ...patcher import keep_original_weight
-
     w = keep_original_weight(model, layer, name)
     r = A.shape[0]
     delta = (B.float() @ A.float()) * (alpha / r)
