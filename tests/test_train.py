@@ -644,7 +644,7 @@ def test_teacher_forcing_isolates_layers(tiny_llama):
     """Under attention transfer with teacher forcing every layer sees the exact model's hidden states: the
     logits equal the unpatched model's, and a layer's loss has no gradient into earlier layers' maps."""
     import longctx_patch
-    from longctx_patch.methods.base import attention_transfer
+    from longctx_patch.train.transfer import attention_transfer
     from longctx_patch.train.runner import _patched_modules
 
     ids = torch.randint(3, 128, (2, 40))

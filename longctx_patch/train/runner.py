@@ -742,7 +742,7 @@ class Finetuner:
         if stage.objective != "attention_transfer":
             yield None
             return
-        from ..methods.base import attention_transfer
+        from .transfer import attention_transfer
 
         with attention_transfer(self.model, teacher_forcing=stage.teacher_forcing) as tr:
             yield tr
