@@ -377,6 +377,22 @@ def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tenso
     return w
 
 
+def take_original_weights(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Removes and returns the original weights kept by keep_original_weight ({(layer, projection name): CPU copy}):
+    unpatch() then leaves those projections as they are now (e.g. with a LoRA delta merged). For patching the same
+    layers again with another method (convert_to_lola), which hands them back with keep_original_weights."""
+    st = _state(model)
+    saved = dict(st.saved_weights)
+    st.saved_weights.clear()
+    return saved
+
+
+def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Has unpatch() put back `saved` ({(layer, projection name): original weight}, from take_original_weights) as
+    if keep_original_weight had kept them."""
+    _state(model).saved_weights.update(saved)
+
+
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore every original attention module; logits are then bit-identical to before patch()."""
     st = _state(model)

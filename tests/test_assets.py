@@ -62,7 +62,7 @@ def test_checkpoint_folder_with_adapter_matches_the_trained_model_and_unpatch_re
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, before, atol=1e-3)
     # convert_to_lola keeps the merged LoRA (lambda = 0: the same model) and its unpatch still restores
-    from longctx_patch.methods.lola import convert_to_lola
+    from longctx_patch.convert import convert_to_lola
 
     convert_to_lola(model, sparse_cache=0)
     with torch.no_grad():

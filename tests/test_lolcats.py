@@ -423,7 +423,7 @@ def test_damaged_or_diverged_safetensors_checkpoints_are_refused(tmp_path):
 
 
 def test_convert_lolcats_model_to_lola():
-    from longctx_patch.methods.lola import LolaAttention, convert_to_lola
+    from longctx_patch.methods.lola import LolaAttention
 
     model = tiny_model("llama")
     lp.patch(model, "lolcats", layers="0-1", **KW)
@@ -433,7 +433,7 @@ def test_convert_lolcats_model_to_lola():
     x = _ids(1, 19, seed=9)
     with torch.no_grad():
         before = model(x, use_cache=False).logits
-        convert_to_lola(model, sparse_cache=0)
+        lp.convert_to_lola(model, sparse_cache=0)
         assert isinstance(model.model.layers[1].self_attn, LolaAttention)
         assert lp.patched_layers(model) == {0: "lola", 1: "lola"}
         assert torch.equal(model(x, use_cache=False).logits, before)  # lambda = 0 is lolcats
@@ -442,12 +442,12 @@ def test_convert_lolcats_model_to_lola():
     lp.patch(model, "lolcats", layers="0-1", **KW)
     with torch.no_grad():
         model.model.layers[1].self_attn.feature_map_k.mlp.layer.copy_(w)
-    convert_to_lola(model, sparse_cache=3, window=4)
+    lp.convert_to_lola(model, sparse_cache=3, window=4)
     attn = model.model.layers[1].self_attn
     assert attn.method_config.sparse_cache == 3 and attn.method_config.window == 4
     assert torch.equal(attn.feature_map_k.mlp.layer, w)
     with pytest.raises(NotPatchedError, match="patched with lolcats"):
-        convert_to_lola(tiny_model("llama"))
+        lp.convert_to_lola(tiny_model("llama"))
 
 
 def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model(monkeypatch):
