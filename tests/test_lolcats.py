@@ -341,6 +341,24 @@ def test_export_then_load_lolcats_checkpoint(tmp_path):
         assert torch.equal(a.window_factors, b.window_factors)
 
 
+def test_export_and_load_of_a_hybrid_take_the_lolcats_layers_only(tmp_path):
+    from longctx_patch.methods.lolcats import load_lolcats_checkpoint
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", layers="0-1", **KW)
+    lp.patch(model, "ovq", layers=[2])
+    path = export_lolcats_checkpoint(model, str(tmp_path / "model.pt"))
+    sd = torch.load(path, weights_only=True)
+    assert sorted({k.split(".")[2] for k in sd}) == ["0", "1"] and len(sd) == 6
+    with torch.no_grad():
+        model.model.layers[1].self_attn.window_factors.fill_(0.0)
+    assert load_lolcats_checkpoint(model, path) == {"layers": 2, "lora_pairs": 0}
+    assert torch.equal(model.model.layers[1].self_attn.window_factors, sd["model.layers.1.self_attn.window_factors"])
+    lp.unpatch(model)
+    with pytest.raises(NotPatchedError):
+        export_lolcats_checkpoint(model, str(tmp_path / "again.pt"))
+
+
 def test_export_writes_peft_lora_layout(tmp_path):
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")

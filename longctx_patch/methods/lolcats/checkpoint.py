@@ -27,12 +27,21 @@ _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LORA = re.compile(r"^([qkvo]_proj)\.lora_([AB])(?:\.default)?\.weight$")
 
 
-def _modules(model, modules):
-    from . import LolcatsAttention
+def _holds_method_keys(module) -> bool:
+    """Whether a patched module has the parameters this format holds (a lolcats or lola layer)."""
+    try:
+        for name in METHOD_KEYS:
+            module.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
 
+
+def _modules(model, modules):
+    """The lolcats/lola layers among `modules` (default: the patched layers of `model`), {layer: module}."""
     if modules is None:
         modules = patched_modules(model)
-    return {i: m for i, m in modules.items() if isinstance(m, LolcatsAttention)}
+    return {i: m for i, m in modules.items() if _holds_method_keys(m)}
 
 
 def _read_adapter(folder: str) -> tuple[dict[str, torch.Tensor], float] | None:
