@@ -104,10 +104,10 @@ def _load_and_patch(model, method, sets, layers, device, dtype):
 
 def _weight_sources(model) -> list[str]:
     """Where the patched layers' trained weights came from (methods that load weights set `weights_source`)."""
-    from longctx_patch.patcher import _state
+    from longctx_patch.patcher import patched_modules
 
     seen = []
-    for mod in _state(model).modules.values():
+    for mod in patched_modules(model).values():
         src = getattr(mod, "weights_source", None)
         if src and src not in seen:
             seen.append(src)
@@ -143,7 +143,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
 
     import longctx_patch as lp
     from longctx_patch.evals.common import format_bytes
-    from longctx_patch.patcher import _state
+    from longctx_patch.patcher import patch_groups, patched_modules
 
     method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
     m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
@@ -155,23 +155,23 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     with torch.no_grad():
         out = m(ids, use_cache=False).logits.float()
 
-    st = _state(m)
+    mods = patched_modules(m)
     cfg = m.config
     n_layers = cfg.num_hidden_layers
-    added = sum(v.numel() for mod in st.modules.values() for v in mod.method_parameters().values())
+    added = sum(v.numel() for mod in mods.values() for v in mod.method_parameters().values())
     total = sum(p.numel() for p in m.parameters())
     kv_dtype = next(m.parameters()).dtype
-    ex = next(iter(st.modules.values()))
+    ex = next(iter(mods.values()))
     full_layer = lambda L: 2 * ex.num_key_value_heads * ex.head_dim * L * torch.tensor([], dtype=kv_dtype).element_size()  # noqa: E731
 
     def state(L):
-        return sum(st.modules[i].state_bytes(L, 1, kv_dtype) if i in st.modules else full_layer(L) for i in range(n_layers))
+        return sum(mods[i].state_bytes(L, 1, kv_dtype) if i in mods else full_layer(L) for i in range(n_layers))
 
-    groups = "; ".join(f"{g.method} on layers {_ranges(g.layers)} with {g.config.to_dict()}" for g in st.groups)
+    groups = "; ".join(f"{g.method} on layers {_ranges(g.layers)} with {g.config.to_dict()}" for g in patch_groups(m))
     click.echo(f"patched: {groups}")
     for src in _weight_sources(m):
         click.echo(f"method weights: {src}")
-    click.echo(f"layers patched: {len(st.modules)}/{n_layers}")
+    click.echo(f"layers patched: {len(mods)}/{n_layers}")
     click.echo(f"parameters added: {added:,} ({100 * added / max(total - added, 1):.3f}% of {total - added:,})")
     click.echo(f"decode state ({kv_dtype}, batch 1) vs full KV cache:")
     per_tok_full = n_layers * full_layer(1)

@@ -20,10 +20,11 @@ from .errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from .generation import generate  # noqa: E402
-from .models import load_model  # noqa: E402
+from .models import load_model, load_patched  # noqa: E402
 from .methods import get_method, list_methods  # noqa: E402
-from .patcher import is_patched, load_patched, patch, patched_layers, save_patched, unpatch  # noqa: E402
+from .patcher import is_patched, patch, patched_layers, save_patched, unpatch  # noqa: E402
 from .cache import LongctxCache  # noqa: E402
+from .convert import convert_to_lola  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -38,6 +39,7 @@ __all__ = [
     "get_method",
     "list_methods",
     "LongctxCache",
+    "convert_to_lola",
     "LongctxError",
     "ConfigError",
     "UnsupportedModelError",

@@ -133,6 +133,11 @@ ADAPTERS: dict[str, ArchAdapter] = {
 SHARED_SUBMODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
+def shared_weight(proj: nn.Module) -> torch.Tensor:
+    """The weight of a projection, or of the layer a PEFT wrapper holds (`base_layer`)."""
+    return getattr(proj, "base_layer", proj).weight
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack (e.g. LlamaModel) inside a *ForCausalLM, a PEFT wrapper, or the stack itself."""
     m = model

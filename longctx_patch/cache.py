@@ -5,94 +5,20 @@ module asked for (`PatchedAttention.make_cache_layer()`), and for every other la
 `DynamicCache(config=...)` would hold. `patch()` makes `model.generate()` and `model(..., use_cache=True)`
 create it, so no extra argument is needed.
 
-`LongctxLayer` is the base of method-specific cache layers: it tracks how many tokens it has seen (what
-transformers reads for position ids and masks) independently of how many it stores.
+`LongctxLayer` (methods/cache_layer.py, importable from here too) is the base of method-specific cache layers: it
+tracks how many tokens it has seen (what transformers reads for position ids and masks) independently of how many
+it stores.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .methods.cache_layer import LongctxLayer
+from .methods.patch_access import patched_modules
 
-class LongctxLayer(CacheLayerMixin):
-    """Base of stateful cache layers. Subclasses list their batch-first state tensors in `state_names`."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-    state_names: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = 0  # tokens processed so far (including left padding)
-        for n in self.state_names:
-            if not hasattr(self, n):
-                setattr(self, n, None)
-
-    # -- what transformers asks ---------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise TypeError(
-            f"{type(self).__name__} keeps method-specific state; its attention module updates it. "
-            "Do not call Cache.update() on a layer patched by longctx-patch."
-        )
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The model builds its 4-D mask from the first layer; report full length so that unpatched layers
-        # (full KV) get the right mask. Patched modules ignore that mask.
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    # -- state management ---------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for n in self.state_names:
-            t = getattr(self, n, None)
-            if isinstance(t, torch.Tensor):
-                out[n] = t
-        return out
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
-
-    def _map(self, fn) -> None:
-        for n, t in self.state_tensors().items():
-            setattr(self, n, fn(t))
-
-    def reset(self) -> None:
-        for n in self.state_names:
-            setattr(self, n, None)
-        self.seen = 0
-        self.is_initialized = False
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices, ...])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def offload(self):
-        self._map(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized:
-            self._map(lambda t: t.to(self.device, non_blocking=True))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} cannot drop tokens (its state is not a list of tokens)")
+__all__ = ["LongctxCache", "LongctxLayer"]
 
 
 class LongctxCache(DynamicCache):
@@ -100,7 +26,6 @@ class LongctxCache(DynamicCache):
 
     def __init__(self, model=None, *, layers: list | None = None):
         if layers is None:
-            from .patcher import _state
             from .architectures import model_config
 
             cfg = model_config(model)
@@ -108,10 +33,8 @@ class LongctxCache(DynamicCache):
             n = cfg.num_hidden_layers
             if len(base_layers) != n:
                 base_layers = [DynamicLayer() for _ in range(n)]
-            st = _state(model)
-            layers = [
-                st.modules[i].make_cache_layer() if i in st.modules else base_layers[i] for i in range(n)
-            ]
+            mods = patched_modules(model)
+            layers = [mods[i].make_cache_layer() if i in mods else base_layers[i] for i in range(n)]
         super(DynamicCache, self).__init__(layers=layers)
 
     def nbytes(self) -> int:

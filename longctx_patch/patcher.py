@@ -1,15 +1,16 @@
-"""patch / unpatch / save_patched / load_patched.
+"""patch / unpatch / save_patched / apply_patch_record.
 
 `patch(model, method, layers=None, **config)` swaps the attention module of each selected decoder layer
 for the method's module (built from the original, sharing its projections) and installs the cache and
 padding plumbing once per model. Several patch() calls on disjoint layers make a hybrid (e.g. `ovq` on
 some layers, `sliding-window` on the others). `unpatch(model)` puts every original module back.
+The files save_patched() writes and apply_patch_record() reads are checkpoint.py's; `load_patched` (a saved
+directory to a model) is the model loader's (models.py).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import numbers
 import os
 import sys
@@ -22,16 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__
-from .architectures import base_model, get_adapter, model_config
+from .architectures import base_model, get_adapter, model_config, shared_weight
+from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
+                         modules_state_dict, read_method_weights, read_patch_record, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
-from .methods import get_method
+from .methods import get_method, patch_access
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
-
-PATCH_JSON = "longctx_patch.json"
-PATCH_WEIGHTS = "longctx_patch.safetensors"
-ADAPTER_DIR = "adapter"  # a PEFT adapter saved beside our weights (a fine-tune run's trainable/, an asset)
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -39,6 +36,10 @@ class PatchGroup:
     method: str
     config: MethodConfig
     layers: list[int]
+
+    def to_record(self) -> dict[str, Any]:
+        """{method, config, layers}: this group as the patch record (checkpoint.patch_record) writes it."""
+        return {"method": self.method, "config": self.config.to_dict(), "layers": self.layers}
 
 
 @dataclass
@@ -75,6 +76,23 @@ def patched_layers(model: nn.Module) -> dict[int, str]:
     if not is_patched(model):
         return {}
     return {i: m.method_name for i, m in sorted(_state(model).modules.items())}
+
+
+def patched_modules(model: nn.Module) -> dict[int, PatchedAttention]:
+    """{layer index: patched module} of `model`, by layer; NotPatchedError when unpatched."""
+    return dict(sorted(_state(model).modules.items()))
+
+
+def patch_context(model: nn.Module) -> PatchContext:
+    """The PatchContext the patched modules of `model` share (the padding of the current batch, the hook of
+    train/transfer.py); NotPatchedError when unpatched."""
+    return _state(model).ctx
+
+
+def patch_groups(model: nn.Module) -> list[PatchGroup]:
+    """The patches of `model` in the order patch() applied them (a hybrid has several); NotPatchedError when
+    unpatched."""
+    return list(_state(model).groups)
 
 
 # --------------------------------------------------------------------------------------------- layers
@@ -349,11 +367,6 @@ def _restore(decoder, st: PatchState, i: int) -> None:
     decoder[i].self_attn = orig
 
 
-def shared_weight(proj: nn.Module) -> torch.Tensor:
-    """The weight of a projection, or of the layer a PEFT wrapper holds (`base_layer`)."""
-    return getattr(proj, "base_layer", proj).weight
-
-
 def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tensor:
     """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
     in place: keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
@@ -362,6 +375,22 @@ def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tenso
     if (layer, name) not in st.saved_weights:
         st.saved_weights[(layer, name)] = w.detach().to("cpu", copy=True)
     return w
+
+
+def take_original_weights(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Removes and returns the original weights kept by keep_original_weight ({(layer, projection name): CPU copy}):
+    unpatch() then leaves those projections as they are now (e.g. with a LoRA delta merged). For patching the same
+    layers again with another method (convert_to_lola), which hands them back with keep_original_weights."""
+    st = _state(model)
+    saved = dict(st.saved_weights)
+    st.saved_weights.clear()
+    return saved
+
+
+def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Has unpatch() put back `saved` ({(layer, projection name): original weight}, from take_original_weights) as
+    if keep_original_weight had kept them."""
+    _state(model).saved_weights.update(saved)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -375,55 +404,18 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------- save/load
-def _patch_record(model: nn.Module) -> dict[str, Any]:
-    st = _state(model)
-    groups = [{"method": g.method, "config": g.config.to_dict(), "layers": g.layers} for g in st.groups]
-    rec: dict[str, Any] = {"format": FORMAT_VERSION, "version": __version__}
-    if len(groups) == 1:
-        rec.update(groups[0])
-    else:
-        rec["patches"] = groups
-    return rec
-
-
 def method_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The method-owned parameters/buffers of every patched layer, keyed `layers.{i}.{name}`."""
-    st = _state(model)
-    out = {}
-    for i, mod in sorted(st.modules.items()):
-        for k, v in mod.method_parameters().items():
-            out[f"layers.{i}.{k}"] = v.detach().contiguous()
-    return out
+    return modules_state_dict(_state(model).modules)
 
 
 def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Load `method_state_dict` output strictly: missing/unexpected/mis-shaped keys raise CheckpointError."""
-    own = method_state_dict(model)
-    missing = sorted(set(own) - set(sd))
-    unexpected = sorted(set(sd) - set(own))
-    shapes = sorted(f"{k}: expected {tuple(own[k].shape)}, got {tuple(sd[k].shape)}" for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys: {unexpected}")
-        if shapes:
-            parts.append(f"mis-shaped keys: {shapes}")
-        raise CheckpointError(f"{source} does not match the patched model; " + "; ".join(parts))
-    st = _state(model)
-    with torch.no_grad():
-        for i, mod in st.modules.items():
-            prefix = f"layers.{i}."
-            local = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-            if local:
-                mod.load_state_dict(local, strict=False)
+    load_modules_state_dict(_state(model).modules, sd, source=source)
 
 
 def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
     """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`."""
-    from safetensors.torch import save_file
-
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
         # PeftModel.save_pretrained writes the adapter only: the directory would have no base model to load
         raise ConfigError("save_patched got a PEFT model, whose save_pretrained writes only the adapter; call "
@@ -432,141 +424,22 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     st = _state(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    rec = _patch_record(model)
+    groups = [g.to_record() for g in st.groups]
     weights = method_state_dict(model)
     decoder = get_adapter(model).decoder_layers(model)
     # Save with the original modules in place so the checkpoint is a plain HF one.
     for i, orig in st.originals.items():
         decoder[i].self_attn = orig
     try:
-        from .models import drop_gguf_quantization
-
         drop_gguf_quantization(model)
         model.save_pretrained(directory)
     finally:
         for i, mod in st.modules.items():
             decoder[i].self_attn = mod
-    if weights:
-        save_file(weights, os.path.join(directory, PATCH_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(directory, PATCH_JSON), "w") as f:
-        json.dump(rec, f, indent=2)
+    write_patch(directory, groups, weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
-
-
-def _version_key(v: str) -> tuple[int, ...] | None:
-    parts = v.split(".")
-    return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
-
-
-def _check_format(path: str, rec: dict[str, Any]) -> None:
-    fmt = rec.get("format", FORMAT_VERSION)  # records written before the key existed are format 1
-    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
-        raise CheckpointError(f"{path}: \"format\" is {fmt!r}, not a record format number; write the record again "
-                              "with save_patched()")
-    if fmt > FORMAT_VERSION:
-        wrote = rec.get("version")
-        key, mine = (_version_key(wrote) if isinstance(wrote, str) else None), _version_key(__version__)
-        if key is not None and (mine is None or key > mine):
-            upgrade = f"upgrade longctx-patch to {wrote} or later (pip install -U 'longctx-patch>={wrote}')"
-        else:
-            upgrade = "upgrade longctx-patch to the release that wrote it"
-        by = f"longctx-patch {wrote}" if isinstance(wrote, str) else "a newer longctx-patch"
-        raise CheckpointError(f"{path} was written by {by} in record format {fmt}; longctx-patch {__version__} reads "
-                              f"formats up to {FORMAT_VERSION}: {upgrade}")
-
-
-def _check_group(path: str, where: str, g) -> dict[str, Any]:
-    if not isinstance(g, dict):
-        raise CheckpointError(f"{path}: {where} is {type(g).__name__}, not an object with method/config/layers; write "
-                              "it again with save_patched()")
-    lacking = [k for k in ("method", "config", "layers") if k not in g]
-    if lacking:
-        raise CheckpointError(f"{path} lacks {'/'.join(lacking)}{'' if where == 'the record' else ' in ' + where}; "
-                              "write it again with save_patched()")
-    if not isinstance(g["method"], str):
-        raise CheckpointError(f"{path}: \"method\" of {where} is {g['method']!r}, not a method name such as "
-                              "'sliding-window'")
-    if not isinstance(g["config"], dict):
-        raise CheckpointError(f"{path}: \"config\" of {where} is {g['config']!r}, not an object of method "
-                              "options such as {\"window\": 256}")
-    layers = g["layers"]
-    if not isinstance(layers, list) or not layers or any(_layer_index(i) is None for i in layers):
-        raise CheckpointError(f"{path}: \"layers\" of {where} is {layers!r}, not a non-empty list of 0-based layer "
-                              "indices such as [0, 1, 2]")
-    return {"method": g["method"], "config": g["config"], "layers": layers}
-
-
-def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
-    """The patch groups ([{method, config, layers}], in patch order) of a directory save_patched() wrote.
-    A missing, unreadable, malformed or too new record raises CheckpointError."""
-    path = os.path.join(os.fspath(directory), PATCH_JSON)
-    try:
-        with open(path, encoding="utf-8") as f:
-            rec = json.load(f)
-    except FileNotFoundError:
-        hint = ""
-        if os.path.exists(os.path.join(os.fspath(directory), "config.json")):
-            hint = ("; it is a plain HF checkpoint (Trainer.save_model and save_pretrained write those): save a "
-                    "patched model with longctx_patch.save_patched(model, DIR), e.g. after trainer.train(), "
-                    "save_patched(trainer.model, DIR)")
-        raise CheckpointError(f"{path} not found: {directory} was not written by save_patched(){hint}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); write it again with save_patched()") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); pass the directory save_patched() wrote") from None
-    if not isinstance(rec, dict):
-        raise CheckpointError(f"{path} holds {json.dumps(rec)[:40]}, not the object save_patched() writes; write it "
-                              "again with save_patched()")
-    _check_format(path, rec)
-    if "patches" in rec:
-        patches = rec["patches"]
-        if not isinstance(patches, list) or not patches:
-            raise CheckpointError(f"{path}: \"patches\" is {patches!r}, not a non-empty list of "
-                                  "{method, config, layers} objects; write it again with save_patched()")
-        return [_check_group(path, f"patches[{n}]", g) for n, g in enumerate(patches)]
-    return [_check_group(path, "the record", rec)]
-
-
-def _unreadable_weights(path: str, e: Exception) -> CheckpointError:
-    return CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is truncated or corrupt; copy it "
-                           "again, or write it again with save_patched()")
-
-
-def read_method_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The method weights (`longctx_patch.safetensors`) of a directory save_patched() wrote ({} without the file).
-    An unreadable file or non-finite values raise CheckpointError."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
-    if not os.path.exists(path):
-        return {}
-    try:
-        sd = load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise _unreadable_weights(path, e) from None
-    bad = sorted(k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
-    if bad:
-        shown = str(bad) if len(bad) <= 8 else f"{bad[:8]} and {len(bad) - 8} more"
-        raise CheckpointError(f"{path}: {shown} hold NaN or inf values (the run that wrote them diverged); use an "
-                              "earlier checkpoint of the run, or train again with a lower learning rate")
-    return sd
-
-
-def _check_weights_header(directory: str | os.PathLike) -> None:
-    """Opens the weights file's header only (cheap): a truncated or garbage file fails before a model is loaded."""
-    from safetensors import SafetensorError, safe_open
-
-    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
-    if not os.path.exists(path):
-        return
-    try:
-        with safe_open(path, framework="pt"):
-            pass
-    except (SafetensorError, OSError) as e:
-        raise _unreadable_weights(path, e) from None
 
 
 def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
@@ -591,11 +464,5 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     return model
 
 
-def load_patched(directory: str | os.PathLike, dtype=None, device=None) -> nn.Module:
-    """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
-    from .models import load_model_only
-
-    # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
-    read_patch_record(directory)
-    _check_weights_header(directory)
-    return load_model_only(directory, dtype=dtype, device=device)
+# the methods and the cache reach the patched modules and keep_original_weight through methods/patch_access.py
+patch_access.provide(patched_modules=patched_modules, keep_original_weight=keep_original_weight)

@@ -7,11 +7,17 @@ import torch
 
 import longctx_patch as lp
 from longctx_patch import assets
-from longctx_patch.patcher import _patch_record, _state, method_state_dict
+from longctx_patch.checkpoint import patch_record
+from longctx_patch.patcher import method_state_dict, patch_groups, patched_modules
 
 from conftest import REPO, TEST_DATA, tiny_model
 
 ASSET = REPO / "longctx_patch" / "assets" / "smollm2-135m-instruct-lolcats"
+
+
+def _record(model):
+    """The patch record save_patched() writes for `model`."""
+    return patch_record([g.to_record() for g in patch_groups(model)])
 
 
 def _trained_run_dir(tmp_path, ids, seed=0):
@@ -31,7 +37,7 @@ def _trained_run_dir(tmp_path, ids, seed=0):
     d = tmp_path / "trainable"
     d.mkdir()
     save_file({k: v.contiguous() for k, v in method_state_dict(model).items()}, str(d / "longctx_patch.safetensors"))
-    (d / "longctx_patch.json").write_text(json.dumps(_patch_record(model)))
+    (d / "longctx_patch.json").write_text(json.dumps(_record(model)))
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
@@ -50,13 +56,13 @@ def test_checkpoint_folder_with_adapter_matches_the_trained_model_and_unpatch_re
     with torch.no_grad():
         before = model(ids).logits
     lp.patch(model, "lolcats", checkpoint=str(d), window=4, chunk=4)
-    assert _state(model).modules[0].weights_source == f"checkpoint {d}"
+    assert patched_modules(model)[0].weights_source == f"checkpoint {d}"
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, before, atol=1e-3)
     # convert_to_lola keeps the merged LoRA (lambda = 0: the same model) and its unpatch still restores
-    from longctx_patch.methods.lola import convert_to_lola
+    from longctx_patch.convert import convert_to_lola
 
     convert_to_lola(model, sparse_cache=0)
     with torch.no_grad():
@@ -80,7 +86,7 @@ def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
 
     same = tiny_model()  # same seed: the same base model
     lp.patch(same, "lolcats", window=4, chunk=4)
-    assert _state(same).modules[0].weights_source.startswith("packaged asset tiny")
+    assert patched_modules(same)[0].weights_source.startswith("packaged asset tiny")
     with torch.no_grad():
         torch.testing.assert_close(same(ids).logits, want, rtol=1e-5, atol=1e-5)
     lp.unpatch(same)
@@ -92,15 +98,15 @@ def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
 
     other = tiny_model(seed=1)  # same shape, other weights: the fingerprint does not match
     lp.patch(other, "lolcats", window=4, chunk=4)
-    assert _state(other).modules[0].weights_source.startswith("fresh feature maps")
+    assert patched_modules(other)[0].weights_source.startswith("fresh feature maps")
 
     narrow = tiny_model()
     lp.patch(narrow, "lolcats", window=4, chunk=4, feature_dim=16)  # the asset's feature maps would not fit
-    assert _state(narrow).modules[0].weights_source.startswith("fresh feature maps")
+    assert patched_modules(narrow)[0].weights_source.startswith("fresh feature maps")
 
     some = tiny_model()  # a subset of the layers takes the asset's weights for those layers
     lp.patch(some, "lolcats", layers=[1], window=4, chunk=4)
-    assert _state(some).modules[1].weights_source.startswith("packaged asset tiny")
+    assert patched_modules(some)[1].weights_source.startswith("packaged asset tiny")
 
 
 def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
@@ -120,7 +126,7 @@ def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
     d = tmp_path / "trainable"
     d.mkdir()
     save_file(trained, str(d / "longctx_patch.safetensors"))
-    rec = _patch_record(model)
+    rec = _record(model)
     assert [p["method"] for p in rec["patches"]] == ["lolcats", "lola"]
     (d / "longctx_patch.json").write_text(json.dumps(rec))
 
@@ -132,7 +138,7 @@ def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
     monkeypatch.setenv(assets.ENV_PATH, str(tmp_path / "assets"))
     same = tiny_model()
     lp.patch(same, "lolcats", window=4, chunk=4)
-    assert _state(same).modules[2].weights_source.startswith("packaged asset hybrid")
+    assert patched_modules(same)[2].weights_source.startswith("packaged asset hybrid")
     got = method_state_dict(same)
     assert sorted(got) == sorted(trained)
     for k in trained:
@@ -173,7 +179,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     losses = {}
     for ck in ("auto", "none"):
         lp.patch(model, "lola", checkpoint=ck, window=64, sparse_cache=64)
-        src = _state(model).modules[0].weights_source
+        src = patched_modules(model)[0].weights_source
         assert src.startswith("packaged asset" if ck == "auto" else "fresh feature maps"), src
         with torch.no_grad():
             losses[ck] = model(ids, labels=ids).loss.item()

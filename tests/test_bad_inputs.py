@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import longctx_patch as lp
-from longctx_patch.patcher import PATCH_JSON, PATCH_WEIGHTS, apply_patch_record, parse_layers, read_patch_record
+from longctx_patch.checkpoint import PATCH_JSON, PATCH_WEIGHTS, read_patch_record
+from longctx_patch.patcher import apply_patch_record, parse_layers
 
 from conftest import tiny_config, tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longctx_patch.kernels.decode import decode_kernel_supported, masked_few_query_attention
-from longctx_patch.methods.exact import attention_mask, softmax_attention
+from longctx_patch.kernels.softmax import attention_mask, softmax_attention
 
 
 def _dense(q, k, v, scale, key_mask, q_offset, window):

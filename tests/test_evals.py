@@ -285,7 +285,7 @@ def test_approx_zero_for_exact_positive_for_perturbed(tiny, tmp_path):
 
 def test_approx_capture_matches_manual_attention(tiny):
     """The captured q/k/v reproduce the captured exact output, and a window >= length gives 0 error."""
-    from longctx_patch.methods.exact import softmax_attention
+    from longctx_patch.kernels.softmax import softmax_attention
 
     model, tok = tiny
     ids = torch.tensor([tok("one two three four five six seven eight nine ten")["input_ids"]])
@@ -411,7 +411,7 @@ def test_time_ops_pipeline_on_cpu():
 
 def test_method_ops_match_reference():
     from longctx_patch.methods import get_method
-    from longctx_patch.methods.exact import softmax_attention
+    from longctx_patch.kernels.softmax import softmax_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 13, 8, generator=g), torch.randn(1, 2, 13, 8, generator=g), torch.randn(1, 2, 13, 8, generator=g)

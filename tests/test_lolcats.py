@@ -341,6 +341,24 @@ def test_export_then_load_lolcats_checkpoint(tmp_path):
         assert torch.equal(a.window_factors, b.window_factors)
 
 
+def test_export_and_load_of_a_hybrid_take_the_lolcats_layers_only(tmp_path):
+    from longctx_patch.methods.lolcats import load_lolcats_checkpoint
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", layers="0-1", **KW)
+    lp.patch(model, "ovq", layers=[2])
+    path = export_lolcats_checkpoint(model, str(tmp_path / "model.pt"))
+    sd = torch.load(path, weights_only=True)
+    assert sorted({k.split(".")[2] for k in sd}) == ["0", "1"] and len(sd) == 6
+    with torch.no_grad():
+        model.model.layers[1].self_attn.window_factors.fill_(0.0)
+    assert load_lolcats_checkpoint(model, path) == {"layers": 2, "lora_pairs": 0}
+    assert torch.equal(model.model.layers[1].self_attn.window_factors, sd["model.layers.1.self_attn.window_factors"])
+    lp.unpatch(model)
+    with pytest.raises(NotPatchedError):
+        export_lolcats_checkpoint(model, str(tmp_path / "again.pt"))
+
+
 def test_export_writes_peft_lora_layout(tmp_path):
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")
@@ -383,8 +401,47 @@ def test_checkpoint_errors_list_the_keys(tmp_path):
     assert not os.path.exists(tmp_path / "saved")
 
 
+def test_damaged_or_diverged_safetensors_checkpoints_are_refused(tmp_path):
+    """checkpoint= reads our safetensors (a file, or a folder with an adapter/) with the checked reader of
+    longctx_patch.checkpoint: a damaged file or NaN/inf values are a CheckpointError, and the model stays unpatched."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", **KW)
+    lp.save_patched(model, tmp_path / "saved")
+    weights = tmp_path / "saved" / "longctx_patch.safetensors"
+    good = load_file(str(weights))
+    fresh = tiny_model("llama")
+    for target in (weights, tmp_path / "saved"):  # the file itself, and the folder holding it
+        weights.write_bytes(weights.read_bytes()[:-9])
+        with pytest.raises(CheckpointError, match="cannot be read as safetensors.*truncated or corrupt"):
+            lp.patch(fresh, "lolcats", checkpoint=str(target), **KW)
+        assert not lp.is_patched(fresh)
+        save_file({**good, "layers.1.window_factors": torch.full_like(good["layers.1.window_factors"], float("nan"))},
+                  str(weights))
+        with pytest.raises(CheckpointError, match=r"\['layers.1.window_factors'\] hold NaN or inf values"):
+            lp.patch(fresh, "lolcats", checkpoint=str(target), **KW)
+        assert not lp.is_patched(fresh)
+        save_file(good, str(weights))
+    lp.patch(fresh, "lolcats", checkpoint=str(weights), **KW)  # the intact file loads
+    assert torch.equal(fresh.model.layers[1].self_attn.window_factors, good["layers.1.window_factors"])
+    lp.unpatch(fresh)
+    # a diverged PEFT adapter beside the weights is refused too (its LoRA would be merged into the projections)
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    pm.save_pretrained(str(tmp_path / "saved" / "adapter"))
+    adapter = tmp_path / "saved" / "adapter" / "adapter_model.safetensors"
+    sd = load_file(str(adapter))
+    key = sorted(k for k in sd if "lora_B" in k)[0]
+    save_file({**sd, key: torch.full_like(sd[key], float("inf"))}, str(adapter))
+    before = fresh.model.layers[0].self_attn.q_proj.weight.clone()
+    with pytest.raises(CheckpointError, match=rf"adapter_model.safetensors: \['{key}'\] hold NaN or inf values"):
+        lp.patch(fresh, "lolcats", checkpoint=str(tmp_path / "saved"), **KW)
+    assert not lp.is_patched(fresh) and torch.equal(fresh.model.layers[0].self_attn.q_proj.weight, before)
+
+
 def test_convert_lolcats_model_to_lola():
-    from longctx_patch.methods.lola import LolaAttention, convert_to_lola
+    from longctx_patch.methods.lola import LolaAttention
 
     model = tiny_model("llama")
     lp.patch(model, "lolcats", layers="0-1", **KW)
@@ -394,7 +451,7 @@ def test_convert_lolcats_model_to_lola():
     x = _ids(1, 19, seed=9)
     with torch.no_grad():
         before = model(x, use_cache=False).logits
-        convert_to_lola(model, sparse_cache=0)
+        lp.convert_to_lola(model, sparse_cache=0)
         assert isinstance(model.model.layers[1].self_attn, LolaAttention)
         assert lp.patched_layers(model) == {0: "lola", 1: "lola"}
         assert torch.equal(model(x, use_cache=False).logits, before)  # lambda = 0 is lolcats
@@ -403,12 +460,12 @@ def test_convert_lolcats_model_to_lola():
     lp.patch(model, "lolcats", layers="0-1", **KW)
     with torch.no_grad():
         model.model.layers[1].self_attn.feature_map_k.mlp.layer.copy_(w)
-    convert_to_lola(model, sparse_cache=3, window=4)
+    lp.convert_to_lola(model, sparse_cache=3, window=4)
     attn = model.model.layers[1].self_attn
     assert attn.method_config.sparse_cache == 3 and attn.method_config.window == 4
     assert torch.equal(attn.feature_map_k.mlp.layer, w)
     with pytest.raises(NotPatchedError, match="patched with lolcats"):
-        convert_to_lola(tiny_model("llama"))
+        lp.convert_to_lola(tiny_model("llama"))
 
 
 def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model(monkeypatch):

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from torch import nn
 
 import longctx_patch as lp
-from longctx_patch.patcher import _state, method_state_dict
+from longctx_patch.patcher import method_state_dict, patched_modules
 
 # every method with parameters, small enough for a tiny model; ovq's beta = 3 has a log that bf16 rounds visibly
 WITH_PARAMETERS = {
@@ -110,7 +110,7 @@ def test_trained_parameters_survive_bf16_casts_and_save_load(method, tmp_path):
     lp.patch(model, method, **kw)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for mod in _state(model).modules.values():
+        for mod in patched_modules(model).values():
             for name, p in mod.named_parameters():
                 if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")):
                     p.add_(1e-3 * torch.randn(p.shape, generator=g))
@@ -151,7 +151,7 @@ def test_build_makes_a_methods_low_precision_parameters_float32():
     """A method that declares its parameters in the model's dtype still gets float32 ones."""
     from longctx_patch.methods import base, list_methods
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
-    from longctx_patch.methods.exact import key_mask_for, softmax_attention
+    from longctx_patch.kernels.softmax import key_mask_for, softmax_attention
 
     name = "test-bf16-parameter"
 

@@ -8,7 +8,7 @@ import torch
 
 import longctx_patch as lp
 from longctx_patch.architectures import get_adapter, model_config
-from longctx_patch.methods.base import attention_transfer
+from longctx_patch.train.transfer import attention_transfer
 
 from conftest import tiny_model
 

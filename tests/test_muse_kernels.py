@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse import make_plan, muse_attention, muse_reference_planned  # noqa: E402
-from longctx_patch.methods.exact import softmax_attention  # noqa: E402
+from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 
 
 def rel(a, b):

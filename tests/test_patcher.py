@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import longctx_patch as lp
-from longctx_patch.patcher import parse_layers
+from longctx_patch.patcher import parse_layers, patch_context, patch_groups, patched_modules
 
 from conftest import tiny_model
 
@@ -93,6 +93,36 @@ def test_bad_inputs_raise_named_errors(tiny_llama):
         lp.patch(tiny_llama, "sliding-window", layers=[1, 2], window=4)
     lp.patch(tiny_llama, "sliding-window", layers=[2], window=4)  # disjoint layers: a hybrid
     assert lp.patched_layers(tiny_llama) == {0: "exact", 1: "exact", 2: "sliding-window"}
+
+
+def test_what_the_patcher_hands_out(tiny_llama):
+    """patched_modules / patch_groups / patch_context: the patch as the cache, the methods, train/ and the CLI see
+    it (NotPatchedError on an unpatched model, as LongctxCache(model))."""
+    from transformers.cache_utils import DynamicLayer
+
+    from longctx_patch.methods.exact import RollingKVLayer
+    from longctx_patch.methods.patch_access import patched_modules as patched_modules_for_methods
+
+    for ask in (patched_modules, patch_groups, patch_context, patched_modules_for_methods, lp.LongctxCache):
+        with pytest.raises(lp.NotPatchedError, match="not patched by longctx-patch"):
+            ask(tiny_llama)
+    lp.patch(tiny_llama, "sliding-window", layers=[2], window=4)
+    lp.patch(tiny_llama, "exact", layers=[0])
+    mods = patched_modules(tiny_llama)
+    assert list(mods) == [0, 2] and all(mods[i] is tiny_llama.model.layers[i].self_attn for i in mods)
+    assert patched_modules_for_methods(tiny_llama) == mods
+    assert [g.to_record() for g in patch_groups(tiny_llama)] == [
+        {"method": "sliding-window", "config": {"window": 4}, "layers": [2]},
+        {"method": "exact", "config": {}, "layers": [0]},
+    ]
+    ctx = patch_context(tiny_llama)
+    assert all(m._ctx is ctx for m in mods.values())
+    cache = lp.LongctxCache(tiny_llama)
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer, DynamicLayer, RollingKVLayer]
+    assert cache.layers[2].keep == 3
+    lp.unpatch(tiny_llama)
+    with pytest.raises(lp.NotPatchedError):
+        patched_modules(tiny_llama)
 
 
 def test_parse_layers():
@@ -242,7 +272,7 @@ def test_peft_lora_on_patched_model_and_unpatch_keeps_adapters():
 def test_op_level_entry_point_of_every_method():
     """`Method.module_cls.op` (used by `longctx eval speed --op`) runs every registered method on plain tensors."""
     from longctx_patch.methods import get_method, list_methods
-    from longctx_patch.methods.exact import softmax_attention
+    from longctx_patch.kernels.softmax import softmax_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 200, 64, generator=g)

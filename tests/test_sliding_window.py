@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longctx_patch as lp
-from longctx_patch.methods.exact import attention_mask, softmax_attention
+from longctx_patch.kernels.softmax import attention_mask, softmax_attention
 
 from conftest import assert_left_padded_batch_matches_single, tiny_model
 

@@ -70,7 +70,7 @@ TEMP_METHOD = "test-temperature"
 def register_temp_method() -> str:
     from longctx_patch.methods import base, list_methods
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention, register_method
-    from longctx_patch.methods.exact import key_mask_for, softmax_attention
+    from longctx_patch.kernels.softmax import key_mask_for, softmax_attention
 
     if TEMP_METHOD in base._REGISTRY:
         return TEMP_METHOD
@@ -310,7 +310,7 @@ def test_two_stage_run_saves_and_reloads(tiny_dir, text_file, temp_method, tmp_p
     assert t["loss"][-1][1] < 0.5 * t["loss"][0][1]
     assert [e[0] for e in t["eval_loss"]] == [0, 3, 6] and t["eval_loss"][-1][1] < t["eval_loss"][0][1]
     assert t["tokens"] == 6 * 4 * 64 and log["tokens"] == (6 + 4) * 4 * 64
-    lt = torch.stack([m.log_t.detach() for m in longctx_patch.patcher._state(ft.model).modules.values()])
+    lt = torch.stack([m.log_t.detach() for m in longctx_patch.patcher.patched_modules(ft.model).values()])
     assert lt.abs().max() < 0.45  # moved from 0.5 towards 0
     # LoRA stage trains adapters only (r=4 on q/k/v/o of 2 layers)
     assert l["trainable"] == ["lora"] and l["trainable_params"] > 0 and l["final_eval_loss"] is not None
@@ -644,7 +644,7 @@ def test_teacher_forcing_isolates_layers(tiny_llama):
     """Under attention transfer with teacher forcing every layer sees the exact model's hidden states: the
     logits equal the unpatched model's, and a layer's loss has no gradient into earlier layers' maps."""
     import longctx_patch
-    from longctx_patch.methods.base import attention_transfer
+    from longctx_patch.train.transfer import attention_transfer
     from longctx_patch.train.runner import _patched_modules
 
     ids = torch.randint(3, 128, (2, 40))

@@ -2,7 +2,7 @@
 `softmax_attention` against the ways it could be written, in the same run.
 
 Variants, all through torch SDPA (which picks its backend from the arguments and the allowed set):
-- `package`: `longctx_patch.methods.exact.softmax_attention` as it is;
+- `package`: `longctx_patch.kernels.softmax.softmax_attention` as it is;
 - three layouts, each with a mask only where one is needed (padding, or more than one query): `repeat` (the cache
   repeated G times along the head axis), `stacked` (a kv head's G query heads stacked on the query axis, the mask
   repeated G times) and `gqa` (SDPA's own `enable_gqa=True`);
@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit
-from longctx_patch.methods.exact import attention_mask, softmax_attention
+from longctx_patch.kernels.softmax import attention_mask, softmax_attention
 
 
 def without_cudnn(device):

@@ -27,7 +27,7 @@ import longctx_patch
 from evals.shared import SHARED_DATA, device_token, model_token, result_file
 from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse import muse_attention
-from longctx_patch.methods.exact import softmax_attention
+from longctx_patch.kernels.softmax import softmax_attention
 
 GRID = [
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),

@@ -27,7 +27,7 @@ from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
-from longctx_patch.methods.exact import softmax_attention
+from longctx_patch.kernels.softmax import softmax_attention
 
 # name: (k_clusters, topk_blocks, sink_blocks, query sub-centroids for the retrieval score; 1 = the mean query)
 VARIANTS = dict(base=(16, 16, 1, 1), cq4=(16, 16, 1, 4), cq16=(16, 16, 1, 16), b24=(16, 24, 1, 1),

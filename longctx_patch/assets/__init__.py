@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..checkpoint import (ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, TRAINABLE_DIR, read_adapter_weights,
+                          read_method_weights, read_patch_record)
 from ..errors import CheckpointError
 
 ASSET_JSON = "asset.json"
@@ -112,10 +114,7 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     """Turns the `trainable/` folder of a linearize run into an asset folder: weights cast to `dtype`
     (float16 by default: half the bytes, well within the methods' tolerances), the adapter config, and an
     `asset.json` with the model's shape and fingerprint (`model` = the base model the run started from)."""
-    from safetensors.torch import load_file, save_file
-
-    from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, read_patch_record
-    from ..train.trained import TRAINABLE_DIR
+    from safetensors.torch import save_file
 
     src = Path(trainable_dir)
     if (src / TRAINABLE_DIR).is_dir():
@@ -139,14 +138,13 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     def cast(sd):
         return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
-    save_file(cast(load_file(str(weights))), str(out / PATCH_WEIGHTS))
+    save_file(cast(read_method_weights(src)), str(out / PATCH_WEIGHTS))
     shutil.copy(rec, out / PATCH_JSON)
     adapter = src / ADAPTER_DIR
     if (adapter / "adapter_config.json").exists():
         (out / ADAPTER_DIR).mkdir(exist_ok=True)
         shutil.copy(adapter / "adapter_config.json", out / ADAPTER_DIR / "adapter_config.json")
-        save_file(cast(load_file(str(adapter / "adapter_model.safetensors"))),
-                  str(out / ADAPTER_DIR / "adapter_model.safetensors"))
+        save_file(cast(read_adapter_weights(src)), str(out / ADAPTER_DIR / "adapter_model.safetensors"))
     # the options every patch of the run agrees on (feature_dim always: checked above)
     cfg = {k: v for k, v in groups[0]["config"].items() if all(g["config"].get(k, v) == v for g in groups)}
     info = {

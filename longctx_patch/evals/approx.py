@@ -29,9 +29,9 @@ def relative_error(o, ref) -> float:
 
 
 def _modules(model) -> dict[int, Any]:
-    from ..patcher import _state
+    from ..patcher import patched_modules
 
-    return dict(sorted(_state(model).modules.items()))
+    return patched_modules(model)
 
 
 def capture(model, input_ids, layers=None) -> dict[int, tuple]:
@@ -115,7 +115,7 @@ def run_approx(
                 mean_err[run.label] = sum(errs.values()) / len(errs)
             del cap
         if lengths:
-            from ..methods.exact import softmax_attention
+            from ..kernels.softmax import softmax_attention
 
             gen = torch.Generator(device="cpu").manual_seed(seed)
             dtype = next(mdl.parameters()).dtype

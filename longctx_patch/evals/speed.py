@@ -38,7 +38,7 @@ def _state_bytes(model, context: int) -> int:
     import torch
 
     from ..architectures import model_config
-    from ..patcher import _state, is_patched
+    from ..patcher import is_patched, patched_modules
 
     cfg = model_config(model)
     dtype = next(model.parameters()).dtype
@@ -46,7 +46,7 @@ def _state_bytes(model, context: int) -> int:
     n_layers = cfg.num_hidden_layers
     hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    mods = _state(model).modules if is_patched(model) else {}
+    mods = patched_modules(model) if is_patched(model) else {}
     return int(
         sum(mods[i].state_bytes(context, 1, dtype) if i in mods else 2 * hkv * context * hd * elt for i in range(n_layers))
     )

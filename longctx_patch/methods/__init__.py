@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 
 from ..errors import ConfigError
-from .base import Method, MethodConfig, PatchedAttention, _REGISTRY, attention_transfer, option, register_method
+from .base import Method, MethodConfig, PatchedAttention, _REGISTRY, option, register_method
 
 # Built-in method modules, imported on first use of the registry (import cost stays off `import longctx_patch`).
 _BUILTIN = ("exact", "sliding_window", "muse", "lolcats", "lola", "ovq")
@@ -62,7 +62,6 @@ __all__ = [
     "Method",
     "MethodConfig",
     "PatchedAttention",
-    "attention_transfer",
     "get_method",
     "list_methods",
     "option",

@@ -5,7 +5,6 @@ See docs/ARCHITECTURE.md ("The method contract").
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import types
 import typing
@@ -164,7 +163,7 @@ class PatchContext:
 
     def __init__(self) -> None:
         self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
-        self.transfer: "AttentionTransfer | None" = None
+        self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
 
 
 class PatchedAttention(nn.Module):
@@ -314,58 +313,6 @@ def _standalone(cls, Hq: int, Hkv: int, D: int, config, device, dtype) -> "Patch
                          scaling=D**-0.5, model_type="llama")
     _STANDALONE[key] = cls(orig, spec, config, ADAPTERS["llama"])
     return _STANDALONE[key]
-
-
-class AttentionTransfer:
-    """Collects per-layer MSE between a patched module's output and exact softmax attention (the teacher).
-
-    With `teacher_forcing`, each layer passes the teacher's output (not its own) on to the next layer, so
-    every layer learns on the original model's hidden states and no gradient crosses layers (the LoLCATs
-    attention-transfer procedure).
-    """
-
-    def __init__(self, teacher_forcing: bool = False) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.teacher_forcing = teacher_forcing
-
-    def record(self, module: PatchedAttention, q, k, v, padding, o) -> torch.Tensor:
-        """Append this layer's loss; return the output the layer passes on."""
-        from .exact import key_mask_for, softmax_attention
-
-        with torch.no_grad():
-            teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]),
-                                        window=module.spec.sliding_window)  # the original layer's window
-        diff = (o.float() - teacher.float()) ** 2
-        if padding is not None:  # only real query tokens count
-            w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
-            self.losses.append((diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1))
-        else:
-            self.losses.append(diff.mean())
-        return teacher.to(o.dtype) if self.teacher_forcing else o
-
-    def loss(self) -> torch.Tensor:
-        return torch.stack(self.losses).mean()
-
-    def clear(self) -> None:
-        self.losses.clear()
-
-
-@contextlib.contextmanager
-def attention_transfer(model: nn.Module, teacher_forcing: bool = False):
-    """Under this context each patched module also records its MSE against exact attention.
-
-    Yields an `AttentionTransfer`; call `.loss()` after a forward and `.clear()` before the next. Use without
-    a cache (`use_cache=False`): the teacher attends over the tokens of the current call only.
-    """
-    from ..patcher import _state
-
-    st = _state(model)
-    tr = AttentionTransfer(teacher_forcing)
-    st.ctx.transfer = tr
-    try:
-        yield tr
-    finally:
-        st.ctx.transfer = None
 
 
 # ----------------------------------------------------------------------------------------------- method

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Method, MethodConfig, option, register_method
-from .exact import ExactAttention, RollingKVLayer, softmax_attention
+from ..kernels.softmax import softmax_attention
+from .exact import ExactAttention, RollingKVLayer
 
 __all__ = ["RollingKVLayer", "SlidingWindow", "SlidingWindowAttention", "SlidingWindowConfig"]
 

@@ -9,8 +9,10 @@ from .data import BatchOrder, PackedData, load_documents, make_packed, pack, tok
 from .recipe import DataSpec, LoraSpec, OutputSpec, Recipe, Stage, apply_overrides, load_recipe, recipe_from_dict
 from .runner import Finetuner, run_finetune, write_results
 from .trained import apply_trained
+from .transfer import AttentionTransfer, attention_transfer
 
 __all__ = [
+    "AttentionTransfer",
     "BatchOrder",
     "DataSpec",
     "Finetuner",
@@ -21,6 +23,7 @@ __all__ = [
     "Stage",
     "apply_overrides",
     "apply_trained",
+    "attention_transfer",
     "load_documents",
     "load_recipe",
     "make_packed",

@@ -189,9 +189,9 @@ def lr_lambda(stage: Stage) -> Callable[[int], float]:
 
 
 def _patched_modules(model: nn.Module) -> dict[int, nn.Module]:
-    from ..patcher import _state, is_patched
+    from ..patcher import is_patched, patched_modules
 
-    return dict(_state(model).modules) if is_patched(model) else {}
+    return patched_modules(model) if is_patched(model) else {}
 
 
 def method_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -742,7 +742,7 @@ class Finetuner:
         if stage.objective != "attention_transfer":
             yield None
             return
-        from ..methods.base import attention_transfer
+        from .transfer import attention_transfer
 
         with attention_transfer(self.model, teacher_forcing=stage.teacher_forcing) as tr:
             yield tr
@@ -1052,18 +1052,15 @@ class Finetuner:
     def save_outputs(self) -> None:
         """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged)."""
         import yaml
-        from safetensors.torch import save_file
 
-        from ..patcher import ADAPTER_DIR, PATCH_JSON, PATCH_WEIGHTS, _patch_record, is_patched, method_state_dict, save_patched
+        from ..checkpoint import ADAPTER_DIR, write_patch
+        from ..patcher import is_patched, method_state_dict, patch_groups, save_patched
 
         (self.out / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
         tdir = self.out / TRAINABLE_DIR
         tdir.mkdir(parents=True, exist_ok=True)
         if is_patched(self.model):
-            w = method_state_dict(self.model)
-            if w:
-                save_file({k: v.to("cpu") for k, v in w.items()}, str(tdir / PATCH_WEIGHTS), metadata={"format": "pt"})
-            (tdir / PATCH_JSON).write_text(json.dumps(_patch_record(self.model), indent=2))
+            write_patch(tdir, [g.to_record() for g in patch_groups(self.model)], method_state_dict(self.model))
         if self._is_peft():
             self.root.save_pretrained(str(tdir / ADAPTER_DIR))
         if self.recipe.output.lolcats_export:

@@ -7,16 +7,15 @@ from pathlib import Path
 
 from torch import nn
 
+from ..checkpoint import ADAPTER_DIR, PATCH_JSON, TRAINABLE_DIR
 from ..errors import CheckpointError
-
-TRAINABLE_DIR = "trainable"
 
 
 def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = True) -> nn.Module:
     """Re-applies the patches and method weights of a run's `trainable/` folder (or the run's output folder)
     to `model` (the unpatched base model the run started from), then adds its LoRA adapter, merged into the
     projections when `merge` (the default; otherwise the peft wrapper is returned). Returns the model."""
-    from ..patcher import ADAPTER_DIR, PATCH_JSON, apply_patch_record
+    from ..patcher import apply_patch_record
 
     d = Path(directory)
     if (d / TRAINABLE_DIR).is_dir():

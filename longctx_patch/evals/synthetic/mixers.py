@@ -4,7 +4,7 @@
 ============  ====================================================================================  =====================
 name          what it computes                                                                        decode state / layer
 ============  ====================================================================================  =====================
-softmax       exact causal softmax attention (``methods.exact.softmax_attention``; unit q/k, learned    ``L`` keys + values
+softmax       exact causal softmax attention (``kernels.softmax.softmax_attention``; unit q/k, learned  ``L`` keys + values
               temperature as in vq/ovq; ``qknorm=false``: plain ``1/sqrt(D)``)
 sliding       softmax over the last ``window`` tokens                                                 ``window`` k/v
 linear        linear attention, ``phi = elu + 1``                                                     ``D x (D + 1)``
@@ -193,7 +193,7 @@ class SoftmaxMixer(Mixer):
         return None
 
     def attend(self, q, k, v):
-        from ...methods.exact import softmax_attention
+        from ...kernels.softmax import softmax_attention
 
         q, k, scale = self._qk(q, k)
         return softmax_attention(q, k, v, scale=scale, window=self.window())

@@ -9,7 +9,6 @@ prefill-then-decode equals one forward over the same tokens.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from torch import Tensor
 from ...errors import ConfigError
 from ..backend import resolve_backend as _resolve
 from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
-                        select_and_assign, update_state)
+                        select_and_assign, target_int, update_state)
 
 
 @dataclass
@@ -53,15 +52,6 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
                           f"{256 // q.element_size()} in {q.dtype}, got {q.shape[-1]} / {v.shape[-1]}; use "
                           "backend='auto' or 'torch'")
     return "torch"
-
-
-def target_int(seen: int, max_centroids: int, growth: float) -> int:
-    """Host-side version of :func:`reference.target_centroids` (upper bound on the active rows)."""
-    if growth <= 0:
-        n = seen
-    else:
-        n = math.ceil(growth * math.log1p(seen / growth) - 1e-9) if seen > 0 else 0
-    return int(min(n, seen, max_centroids))
 
 
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..graphs import run_steps
-from .reference import OVQState, target_centroids
+from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -389,8 +389,6 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     (``MEAN_FORM``, ``_ovq_means``).  docs/ovq.md, "Kernels".
     Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
-    from .ops import target_int
-
     B, H, L, D = kk.shape
     DV = vv.shape[-1]
     HQ, S = (q.shape[1], q.shape[2]) if q is not None else (H, L - off)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import ConfigError, NotPatchedError
 from ..base import Method, option, register_method
 from ..lolcats import LolcatsAttention, LolcatsConfig, load_method_weights
 
@@ -51,36 +50,4 @@ class Lola(Method):
         load_method_weights(model, modules, config)
 
 
-def convert_to_lola(model, sparse_cache: int = 256, **overrides):
-    """Turn a model patched with `lolcats` into a `lola` model in place, keeping its feature maps and
-    window factors (and any merged LoRA weights). `overrides`: other lola keys (window, chunk, backend ...).
-
-    Equivalent to saving the lolcats parameters, `unpatch()`, `patch(model, "lola", ...)` on the same layers
-    with the same config, and loading the parameters back. Returns the model.
-    """
-    from ...patcher import _state, load_method_state_dict, method_state_dict, patch, unpatch
-
-    try:
-        st = _state(model)
-    except NotPatchedError:
-        raise NotPatchedError("convert_to_lola needs a model patched with lolcats; call "
-                              "longctx_patch.patch(model, 'lolcats', ...) first") from None
-    methods = sorted({g.method for g in st.groups})
-    if methods != ["lolcats"]:
-        raise ConfigError(f"convert_to_lola converts models patched only with lolcats; this one has {methods}. "
-                          "Unpatch and patch the layers with lola directly instead")
-    groups = [(g.layers, g.config.to_dict()) for g in st.groups]
-    sd = {k: v.clone() for k, v in method_state_dict(model).items()}
-    # weights a checkpoint merged LoRA deltas into stay merged; unpatch() of the lola model restores them
-    saved = dict(st.saved_weights)
-    st.saved_weights.clear()
-    unpatch(model)
-    for layers, cfg in groups:
-        cfg = {**cfg, "checkpoint": None, "sparse_cache": sparse_cache, **overrides}
-        patch(model, "lola", layers=layers, **cfg)
-    _state(model).saved_weights.update(saved)
-    load_method_state_dict(model, sd, source="the lolcats parameters")
-    return model
-
-
-__all__ = ["LolaAttention", "LolaConfig", "convert_to_lola"]
+__all__ = ["LolaAttention", "LolaConfig"]

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...cache import LongctxLayer
+from ..cache_layer import LongctxLayer
 from ...errors import ConfigError
 from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
 from ...kernels.lola.training import lola_attention_sets, sparse_positions

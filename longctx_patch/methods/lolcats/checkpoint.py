@@ -15,8 +15,10 @@ import re
 
 import torch
 
+from ...architectures import shared_weight
+from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
 from ...errors import CheckpointError
-from ...patcher import ADAPTER_DIR, PATCH_WEIGHTS, shared_weight
+from ..patch_access import keep_original_weight, patched_modules
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -25,14 +27,21 @@ _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LORA = re.compile(r"^([qkvo]_proj)\.lora_([AB])(?:\.default)?\.weight$")
 
 
+def _holds_method_keys(module) -> bool:
+    """Whether a patched module has the parameters this format holds (a lolcats or lola layer)."""
+    try:
+        for name in METHOD_KEYS:
+            module.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _modules(model, modules):
-    from . import LolcatsAttention
-
+    """The lolcats/lola layers among `modules` (default: the patched layers of `model`), {layer: module}."""
     if modules is None:
-        from ...patcher import _state
-
-        modules = _state(model).modules
-    return {i: m for i, m in modules.items() if isinstance(m, LolcatsAttention)}
+        modules = patched_modules(model)
+    return {i: m for i, m in modules.items() if _holds_method_keys(m)}
 
 
 def _read_adapter(folder: str) -> tuple[dict[str, torch.Tensor], float] | None:
@@ -50,9 +59,7 @@ def _read_adapter(folder: str) -> tuple[dict[str, torch.Tensor], float] | None:
     weights = os.path.join(folder, ADAPTER_DIR, "adapter_model.safetensors")
     if not os.path.exists(weights):
         raise CheckpointError(f"{cfg_path} has no adapter_model.safetensors beside it")
-    from safetensors.torch import load_file
-
-    return load_file(weights), float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    return read_adapter_weights(folder), float(cfg.get("lora_alpha", cfg.get("r", 8)))
 
 
 def _read(path: str) -> list[tuple[dict[str, torch.Tensor], bool, float | None]]:
@@ -80,12 +87,7 @@ def _read_file(path: str) -> tuple[dict[str, torch.Tensor], bool]:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found; pass a LoLCATs model.pt or a {PATCH_WEIGHTS} file")
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path), True
-        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
-            raise CheckpointError(f"cannot read {path} as safetensors ({e})") from None
+        return read_weights_file(path), True  # checked: a damaged file or NaN/inf values raise CheckpointError
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
@@ -202,8 +204,6 @@ def _apply_lora(model, layer: int, name: str, proj, A: torch.Tensor, B: torch.Te
         pa.copy_(A.to(pa.device, pa.dtype))
         pb.copy_(B.to(pb.device, pb.dtype))
         return
-    from ...patcher import keep_original_weight
-
     w = keep_original_weight(model, layer, name)
     r = A.shape[0]
     delta = (B.float() @ A.float()) * (alpha / r)

@@ -17,7 +17,7 @@ import torch
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, muse_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
-from ..exact import key_mask_for, softmax_attention
+from ...kernels.softmax import key_mask_for, softmax_attention
 
 
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far

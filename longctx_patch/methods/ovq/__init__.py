@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...cache import LongctxLayer
+from ..cache_layer import LongctxLayer
 from ...errors import ConfigError
 from ...kernels.ovq import OpenChunk, OVQState, ovq_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method

@@ -1,0 +1,89 @@
+"""`LongctxLayer`: the base of the methods' own transformers cache layers (a rolling window, a linear state,
+a dictionary ...). It tracks how many tokens it has seen (what transformers reads for position ids and masks)
+independently of how many it stores. `LongctxCache` (cache.py) holds one per patched layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+class LongctxLayer(CacheLayerMixin):
+    """Base of stateful cache layers. Subclasses list their batch-first state tensors in `state_names`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0  # tokens processed so far (including left padding)
+        for n in self.state_names:
+            if not hasattr(self, n):
+                setattr(self, n, None)
+
+    # -- what transformers asks ---------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError(
+            f"{type(self).__name__} keeps method-specific state; its attention module updates it. "
+            "Do not call Cache.update() on a layer patched by longctx-patch."
+        )
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The model builds its 4-D mask from the first layer; report full length so that unpatched layers
+        # (full KV) get the right mask. Patched modules ignore that mask.
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # -- state management ---------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in self.state_names:
+            t = getattr(self, n, None)
+            if isinstance(t, torch.Tensor):
+                out[n] = t
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+
+    def _map(self, fn) -> None:
+        for n, t in self.state_tensors().items():
+            setattr(self, n, fn(t))
+
+    def reset(self) -> None:
+        for n in self.state_names:
+            setattr(self, n, None)
+        self.seen = 0
+        self.is_initialized = False
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized:
+            self._map(lambda t: t.to(self.device, non_blocking=True))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot drop tokens (its state is not a list of tokens)")
