@@ -25,9 +25,8 @@ try:
     import triton
     import triton.language as tl
 
-    # the dot with the interpreter's bf16 workaround, and whether the interpreter is on
-    from .lola.triton_kernels import _UPCAST as _INTERPRETING
-    from .lola.triton_kernels import _dot
+    from .backend import INTERPRET as _INTERPRETING
+    from .triton_lib import combine_splits, dot, online_softmax
 
     HAVE_TRITON = True
 except ImportError:  # the PyTorch path serves everything without it
@@ -89,7 +88,7 @@ if HAVE_TRITON:
             cols = n0 + tl.arange(0, BN)
             cvalid = cols < end
             kt = tl.load(kbase + cols[:, None] * sks + d[None, :], mask=cvalid[:, None], other=0.0)
-            sc = _dot(q, tl.trans(kt), PREC, UP) * scale_log2
+            sc = dot(q, tl.trans(kt), PREC, UP) * scale_log2
             ok = cols[None, :] <= qpos[:, None]
             if HAS_WIN:
                 ok = ok & (cols[None, :] > qpos[:, None] - window)
@@ -98,14 +97,9 @@ if HAVE_TRITON:
                 ok = (ok & km[None, :]) | (cols[None, :] == qpos[:, None])
             ok = ok & cvalid[None, :]
             sc = tl.where(ok, sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 of -inf is 0
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(sc - m_safe[:, None])
-            l = l * alpha + tl.sum(p, 1)
             vt = tl.load(vbase + cols[:, None] * svs + d[None, :], mask=cvalid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC, UP)
-            m = m_new
+            # EMPTY: a row may have no key yet in this split
+            m, l, acc = online_softmax(sc, vt, m, l, acc, PREC, UP, True, True)
         r = tl.arange(0, BR)
         base = pid * NS + s
         tl.store(PO + (base * BR + r)[:, None] * D + d[None, :], acc)
@@ -122,17 +116,7 @@ if HAVE_TRITON:
         b = bh // HKV
         r = tl.arange(0, BR)
         d = tl.arange(0, D)
-        mx = tl.full([BR], float("-inf"), tl.float32)
-        for s in range(0, NS):
-            mx = tl.maximum(mx, tl.load(PM + (pid * NS + s) * BR + r))
-        mx = tl.where(mx == float("-inf"), 0.0, mx)  # padding rows of the last block
-        den = tl.zeros([BR], tl.float32)
-        acc = tl.zeros([BR, D], tl.float32)
-        for s in range(0, NS):
-            base = pid * NS + s
-            w = tl.exp2(tl.load(PM + base * BR + r) - mx)
-            den += w * tl.load(PL + base * BR + r)
-            acc += w[:, None] * tl.load(PO + (base * BR + r)[:, None] * D + d[None, :])
+        acc, den = combine_splits(PO, PM, PL, pid * NS, 1, BR, r, r, NS, D, BR, False)
         rows = rb * BR + r
         rvalid = rows < G * Sq
         g = rows // Sq

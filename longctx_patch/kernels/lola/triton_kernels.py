@@ -14,35 +14,15 @@ They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works w
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..graphs import run_steps
+from ..backend import INTERPRET
+from ..triton_lib import LOG2E, dot, dot_bf16x3, dot_precision, np2, online_softmax, online_softmax_row
 from .reference import feature_rows
-
-LOG2E = 1.4426950408889634
-# The interpreter (TRITON_INTERPRET=1, triton 3.9) returns garbage for tl.dot on bf16 operands: there the
-# operands are upcast to fp32 first (same maths); compiled kernels keep bf16 tensor-core dots.
-_UPCAST = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PREC)
-
-
-def _np2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
-
-
-def _prec(*ts) -> str:
-    return "ieee" if all(t.dtype == torch.float32 for t in ts) else "tf32"
 
 
 # ------------------------------------------------------------------------------------------- prefix states
@@ -56,7 +36,7 @@ def _chunk_sums_kernel(
     s_o_b, s_o_h, s_o_n, s_o_f,
     s_os_b, s_os_h, s_os_n,
     HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     """OUT[:, :, c + 1] = sum of phi(k) v^T over the keys c*CS - OFF .. (c+1)*CS - OFF - 1 that lie in [0, N)
     (and OUTS the sum of phi(k)); slot 0 is left alone."""
@@ -83,7 +63,7 @@ def _chunk_sums_kernel(
                      mask=mt[:, None] & mk[None, :], other=0.0)
         vv = tl.load(V + b * s_v_b + hk * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
                      mask=mt[:, None] & mv[None, :], other=0.0)
-        hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+        hacc += dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
         sacc += tl.sum(fk.to(tl.float32), 0)
     tl.store(OUT + b * s_o_b + h * s_o_h + (c + 1) * s_o_n + offs_k[:, None] * s_o_f + offs_v[None, :],
              hacc, mask=mk[:, None] & mv[None, :])
@@ -97,7 +77,7 @@ def _range_sums(fk, v, km, H, S, n_slots: int, cs: int, off: int, h_strides, s_s
     km [B, N] int8 or None."""
     B, Hq, N, F2 = fk.shape
     D = v.shape[-1]
-    BK, BV = min(64, _np2(F2)), min(64, _np2(D))
+    BK, BV = min(64, np2(F2)), min(64, np2(D))
     NV = triton.cdiv(D, BV)
     _chunk_sums_kernel[(B * Hq, n_slots, triton.cdiv(F2, BK) * NV)](
         fk, v, km if km is not None else fk, H, S,
@@ -106,7 +86,7 @@ def _range_sums(fk, v, km, H, S, n_slots: int, cs: int, off: int, h_strides, s_s
         v.stride(0), v.stride(1), v.stride(2),
         km.stride(0) if km is not None else 0,
         *h_strides, *s_strides,
-        HQ=Hq, CS=cs, BT=min(64, cs & -cs), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
+        HQ=Hq, CS=cs, BT=min(64, cs & -cs), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=dot_precision(fk, v),
     )
 
 
@@ -140,18 +120,6 @@ def chunk_states(fk, v, state_chunk: int, key_mask=None, H0=None, s0=None):
 
 # ------------------------------------------------------------------------------------------- hybrid forward
 @triton.jit
-def _online_block(sc, vals, m_i, l_e, acc_e, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """One block of exact keys into the online softmax: sc [BM, BN] log2-scaled scores (-inf = masked; the
-    running max starts at -1e30, so a fully masked block adds 0), vals [BN, BD]. Returns (m_i, l_e, acc_e)."""
-    m_new = tl.maximum(m_i, tl.max(sc, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    acc_e = acc_e * alpha[:, None] + _dot(p.to(vals.dtype), vals, PREC, UPCAST)
-    l_e = l_e * alpha + tl.sum(p, 1)
-    return m_new, l_e, acc_e
-
-
-@triton.jit
 def _hybrid_fwd_kernel(
     Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
     M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2, sp_chunk,
@@ -169,7 +137,7 @@ def _hybrid_fwd_kernel(
     s_o_b, s_o_m, s_o_h,
     HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
     CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -189,6 +157,7 @@ def _hybrid_fwd_kernel(
                  mask=mm[:, None] & mf[None, :], other=0.0)
     qpos = q_off + offs_m  # key index of each query
 
+    # the running max starts finite: a fully masked tile adds 0 (online_softmax without its EMPTY guard)
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_e = tl.zeros([BM], dtype=tl.float32)
     l_l = tl.zeros([BM], dtype=tl.float32)
@@ -211,7 +180,7 @@ def _hybrid_fwd_kernel(
         hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
                       mask=mks[:, None] & md[None, :], other=0.0)
         sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_ks, mask=mks, other=0.0)
-        acc_l += _dot(fqs, hst, PREC, UPCAST)
+        acc_l += dot(fqs, hst, PREC, UPCAST)
         l_l += tl.sum(fqs * sst[None, :], 1)
 
     # 2. sparse cache: exact keys of this query head's sparse head
@@ -226,9 +195,9 @@ def _hybrid_fwd_kernel(
                          + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
             sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + spc * s_spv_c + offs_l[:, None] * s_spv_l
                          + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
-            sc = _dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(ml[None, :], sc, float("-inf"))
-            m_i, l_e, acc_e = _online_block(sc, sv, m_i, l_e, acc_e, PREC, UPCAST)
+            m_i, l_e, acc_e = online_softmax(sc, sv, m_i, l_e, acc_e, PREC, UPCAST, True, False)
 
     # 3. explicit keys: window softmax or linear by distance. A tile whose query-key distances all lie
     # beyond the window skips the softmax products, one whose distances all lie inside skips the linear ones
@@ -246,16 +215,16 @@ def _hybrid_fwd_kernel(
             k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
                         mask=mn[:, None] & md[None, :], other=0.0)
             win = (diff >= 0) & (diff < window) & mn[None, :]
-            sc = _dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(win, sc, float("-inf"))
-            m_i, l_e, acc_e = _online_block(sc, v, m_i, l_e, acc_e, PREC, UPCAST)
+            m_i, l_e, acc_e = online_softmax(sc, v, m_i, l_e, acc_e, PREC, UPCAST, True, False)
         if a0 + BM - 1 - n0 >= window:  # some pair beyond it
             fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
                          mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
             lin = (diff >= window) & mn[None, :]
-            a = _dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
+            a = dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
             a = tl.where(lin, a, 0.0)
-            acc_l += _dot(a.to(v.dtype), v, PREC, UPCAST)
+            acc_l += dot(a.to(v.dtype), v, PREC, UPCAST)
             l_l += tl.sum(a, 1)
 
     gw = tl.load(GW + h).to(tl.float32)
@@ -296,11 +265,11 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     per_block = state_chunk > 0
     if not per_block:
         Hs, Ss = Hs.unsqueeze(2), Ss.unsqueeze(2)
-    BM = min(block_m, _np2(M))
+    BM = min(block_m, np2(M))
     BN = block_n
     if per_block:
         assert state_chunk % BN == 0, "state_chunk must be a multiple of block_n"
-    BD, BF = _np2(D), _np2(F2)
+    BD, BF = np2(D), np2(F2)
     if out is None:
         out = torch.empty(B, M, Hq, D, device=q.device, dtype=q.dtype)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
@@ -338,7 +307,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0, cst(spm, 2),
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
-        HAS_KM=km is not None, HAS_SP=has_sp, PREC=_prec(q, k, fq),
+        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq),
         num_warps=TUNE["hybrid_num_warps"] or 4,
         num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
     )
@@ -362,18 +331,10 @@ def _sre_rows(FKB, rows, ok, s_fk_n, HB, s_h_f, SB, vv, F2, D, eps,
         hh = tl.load(HB + offs_k[:, None] * s_h_f + offs_d[None, :], mask=mk[:, None] & md[None, :], other=0.0)
         ss = tl.load(SB + offs_k, mask=mk, other=0.0)
         if PREC == "bf16x3":
-            # phi(k) is bf16 (exact as a tensor-core operand); H = h1 + h2 + h3 in three bf16 parts (24 mantissa
-            # bits, fp32's), so three bf16 dots with fp32 sums give fp32-accurate products on the tensor cores
-            fb = fk.to(tl.bfloat16)
-            h1 = hh.to(tl.bfloat16)
-            r1 = hh - h1.to(tl.float32)
-            h2 = r1.to(tl.bfloat16)
-            h3 = (r1 - h2.to(tl.float32)).to(tl.bfloat16)
-            num += _dot(fb, h3, "ieee", UPCAST)
-            num += _dot(fb, h2, "ieee", UPCAST)
-            num += _dot(fb, h1, "ieee", UPCAST)
+            # phi(k) is bf16 (exact as a tensor-core operand), H fp32 in three bf16 parts: fp32-accurate products
+            num = dot_bf16x3(fk.to(tl.bfloat16), hh, num, "ieee", UPCAST)
         else:
-            num += _dot(fk.to(tl.float32), hh, PREC, UPCAST)
+            num += dot(fk.to(tl.float32), hh, PREC, UPCAST)
         den += tl.sum(fk.to(tl.float32) * ss[None, :], 1)
     err = vv - num / (den[:, None] + eps)
     err = tl.where(md[None, :], err, 0.0)
@@ -391,7 +352,7 @@ def _sre_kernel(
     s_s_b, s_s_h,
     s_o_b, s_o_h,
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_VALID: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -424,8 +385,8 @@ def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True):
     va = valid.to(torch.int8).contiguous() if valid is not None else None
     H = H.contiguous()
     s = s.contiguous()
-    BN = min(64, _np2(N))
-    BK = min(64, _np2(F2))
+    BN = min(64, np2(N))
+    BK = min(64, np2(F2))
     grid = (B * Hq, triton.cdiv(N, BN))
     _sre_kernel[grid](
         fk, v, va if va is not None else out, H, s, out,
@@ -436,7 +397,7 @@ def sre_score(fk, v, H, s, valid=None, eps: float = 1e-6, precise: bool = True):
         H.stride(0), H.stride(1), H.stride(2),
         s.stride(0), s.stride(1),
         out.stride(0), out.stride(1),
-        HQ=Hq, BN=BN, BD=_np2(D), BK=BK, HAS_VALID=va is not None,
+        HQ=Hq, BN=BN, BD=np2(D), BK=BK, HAS_VALID=va is not None,
         PREC=_score_prec(fk, precise),
     )
     return out
@@ -460,7 +421,7 @@ def _fold_kernel(
     s_w_b, s_w_h,
     s_h_b, s_h_h, s_h_f,
     s_s_b, s_s_h,
-    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -486,7 +447,7 @@ def _fold_kernel(
                      mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32) * w[:, None]
         vv = tl.load(V + b * s_v_b + hv * s_v_h + offs_n[:, None] * s_v_n + offs_v[None, :],
                      mask=mn[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        hacc += _dot(tl.trans(fk), vv, PREC, UPCAST)
+        hacc += dot(tl.trans(fk), vv, PREC, UPCAST)
         sacc += tl.dot(tl.trans(fk), ones, input_precision="ieee")
     tl.store(hp, hacc, mask=mk[:, None] & mv[None, :])
     col0 = mk[:, None] & (offs_v[None, :] == 0)
@@ -509,8 +470,8 @@ def fold_into_state(fk, v, w, H, s):
     w = w.float().contiguous()
     # 32: 2-3% faster lola prefill than 64 in one sweep, 16 slower; within run-to-run noise (docs/PERFORMANCE.md)
     blk = TUNE["fold_block"] or 32
-    BK = min(blk, _np2(F2))
-    BV = min(blk, _np2(D))
+    BK = min(blk, np2(F2))
+    BV = min(blk, np2(D))
     grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))
     _fold_kernel[grid](
         fk, v, w, H, s,
@@ -520,7 +481,7 @@ def fold_into_state(fk, v, w, H, s):
         w.stride(0), w.stride(1),
         H.stride(0), H.stride(1), H.stride(2),
         s.stride(0), s.stride(1),
-        HQ=Hq, BN=min(64, _np2(N)), BK=BK, BV=BV, PREC="ieee",
+        HQ=Hq, BN=min(64, np2(N)), BK=BK, BV=BV, PREC="ieee",
     )
     return H, s
 
@@ -580,12 +541,7 @@ def _decode_kernel(
                          mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
             sc = tl.sum(sk * q[None, :], 1) * scale_log2
             sc = tl.where(ml, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new)
-            acc_e = acc_e * alpha + tl.sum(p[:, None] * sv, 0)
-            l_e = l_e * alpha + tl.sum(p, 0)
-            m_i = m_new
+            m_i, l_e, acc_e = online_softmax_row(sc, sv, m_i, l_e, acc_e)
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         mn = offs_n < N
@@ -600,12 +556,7 @@ def _decode_kernel(
         lin = (diff >= window) & mn
         sc = tl.sum(k * q[None, :], 1) * scale_log2
         sc = tl.where(win, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new)
-        acc_e = acc_e * alpha + tl.sum(p[:, None] * v, 0)
-        l_e = l_e * alpha + tl.sum(p, 0)
-        m_i = m_new
+        m_i, l_e, acc_e = online_softmax_row(sc, v, m_i, l_e, acc_e)
         # linear part of the local keys older than the window: phi(q) . phi(k) per key
         a = tl.zeros([BN], dtype=tl.float32)
         for f0 in range(0, F2, BK):
@@ -663,7 +614,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(2),
-        HQ=Hq, BN=min(64, _np2(N)), BD=_np2(D), BK=min(64, _np2(F2)),
+        HQ=Hq, BN=min(64, np2(N)), BD=np2(D), BK=min(64, np2(F2)),
         HAS_KM=km is not None, HAS_SP=has_sp,
     )
     return out
@@ -678,7 +629,7 @@ def _feature_map_kernel(
     s_w_h, s_w_d,
     s_o_b, s_o_h, s_o_n,
     H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr = _UPCAST,
+    UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -694,7 +645,7 @@ def _feature_map_kernel(
     x = tl.load(X + b * s_x_b + hx * s_x_h + offs_m[:, None] * s_x_n + offs_d[None, :],
                 mask=mm[:, None] & md[None, :], other=0.0)
     w = tl.load(W + h * s_w_h + offs_d[:, None] * s_w_d + offs_f[None, :], mask=md[:, None] & mf[None, :], other=0.0)
-    p = _dot(x.to(w.dtype), w, PREC, UPCAST)  # [BM, BF] fp32
+    p = dot(x.to(w.dtype), w, PREC, UPCAST)  # [BM, BF] fp32
     pp = tl.where(mf[None, :], p, float("-inf"))
     pn = tl.where(mf[None, :], -p, float("-inf"))
     ep = tl.exp(pp - tl.max(pp, 1)[:, None])
@@ -722,7 +673,7 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, BM=BM, BD=_np2(D), BF=_np2(F), PREC=_prec(w),
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w),
     )
     return out
 
@@ -761,7 +712,7 @@ def _ev_score_kernel(
     s_sa_c, s_sa_b, s_sa_h,
     s_sc_b, s_sc_h,
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_KM: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     """SC[b, h, j] = SRE of candidate j under query head h's state H_all[c] (-inf for invalid candidates)."""
     pid_bh = tl.program_id(0)
@@ -860,7 +811,7 @@ def _ev_fold_kernel(
     s_ha_c, s_ha_b, s_ha_h, s_ha_f,
     s_sa_c, s_sa_b, s_sa_h,
     HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     """H_all[c + 1] = P - sum over the sparse slots SPIDX[c + 1] of phi(k) v^T (and s_all), per query head, where
     P = (PH += H_all[c + 1]) is the sum of every pair evicted by eviction c and before (H_all[c + 1] holds the
@@ -895,7 +846,7 @@ def _ev_fold_kernel(
                      mask=ok[:, None] & mk[None, :], other=0.0)
         vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_v[None, :],
                      mask=ok[:, None] & mv[None, :], other=0.0)
-        hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+        hacc += dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
         sacc += tl.dot(tl.trans(fk.to(tl.float32)), ones, input_precision="ieee")
     # PH / PS: [B, Hq, F2, D] / [B, Hq, F2] contiguous, the running sum of the evicted pairs
     poff = (b * HQ + h) * F2 * D + offs_k[:, None] * D + offs_v[None, :]
@@ -972,13 +923,13 @@ class PrefillEvictions:
         sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
         # tiles from the sweep at 32k, D = 64 (evals/results/lola-prefill-profile-tune.json): 128 candidates per
         # score program, a 8-warp select above 1024 candidates (16 and 4 were slower there), 4 warps below
-        BN = min(TUNE["ev_score_bn"] or 128, _np2(NC))
+        BN = min(TUNE["ev_score_bn"] or 128, np2(NC))
         _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](
             self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.H_all, self.s_all, self.SC,
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa, self.SC.stride(0), self.SC.stride(1),
-            HQ=Hq, BN=BN, BD=_np2(D), BK=min(64, _np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
+            HQ=Hq, BN=BN, BD=np2(D), BK=min(64, np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
             num_warps=TUNE["ev_score_warps"] or 4, **({"num_stages": TUNE["ev_score_stages"]}
                                                        if TUNE["ev_score_stages"] else {}),
         )
@@ -987,18 +938,18 @@ class PrefillEvictions:
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.NFOLD,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
-            HS=self.Hs, GS=self.GS, NCP=_np2(NC), HAS_KM=km is not None, RB=rb, NBIN=1 << rb,
+            HS=self.Hs, GS=self.GS, NCP=np2(NC), HAS_KM=km is not None, RB=rb, NBIN=1 << rb,
             num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
         )
         blk = TUNE["ev_fold_block"] or 32
-        BK, BV = min(blk, _np2(F2)), min(blk, _np2(D))
+        BK, BV = min(blk, np2(F2)), min(blk, np2(D))
         _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
             self.cnt, self.SPIDX, fk, v, self.H_all, self.s_all, self.PH, self.PS, self.NFOLD,
             self.lam, F2, D, self.G, self.GS, self.Hs,
             *spi[:3], fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa,
-            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, _np2(self.lam)), BK=BK, BV=BV,
-            PREC=_prec(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
+            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, np2(self.lam)), BK=BK, BV=BV,
+            PREC=dot_precision(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
         )
         self.cnt += 1
 
@@ -1036,7 +987,7 @@ def _local_states_kernel(
     s_hs_b, s_hs_h, s_hs_n, s_hs_f,
     s_ss_b, s_ss_h, s_ss_n,
     HQ: tl.constexpr, CS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = _UPCAST,
+    HAS_KM: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     """HS[:, :, n] = H_all[c] + sum of phi(k) v^T over the keys from chunk c's first buffered key
     (c*C - W, or 0) to n*CS, for the blocks n of chunk c (block n holds keys of chunk (n*CS + W) // C)."""
@@ -1073,7 +1024,7 @@ def _local_states_kernel(
                          mask=mt[:, None] & mk[None, :], other=0.0)
             vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + offs_t[:, None] * s_v_n + offs_v[None, :],
                          mask=mt[:, None] & mv[None, :], other=0.0)
-            hacc += _dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
+            hacc += dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
             sacc += tl.sum(fk.to(tl.float32), 0)
 
 
@@ -1091,8 +1042,8 @@ def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int,
     n_ev = H_all.shape[0] - 1
     Hs = torch.empty(B, Hq, NB, F2, D, device=fk.device, dtype=torch.float32)
     Ss = torch.empty(B, Hq, NB, F2, device=fk.device, dtype=torch.float32)
-    BK = min(64, _np2(F2))
-    BV = min(64, _np2(D))
+    BK = min(64, np2(F2))
+    BV = min(64, np2(D))
     NV = triton.cdiv(D, BV)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     grid = (B * Hq, math.ceil(N / chunk), triton.cdiv(F2, BK) * NV)
@@ -1106,6 +1057,6 @@ def local_states(fk, v, key_mask, H_all, s_all, *, state_chunk: int, chunk: int,
         s_all.stride(0), s_all.stride(1), s_all.stride(2),
         Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
         Ss.stride(0), Ss.stride(1), Ss.stride(2),
-        HQ=Hq, CS=CS, BT=min(64, CS), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=_prec(fk, v),
+        HQ=Hq, CS=CS, BT=min(64, CS), BK=BK, BV=BV, NV=NV, HAS_KM=km is not None, PREC=dot_precision(fk, v),
     )
     return Hs, Ss

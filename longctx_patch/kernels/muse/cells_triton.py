@@ -3,38 +3,20 @@ and backward kernels in an `autograd.Function`. Imported only when the Triton ba
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..backend import INTERPRET
+from ..triton_lib import dot, online_softmax_scaled
 from .cells import CellsPlan, cell_summaries
 from .plan import log_counts
 
-@triton.jit
-def _mm(a, b, UP: tl.constexpr):
-    """a @ b with fp32 accumulation. bf16/fp16 operands: one tensor-core dot. fp32 operands: tf32x3 (each operand
-    split in a tf32 high part and a tf32 remainder, three tensor-core products), within a few fp32 ulps of ieee
-    products; ieee fp32 dots compile to FMA loops that spill on sm_90. UP: the interpreter's bf16 workaround
-    (see triton_kernels._dot)."""
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b, input_precision="tf32x3")
-
-
-@triton.jit
-def _online(s, qk, vals, m_i, l_i, acc, EMPTY: tl.constexpr, UP: tl.constexpr):
-    """One online-softmax step in the log2 domain: logits qk * s for the unscaled tile s [BM, BN] (so that the
-    scale and the max subtraction are one FMA), values [BN, D]. EMPTY: a row of the tile may be all -inf with no
-    earlier finite logit (a masked tile); without it the max is finite and needs no guard."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY else m_new
-    p = tl.exp2(s * qk - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + _mm(p.to(vals.dtype), vals, UP)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+# dots at "tf32x3": bf16/fp16 operands, one tensor-core dot; fp32 operands, each split in a tf32 high part and a
+# tf32 remainder (three tensor-core products), within a few fp32 ulps of ieee products (ieee fp32 dots compile to
+# FMA loops that spill on sm_90). UP: the interpreter's bf16 workaround (triton_lib). The online softmax takes the
+# unscaled logits (online_softmax_scaled: scale and max subtraction in one FMA); its EMPTY flag: a row of the tile
+# may be all -inf with no earlier finite logit (a masked tile); without it the max is finite and needs no guard.
 
 
 @triton.jit
@@ -49,7 +31,7 @@ def _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n,
     mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) / scale
-    return mu, vb, _mm(q, tl.trans(mu), UP) + bias[None, :]
+    return mu, vb, dot(q, tl.trans(mu), "tf32x3", UP) + bias[None, :]
 
 
 @triton.jit
@@ -60,7 +42,7 @@ def _exact_tile(K, V, KVAL, q, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: t
     pos = pos0 + offs_n
     k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
     v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    s = _mm(q, tl.trans(k), UP)
+    s = dot(q, tl.trans(k), "tf32x3", UP)
     if MASK > 0:
         ok = (tl.load(KVAL + b * Sp + pos) != 0)[None, :]
         if MASK == 2:
@@ -99,7 +81,7 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
         _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        m_i, l_i, acc = _online(s, qk, vb, m_i, l_i, acc, True, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, vb, m_i, l_i, acc, "tf32x3", UP, True)
     # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
     # loads pipeline across blocks; then the own block up to the tile's last query, causally
     row = bh * NB + n
@@ -107,10 +89,10 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
         mblk = tl.load(EXL + row * NE + it // (L // BN))
         _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
-        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, PAD > 0, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, v, m_i, l_i, acc, "tf32x3", UP, PAD > 0)
     for k0 in range(0, (tile * BM) % L + BM, BN):
         _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
-        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, True, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, v, m_i, l_i, acc, "tf32x3", UP, True)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
@@ -135,7 +117,7 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
 def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
     """Row-major pair [BM queries, BN keys] of unscaled logits s: probabilities and dS = P * (dO V^T - Delta)."""
     p = tl.exp2(s * qk - lse2[:, None])
-    dp = _mm(do, tl.trans(vals), UP)
+    dp = dot(do, tl.trans(vals), "tf32x3", UP)
     return p, p * (dp - delta[:, None])
 
 
@@ -162,18 +144,18 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     for c0 in range(0, hi, BN):
         mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
-        dq += _mm(ds.to(mu.dtype), mu, UP)
+        dq += dot(ds.to(mu.dtype), mu, "tf32x3", UP)
     row = bh * NB + n
     for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
         mblk = tl.load(EXL + row * NE + it // (L // BN))
         k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-        dq += _mm(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "tf32x3", UP)
     for k0 in range(0, (tile * BM) % L + BM, BN):
         k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-        dq += _mm(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "tf32x3", UP)
     tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
 
 
@@ -210,10 +192,10 @@ def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, N
                     lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                     delta = tl.load(DELTA + bh * Sp + qpos)
                     ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
-                    s = tl.where(ok, _mm(q, tl.trans(k), UP), float("-inf"))
+                    s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
                     p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-                    dv += _mm(tl.trans(p.to(do.dtype)), do, UP)
-                    dk += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+                    dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+                    dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
     tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
     tl.store(DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dv)
 
@@ -249,10 +231,10 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
                 do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
                 lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                 delta = tl.load(DELTA + bh * Sp + qpos)
-                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) + bias[None, :], float("-inf"))
+                s = tl.where(okn[None, :], dot(q, tl.trans(mu), "tf32x3", UP) + bias[None, :], float("-inf"))
                 p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
-                dvb += _mm(tl.trans(p.to(do.dtype)), do, UP)
-                dmu += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+                dvb += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+                dmu += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
     tl.store(DMU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dmu * scale, mask=okc[:, None])
     tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
 
@@ -303,7 +285,7 @@ class _CellsAttention(torch.autograd.Function):
         kval = plan.key_valid.to(torch.int8).contiguous()
         O = torch.empty_like(Q)
         LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
-        up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
+        up = INTERPRET and q.dtype != torch.float32
         fm, fn, fw, fs = tiles["fwd"]
         _cells_fwd[(B * Hq, Sp // fm)](
             Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,

@@ -11,25 +11,12 @@ The autograd function returns gradients for ``q``, ``k`` and ``v`` (dictionary r
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-# The CPU interpreter of triton 3.9 multiplies bfloat16 dot operands wrongly; there the operands are
-# upcast to float32 (same maths, the GPU keeps native bf16 tensor-core dots).
-_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot(a, b, UP: tl.constexpr):
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        # fp32 operands: fp32 products (ieee), as torch computes fp32 attention; no effect on bf16/fp16
-        return tl.dot(a, b, input_precision="ieee")
+from ..backend import INTERPRET
+from ..triton_lib import dot, online_softmax
 
 
 @triton.jit
@@ -58,20 +45,14 @@ def _ovq_attn_fwd(Q, K, V, BIAS, O, LSE,
         offs_n = start + tl.arange(0, BN)
         in_k = offs_n < LK
         k = tl.load(kbase + offs_n[:, None] * skn + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UP) * 1.4426950408889634
+        s = dot(q, tl.trans(k), "ieee", UP) * 1.4426950408889634
         bias = tl.load(bbase + offs_n, mask=in_k, other=float("-inf"))
         s = s + bias[None, :] * 1.4426950408889634
         allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
         allowed = allowed & in_k[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vbase + offs_n[:, None] * svn + offs_dv[None, :], mask=in_k[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UP)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, "ieee", UP, True, True)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -111,13 +92,13 @@ def _ovq_attn_bwd_dq(Q, K, V, BIAS, DO, LSE, DELTA, DQ,
         k = tl.load(kbase + offs_n[:, None] * skn + offs_d[None, :], mask=in_k[:, None], other=0.0)
         v = tl.load(vbase + offs_n[:, None] * svn + offs_dv[None, :], mask=in_k[:, None], other=0.0)
         bias = tl.load(bbase + offs_n, mask=in_k, other=float("-inf"))
-        s = _dot(q, tl.trans(k), UP) + bias[None, :]
+        s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
         allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
         allowed = allowed & in_k[None, :] & mask_m[:, None]
         p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UP)
+        dp = dot(do, tl.trans(v), "ieee", UP)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "ieee", UP)
     tl.store(DQ + qoff_ptr + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask_m[:, None])
 
 
@@ -155,14 +136,14 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
             do = tl.load(dobase + offs_m[:, None] * sqm + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
             lse = tl.load(LSE + (b * HQ + hq) * M + offs_m, mask=mask_m, other=float("inf"))
             delta = tl.load(DELTA + (b * HQ + hq) * M + offs_m, mask=mask_m, other=0.0)
-            s = _dot(q, tl.trans(k), UP) + bias[None, :]
+            s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
             allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
             allowed = allowed & in_k[None, :] & mask_m[:, None]
             p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, UP)
-            dp = _dot(do, tl.trans(v), UP)
+            dv += dot(tl.trans(p.to(do.dtype)), do, "ieee", UP)
+            dp = dot(do, tl.trans(v), "ieee", UP)
             ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UP)
+            dk += dot(tl.trans(ds.to(q.dtype)), q, "ieee", UP)
     tl.store(DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=in_k[:, None])
     tl.store(DV_ + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
@@ -188,7 +169,7 @@ def _fwd(q, k, v, bias, n_dict, q_off):
                         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                         v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1),
                         o.stride(0), o.stride(1), o.stride(2),
-                        M, LK, n_dict, q_off, HQ, HQ // H, D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
+                        M, LK, n_dict, q_off, HQ, HQ // H, D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
     return o, lse
 
 
@@ -219,10 +200,10 @@ class OVQChunkAttention(torch.autograd.Function):
                 v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
         _ovq_attn_bwd_dq[(triton.cdiv(M, BM), B * HQ)](q, k, v, bias, do, lse, delta, dq, *args,
                                                        M, LK, ctx.n_dict, ctx.q_off, HQ, G,
-                                                       D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
+                                                       D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
         _ovq_attn_bwd_dkdv[(triton.cdiv(LK, BN), B * H)](q, k, v, bias, do, lse, delta, dk, dv, *args,
                                                          M, LK, ctx.n_dict, ctx.q_off, H, G,
-                                                         D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
+                                                         D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
         return dq, dk, dv, None, None, None
 
 
