@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from longctx_patch.kernels import decode as dk  # noqa: E402
+from longctx_patch.kernels.decode import triton_decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
 from longctx_patch.kernels.muse import cells_triton as mc  # noqa: E402
 from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402

@@ -81,10 +81,10 @@ def softmax_attention(
     if not simple and Sq < Sk and Sq * G <= Sk and q.is_cuda:
         # few queries under a mask (a padded batch's decode step or tail, a window): split-key Triton kernels,
         # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode.py)
-        from ..kernels.decode import _launch, decode_kernel_supported
+        from ..kernels.decode import decode_kernel_supported, launch_masked_few_query
 
         if decode_kernel_supported(q, k, v) is None:
-            return _launch(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=None)
+            return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window)
     if G > 1 and Sq * G <= Sk:
         # few queries (a decode step without padding; with a mask where the kernels above cannot run): the G query
         # heads of a kv head are stacked along the query axis (the mask repeated), so SDPA reads each kv head once
