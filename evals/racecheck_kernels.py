@@ -110,7 +110,7 @@ def check_muse(S: int) -> None:
 def check_ovq(S: int) -> None:
     from longctx_patch.kernels.ovq import ovq_attention
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
-    from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton
+    from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype)[6:]

@@ -9,7 +9,6 @@ prefill-then-decode equals one forward over the same tokens.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from torch import Tensor
 from ...errors import ConfigError
 from ..backend import resolve_backend as _resolve
 from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
-                        select_and_assign, update_state)
+                        select_and_assign, target_int, update_state)
 
 
 @dataclass
@@ -55,13 +54,33 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     return "torch"
 
 
-def target_int(seen: int, max_centroids: int, growth: float) -> int:
-    """Host-side version of :func:`reference.target_centroids` (upper bound on the active rows)."""
-    if growth <= 0:
-        n = seen
-    else:
-        n = math.ceil(growth * math.log1p(seen / growth) - 1e-9) if seen > 0 else 0
-    return int(min(n, seen, max_centroids))
+class OVQChunkAttention(torch.autograd.Function):
+    """The Triton chunk attention (`triton_attn`): `reference.chunk_attention_ref` with the same arguments, its
+    backward for q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, n_dict: int, q_off: int):
+        from .triton_attn import attn_fwd
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bias = bias.contiguous().float()
+        o, lse = attn_fwd(q, k, v, bias, n_dict, q_off)
+        ctx.save_for_backward(q, k, v, bias, o, lse)
+        ctx.n_dict, ctx.q_off = n_dict, q_off
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        from .triton_attn import attn_bwd
+
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        dq, dk, dv = attn_bwd(q, k, v, bias, o, lse, do.contiguous().to(q.dtype), ctx.n_dict, ctx.q_off)
+        return dq, dk, dv, None, None, None
+
+
+def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
+    """Triton version of :func:`reference.chunk_attention_ref` (same arguments)."""
+    return OVQChunkAttention.apply(q, k, v, bias, n_dict, q_off)
 
 
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
@@ -115,10 +134,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
                                                        exact_assign=exact_assign)
         new_open = OpenChunk(kk[:, :, start:], vv[:, :, start:], valid[:, start:]) if start < L else None
         return o, state, new_open, seen_bound
-    if be == "triton":
-        from .triton_attn import chunk_attention_triton as attn
-    else:
-        attn = chunk_attention_ref
+    attn = chunk_attention_triton if be == "triton" else chunk_attention_ref
     if parallel is None:
         parallel = q.is_cuda
     if needs_grad and parallel and off == 0 and S > 0:

@@ -15,6 +15,7 @@ and values and in the previous dictionary).  See ``docs/ovq.md``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -92,6 +93,15 @@ def target_centroids(seen: Tensor, max_centroids: int, growth: float) -> Tensor:
         n = torch.ceil(growth * torch.log1p(t / growth) - 1e-9)
     n = torch.minimum(n, t).clamp(max=max_centroids)
     return n.to(torch.long)
+
+
+def target_int(seen: int, max_centroids: int, growth: float) -> int:
+    """Host-side version of :func:`target_centroids` (upper bound on the active rows)."""
+    if growth <= 0:
+        n = seen
+    else:
+        n = math.ceil(growth * math.log1p(seen / growth) - 1e-9) if seen > 0 else 0
+    return int(min(n, seen, max_centroids))
 
 
 def plan_growth(seen: Tensor, n_active: Tensor, n_real: Tensor, max_centroids: int, growth: float) -> Tensor:

@@ -1,4 +1,5 @@
-"""Triton chunk attention of OVQ: one softmax over [dictionary rows (+ log-count bias)] + [chunk keys, causal].
+"""Triton kernels of OVQ's chunk attention (`ops.OVQChunkAttention`): one softmax over [dictionary rows (+ log-count
+bias)] + [chunk keys, causal].
 
 Keys are given concatenated: rows ``0 .. n_dict-1`` of ``k`` are dictionary rows (visible to every
 query), rows ``n_dict ..`` are the chunk's own keys at chunk positions ``0 ..``; query ``r`` sits at
@@ -6,8 +7,8 @@ chunk position ``r + q_off``.  ``bias`` (float32, ``[B, H, Lk]``) is added to ev
 (log counts for dictionary rows, 0 or -inf for chunk keys).  GQA: query head ``h`` reads key head
 ``h // (Hq // H)``.  Rows that see no key give 0.
 
-The autograd function returns gradients for ``q``, ``k`` and ``v`` (dictionary rows included);
-``bias`` is not differentiated (counts are discrete).
+The backward gives gradients for ``q``, ``k`` and ``v`` (dictionary rows included); ``bias`` is not
+differentiated (counts are discrete).
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def _blocks(M: int) -> tuple[int, int]:
     return bm, 64
 
 
-def _fwd(q, k, v, bias, n_dict, q_off):
+def attn_fwd(q, k, v, bias, n_dict: int, q_off: int):
+    """The forward kernel on contiguous q, k, v and fp32 bias: (o [B, Hq, M, Dv] fp32, lse [B, Hq, M] fp32)."""
     B, HQ, M, D = q.shape
     H, LK = k.shape[1], k.shape[2]
     DV = v.shape[-1]
@@ -173,40 +175,23 @@ def _fwd(q, k, v, bias, n_dict, q_off):
     return o, lse
 
 
-class OVQChunkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, n_dict: int, q_off: int):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        bias = bias.contiguous().float()
-        o, lse = _fwd(q, k, v, bias, n_dict, q_off)
-        ctx.save_for_backward(q, k, v, bias, o, lse)
-        ctx.n_dict, ctx.q_off = n_dict, q_off
-        return o.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, bias, o, lse = ctx.saved_tensors
-        do = do.contiguous().to(q.dtype)
-        B, HQ, M, D = q.shape
-        H, LK = k.shape[1], k.shape[2]
-        DV = v.shape[-1]
-        delta = (o * do.float()).sum(-1).contiguous()
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        BM, BN = _blocks(M)
-        G = HQ // H
-        args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
-        _ovq_attn_bwd_dq[(triton.cdiv(M, BM), B * HQ)](q, k, v, bias, do, lse, delta, dq, *args,
-                                                       M, LK, ctx.n_dict, ctx.q_off, HQ, G,
-                                                       D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
-        _ovq_attn_bwd_dkdv[(triton.cdiv(LK, BN), B * H)](q, k, v, bias, do, lse, delta, dk, dv, *args,
-                                                         M, LK, ctx.n_dict, ctx.q_off, H, G,
-                                                         D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
-        return dq, dk, dv, None, None, None
-
-
-def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
-    """Triton version of :func:`reference.chunk_attention_ref` (same arguments)."""
-    return OVQChunkAttention.apply(q, k, v, bias, n_dict, q_off)
+def attn_bwd(q, k, v, bias, o, lse, do, n_dict: int, q_off: int):
+    """The backward kernels (dq; dk and dv) from the forward's saved tensors and do in q's dtype: (dq, dk, dv)."""
+    B, HQ, M, D = q.shape
+    H, LK = k.shape[1], k.shape[2]
+    DV = v.shape[-1]
+    delta = (o * do.float()).sum(-1).contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    BM, BN = _blocks(M)
+    G = HQ // H
+    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
+    _ovq_attn_bwd_dq[(triton.cdiv(M, BM), B * HQ)](q, k, v, bias, do, lse, delta, dq, *args,
+                                                   M, LK, n_dict, q_off, HQ, G,
+                                                   D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
+    _ovq_attn_bwd_dkdv[(triton.cdiv(LK, BN), B * H)](q, k, v, bias, do, lse, delta, dk, dv, *args,
+                                                     M, LK, n_dict, q_off, H, G,
+                                                     D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
+    return dq, dk, dv

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import combine_splits, dot, online_softmax
-from .reference import OVQState, target_centroids
+from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
 GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured CUDA graph (host-bound otherwise)
@@ -358,8 +358,6 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     (``MEAN_FORM``, ``_ovq_means``).  docs/ovq.md, "Kernels".
     Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
-    from .ops import target_int
-
     B, H, L, D = kk.shape
     DV = vv.shape[-1]
     HQ, S = (q.shape[1], q.shape[2]) if q is not None else (H, L - off)
