@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx_patch.kernels.muse import make_plan, muse_attention
 from longctx_patch.kernels.muse.reference import muse_reference_planned
-from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned
+from longctx_patch.kernels.muse.ops import muse_triton_planned
 from longctx_patch.evals.common import git_commit  # noqa: E402
 
 RES: dict = {}

@@ -37,7 +37,7 @@ import torch
 
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse.cells import _take_top, cell_summaries, cells_reference, make_cells_plan
-from longctx_patch.kernels.muse.cells_triton import cells_triton
+from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 

@@ -22,8 +22,9 @@ from longctx_patch.kernels.decode import triton_decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_evict as le  # noqa: E402
 from longctx_patch.kernels.lola import triton_hybrid as lh  # noqa: E402
 from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
-from longctx_patch.kernels.muse import cells_triton as mc  # noqa: E402
-from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402
+from longctx_patch.kernels.muse import support as msup  # noqa: E402
+from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
+from longctx_patch.kernels.muse import triton_cluster as mcl  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
@@ -255,11 +256,12 @@ for _name, _t, _L, _D, _C in (("cells_D64", BF16, 256, 64, 32), ("cells_D128", B
                                dict(X=_t, VALID=I8, CENT=F32, ASSIGN=I64, COUNT=F32),
                                {"num_warps": max(4, min(16, _L * _D // 2048))})
 for _D, _C in ((64, 32), (128, 16)):
-    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=mcl.scores_tiles(_D, _C)[1]),
+    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel,
+                                          dict(D=_D, CK=_C, NT=16, MT=msup.scores_tiles(_D, _C)[1]),
                                           dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
 for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
-    _NT, _GP, _BL, _w, _st = mcl.peaks_tiles(_D, 256, 4)
+    _NT, _GP, _BL, _w, _st = msup.peaks_tiles(_D, 256, 4)
     CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, GP=_GP, BL=_BL, MC=16),
                                    dict(QBAR=BF16, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
                                    {"num_warps": _w, "num_stages": _st})

@@ -1,4 +1,5 @@
-"""Triton forward and backward of planned MuSe attention (same function as reference.py).
+"""Triton forward and backward kernels of planned MuSe attention (same function as reference.py; the
+`autograd.Function` is `ops._MuseFn`).
 
 One program per (query block n, batch x query head) in the forward and in the dq pass, and one per
 (key block m, batch x kv head) in the dk/dv pass (FlashAttention-2 layout: the pair (n, m) is recomputed
@@ -277,45 +278,37 @@ def _launch(kernel, grid, args, L: int, D: int, dtype: torch.dtype, stages: int 
     _STAGES_OK[key] = st
 
 
-class _MuseFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: MusePlan, scale: float):
-        B, H, S, D = q.shape
-        HKV = k.shape[1]
-        L, NB, Sp = plan.block_size, plan.num_blocks, plan.padded_len
-        NQ, NK = plan.q_centroids.shape[3], plan.ret_cell.shape[-1]
-        qp, kp, vp = _pad(q, Sp), _pad(k, Sp), _pad(v.to(q.dtype), Sp)
-        tabs = _tables(plan)
-        o = torch.empty_like(qp)
-        lse = torch.empty(B, H, Sp, device=q.device, dtype=torch.float32)
-        _launch(_muse_fwd, (NB, B * H), (qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp, L, D, NQ, NK),
-                L, D, q.dtype)
-        ctx.save_for_backward(qp, kp, vp, o, lse, *tabs)
-        ctx.meta = (scale, S, L, NB, Sp, NQ, NK, k.dtype, v.dtype)
-        return o[:, :, :S]
-
-    @staticmethod
-    def backward(ctx, do):
-        qp, kp, vp, o, lse, *tabs = ctx.saved_tensors
-        scale, S, L, NB, Sp, NQ, NK, kdt, vdt = ctx.meta
-        B, H, _, D = qp.shape
-        HKV = kp.shape[1]
-        dop = _pad(do.to(qp.dtype), Sp)
-        delta = (dop.float() * o.float()).sum(-1).contiguous()
-        dq = torch.empty_like(qp)
-        dk = torch.empty_like(kp)
-        dv = torch.empty_like(vp)
-        _launch(_muse_bwd_dq, (NB, B * H),
-                (qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D, qp.dtype)
-        # one stage: with two, Triton 3.6 produced wrong dk on an H200 (the CPU interpreter was right)
-        _launch(_muse_bwd_dkdv, (NB, B * HKV),
-                (qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D,
-                qp.dtype, stages=1)
-        return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt), None, None
+def muse_fwd(q, k, v, plan: MusePlan, scale: float):
+    """The forward kernel: o [B, H, Sp, D] (padded to the plan's blocks), and what `muse_bwd` takes (the saved
+    tensors, the sizes)."""
+    B, H, S, D = q.shape
+    HKV = k.shape[1]
+    L, NB, Sp = plan.block_size, plan.num_blocks, plan.padded_len
+    NQ, NK = plan.q_centroids.shape[3], plan.ret_cell.shape[-1]
+    qp, kp, vp = _pad(q, Sp), _pad(k, Sp), _pad(v.to(q.dtype), Sp)
+    tabs = _tables(plan)
+    o = torch.empty_like(qp)
+    lse = torch.empty(B, H, Sp, device=q.device, dtype=torch.float32)
+    _launch(_muse_fwd, (NB, B * H), (qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp, L, D, NQ, NK),
+            L, D, q.dtype)
+    return o, (qp, kp, vp, o, lse, *tabs), (scale, S, L, NB, Sp, NQ, NK, k.dtype, v.dtype)
 
 
-def muse_triton_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MusePlan, *, scale: float) -> torch.Tensor:
-    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] (q's dtype); differentiable in q, k, v."""
-    k = k.to(q.dtype)
-    o = _MuseFn.apply(q, k, v, plan, float(scale))
-    return o.transpose(1, 2)
+def muse_bwd(saved, meta, do):
+    """The backward kernels (dq; dk and dv) from `muse_fwd`'s saved tensors and sizes: (dq, dk, dv) of the inputs."""
+    qp, kp, vp, o, lse, *tabs = saved
+    scale, S, L, NB, Sp, NQ, NK, kdt, vdt = meta
+    B, H, _, D = qp.shape
+    HKV = kp.shape[1]
+    dop = _pad(do.to(qp.dtype), Sp)
+    delta = (dop.float() * o.float()).sum(-1).contiguous()
+    dq = torch.empty_like(qp)
+    dk = torch.empty_like(kp)
+    dv = torch.empty_like(vp)
+    _launch(_muse_bwd_dq, (NB, B * H),
+            (qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D, qp.dtype)
+    # one stage: with two, Triton 3.6 produced wrong dk on an H200 (the CPU interpreter was right)
+    _launch(_muse_bwd_dkdv, (NB, B * HKV),
+            (qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D,
+            qp.dtype, stages=1)
+    return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt)

@@ -30,6 +30,8 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot_acc, dot_bf16x3
+# the tiles (support.py, no Triton there: the dispatchers' checks use them); PEAKS_TILES: set by the benchmarks
+from .support import PEAKS_TILES, peaks_tiles, scores_tiles  # noqa: F401
 
 # dots: bf16 operands on the tensor cores with fp32 accumulation (dot_acc; UP: the interpreter's bf16 workaround),
 # fp32 centroids against bf16 tokens in three bf16 parts (dot_bf16x3)
@@ -90,20 +92,6 @@ def _lloyd_kernel(X, VALID, CENT, ASSIGN, COUNT, L, C, ITERS, D: tl.constexpr, L
     tl.store(ASSIGN + row * L + offs_l, a.to(tl.int64), mask=in_l)
 
 
-def lloyd_supported(x: torch.Tensor, C: int) -> str | None:
-    """None when `lloyd_triton` takes x [N, L, D] and C clusters, else why not."""
-    L, D = x.shape[1], x.shape[2]
-    if x.dtype != torch.bfloat16:
-        return f"dtype {x.dtype} (the clustering kernel takes bf16 tokens)"
-    if D & (D - 1) or not 16 <= D <= 256:
-        return f"head_dim {D} is not a power of two in 16..256"
-    if triton.next_power_of_2(L) * D > 256 * 128:
-        return f"a block of {L} x {D} does not fit one program's registers"
-    if C > 256:
-        return f"{C} clusters > 256"
-    return None
-
-
 def lloyd_triton(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int):
     """`plan.lloyd` in one launch (same arguments and results)."""
     N, L, D = x.shape
@@ -151,11 +139,6 @@ def _block_scores_kernel(QBAR, CENT, LOGN, BS, scale, HQ, HKV, NB, LOC, D: tl.co
                  mask=in_n[:, None] & (m < NB)[None, :])
 
 
-def scores_tiles(D: int, Ck: int) -> tuple[int, int]:
-    """(query blocks, key blocks) per tile of `_block_scores_kernel`: [16, D] x [D, 128 or 64 cells]."""
-    return 16, max(1, (128 if D <= 64 else 64) // Ck)
-
-
 def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tensor, *, scale: float,
                         local_blocks: int) -> torch.Tensor:
     """qbar [B, Hq, nb, D], cent [B, Hkv, nb, Ck, D], logn [B, Hkv, nb, Ck] (fp32) -> [B, Hq, nb, nb] fp32: the
@@ -168,10 +151,6 @@ def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tens
         qbar.float().contiguous(), cent.float().contiguous(), logn.float().contiguous(), bs, scale, Hq, Hkv, nb,
         local_blocks, D=D, CK=Ck, NT=NT, MT=MT, num_warps=4)
     return bs
-
-
-def block_scores_supported(D: int, Ck: int) -> bool:
-    return not D & (D - 1) and 16 <= D <= 256 and not Ck & (Ck - 1) and Ck <= 128
 
 
 @triton.jit
@@ -206,27 +185,6 @@ def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.co
             best = tl.maximum(best, tl.max(tl.where(ok[None, :], s, float("-inf")), 1))
         far = m < offs_n - LOC
         tl.store(BS + (bh * NB + offs_n) * NB + m, tl.where(far, best * scale, float("-inf")), mask=ok_r)
-
-
-def block_peaks_supported(k: torch.Tensor, L: int, G: int) -> bool:
-    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile, at
-    most 64 query heads per kv head."""
-    D = k.shape[-1]
-    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128 and G <= 64
-            and L % peaks_tiles(D, L, G)[2] == 0)
-
-
-# (keys per tile, warps, stages) by head_dim that replace peaks_tiles' choice; for benchmarks
-PEAKS_TILES: dict = {}
-
-
-def peaks_tiles(D: int, L: int, G: int) -> tuple[int, int, int, int, int]:
-    """(query blocks NT, query heads GP, keys BL) per tile of `_block_peaks_kernel`, its warps and pipeline stages:
-    128 rows (GP * NT) per key tile; no register spills on sm_90 (cuobjdump) and shared memory within 227 KB (the
-    pipeline buffers every key tile of a block: L / BL loads x stages)."""
-    GP = triton.next_power_of_2(G)
-    BL, warps, stages = PEAKS_TILES.get(D, (64, 4, 3) if D <= 64 else (64, 8, 2))
-    return max(2, 128 // GP), GP, min(L, BL), warps, stages
 
 
 def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,

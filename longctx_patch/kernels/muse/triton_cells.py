@@ -1,5 +1,6 @@
-"""The Triton path of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
-and backward kernels in an `autograd.Function`. Imported only when the Triton backend runs."""
+"""The Triton kernels of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
+and backward kernels, their tiles and launches (the `autograd.Function` is `ops._CellsAttention`). Imported only
+when the Triton backend runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot, online_softmax_scaled
-from .cells import CellsPlan, cell_summaries
+from .cells import CellsPlan
 from .plan import log_counts
 
 # dots at "tf32x3": bf16/fp16 operands, one tensor-core dot; fp32 operands, each split in a tf32 high part and a
@@ -264,66 +265,55 @@ def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
     return t.contiguous()
 
 
-class _CellsAttention(torch.autograd.Function):
-    """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
-    ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
-        B, Hq, S, D = q.shape
-        Hkv = k.shape[1]
-        L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
-        tiles = cells_tiles(D, q.dtype, L)
-        MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
-        VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
-        logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
-        Q, K, V = (_padded(t, Sp) for t in (q, k, v))
-        exl = exact_lists(plan)
-        # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
-        lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
-        ret = plan.retrieved.to(torch.int8).contiguous()
-        kval = plan.key_valid.to(torch.int8).contiguous()
-        O = torch.empty_like(Q)
-        LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
-        up = INTERPRET and q.dtype != torch.float32
-        fm, fn, fw, fs = tiles["fwd"]
-        _cells_fwd[(B * Hq, Sp // fm)](
-            Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
-        ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
-        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, lists, tiles["bwd"], up, scale)
-        return O[:, :, :S].transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, do):
-        Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
-        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = ctx.meta
-        DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
-        DELTA = (DO.float() * O.float()).sum(-1).contiguous()
-        f32 = dict(device=Q.device, dtype=torch.float32)
-        DQ = torch.empty(B, Hq, Sp, D, **f32)
-        DK = torch.empty(B, Hkv, Sp, D, **f32)
-        DV = torch.empty(B, Hkv, Sp, D, **f32)
-        DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
-        DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
-        _cells_bwd_dq[(Sp // BM, B * Hq)](
-            Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
-            Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
-            L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
-            Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        cast = lambda t, like: t.to(like.dtype)  # noqa: E731
-        return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
-                cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB), None, None)
+def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+    """The forward kernel on q, k, v (exact keys) and the cell means mu, vbar ([B, Hkv, nb, Ck, D]): O [B, Hq, Sp, D]
+    (padded to the plan's blocks), and what `cells_bwd` takes (the saved tensors, the sizes)."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
+    tiles = cells_tiles(D, q.dtype, L)
+    MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
+    VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
+    logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
+    Q, K, V = (_padded(t, Sp) for t in (q, k, v))
+    exl = exact_lists(plan)
+    # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
+    lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
+    ret = plan.retrieved.to(torch.int8).contiguous()
+    kval = plan.key_valid.to(torch.int8).contiguous()
+    O = torch.empty_like(Q)
+    LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
+    up = INTERPRET and q.dtype != torch.float32
+    fm, fn, fw, fs = tiles["fwd"]
+    _cells_fwd[(B * Hq, Sp // fm)](
+        Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
+    return O, (Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval), (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks,
+                                                                lists, tiles["bwd"], up, scale)
 
 
-def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
-    """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
-    q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
-    of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
-    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
-    mu, vbar = cell_summaries(k, v, plan)
-    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
+def cells_bwd(saved, meta, do):
+    """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
+    q, k, v, mu and vbar."""
+    Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
+    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
+    DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
+    DELTA = (DO.float() * O.float()).sum(-1).contiguous()
+    f32 = dict(device=Q.device, dtype=torch.float32)
+    DQ = torch.empty(B, Hq, Sp, D, **f32)
+    DK = torch.empty(B, Hkv, Sp, D, **f32)
+    DV = torch.empty(B, Hkv, Sp, D, **f32)
+    DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
+    DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
+    _cells_bwd_dq[(Sp // BM, B * Hq)](
+        Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
+        Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
+        L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
+        Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    cast = lambda t, like: t.to(like.dtype)  # noqa: E731
+    return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
+            cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB))
