@@ -18,9 +18,9 @@ Two paths compute the same function:
 - `ops.cells_triton`: the Triton kernels of `triton_cells.py` in an `autograd.Function`. Forward: one program per
   (128-query tile, batch x query head) runs one online softmax over the cell keys of the far blocks (a contiguous
   `[nb * Ck, D]` array, with `log n` as a bias and the retrieved blocks masked), the retrieved and local blocks (a
-  per-query-block list) and its own block (causal). Backward (FlashAttention-2 scheme, recomputing P from the saved LSE, no
-  atomics): dQ per query tile; dK/dV per exact key tile over the query blocks that attend it exactly; dMU/dVB
-  per cell tile over the query blocks that summarise it; the cell means' gradients reach k and v through
+  per-query-block list) and its own block (causal). Backward (FlashAttention-2 scheme, recomputing P from the saved
+  LSE, no atomics): dQ per query tile; dK/dV per exact key tile over the query blocks that attend it exactly;
+  dMU/dVB per cell tile over the query blocks that summarise it; the cell means' gradients reach k and v through
   `cell_summaries` (autograd).
 """
 
