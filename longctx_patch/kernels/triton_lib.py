@@ -9,10 +9,12 @@ they are imported only once `backend.resolve_backend` chose "triton".
   the products are the ones the GPU's tensor cores compute; the interpreter ignores PREC.
 - `dot_bf16x3`: a @ c to fp32 accuracy on bf16 tensor cores, for bf16 `a` and fp32 `c` (c split in three bf16
   parts): the LoLA self-recall error and the MuSe clustering.
-- `online_softmax`: one tile of keys into a running (flash) softmax, base e or 2, with or without the guard for
-  rows that have seen no key yet; `online_softmax_scaled`: the same in base 2 for logits that still need their
-  scale (the scale and the max subtraction fuse into one FMA); `online_softmax_row`: one query against a tile of
-  keys without a tensor-core dot (decode steps).
+- `online_softmax_step`: the rescale of a running (flash) softmax by one tile of keys (new max, exponentials,
+  factor), base e or 2, with or without the guard for rows that have seen no key yet; the kernels add the sum and
+  the output in the order each one had (the order changes the sm_90 code); `online_softmax` does both.
+  `online_softmax_scaled`: the whole step in base 2 for logits that still need their scale (the scale and the max
+  subtraction fuse into one FMA); `online_softmax_row`: one query against a tile of keys without a tensor-core dot
+  (decode steps). OVQ's attention kernels write their step out (p before the factor).
 - `combine_splits`: the sums of the partial softmaxes of a split-key attention ("flash-decoding") at their common
   max.
 
@@ -74,13 +76,13 @@ def dot_bf16x3(a, c, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def online_softmax(s, vals, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr, BASE2: tl.constexpr,
-                   EMPTY: tl.constexpr):
-    """One tile of keys into a running softmax. s [BM, BN]: logits (-inf = masked; log2 units when BASE2),
-    vals [BN, D]; m_i, l_i [BM]: running max and sum; acc [BM, D] fp32: the unnormalised output.
+def online_softmax_step(s, m_i, BASE2: tl.constexpr, EMPTY: tl.constexpr):
+    """The rescale of one tile of keys in a running softmax: s [BM, BN] logits (-inf = masked; log2 units when
+    BASE2), m_i [BM] the running max. Returns (m_new, p, alpha): the new max, the tile's exponentials and the factor
+    of the running sum and output; the caller then adds l_i * alpha + sum(p) and acc * alpha + p @ v (in the order
+    its kernel needs; `online_softmax` does both).
     EMPTY: a row may have seen only masked keys (running max -inf): the max is then taken as 0, so that the
-    exponentials of -inf are 0, not NaN; without it the running max must start finite (e.g. -1e30).
-    Returns (m_i, l_i, acc)."""
+    exponentials of -inf are 0, not NaN; without it the running max must start finite (e.g. -1e30)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if EMPTY:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -92,6 +94,15 @@ def online_softmax(s, vals, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.conste
     else:
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
+    return m_new, p, alpha
+
+
+@triton.jit
+def online_softmax(s, vals, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr, BASE2: tl.constexpr,
+                   EMPTY: tl.constexpr):
+    """One tile of keys into a running softmax (`online_softmax_step`, then the sum and the output): vals [BN, D],
+    l_i [BM] the running sum, acc [BM, D] fp32 the unnormalised output. Returns (m_i, l_i, acc)."""
+    m_new, p, alpha = online_softmax_step(s, m_i, BASE2, EMPTY)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(vals.dtype), vals, PREC, UPCAST)
     return m_new, l_i, acc
@@ -143,13 +154,16 @@ def combine_splits(PO, PM, PL, first, step, size, rows, mask, NS, D: tl.constexp
     acc = tl.zeros([BR, D], tl.float32)
     d = tl.arange(0, D)
     for s in range(0, NS):
-        row = (first + s * step) * size + rows
+        # the two forms of the address arithmetic are those of the two kernels this combine came from (OVQ's,
+        # masked; decode's, not): each compiles to the code its kernel had
         if MASKED:
+            row = (first + s * step) * size + rows
             w = tl.exp2(tl.load(PM + row, mask=mask, other=float("-inf")) - mx)
             den += w * tl.load(PL + row, mask=mask, other=0.0)
             acc += w[:, None] * tl.load(PO + row[:, None] * D + d[None, :], mask=mask[:, None], other=0.0)
         else:
-            w = tl.exp2(tl.load(PM + row) - mx)
-            den += w * tl.load(PL + row)
-            acc += w[:, None] * tl.load(PO + row[:, None] * D + d[None, :])
+            base = first + s * step
+            w = tl.exp2(tl.load(PM + base * size + rows) - mx)
+            den += w * tl.load(PL + base * size + rows)
+            acc += w[:, None] * tl.load(PO + (base * size + rows)[:, None] * D + d[None, :])
     return acc, den

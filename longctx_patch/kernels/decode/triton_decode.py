@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
-from ..triton_lib import LOG2E, combine_splits, dot, online_softmax
+from ..triton_lib import LOG2E, combine_splits, dot, online_softmax_step
 
 
 # the cache length and what follows from it change at every decode step: not specialised, so one compiled
@@ -64,9 +64,10 @@ def _split_kernel(Q, K, V, KM, PO, PM, PL,
             ok = (ok & km[None, :]) | (cols[None, :] == qpos[:, None])
         ok = ok & cvalid[None, :]
         sc = tl.where(ok, sc, float("-inf"))
+        m, p, alpha = online_softmax_step(sc, m, True, True)  # EMPTY: a row may have no key yet in this split
+        l = l * alpha + tl.sum(p, 1)
         vt = tl.load(vbase + cols[:, None] * svs + d[None, :], mask=cvalid[:, None], other=0.0)
-        # EMPTY: a row may have no key yet in this split
-        m, l, acc = online_softmax(sc, vt, m, l, acc, PREC, UP, True, True)
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, PREC, UP)
     r = tl.arange(0, BR)
     base = pid * NS + s
     tl.store(PO + (base * BR + r)[:, None] * D + d[None, :], acc)

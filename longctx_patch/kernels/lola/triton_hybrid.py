@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
-from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax, online_softmax_row
+from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax_row, online_softmax_step
 from .reference import feature_rows
 from .tuning import TUNE
 
@@ -99,7 +99,9 @@ def _hybrid_fwd_kernel(
                          + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
             sc = dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(ml[None, :], sc, float("-inf"))
-            m_i, l_e, acc_e = online_softmax(sc, sv, m_i, l_e, acc_e, PREC, UPCAST, True, False)
+            m_i, p, alpha = online_softmax_step(sc, m_i, True, False)
+            acc_e = acc_e * alpha[:, None] + dot(p.to(sv.dtype), sv, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
 
     # 3. explicit keys: window softmax or linear by distance. A tile whose query-key distances all lie
     # beyond the window skips the softmax products, one whose distances all lie inside skips the linear ones
@@ -119,7 +121,9 @@ def _hybrid_fwd_kernel(
             win = (diff >= 0) & (diff < window) & mn[None, :]
             sc = dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(win, sc, float("-inf"))
-            m_i, l_e, acc_e = online_softmax(sc, v, m_i, l_e, acc_e, PREC, UPCAST, True, False)
+            m_i, p, alpha = online_softmax_step(sc, m_i, True, False)
+            acc_e = acc_e * alpha[:, None] + dot(p.to(v.dtype), v, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
         if a0 + BM - 1 - n0 >= window:  # some pair beyond it
             fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
                          mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)

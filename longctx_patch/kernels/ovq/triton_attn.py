@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
-from ..triton_lib import dot, online_softmax
+from ..triton_lib import dot
 
 
 @triton.jit
@@ -52,8 +52,17 @@ def _ovq_attn_fwd(Q, K, V, BIAS, O, LSE,
         allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
         allowed = allowed & in_k[None, :]
         s = tl.where(allowed, s, float("-inf"))
+        # the online-softmax step written out, in this kernel's own order (p before alpha): with the order of
+        # triton_lib.online_softmax_step (alpha first) it compiles to other sm_90 code (same instructions,
+        # scheduled and allocated differently)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vbase + offs_n[:, None] * svn + offs_dv[None, :], mask=in_k[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, "ieee", UP, True, True)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
+        m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)

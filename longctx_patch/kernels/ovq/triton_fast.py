@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..graphs import run_steps
-from ..triton_lib import combine_splits, dot, online_softmax
+from ..triton_lib import combine_splits, dot
 from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
@@ -89,10 +89,18 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
             s = dot(q, tl.trans((ks * inv[:, None]).to(q.dtype)), "ieee", UP) * 1.4426950408889634
         bias = tl.where(cnt > 0, tl.log2(tl.maximum(cnt, 1.0)), float("-inf"))
         s = s + bias[None, :]
+        # the online-softmax steps of this kernel are written out as in _ovq_attn_fwd (triton_attn.py says why)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
         vs = tl.load(vsb + offs_n[:, None] * svdn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
-        if not MEAN:
-            vs = (vs * inv[:, None]).to(q.dtype)
-        m_i, l_i, acc = online_softmax(s, vs, m_i, l_i, acc, "ieee", UP, True, True)
+        if MEAN:
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), vs, "ieee", UP)
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), "ieee", UP)
+        m_i = m_new
     # -- the chunk's own keys, causal, key padding --
     chi = tl.where(is_chunk, tl.minimum((pid_m + 1) * BM + q_off, LC), 0)
     kb = KC + b * skb + hk * skh
@@ -105,8 +113,14 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         s = dot(q, tl.trans(k), "ieee", UP) * 1.4426950408889634
         allowed = (offs_n[None, :] <= (offs_m[:, None] + q_off)) & ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, "ieee", UP, True, True)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
+        m_i = m_new
     row = (pid_p * tl.num_programs(1) + pid_bh) * M + offs_m
     tl.store(PM + row, m_i, mask=mask_m)
     tl.store(PL + row, l_i, mask=mask_m)
