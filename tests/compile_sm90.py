@@ -18,10 +18,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from longctx_patch.kernels import decode as dk  # noqa: E402
-from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
-from longctx_patch.kernels.muse import cells_triton as mc  # noqa: E402
-from longctx_patch.kernels.muse import cluster as mcl  # noqa: E402
+from longctx_patch.kernels.decode import triton_decode as dk  # noqa: E402
+from longctx_patch.kernels.lola import triton_evict as le  # noqa: E402
+from longctx_patch.kernels.lola import triton_hybrid as lh  # noqa: E402
+from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
+from longctx_patch.kernels.muse import support as msup  # noqa: E402
+from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
+from longctx_patch.kernels.muse import triton_cluster as mcl  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
@@ -55,37 +58,37 @@ def bf16(*names, **other):
 
 
 CASES = {
-    "chunk_sums": (tk._chunk_sums_kernel, dict(HQ=32, CS=256, BT=64, BK=64, BV=64, NV=1, HAS_KM=True, PREC="tf32"),
+    "chunk_sums": (ls._chunk_sums_kernel, dict(HQ=32, CS=256, BT=64, BK=64, BV=64, NV=1, HAS_KM=True, PREC="tf32"),
                    bf16("FK", "V", KM=I8, OUT=F32, OUTS=F32), {}),
-    "hybrid_fwd_lola_D128": (tk._hybrid_fwd_kernel,
+    "hybrid_fwd_lola_D128": (lh._hybrid_fwd_kernel,
                              dict(HQ=32, BM=64, BN=64, BD=128, BF=128, BKS=32, CS=256, PER_BLOCK=True, HAS_KM=True,
                                   HAS_SP=True, PREC="tf32"),
                              bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32,
                                   HS=F32, SS=F32), {"num_stages": 2}),
-    "hybrid_fwd_fp32": (tk._hybrid_fwd_kernel,
+    "hybrid_fwd_fp32": (lh._hybrid_fwd_kernel,
                         dict(HQ=8, BM=64, BN=64, BD=64, BF=64, BKS=32, CS=1, PER_BLOCK=False, HAS_KM=False,
                              HAS_SP=False, PREC="ieee"),
                         {**{n: F32 for n in ("Q", "K", "V", "FQ", "FK", "O", "GW", "LFW", "HS", "SS", "SPK", "SPV")},
                          "KM": I8, "SPM": I8}, {"num_stages": 2}),
-    "sre": (tk._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="ieee"),
+    "sre": (le._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="ieee"),
             bf16("FK", "V", VALID=I8, H=F32, S=F32, OUT=F32), {}),
-    "sre_bf16x3": (tk._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="bf16x3"),
+    "sre_bf16x3": (le._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="bf16x3"),
                    bf16("FK", "V", VALID=I8, H=F32, S=F32, OUT=F32), {}),
-    "fold": (tk._fold_kernel, dict(HQ=32, BN=64, BK=32, BV=32, PREC="ieee"), bf16("FK", "V", W=F32, H=F32, S=F32), {}),
-    "decode": (tk._decode_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, HAS_SP=True),
+    "fold": (ls._fold_kernel, dict(HQ=32, BN=64, BK=32, BV=32, PREC="ieee"), bf16("FK", "V", W=F32, H=F32, S=F32), {}),
+    "decode": (lh._decode_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, HAS_SP=True),
                bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32, H=F32, S=F32), {}),
-    "feature_map": (tk._feature_map_kernel, dict(H=32, BM=64, BD=128, BF=64, PREC="tf32"), bf16("X", "W", "O"), {}),
-    "ev_score": (tk._ev_score_kernel, dict(HQ=32, BN=128, BD=128, BK=64, HAS_KM=True, PREC="bf16x3"),
+    "feature_map": (lh._feature_map_kernel, dict(H=32, BM=64, BD=128, BF=64, PREC="tf32"), bf16("X", "W", "O"), {}),
+    "ev_score": (le._ev_score_kernel, dict(HQ=32, BN=128, BD=128, BK=64, HAS_KM=True, PREC="bf16x3"),
                  bf16("FK", "V", CNT=I32, SPIDX=I32, KM=I8, HALL=F32, SALL=F32, SC=F32), {}),
-    "ev_score_fp32": (tk._ev_score_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, PREC="ieee"),
+    "ev_score_fp32": (le._ev_score_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, PREC="ieee"),
                       {**{n: F32 for n in ("FK", "V", "HALL", "SALL", "SC")}, "CNT": I32, "SPIDX": I32, "KM": I8}, {}),
-    "ev_select": (tk._ev_select_kernel, dict(HS=8, GS=4, NCP=2048, HAS_KM=True, RB=8, NBIN=256),
+    "ev_select": (le._ev_select_kernel, dict(HS=8, GS=4, NCP=2048, HAS_KM=True, RB=8, NBIN=256),
                   dict(CNT=I32, SPIDX=I32, KM=I8, SPSC=F32, SC=F32, NFOLD=I32), {"num_warps": 16}),
-    "ev_select_4bit": (tk._ev_select_kernel, dict(HS=8, GS=4, NCP=2048, HAS_KM=True, RB=4, NBIN=16),
+    "ev_select_4bit": (le._ev_select_kernel, dict(HS=8, GS=4, NCP=2048, HAS_KM=True, RB=4, NBIN=16),
                        dict(CNT=I32, SPIDX=I32, KM=I8, SPSC=F32, SC=F32, NFOLD=I32), {"num_warps": 8}),
-    "ev_fold": (tk._ev_fold_kernel, dict(HQ=32, BN=128, BK=32, BV=32, PREC="tf32"),
+    "ev_fold": (le._ev_fold_kernel, dict(HQ=32, BN=128, BK=32, BV=32, PREC="tf32"),
                 bf16("FK", "V", CNT=I32, SPIDX=I32, HALL=F32, SALL=F32, PH=F32, PS=F32, NFOLD=I32), {}),
-    "local_states": (tk._local_states_kernel,
+    "local_states": (ls._local_states_kernel,
                      dict(HQ=32, CS=256, BT=64, BK=64, BV=64, NV=2, HAS_KM=True, PREC="tf32"),
                      bf16("FK", "V", KM=I8, HALL=F32, SALL=F32, HS=F32, SS=F32), {}),
 }
@@ -253,11 +256,12 @@ for _name, _t, _L, _D, _C in (("cells_D64", BF16, 256, 64, 32), ("cells_D128", B
                                dict(X=_t, VALID=I8, CENT=F32, ASSIGN=I64, COUNT=F32),
                                {"num_warps": max(4, min(16, _L * _D // 2048))})
 for _D, _C in ((64, 32), (128, 16)):
-    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel, dict(D=_D, CK=_C, NT=16, MT=mcl.scores_tiles(_D, _C)[1]),
+    CASES[f"block_scores_D{_D}_C{_C}"] = (mcl._block_scores_kernel,
+                                          dict(D=_D, CK=_C, NT=16, MT=msup.scores_tiles(_D, _C)[1]),
                                           dict(QBAR=F32, CENT=F32, LOGN=F32, BS=F32, scale="fp32"), {"num_warps": 4})
 
 for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
-    _NT, _GP, _BL, _w, _st = mcl.peaks_tiles(_D, 256, 4)
+    _NT, _GP, _BL, _w, _st = msup.peaks_tiles(_D, 256, 4)
     CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, GP=_GP, BL=_BL, MC=16),
                                    dict(QBAR=BF16, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
                                    {"num_warps": _w, "num_stages": _st})

@@ -1,4 +1,4 @@
-"""The split-key attention kernels for few queries under a key mask (`kernels/decode.py`) against the dense fp64
+"""The split-key attention kernels for few queries under a key mask (`kernels/decode/`) against the dense fp64
 reference, through the Triton interpreter: batched decode with left padding, a padded tail of several queries,
 windows, GQA and plain heads, several key splits, odd lengths, fp32 and bf16."""
 

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan  # noqa: E402
-from longctx_patch.kernels.muse.cells_triton import cells_triton  # noqa: E402
+from longctx_patch.kernels.muse.ops import cells_triton  # noqa: E402
 from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 import longctx_patch as lp  # noqa: E402
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse import make_plan, muse_reference_planned  # noqa: E402
-from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned  # noqa: E402
+from longctx_patch.kernels.muse.ops import muse_triton_planned  # noqa: E402
 from longctx_patch.methods import get_method  # noqa: E402
 
 from conftest import assert_left_padded_batch_matches_single, tiny_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""The Triton plan kernels of MuSe (kernels/muse/cluster.py) against the PyTorch plan (interpreter on the CPU):
+"""The Triton plan kernels of MuSe (kernels/muse/triton_cluster.py) against the PyTorch plan (interpreter on the CPU):
 Lloyd clustering per block and the cells' block-retrieval scores, on random, well-separated and real inputs,
 with padding, empty blocks, fewer valid tokens than clusters, and cluster counts that are not powers of two."""
 
@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse.cells import block_peaks, make_cells_plan  # noqa: E402
-from longctx_patch.kernels.muse.cluster import block_peaks_triton, block_scores_triton  # noqa: E402
+from longctx_patch.kernels.muse.triton_cluster import block_peaks_triton, block_scores_triton  # noqa: E402
 from longctx_patch.kernels.muse.plan import lloyd  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import longctx_patch as lp
 from longctx_patch.errors import ConfigError
 from longctx_patch.kernels.ovq import (OVQState, exact_causal_attention, ovq_attention, target_centroids,
                                        update_state, update_state_loop)
-from longctx_patch.kernels.ovq.ops import target_int
+from longctx_patch.kernels.ovq.reference import target_int
 
 from conftest import tiny_model
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from longctx_patch.kernels.ovq import OVQState, exact_causal_attention, ovq_attention  # noqa: E402
 from longctx_patch.kernels.ovq.reference import chunk_attention_ref, select_and_assign  # noqa: E402
-from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton  # noqa: E402
+from longctx_patch.kernels.ovq.ops import chunk_attention_triton  # noqa: E402
 from longctx_patch.kernels.ovq.triton_dict import chunk_stats_triton  # noqa: E402
 
 

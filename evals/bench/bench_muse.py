@@ -27,7 +27,7 @@ from evals.shared import device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import make_plan, muse_attention
 from longctx_patch.kernels.muse.reference import muse_reference_planned
-from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned
+from longctx_patch.kernels.muse.ops import muse_triton_planned
 
 RES: dict = {}
 OUT = os.environ.get("OUT")  # None: the results' muse/ folder

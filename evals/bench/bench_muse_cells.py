@@ -33,10 +33,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from evals.shared import blocks, device_token, results_dir
 from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.muse import cells_triton as cells_mod
+from longctx_patch.kernels.muse import triton_cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan
-from longctx_patch.kernels.muse.cells_triton import cells_triton
+from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 OUT = os.environ.get("OUT")  # None: the results' muse/ folder
@@ -266,7 +266,7 @@ if os.environ.get("CELLS_PEAKS"):  # JSON [[keys per tile, warps, stages], ...]
 def peaks():
     """The peak-score kernel (`peak_blocks`) per tile choice (keys per tile, warps, stages) at 64k and 128k, checked
     against the PyTorch `block_peaks` on the same inputs; the fastest at each D is kept in cluster.PEAKS_TILES."""
-    from longctx_patch.kernels.muse import cluster as cl
+    from longctx_patch.kernels.muse import triton_cluster as cl
     from longctx_patch.kernels.muse.cells import block_peaks
 
     L = CFGS[0]["block_size"]

@@ -80,7 +80,7 @@ def main():
         args.quick = True
     from longctx_patch.kernels.ovq import exact_causal_attention, ovq_attention
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
-    from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton
+    from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)"
     small = args.cpu_smoke

@@ -84,7 +84,7 @@ def check_lola(S: int, steps: int = 6) -> None:
 def check_muse(S: int) -> None:
     from longctx_patch.kernels.muse import make_plan
     from longctx_patch.kernels.muse.reference import muse_reference_planned
-    from longctx_patch.kernels.muse.triton_kernels import muse_triton_planned
+    from longctx_patch.kernels.muse.ops import muse_triton_planned
 
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator(device=DEV).manual_seed(3)
@@ -106,7 +106,7 @@ def check_muse(S: int) -> None:
 def check_ovq(S: int) -> None:
     from longctx_patch.kernels.ovq import ovq_attention
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
-    from longctx_patch.kernels.ovq.triton_attn import chunk_attention_triton
+    from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype)[6:]

@@ -38,7 +38,7 @@ from evals.shared import SHARED_DATA, device_token, model_token, result_file, ta
 from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
-from longctx_patch.kernels.muse.cells_triton import cells_triton
+from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 

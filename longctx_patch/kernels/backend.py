@@ -1,8 +1,9 @@
 """Where the Triton kernels can run, and the one backend choice every kernel family makes.
 
 Triton is optional: without it (a CPU-only install of PyTorch brings none) every method runs its PyTorch
-reference. Nothing here imports Triton at module level; the files that define kernels (`triton_*.py`,
-`decode.py`'s guarded block, `muse/cluster.py`) are imported only once `resolve_backend` chose "triton".
+reference. Nothing here imports Triton at module level; the files that define kernels (`triton_*.py`, the
+helpers of `triton_lib.py` among them) are imported only once `resolve_backend` chose "triton"
+(tests/test_layering.py checks this).
 
 `backend` (every method's option of that name):
 - "auto": the Triton kernels on CUDA tensors when Triton is installed (and the caller's shape checks pass),

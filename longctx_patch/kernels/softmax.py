@@ -82,11 +82,11 @@ def softmax_attention(
         return o.transpose(1, 2)
     if not simple and Sq < Sk and Sq * G <= Sk and q.is_cuda:
         # few queries under a mask (a padded batch's decode step or tail, a window): split-key Triton kernels,
-        # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode.py)
-        from .decode import _launch, decode_kernel_supported
+        # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode/)
+        from .decode import decode_kernel_supported, launch_masked_few_query
 
         if decode_kernel_supported(q, k, v) is None:
-            return _launch(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=None)
+            return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=None)
     if G > 1 and Sq * G <= Sk:
         # few queries (a decode step without padding; with a mask where the kernels above cannot run): the G query
         # heads of a kv head are stacked along the query axis (the mask repeated), so SDPA reads each kv head once

@@ -1,7 +1,8 @@
 """LoLCATs hybrid attention and the LoLA sparse-cache manager: PyTorch references, Triton kernels, dispatchers.
 
-See docs/lola.md. `reference` holds the differentiable PyTorch paths, `triton_kernels` the kernels that must
-match them, `ops` the dispatchers and the cache manager (`LolaState`, `lola_process`).
+See docs/lola.md. `reference` holds the differentiable PyTorch paths, `triton_hybrid` / `triton_state` /
+`triton_evict` the kernels that must match them (`triton_kernels`: their entry points in one namespace), `ops` the
+dispatchers and the cache manager (`LolaState`, `lola_process`), `tuning` the kernels' launch settings.
 """
 
 from .ops import LolaState, hybrid_attention, lola_evict, lola_process

@@ -27,6 +27,7 @@ import torch
 from ...errors import ConfigError
 from ..backend import check_backend, resolve_backend
 from . import reference as ref
+from .tuning import TUNE
 
 
 def _use_triton(backend: str, *tensors) -> bool:
@@ -43,6 +44,7 @@ def _use_triton(backend: str, *tensors) -> bool:
 
 
 def _tk():
+    """The Triton entry points (`triton_kernels`), imported once the backend chose them."""
     from . import triton_kernels
 
     return triton_kernels
@@ -278,7 +280,7 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
                                   scale=scale, key_mask=st.wmask, **sp)
         return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                              q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
-                             block_m=tk.TUNE["piece_block_m"] or 64, **sp)
+                             block_m=TUNE["piece_block_m"] or 64, **sp)
     o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                            key_mask=st.wmask, q_offset=nb - S, **sp)
     return o.transpose(1, 2).to(q.dtype)

@@ -1,7 +1,8 @@
 """PyTorch references of the LoLCATs hybrid attention and of the LoLA sparse-cache manager.
 
-Everything here is differentiable (plain torch ops) and runs on any device; the Triton kernels in
-`triton_kernels.py` must match these functions. Maths and every convention: docs/lola.md.
+Everything here is differentiable (plain torch ops) and runs on any device; the Triton kernels
+(`triton_hybrid.py`, `triton_state.py`, `triton_evict.py`) must match these functions. Maths and every
+convention: docs/lola.md.
 
 Shapes (the convention of the whole package):
   q, fq          [B, Hq, S, D] / [B, Hq, S, F2]   queries and their features (F2 = 2 * feature_dim)

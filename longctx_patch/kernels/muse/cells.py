@@ -15,12 +15,12 @@ compressed keys: the work per query is `(2 + topk_blocks) * L + (n - 1 - local) 
 
 Two paths compute the same function:
 - `cells_reference`: dense PyTorch per chunk of query blocks (any device, differentiable);
-- `cells_triton.cells_triton`: Triton kernels in an `autograd.Function`. Forward: one program per (128-query tile, batch x
-  query head) runs one online softmax over the cell keys of the far blocks (a contiguous `[nb * Ck, D]` array,
-  with `log n` as a bias and the retrieved blocks masked), the retrieved and local blocks (a per-query-block
-  list) and its own block (causal). Backward (FlashAttention-2 scheme, recomputing P from the saved LSE, no
-  atomics): dQ per query tile; dK/dV per exact key tile over the query blocks that attend it exactly; dMU/dVB
-  per cell tile over the query blocks that summarise it; the cell means' gradients reach k and v through
+- `ops.cells_triton`: the Triton kernels of `triton_cells.py` in an `autograd.Function`. Forward: one program per
+  (128-query tile, batch x query head) runs one online softmax over the cell keys of the far blocks (a contiguous
+  `[nb * Ck, D]` array, with `log n` as a bias and the retrieved blocks masked), the retrieved and local blocks (a
+  per-query-block list) and its own block (causal). Backward (FlashAttention-2 scheme, recomputing P from the saved
+  LSE, no atomics): dQ per query tile; dK/dV per exact key tile over the query blocks that attend it exactly;
+  dMU/dVB per cell tile over the query blocks that summarise it; the cell means' gradients reach k and v through
   `cell_summaries` (autograd).
 """
 
@@ -34,6 +34,7 @@ import torch
 from ..backend import resolve_backend
 from .plan import _blocks, lloyd, log_counts
 from .reference import masked_softmax
+from .support import block_peaks_supported, block_scores_supported
 
 
 @dataclass
@@ -61,8 +62,8 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     the mass estimate `logsumexp_c(scale * qbar . mu_c + log n_c)` and the `topk_blocks` best are exact; then, of
     the blocks still left, the `peak_blocks` of highest peak score `max_j scale * qbar . k_j` (the block's best
     key: a block that holds one key the queries match, whose cell mean hides it).
-    backend: "auto" (the Triton clustering and scoring of kernels/muse/cluster.py on CUDA, PyTorch elsewhere),
-    "torch" or "triton"; both give the same plan up to near-ties (see cluster.py)."""
+    backend: "auto" (the Triton clustering and scoring of kernels/muse/triton_cluster.py on CUDA, PyTorch elsewhere),
+    "torch" or "triton"; both give the same plan up to near-ties (see triton_cluster.py)."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -87,7 +88,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     retrieved |= (far[None] & sink[:, None, :])[:, None]
     use_triton = resolve_backend(backend, q, k, what="muse plan") == "triton"
     if use_triton:
-        from .cluster import block_peaks_supported, block_peaks_triton, block_scores_supported, block_scores_triton
+        from .triton_cluster import block_peaks_triton, block_scores_triton
     if (topk_blocks > 0 or peak_blocks > 0) and nb > local_blocks + 1:
         qb = _blocks(q, L, Sp)  # [B, Hq, nb, L, D]
         if key_mask is not None:

@@ -23,6 +23,7 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import resolve_backend
+from .support import lloyd_supported
 
 
 @dataclass
@@ -81,11 +82,11 @@ def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int, backend: str
     Returns centroids [N, C, D] float32 (mean of the members; an empty cluster keeps its previous value),
     assign [N, L] int64 (invalid tokens get cluster 0; they are masked everywhere) and counts [N, C] (valid members).
     Ties go to the lowest cluster index (argmax), so the result is deterministic.
-    backend: "auto" (the Triton kernel `cluster.lloyd_triton` on CUDA when it takes the shape, else this PyTorch
+    backend: "auto" (the Triton kernel `triton_cluster.lloyd_triton` on CUDA when it takes the shape, else this PyTorch
     code), "torch" or "triton".
     """
     if resolve_backend(backend, x, what="muse clustering") == "triton":
-        from .cluster import lloyd_supported, lloyd_triton
+        from .triton_cluster import lloyd_triton
 
         why = lloyd_supported(x, C)
         if why is None:

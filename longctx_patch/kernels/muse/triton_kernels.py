@@ -1,4 +1,5 @@
-"""Triton forward and backward of planned MuSe attention (same function as reference.py).
+"""Triton forward and backward kernels of planned MuSe attention (same function as reference.py; the
+`autograd.Function` is `ops._MuseFn`).
 
 One program per (query block n, batch x query head) in the forward and in the dq pass, and one per
 (key block m, batch x kv head) in the dk/dv pass (FlashAttention-2 layout: the pair (n, m) is recomputed
@@ -15,41 +16,24 @@ The diagonal block is plain causal attention. All softmax statistics are in fp32
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..backend import INTERPRET
+from ..triton_lib import dot, online_softmax
 from .plan import MusePlan
 
-@triton.jit
-def _dot(a, b, UP: tl.constexpr):
-    # UP: Triton's CPU interpreter (3.9) mis-multiplies bf16/fp16 operands; upcasting the already-rounded
-    # operands gives the same products with fp32 accumulation, which is what the GPU computes.
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        # fp32 operands: fp32 products (ieee), as torch computes fp32 attention; no effect on bf16/fp16
-        return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _online(s, vals, m_i, l_i, acc, UP: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(vals.dtype), vals, UP)
-    return m_new, l_i, acc
+# dots: fp32 operands with fp32 products ("ieee"), as torch computes fp32 attention (no effect on bf16/fp16);
+# UP: the interpreter's bf16 workaround (triton_lib). The online softmax is in base e with the guard for rows
+# that have seen no key (a masked tile first).
 
 
 @triton.jit
 def _summaries(cexp, k, v, kv_ok, ka, rj, excl, scale, UP: tl.constexpr):
     """Super-keys of one key block for every (query cluster, key cluster) row of cexp [CC, D]."""
-    x = _dot(cexp, tl.trans(k), UP) * scale  # [CC, L]
+    x = dot(cexp, tl.trans(k), "ieee", UP) * scale  # [CC, L]
     allowed = kv_ok[None, :] & (ka[None, :] == rj[:, None]) & (excl == 0)[:, None]
     x = tl.where(allowed, x, float("-inf"))
     mx = tl.max(x, 1)
@@ -59,8 +43,8 @@ def _summaries(cexp, k, v, kv_ok, ka, rj, excl, scale, UP: tl.constexpr):
     ne = z > 0
     zs = tl.where(ne, z, 1.0)
     pn = p / zs[:, None]
-    kt = _dot(pn.to(k.dtype), k, UP)  # [CC, D] fp32
-    vt = _dot(pn.to(v.dtype), v, UP)
+    kt = dot(pn.to(k.dtype), k, "ieee", UP)  # [CC, D] fp32
+    vt = dot(pn.to(v.dtype), v, "ieee", UP)
     lse = mxs + tl.log(zs)
     return pn, kt, vt, lse, ne
 
@@ -111,20 +95,20 @@ def _muse_fwd(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, O, LSE, scale, H, HKV, NB,
     for m in range(0, n):
         k, v, ka, kv = _load_block(K, V, KA, KVAL, kv_bh, b, m, Sp, offs_l, offs_d, L, D)
         if tl.load(any_base + m) != 0:
-            s = _dot(q, tl.trans(k), UP) * scale
+            s = dot(q, tl.trans(k), "ieee", UP) * scale
             rbq = tl.load(rb_base + qa * NB + m) != 0
             rcq = tl.load(rc_base + (qa[:, None] * NB + m) * NK + ka[None, :]) != 0
             s = tl.where(kv[None, :] & (rbq[:, None] | rcq), s, float("-inf"))
-            m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, "ieee", UP, False, True)
         excl = tl.load(rb_base + ri * NB + m) + tl.load(rc_base + (ri * NB + m) * NK + rj)
         pn, kt, vt, lse, ne = _summaries(cexp, k, v, kv, ka, rj, excl, scale, UP)
-        y = _dot(d, tl.trans(kt.to(q.dtype)), UP) * scale + lse[None, :]
+        y = dot(d, tl.trans(kt.to(q.dtype)), "ieee", UP) * scale + lse[None, :]
         y = tl.where((qa[:, None] == ri[None, :]) & ne[None, :], y, float("-inf"))
-        m_i, l_i, acc = _online(y, vt.to(q.dtype), m_i, l_i, acc, UP)
+        m_i, l_i, acc = online_softmax(y, vt.to(q.dtype), m_i, l_i, acc, "ieee", UP, False, True)
     k, v, ka, kv = _load_block(K, V, KA, KVAL, kv_bh, b, n, Sp, offs_l, offs_d, L, D)
-    s = _dot(q, tl.trans(k), UP) * scale
+    s = dot(q, tl.trans(k), "ieee", UP) * scale
     s = tl.where(kv[None, :] & (offs_l[None, :] <= offs_l[:, None]), s, float("-inf"))
-    m_i, l_i, acc = _online(s, v, m_i, l_i, acc, UP)
+    m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, "ieee", UP, False, True)
     ok = l_i > 0
     ls = tl.where(ok, l_i, 1.0)
     out = acc / ls[:, None]
@@ -136,9 +120,9 @@ def _muse_fwd(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, O, LSE, scale, H, HKV, NB,
 @triton.jit
 def _bwd_contrib_dq(s, keys, vals, do, lse_r, delta, dq, UP: tl.constexpr):
     p = tl.exp(s - lse_r[:, None])
-    dp = _dot(do, tl.trans(vals), UP)
+    dp = dot(do, tl.trans(vals), "ieee", UP)
     ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.to(keys.dtype), keys, UP)
+    return dq + dot(ds.to(keys.dtype), keys, "ieee", UP)
 
 
 @triton.jit
@@ -166,18 +150,18 @@ def _muse_bwd_dq(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DQ, sca
     for m in range(0, n):
         k, v, ka, kv = _load_block(K, V, KA, KVAL, kv_bh, b, m, Sp, offs_l, offs_d, L, D)
         if tl.load(any_base + m) != 0:
-            s = _dot(q, tl.trans(k), UP) * scale
+            s = dot(q, tl.trans(k), "ieee", UP) * scale
             rbq = tl.load(rb_base + qa * NB + m) != 0
             rcq = tl.load(rc_base + (qa[:, None] * NB + m) * NK + ka[None, :]) != 0
             s = tl.where(kv[None, :] & (rbq[:, None] | rcq), s, float("-inf"))
             dq = _bwd_contrib_dq(s, k, v, do, lse_r, delta, dq, UP)
         excl = tl.load(rb_base + ri * NB + m) + tl.load(rc_base + (ri * NB + m) * NK + rj)
         pn, kt, vt, lse, ne = _summaries(cexp, k, v, kv, ka, rj, excl, scale, UP)
-        y = _dot(d, tl.trans(kt.to(q.dtype)), UP) * scale + lse[None, :]
+        y = dot(d, tl.trans(kt.to(q.dtype)), "ieee", UP) * scale + lse[None, :]
         y = tl.where((qa[:, None] == ri[None, :]) & ne[None, :], y, float("-inf"))
         dq = _bwd_contrib_dq(y, kt.to(q.dtype), vt.to(q.dtype), do, lse_r, delta, dq, UP)
     k, v, ka, kv = _load_block(K, V, KA, KVAL, kv_bh, b, n, Sp, offs_l, offs_d, L, D)
-    s = _dot(q, tl.trans(k), UP) * scale
+    s = dot(q, tl.trans(k), "ieee", UP) * scale
     s = tl.where(kv[None, :] & (offs_l[None, :] <= offs_l[:, None]), s, float("-inf"))
     dq = _bwd_contrib_dq(s, k, v, do, lse_r, delta, dq, UP)
     tl.store(DQ + (bh * Sp + pos)[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty))
@@ -186,10 +170,10 @@ def _muse_bwd_dq(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DQ, sca
 @triton.jit
 def _bwd_exact_dkdv(s, q, v, do, lse_r, delta, dk, dv, scale, UP: tl.constexpr):
     p = tl.exp(s - lse_r[:, None])  # rows with nothing allowed give p = 0
-    dv += _dot(tl.trans(p.to(do.dtype)), do, UP)
-    dp = _dot(do, tl.trans(v), UP)
+    dv += dot(tl.trans(p.to(do.dtype)), do, "ieee", UP)
+    dp = dot(do, tl.trans(v), "ieee", UP)
     ds = p * (dp - delta[:, None])
-    dk += _dot(tl.trans(ds.to(q.dtype)), q, UP) * scale
+    dk += dot(tl.trans(ds.to(q.dtype)), q, "ieee", UP) * scale
     return dk, dv
 
 
@@ -220,11 +204,11 @@ def _muse_bwd_dkdv(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DK, D
             rb_base = RB + (bh * NB + n) * NQ * NB
             rc_base = RC + (bh * NB + n) * NQ * NB * NK
             if n == m:
-                s = _dot(q, tl.trans(k), UP) * scale
+                s = dot(q, tl.trans(k), "ieee", UP) * scale
                 s = tl.where(kv[None, :] & (offs_l[None, :] <= offs_l[:, None]), s, float("-inf"))
                 dk, dv = _bwd_exact_dkdv(s, q, v, do, lse_r, delta, dk, dv, scale, UP)
             elif tl.load(ANY + (bh * NB + n) * NB + m) != 0:  # some cluster of block n retrieved block m
-                s = _dot(q, tl.trans(k), UP) * scale
+                s = dot(q, tl.trans(k), "ieee", UP) * scale
                 rbq = tl.load(rb_base + qa * NB + m) != 0
                 rcq = tl.load(rc_base + (qa[:, None] * NB + m) * NK + ka[None, :]) != 0
                 s = tl.where(kv[None, :] & (rbq[:, None] | rcq), s, float("-inf"))
@@ -232,20 +216,20 @@ def _muse_bwd_dkdv(Q, K, V, KVAL, QA, KA, CQ, RB, RC, ANY, DO, LSE, DELTA, DK, D
             if n != m:
                 excl = tl.load(rb_base + ri * NB + m) + tl.load(rc_base + (ri * NB + m) * NK + rj)
                 pn, kt, vt, lse, ne = _summaries(cexp, k, v, kv, ka, rj, excl, scale, UP)
-                y = _dot(d, tl.trans(kt.to(q.dtype)), UP) * scale + lse[None, :]
+                y = dot(d, tl.trans(kt.to(q.dtype)), "ieee", UP) * scale + lse[None, :]
                 y = tl.where((qa[:, None] == ri[None, :]) & ne[None, :], y, float("-inf"))
                 py = tl.exp(y - lse_r[:, None])  # [L, CC]
-                dpy = _dot(do, tl.trans(vt.to(do.dtype)), UP)
+                dpy = dot(do, tl.trans(vt.to(do.dtype)), "ieee", UP)
                 dy = py * (dpy - delta[:, None])
-                dvt = _dot(tl.trans(py.to(do.dtype)), do, UP)  # [CC, D]
-                dkt = _dot(tl.trans(dy.to(d.dtype)), d, UP) * scale  # [CC, D]
+                dvt = dot(tl.trans(py.to(do.dtype)), do, "ieee", UP)  # [CC, D]
+                dkt = dot(tl.trans(dy.to(d.dtype)), d, "ieee", UP) * scale  # [CC, D]
                 dlse = tl.sum(dy, 0)  # [CC]
-                kdk = _dot(dkt, tl.trans(k.to(tl.float32)), UP)  # [CC, L]
-                vdv = _dot(dvt, tl.trans(v.to(tl.float32)), UP)
+                kdk = dot(dkt, tl.trans(k.to(tl.float32)), "ieee", UP)  # [CC, L]
+                vdv = dot(dvt, tl.trans(v.to(tl.float32)), "ieee", UP)
                 gu = pn * (dlse[:, None] + kdk - tl.sum(kt * dkt, 1)[:, None] + vdv - tl.sum(vt * dvt, 1)[:, None])
                 pnt = tl.trans(pn.to(q.dtype))
-                dv += _dot(pnt, dvt.to(q.dtype), UP)
-                dk += _dot(pnt, dkt.to(q.dtype), UP) + _dot(tl.trans(gu.to(q.dtype)), cexp, UP) * scale
+                dv += dot(pnt, dvt.to(q.dtype), "ieee", UP)
+                dk += dot(pnt, dkt.to(q.dtype), "ieee", UP) + dot(tl.trans(gu.to(q.dtype)), cexp, "ieee", UP) * scale
     pos = m * L + offs_l
     tl.store(DK + (kv_bh * Sp + pos)[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty))
     tl.store(DV + (kv_bh * Sp + pos)[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty))
@@ -272,8 +256,7 @@ def _tables(plan: MusePlan):
 
 
 def _launch_cfg(L: int, D: int, dtype: torch.dtype, stages: int = 2):
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    return dict(UP=interp and dtype != torch.float32, num_warps=4 if L * D <= 64 * 64 else 8, num_stages=stages)
+    return dict(UP=INTERPRET and dtype != torch.float32, num_warps=4 if L * D <= 64 * 64 else 8, num_stages=stages)
 
 
 _STAGES_OK: dict = {}
@@ -295,45 +278,37 @@ def _launch(kernel, grid, args, L: int, D: int, dtype: torch.dtype, stages: int 
     _STAGES_OK[key] = st
 
 
-class _MuseFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: MusePlan, scale: float):
-        B, H, S, D = q.shape
-        HKV = k.shape[1]
-        L, NB, Sp = plan.block_size, plan.num_blocks, plan.padded_len
-        NQ, NK = plan.q_centroids.shape[3], plan.ret_cell.shape[-1]
-        qp, kp, vp = _pad(q, Sp), _pad(k, Sp), _pad(v.to(q.dtype), Sp)
-        tabs = _tables(plan)
-        o = torch.empty_like(qp)
-        lse = torch.empty(B, H, Sp, device=q.device, dtype=torch.float32)
-        _launch(_muse_fwd, (NB, B * H), (qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp, L, D, NQ, NK),
-                L, D, q.dtype)
-        ctx.save_for_backward(qp, kp, vp, o, lse, *tabs)
-        ctx.meta = (scale, S, L, NB, Sp, NQ, NK, k.dtype, v.dtype)
-        return o[:, :, :S]
-
-    @staticmethod
-    def backward(ctx, do):
-        qp, kp, vp, o, lse, *tabs = ctx.saved_tensors
-        scale, S, L, NB, Sp, NQ, NK, kdt, vdt = ctx.meta
-        B, H, _, D = qp.shape
-        HKV = kp.shape[1]
-        dop = _pad(do.to(qp.dtype), Sp)
-        delta = (dop.float() * o.float()).sum(-1).contiguous()
-        dq = torch.empty_like(qp)
-        dk = torch.empty_like(kp)
-        dv = torch.empty_like(vp)
-        _launch(_muse_bwd_dq, (NB, B * H),
-                (qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D, qp.dtype)
-        # one stage: with two, Triton 3.6 produced wrong dk on an H200 (the CPU interpreter was right)
-        _launch(_muse_bwd_dkdv, (NB, B * HKV),
-                (qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D,
-                qp.dtype, stages=1)
-        return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt), None, None
+def muse_fwd(q, k, v, plan: MusePlan, scale: float):
+    """The forward kernel: o [B, H, Sp, D] (padded to the plan's blocks), and what `muse_bwd` takes (the saved
+    tensors, the sizes)."""
+    B, H, S, D = q.shape
+    HKV = k.shape[1]
+    L, NB, Sp = plan.block_size, plan.num_blocks, plan.padded_len
+    NQ, NK = plan.q_centroids.shape[3], plan.ret_cell.shape[-1]
+    qp, kp, vp = _pad(q, Sp), _pad(k, Sp), _pad(v.to(q.dtype), Sp)
+    tabs = _tables(plan)
+    o = torch.empty_like(qp)
+    lse = torch.empty(B, H, Sp, device=q.device, dtype=torch.float32)
+    _launch(_muse_fwd, (NB, B * H), (qp, kp, vp, *tabs, o, lse, float(scale), H, HKV, NB, Sp, L, D, NQ, NK),
+            L, D, q.dtype)
+    return o, (qp, kp, vp, o, lse, *tabs), (scale, S, L, NB, Sp, NQ, NK, k.dtype, v.dtype)
 
 
-def muse_triton_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MusePlan, *, scale: float) -> torch.Tensor:
-    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] (q's dtype); differentiable in q, k, v."""
-    k = k.to(q.dtype)
-    o = _MuseFn.apply(q, k, v, plan, float(scale))
-    return o.transpose(1, 2)
+def muse_bwd(saved, meta, do):
+    """The backward kernels (dq; dk and dv) from `muse_fwd`'s saved tensors and sizes: (dq, dk, dv) of the inputs."""
+    qp, kp, vp, o, lse, *tabs = saved
+    scale, S, L, NB, Sp, NQ, NK, kdt, vdt = meta
+    B, H, _, D = qp.shape
+    HKV = kp.shape[1]
+    dop = _pad(do.to(qp.dtype), Sp)
+    delta = (dop.float() * o.float()).sum(-1).contiguous()
+    dq = torch.empty_like(qp)
+    dk = torch.empty_like(kp)
+    dv = torch.empty_like(vp)
+    _launch(_muse_bwd_dq, (NB, B * H),
+            (qp, kp, vp, *tabs, dop, lse, delta, dq, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D, qp.dtype)
+    # one stage: with two, Triton 3.6 produced wrong dk on an H200 (the CPU interpreter was right)
+    _launch(_muse_bwd_dkdv, (NB, B * HKV),
+            (qp, kp, vp, *tabs, dop, lse, delta, dk, dv, float(scale), H, HKV, NB, Sp, L, D, NQ, NK), L, D,
+            qp.dtype, stages=1)
+    return dq[:, :, :S], dk[:, :, :S].to(kdt), dv[:, :, :S].to(vdt)

@@ -54,6 +54,35 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     return "torch"
 
 
+class OVQChunkAttention(torch.autograd.Function):
+    """The Triton chunk attention (`triton_attn`): `reference.chunk_attention_ref` with the same arguments, its
+    backward for q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, n_dict: int, q_off: int):
+        from .triton_attn import attn_fwd
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bias = bias.contiguous().float()
+        o, lse = attn_fwd(q, k, v, bias, n_dict, q_off)
+        ctx.save_for_backward(q, k, v, bias, o, lse)
+        ctx.n_dict, ctx.q_off = n_dict, q_off
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        from .triton_attn import attn_bwd
+
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        dq, dk, dv = attn_bwd(q, k, v, bias, o, lse, do.contiguous().to(q.dtype), ctx.n_dict, ctx.q_off)
+        return dq, dk, dv, None, None, None
+
+
+def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
+    """Triton version of :func:`reference.chunk_attention_ref` (same arguments)."""
+    return OVQChunkAttention.apply(q, k, v, bias, n_dict, q_off)
+
+
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
                   key_valid: Tensor | None, *, chunk_size: int, max_centroids: int, growth: float,
                   backend: str = "auto", seen_bound: int | None = None, exact_assign: bool = True,
@@ -105,10 +134,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
                                                        exact_assign=exact_assign)
         new_open = OpenChunk(kk[:, :, start:], vv[:, :, start:], valid[:, start:]) if start < L else None
         return o, state, new_open, seen_bound
-    if be == "triton":
-        from .triton_attn import chunk_attention_triton as attn
-    else:
-        attn = chunk_attention_ref
+    attn = chunk_attention_triton if be == "triton" else chunk_attention_ref
     if parallel is None:
         parallel = q.is_cuda
     if needs_grad and parallel and off == 0 and S > 0:

@@ -1,4 +1,5 @@
-"""Triton chunk attention of OVQ: one softmax over [dictionary rows (+ log-count bias)] + [chunk keys, causal].
+"""Triton kernels of OVQ's chunk attention (`ops.OVQChunkAttention`): one softmax over [dictionary rows (+ log-count
+bias)] + [chunk keys, causal].
 
 Keys are given concatenated: rows ``0 .. n_dict-1`` of ``k`` are dictionary rows (visible to every
 query), rows ``n_dict ..`` are the chunk's own keys at chunk positions ``0 ..``; query ``r`` sits at
@@ -6,30 +7,17 @@ chunk position ``r + q_off``.  ``bias`` (float32, ``[B, H, Lk]``) is added to ev
 (log counts for dictionary rows, 0 or -inf for chunk keys).  GQA: query head ``h`` reads key head
 ``h // (Hq // H)``.  Rows that see no key give 0.
 
-The autograd function returns gradients for ``q``, ``k`` and ``v`` (dictionary rows included);
-``bias`` is not differentiated (counts are discrete).
+The backward gives gradients for ``q``, ``k`` and ``v`` (dictionary rows included); ``bias`` is not
+differentiated (counts are discrete).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-# The CPU interpreter of triton 3.9 multiplies bfloat16 dot operands wrongly; there the operands are
-# upcast to float32 (same maths, the GPU keeps native bf16 tensor-core dots).
-_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot(a, b, UP: tl.constexpr):
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        # fp32 operands: fp32 products (ieee), as torch computes fp32 attention; no effect on bf16/fp16
-        return tl.dot(a, b, input_precision="ieee")
+from ..backend import INTERPRET
+from ..triton_lib import dot
 
 
 @triton.jit
@@ -58,19 +46,22 @@ def _ovq_attn_fwd(Q, K, V, BIAS, O, LSE,
         offs_n = start + tl.arange(0, BN)
         in_k = offs_n < LK
         k = tl.load(kbase + offs_n[:, None] * skn + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UP) * 1.4426950408889634
+        s = dot(q, tl.trans(k), "ieee", UP) * 1.4426950408889634
         bias = tl.load(bbase + offs_n, mask=in_k, other=float("-inf"))
         s = s + bias[None, :] * 1.4426950408889634
         allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
         allowed = allowed & in_k[None, :]
         s = tl.where(allowed, s, float("-inf"))
+        # the online-softmax step written out, in this kernel's own order (p before alpha): with the order of
+        # triton_lib.online_softmax_step (alpha first) it compiles to other sm_90 code (same instructions,
+        # scheduled and allocated differently)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vbase + offs_n[:, None] * svn + offs_dv[None, :], mask=in_k[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UP)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
         m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -111,13 +102,13 @@ def _ovq_attn_bwd_dq(Q, K, V, BIAS, DO, LSE, DELTA, DQ,
         k = tl.load(kbase + offs_n[:, None] * skn + offs_d[None, :], mask=in_k[:, None], other=0.0)
         v = tl.load(vbase + offs_n[:, None] * svn + offs_dv[None, :], mask=in_k[:, None], other=0.0)
         bias = tl.load(bbase + offs_n, mask=in_k, other=float("-inf"))
-        s = _dot(q, tl.trans(k), UP) + bias[None, :]
+        s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
         allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
         allowed = allowed & in_k[None, :] & mask_m[:, None]
         p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UP)
+        dp = dot(do, tl.trans(v), "ieee", UP)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "ieee", UP)
     tl.store(DQ + qoff_ptr + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask_m[:, None])
 
 
@@ -155,14 +146,14 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
             do = tl.load(dobase + offs_m[:, None] * sqm + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
             lse = tl.load(LSE + (b * HQ + hq) * M + offs_m, mask=mask_m, other=float("inf"))
             delta = tl.load(DELTA + (b * HQ + hq) * M + offs_m, mask=mask_m, other=0.0)
-            s = _dot(q, tl.trans(k), UP) + bias[None, :]
+            s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
             allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
             allowed = allowed & in_k[None, :] & mask_m[:, None]
             p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, UP)
-            dp = _dot(do, tl.trans(v), UP)
+            dv += dot(tl.trans(p.to(do.dtype)), do, "ieee", UP)
+            dp = dot(do, tl.trans(v), "ieee", UP)
             ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UP)
+            dk += dot(tl.trans(ds.to(q.dtype)), q, "ieee", UP)
     tl.store(DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=in_k[:, None])
     tl.store(DV_ + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
@@ -174,7 +165,8 @@ def _blocks(M: int) -> tuple[int, int]:
     return bm, 64
 
 
-def _fwd(q, k, v, bias, n_dict, q_off):
+def attn_fwd(q, k, v, bias, n_dict: int, q_off: int):
+    """The forward kernel on contiguous q, k, v and fp32 bias: (o [B, Hq, M, Dv] fp32, lse [B, Hq, M] fp32)."""
     B, HQ, M, D = q.shape
     H, LK = k.shape[1], k.shape[2]
     DV = v.shape[-1]
@@ -188,44 +180,27 @@ def _fwd(q, k, v, bias, n_dict, q_off):
                         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                         v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1),
                         o.stride(0), o.stride(1), o.stride(2),
-                        M, LK, n_dict, q_off, HQ, HQ // H, D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
+                        M, LK, n_dict, q_off, HQ, HQ // H, D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
     return o, lse
 
 
-class OVQChunkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, n_dict: int, q_off: int):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        bias = bias.contiguous().float()
-        o, lse = _fwd(q, k, v, bias, n_dict, q_off)
-        ctx.save_for_backward(q, k, v, bias, o, lse)
-        ctx.n_dict, ctx.q_off = n_dict, q_off
-        return o.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, bias, o, lse = ctx.saved_tensors
-        do = do.contiguous().to(q.dtype)
-        B, HQ, M, D = q.shape
-        H, LK = k.shape[1], k.shape[2]
-        DV = v.shape[-1]
-        delta = (o * do.float()).sum(-1).contiguous()
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        BM, BN = _blocks(M)
-        G = HQ // H
-        args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
-        _ovq_attn_bwd_dq[(triton.cdiv(M, BM), B * HQ)](q, k, v, bias, do, lse, delta, dq, *args,
-                                                       M, LK, ctx.n_dict, ctx.q_off, HQ, G,
-                                                       D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
-        _ovq_attn_bwd_dkdv[(triton.cdiv(LK, BN), B * H)](q, k, v, bias, do, lse, delta, dk, dv, *args,
-                                                         M, LK, ctx.n_dict, ctx.q_off, H, G,
-                                                         D=D, DV=DV, BM=BM, BN=BN, UP=_UPCAST)
-        return dq, dk, dv, None, None, None
-
-
-def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
-    """Triton version of :func:`reference.chunk_attention_ref` (same arguments)."""
-    return OVQChunkAttention.apply(q, k, v, bias, n_dict, q_off)
+def attn_bwd(q, k, v, bias, o, lse, do, n_dict: int, q_off: int):
+    """The backward kernels (dq; dk and dv) from the forward's saved tensors and do in q's dtype: (dq, dk, dv)."""
+    B, HQ, M, D = q.shape
+    H, LK = k.shape[1], k.shape[2]
+    DV = v.shape[-1]
+    delta = (o * do.float()).sum(-1).contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    BM, BN = _blocks(M)
+    G = HQ // H
+    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(1))
+    _ovq_attn_bwd_dq[(triton.cdiv(M, BM), B * HQ)](q, k, v, bias, do, lse, delta, dq, *args,
+                                                   M, LK, n_dict, q_off, HQ, G,
+                                                   D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
+    _ovq_attn_bwd_dkdv[(triton.cdiv(LK, BN), B * H)](q, k, v, bias, do, lse, delta, dk, dv, *args,
+                                                     M, LK, n_dict, q_off, H, G,
+                                                     D=D, DV=DV, BM=BM, BN=BN, UP=INTERPRET)
+    return dq, dk, dv

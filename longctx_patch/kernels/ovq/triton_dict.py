@@ -13,13 +13,12 @@ partial results at ``[split, B * H, C]`` (the fused path reduces them in ``_ovq_
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+from ..backend import INTERPRET
+from ..triton_lib import dot
 
 
 @triton.jit
@@ -66,10 +65,8 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR, KH,
             half_sq = 0.5 * tl.sum(d * d, 1)
         if IEEE:
             dots = tl.dot(k, tl.trans(d), input_precision="ieee")
-        elif UP:  # CPU interpreter: its bf16 dot is wrong, emulate with bf16-rounded float32 operands
-            dots = tl.dot(k.to(tl.bfloat16).to(tl.float32), tl.trans(d.to(tl.bfloat16).to(tl.float32)))
-        else:
-            dots = tl.dot(k.to(tl.bfloat16), tl.trans(d.to(tl.bfloat16)))
+        else:  # bf16 operands (UP: the interpreter's workaround, the same bf16-rounded values in fp32)
+            dots = dot(k.to(tl.bfloat16), tl.trans(d.to(tl.bfloat16)), "tf32", UP)
         dots = tl.where(act[None, :], dots, float("-inf"))
         maxdot = tl.maximum(maxdot, tl.max(dots, 1))
         score = dots - half_sq[None, :]
@@ -106,5 +103,5 @@ def chunk_stats_triton(k: torch.Tensor, key_sums: torch.Tensor, counts: torch.Te
         k, dict_keys, counts, nact, maxdot, best, idx, nact, counts,
         k.stride(0), k.stride(1), k.stride(2), dict_keys.stride(0), dict_keys.stride(1), dict_keys.stride(2),
         counts.stride(0), counts.stride(1),
-        C, H, 1 << 30, B, D=D, BM=BM, BN=BN, IEEE=exact, UP=_INTERP)
+        C, H, 1 << 30, B, D=D, BM=BM, BN=BN, IEEE=exact, UP=INTERPRET)
     return maxdot, best, idx

@@ -25,22 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import INTERPRET
 from ..graphs import run_steps
+from ..triton_lib import combine_splits, dot
 from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured CUDA graph (host-bound otherwise)
 MEAN_FORM = True  # runs of chunks with bf16 assignment read row means kept beside the sums (see ovq_forward_fast)
-
-
-@triton.jit
-def _mm(a, b, UP: tl.constexpr):
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        # fp32 operands: fp32 products (ieee), as torch computes fp32 attention; no effect on bf16/fp16
-        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -90,13 +82,14 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         cnt = tl.load(cb + offs_n, mask=in_n, other=0.0)
         if MEAN:
             ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
-            s = _mm(q, tl.trans(ks), UP) * 1.4426950408889634
+            s = dot(q, tl.trans(ks), "ieee", UP) * 1.4426950408889634
         else:
             inv = 1.0 / tl.maximum(cnt, 1.0)
             ks = tl.load(ksb + offs_n[:, None] * sdn + offs_d[None, :], mask=in_n[:, None], other=0.0)
-            s = _mm(q, tl.trans((ks * inv[:, None]).to(q.dtype)), UP) * 1.4426950408889634
+            s = dot(q, tl.trans((ks * inv[:, None]).to(q.dtype)), "ieee", UP) * 1.4426950408889634
         bias = tl.where(cnt > 0, tl.log2(tl.maximum(cnt, 1.0)), float("-inf"))
         s = s + bias[None, :]
+        # the online-softmax steps of this kernel are written out as in _ovq_attn_fwd (triton_attn.py says why)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -104,9 +97,9 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         l_i = l_i * alpha + tl.sum(p, 1)
         vs = tl.load(vsb + offs_n[:, None] * svdn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
         if MEAN:
-            acc = acc * alpha[:, None] + _mm(p.to(q.dtype), vs, UP)
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), vs, "ieee", UP)
         else:
-            acc = acc * alpha[:, None] + _mm(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), UP)
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), (vs * inv[:, None]).to(q.dtype), "ieee", UP)
         m_i = m_new
     # -- the chunk's own keys, causal, key padding --
     chi = tl.where(is_chunk, tl.minimum((pid_m + 1) * BM + q_off, LC), 0)
@@ -117,7 +110,7 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         in_n = offs_n < LC
         ok = tl.load(VALID + b * sxb + offs_n, mask=in_n, other=0) != 0
         k = tl.load(kb + offs_n[:, None] * skn + offs_d[None, :], mask=in_n[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), UP) * 1.4426950408889634
+        s = dot(q, tl.trans(k), "ieee", UP) * 1.4426950408889634
         allowed = (offs_n[None, :] <= (offs_m[:, None] + q_off)) & ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -126,7 +119,7 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UP)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
         m_i = m_new
     row = (pid_p * tl.num_programs(1) + pid_bh) * M + offs_m
     tl.store(PM + row, m_i, mask=mask_m)
@@ -148,17 +141,7 @@ def _ovq_combine(PACC, PM, PL, O, TPTR, sob, soh, som, M, HQ, NSPLIT, DV: tl.con
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_dv = tl.arange(0, DV)
     mask_m = offs_m < M
-    mx = tl.full([BM], float("-inf"), tl.float32)
-    for p in range(0, NSPLIT):
-        mx = tl.maximum(mx, tl.load(PM + (p * BH + pid_bh) * M + offs_m, mask=mask_m, other=float("-inf")))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, DV], tl.float32)
-    for p in range(0, NSPLIT):
-        row = (p * BH + pid_bh) * M + offs_m
-        w = tl.exp2(tl.load(PM + row, mask=mask_m, other=float("-inf")) - mx)
-        l += w * tl.load(PL + row, mask=mask_m, other=0.0)
-        acc += w[:, None] * tl.load(PACC + row[:, None] * DV + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
+    acc, l = combine_splits(PACC, PM, PL, pid_bh, BH, M, offs_m, mask_m, NSPLIT, DV, BM, True)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(O + b * sob + hq * soh + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=mask_m[:, None])
@@ -401,7 +384,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     assert KS.is_contiguous() and VS.is_contiguous() and CNT.is_contiguous()
     n_full = L // C
     G = HQ // H
-    up = _INTERP
+    up = INTERPRET
     Mmax = min(C, S)
     R_att = _rows_per_split(Mmax, attention=True)
     P_att = triton.cdiv(max_centroids, R_att) + 1
@@ -542,7 +525,7 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
         k, KS, CNT, nact, pmax, pbest, pidx, nact, CNT,
         k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=_INTERP, DEV_T=False,
+        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=INTERPRET, DEV_T=False,
         num_warps=nw)
     _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, nact, xc.stride(0), C, H, ns,
                                            B, BI=BI, DEV_T=False)

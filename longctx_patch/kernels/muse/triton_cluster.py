@@ -23,33 +23,18 @@ well-separated and real inputs.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..backend import INTERPRET
+from ..triton_lib import dot_acc, dot_bf16x3
+# the tiles (support.py, no Triton there: the dispatchers' checks use them); PEAKS_TILES: set by the benchmarks
+from .support import PEAKS_TILES, peaks_tiles, scores_tiles  # noqa: F401
 
-@triton.jit
-def _fdot(a, b, acc, UP: tl.constexpr):
-    """a @ b + acc with fp32 accumulation: bf16 operands on the tensor cores, or upcast to fp32 (UP: the CPU
-    interpreter, which mis-multiplies bf16; the operands are bf16 values, so the products are the same)."""
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _xdot(x, c, UP: tl.constexpr):
-    """x [M, D] bf16 times c [D, N] fp32 to fp32 accuracy: c = hi + mid + lo in bf16 (exact to ~2^-24 of c), so
-    three bf16 products with fp32 accumulation."""
-    hi = c.to(tl.bfloat16)
-    r = c - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    acc = _fdot(x, lo, tl.zeros([x.shape[0], c.shape[1]], dtype=tl.float32), UP)
-    return _fdot(x, hi, _fdot(x, mid, acc, UP), UP)
+# dots: bf16 operands on the tensor cores with fp32 accumulation (dot_acc; UP: the interpreter's bf16 workaround),
+# fp32 centroids against bf16 tokens in three bf16 parts (dot_bf16x3)
 
 
 @triton.jit
@@ -58,7 +43,7 @@ def _lloyd_kernel(X, VALID, CENT, ASSIGN, COUNT, L, C, ITERS, D: tl.constexpr, L
     """X [N, L, D] bf16 (contiguous), VALID [N, L] int8 -> CENT [N, C, D] fp32, ASSIGN [N, L] int64, COUNT [N, C]
     fp32. LP, CP: L and C rounded up to powers of two (CP >= 16 for the dots). The tile stays bf16 (its exact
     values) and every dot is exact in its products: a chosen centre in the init is a row of X (bf16), a cluster
-    indicator is 0/1, and a mean centroid is split in three bf16 parts (`_xdot`)."""
+    indicator is 0/1, and a mean centroid is split in three bf16 parts (`triton_lib.dot_bf16x3`)."""
     row = tl.program_id(0).to(tl.int64)
     offs_l = tl.arange(0, LP)
     offs_d = tl.arange(0, D)
@@ -77,14 +62,14 @@ def _lloyd_kernel(X, VALID, CENT, ASSIGN, COUNT, L, C, ITERS, D: tl.constexpr, L
     cent = tl.where(offs_c[:, None] == 0, c.to(tl.float32)[None, :], 0.0)
     zero = tl.zeros([LP, 16], dtype=tl.float32)
     cf = c.to(tl.float32)
-    xc = tl.sum(_fdot(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, UP), 1)
+    xc = tl.sum(dot_acc(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, "tf32", UP), 1)
     dmin = tl.where(offs_l == idx, 0.0, tl.maximum(x2 - 2 * xc + tl.sum(cf * cf, 0), 0.0))
     for j in range(1, C):
         idx = tl.argmax(tl.where(val, dmin, -1.0), 0)
         c = tl.load(base + idx * D + offs_d)
         cf = c.to(tl.float32)
         cent = tl.where(offs_c[:, None] == j, cf[None, :], cent)
-        xc = tl.sum(_fdot(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, UP), 1)
+        xc = tl.sum(dot_acc(x, tl.where(col0, c[:, None], 0.0).to(tl.bfloat16), zero, "tf32", UP), 1)
         d = tl.maximum(x2 - 2 * xc + tl.sum(cf * cf, 0), 0.0)
         dmin = tl.where(offs_l == idx, 0.0, tl.minimum(dmin, d))
     any_valid = tl.max(val.to(tl.float32), 0)
@@ -94,34 +79,17 @@ def _lloyd_kernel(X, VALID, CENT, ASSIGN, COUNT, L, C, ITERS, D: tl.constexpr, L
     a = tl.zeros([LP], dtype=tl.int32)
     cnt = tl.zeros([CP], dtype=tl.float32)
     for _ in range(ITERS + 1):
-        s = 2 * _xdot(x, tl.trans(cent), UP) - tl.sum(cent * cent, 1)[None, :]
+        s = (2 * dot_bf16x3(x, tl.trans(cent), tl.zeros([LP, CP], dtype=tl.float32), "tf32", UP)
+             - tl.sum(cent * cent, 1)[None, :])
         s = tl.where(in_c[None, :], s, float("-inf"))
         a = tl.argmax(s, 1).to(tl.int32)
         oh = tl.where(a[:, None] == offs_c[None, :], vf[:, None], 0.0)
         cnt = tl.sum(oh, 0)
-        tot = _fdot(tl.trans(oh.to(tl.bfloat16)), x, tl.zeros([CP, D], dtype=tl.float32), UP)
+        tot = dot_acc(tl.trans(oh.to(tl.bfloat16)), x, tl.zeros([CP, D], dtype=tl.float32), "tf32", UP)
         cent = tl.where(cnt[:, None] > 0, tot / tl.maximum(cnt, 1.0)[:, None], cent)
     tl.store(CENT + (row * C + offs_c)[:, None] * D + offs_d[None, :], cent, mask=in_c[:, None])
     tl.store(COUNT + row * C + offs_c, cnt, mask=in_c)
     tl.store(ASSIGN + row * L + offs_l, a.to(tl.int64), mask=in_l)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def lloyd_supported(x: torch.Tensor, C: int) -> str | None:
-    """None when `lloyd_triton` takes x [N, L, D] and C clusters, else why not."""
-    L, D = x.shape[1], x.shape[2]
-    if x.dtype != torch.bfloat16:
-        return f"dtype {x.dtype} (the clustering kernel takes bf16 tokens)"
-    if D & (D - 1) or not 16 <= D <= 256:
-        return f"head_dim {D} is not a power of two in 16..256"
-    if triton.next_power_of_2(L) * D > 256 * 128:
-        return f"a block of {L} x {D} does not fit one program's registers"
-    if C > 256:
-        return f"{C} clusters > 256"
-    return None
 
 
 def lloyd_triton(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int):
@@ -136,7 +104,7 @@ def lloyd_triton(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int):
     LP = triton.next_power_of_2(L)
     warps = max(4, min(16, LP * D // 2048))
     _lloyd_kernel[(N,)](x, valid.to(torch.int8).contiguous(), cent, assign, count, L, C, iters, D=D, LP=LP,
-                        CP=max(16, triton.next_power_of_2(C)), UP=_interpreting(), num_warps=warps)
+                        CP=max(16, triton.next_power_of_2(C)), UP=INTERPRET, num_warps=warps)
     return cent, assign, count
 
 
@@ -171,11 +139,6 @@ def _block_scores_kernel(QBAR, CENT, LOGN, BS, scale, HQ, HKV, NB, LOC, D: tl.co
                  mask=in_n[:, None] & (m < NB)[None, :])
 
 
-def scores_tiles(D: int, Ck: int) -> tuple[int, int]:
-    """(query blocks, key blocks) per tile of `_block_scores_kernel`: [16, D] x [D, 128 or 64 cells]."""
-    return 16, max(1, (128 if D <= 64 else 64) // Ck)
-
-
 def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tensor, *, scale: float,
                         local_blocks: int) -> torch.Tensor:
     """qbar [B, Hq, nb, D], cent [B, Hkv, nb, Ck, D], logn [B, Hkv, nb, Ck] (fp32) -> [B, Hq, nb, nb] fp32: the
@@ -188,10 +151,6 @@ def block_scores_triton(qbar: torch.Tensor, cent: torch.Tensor, logn: torch.Tens
         qbar.float().contiguous(), cent.float().contiguous(), logn.float().contiguous(), bs, scale, Hq, Hkv, nb,
         local_blocks, D=D, CK=Ck, NT=NT, MT=MT, num_warps=4)
     return bs
-
-
-def block_scores_supported(D: int, Ck: int) -> bool:
-    return not D & (D - 1) and 16 <= D <= 256 and not Ck & (Ck - 1) and Ck <= 128
 
 
 @triton.jit
@@ -222,31 +181,10 @@ def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.co
             pos = m * L + l0 + offs_l
             kt = tl.load(K + (bkv * SP + pos)[:, None] * D + offs_d[None, :])
             ok = tl.load(KVAL + b * SP + pos) != 0
-            s = _fdot(qbar, tl.trans(kt), tl.zeros([GP * NT, BL], dtype=tl.float32), UP)
+            s = dot_acc(qbar, tl.trans(kt), tl.zeros([GP * NT, BL], dtype=tl.float32), "tf32", UP)
             best = tl.maximum(best, tl.max(tl.where(ok[None, :], s, float("-inf")), 1))
         far = m < offs_n - LOC
         tl.store(BS + (bh * NB + offs_n) * NB + m, tl.where(far, best * scale, float("-inf")), mask=ok_r)
-
-
-def block_peaks_supported(k: torch.Tensor, L: int, G: int) -> bool:
-    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile, at
-    most 64 query heads per kv head."""
-    D = k.shape[-1]
-    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128 and G <= 64
-            and L % peaks_tiles(D, L, G)[2] == 0)
-
-
-# (keys per tile, warps, stages) by head_dim that replace peaks_tiles' choice; for benchmarks
-PEAKS_TILES: dict = {}
-
-
-def peaks_tiles(D: int, L: int, G: int) -> tuple[int, int, int, int, int]:
-    """(query blocks NT, query heads GP, keys BL) per tile of `_block_peaks_kernel`, its warps and pipeline stages:
-    128 rows (GP * NT) per key tile; no register spills on sm_90 (cuobjdump) and shared memory within 227 KB (the
-    pipeline buffers every key tile of a block: L / BL loads x stages)."""
-    GP = triton.next_power_of_2(G)
-    BL, warps, stages = PEAKS_TILES.get(D, (64, 4, 3) if D <= 64 else (64, 8, 2))
-    return max(2, 128 // GP), GP, min(L, BL), warps, stages
 
 
 def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,
@@ -261,5 +199,5 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
     _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hkv, triton.cdiv(nb, MC))](
         qbar.to(kb.dtype).contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(),
         key_valid.to(torch.int8).contiguous(), bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, GP=GP,
-        BL=BL, MC=MC, UP=_interpreting(), num_warps=warps, num_stages=stages)
+        BL=BL, MC=MC, UP=INTERPRET, num_warps=warps, num_stages=stages)
     return bs

@@ -1,40 +1,23 @@
-"""The Triton path of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
-and backward kernels in an `autograd.Function`. Imported only when the Triton backend runs."""
+"""The Triton kernels of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
+and backward kernels, their tiles and launches (the `autograd.Function` is `ops._CellsAttention`). Imported only
+when the Triton backend runs."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .cells import CellsPlan, cell_summaries
+from ..backend import INTERPRET
+from ..triton_lib import dot, online_softmax_scaled
+from .cells import CellsPlan
 from .plan import log_counts
 
-@triton.jit
-def _mm(a, b, UP: tl.constexpr):
-    """a @ b with fp32 accumulation. bf16/fp16 operands: one tensor-core dot. fp32 operands: tf32x3 (each operand
-    split in a tf32 high part and a tf32 remainder, three tensor-core products), within a few fp32 ulps of ieee
-    products; ieee fp32 dots compile to FMA loops that spill on sm_90. UP: the interpreter's bf16 workaround
-    (see triton_kernels._dot)."""
-    if UP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b, input_precision="tf32x3")
-
-
-@triton.jit
-def _online(s, qk, vals, m_i, l_i, acc, EMPTY: tl.constexpr, UP: tl.constexpr):
-    """One online-softmax step in the log2 domain: logits qk * s for the unscaled tile s [BM, BN] (so that the
-    scale and the max subtraction are one FMA), values [BN, D]. EMPTY: a row of the tile may be all -inf with no
-    earlier finite logit (a masked tile); without it the max is finite and needs no guard."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY else m_new
-    p = tl.exp2(s * qk - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + _mm(p.to(vals.dtype), vals, UP)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+# dots at "tf32x3": bf16/fp16 operands, one tensor-core dot; fp32 operands, each split in a tf32 high part and a
+# tf32 remainder (three tensor-core products), within a few fp32 ulps of ieee products (ieee fp32 dots compile to
+# FMA loops that spill on sm_90). UP: the interpreter's bf16 workaround (triton_lib). The online softmax takes the
+# unscaled logits (online_softmax_scaled: scale and max subtraction in one FMA); its EMPTY flag: a row of the tile
+# may be all -inf with no earlier finite logit (a masked tile); without it the max is finite and needs no guard.
 
 
 @triton.jit
@@ -49,7 +32,7 @@ def _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n,
     mu = tl.load(MU + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     vb = tl.load(VB + (kvh * NCK + cidx)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     bias = tl.load(LOGN + kvh * NCK + cidx, mask=ok, other=float("-inf")) / scale
-    return mu, vb, _mm(q, tl.trans(mu), UP) + bias[None, :]
+    return mu, vb, dot(q, tl.trans(mu), "tf32x3", UP) + bias[None, :]
 
 
 @triton.jit
@@ -60,7 +43,7 @@ def _exact_tile(K, V, KVAL, q, b, kvh, Sp, pos0, offs_m, offs_n, offs_d, MASK: t
     pos = pos0 + offs_n
     k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
     v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    s = _mm(q, tl.trans(k), UP)
+    s = dot(q, tl.trans(k), "tf32x3", UP)
     if MASK > 0:
         ok = (tl.load(KVAL + b * Sp + pos) != 0)[None, :]
         if MASK == 2:
@@ -99,7 +82,7 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     hi = tl.maximum(n - LOC, 0) * CK
     for c0 in range(0, hi, BN):
         _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        m_i, l_i, acc = _online(s, qk, vb, m_i, l_i, acc, True, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, vb, m_i, l_i, acc, "tf32x3", UP, True)
     # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
     # loads pipeline across blocks; then the own block up to the tile's last query, causally
     row = bh * NB + n
@@ -107,10 +90,10 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
         mblk = tl.load(EXL + row * NE + it // (L // BN))
         _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
-        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, PAD > 0, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, v, m_i, l_i, acc, "tf32x3", UP, PAD > 0)
     for k0 in range(0, (tile * BM) % L + BM, BN):
         _, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
-        m_i, l_i, acc = _online(s, qk, v, m_i, l_i, acc, True, UP)
+        m_i, l_i, acc = online_softmax_scaled(s, qk, v, m_i, l_i, acc, "tf32x3", UP, True)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
@@ -135,7 +118,7 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
 def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
     """Row-major pair [BM queries, BN keys] of unscaled logits s: probabilities and dS = P * (dO V^T - Delta)."""
     p = tl.exp2(s * qk - lse2[:, None])
-    dp = _mm(do, tl.trans(vals), UP)
+    dp = dot(do, tl.trans(vals), "tf32x3", UP)
     return p, p * (dp - delta[:, None])
 
 
@@ -162,18 +145,18 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     for c0 in range(0, hi, BN):
         mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
-        dq += _mm(ds.to(mu.dtype), mu, UP)
+        dq += dot(ds.to(mu.dtype), mu, "tf32x3", UP)
     row = bh * NB + n
     for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
         mblk = tl.load(EXL + row * NE + it // (L // BN))
         k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, mblk * L + (it % (L // BN)) * BN, offs_m, offs_n, offs_d,
                               PAD, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-        dq += _mm(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "tf32x3", UP)
     for k0 in range(0, (tile * BM) % L + BM, BN):
         k, v, s = _exact_tile(K, V, KVAL, q, b, kvh, Sp, n * L + k0, offs_m, offs_n, offs_d, 2, D, UP)
         p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-        dq += _mm(ds.to(k.dtype), k, UP)
+        dq += dot(ds.to(k.dtype), k, "tf32x3", UP)
     tl.store(DQ + (bh * Sp + offs_m)[:, None] * D + offs_d[None, :], dq * scale)
 
 
@@ -210,10 +193,10 @@ def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, N
                     lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                     delta = tl.load(DELTA + bh * Sp + qpos)
                     ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
-                    s = tl.where(ok, _mm(q, tl.trans(k), UP), float("-inf"))
+                    s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
                     p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-                    dv += _mm(tl.trans(p.to(do.dtype)), do, UP)
-                    dk += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+                    dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+                    dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
     tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
     tl.store(DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dv)
 
@@ -249,10 +232,10 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
                 do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
                 lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
                 delta = tl.load(DELTA + bh * Sp + qpos)
-                s = tl.where(okn[None, :], _mm(q, tl.trans(mu), UP) + bias[None, :], float("-inf"))
+                s = tl.where(okn[None, :], dot(q, tl.trans(mu), "tf32x3", UP) + bias[None, :], float("-inf"))
                 p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
-                dvb += _mm(tl.trans(p.to(do.dtype)), do, UP)
-                dmu += _mm(tl.trans(ds.to(q.dtype)), q, UP)
+                dvb += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+                dmu += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
     tl.store(DMU + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dmu * scale, mask=okc[:, None])
     tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
 
@@ -282,66 +265,55 @@ def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
     return t.contiguous()
 
 
-class _CellsAttention(torch.autograd.Function):
-    """The cells attention with the plan fixed: inputs q, k, v (exact keys) and the cell means mu, vbar
-    ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by `cell_summaries`)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
-        B, Hq, S, D = q.shape
-        Hkv = k.shape[1]
-        L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
-        tiles = cells_tiles(D, q.dtype, L)
-        MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
-        VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
-        logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
-        Q, K, V = (_padded(t, Sp) for t in (q, k, v))
-        exl = exact_lists(plan)
-        # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
-        lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
-        ret = plan.retrieved.to(torch.int8).contiguous()
-        kval = plan.key_valid.to(torch.int8).contiguous()
-        O = torch.empty_like(Q)
-        LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
-        up = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32
-        fm, fn, fw, fs = tiles["fwd"]
-        _cells_fwd[(B * Hq, Sp // fm)](
-            Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
-        ctx.save_for_backward(Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval)
-        ctx.meta = (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks, lists, tiles["bwd"], up, scale)
-        return O[:, :, :S].transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, do):
-        Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = ctx.saved_tensors
-        B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = ctx.meta
-        DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
-        DELTA = (DO.float() * O.float()).sum(-1).contiguous()
-        f32 = dict(device=Q.device, dtype=torch.float32)
-        DQ = torch.empty(B, Hq, Sp, D, **f32)
-        DK = torch.empty(B, Hkv, Sp, D, **f32)
-        DV = torch.empty(B, Hkv, Sp, D, **f32)
-        DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
-        DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
-        _cells_bwd_dq[(Sp // BM, B * Hq)](
-            Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
-            Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
-            L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
-            Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
-            L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
-        cast = lambda t, like: t.to(like.dtype)  # noqa: E731
-        return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
-                cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB), None, None)
+def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+    """The forward kernel on q, k, v (exact keys) and the cell means mu, vbar ([B, Hkv, nb, Ck, D]): O [B, Hq, Sp, D]
+    (padded to the plan's blocks), and what `cells_bwd` takes (the saved tensors, the sizes)."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
+    tiles = cells_tiles(D, q.dtype, L)
+    MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
+    VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
+    logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
+    Q, K, V = (_padded(t, Sp) for t in (q, k, v))
+    exl = exact_lists(plan)
+    # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
+    lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
+    ret = plan.retrieved.to(torch.int8).contiguous()
+    kval = plan.key_valid.to(torch.int8).contiguous()
+    O = torch.empty_like(Q)
+    LSE = torch.empty(B, Hq, Sp, device=q.device, dtype=torch.float32)
+    up = INTERPRET and q.dtype != torch.float32
+    fm, fn, fw, fs = tiles["fwd"]
+    _cells_fwd[(B * Hq, Sp // fm)](
+        Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
+    return O, (Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval), (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks,
+                                                                lists, tiles["bwd"], up, scale)
 
 
-def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
-    """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
-    q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
-    of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
-    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
-    mu, vbar = cell_summaries(k, v, plan)
-    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
+def cells_bwd(saved, meta, do):
+    """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
+    q, k, v, mu and vbar."""
+    Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
+    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
+    DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
+    DELTA = (DO.float() * O.float()).sum(-1).contiguous()
+    f32 = dict(device=Q.device, dtype=torch.float32)
+    DQ = torch.empty(B, Hq, Sp, D, **f32)
+    DK = torch.empty(B, Hkv, Sp, D, **f32)
+    DV = torch.empty(B, Hkv, Sp, D, **f32)
+    DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
+    DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
+    _cells_bwd_dq[(Sp // BM, B * Hq)](
+        Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
+        Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
+        L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
+        Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
+        L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    cast = lambda t, like: t.to(like.dtype)  # noqa: E731
+    return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
+            cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB))

@@ -1,0 +1,53 @@
+"""Exact attention for a few queries against a long KV cache under a key mask: batched decode with padding, or a
+padded prefill's last queries, on the split-key Triton kernels of `triton_decode.py` ("flash-decoding").
+
+`softmax_attention` (methods/exact.py) runs these on CUDA when the call needs a mask (a padded batch, a window):
+SDPA's flash kernel takes no mask, its masked kernels do not split the keys across the GPU (6-16% of the
+bandwidth ceiling at 64k), and cuDNN's builds a plan for every new cache length (PERFORMANCE.md, "Exact attention
+with few queries"). Its PyTorch reference is `softmax_attention` itself (SDPA with `methods.exact.attention_mask`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import triton_missing
+
+
+def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when `masked_few_query_attention` can run these tensors, else why not."""
+    why = triton_missing(q, k, v)  # Triton installed, CUDA tensors (or the CPU under TRITON_INTERPRET=1)
+    if why is not None:
+        return why
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D & (D - 1):
+        return f"head_dim {D}: a power of two in 16..256"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "no backward: the kernels serve inference (decode steps, a generation prefill's tail)"
+    return None
+
+
+def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                               key_mask: torch.Tensor | None = None, q_offset: int | None = None,
+                               window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """Exact causal attention of q `[B, Hq, Sq, D]` (the last queries, at keys `q_offset + i`) on k/v
+    `[B, Hkv, Sk, D]`, with the mask of `methods.exact.attention_mask`; returns `[B, Sq, Hq, D]` in q's dtype.
+
+    `splits` fixes the number of key splits (tests); by default enough programs for two per SM."""
+    why = decode_kernel_supported(q, k, v)
+    if why is not None:
+        raise RuntimeError(f"masked_few_query_attention cannot run: {why}")
+    return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window,
+                                   splits=splits)
+
+
+def launch_masked_few_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                            key_mask: torch.Tensor | None = None, q_offset: int | None = None,
+                            window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """`masked_few_query_attention` without its check, for a caller that asked `decode_kernel_supported` itself
+    (softmax_attention)."""
+    from .triton_decode import split_attention
+
+    return split_attention(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=splits)

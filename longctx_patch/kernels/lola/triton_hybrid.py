@@ -1,0 +1,405 @@
+"""Triton kernels of the LoLCATs / LoLA attention (forward only), each matched against `reference.py`
+(tests/test_lola_kernels.py):
+
+  hybrid_fwd        window softmax + sparse softmax + linear, one normaliser <- lola_attention / hybrid_attention_*
+  decode_step       one query per (batch, head) against window/sparse/state <- lola_attention with S == 1
+  feature_map       the Hedgehog feature map [softmax(x W), softmax(-x W)]  <- hedgehog_feature_map
+
+They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works with triton 3.6 and 3.9.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import INTERPRET
+from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax_row, online_softmax_step
+from .reference import feature_rows
+from .tuning import TUNE
+
+
+# ------------------------------------------------------------------------------------------- hybrid forward
+@triton.jit
+def _hybrid_fwd_kernel(
+    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
+    M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2, sp_chunk,
+    s_q_b, s_q_h, s_q_m,
+    s_k_b, s_k_h, s_k_n,
+    s_v_b, s_v_h, s_v_n,
+    s_fq_b, s_fq_h, s_fq_m,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_km_b,
+    s_hs_b, s_hs_h, s_hs_n, s_hs_f,
+    s_ss_b, s_ss_h, s_ss_n,
+    s_spk_b, s_spk_h, s_spk_l, s_spk_c,
+    s_spv_b, s_spv_h, s_spv_l, s_spv_c,
+    s_spm_b, s_spm_h, s_spm_c,
+    s_o_b, s_o_m, s_o_h,
+    HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
+    CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // G
+    hs = h // GS
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_f = tl.arange(0, BF)
+    mm = offs_m < M
+    md = offs_d < D
+    mf = offs_f < F2
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_m + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_f[None, :],
+                 mask=mm[:, None] & mf[None, :], other=0.0)
+    qpos = q_off + offs_m  # key index of each query
+
+    # the running max starts finite: a fully masked tile adds 0 (online_softmax without its EMPTY guard)
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_e = tl.zeros([BM], dtype=tl.float32)
+    l_l = tl.zeros([BM], dtype=tl.float32)
+    acc_e = tl.zeros([BM, BD], dtype=tl.float32)
+    acc_l = tl.zeros([BM, BD], dtype=tl.float32)
+
+    # 1. linear state of every token before the first explicit key
+    a0 = q_off + pid_m * BM
+    if PER_BLOCK:
+        n_state = tl.maximum(a0 - window, 0) // CS
+        lo = n_state * CS
+    else:
+        n_state = 0
+        lo = 0
+    for f0 in range(0, F2, BKS):  # fp32 state, read in slices of BKS features (bounded shared memory)
+        offs_ks = f0 + tl.arange(0, BKS)
+        mks = offs_ks < F2
+        fqs = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_ks[None, :],
+                      mask=mm[:, None] & mks[None, :], other=0.0).to(tl.float32)
+        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
+                      mask=mks[:, None] & md[None, :], other=0.0)
+        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_ks, mask=mks, other=0.0)
+        acc_l += dot(fqs, hst, PREC, UPCAST)
+        l_l += tl.sum(fqs * sst[None, :], 1)
+
+    # 2. sparse cache: exact keys of this query head's sparse head
+    if HAS_SP:
+        spc = a0 // sp_chunk  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
+        for l0 in range(0, L, BN):
+            offs_l = l0 + tl.arange(0, BN)
+            ml = offs_l < L
+            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + spc * s_spm_c + offs_l, mask=offs_l < L,
+                               other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + spc * s_spk_c + offs_l[:, None] * s_spk_l
+                         + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
+            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + spc * s_spv_c + offs_l[:, None] * s_spv_l
+                         + offs_d[None, :], mask=ml[:, None] & md[None, :], other=0.0)
+            sc = dot(q, tl.trans(sk.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = tl.where(ml[None, :], sc, float("-inf"))
+            m_i, p, alpha = online_softmax_step(sc, m_i, True, False)
+            acc_e = acc_e * alpha[:, None] + dot(p.to(sv.dtype), sv, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
+
+    # 3. explicit keys: window softmax or linear by distance. A tile whose query-key distances all lie
+    # beyond the window skips the softmax products, one whose distances all lie inside skips the linear ones
+    # (distances in the tile: from a0 - (n0 + BN - 1) to a0 + BM - 1 - n0)
+    hi = tl.minimum(N, a0 + BM)
+    for n0 in range(lo, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < N
+        if HAS_KM:
+            mn = mn & (tl.load(KM + b * s_km_b + offs_n, mask=offs_n < N, other=0) != 0)
+        v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0)
+        diff = qpos[:, None] - offs_n[None, :]
+        if a0 - (n0 + BN - 1) < window:  # some pair inside the window (the loop stops at the causal edge)
+            k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                        mask=mn[:, None] & md[None, :], other=0.0)
+            win = (diff >= 0) & (diff < window) & mn[None, :]
+            sc = dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
+            sc = tl.where(win, sc, float("-inf"))
+            m_i, p, alpha = online_softmax_step(sc, m_i, True, False)
+            acc_e = acc_e * alpha[:, None] + dot(p.to(v.dtype), v, PREC, UPCAST)
+            l_e = l_e * alpha + tl.sum(p, 1)
+        if a0 + BM - 1 - n0 >= window:  # some pair beyond it
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_f[None, :],
+                         mask=(mn & (offs_n < NF))[:, None] & mf[None, :], other=0.0)
+            lin = (diff >= window) & mn[None, :]
+            a = dot(fq, tl.trans(fk.to(fq.dtype)), PREC, UPCAST)
+            a = tl.where(lin, a, 0.0)
+            acc_l += dot(a.to(v.dtype), v, PREC, UPCAST)
+            l_l += tl.sum(a, 1)
+
+    gw = tl.load(GW + h).to(tl.float32)
+    lw = tl.load(LFW + h).to(tl.float32)
+    num = gw * acc_e + lw * acc_l
+    den = gw * l_e + lw * l_l
+    den = tl.where(den > 0, den, 1.0)
+    out = num / den[:, None]
+    tl.store(O + b * s_o_b + offs_m[:, None] * s_o_m + h * s_o_h + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mm[:, None] & md[None, :])
+
+
+def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
+               key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
+               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None):
+    """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`).
+
+    Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
+    queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
+    there), else one state [B, Hq, F2, D] of the tokens before key 0 (all local keys explicit).
+    fk [B, Hq, NF, F2] may cover only the first NF local keys: those some query attends linearly
+    (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0; with
+    sparse_chunk > 0 one sparse set per chunk instead, sparse_k/v [B, Hs, NC, L, D], sparse_valid [B, Hs, NC, L]:
+    the block of queries starting at key index a reads set a // sparse_chunk (block_m must divide sparse_chunk).
+    """
+    B, Hq, M, D = q.shape
+    N = k.shape[2]
+    F2 = fq.shape[-1]
+    G = Hq // k.shape[1]
+    NF = feature_rows(fk, q_offset, M, window)
+    per_block = state_chunk > 0
+    if not per_block:
+        Hs, Ss = Hs.unsqueeze(2), Ss.unsqueeze(2)
+    BM = min(block_m, np2(M))
+    BN = block_n
+    if per_block:
+        assert state_chunk % BN == 0, "state_chunk must be a multiple of block_n"
+    BD, BF = np2(D), np2(F2)
+    if out is None:
+        out = torch.empty(B, M, Hq, D, device=q.device, dtype=q.dtype)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    per_chunk = sparse_chunk > 0
+    has_sp = sparse_k is not None and sparse_k.shape[-2] > 0
+    L = sparse_k.shape[-2] if has_sp else 0
+    GS = Hq // sparse_k.shape[1] if has_sp else 1
+    spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    if per_chunk:
+        assert sparse_chunk % BM == 0 and q_offset % BM == 0, "block_m must divide sparse_chunk and q_offset"
+        assert sparse_k.dim() == 5, "per-chunk sparse sets are [B, Hs, NC, L, D]"
+    cst = lambda t, i: t.stride(i) if (has_sp and per_chunk) else 0  # noqa: E731
+    if NF == 0:
+        fk = fq  # nothing is read from it
+    gw = g.float().contiguous()
+    lw = lf.float().contiguous()
+    dummy = q
+    grid = (triton.cdiv(M, BM), B * Hq)
+    _hybrid_fwd_kernel[grid](
+        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss,
+        sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        M, N, NF, L, D, F2, G, GS, q_offset, window, scale * LOG2E, sparse_chunk if per_chunk else 1 << 30,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        fq.stride(0), fq.stride(1), fq.stride(2),
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        km.stride(0) if km is not None else 0,
+        Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
+        Ss.stride(0), Ss.stride(1), Ss.stride(2),
+        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0,
+        sparse_k.stride(-2) if has_sp else 0, cst(sparse_k, 2),
+        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0,
+        sparse_v.stride(-2) if has_sp else 0, cst(sparse_v, 2),
+        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0, cst(spm, 2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
+        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq),
+        num_warps=TUNE["hybrid_num_warps"] or 4,
+        num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_kernel(
+    Q, K, V, FQ, FK, KM, GW, LFW, H, S, SPK, SPV, SPM, O,
+    N, NF, L, D, F2, G, GS, window, scale_log2,
+    s_q_b, s_q_h,
+    s_k_b, s_k_h, s_k_n,
+    s_v_b, s_v_h, s_v_n,
+    s_fq_b, s_fq_h,
+    s_fk_b, s_fk_h, s_fk_n,
+    s_km_b,
+    s_h_b, s_h_h, s_h_f,
+    s_s_b, s_s_h,
+    s_spk_b, s_spk_h, s_spk_l,
+    s_spv_b, s_spv_h, s_spv_l,
+    s_spm_b, s_spm_h,
+    s_o_b, s_o_h,
+    HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HQ
+    h = pid % HQ
+    hk = h // G
+    hs = h // GS
+    offs_d = tl.arange(0, BD)
+    md = offs_d < D
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_d, mask=md, other=0.0).to(tl.float32)
+    qpos = N - 1
+    # linear state
+    acc_l = tl.zeros([BD], dtype=tl.float32)
+    l_l = tl.zeros([1], dtype=tl.float32)
+    for f0 in range(0, F2, BK):
+        offs_k = f0 + tl.arange(0, BK)
+        mk = offs_k < F2
+        fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_k, mask=mk, other=0.0).to(tl.float32)
+        hh = tl.load(H + b * s_h_b + h * s_h_h + offs_k[:, None] * s_h_f + offs_d[None, :],
+                     mask=mk[:, None] & md[None, :], other=0.0)
+        ss = tl.load(S + b * s_s_b + h * s_s_h + offs_k, mask=mk, other=0.0)
+        acc_l += tl.sum(fq[:, None] * hh, 0)
+        l_l += tl.sum(fq * ss, 0)
+    m_i = tl.full([1], -1.0e30, dtype=tl.float32)
+    l_e = tl.zeros([1], dtype=tl.float32)
+    acc_e = tl.zeros([BD], dtype=tl.float32)
+    if HAS_SP:
+        for l0 in range(0, L, BN):
+            offs_l = l0 + tl.arange(0, BN)
+            ml = offs_l < L
+            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
+            sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
+                         mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
+            sc = tl.sum(sk * q[None, :], 1) * scale_log2
+            sc = tl.where(ml, sc, float("-inf"))
+            m_i, l_e, acc_e = online_softmax_row(sc, sv, m_i, l_e, acc_e)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < N
+        if HAS_KM:
+            mn = mn & (tl.load(KM + b * s_km_b + offs_n, mask=offs_n < N, other=0) != 0)
+        k = tl.load(K + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+        v = tl.load(V + b * s_v_b + hk * s_v_h + offs_n[:, None] * s_v_n + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0).to(tl.float32)
+        diff = qpos - offs_n
+        win = (diff < window) & mn
+        lin = (diff >= window) & mn
+        sc = tl.sum(k * q[None, :], 1) * scale_log2
+        sc = tl.where(win, sc, float("-inf"))
+        m_i, l_e, acc_e = online_softmax_row(sc, v, m_i, l_e, acc_e)
+        # linear part of the local keys older than the window: phi(q) . phi(k) per key
+        a = tl.zeros([BN], dtype=tl.float32)
+        for f0 in range(0, F2, BK):
+            offs_k = f0 + tl.arange(0, BK)
+            mk = offs_k < F2
+            fq = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_k, mask=mk, other=0.0).to(tl.float32)
+            fk = tl.load(FK + b * s_fk_b + h * s_fk_h + offs_n[:, None] * s_fk_n + offs_k[None, :],
+                         mask=(lin & (offs_n < NF))[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            a += tl.sum(fk * fq[None, :], 1)
+        a = tl.where(lin, a, 0.0)
+        acc_l += tl.sum(a[:, None] * v, 0)
+        l_l += tl.sum(a, 0)
+    gw = tl.load(GW + h).to(tl.float32)
+    lw = tl.load(LFW + h).to(tl.float32)
+    num = gw * acc_e + lw * acc_l
+    den = gw * l_e + lw * l_l
+    den = tl.where(den > 0, den, 1.0)
+    out = num / den
+    tl.store(O + b * s_o_b + h * s_o_h + offs_d, out.to(O.dtype.element_ty), mask=md)
+
+
+def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
+                sparse_k=None, sparse_v=None, sparse_valid=None, out=None):
+    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
+    the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
+    attended linearly); state H/s; optional sparse cache [B, Hs, L, *]. Returns [B, 1, Hq, D]."""
+    B, Hq, _, D = q.shape
+    N = k.shape[2]
+    F2 = fq.shape[-1]
+    G = Hq // k.shape[1]
+    NF = feature_rows(fk, N - 1, 1, window)
+    if out is None:
+        out = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype)
+    km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
+    has_sp = sparse_k is not None and sparse_k.shape[2] > 0
+    L = sparse_k.shape[2] if has_sp else 0
+    GS = Hq // sparse_k.shape[1] if has_sp else 1
+    spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    dummy = q
+    if NF == 0:
+        fk = fq  # nothing is read from it
+    _decode_kernel[(B * Hq,)](
+        q, k, v, fq, fk, km if km is not None else dummy, g.float().contiguous(), lf.float().contiguous(), H, s,
+        sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        N, NF, L, D, F2, G, GS, window, scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        fq.stride(0), fq.stride(1),
+        fk.stride(0), fk.stride(1), fk.stride(2),
+        km.stride(0) if km is not None else 0,
+        H.stride(0), H.stride(1), H.stride(2),
+        s.stride(0), s.stride(1),
+        sparse_k.stride(0) if has_sp else 0, sparse_k.stride(1) if has_sp else 0, sparse_k.stride(2) if has_sp else 0,
+        sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
+        spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
+        out.stride(0), out.stride(2),
+        HQ=Hq, BN=min(64, np2(N)), BD=np2(D), BK=min(64, np2(F2)),
+        HAS_KM=km is not None, HAS_SP=has_sp,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- feature map
+@triton.jit
+def _feature_map_kernel(
+    X, W, O,
+    N, D, F, G, eps,
+    s_x_b, s_x_h, s_x_n,
+    s_w_h, s_w_d,
+    s_o_b, s_o_h, s_o_n,
+    H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr = INTERPRET,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hx = h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_f = tl.arange(0, BF)
+    mm = offs_m < N
+    md = offs_d < D
+    mf = offs_f < F
+    x = tl.load(X + b * s_x_b + hx * s_x_h + offs_m[:, None] * s_x_n + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    w = tl.load(W + h * s_w_h + offs_d[:, None] * s_w_d + offs_f[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+    p = dot(x.to(w.dtype), w, PREC, UPCAST)  # [BM, BF] fp32
+    pp = tl.where(mf[None, :], p, float("-inf"))
+    pn = tl.where(mf[None, :], -p, float("-inf"))
+    ep = tl.exp(pp - tl.max(pp, 1)[:, None])
+    en = tl.exp(pn - tl.max(pn, 1)[:, None])
+    ep = tl.maximum(ep / tl.sum(ep, 1)[:, None], eps)
+    en = tl.maximum(en / tl.sum(en, 1)[:, None], eps)
+    base = O + b * s_o_b + h * s_o_h + offs_m[:, None] * s_o_n
+    msk = mm[:, None] & mf[None, :]
+    tl.store(base + offs_f[None, :], ep.to(O.dtype.element_ty), mask=msk)
+    tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
+
+
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
+    """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
+    weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
+    accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype)."""
+    B, Hx, N, D = x.shape
+    H, _, F = weight.shape
+    out = torch.empty(B, H, N, 2 * F, device=x.device, dtype=out_dtype or x.dtype)
+    w = weight.contiguous()
+    BM = 64
+    grid = (triton.cdiv(N, BM), B * H)
+    _feature_map_kernel[grid](
+        x, w, out, N, D, F, H // Hx, eps,
+        x.stride(0), x.stride(1), x.stride(2),
+        w.stride(0), w.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w),
+    )
+    return out

@@ -1,0 +1,7 @@
+"""Launch settings of the LoLA Triton kernels that benchmarks override (evals/bench_lola.py); None: the defaults
+written in the wrappers. No Triton import: `ops.py` reads `piece_block_m` on any install."""
+
+TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None,
+        # the evictions of the two-pass prefill (PrefillEvictions)
+        "score_prec": None, "ev_score_bn": None, "ev_score_warps": None, "ev_score_stages": None, "ev_select_bits": None, "ev_fold_block": None, "ev_fold_bn": None,
+        "ev_fold_warps": None, "ev_select_warps": None}

@@ -1,0 +1,199 @@
+"""MuSe's dispatch (`muse_attention`: the tilted or the cells far field, the Triton kernels or the PyTorch
+reference) and the `autograd.Function`s of the Triton paths (their kernels: `triton_kernels.py`, `triton_cells.py`,
+imported once the backend chose "triton").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ConfigError
+from ..backend import BACKENDS, resolve_backend
+from .cells import CellsPlan, cell_summaries, cells_reference, make_cells_plan
+from .plan import MusePlan, make_plan
+from .reference import muse_reference_planned
+from .support import cells_supported, triton_supported
+
+
+def muse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    block_size: int = 128,
+    q_clusters: int = 8,
+    k_clusters: int = 4,
+    kmeans_iters: int = 2,
+    topk_clusters: int = 4,
+    topk_blocks: int = 2,
+    peak_blocks: int = 0,
+    local_blocks: int = 1,
+    sink_blocks: int = 1,
+    dipole: bool = False,
+    key_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+    plan: MusePlan | None = None,
+    far_field: str = "tilted",
+) -> torch.Tensor:
+    """Causal MuSe attention.
+
+    q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
+    key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype (under autocast, as
+    SDPA: in the autocast dtype; k and v of another dtype than q are cast to it).
+
+    block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it);
+    q_clusters / k_clusters: clusters per block of queries (per query head) and keys (per kv head);
+    kmeans_iters: Lloyd iterations; topk_blocks / topk_clusters: earlier blocks / cells (key cluster of a
+    block) attended exactly by each query cluster; dipole: first-order correction of the super-keys'
+    values (reference only). `plan`: a precomputed `make_plan(...)` (then the clustering options are unused).
+    Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
+    of two; for the backward L * D <= 8192.
+    backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
+    far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
+    super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
+    `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
+    block; q_clusters, topk_clusters unused).
+    Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
+    """
+    if far_field not in ("tilted", "cells"):
+        raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
+    if backend not in BACKENDS:
+        raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ConfigError(f"muse_attention: expected q [B,Hq,S,D], k/v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+    if k_clusters > block_size or q_clusters > block_size:
+        raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
+    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: the attention runs in the autocast dtype
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) for t in (q, k, v))
+    elif not q.dtype == k.dtype == v.dtype:  # mixed inputs run in q's dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if far_field == "cells":
+        return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
+                      topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,
+                      sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask, backend=backend)
+    if peak_blocks:
+        raise ConfigError("muse: peak_blocks needs far_field='cells' (the tilted design retrieves per query cluster)")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
+                           needs_grad=needs_grad)
+    be = resolve_backend(backend, q, what="muse")  # backend='triton' where it cannot run: a DeviceError
+    if be == "triton" and why is not None:
+        if backend == "triton":
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
+        if triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
+                            dipole=dipole) is None:
+            # auto on the GPU, a forward the kernels take but not its backward: the dense reference would not fit
+            # at the lengths the Triton path is for, so say what to change
+            raise ConfigError(f"muse: {why}")
+        be = "torch"
+    if plan is None:
+        plan = make_plan(
+            q.detach(),
+            k.detach(),
+            scale=scale,
+            block_size=block_size,
+            q_clusters=q_clusters,
+            k_clusters=k_clusters,
+            kmeans_iters=kmeans_iters,
+            topk_clusters=topk_clusters,
+            topk_blocks=topk_blocks,
+            local_blocks=local_blocks,
+            key_mask=key_mask,
+            backend=_plan_backend(be),
+        )
+    if be == "triton":
+        return muse_triton_planned(q, k, v, plan, scale=scale)
+    return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
+
+
+def _plan_backend(backend: str) -> str:
+    """The plan's kernels follow the attention backend: PyTorch for "torch"; for "triton", the Triton plan
+    kernels where they take the inputs (bf16 keys for the clustering), PyTorch elsewhere."""
+    return "torch" if backend == "torch" else "auto"
+
+
+def _kernel_head_dim(D: int) -> int:
+    """The head_dim the cells kernels run at: D rounded up to a power of two, at least 16."""
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
+           sink_blocks, dipole, key_mask, backend):
+    if dipole:
+        raise ConfigError("muse: dipole=True needs far_field='tilted'")
+    why = cells_supported(q, block_size=block_size)
+    be = resolve_backend(backend, q, what="muse")  # backend='triton' where it cannot run: a DeviceError
+    if be == "triton" and why is not None:
+        if backend == "triton":
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
+        be = "torch"
+    D = q.shape[-1]
+    Dp = _kernel_head_dim(D) if be == "triton" else D
+    if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
+        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
+                           kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
+                           local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
+                           backend=_plan_backend(be))
+    if be == "triton":
+        return cells_triton(q, k, v, plan, scale=scale)[..., :D]
+    return cells_reference(q, k, v, plan, scale=scale)
+
+
+class _MuseFn(torch.autograd.Function):
+    """Planned MuSe attention on the Triton kernels (`triton_kernels.muse_fwd` / `muse_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: MusePlan, scale: float):
+        from .triton_kernels import muse_fwd
+
+        o, saved, ctx.meta = muse_fwd(q, k, v, plan, scale)
+        ctx.save_for_backward(*saved)
+        return o[:, :, :q.shape[2]]
+
+    @staticmethod
+    def backward(ctx, do):
+        from .triton_kernels import muse_bwd
+
+        return (*muse_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
+
+
+def muse_triton_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MusePlan, *,
+                        scale: float) -> torch.Tensor:
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] (q's dtype); differentiable in q, k, v."""
+    k = k.to(q.dtype)
+    o = _MuseFn.apply(q, k, v, plan, float(scale))
+    return o.transpose(1, 2)
+
+
+class _CellsAttention(torch.autograd.Function):
+    """The cells attention with the plan fixed (`triton_cells.cells_fwd` / `cells_bwd`): inputs q, k, v (exact keys)
+    and the cell means mu, vbar ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by
+    `cell_summaries`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+        from .triton_cells import cells_fwd
+
+        O, saved, ctx.meta = cells_fwd(q, k, v, mu, vbar, plan, scale)
+        ctx.save_for_backward(*saved)
+        return O[:, :, :q.shape[2]].transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, do):
+        from .triton_cells import cells_bwd
+
+        return (*cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
+
+
+def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
+    """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
+    q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
+    of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
+    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
+    mu, vbar = cell_summaries(k, v, plan)
+    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)

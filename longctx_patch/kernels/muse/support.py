@@ -1,0 +1,101 @@
+"""Which inputs the MuSe Triton kernels take, and their launch tiles: pure Python (no Triton import), so that the
+dispatchers (`ops.py`, `plan.py`, `cells.py`) check them on any install.
+
+- `triton_supported` / `cells_supported`: the attention kernels of the tilted and the cells far field
+  (`triton_kernels.py`, `triton_cells.py`);
+- `lloyd_supported`, `block_scores_supported`, `block_peaks_supported` and the tiles `scores_tiles`, `peaks_tiles`:
+  the plan kernels (`triton_cluster.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import next_power_of_2
+
+
+def triton_supported(
+    q: torch.Tensor, *, block_size: int, q_clusters: int, k_clusters: int, dipole: bool, needs_grad: bool = False
+) -> str | None:
+    """None when the Triton kernels can run these inputs/settings, else the reason they cannot."""
+    D = q.shape[-1]
+    # shared memory (227 KB per block on the H100/H200), from tests/compile_sm90.py: the kernels hold
+    # [block_size, D] tiles of the input dtype; the forward fits up to 32 KB per tile (bf16 128 x 128: 192 KB;
+    # bf16 128 x 256: 320 KB), the backward up to 16 KB (bf16 128 x 64: 164 KB; fp32 128 x 64: 400 KB)
+    tile = block_size * D * q.element_size()
+    if tile > 32768:
+        return (f"block_size {block_size} x head_dim {D} in {q.dtype} needs more shared memory than an H100/H200 "
+                f"block has; use block_size <= {max(16, 32768 // (D * q.element_size()))}")
+    if needs_grad and tile > 16384:
+        return (f"the backward kernels need block_size * head_dim * {q.element_size()} bytes <= 16384 (shared memory); "
+                f"got {block_size} x {D} in {q.dtype}: use block_size <= {max(16, 16384 // (D * q.element_size()))} "
+                "for training")
+    if dipole:
+        return "the dipole term is only implemented in the reference"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} (Triton path takes fp16/bf16/fp32)"
+    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+    if not (pow2(D) and 16 <= D <= 256):
+        return f"head_dim {D} (Triton path needs a power of two in 16..256)"
+    if not (pow2(block_size) and 16 <= block_size <= 128):
+        return f"block_size {block_size} (Triton path needs a power of two in 16..128)"
+    if not (pow2(q_clusters) and pow2(k_clusters) and q_clusters * k_clusters >= 16):
+        return "q_clusters and k_clusters must be powers of two with q_clusters * k_clusters >= 16"
+    if q_clusters * k_clusters > 64:
+        return "q_clusters * k_clusters > 64"
+    return None
+
+
+def cells_supported(q: torch.Tensor, *, block_size: int) -> str | None:
+    """None if the cells Triton kernels can run these inputs, else what to change. A head_dim that is not a power
+    of two in 16..128 runs zero-padded to the next one (`_cells`)."""
+    D = q.shape[-1]
+    if block_size % 128:
+        return f"block_size {block_size} must be a multiple of 128 for the cells kernel"
+    if D > 128:
+        return f"head_dim {D} must be <= 128 (shared memory of the backward kernels)"
+    return None
+
+
+def lloyd_supported(x: torch.Tensor, C: int) -> str | None:
+    """None when `lloyd_triton` takes x [N, L, D] and C clusters, else why not."""
+    L, D = x.shape[1], x.shape[2]
+    if x.dtype != torch.bfloat16:
+        return f"dtype {x.dtype} (the clustering kernel takes bf16 tokens)"
+    if D & (D - 1) or not 16 <= D <= 256:
+        return f"head_dim {D} is not a power of two in 16..256"
+    if next_power_of_2(L) * D > 256 * 128:
+        return f"a block of {L} x {D} does not fit one program's registers"
+    if C > 256:
+        return f"{C} clusters > 256"
+    return None
+
+
+def scores_tiles(D: int, Ck: int) -> tuple[int, int]:
+    """(query blocks, key blocks) per tile of `_block_scores_kernel`: [16, D] x [D, 128 or 64 cells]."""
+    return 16, max(1, (128 if D <= 64 else 64) // Ck)
+
+
+def block_scores_supported(D: int, Ck: int) -> bool:
+    return not D & (D - 1) and 16 <= D <= 256 and not Ck & (Ck - 1) and Ck <= 128
+
+
+def block_peaks_supported(k: torch.Tensor, L: int, G: int) -> bool:
+    """bf16 keys (fp32 ones take the PyTorch code), D a power of two in 16..128, L a multiple of the key tile, at
+    most 64 query heads per kv head."""
+    D = k.shape[-1]
+    return (k.dtype == torch.bfloat16 and not D & (D - 1) and 16 <= D <= 128 and G <= 64
+            and L % peaks_tiles(D, L, G)[2] == 0)
+
+
+# (keys per tile, warps, stages) by head_dim that replace peaks_tiles' choice; for benchmarks
+PEAKS_TILES: dict = {}
+
+
+def peaks_tiles(D: int, L: int, G: int) -> tuple[int, int, int, int, int]:
+    """(query blocks NT, query heads GP, keys BL) per tile of `_block_peaks_kernel`, its warps and pipeline stages:
+    128 rows (GP * NT) per key tile; no register spills on sm_90 (cuobjdump) and shared memory within 227 KB (the
+    pipeline buffers every key tile of a block: L / BL loads x stages)."""
+    GP = next_power_of_2(G)
+    BL, warps, stages = PEAKS_TILES.get(D, (64, 4, 3) if D <= 64 else (64, 8, 2))
+    return max(2, 128 // GP), GP, min(L, BL), warps, stages

@@ -1,0 +1,210 @@
+"""The layering of `longctx_patch/kernels/`, read from the source with `ast` (nothing is imported):
+
+- a kernel module imports nothing of the package above the kernels (methods, patcher, cache, cli, train, evals, the
+  package's own `__init__` ...): inside `longctx_patch` only `longctx_patch.kernels.*` and `longctx_patch.errors`;
+- only the Triton files (`triton_*.py`) import triton at module level, and the other modules import a Triton file
+  only inside a function (lazily, once `backend.resolve_backend` chose "triton"); tests/test_without_triton.py
+  checks the same at run time, in an interpreter where `import triton` fails;
+- the kernels have no import cycle, counting the imports inside functions too.
+
+`layering_problems` is checked on the real tree and, below it, on small trees that break each rule once.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+from conftest import REPO
+
+ALLOWED_ABOVE = ("errors",)  # what the kernels may import of the package outside kernels/
+
+
+def _modules(root: Path, package: str) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package `__init__`) for every .py file under root/<package>/kernels."""
+    out = {}
+    for f in sorted((root / package / "kernels").rglob("*.py")):
+        parts = f.relative_to(root).with_suffix("").parts
+        is_init = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_init else parts)] = (f, is_init)
+    return out
+
+
+def _imports(tree: ast.Module, mod: str, is_init: bool, known: set[str]) -> list[tuple[str, bool, int]]:
+    """(imported module, at module level, line) for every import statement of a module: relative imports resolved,
+    `from X import name` taken as the module X.name where that is one of `known`."""
+    pkg = mod if is_init else mod.rpartition(".")[0]
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, top, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = pkg
+                    for _ in range(child.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = f"{up}.{base}" if base else up
+                for a in child.names:
+                    sub = f"{base}.{a.name}"
+                    found.append((sub if sub in known else base, top, child.lineno))
+            visit(child, top)
+
+    visit(tree, True)
+    return found
+
+
+def _is_triton_file(path: Path) -> bool:
+    return path.name.startswith("triton_")
+
+
+def _cycle_through(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """One import cycle inside the strongly connected component `comp`, from its first module back to it."""
+    start = min(comp)
+    path, seen = [start], {start}
+
+    def walk(v: str) -> bool:
+        for w in sorted(graph[v] & comp):
+            if w == start:
+                path.append(w)
+                return True
+            if w not in seen:
+                seen.add(w)
+                path.append(w)
+                if walk(w):
+                    return True
+                path.pop()
+        return False
+
+    walk(start)
+    return path
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle of each strongly connected component with more than one module, or of a module that imports
+    itself (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(_cycle_through(graph, set(comp)))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def layering_problems(root: Path, package: str = "longctx_patch") -> list[str]:
+    """Every breach of the three rules (module docstring) under root/<package>/kernels, in words."""
+    mods = _modules(root, package)
+    known = set(mods)
+    problems = []
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, (path, is_init) in mods.items():
+        where = path.relative_to(root)
+        for target, top, line in _imports(ast.parse(path.read_text(), str(path)), mod, is_init, known):
+            inside = target == package or target.startswith(package + ".")
+            allowed = target.startswith(f"{package}.kernels.") or target in {f"{package}.{m}" for m in ALLOWED_ABOVE}
+            if inside and not allowed:
+                problems.append(f"{where}:{line}: a kernel module imports {target} (above the kernels)")
+            if top and not _is_triton_file(path):
+                if target == "triton" or target.startswith("triton."):
+                    problems.append(f"{where}:{line}: imports {target} at module level but is no Triton file "
+                                    "(triton_*.py)")
+                elif target in mods and _is_triton_file(mods[target][0]):
+                    problems.append(f"{where}:{line}: imports the Triton file {target} at module level (import it "
+                                    "inside the function that runs it, once the backend chose triton)")
+            if target in mods:
+                graph[mod].add(target)
+    problems += [f"import cycle in the kernels: {' -> '.join(c)}" for c in _cycles(graph)]
+    return problems
+
+
+def test_kernels_are_layered():
+    problems = layering_problems(REPO)
+    assert not problems, "\n".join(problems)
+    # and the walk saw the tree: every op folder, the toolbox, the Triton files
+    mods = _modules(REPO, "longctx_patch")
+    for name in ("backend", "triton_lib", "graphs", "lola.ops", "lola.triton_hybrid", "muse.ops", "muse.triton_cluster",
+                 "ovq.ops", "ovq.triton_fast", "decode.ops", "decode.triton_decode"):
+        assert f"longctx_patch.kernels.{name}" in mods, name
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, src in files.items():
+        f = tmp_path / "pkg" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(textwrap.dedent(src))
+    return tmp_path
+
+
+def test_layering_check_finds_each_breach(tmp_path):
+    root = _tree(tmp_path, {
+        "errors.py": "",
+        "methods/exact.py": "",
+        "kernels/backend.py": "import torch\nfrom ..errors import ConfigError\n",
+        "kernels/triton_lib.py": "import triton\nfrom .backend import INTERPRET\n",
+        "kernels/fam/__init__.py": "from .ops import run\n",
+        "kernels/fam/ops.py": textwrap.dedent("""\
+            from ...methods.exact import softmax_attention
+            from . import triton_fast as eager
+
+            def run():
+                import triton
+                from .triton_fast import kern
+            """),
+        "kernels/fam/triton_fast.py": "import triton\nfrom ..triton_lib import dot\nfrom .other import helper\n",
+        "kernels/fam/other.py": "import triton.language as tl\n\ndef helper():\n    from .ops import run\n",
+        "kernels/fam/reference.py": "import pkg\n",
+    })
+    problems = layering_problems(root, "pkg")
+    text = "\n".join(problems)
+    assert "kernels/fam/ops.py:1: a kernel module imports pkg.methods.exact" in text, text
+    assert "kernels/fam/reference.py:1: a kernel module imports pkg (above" in text, text
+    assert "kernels/fam/ops.py:2: imports the Triton file pkg.kernels.fam.triton_fast at module level" in text, text
+    assert "kernels/fam/other.py:1: imports triton.language at module level but is no Triton file" in text, text
+    assert ("import cycle in the kernels: pkg.kernels.fam.ops -> pkg.kernels.fam.triton_fast -> pkg.kernels.fam.other "
+            "-> pkg.kernels.fam.ops") in text, text
+    # and nothing else: errors.py may be imported, Triton files import triton, a function may import it lazily
+    assert len(problems) == 5, text
+
+
+def test_layering_check_passes_a_layered_tree(tmp_path):
+    root = _tree(tmp_path, {
+        "errors.py": "",
+        "kernels/backend.py": "from ..errors import DeviceError\n",
+        "kernels/triton_lib.py": "import triton\n",
+        "kernels/fam/__init__.py": "from .ops import run\n",
+        "kernels/fam/ops.py": "from . import reference\n\ndef run():\n    from .triton_fam import kern\n",
+        "kernels/fam/reference.py": "import torch\n",
+        "kernels/fam/triton_fam.py": "import triton\nfrom ..triton_lib import dot\nfrom .reference import ref\n",
+    })
+    assert layering_problems(root, "pkg") == []
