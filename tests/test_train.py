@@ -280,7 +280,7 @@ def test_dataset_sources(tmp_path):
 
 def test_lr_schedule_shapes():
     from longctx_patch.train.recipe import Stage
-    from longctx_patch.train.runner import lr_lambda
+    from longctx_patch.train.stage_loop import lr_lambda
 
     s = Stage(steps=10, warmup=2, schedule="cosine", min_lr_ratio=0.1)
     f = lr_lambda(s)
@@ -392,7 +392,7 @@ def test_rng_state_survives_json():
 
     import numpy as np
 
-    from longctx_patch.train.runner import _rng_state, _set_rng_state
+    from longctx_patch.train.checkpointing import _rng_state, _set_rng_state
 
     random.gauss(0, 1), np.random.standard_normal()  # leave a cached gaussian in both states
     st = json.loads(json.dumps(_rng_state()))
@@ -645,7 +645,7 @@ def test_teacher_forcing_isolates_layers(tiny_llama):
     logits equal the unpatched model's, and a layer's loss has no gradient into earlier layers' maps."""
     import longctx_patch
     from longctx_patch.train.transfer import attention_transfer
-    from longctx_patch.train.runner import _patched_modules
+    from longctx_patch.train.params import _patched_modules
 
     ids = torch.randint(3, 128, (2, 40))
     exact = _logits(tiny_llama, ids)
