@@ -101,8 +101,20 @@ def online_softmax_step(s, m_i, BASE2: tl.constexpr, EMPTY: tl.constexpr):
 def online_softmax(s, vals, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr, BASE2: tl.constexpr,
                    EMPTY: tl.constexpr):
     """One tile of keys into a running softmax (`online_softmax_step`, then the sum and the output): vals [BN, D],
-    l_i [BM] the running sum, acc [BM, D] fp32 the unnormalised output. Returns (m_i, l_i, acc)."""
-    m_new, p, alpha = online_softmax_step(s, m_i, BASE2, EMPTY)
+    l_i [BM] the running sum, acc [BM, D] fp32 the unnormalised output. Returns (m_i, l_i, acc).
+    The step is written out here: called as a function inside this one, the sm_90 build of MuSe's fp32 forward
+    orders six of its address instructions differently."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if EMPTY:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    if BASE2:
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(vals.dtype), vals, PREC, UPCAST)
     return m_new, l_i, acc
