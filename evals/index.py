@@ -91,6 +91,11 @@ def h_niah(d):
     return "accuracy: " + per_label(d["overall"], lambda v: f"{v:.2f}")
 
 
+def h_ruler(d):
+    ctx = longest(next(iter(d["average"].values())))
+    return f"RULER average @{ctx}: " + per_label({k: v.get(ctx) for k, v in d["average"].items()}, lambda v: f"{v:.1f}")
+
+
 def h_ppl(d):
     ctx = longest(next(iter(d["ppl"].values())))
     return f"ppl@{ctx}: " + per_label({k: v.get(ctx) for k, v in d["ppl"].items()}, lambda v: f"{v:.2f}")
@@ -211,7 +216,7 @@ def h_retrieval(d):
 
 
 RULES: dict[str, Callable[[dict], str]] = {
-    "niah": h_niah, "ppl": h_ppl, "approx": h_approx, "speed": h_speed, "speed-op": h_speed_op,
+    "niah": h_niah, "ruler": h_ruler, "ppl": h_ppl, "approx": h_approx, "speed": h_speed, "speed-op": h_speed_op,
     "finetune": h_finetune, "icr": h_synthetic, "icl": h_synthetic, "multigpu-linearize": h_multigpu,
     "lola-mass": h_lola_mass, "lola-needle-in-cache": h_needle, "lola-determinism": h_determinism,
     "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,

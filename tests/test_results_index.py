@@ -13,7 +13,7 @@ from evals import index
 
 RESULTS = Path(__file__).resolve().parents[1] / "evals" / "results"
 FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "multigpu", "muse", "niah", "ovq", "ppl",
-           "racecheck", "speed", "speed-op", "synthetic"}
+           "racecheck", "ruler", "speed", "speed-op", "synthetic"}
 # result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
 LACKING: dict[str, tuple[str, ...]] = {}
 # figures and logs that belong to several runs (no JSON of their own stem)

@@ -20,6 +20,6 @@ for p in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
 PY
 common=(--model "$model" --method none --device cuda --dtype bfloat16 --out-dir "$out" --no-progress)
 [ "${PPL:-1}" = 0 ] || python3 -m cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
-    --name ppl-qwen2.5-coder-0.5b-stdlib-unpatched-h200
+    --name qwen2.5-coder-0.5b-stdlib-unpatched-h200
 python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
-    --samples "$samples" --name "ruler-qwen2.5-coder-0.5b-stdlib-unpatched-h200-${lengths//,/-}"
+    --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-unpatched-${lengths//,/-}-h200"
