@@ -94,3 +94,42 @@ def assert_left_padded_batch_matches_single(model, lens, max_new_tokens: int, se
             one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             assert torch.equal(batch[r, L - len(p):], one[0]), (r, batch[r], one[0])
+
+
+def padded_batch_gap(model, lens, max_new_tokens: int = 0, seed: int = 4, position_ids: bool = True,
+                     vocab: int = 128) -> tuple[float, bool]:
+    """A left-padded batch of random prompts (lengths `lens`) against each prompt alone: the largest |logit
+    difference| over every real position of the prefill (a plain forward, with `position_ids` from the mask or
+    without any) and, with `max_new_tokens`, over every greedy decode step's logits; and whether every row
+    generated the tokens it generates alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+    L = max(lens)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    gap, same = 0.0, True
+    with torch.no_grad():
+        kw = {"position_ids": (am.cumsum(1) - 1).clamp_min(0)} if position_ids else {}
+        logits = model(ids, attention_mask=am, use_cache=False, **kw).logits.float()
+        for r, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits.float()
+            gap = max(gap, (logits[r, L - len(p):] - alone[0]).abs().max().item())
+        if max_new_tokens:
+            gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                       return_dict_in_generate=True)
+            batch = model.generate(ids, attention_mask=am, **gen)
+            for r, p in enumerate(prompts):
+                one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen)
+                same = same and torch.equal(batch.sequences[r, L - len(p):], one.sequences[0])
+                for sb, so in zip(batch.scores, one.scores):
+                    gap = max(gap, (sb[r].float() - so[0].float()).abs().max().item())
+    return gap, same
+
+
+def assert_padded_batch_exact(model, lens, max_new_tokens: int = 6, atol: float = 1e-4, **kw) -> None:
+    """Every row of a left-padded batch has the logits (within `atol`, fp32) and greedy tokens of its prompt alone."""
+    gap, same = padded_batch_gap(model, lens, max_new_tokens, **kw)
+    assert same and gap <= atol, f"padded rows differ from the prompts alone: max |dlogits| {gap:.3g}, tokens same: {same}"
