@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from .window import banded_window_attention, use_banded
+
 
 def attention_mask(
     q_len: int,
@@ -73,6 +75,9 @@ def softmax_attention(
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    if use_banded(Sq, Sk, window):
+        # many queries under a window (a windowed layer's prefill): O(S * W) banded blocks, not an S x S mask
+        return banded_window_attention(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=q_offset)
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
     if simple and 1 < Sq < Sk and (G == 1 or _LOWER_RIGHT_GQA):
         # the last Sq of Sk tokens, no padding or window (a prefill's tail, a chunk after a cache): causal aligned
