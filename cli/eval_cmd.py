@@ -268,7 +268,13 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
 @model_option
 @method_options(default=("exact",))
 @click.option("--context", "contexts", default="1k,4k", show_default=True, help="Model level: prompt lengths in tokens.")
-@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(0), help="Model level: decode steps timed.")
+@click.option("--batch", "batches", default="1", show_default=True,
+              help="Model level: batch sizes, comma-separated (e.g. 1,16,64): random prompts of the same length.")
+@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(0),
+              help="Model level: decode steps timed, as generate() with N+1 new tokens minus generate() with 1.")
+@click.option("--static", is_flag=True,
+              help="Model level: add plain transformers with its static cache (compiled by transformers on CUDA), "
+                   "the fastest decode without this package.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Model level: prefill repeats (median).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Model level: add 'exact' as the reference when neither exact nor none is among the methods.")
@@ -281,13 +287,15 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
 @output_options
 @device_dtype_options
 @friendly_errors
-def speed_cmd(model, methods, sets, contexts, decode_tokens, repeats, baseline, op, lengths, heads, kv_heads, head_dim,
-              modes, out_dir, name, device, dtype):
-    """Prefill time, decode tokens/s and memory vs context (model level), or the attention op alone (--op, CUDA).
+def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, repeats, baseline, op, lengths, heads,
+              kv_heads, head_dim, modes, out_dir, name, device, dtype):
+    """Prefill time, generate()'s decode tokens/s, the bytes floor of a step and memory vs context and batch (model
+    level), or the attention op alone (--op, CUDA).
 
     \b
     Examples:
       longctx eval speed --method sliding-window --set window=1024 --context 1k,4k,16k
+      longctx eval speed --method none --method lola --method ovq --static --batch 1,16 --context 16k,32k --device cuda
       longctx eval speed --op --method muse --lengths 4k,16k,64k,128k --heads 32 --kv-heads 8 --head-dim 128
     """
     from longctx_patch.evals.common import parse_sizes
@@ -302,8 +310,13 @@ def speed_cmd(model, methods, sets, contexts, decode_tokens, repeats, baseline, 
     check_device_dtype(device, dtype)
     runs = _runs(methods, sets, baseline=baseline)
     ctx_list = parse_sizes(contexts)
+    try:
+        batch_list = [int(b) for b in batches.split(",") if b.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{batches!r}: write batch sizes as integers, e.g. 1,16,64", param_hint="--batch")
     pair = _load(model, dtype, device, runs)
-    run_speed(pair, runs, contexts=ctx_list, decode_tokens=decode_tokens, repeats=repeats, out_dir=out_dir, name=name,
+    run_speed(pair, runs, contexts=ctx_list, batches=batch_list, decode_tokens=decode_tokens, static=static,
+              repeats=repeats, out_dir=out_dir, name=name,
               model_name=model, command=_command(), echo=click.echo)
 
 

@@ -107,9 +107,15 @@ def h_approx(d):
 
 def h_speed(d):
     ref, sp = d.get("reference", "reference"), d["speedup_vs_reference"]
-    ctx = longest(next(iter(sp.values())))
-    parts = {k: v[ctx]["prefill"] for k, v in sp.items()}
-    return f"prefill speed-up vs {ref} @{ctx}: " + per_label(parts, lambda v: f"{v:.3g}x")
+    if "layout" not in d:  # before 2026-12-02: speedup_vs_reference[method][context], batch 1
+        ctx = longest(next(iter(sp.values())))
+        parts = {k: v[ctx]["prefill"] for k, v in sp.items()}
+        return f"prefill speed-up vs {ref} @{ctx}: " + per_label(parts, lambda v: f"{v:.3g}x")
+    batch = max(next(iter(sp.values())), key=lambda b: int(b[1:]))  # speedup_vs_reference[method][b<batch>][context]
+    ctx = longest(next(iter(sp.values()))[batch])
+    kind = "decode" if d.get("decode_tokens") else "prefill"
+    parts = {k: v[batch][ctx][kind] for k, v in sp.items()}
+    return f"{kind} speed-up vs {ref}, batch {batch[1:]} @{ctx}: " + per_label(parts, lambda v: f"{v:.3g}x")
 
 
 def h_speed_op(d):

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from conftest import tiny_model
 
 from longctx_patch.errors import ConfigError, DeviceError
-from longctx_patch.evals import approx, niah, ppl, speed
+from longctx_patch.evals import approx, niah, ppl, speed, speed_model
 from longctx_patch.evals.common import MethodRun, parse_fractions, parse_methods, parse_size, parse_sizes
 
 RESULT_FIELDS = {"device", "date", "commit", "command", "model", "method", "config"}
@@ -357,18 +357,38 @@ def test_ppl_dataset_source(tmp_path):
 # ----------------------------------------------------------------------------------------------- speed
 def test_model_speed_fields(tiny, tmp_path):
     runs = parse_methods(["exact", "sliding-window"], ["window=16"])
-    res = speed.run_speed(tiny, runs, contexts=[16, 64], decode_tokens=3, repeats=1, out_dir=tmp_path, name="s",
-                          model_name="tiny", echo=lambda *_: None)
-    r = res["figures"]["results"]
-    for lab in ("exact", "sliding-window(window=16)"):
-        for c in ("16", "64"):
-            assert r[lab][c]["prefill_s"] > 0 and r[lab][c]["decode_tok_s"] > 0
+    res = speed.run_speed(tiny, runs, contexts=[16, 64], batches=[1, 3], decode_tokens=12, repeats=2, static=True,
+                          out_dir=tmp_path, name="s", model_name="tiny", echo=lambda *_: None)
+    fig = res["figures"]
+    r = fig["results"]
+    labels = ("exact", "sliding-window(window=16)", speed_model.STATIC)
+    for lab in labels:
+        for b in ("b1", "b3"):
+            for c in ("16", "64"):
+                cell = r[lab][b][c]
+                assert cell["decode_tok_s"] > 0 and cell["ms_per_step"] > 0 and cell["floor_ms"] > 0
+                assert cell["floor_ratio"] == pytest.approx(cell["ms_per_step"] / cell["floor_ms"], rel=1e-2)
+                assert (cell["prefill_s"] is None) == (lab == speed_model.STATIC)
     cfg = tiny[0].config
-    full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (64 + 3) * 16 * 4  # fp32 K and V
-    assert r["exact"]["64"]["state_bytes"] == full
-    assert r["sliding-window(window=16)"]["64"]["state_bytes"] == full * 15 // 67
-    assert "sliding-window(window=16)" in res["figures"]["speedup_vs_reference"]
+    full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (64 + 12) * 16 * 4  # fp32 K and V
+    assert r["exact"]["b1"]["64"]["state_bytes"] == full and r["exact"]["b3"]["64"]["state_bytes"] == 3 * full
+    assert r["sliding-window(window=16)"]["b1"]["64"]["state_bytes"] == full * 15 // 76
+    # the floor: (weights + state) read once at the measured copy bandwidth (which counts read + written bytes)
+    want = 1e3 * (fig["weights_bytes"] + full) / (fig["copy_bandwidth_Bps"] / 2)
+    assert r["exact"]["b1"]["64"]["floor_ms"] == pytest.approx(want, rel=1e-3)
+    emb = tiny[0].get_input_embeddings().weight
+    assert fig["weights_bytes"] == sum(p.numel() * 4 for p in tiny[0].parameters()) - emb.numel() * 4  # untied
+    assert set(fig["speedup_vs_reference"]) == {"sliding-window(window=16)", speed_model.STATIC}
+    assert fig["speedup_vs_reference"][speed_model.STATIC]["b3"]["64"]["prefill"] is None
     assert RESULT_FIELDS <= set(json.loads((tmp_path / "s.json").read_text()))
+    assert (tmp_path / "s.png").is_file()
+
+
+def test_cli_speed_refuses_a_bad_batch_before_loading(tmp_path):
+    from cli.eval_cmd import eval_group
+
+    out = CliRunner().invoke(eval_group, ["speed", "--model", str(tmp_path / "nothing"), "--batch", "1,x"])
+    assert out.exit_code != 0 and "--batch" in out.output and "integers" in out.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")

@@ -1,8 +1,7 @@
 """Speed and memory.
 
-Model level (any device): for each method and context length, prefill time of a random prompt (median of
-`repeats`), greedy decode speed (tokens/s over `decode_tokens` steps on the prefilled cache), peak
-device memory (CUDA only) and the decode-time attention state reported by the patched layers.
+Model level (any device): `speed_model.py` (`run_speed` here is `speed_model.run_model_speed`): prefill, the
+decode speed of whole `generate()` calls, the bytes floor of a step and memory, per method, batch and context.
 
 Op level (CUDA only): the method's attention op against torch SDPA with the cuDNN and flash backends
 (and flash-linear-attention's chunked linear attention when `fla` is installed) on random
@@ -16,187 +15,12 @@ over one whole sequence, no cache, no padding) returning `[B, S, Hq, D]`, differ
 
 from __future__ import annotations
 
-import inspect
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError, DeviceError
-from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _state_bytes(model, context: int) -> int:
-    """Decode-time attention state of the whole model at `context` tokens (full KV for unpatched layers)."""
-    import torch
-
-    from ..architectures import model_config
-    from ..patcher import is_patched, patched_modules
-
-    cfg = model_config(model)
-    dtype = next(model.parameters()).dtype
-    elt = torch.tensor([], dtype=dtype).element_size()
-    n_layers = cfg.num_hidden_layers
-    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    mods = patched_modules(model) if is_patched(model) else {}
-    return int(
-        sum(mods[i].state_bytes(context, 1, dtype) if i in mods else 2 * hkv * context * hd * elt for i in range(n_layers))
-    )
-
-
-def time_model(model, context: int, decode_tokens: int, repeats: int, vocab: int, seed: int = 0) -> dict[str, Any]:
-    """Prefill seconds (median), decode tokens/s and peak CUDA memory for one context length."""
-    import torch
-
-    device = next(model.parameters()).device
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(min(100, vocab - 1), vocab, (1, context), generator=gen).to(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    prefill = []
-    out = None
-    # like generate(): logits of the last position only (full-vocabulary logits of a long prompt would add
-    # the same large matmul and memory to every method)
-    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    with torch.no_grad():
-        for _ in range(repeats):
-            out = None
-            _sync(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True, **last)
-            _sync(device)
-            prefill.append(time.perf_counter() - t0)
-        cache = out.past_key_values
-        nxt = out.logits[:, -1:].argmax(-1)
-        del out
-        # transformers >= 5.24 names the argument `cache` (`past_key_values` is deprecated there)
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            step = model(input_ids=nxt, use_cache=True, **{cache_arg: cache})
-            cache = step.past_key_values
-            nxt = step.logits[:, -1:].argmax(-1)
-        _sync(device)
-        decode_s = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {
-        "prefill_s": round(statistics.median(prefill), 5),
-        "prefill_tok_s": round(context / statistics.median(prefill), 1),
-        "decode_tok_s": round(decode_tokens / decode_s, 2) if decode_tokens else None,
-        "peak_mem_bytes": peak,
-        "state_bytes": _state_bytes(model, context + decode_tokens),
-    }
-
-
-def run_speed(
-    model,
-    methods: Sequence[MethodRun],
-    *,
-    contexts: Sequence[int] = (1024, 4096),
-    decode_tokens: int = 32,
-    repeats: int = 3,
-    out_dir=RESULTS_DEFAULT,
-    name: str | None = None,
-    model_name: str | None = None,
-    command: str | None = None,
-    echo=print,
-) -> dict[str, Any]:
-    """Model-level speed/memory of each method at each context; writes `<name>.json` + `<name>.png`."""
-    if repeats < 1 or decode_tokens < 0:
-        raise ConfigError("--repeats must be >= 1 and --decode-tokens >= 0")
-    model_name = begin_run(model, model_name)
-    mdl, tok = load_model(model)
-    vocab = mdl.get_input_embeddings().weight.shape[0]
-    labels = [r.label for r in methods]
-    rows: dict[str, dict[str, Any]] = {}
-    was_training = mdl.training
-    mdl.eval()
-    try:
-        for run in methods:
-            rows[run.label] = {}
-            with applied(mdl, run):
-                time_model(mdl, min(contexts), min(decode_tokens, 2), 1, vocab)  # warm-up (kernels, allocator)
-                for C in contexts:
-                    rows[run.label][size_label(C)] = time_model(mdl, C, decode_tokens, repeats, vocab)
-                    echo(f"  {run.label} @ {size_label(C)}: {rows[run.label][size_label(C)]}")
-    finally:
-        mdl.train(was_training)
-    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
-    figures: dict[str, Any] = {
-        "level": "model",
-        "contexts": list(contexts),
-        "decode_tokens": decode_tokens,
-        "repeats": repeats,
-        "results": rows,
-        "reference": ref,
-    }
-    if ref is not None:
-        figures["speedup_vs_reference"] = {
-            lab: {
-                c: {
-                    "prefill": round(rows[ref][c]["prefill_s"] / rows[lab][c]["prefill_s"], 3),
-                    "decode": round(rows[lab][c]["decode_tok_s"] / rows[ref][c]["decode_tok_s"], 3)
-                    if decode_tokens
-                    else None,
-                }
-                for c in rows[lab]
-            }
-            for lab in labels
-            if lab != ref
-        }
-    header = ["method", "context", "prefill s", "decode tok/s", "peak MiB", "state MiB"]
-    table = [
-        [
-            lab,
-            c,
-            r["prefill_s"],
-            r["decode_tok_s"],
-            None if r["peak_mem_bytes"] is None else round(r["peak_mem_bytes"] / 2**20, 1),
-            round(r["state_bytes"] / 2**20, 2),
-        ]
-        for lab in labels
-        for c, r in rows[lab].items()
-    ]
-    echo(format_table(header, table))
-    result = {"figures": figures}
-    out_dir = output_dir(out_dir, "speed")
-    if out_dir is not None:
-        stem = name or default_name("speed", model_name, methods)
-        path = write_result(Path(out_dir) / f"{stem}.json", task="speed", model=model_name, runs=methods, figures=figures, command=command)
-        png = _plot_model(figures, labels, contexts, Path(out_dir) / f"{stem}.png")
-        echo(f"wrote {path} and {png}")
-        result.update({"json": str(path), "png": str(png)})
-    return result
-
-
-def _plot_model(figures, labels, contexts, path) -> Path:
-    plt = pyplot()
-    keys = [("prefill_s", "prefill (s)"), ("decode_tok_s", "decode (tokens/s)"), ("state_bytes", "attention state (bytes)")]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (key, title) in zip(axes, keys):
-        for lab in labels:
-            ys = [figures["results"][lab][size_label(C)][key] for C in contexts]
-            ax.plot(list(contexts), ys, marker="o", ms=3, label=lab)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+from .common import RESULTS_DEFAULT, output_dir, MethodRun, begin_run, format_table, size_label, write_result
+from .speed_model import run_model_speed as run_speed
 
 
 # ----------------------------------------------------------------------------------------------- op level
@@ -408,4 +232,4 @@ def run_op_speed(
     return result
 
 
-__all__ = ["time_model", "run_speed", "method_op", "baselines", "time_ops", "run_op_speed"]
+__all__ = ["run_speed", "method_op", "baselines", "time_ops", "run_op_speed"]

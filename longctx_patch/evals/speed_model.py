@@ -1,0 +1,279 @@
+"""Model-level speed: what a user of `patch()` then `model.generate()` meets, against plain transformers.
+
+For each method, batch size and context length, on random prompts:
+- prefill: median seconds of `model(ids, use_cache=True)` (logits of the last position only, as generate());
+- decode: wall time of `generate()` with N + 1 new tokens minus the time with 1 (medians of `repeats`; both
+  greedy, the same prompt, `min_new_tokens` so that no row stops early), over N steps: tokens/s
+  (batch x N / seconds) and ms per step;
+- the bytes floor of a step: (weight bytes read per step + the attention state at that context) / the device's
+  measured copy bandwidth, and the step's ratio to it;
+- peak device memory (CUDA) and the decode-time attention state the patched layers report.
+
+`static=True` adds plain transformers with its static cache (`cache_implementation="static"`), which
+transformers compiles with `torch.compile` on CUDA: the best a user gets without this package. A cell that runs
+out of memory records the error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from .common import (RESULTS_DEFAULT, MethodRun, applied, begin_run, default_name, format_table, load_model,
+                     output_dir, pyplot, size_label, write_result)
+
+STATIC = "none(static cache, compiled)"  # the label of plain transformers with its static cache
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes moved per second (read + written) by a device-to-device copy of `nbytes` (the median of `repeats`);
+    on the CPU a smaller buffer (64 MiB)."""
+    import torch
+
+    if device.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[1:])
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the parameters a decode step reads: all of them but an untied input embedding (a step reads only
+    the batch's rows of it)."""
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def state_bytes(model, context: int, batch: int = 1) -> int:
+    """Decode-time attention state of the whole model at `context` tokens (full K/V for unpatched layers)."""
+    import torch
+
+    from ..architectures import model_config
+    from ..patcher import is_patched, patched_modules
+
+    cfg = model_config(model)
+    dtype = next(model.parameters()).dtype
+    elt = torch.tensor([], dtype=dtype).element_size()
+    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    mods = patched_modules(model) if is_patched(model) else {}
+    return int(sum(mods[i].state_bytes(context, batch, dtype) if i in mods else 2 * batch * hkv * context * hd * elt
+                   for i in range(cfg.num_hidden_layers)))
+
+
+def _generate_s(model, ids, new_tokens: int, extra: dict) -> float:
+    import torch
+
+    device = ids.device
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              attention_mask=torch.ones_like(ids), pad_token_id=0, **extra)
+    _sync(device)
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: int, vocab: int, bandwidth: float,
+              weights: int, generate_kwargs: dict | None = None, seed: int = 0) -> dict[str, Any]:
+    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory."""
+    import torch
+
+    device = next(model.parameters()).device
+    extra = dict(generate_kwargs or {})
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(min(100, vocab - 1), vocab, (batch, context), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    prefill = []
+    with torch.no_grad():
+        if not extra:  # the static-cache row shares the unpatched prefill; its own is generate()'s
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=True, **last)
+                _sync(device)
+                prefill.append(time.perf_counter() - t0)
+        one = statistics.median(_generate_s(model, ids, 1, extra) for _ in range(repeats)) if decode_tokens or extra else None
+        decode_s = None
+        if decode_tokens:
+            decode_s = statistics.median(_generate_s(model, ids, decode_tokens + 1, extra) for _ in range(repeats)) - one
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    state = state_bytes(model, context + decode_tokens, batch)
+    floor_ms = 1e3 * (weights + state) / bandwidth * 2  # read once: half of what a copy of the same bytes moves
+    row: dict[str, Any] = {
+        "prefill_s": round(statistics.median(prefill), 5) if prefill else None,
+        "generate_1_s": None if one is None else round(one, 5),
+        "decode_tok_s": None, "ms_per_step": None,
+        "floor_ms": round(floor_ms, 4),
+        "peak_mem_bytes": peak,
+        "state_bytes": state,
+    }
+    if decode_s is not None and decode_s <= 0:
+        row["note"] = (f"generate() with {decode_tokens + 1} new tokens was not slower than with 1 (timing noise "
+                       "exceeds the decode time): raise --decode-tokens")
+    elif decode_s is not None:
+        step_ms = 1e3 * decode_s / decode_tokens
+        row.update(decode_tok_s=round(batch * decode_tokens / decode_s, 2), ms_per_step=round(step_ms, 4),
+                   floor_ratio=round(step_ms / floor_ms, 3))
+    return row
+
+
+def _cell_or_error(fn, **kw) -> dict[str, Any]:
+    import torch
+
+    try:
+        return fn(**kw)
+    except torch.cuda.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
+
+
+def run_model_speed(
+    model,
+    methods: Sequence[MethodRun],
+    *,
+    contexts: Sequence[int] = (1024, 4096),
+    batches: Sequence[int] = (1,),
+    decode_tokens: int = 32,
+    repeats: int = 3,
+    static: bool = False,
+    out_dir=RESULTS_DEFAULT,
+    name: str | None = None,
+    model_name: str | None = None,
+    command: str | None = None,
+    echo=print,
+) -> dict[str, Any]:
+    """Every method x batch x context cell (`time_cell`); writes `<name>.json` + `<name>.png`."""
+    if repeats < 1 or decode_tokens < 0 or not batches or min(batches) < 1:
+        raise ConfigError("--repeats must be >= 1, --decode-tokens >= 0 and every --batch >= 1")
+    model_name = begin_run(model, model_name)
+    mdl, _ = load_model(model)
+    device = next(mdl.parameters()).device
+    vocab = mdl.get_input_embeddings().weight.shape[0]
+    bw = copy_bandwidth(device)
+    weights = weight_bytes(mdl)
+    echo(f"  copy bandwidth {bw / 1e9:.1f} GB/s, weights read per step {weights / 2**20:.1f} MiB")
+    plan: list[tuple[str, MethodRun, dict]] = [(r.label, r, {}) for r in methods]
+    if static:
+        plan.append((STATIC, MethodRun("none"), {"cache_implementation": "static"}))
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    compiled = None
+    was_training = mdl.training
+    mdl.eval()
+    try:
+        for label, run, extra in plan:
+            rows[label] = {}
+            with applied(mdl, run):
+                common = dict(decode_tokens=min(decode_tokens, 2), repeats=1, vocab=vocab, bandwidth=bw,
+                              weights=weights, generate_kwargs=extra)
+                _cell_or_error(time_cell, model=mdl, batch=min(batches), context=min(contexts), **common)  # warm-up
+                for B in batches:
+                    rows[label][f"b{B}"] = {}
+                    for C in contexts:
+                        cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
+                                              repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
+                                              generate_kwargs=extra)
+                        rows[label][f"b{B}"][size_label(C)] = cell
+                        echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
+                if extra:
+                    compiled = hasattr(mdl, "_compiled_call")
+                    if compiled:
+                        del mdl._compiled_call  # the next rows run the model as users do, uncompiled
+    finally:
+        mdl.train(was_training)
+    labels = [p[0] for p in plan]
+    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+    figures: dict[str, Any] = {
+        "level": "model", "layout": "results[method][b<batch>][context]",
+        "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
+        "decode_timing": "generate() with N+1 new tokens minus with 1, N = decode_tokens",
+        "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
+        "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
+        "results": rows, "reference": ref,
+    }
+    if static:
+        figures["static_compiled"] = compiled
+    if ref is not None:
+        figures["speedup_vs_reference"] = _speedups(rows, ref, labels)
+    header = ["method", "batch", "context", "prefill s", "decode tok/s", "ms/step", "floor ms", "peak MiB", "state MiB"]
+    table = [[lab, b[1:], c, r.get("prefill_s"), r.get("decode_tok_s"), r.get("ms_per_step"), r.get("floor_ms"),
+              None if r.get("peak_mem_bytes") is None else round(r["peak_mem_bytes"] / 2**20, 1),
+              None if "state_bytes" not in r else round(r["state_bytes"] / 2**20, 2)]
+             for lab in labels for b, per in rows[lab].items() for c, r in per.items()]
+    echo(format_table(header, table))
+    result = {"figures": figures}
+    out_dir = output_dir(out_dir, "speed")
+    if out_dir is not None:
+        stem = name or default_name("speed", model_name, methods)
+        path = write_result(Path(out_dir) / f"{stem}.json", task="speed", model=model_name, runs=methods,
+                            figures=figures, command=command)
+        png = plot(figures, labels, Path(out_dir) / f"{stem}.png")
+        echo(f"wrote {path} and {png}")
+        result.update({"json": str(path), "png": str(png)})
+    return result
+
+
+def _speedups(rows, ref: str, labels) -> dict:
+    def ratio(a, b):
+        return None if a is None or b is None else round(a / b, 3)
+
+    out = {}
+    for lab in labels:
+        if lab == ref:
+            continue
+        out[lab] = {b: {c: {"prefill": ratio(rows[ref][b].get(c, {}).get("prefill_s"), cell.get("prefill_s")),
+                            "decode": ratio(cell.get("decode_tok_s"), rows[ref][b].get(c, {}).get("decode_tok_s"))}
+                        for c, cell in per.items()} for b, per in rows[lab].items()}
+    return out
+
+
+def plot(figures, labels, path) -> Path:
+    """Decode tokens/s against context, one line per method and batch; prefill seconds beside it."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for lab in labels:
+        for b, per in figures["results"][lab].items():
+            xs = [C for C in figures["contexts"] if per.get(size_label(C), {}).get("decode_tok_s") is not None]
+            for ax, key in zip(axes, ("decode_tok_s", "prefill_s")):
+                ys = [per[size_label(C)].get(key) for C in xs]
+                if any(y is not None for y in ys):
+                    ax.plot(xs, ys, marker="o", ms=3, label=f"{lab} {b}")
+    for ax, title in zip(axes, ("decode (tokens/s, generate())", "prefill (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["STATIC", "copy_bandwidth", "run_model_speed", "state_bytes", "time_cell", "weight_bytes"]
