@@ -74,3 +74,17 @@ def model_token(model: str) -> str:
     """The model part of a result file's name: an alias as is ('smollm2-135m'), a path by its last part without
     the extension ('/tmp/smollm2.gguf' -> 'smollm2')."""
     return slug(Path(model).stem if ("/" in model or os.sep in model) else model).lower()
+
+
+def llama_1b_shaped(device: str, dtype: torch.dtype):
+    """A Llama-3.2-1B-shaped model with random weights (16 layers, hidden 2048, 32 q / 8 kv heads, head_dim 64,
+    MLP 8192, vocabulary 128256, tied embeddings): timings at scale need no checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                      rope_theta=500000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()

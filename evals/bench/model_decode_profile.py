@@ -58,7 +58,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from evals.bench.muse_model_prefill import llama_1b_shaped
+    from evals.shared import llama_1b_shaped
 
     C = parse_sizes(args.context)[0]
     model = llama_1b_shaped(dev, torch.bfloat16)

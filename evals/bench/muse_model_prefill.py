@@ -16,21 +16,9 @@ import sys
 
 import torch
 
-from evals.shared import device_token, results_dir
+from evals.shared import device_token, llama_1b_shaped, results_dir
 from longctx_patch.evals.common import MethodRun, parse_sizes
 from longctx_patch.evals.speed import run_speed
-
-
-def llama_1b_shaped(device: str, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                      rope_theta=500000.0, tie_word_embeddings=True, attn_implementation="sdpa")
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval()
 
 
 def main():

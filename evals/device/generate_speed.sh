@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# generate() speed of every method on the 1B-shaped model, one process per method (a kernel crash ends only its
+# own), results under OUT_DIR; set LONGCTX_COMMIT to the commit the tree came from.
+#
+#   BATCHES=1,16 CONTEXTS=16k,32k bash evals/device/generate_speed.sh OUT_DIR [METHOD ...]
+set -uo pipefail
+out=$1; shift
+methods=("$@")
+[ ${#methods[@]} -gt 0 ] || methods=(none exact sliding-window lolcats lola ovq muse)
+for m in "${methods[@]}"; do
+  extra=()
+  [ "$m" = none ] && extra=(--static)
+  echo "+ $m"
+  timeout "${PER_METHOD_S:-900}" python3 -m evals.bench.generate_speed --method "$m" --batches "${BATCHES:-1,16}" \
+      --contexts "${CONTEXTS:-16k,32k}" --decode-tokens "${DECODE_TOKENS:-32}" --out-dir "$out" "${extra[@]}" \
+      || echo "! $m exited with $?"
+done
