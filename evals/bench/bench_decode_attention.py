@@ -196,10 +196,10 @@ def main():
            "metric": "rows: do_bench median ms of one attention call (one shape); floor = K and V bytes / HBM "
                      "bandwidth; growing: mean ms per call over calls whose key length grows by one",
            "rows": rows, "growing": grow}
-    out = result_file("decode", f"attention-{device_token()}.json", args.out)
-    with open(out, "w") as f:
+    path = result_file("decode", f"attention-{device_token()}.json", args.out)
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print("wrote", out)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
