@@ -1,6 +1,6 @@
 """MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward and
 backward against the PyTorch reference, then forward and forward+backward time against torch SDPA (cuDNN) in the
-same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/cluster.py,
+same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/triton_cluster.py,
 and the PyTorch code), with how far the two plans agree; a profile of one 64k forward lists the kernels' times.
 
     python3 -m evals.bench.bench_muse_cells            # writes $OUT/cells-speed-<gpu>.json (or in evals/results/muse/)
