@@ -401,6 +401,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
 
 def load_patched(directory: str | os.PathLike, dtype=None, device=None):
     """Rebuild a model saved with save_patched(): the base checkpoint, the patches and their weights."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ModelLoadError(f"load_patched: pass the directory save_patched() wrote (a str or Path), got "
+                             f"{directory!r} ({type(directory).__name__})")
     # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
     read_patch_record(directory)
     check_weights_header(directory)

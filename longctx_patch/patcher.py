@@ -421,6 +421,9 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
         raise ConfigError("save_patched got a PEFT model, whose save_pretrained writes only the adapter; call "
                           "model = model.merge_and_unload() first (the patch stays on the merged model), or save the "
                           "adapter with model.save_pretrained(DIR) and keep the base checkpoint")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ConfigError(f"save_patched: pass the directory to write (a str or Path), got {directory!r} "
+                          f"({type(directory).__name__})")
     st = _state(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)

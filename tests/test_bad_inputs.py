@@ -332,3 +332,14 @@ def test_inputs_embeds_past_the_trained_context_warn():
     lp.patch(model, "exact")
     with pytest.warns(lp.LongctxWarning, match=r"reaches 20 tokens \(20 new after 0 cached\)"), torch.no_grad():
         model(inputs_embeds=model.get_input_embeddings()(_ids(20)))
+
+
+@pytest.mark.parametrize("bad", [None, 123, ["dir"]])
+def test_directory_arguments_that_are_not_paths(bad, tiny_llama):
+    from longctx_patch.errors import ConfigError, ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="load_patched: pass the directory"):
+        lp.load_patched(bad)
+    model = lp.patch(tiny_llama, "exact")
+    with pytest.raises(ConfigError, match="save_patched: pass the directory"):
+        lp.save_patched(model, bad)
