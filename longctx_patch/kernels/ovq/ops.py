@@ -282,3 +282,142 @@ def _keep_tail(new: Tensor, old: Tensor, n: int) -> Tensor:
     if n >= old.shape[2]:
         return new
     return torch.cat([new[:, :, :n], old[:, :, n:].to(new.dtype)], 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# rows with their own chunk grids (left-padded batches)
+# ----------------------------------------------------------------------------------------------
+def phase_open_len(phase: int, length: int, chunk_size: int) -> int:
+    """Tokens of a row's open chunk after ``length`` positions when its chunks start at ``phase + j * C``
+    (0 while its grid has not begun: the first ``phase`` positions are padding it never sees)."""
+    return (length - phase) % chunk_size if length >= phase else 0
+
+
+def _put(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
+    """``dst`` with rows ``idx`` replaced by ``src``; in place unless autograd records either."""
+    src = src.to(dst.dtype)
+    if torch.is_grad_enabled() and (dst.requires_grad or src.requires_grad):
+        return dst.index_copy(0, idx, src)
+    return dst.index_copy_(0, idx, src)
+
+
+def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
+                         key_valid: Tensor | None, phases: tuple[int, ...], past_len: int, *, chunk_size: int,
+                         max_centroids: int, growth: float, backend: str = "auto", exact_assign: bool = True,
+                         parallel: bool | None = None, keep_state: bool = True):
+    """:func:`ovq_attention` for a batch whose rows have their own chunk grids (a left-padded batch).
+
+    Row ``r``'s chunks start at positions ``phases[r] + j * C`` (host ints in ``[0, C)``: its left padding
+    modulo ``C``; the padding before ``phases[r]`` is dropped, the rest is whole chunks, which change nothing),
+    so each row computes what it computes alone. ``past_len``: positions (padding included) before ``q``.
+    ``open_chunk``: each row's open tokens, right-aligned (the last ``phase_open_len(phases[r], past_len, C)``
+    columns; columns left of a row's own part are masked), its width the longest of them; the one returned
+    has the same layout.
+
+    Rows in phase form one call of :func:`ovq_attention` on their sub-batch (its state rows gathered, then
+    written back). Rows that absorb no chunk in this call (most decode steps) share one call whatever their
+    phase: without an absorb only the key mask matters. When that call holds every row (a decode step where
+    no row reaches the end of its chunk), it is the plain call on the whole batch: no gather, no copy.
+    ``keep_state=False`` (no cache): the state and open chunk are not assembled (returned as None).
+    Returns ``(o [B, Hq, S, Dv], state, open_chunk)``; outputs at dropped padding columns are 0.
+    """
+    B, Hq, S, _ = q.shape
+    H, D, Dv = k.shape[1], k.shape[-1], v.shape[-1]
+    C = chunk_size
+    dev = q.device
+    kw = dict(chunk_size=C, max_centroids=max_centroids, growth=growth, backend=backend, exact_assign=exact_assign,
+              parallel=parallel)
+    if len(phases) != B:
+        raise ValueError(f"ovq_attention_phased: {len(phases)} phases for a batch of {B}")
+    if key_valid is None:
+        key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)
+    if state is None:
+        state = OVQState.empty(B, H, max_centroids, D, Dv, device=dev)
+    width = open_chunk.length if open_chunk is not None else 0
+    L0, L1 = past_len, past_len + S
+    by_phase: dict[int, list[int]] = {}
+    for r, p in enumerate(phases):
+        by_phase.setdefault(int(p), []).append(r)
+    # (rows, open columns to take, leading columns to drop, host bound of the tokens absorbed, absorbs)
+    calls: list[tuple[list[int], int, int, int, bool]] = []
+    idle: list[tuple[list[int], int, int, int, bool]] = []
+    for p, rows in by_phase.items():
+        o = phase_open_len(p, L0, C)
+        trim = min(max(p - L0, 0), S)
+        bound = L0 - p - o if L0 >= p else 0
+        absorbs = o + S - trim >= C
+        (calls if absorbs else idle).append((rows, o, trim, bound, absorbs))
+    if idle:  # no absorb: one call; off + S - trim < C holds (a group with trim > 0 has no open tokens)
+        rows = sorted(r for g in idle for r in g[0])
+        calls.append((rows, max(g[1] for g in idle), min(g[2] for g in idle), max(g[3] for g in idle), False))
+    o_all = None
+    results = []
+    for rows, off, trim, bound, absorbs in calls:
+        whole = len(rows) == B
+        idx = None if whole else torch.tensor(rows, device=dev, dtype=torch.long)
+        if trim >= S:  # rows whose grid has not begun: padding only, nothing to attend or absorb
+            results.append((idx, None, None))
+            continue
+
+        def take(x: Tensor, idx=idx) -> Tensor:
+            return x if idx is None else x.index_select(0, idx.to(x.device))
+
+        st = state if whole else OVQState(*(take(t) for t in (state.key_sums, state.value_sums, state.counts,
+                                                                state.n_active, state.seen)))
+        op = None
+        if off > 0:
+            op = OpenChunk(take(open_chunk.keys[:, :, width - off:]), take(open_chunk.values[:, :, width - off:]),
+                           take(open_chunk.valid[:, width - off:]))
+        qs, ks, vs = (take(x[:, :, trim:]) for x in (q, k, v))
+        vd = take(key_valid[:, trim:])
+        o, st, op, _ = ovq_attention(qs, ks, vs, st, op, vd, seen_bound=bound, **kw)
+        o = torch.nn.functional.pad(o, (0, 0, trim, 0)) if trim else o
+        if idx is None:
+            o_all = o
+        else:
+            if o_all is None:
+                o_all = o.new_zeros(B, Hq, S, Dv)
+            o_all = o_all.index_copy(0, idx, o)
+        results.append((idx, st if absorbs else None, op))
+    if o_all is None:
+        o_all = q.new_zeros(B, Hq, S, Dv)
+    if not keep_state:
+        return o_all, None, None
+    # the state: rows of the calls that absorbed written back (an idle call leaves its rows as they were)
+    for idx, st, _ in results:
+        if st is None:
+            continue
+        if idx is None:
+            state = st
+        else:
+            state = OVQState(_put(state.key_sums, idx, st.key_sums), _put(state.value_sums, idx, st.value_sums),
+                             _put(state.counts, idx, st.counts), _put(state.n_active, idx, st.n_active),
+                             _put(state.seen, idx, st.seen))
+    # the open chunk: each row's open tokens right-aligned in the longest's width
+    W = max(phase_open_len(int(p), L1, C) for p in phases)
+    if W == 0:
+        return o_all, state, None
+    if len(results) == 1 and results[0][0] is None and results[0][2] is not None:
+        op = results[0][2]
+        return o_all, state, OpenChunk(op.keys[:, :, op.length - W:], op.values[:, :, op.length - W:],
+                                       op.valid[:, op.length - W:])
+    keys = k.new_zeros(B, H, W, D)
+    values = v.new_zeros(B, H, W, Dv)
+    valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
+    for idx, _, op in results:
+        if op is None or op.length == 0:
+            continue
+        w = min(op.length, W)
+        pad = W - w
+        ok, ov, oval = op.keys[:, :, -w:], op.values[:, :, -w:], op.valid[:, -w:]
+        if pad:
+            ok = torch.nn.functional.pad(ok, (0, 0, pad, 0))
+            ov = torch.nn.functional.pad(ov, (0, 0, pad, 0))
+            oval = torch.nn.functional.pad(oval, (pad, 0), value=False)
+        if idx is None:
+            keys, values, valid = ok.to(keys.dtype), ov.to(values.dtype), oval
+        else:
+            keys.index_copy_(0, idx, ok.to(keys.dtype))
+            values.index_copy_(0, idx, ov.to(values.dtype))
+            valid.index_copy_(0, idx, oval)
+    return o_all, state, OpenChunk(keys, values, valid)

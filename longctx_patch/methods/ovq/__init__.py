@@ -10,6 +10,7 @@ chunk_size) whatever the context length.  Details and every design choice: docs/
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,9 @@ from torch import nn
 
 from ..cache_layer import LongctxLayer
 from ...errors import ConfigError
-from ...kernels.ovq import OpenChunk, OVQState, ovq_attention
+from ...kernels.ovq import OpenChunk, OVQState, ovq_attention, ovq_attention_phased
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
+from ..padding import left_padding
 
 
 @dataclass
@@ -56,6 +58,11 @@ class OVQLayer(LongctxLayer):
     key_sums / value_sums ``[B, Hkv, N, D]`` float32 (row means = sums / counts), counts ``[B, Hkv, N]``,
     n_active / absorbed ``[B]``,
     open_keys / open_values ``[B, Hkv, <chunk, D]`` and open_valid ``[B, <chunk]``.
+
+    ``phases``: None, or (a left-padded batch whose paddings are not all whole chunks) each row's left padding
+    modulo the chunk, host ints fixed by the first forward: row r's chunks start at ``phases[r] + j * C``, so it
+    computes what it computes alone (``kernels.ovq.ovq_attention_phased``). The open chunk then holds each row's
+    own open tokens right-aligned, as wide as the longest (columns left of a row's part are masked).
     """
 
     state_names = ("key_sums", "value_sums", "counts", "n_active", "absorbed", "open_keys", "open_values", "open_valid")
@@ -64,6 +71,30 @@ class OVQLayer(LongctxLayer):
         super().__init__()
         self.chunk_size = chunk_size
         self.max_centroids = max_centroids
+        self.phases: tuple[int, ...] | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.phases = None
+
+    def _rows(self, rows: list[int]) -> None:
+        if self.phases is not None:
+            self.phases = tuple(self.phases[r] for r in rows)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.phases is not None:
+            self._rows([r for r in range(len(self.phases)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.phases is not None:
+            self._rows(torch.arange(len(self.phases))[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.phases is not None:
+            self._rows(beam_idx.tolist())
 
     def get_state(self) -> tuple[OVQState | None, OpenChunk | None, int]:
         if self.key_sums is None:
@@ -119,11 +150,24 @@ class OVQAttention(PatchedAttention):
                   backend=cfg.backend, exact_assign=cfg.exact_assign,
                   parallel={"auto": None, "parallel": True, "loop": False}[cfg.train_path])
         if cache_layer is None:
+            phases = row_phases(padding, cfg.chunk_size)
+            if phases is not None:
+                o, _, _ = ovq_attention_phased(qs, ks, v, None, None, valid, phases, padding.shape[1] - S,
+                                               keep_state=False, **kw)
+                return o.transpose(1, 2)
             o, _, _, _ = ovq_attention(qs, ks, v, None, None, valid, **kw)
             return o.transpose(1, 2)
         if not isinstance(cache_layer, OVQLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with ovq but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
+        if cache_layer.seen == 0:  # the first forward fixes each row's chunk grid
+            cache_layer.phases = row_phases(padding, cfg.chunk_size)
+        if cache_layer.phases is not None:
+            state, op, _ = cache_layer.get_state()
+            o, state, op = ovq_attention_phased(qs, ks, v, state, op, valid, cache_layer.phases, cache_layer.seen,
+                                                **kw)
+            cache_layer.set_state(state, op, S, ks)
+            return o.transpose(1, 2)
         state, op, absorbed = cache_layer.get_state()
         o, state, op, _ = ovq_attention(qs, ks, v, state, op, valid, seen_bound=absorbed if state is not None else None, **kw)
         cache_layer.set_state(state, op, S, ks)
@@ -142,6 +186,23 @@ class OVQAttention(PatchedAttention):
         dictionary = batch * H * cfg.max_centroids * (2 * D + 1) * 4 + 2 * batch * 8
         open_chunk = batch * (context_len % cfg.chunk_size) * (H * 2 * D * elt + 1)
         return dictionary + open_chunk
+
+
+_PHASES: list = [None]  # (weakref to the last key mask, its version, chunk, phases): one forward's layers share it
+
+
+def row_phases(padding: torch.Tensor | None, chunk: int) -> tuple[int, ...] | None:
+    """Each row's left padding modulo `chunk` (host ints: one host sync per forward with padding), or None when
+    there is no padding or every row's padding is whole chunks (those rows are in phase: the plain path)."""
+    if padding is None:
+        return None
+    memo = _PHASES[0]
+    if memo is not None and memo[0]() is padding and memo[1] == padding._version and memo[2] == chunk:
+        return memo[3]
+    ph = (left_padding(padding) % chunk).tolist()
+    out = tuple(int(p) for p in ph) if any(ph) else None
+    _PHASES[0] = (weakref.ref(padding), padding._version, chunk, out)
+    return out
 
 
 @register_method
