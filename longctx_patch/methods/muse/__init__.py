@@ -56,7 +56,8 @@ class MuseConfig(MethodConfig):
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
     dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
                           "only")
-    min_seq_len: int = option(1024, "prefills shorter than this use exact attention", min=0)
+    min_seq_len: int = option(1024, "prefills shorter than this use exact attention (a row of a padded batch: "
+                              "its real tokens, as that prompt alone)", min=0)
     exact_tail: int = option(128, "prefills that fill a KV cache in eval mode (generate): the last this-many "
                              "queries attend exactly to every key, recomputed after MuSe (the question at the end of "
                              "a prompt, and the positions the first generated token reads); 0: off. Training, "
