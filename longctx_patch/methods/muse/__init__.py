@@ -161,7 +161,7 @@ class MuseAttention(PatchedAttention):
             if rows is None:
                 o[:, trim:] = part.to(o.dtype)
             else:
-                o[rows.to(o.device), trim:] = part.to(o.dtype)
+                o[rows, trim:] = part.to(o.dtype)
         return o
 
 
@@ -172,7 +172,7 @@ def _row_groups(ctx, padding, km, block: int, min_len: int):
     attention or None). A row's real length (its True entries) decides between MuSe (longer than `block` and at
     least `min_len`) and exact attention, as it would alone; `masked`: some row of the group keeps padding after the
     trim (else its MuSe call takes no key mask, as the prompts alone do)."""
-    key = (block, min_len, tuple(km.shape))
+    key = (block, min_len, tuple(km.shape), padding._version)  # _version: a mask changed in place is read again
     cached = getattr(ctx, "_muse_rows", None)
     if cached is not None and cached[0] is padding and cached[1] == key:
         return cached[2]
@@ -187,10 +187,10 @@ def _row_groups(ctx, padding, km, block: int, min_len: int):
     for rows in by_phase.values():
         trim = min(pad[r] for r in rows)  # every padding of the group is trim + a multiple of block
         masked = any(pad[r] != trim or real[r] != S - pad[r] for r in rows)
-        groups.append((None if len(rows) == B else torch.tensor(rows), trim, masked))
+        groups.append((None if len(rows) == B else torch.tensor(rows, device=km.device), trim, masked))
     exact = [r for r in range(B) if not takes_muse[r]]
     res = None if len(groups) == 1 and groups[0][0] is None and groups[0][1] == 0 else \
-        (groups, torch.tensor(exact) if exact else None)
+        (groups, torch.tensor(exact, device=km.device) if exact else None)
     if ctx is not None:
         ctx._muse_rows = (padding, key, res)
     return res
