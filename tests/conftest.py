@@ -1,0 +1,135 @@
+import os
+
+# Triton kernels run on the CPU through the interpreter; set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)
+
+
+def tiny_config(model_type: str = "llama", **kw):
+    """A tiny random-weight config of a supported family (GQA: 4 q heads, 2 kv heads)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if model_type == "qwen3":
+        base["head_dim"] = 16
+    base.update(kw)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (fp32, CPU), loaded once per test session."""
+    import longctx_patch
+
+    return longctx_patch.load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def pg_essays_dir():
+    d = TEST_DATA / "pg_essays"
+    if not d.is_dir():
+        pytest.fail(f"test data {d} is missing: it ships with the repository (tests/data/README.md)")
+    return d
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_left_padded_batch_matches_single(model, lens, max_new_tokens: int, seed: int = 4) -> None:
+    """Greedy generate() of a left-padded batch of random prompts (lengths `lens`) gives, row by row, the
+    tokens (prompt and continuation) of generating each prompt alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in lens]
+    L = max(lens)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        for r, p in enumerate(prompts):
+            one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            assert torch.equal(batch[r, L - len(p):], one[0]), (r, batch[r], one[0])
+
+
+def padded_batch_gap(model, lens, max_new_tokens: int = 0, seed: int = 4, position_ids: bool = True,
+                     vocab: int = 128) -> tuple[float, bool]:
+    """A left-padded batch of random prompts (lengths `lens`) against each prompt alone: the largest |logit
+    difference| over every real position of the prefill (a plain forward, with `position_ids` from the mask or
+    without any) and, with `max_new_tokens`, over every greedy decode step's logits; and whether every row
+    generated the tokens it generates alone."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+    L = max(lens)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = p
+        am[r, L - len(p):] = 1
+    gap, same = 0.0, True
+    with torch.no_grad():
+        kw = {"position_ids": (am.cumsum(1) - 1).clamp_min(0)} if position_ids else {}
+        logits = model(ids, attention_mask=am, use_cache=False, **kw).logits.float()
+        for r, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits.float()
+            gap = max(gap, (logits[r, L - len(p):] - alone[0]).abs().max().item())
+        if max_new_tokens:
+            gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                       return_dict_in_generate=True)
+            batch = model.generate(ids, attention_mask=am, **gen)
+            for r, p in enumerate(prompts):
+                one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen)
+                same = same and torch.equal(batch.sequences[r, L - len(p):], one.sequences[0])
+                for sb, so in zip(batch.scores, one.scores):
+                    gap = max(gap, (sb[r].float() - so[0].float()).abs().max().item())
+    return gap, same
+
+
+def assert_padded_batch_exact(model, lens, max_new_tokens: int = 6, atol: float = 1e-4, **kw) -> None:
+    """Every row of a left-padded batch has the logits (within `atol`, fp32) and greedy tokens of its prompt alone."""
+    gap, same = padded_batch_gap(model, lens, max_new_tokens, **kw)
+    assert same and gap <= atol, f"padded rows differ from the prompts alone: max |dlogits| {gap:.3g}, tokens same: {same}"
