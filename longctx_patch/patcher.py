@@ -194,6 +194,31 @@ def _warn_past_trained_context(st: PatchState, cfg, args, kwargs, cache) -> None
     )
 
 
+def _left_padded_positions(am: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """A forward of a left-padded batch without position_ids: the position ids generate() passes (each row counted
+    from its first real token, `mask.cumsum(-1) - 1` clamped at 0, the last S columns: the mask covers the cached
+    tokens and the new ones). transformers' decoder models, given none, count every row from the padded start
+    (5.24: `arange(S) + cache.get_seq_length()`; 5.17: `cache_position`), which softmax attention does not see but
+    the feature maps of lolcats / lola / ovq, applied to rotated q and k, do. Returns (args, kwargs, changed);
+    position_ids given (keyword, or the third positional argument of the decoder's forward) are kept."""
+    if kwargs.get("position_ids") is not None or (len(args) > 2 and args[2] is not None):
+        return args, kwargs, False
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(x, torch.Tensor):
+        x = kwargs.get("inputs_embeds")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return args, kwargs, False
+    S = x.shape[1] if x.dim() >= 2 else x.shape[-1]
+    if S > am.shape[1]:
+        return args, kwargs, False  # a mask shorter than the input: not ours to interpret
+    pos = (am.long().cumsum(-1) - 1).clamp_min(0)[:, am.shape[1] - S:]
+    if len(args) > 2:
+        args = (*args[:2], pos, *args[3:])
+    else:
+        kwargs = {**kwargs, "position_ids": pos}
+    return args, kwargs, True
+
+
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
     st = PatchState(cache_arg=_cache_arg_name(base))
     cfg = model_config(model)
@@ -202,10 +227,15 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         from .cache import LongctxCache
 
         am = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        if isinstance(am, torch.Tensor) and am.dim() == 2 and not bool(am.all()):
-            st.ctx.key_mask = am.bool()
-        else:
-            st.ctx.key_mask = None
+        changed = False
+        st.ctx.key_mask = None
+        if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
+            # one host read for both facts: any padding at all, and left padding (a row starting with padding)
+            padded, left = torch.stack([~am.bool().all(), ~am[:, 0].bool().all()]).tolist()
+            if padded:
+                st.ctx.key_mask = am.bool()
+                if left:
+                    args, kwargs, changed = _left_padded_positions(am, args, kwargs)
         cache = kwargs.get("cache", None)
         if cache is None:
             cache = kwargs.get("past_key_values", None)
@@ -214,10 +244,8 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         use_cache = kwargs.get("use_cache", None)
         if use_cache is None:
             use_cache = getattr(cfg, "use_cache", False)
-        if isinstance(cache, LongctxCache):
-            return None
-        if cache is None and not use_cache:
-            return None
+        if isinstance(cache, LongctxCache) or (cache is None and not use_cache):
+            return (args, kwargs) if changed else None
         if cache is not None and cache.get_seq_length() > 0:
             raise ConfigError(
                 f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "
