@@ -42,7 +42,7 @@ def _hybrid_fwd_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // G
@@ -79,15 +79,15 @@ def _hybrid_fwd_kernel(
         mks = offs_ks < F2
         fqs = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_ks[None, :],
                       mask=mm[:, None] & mks[None, :], other=0.0).to(tl.float32)
-        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
+        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state.to(tl.int64) * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
                       mask=mks[:, None] & md[None, :], other=0.0)
-        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_ks, mask=mks, other=0.0)
+        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state.to(tl.int64) * s_ss_n + offs_ks, mask=mks, other=0.0)
         acc_l += dot(fqs, hst, PREC, UPCAST)
         l_l += tl.sum(fqs * sst[None, :], 1)
 
     # 2. sparse cache: exact keys of this query head's sparse head
     if HAS_SP:
-        spc = a0 // sp_chunk  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
+        spc = (a0 // sp_chunk).to(tl.int64)  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
@@ -233,7 +233,7 @@ def _decode_kernel(
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid // HQ
     h = pid % HQ
     hk = h // G
@@ -359,7 +359,7 @@ def _feature_map_kernel(
     UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // H
     h = pid_bh % H
     hx = h // G

@@ -26,7 +26,7 @@ def _ovq_attn_fwd(Q, K, V, BIAS, O, LSE,
                   M, LK, n_dict, q_off, HQ, G,
                   D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
@@ -78,7 +78,7 @@ def _ovq_attn_bwd_dq(Q, K, V, BIAS, DO, LSE, DELTA, DQ,
                      M, LK, n_dict, q_off, HQ, G,
                      D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
@@ -118,7 +118,7 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
                        M, LK, n_dict, q_off, HK, G,
                        D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HK
     hk = pid_bh % HK
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -49,13 +49,13 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
     first chunk; M == LC == the chunk size) and its dictionary has ``NACT[t * NB + b]`` rows (``n_dict`` unused).
     MEAN: KS / VS hold the row means in Q's dtype (``_ovq_means``) instead of the float32 sums."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_p = tl.program_id(2)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         n_dict = tl.load(NACT + t * NB + b)
         Q += t * M * sqm
         KC += t * LC * skn
@@ -132,9 +132,9 @@ def _ovq_combine(PACC, PM, PL, O, TPTR, sob, soh, som, M, HQ, NSPLIT, DV: tl.con
                  DEV_T: tl.constexpr):
     """Merges the NSPLIT partial softmaxes of ``_ovq_fwd_split`` into O (DEV_T: chunk ``*TPTR`` of the run)."""
     if DEV_T:
-        O += tl.load(TPTR) * M * som
+        O += tl.load(TPTR).to(tl.int64) * M * som
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     BH = tl.num_programs(1)
@@ -153,11 +153,11 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
     """Reduce the row-split statistics of a block of tokens; rank them by spread score (smallest max
     dot product with the old rows first, ties by position) while the dictionary grows.
     DEV_T: chunk ``t = *TPTR`` of a run (VALID at its first chunk, NNEW a ``[T, NB]`` table)."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         VALID += t * C
         NNEW += t * NB
     BH = tl.num_programs(0)
@@ -206,12 +206,12 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
     STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass).
     DEV_T: chunk ``t = *TPTR`` of a run (KC, VC, VALID at its first chunk; NNEW, NACT ``[T, NB]`` tables;
     ROW_OUT ``[T, NB * H, C]``; ROW_T False: one chunk's ``[NB * H, C]`` scratch, the same for every chunk)."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         KC += t * C * skn
         VC += t * C * svn
         VALID += t * C
@@ -279,7 +279,7 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     KH = |KS / count|^2 / 2 in float32 (the assignment score's norm term). FROM_ROWS: the rows the chunk's
     tokens joined (ROWS ``[NB * H, C]``, -1 for padding; with DEV_T and ROW_T at chunk ``*TPTR`` of a
     ``[T, NB * H, C]`` table), after ``_ovq_absorb``; else rows [pid_i * BI, (pid_i + 1) * BI) of C rows."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
@@ -288,7 +288,7 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     if FROM_ROWS:
         if DEV_T:
             if ROW_T:
-                ROWS += tl.load(TPTR) * NB * H * C
+                ROWS += tl.load(TPTR).to(tl.int64) * NB * H * C
         r = tl.load(ROWS + pid * C + oi, mask=in_i, other=-1)
         ok = in_i & (r >= 0)
         r = tl.where(ok, r, 0)
