@@ -226,20 +226,21 @@ _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
 _VAL = re.compile(r"%[\w.$-]+")
 _LOC = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
 _USE = re.compile(r"loc\((#loc\d*)\)\s*$")
-_PASS = {"arith.addi", "arith.subi", "arith.muli", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape",
-         "ttg.convert_layout", "arith.select"}
+_PASS = {"arith.addi", "arith.subi", "arith.muli", "arith.extsi", "tt.splat", "tt.broadcast", "tt.expand_dims",
+         "tt.reshape", "ttg.convert_layout", "arith.select"}
 SMALL_CONSTANT = 1 << 16
 
 
 def i32_offset_products(ttir: str) -> list[list[str]]:
     """The 32-bit scalar products that reach a pointer offset: [variable, file:line, operands] of each `arith.muli
     ... : i32` (scalar, not a tensor) that a `tt.addptr` offset is built from (through adds, splats, broadcasts,
-    selects and tensor products), unless one factor is a constant below 2^16 (`pid_k * BK`).
+    selects, sign extensions and tensor products), unless one factor is a constant below 2^16 (`pid_k * BK`).
 
     Such a product is a base offset (batch x head index times a stride, a slot index times a slot stride): it
-    overflows once the tensor passes 2^31 elements. Widening the index (`.to(tl.int64)`) makes the product 64-bit
-    and ends the walk at the cast. Tensor products (the tile offsets `offs_n[:, None] * stride`) may stay 32-bit:
-    they are bounded by a sequence length times a row stride (docs/PERFORMANCE.md, "Large shapes")."""
+    overflows once the tensor passes 2^31 elements. Widening the index (`.to(tl.int64)`) makes the product 64-bit;
+    the walk goes on through sign extensions (`arith.extsi`), so a product widened only after it was formed
+    (`(b * s_b).to(tl.int64)`, or an i32 product added to a 64-bit one) is still flagged. Tensor products (the
+    tile offsets `offs_n[:, None] * stride`) may stay 32-bit: they are bounded by a sequence length times a row stride (docs/PERFORMANCE.md, "Large shapes")."""
     defs, locs, offsets = {}, {}, []
     for line in ttir.splitlines():
         lm = _LOC.match(line.strip())
@@ -371,7 +372,18 @@ def _canary_i64_base(X, O, s_b, s_h, s_n, HQ: tl.constexpr, BM: tl.constexpr):
     tl.store(O + offs, x)
 
 
+@triton.jit
+def _canary_widened_late(X, O, s_b, s_h, s_n, HQ: tl.constexpr, BM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs = pid_m * BM + tl.arange(0, BM)
+    base = ((pid_bh // HQ) * s_b).to(tl.int64) + (pid_bh % HQ) * s_h  # widened after the product: still flagged
+    x = tl.load(X + base + offs * s_n)
+    tl.store(O + offs, x)
+
+
 CASES["canary_i32_base"] = (_canary_i32_base, dict(HQ=32, BM=64), f32("X", "O"), {})
+CASES["canary_widened_late"] = (_canary_widened_late, dict(HQ=32, BM=64), f32("X", "O"), {})
 CASES["canary_i64_base"] = (_canary_i64_base, dict(HQ=32, BM=64), f32("X", "O"), {})
 
 

@@ -37,7 +37,7 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "sre", "sre_bf
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \
     + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"]
-CANARIES = ["canary_i32_base", "canary_i64_base"]
+CANARIES = ["canary_i32_base", "canary_i64_base", "canary_widened_late"]
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +95,12 @@ def test_base_offsets_are_64_bit(compiled, name):
 
 def test_offset_check_flags_32_bit_base_offsets(compiled):
     """The check can fail: the canary written as the kernels were (32-bit batch x head id) is flagged at both
-    products, the widened one is not."""
+    products, the widened one is not, and one widened after the product (`(b * s_b).to(tl.int64)`) still is."""
     flagged = compiled["canary_i32_base"]["i32_offsets"]
     assert len(flagged) == 2 and all(ops.endswith(": i32") for _, _, ops in flagged), flagged
     assert compiled["canary_i64_base"]["i32_offsets"] == []
+    late = compiled["canary_widened_late"]["i32_offsets"]  # the batch product is formed in 32 bits, then widened
+    assert len(late) == 2 and all(ops.endswith(": i32") for _, _, ops in late), late
 
 
 # one step past the largest compiled tiles above: the dispatchers must refuse these on the Triton path

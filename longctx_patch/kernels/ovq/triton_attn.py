@@ -134,7 +134,7 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
     first_chunk = pid_n * BN - n_dict
     lo = tl.where(first_chunk > q_off, first_chunk - q_off, 0)
     lo = (lo // BM) * BM
-    HQ = HK * G
+    bq = b * HK * G  # the first query head of this batch row, 64-bit (HK * G alone is a 32-bit product)
     for gi in range(0, G):
         hq = hk * G + gi
         qbase = Q + b * sqb + hq * sqh
@@ -144,8 +144,8 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
             mask_m = offs_m < M
             q = tl.load(qbase + offs_m[:, None] * sqm + offs_d[None, :], mask=mask_m[:, None], other=0.0)
             do = tl.load(dobase + offs_m[:, None] * sqm + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
-            lse = tl.load(LSE + (b * HQ + hq) * M + offs_m, mask=mask_m, other=float("inf"))
-            delta = tl.load(DELTA + (b * HQ + hq) * M + offs_m, mask=mask_m, other=0.0)
+            lse = tl.load(LSE + (bq + hq) * M + offs_m, mask=mask_m, other=float("inf"))
+            delta = tl.load(DELTA + (bq + hq) * M + offs_m, mask=mask_m, other=0.0)
             s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
             allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
             allowed = allowed & in_k[None, :] & mask_m[:, None]

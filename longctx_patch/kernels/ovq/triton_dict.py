@@ -75,7 +75,7 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR, KH,
         upd = blk_best > best
         idx = tl.where(upd, blk_idx, idx)
         best = tl.where(upd, blk_best, best)
-    out = (pid_p * tl.num_programs(1) + pid_bh) * C + offs_m
+    out = (pid_p.to(tl.int64) * tl.num_programs(1) + pid_bh) * C + offs_m  # split-major partials: 64-bit
     tl.store(MAXDOT + out, maxdot, mask=mask_m)
     tl.store(BEST + out, best, mask=mask_m)
     tl.store(IDX + out, idx, mask=mask_m)

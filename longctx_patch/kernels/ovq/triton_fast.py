@@ -121,7 +121,7 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
         m_i = m_new
-    row = (pid_p * tl.num_programs(1) + pid_bh) * M + offs_m
+    row = (pid_p.to(tl.int64) * tl.num_programs(1) + pid_bh) * M + offs_m  # split-major partials: 64-bit
     tl.store(PM + row, m_i, mask=mask_m)
     tl.store(PL + row, l_i, mask=mask_m)
     tl.store(PACC + row[:, None] * DV + offs_dv[None, :], acc, mask=mask_m[:, None])
@@ -168,7 +168,7 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
     best = tl.full([BI], float("-inf"), tl.float32)
     idx = tl.zeros([BI], tl.int64)
     for p in range(0, NSPLIT):
-        off = (p * BH + pid) * C + oi
+        off = (p * BH.to(tl.int64) + pid) * C + oi  # split-major partials: 64-bit
         si = tl.maximum(si, tl.load(PMAXDOT + off, mask=in_i, other=float("-inf")))
         bp = tl.load(PBEST + off, mask=in_i, other=float("-inf"))
         ip = tl.load(PIDX + off, mask=in_i, other=0)
@@ -186,7 +186,7 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
         in_j = oj < C
         sj = tl.full([BI], float("-inf"), tl.float32)
         for p in range(0, NSPLIT):
-            sj = tl.maximum(sj, tl.load(PMAXDOT + (p * BH + pid) * C + oj, mask=in_j, other=float("-inf")))
+            sj = tl.maximum(sj, tl.load(PMAXDOT + (p * BH.to(tl.int64) + pid) * C + oj, mask=in_j, other=float("-inf")))
         vj = tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0
         sj = tl.where(vj, sj, float("inf"))
         before = (sj[None, :] < si[:, None]) | ((sj[None, :] == si[:, None]) & (oj[None, :] < oi[:, None]))
