@@ -69,8 +69,9 @@ def _hybrid_fwd_kernel(
     # 1. linear state of every token before the first explicit key
     a0 = q_off + pid_m * BM
     if PER_BLOCK:
-        n_state = tl.maximum(a0 - window, 0) // CS
-        lo = n_state * CS
+        n_blk = tl.maximum(a0 - window, 0) // CS
+        lo = n_blk * CS
+        n_state = n_blk.to(tl.int64)  # the state slot: 64-bit base offset (HS has NB slots of F2 * D per row)
     else:
         n_state = 0
         lo = 0
@@ -79,9 +80,9 @@ def _hybrid_fwd_kernel(
         mks = offs_ks < F2
         fqs = tl.load(FQ + b * s_fq_b + h * s_fq_h + offs_m[:, None] * s_fq_m + offs_ks[None, :],
                       mask=mm[:, None] & mks[None, :], other=0.0).to(tl.float32)
-        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state.to(tl.int64) * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
+        hst = tl.load(HS + b * s_hs_b + h * s_hs_h + n_state * s_hs_n + offs_ks[:, None] * s_hs_f + offs_d[None, :],
                       mask=mks[:, None] & md[None, :], other=0.0)
-        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state.to(tl.int64) * s_ss_n + offs_ks, mask=mks, other=0.0)
+        sst = tl.load(SS + b * s_ss_b + h * s_ss_h + n_state * s_ss_n + offs_ks, mask=mks, other=0.0)
         acc_l += dot(fqs, hst, PREC, UPCAST)
         l_l += tl.sum(fqs * sst[None, :], 1)
 

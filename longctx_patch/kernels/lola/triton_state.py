@@ -226,7 +226,7 @@ def _local_states_kernel(
                    mask=mk[:, None] & mv[None, :], other=0.0)
     sacc = tl.load(SALL + slot * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
     for n in range(n_lo, n_hi):
-        n64 = n.to(tl.int64)
+        n64 = tl.cast(n, tl.int64)  # n is a Python int in the interpreter
         tl.store(HS + b * s_hs_b + h * s_hs_h + n64 * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :], hacc,
                  mask=mk[:, None] & mv[None, :])
         if pid_v == 0:
