@@ -240,7 +240,8 @@ def i32_offset_products(ttir: str) -> list[list[str]]:
     overflows once the tensor passes 2^31 elements. Widening the index (`.to(tl.int64)`) makes the product 64-bit;
     the walk goes on through sign extensions (`arith.extsi`), so a product widened only after it was formed
     (`(b * s_b).to(tl.int64)`, or an i32 product added to a 64-bit one) is still flagged. Tensor products (the
-    tile offsets `offs_n[:, None] * stride`) may stay 32-bit: they are bounded by a sequence length times a row stride (docs/PERFORMANCE.md, "Large shapes")."""
+    tile offsets `offs_n[:, None] * stride`) may stay 32-bit: they are bounded by a sequence length times a row
+    stride (docs/PERFORMANCE.md, "Large shapes")."""
     defs, locs, offsets = {}, {}, []
     for line in ttir.splitlines():
         lm = _LOC.match(line.strip())

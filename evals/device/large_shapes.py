@@ -3,7 +3,7 @@ shapes: 64-bit offsets and grid limits"): the crash of 2026-12-02 ("an illegal m
 16 x 32k) and its neighbours. Each case runs in its own subprocess, so a crash ends only that case; optionally
 under `compute-sanitizer --tool memcheck` (`--memcheck`; slow: pick one case with `--only`).
 
-    python3 -m evals.device.large_shapes                         # every case, at most 8 min (the cases' timeouts) on an H200
+    python3 -m evals.device.large_shapes                         # every case, < 8 min on an H200 (the timeouts)
     python3 -m evals.device.large_shapes --only lola_prefill --memcheck
     python3 -m evals.device.large_shapes --list                  # the cases and their shapes (no GPU needed)
 
@@ -196,7 +196,8 @@ def case_ovq_prefill() -> dict:
     k, v = _randn(g, B, Hkv, S, D, dtype=dt), _randn(g, B, Hkv, S, D, dtype=dt)
     _mirror_row(q, k, v)
     with torch.no_grad():
-        o, *_ = ovq_attention(q, k, v, None, None, None, chunk_size=sz(512, 64), max_centroids=sz(4096, 96), growth=sz(1024, 32),
+        o, *_ = ovq_attention(q, k, v, None, None, None, chunk_size=sz(512, 64), max_centroids=sz(4096, 96),
+                              growth=sz(1024, 32),
                               backend="triton")
     _sync()
     return _compare(o)
@@ -318,7 +319,8 @@ def main(argv=None) -> int:
            "command": f"python3 -m evals.device.large_shapes {argv_s}".strip(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "memcheck": a.memcheck, "cases": cases}
     what = "all" if a.cases == list(CASES) else "+".join(a.cases)
-    name = f"large-shapes-{what}{'-memcheck' if a.memcheck else ''}{'-smoke' if a.smoke else ''}-{device_token(device)}.json"
+    tags = ("-memcheck" if a.memcheck else "") + ("-smoke" if a.smoke else "")
+    name = f"large-shapes-{what}{tags}-{device_token(device)}.json"
     path = results_dir("racecheck", a.out) / name
     path.write_text(json.dumps(rec, indent=2) + "\n")
     print(f"wrote {path}")
