@@ -8,6 +8,7 @@ Triton through the interpreter (TRITON_INTERPRET=1 is read when triton is import
 
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -15,6 +16,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -220,6 +222,81 @@ def branch_converts(ttgir: str) -> int:
     return n
 
 
+_DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
+_VAL = re.compile(r"%[\w.$-]+")
+_LOC = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
+_USE = re.compile(r"loc\((#loc\d*)\)\s*$")
+_PASS = {"arith.addi", "arith.subi", "arith.muli", "arith.extsi", "tt.splat", "tt.broadcast", "tt.expand_dims",
+         "tt.reshape", "ttg.convert_layout", "arith.select"}
+SMALL_CONSTANT = 1 << 16
+
+
+def i32_offset_products(ttir: str) -> list[list[str]]:
+    """The 32-bit scalar products that reach a pointer offset: [variable, file:line, operands] of each `arith.muli
+    ... : i32` (scalar, not a tensor) that a `tt.addptr` offset is built from (through adds, splats, broadcasts,
+    selects, sign extensions and tensor products), unless one factor is a constant below 2^16 (`pid_k * BK`).
+
+    Such a product is a base offset (batch x head index times a stride, a slot index times a slot stride): it
+    overflows once the tensor passes 2^31 elements. Widening the index (`.to(tl.int64)`) makes the product 64-bit;
+    the walk goes on through sign extensions (`arith.extsi`), so a product widened only after it was formed
+    (`(b * s_b).to(tl.int64)`, or an i32 product added to a 64-bit one) is still flagged. Tensor products (the
+    tile offsets `offs_n[:, None] * stride`) may stay 32-bit: they are bounded by a sequence length times a row
+    stride (docs/PERFORMANCE.md, "Large shapes")."""
+    defs, locs, offsets = {}, {}, []
+    for line in ttir.splitlines():
+        lm = _LOC.match(line.strip())
+        if lm:
+            locs[lm.group(1)] = lm.group(2)
+            continue
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        use = _USE.search(rest)
+        body = rest.split(" loc(")[0]
+        operands, _, ty = body.rpartition(" : ")
+        ops = _VAL.findall(operands)
+        defs[name] = (op, ops, ty.strip(), body, use.group(1) if use else None)
+        if op == "tt.addptr" and len(ops) >= 2:
+            offsets.append(ops[1])
+
+    def where(loc):
+        """(variable name, file:line) of a location, following name locations to their file location."""
+        var, seen = "", set()
+        while loc and loc not in seen:
+            seen.add(loc)
+            text = locs.get(loc, "")
+            nm = re.match(r'^"([^"]*)"\((#loc\d*)\)$', text)
+            if nm:
+                var = var or nm.group(1)
+                loc = nm.group(2)
+                continue
+            fm = re.match(r'^"([^"]*)":(\d+):\d+', text)
+            return var, (f"{fm.group(1).rsplit('/', 1)[-1]}:{fm.group(2)}" if fm else "")
+        return var, ""
+
+    def small_constant(v):
+        d = defs.get(v)
+        if d is None or d[0] != "arith.constant":
+            return False
+        c = re.match(r"(?:dense<)?(-?\d+)", d[3])
+        return c is not None and abs(int(c.group(1))) < SMALL_CONSTANT
+
+    bad, seen, stack = {}, set(), list(offsets)
+    while stack:
+        v = stack.pop()
+        if v in seen or v not in defs:
+            continue
+        seen.add(v)
+        op, ops, ty, body, loc = defs[v]
+        if op not in _PASS:
+            continue  # loads, program ids, casts (extsi: already 64-bit), divisions ... end the walk
+        if op == "arith.muli" and ty == "i32" and not any(small_constant(o) for o in ops):
+            bad[v] = [*where(loc), body]
+        stack.extend(ops[1:] if op == "arith.select" else ops)
+    return sorted({tuple(x) for x in bad.values()})
+
+
 def cells_ptrs(t, *out, **other):
     """Pointer arguments of the cells kernels: tensors of dtype t, the plan's tables and fp32 statistics."""
     base = dict(LOGN=F32, KVAL=I8, EXL=I32, RET=I8, LSE=F32, DELTA=F32, DQ=F32, DK=F32, DV=F32, DMU=F32, DVB=F32,
@@ -276,13 +353,49 @@ CASES["decode_combine_D128"] = (dk._combine_kernel, dict(HKV=8, G=4, NRB=1, BR=1
                                 dict(PO=F32, PM=F32, PL=F32, O=BF16), {"num_warps": 4})
 
 
+# the 64-bit offset check's own cases: the same load with the batch x head program id 32-bit (as every LoLA and OVQ
+# kernel had it before the large-shape audit: flagged) and widened (clean)
+@triton.jit
+def _canary_i32_base(X, O, s_b, s_h, s_n, HQ: tl.constexpr, BM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs = pid_m * BM + tl.arange(0, BM)
+    x = tl.load(X + (pid_bh // HQ) * s_b + (pid_bh % HQ) * s_h + offs * s_n)
+    tl.store(O + offs, x)
+
+
+@triton.jit
+def _canary_i64_base(X, O, s_b, s_h, s_n, HQ: tl.constexpr, BM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    offs = pid_m * BM + tl.arange(0, BM)
+    x = tl.load(X + (pid_bh // HQ) * s_b + (pid_bh % HQ) * s_h + offs * s_n)
+    tl.store(O + offs, x)
+
+
+@triton.jit
+def _canary_widened_late(X, O, s_b, s_h, s_n, HQ: tl.constexpr, BM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs = pid_m * BM + tl.arange(0, BM)
+    base = ((pid_bh // HQ) * s_b).to(tl.int64) + (pid_bh % HQ) * s_h  # widened after the product: still flagged
+    x = tl.load(X + base + offs * s_n)
+    tl.store(O + offs, x)
+
+
+CASES["canary_i32_base"] = (_canary_i32_base, dict(HQ=32, BM=64), f32("X", "O"), {})
+CASES["canary_widened_late"] = (_canary_widened_late, dict(HQ=32, BM=64), f32("X", "O"), {})
+CASES["canary_i64_base"] = (_canary_i64_base, dict(HQ=32, BM=64), f32("X", "O"), {})
+
+
 def main():
     out = {}
     for name, (kernel, consts, ptrs, options) in CASES.items():
         try:
             k = compile_kernel(kernel, consts, ptrs, options)
             out[name] = {"shared": int(k.metadata.shared), "cubin_bytes": len(k.asm.get("cubin", b"")),
-                         "branch_converts": branch_converts(k.asm["ttgir"])}
+                         "branch_converts": branch_converts(k.asm["ttgir"]),
+                         "i32_offsets": [list(x) for x in i32_offset_products(k.asm["ttir"])]}
         except Exception as e:  # noqa: BLE001 - reported per kernel
             out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:], "trace": traceback.format_exc()[-2000:]}
     print(json.dumps(out))

@@ -37,6 +37,7 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "sre", "sre_bf
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \
     + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"]
+CANARIES = ["canary_i32_base", "canary_i64_base", "canary_widened_late"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def compiled():
 
 
 def test_every_case_is_listed(compiled):
-    assert sorted(compiled) == sorted(NAMES)
+    assert sorted(compiled) == sorted(NAMES + CANARIES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -66,6 +67,40 @@ def test_lola_folds_convert_no_layout_inside_a_branch(compiled, name):
     hazards at that store; s_all depended on timing under load: docs/PERFORMANCE.md, LoLA). The CPU kernel tests
     cannot see a race, so this checks the compiled form."""
     assert compiled[name].get("branch_converts") == 0, compiled[name]
+
+
+# 32-bit scalar products in pointer offsets that are bounded by construction, with the bound
+I32_OFFSETS_ALLOWED = {
+    # _ev_candidates: eviction c's first candidate position c * C - W, a token index (< S), times a row stride
+    # only as a tile offset
+    ("ev_", "%c, %C : i32"): "token position",
+}
+
+
+def _allowed(name, operands):
+    return any(name.startswith(prefix) and operands == ops for prefix, ops in I32_OFFSETS_ALLOWED)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_base_offsets_are_64_bit(compiled, name):
+    """No pointer offset of the sm_90 build is built from a 32-bit scalar product (a batch x head program id, a slot
+    or chunk index times a stride): at batch 16 x 32k tokens LoLA's phi(k) has 2^31 elements and its per-eviction
+    states 513 x 2^22 (chunk 64), and an H200 run crashed with an illegal memory access; at batch 64 x 128k the
+    q/k/v batch offsets alone pass 2^31. The check reads the TTIR (`compile_sm90.i32_offset_products`): robust to
+    how the source spells the arithmetic (helpers are inlined, names do not matter), blind to tile offsets, which
+    are tensors and may stay 32-bit (docs/PERFORMANCE.md, "Large shapes: 64-bit offsets and grid limits")."""
+    bad = [x for x in compiled[name].get("i32_offsets", [None]) if x is None or not _allowed(name, x[2])]
+    assert not bad, f"{name}: 32-bit scalar products in pointer offsets (variable, line, operands): {bad}"
+
+
+def test_offset_check_flags_32_bit_base_offsets(compiled):
+    """The check can fail: the canary written as the kernels were (32-bit batch x head id) is flagged at both
+    products, the widened one is not, and one widened after the product (`(b * s_b).to(tl.int64)`) still is."""
+    flagged = compiled["canary_i32_base"]["i32_offsets"]
+    assert len(flagged) == 2 and all(ops.endswith(": i32") for _, _, ops in flagged), flagged
+    assert compiled["canary_i64_base"]["i32_offsets"] == []
+    late = compiled["canary_widened_late"]["i32_offsets"]  # the batch product is formed in 32 bits, then widened
+    assert len(late) == 2 and all(ops.endswith(": i32") for _, _, ops in late), late
 
 
 # one step past the largest compiled tiles above: the dispatchers must refuse these on the Triton path

@@ -153,8 +153,9 @@ def combine_splits(PO, PM, PL, first, step, size, rows, mask, NS, D: tl.constexp
                    MASKED: tl.constexpr):
     """The partial softmaxes of NS key splits at their common max. Split s of row r: its max (log2 units) and sum at
     PM / PL[i], its unnormalised output at PO[i * D + d], i = (first + s * step) * size + r, for the BR row offsets
-    r in `rows` (MASKED: only the rows of `mask` are read). Returns (acc [BR, D], den [BR]): the output is
+    r in `rows` (MASKED: only the rows of `mask` are read); `first` may be 32- or 64-bit, i is 64-bit. Returns (acc [BR, D], den [BR]): the output is
     acc / den (den is 0 for a row that no split saw a key of)."""
+    step = tl.cast(step, tl.int64)  # 64-bit split offsets: `first + s * step` counts rows of all programs
     mx = tl.full([BR], float("-inf"), tl.float32)
     for s in range(0, NS):
         if MASKED:

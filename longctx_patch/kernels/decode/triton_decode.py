@@ -32,8 +32,8 @@ def _split_kernel(Q, K, V, KM, PO, PM, PL,
                   UP: tl.constexpr):
     pid = tl.program_id(0)  # ((b * HKV + h) * NRB + rb)
     s = tl.program_id(1)  # split of the keys
-    rb = pid % NRB
-    bh = pid // NRB
+    rb = pid % NRB  # 32-bit: the row and key positions of the hot loop stay 32-bit
+    bh = (pid // NRB).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     h = bh % HKV
     b = bh // HKV
     rows = rb * BR + tl.arange(0, BR)  # stacked rows: r = g * Sq + i
@@ -69,7 +69,7 @@ def _split_kernel(Q, K, V, KM, PO, PM, PL,
         vt = tl.load(vbase + cols[:, None] * svs + d[None, :], mask=cvalid[:, None], other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, PREC, UP)
     r = tl.arange(0, BR)
-    base = pid * NS + s
+    base = pid.to(tl.int64) * NS + s
     tl.store(PO + (base * BR + r)[:, None] * D + d[None, :], acc)
     tl.store(PM + base * BR + r, m)
     tl.store(PL + base * BR + r, l)
@@ -79,12 +79,12 @@ def _combine_kernel(PO, PM, PL, O, sob, sos, soh, Sq, NS,
                     HKV: tl.constexpr, G: tl.constexpr, NRB: tl.constexpr, BR: tl.constexpr, D: tl.constexpr):
     pid = tl.program_id(0)
     rb = pid % NRB
-    bh = pid // NRB
+    bh = (pid // NRB).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     h = bh % HKV
     b = bh // HKV
     r = tl.arange(0, BR)
     d = tl.arange(0, D)
-    acc, den = combine_splits(PO, PM, PL, pid * NS, 1, BR, r, r, NS, D, BR, False)
+    acc, den = combine_splits(PO, PM, PL, pid.to(tl.int64) * NS, 1, BR, r, r, NS, D, BR, False)
     rows = rb * BR + r
     rvalid = rows < G * Sq
     g = rows // Sq

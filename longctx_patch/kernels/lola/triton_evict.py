@@ -61,7 +61,7 @@ def _sre_kernel(
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_VALID: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_n = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
@@ -133,7 +133,7 @@ def _ev_candidates(SPIDX, KM, c, b, hs, offs_j, NC, lam, C, W,
                    s_spi_c, s_spi_b, s_spi_h, s_km_b, HAS_KM: tl.constexpr):
     """Token position of each candidate j (the lam sparse slots, then the evicted pairs), -1 if invalid."""
     is_sp = offs_j < lam
-    sp = tl.load(SPIDX + c * s_spi_c + b * s_spi_b + hs * s_spi_h + offs_j, mask=is_sp, other=-1)
+    sp = tl.load(SPIDX + c.to(tl.int64) * s_spi_c + b * s_spi_b + hs * s_spi_h + offs_j, mask=is_sp, other=-1)
     pos = c * C - W + (offs_j - lam)
     ok = (~is_sp) & (offs_j < NC) & (pos >= 0)
     if HAS_KM:
@@ -155,7 +155,7 @@ def _ev_score_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     """SC[b, h, j] = SRE of candidate j under query head h's state H_all[c] (-inf for invalid candidates)."""
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_n = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
@@ -168,8 +168,9 @@ def _ev_score_kernel(
     md = offs_d < D
     vv = tl.load(V + b * s_v_b + (h // G) * s_v_h + idx[:, None] * s_v_n + offs_d[None, :],
                  mask=ok[:, None] & md[None, :], other=0.0).to(tl.float32)
-    sc = _sre_rows(FK + b * s_fk_b + h * s_fk_h, idx, ok, s_fk_n, HALL + c * s_ha_c + b * s_ha_b + h * s_ha_h,
-                   s_ha_f, SALL + c * s_sa_c + b * s_sa_b + h * s_sa_h, vv, F2, D, eps, BN, BD, BK, PREC, UPCAST)
+    c64 = c.to(tl.int64)
+    sc = _sre_rows(FK + b * s_fk_b + h * s_fk_h, idx, ok, s_fk_n, HALL + c64 * s_ha_c + b * s_ha_b + h * s_ha_h,
+                   s_ha_f, SALL + c64 * s_sa_c + b * s_sa_b + h * s_sa_h, vv, F2, D, eps, BN, BD, BK, PREC, UPCAST)
     sc = tl.where(ok, sc, float("-inf"))
     tl.store(SC + b * s_sc_b + h * s_sc_h + offs_j, sc, mask=offs_j < NC)
 
@@ -186,7 +187,7 @@ def _ev_select_kernel(
     """Per sparse head: sum the SRE over its query heads and keep the lam highest (ties: lowest index) as the
     slots SPIDX[c + 1] (scores in SPSC[c + 1], empty slots -1 / -inf); the others are folded (_ev_fold_kernel),
     and NFOLD[b, hs] counts them (all evictions so far)."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid // HS
     hs = pid % HS
     c = tl.load(CNT)
@@ -230,7 +231,7 @@ def _ev_select_kernel(
     keep = gt | (eq & (rank <= need))
     keep = tl.where(n_valid <= lam, valid, keep)  # fewer valid candidates than slots: keep them all
     slot = tl.cumsum(keep.to(tl.int32), 0) - 1
-    base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
+    base = (c + 1).to(tl.int64) * s_spi_c + b * s_spi_b + hs * s_spi_h
     n_keep = tl.sum(keep.to(tl.int32), 0)
     nf = NFOLD + b * HS + hs
     tl.store(nf, tl.load(nf) + n_valid - n_keep)
@@ -256,7 +257,7 @@ def _ev_fold_kernel(
     """H_all[c + 1] = P - sum over the sparse slots SPIDX[c + 1] of phi(k) v^T (and s_all), per query head, where
     P = (PH += H_all[c + 1]) is the sum of every pair evicted by eviction c and before (H_all[c + 1] holds the
     sum of eviction c's pairs on entry): the linear state holds exactly the evicted pairs not in the sparse set."""
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_k = tl.program_id(1)
     pid_v = tl.program_id(2)
     b = pid_bh // HQ
@@ -276,7 +277,7 @@ def _ev_fold_kernel(
     # (compute-sanitizer racecheck: write-write hazards at that store), which made s_all depend on timing
     sacc = tl.zeros([BK, BV], dtype=tl.float32)
     ones = tl.full([BN, BV], 1.0, tl.float32)
-    base = (c + 1) * s_spi_c + b * s_spi_b + hs * s_spi_h
+    base = (c + 1).to(tl.int64) * s_spi_c + b * s_spi_b + hs * s_spi_h
     for j0 in range(0, lam, BN):
         offs_j = j0 + tl.arange(0, BN)
         idx = tl.load(SPIDX + base + offs_j, mask=offs_j < lam, other=-1)
@@ -293,16 +294,16 @@ def _ev_fold_kernel(
     # while no pair has been folded (every evicted pair is held exact) the state is exactly 0, as the sequential
     # fold leaves it; P - sum(kept) would leave rounding noise there, and the SRE divides by phi(k) . s
     folded = tl.load(NFOLD + b * HS + hs) > 0
-    p = tl.load(PH + poff, mask=mkv, other=0.0) + tl.load(HALL + (c + 1) * s_ha_c + hoff, mask=mkv, other=0.0)
+    p = tl.load(PH + poff, mask=mkv, other=0.0) + tl.load(HALL + (c + 1).to(tl.int64) * s_ha_c + hoff, mask=mkv, other=0.0)
     tl.store(PH + poff, p, mask=mkv)
-    tl.store(HALL + (c + 1) * s_ha_c + hoff, tl.where(folded, p - hacc, 0.0), mask=mkv)
+    tl.store(HALL + (c + 1).to(tl.int64) * s_ha_c + hoff, tl.where(folded, p - hacc, 0.0), mask=mkv)
     # s: column 0 of the pid_v == 0 programs ([BK, BV] pointers that repeat along the columns, masked to one)
     col0 = mk[:, None] & (offs_v[None, :] == 0)
     soff = (b * HQ + h) * F2 + offs_k[:, None] + 0 * offs_v[None, :]
     so = b * s_sa_b + h * s_sa_h + offs_k[:, None] + 0 * offs_v[None, :]
-    ps = tl.load(PS + soff, mask=col0, other=0.0) + tl.load(SALL + (c + 1) * s_sa_c + so, mask=col0, other=0.0)
+    ps = tl.load(PS + soff, mask=col0, other=0.0) + tl.load(SALL + (c + 1).to(tl.int64) * s_sa_c + so, mask=col0, other=0.0)
     tl.store(PS + soff, ps, mask=col0)
-    tl.store(SALL + (c + 1) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=col0)
+    tl.store(SALL + (c + 1).to(tl.int64) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=col0)
 
 
 class PrefillEvictions:

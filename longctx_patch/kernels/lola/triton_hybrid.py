@@ -42,7 +42,7 @@ def _hybrid_fwd_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // G
@@ -69,8 +69,9 @@ def _hybrid_fwd_kernel(
     # 1. linear state of every token before the first explicit key
     a0 = q_off + pid_m * BM
     if PER_BLOCK:
-        n_state = tl.maximum(a0 - window, 0) // CS
-        lo = n_state * CS
+        n_blk = tl.maximum(a0 - window, 0) // CS
+        lo = n_blk * CS
+        n_state = n_blk.to(tl.int64)  # the state slot: 64-bit base offset (HS has NB slots of F2 * D per row)
     else:
         n_state = 0
         lo = 0
@@ -87,7 +88,7 @@ def _hybrid_fwd_kernel(
 
     # 2. sparse cache: exact keys of this query head's sparse head
     if HAS_SP:
-        spc = a0 // sp_chunk  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
+        spc = (a0 // sp_chunk).to(tl.int64)  # the sparse set of this block's chunk (one set for all when sp_chunk is huge)
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
@@ -233,7 +234,7 @@ def _decode_kernel(
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid // HQ
     h = pid % HQ
     hk = h // G
@@ -359,7 +360,7 @@ def _feature_map_kernel(
     UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // H
     h = pid_bh % H
     hx = h // G

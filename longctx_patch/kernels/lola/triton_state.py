@@ -36,7 +36,7 @@ def _chunk_sums_kernel(
 ):
     """OUT[:, :, c + 1] = sum of phi(k) v^T over the keys c*CS - OFF .. (c+1)*CS - OFF - 1 that lie in [0, N)
     (and OUTS the sum of phi(k)); slot 0 is left alone."""
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     c = tl.program_id(1)
     pid_kv = tl.program_id(2)
     pid_k = pid_kv // NV
@@ -61,10 +61,10 @@ def _chunk_sums_kernel(
                      mask=mt[:, None] & mv[None, :], other=0.0)
         hacc += dot(tl.trans(fk.to(vv.dtype)), vv, PREC, UPCAST)
         sacc += tl.sum(fk.to(tl.float32), 0)
-    tl.store(OUT + b * s_o_b + h * s_o_h + (c + 1) * s_o_n + offs_k[:, None] * s_o_f + offs_v[None, :],
+    tl.store(OUT + b * s_o_b + h * s_o_h + (c + 1).to(tl.int64) * s_o_n + offs_k[:, None] * s_o_f + offs_v[None, :],
              hacc, mask=mk[:, None] & mv[None, :])
     if pid_v == 0:
-        tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1) * s_os_n + offs_k, sacc, mask=mk)
+        tl.store(OUTS + b * s_os_b + h * s_os_h + (c + 1).to(tl.int64) * s_os_n + offs_k, sacc, mask=mk)
 
 
 def _range_sums(fk, v, km, H, S, n_slots: int, cs: int, off: int, h_strides, s_strides) -> None:
@@ -126,7 +126,7 @@ def _fold_kernel(
     s_s_b, s_s_h,
     HQ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_k = tl.program_id(1)
     pid_v = tl.program_id(2)
     b = pid_bh // HQ
@@ -206,7 +206,7 @@ def _local_states_kernel(
 ):
     """HS[:, :, n] = H_all[c] + sum of phi(k) v^T over the keys from chunk c's first buffered key
     (c*C - W, or 0) to n*CS, for the blocks n of chunk c (block n holds keys of chunk (n*CS + W) // C)."""
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     c = tl.program_id(1)
     pid_kv = tl.program_id(2)
     pid_k = pid_kv // NV
@@ -221,15 +221,16 @@ def _local_states_kernel(
     # a chunk that starts before key W reads block 0 (its H is 0, nothing evicted yet): each such chunk
     # writes it (the same values), since the chunk that block 0 belongs to, W // C, may lie past the end
     n_hi = tl.minimum(tl.maximum((c + 1) * C - W, CS) // CS, NB)
-    slot = tl.minimum(c, n_ev)
+    slot = tl.minimum(c, n_ev).to(tl.int64)  # H_all has n_ev + 1 slots of B*Hq*F2*D: 2^31 at 32k, chunk 64
     hacc = tl.load(HALL + slot * s_ha_c + b * s_ha_b + h * s_ha_h + offs_k[:, None] * s_ha_f + offs_v[None, :],
                    mask=mk[:, None] & mv[None, :], other=0.0)
     sacc = tl.load(SALL + slot * s_sa_c + b * s_sa_b + h * s_sa_h + offs_k, mask=mk, other=0.0)
     for n in range(n_lo, n_hi):
-        tl.store(HS + b * s_hs_b + h * s_hs_h + n * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :], hacc,
+        n64 = tl.cast(n, tl.int64)  # n is a Python int in the interpreter
+        tl.store(HS + b * s_hs_b + h * s_hs_h + n64 * s_hs_n + offs_k[:, None] * s_hs_f + offs_v[None, :], hacc,
                  mask=mk[:, None] & mv[None, :])
         if pid_v == 0:
-            tl.store(SS + b * s_ss_b + h * s_ss_h + n * s_ss_n + offs_k, sacc, mask=mk)
+            tl.store(SS + b * s_ss_b + h * s_ss_h + n64 * s_ss_n + offs_k, sacc, mask=mk)
         for t0 in range(0, CS, BT):
             offs_t = n * CS + t0 + tl.arange(0, BT)
             mt = offs_t < N

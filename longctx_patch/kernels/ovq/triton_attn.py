@@ -26,7 +26,7 @@ def _ovq_attn_fwd(Q, K, V, BIAS, O, LSE,
                   M, LK, n_dict, q_off, HQ, G,
                   D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
@@ -78,7 +78,7 @@ def _ovq_attn_bwd_dq(Q, K, V, BIAS, DO, LSE, DELTA, DQ,
                      M, LK, n_dict, q_off, HQ, G,
                      D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
@@ -118,7 +118,7 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
                        M, LK, n_dict, q_off, HK, G,
                        D: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HK
     hk = pid_bh % HK
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -134,7 +134,7 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
     first_chunk = pid_n * BN - n_dict
     lo = tl.where(first_chunk > q_off, first_chunk - q_off, 0)
     lo = (lo // BM) * BM
-    HQ = HK * G
+    bq = b * HK * G  # the first query head of this batch row, 64-bit (HK * G alone is a 32-bit product)
     for gi in range(0, G):
         hq = hk * G + gi
         qbase = Q + b * sqb + hq * sqh
@@ -144,8 +144,8 @@ def _ovq_attn_bwd_dkdv(Q, K, V, BIAS, DO, LSE, DELTA, DK, DV_,
             mask_m = offs_m < M
             q = tl.load(qbase + offs_m[:, None] * sqm + offs_d[None, :], mask=mask_m[:, None], other=0.0)
             do = tl.load(dobase + offs_m[:, None] * sqm + offs_dv[None, :], mask=mask_m[:, None], other=0.0)
-            lse = tl.load(LSE + (b * HQ + hq) * M + offs_m, mask=mask_m, other=float("inf"))
-            delta = tl.load(DELTA + (b * HQ + hq) * M + offs_m, mask=mask_m, other=0.0)
+            lse = tl.load(LSE + (bq + hq) * M + offs_m, mask=mask_m, other=float("inf"))
+            delta = tl.load(DELTA + (bq + hq) * M + offs_m, mask=mask_m, other=0.0)
             s = dot(q, tl.trans(k), "ieee", UP) + bias[None, :]
             allowed = (offs_n[None, :] < n_dict) | ((offs_n[None, :] - n_dict) <= (offs_m[:, None] + q_off))
             allowed = allowed & in_k[None, :] & mask_m[:, None]

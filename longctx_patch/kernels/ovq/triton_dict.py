@@ -31,12 +31,12 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR, KH,
     ``[T, NB]`` table). MEAN (bf16 dot products only): DK holds the row means (``triton_fast._ovq_means``) and
     KH their halved squared norms, laid out as CNT."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_p = tl.program_id(2)  # split of the dictionary rows: [pid_p * ROWS, (pid_p + 1) * ROWS)
     b = pid_bh // H
     h = pid_bh % H
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         K += t * C * skc
         NACT += t * NB
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -75,7 +75,7 @@ def _ovq_chunk_stats(K, DK, CNT, NACT, MAXDOT, BEST, IDX, TPTR, KH,
         upd = blk_best > best
         idx = tl.where(upd, blk_idx, idx)
         best = tl.where(upd, blk_best, best)
-    out = (pid_p * tl.num_programs(1) + pid_bh) * C + offs_m
+    out = (pid_p.to(tl.int64) * tl.num_programs(1) + pid_bh) * C + offs_m  # split-major partials: 64-bit
     tl.store(MAXDOT + out, maxdot, mask=mask_m)
     tl.store(BEST + out, best, mask=mask_m)
     tl.store(IDX + out, idx, mask=mask_m)

@@ -49,13 +49,13 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
     first chunk; M == LC == the chunk size) and its dictionary has ``NACT[t * NB + b]`` rows (``n_dict`` unused).
     MEAN: KS / VS hold the row means in Q's dtype (``_ovq_means``) instead of the float32 sums."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_p = tl.program_id(2)
     b = pid_bh // HQ
     hq = pid_bh % HQ
     hk = hq // G
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         n_dict = tl.load(NACT + t * NB + b)
         Q += t * M * sqm
         KC += t * LC * skn
@@ -121,7 +121,7 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
         v = tl.load(vb + offs_n[:, None] * svn + offs_dv[None, :], mask=in_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, "ieee", UP)
         m_i = m_new
-    row = (pid_p * tl.num_programs(1) + pid_bh) * M + offs_m
+    row = (pid_p.to(tl.int64) * tl.num_programs(1) + pid_bh) * M + offs_m  # split-major partials: 64-bit
     tl.store(PM + row, m_i, mask=mask_m)
     tl.store(PL + row, l_i, mask=mask_m)
     tl.store(PACC + row[:, None] * DV + offs_dv[None, :], acc, mask=mask_m[:, None])
@@ -132,9 +132,9 @@ def _ovq_combine(PACC, PM, PL, O, TPTR, sob, soh, som, M, HQ, NSPLIT, DV: tl.con
                  DEV_T: tl.constexpr):
     """Merges the NSPLIT partial softmaxes of ``_ovq_fwd_split`` into O (DEV_T: chunk ``*TPTR`` of the run)."""
     if DEV_T:
-        O += tl.load(TPTR) * M * som
+        O += tl.load(TPTR).to(tl.int64) * M * som
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid_bh // HQ
     hq = pid_bh % HQ
     BH = tl.num_programs(1)
@@ -153,11 +153,11 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
     """Reduce the row-split statistics of a block of tokens; rank them by spread score (smallest max
     dot product with the old rows first, ties by position) while the dictionary grows.
     DEV_T: chunk ``t = *TPTR`` of a run (VALID at its first chunk, NNEW a ``[T, NB]`` table)."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         VALID += t * C
         NNEW += t * NB
     BH = tl.num_programs(0)
@@ -168,7 +168,7 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
     best = tl.full([BI], float("-inf"), tl.float32)
     idx = tl.zeros([BI], tl.int64)
     for p in range(0, NSPLIT):
-        off = (p * BH + pid) * C + oi
+        off = (p * BH.to(tl.int64) + pid) * C + oi  # split-major partials: 64-bit
         si = tl.maximum(si, tl.load(PMAXDOT + off, mask=in_i, other=float("-inf")))
         bp = tl.load(PBEST + off, mask=in_i, other=float("-inf"))
         ip = tl.load(PIDX + off, mask=in_i, other=0)
@@ -186,7 +186,7 @@ def _ovq_rank(VALID, PMAXDOT, PBEST, PIDX, NNEW, BEST, IDX, RANK, TPTR, sxb, C, 
         in_j = oj < C
         sj = tl.full([BI], float("-inf"), tl.float32)
         for p in range(0, NSPLIT):
-            sj = tl.maximum(sj, tl.load(PMAXDOT + (p * BH + pid) * C + oj, mask=in_j, other=float("-inf")))
+            sj = tl.maximum(sj, tl.load(PMAXDOT + (p * BH.to(tl.int64) + pid) * C + oj, mask=in_j, other=float("-inf")))
         vj = tl.load(VALID + b * sxb + oj, mask=in_j, other=0) != 0
         sj = tl.where(vj, sj, float("inf"))
         before = (sj[None, :] < si[:, None]) | ((sj[None, :] == si[:, None]) & (oj[None, :] < oi[:, None]))
@@ -206,12 +206,12 @@ def _ovq_absorb(KC, VC, VALID, BEST, IDX, NNEW, NACT, RANK, KS, VS, CNT, ROW_OUT
     STORE_ROWS: write them and absorb (the chunk-parallel training path's assignment pass).
     DEV_T: chunk ``t = *TPTR`` of a run (KC, VC, VALID at its first chunk; NNEW, NACT ``[T, NB]`` tables;
     ROW_OUT ``[T, NB * H, C]``; ROW_T False: one chunk's ``[NB * H, C]`` scratch, the same for every chunk)."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
     if DEV_T:
-        t = tl.load(TPTR)
+        t = tl.load(TPTR).to(tl.int64)
         KC += t * C * skn
         VC += t * C * svn
         VALID += t * C
@@ -279,7 +279,7 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     KH = |KS / count|^2 / 2 in float32 (the assignment score's norm term). FROM_ROWS: the rows the chunk's
     tokens joined (ROWS ``[NB * H, C]``, -1 for padding; with DEV_T and ROW_T at chunk ``*TPTR`` of a
     ``[T, NB * H, C]`` table), after ``_ovq_absorb``; else rows [pid_i * BI, (pid_i + 1) * BI) of C rows."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     pid_i = tl.program_id(1)
     b = pid // H
     h = pid % H
@@ -288,7 +288,7 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     if FROM_ROWS:
         if DEV_T:
             if ROW_T:
-                ROWS += tl.load(TPTR) * NB * H * C
+                ROWS += tl.load(TPTR).to(tl.int64) * NB * H * C
         r = tl.load(ROWS + pid * C + oi, mask=in_i, other=-1)
         ok = in_i & (r >= 0)
         r = tl.where(ok, r, 0)
