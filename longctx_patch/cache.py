@@ -36,6 +36,8 @@ class LongctxCache(DynamicCache):
             mods = patched_modules(model)
             layers = [mods[i].make_cache_layer() if i in mods else base_layers[i] for i in range(n)]
         super(DynamicCache, self).__init__(layers=layers)
+        # (any padding, left padding) read from the first forward's attention mask (patcher._padding_facts)
+        self.padding_facts: tuple[bool, bool] | None = None
 
     def nbytes(self) -> int:
         """Bytes held by every layer's state tensors."""

@@ -219,6 +219,31 @@ def _left_padded_positions(am: torch.Tensor, args: tuple, kwargs: dict) -> tuple
     return args, kwargs, True
 
 
+def _read_mask(am: torch.Tensor) -> tuple[bool, bool]:
+    """(any padding, a row starting with padding): the host read of a forward's mask."""
+    padded, left = torch.stack([~am.bool().all(), ~am[:, 0].bool().all()]).tolist()
+    return padded, left
+
+
+def _padding_facts(am: torch.Tensor, cache, args: tuple, kwargs: dict) -> tuple[bool, bool]:
+    """(any padding, left padding) of a forward's 2-D attention mask: one host read, except for a decode step.
+
+    A decode step (one new token per row) continuing a LongctxCache whose first forward's mask was read reuses that
+    reading: generate() extends the mask by a column of ones per step, so the answer cannot change, and a host read
+    per step would make the CPU wait for the GPU's previous step before it can queue the next one."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(x, torch.Tensor):
+        x = kwargs.get("inputs_embeds")
+    S = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
+    known = getattr(cache, "padding_facts", None) if cache is not None else None
+    if known is not None and S == 1 and am.shape[1] == cache.get_seq_length() + 1:
+        return known
+    padded, left = _read_mask(am)
+    if cache is not None and cache.get_seq_length() == 0:
+        cache.padding_facts = (padded, left)
+    return padded, left
+
+
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
     st = PatchState(cache_arg=_cache_arg_name(base))
     cfg = model_config(model)
@@ -227,18 +252,19 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         from .cache import LongctxCache
 
         am = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        cache = kwargs.get("cache", None)
+        if cache is None:
+            cache = kwargs.get("past_key_values", None)
         changed = False
+        facts = None
         st.ctx.key_mask = None
         if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
-            # one host read for both facts: any padding at all, and left padding (a row starting with padding)
-            padded, left = torch.stack([~am.bool().all(), ~am[:, 0].bool().all()]).tolist()
+            facts = _padding_facts(am, cache if isinstance(cache, LongctxCache) else None, args, kwargs)
+            padded, left = facts
             if padded:
                 st.ctx.key_mask = am.bool()
                 if left:
                     args, kwargs, changed = _left_padded_positions(am, args, kwargs)
-        cache = kwargs.get("cache", None)
-        if cache is None:
-            cache = kwargs.get("past_key_values", None)
         if not st.context_warned:
             _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
         use_cache = kwargs.get("use_cache", None)
@@ -253,7 +279,8 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
             )
         kwargs.pop("past_key_values", None)
         kwargs.pop("cache", None)
-        kwargs[st.cache_arg] = LongctxCache(model)
+        kwargs[st.cache_arg] = fresh = LongctxCache(model)
+        fresh.padding_facts = facts
         return args, kwargs
 
     st.hooks.append(base.register_forward_pre_hook(pre_hook, with_kwargs=True))

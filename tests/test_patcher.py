@@ -362,3 +362,30 @@ def test_save_patched_refuses_a_peft_model(tmp_path, tiny_llama):
         lp.save_patched(pm, tmp_path / "x")
     lp.save_patched(pm.merge_and_unload(), tmp_path / "y")
     assert lp.patched_layers(lp.load_patched(tmp_path / "y"))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_reads_the_mask_once_not_per_decode_step(monkeypatch, padded):
+    """The pre-hook reads the attention mask on the host at the prefill; decode steps reuse that reading (a read per
+    step makes the host wait for the GPU's previous step)."""
+    import longctx_patch.patcher as patcher
+
+    model = lp.patch(tiny_model("llama"), "exact")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    if padded:
+        am[1, :5] = 0
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    reads = []
+    real = patcher._read_mask
+    monkeypatch.setattr(patcher, "_read_mask", lambda m: reads.append(1) or real(m))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # generate() may drop a mask of ones before the model sees it: then nothing is read at all
+    assert torch.equal(got, want)
+    assert len(reads) == 1 if padded else len(reads) <= 1
+    n = len(reads)
+    with torch.no_grad():  # a plain forward still reads its mask
+        model(ids, attention_mask=am)
+    assert len(reads) == n + 1
