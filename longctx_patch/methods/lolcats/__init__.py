@@ -127,10 +127,28 @@ class LolaLayer(LongctxLayer):
         self.sparse_cache = sparse_cache
         self.sparse_heads = sparse_heads
         self.nb = 0  # buffered tokens at the front of win_k / win_v / win_mask
+        self.phases = None  # RowPhases of a left-padded batch whose rows evict on different grids (ops.lola_process)
 
     def reset(self) -> None:
         super().reset()
         self.nb = 0
+        self.phases = None
+
+    # the rows' eviction grids follow the batch rows (host-side: one device-to-host copy, padded batches only)
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.phases is not None:
+            self.phases = self.phases.select([r for r in range(len(self.phases.lead)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.phases is not None:
+            self.phases = self.phases.select(torch.arange(len(self.phases.lead))[indices.cpu()].tolist())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.phases is not None:
+            self.phases = self.phases.select(beam_idx.tolist())
 
     def get_state(self, B, Hq, Hkv, D, F2, like: torch.Tensor) -> LolaState:
         if self.H is None:
@@ -141,7 +159,8 @@ class LolaLayer(LongctxLayer):
                                  sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
             st.pos = self.seen
             return st
-        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb)
+        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb,
+                         phases=self.phases)
 
     def set_state(self, st: LolaState) -> None:
         for n in self.state_names:
@@ -149,6 +168,7 @@ class LolaLayer(LongctxLayer):
             setattr(self, n, t.detach() if isinstance(t, torch.Tensor) else t)
         self.seen = st.pos
         self.nb = st.nb
+        self.phases = st.phases
 
 
 class LolcatsAttention(PatchedAttention):
