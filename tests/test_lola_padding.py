@@ -211,12 +211,15 @@ def test_training_path_padded_equals_rows_alone(monkeypatch):
 
 
 def test_smollm2_padded_batch_equals_prompts_alone(smollm2):
-    """The real model (fp32, CPU, the shipped weights): 2 rows of 300 and 100 tokens (200 of padding, 8 past a
-    multiple of the chunk), prefill and 4 greedy tokens."""
+    """The real model (fp32, CPU, the shipped weights; its first 4 layers patched, to keep the test short): 2 rows
+    of 300 and 100 tokens (200 of padding, 8 past a multiple of the chunk), prefill and 4 greedy tokens. The
+    tolerance is the model's own fp32 noise between a batch of 2 and one row (logits of magnitude ~20: a batch
+    of whole-chunk paddings, where nothing depends on the grid, differs by 2.4e-4); before the rows had their
+    own grids the gap was 41.2 (other tokens) with all 30 layers patched, 5.4e-4 after (docs/lola.md)."""
     model, _ = smollm2
-    lp.patch(model, "lola", window=64, chunk=64, sparse_cache=32, backend="torch")
+    lp.patch(model, "lola", layers=[0, 1, 2, 3], window=32, chunk=32, sparse_cache=16, backend="torch")
     try:
         gap, same = padded_batch_gap(model, [300, 100], max_new_tokens=4, vocab=model.config.vocab_size)
     finally:
         lp.unpatch(model)
-    assert same and gap <= 1e-4, gap
+    assert same and gap <= 1e-3, gap
