@@ -4,8 +4,9 @@
 Under TRITON_INTERPRET=1 "triton" runs the kernels on the CPU (tests).
 
 The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
-tokens are processed in pieces that never cross a multiple of `chunk` (absolute token index, padding
-included); each time the index reaches a multiple of `chunk`, the pairs that have left the window
+tokens are processed in pieces that never cross a multiple of `chunk` (the token index from the row's first
+real token: the rows of a left-padded batch keep their own grids, `RowPhases`); each time the index reaches a
+multiple of `chunk`, the pairs that have left the window
 (everything older than the last `window` tokens) are scored together with the sparse cache and the
 `lam` best stay exact, the others are folded into (H, s). Until then they are attended linearly by
 phi(q) . phi(k) from the window buffer, exactly as LoLCATs would, so lam = 0 is LoLCATs exactly and a
@@ -441,8 +442,8 @@ def _process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, ch
         take = lambda t: t.index_select(0, idx)[:, :, p:]  # noqa: E731
         sub = LolaState.empty(len(idx), Hq, Hkv, D, F2, lamn, st.win_k.dtype, q.device, capacity=cap,
                               inplace=st.inplace, sparse_heads=Hs)
-        og = _process(sub, take(q), take(k), take(v), take(fq), g, lf, key_mask_new=key_mask_new.index_select(0, idx)[:, p:],
-                      chunk=chunk, **kw)
+        og = _process(sub, take(q), take(k), take(v), take(fq), g, lf,
+                      key_mask_new=key_mask_new.index_select(0, idx)[:, p:], chunk=chunk, **kw)
         o = o.index_copy(0, idx, torch.nn.functional.pad(og, (0, 0, 0, 0, p, 0)))
         done.append((idx, sub))
     # merge: one buffer of nb rows, each group's newest token last
