@@ -4,8 +4,9 @@
 Under TRITON_INTERPRET=1 "triton" runs the kernels on the CPU (tests).
 
 The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
-tokens are processed in pieces that never cross a multiple of `chunk` (absolute token index, padding
-included); each time the index reaches a multiple of `chunk`, the pairs that have left the window
+tokens are processed in pieces that never cross a multiple of `chunk` (the token index from the row's first
+real token: the rows of a left-padded batch keep their own grids, `RowPhases`); each time the index reaches a
+multiple of `chunk`, the pairs that have left the window
 (everything older than the last `window` tokens) are scored together with the sparse cache and the
 `lam` best stay exact, the others are folded into (H, s). Until then they are attended linearly by
 phi(q) . phi(k) from the window buffer, exactly as LoLCATs would, so lam = 0 is LoLCATs exactly and a
@@ -88,6 +89,8 @@ class LolaState:
     per kv head) or Hq (one per query head); H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32; pos: tokens seen
     (padding included). No phi(k) is stored: `phi_k` recomputes it where it is needed.
     `inplace=False` (set when gradients flow) replaces every in-place buffer write by a concatenation.
+    phases: None (every row evicts when `pos` reaches a multiple of `chunk`: no padding, or padding of whole
+    chunks only) or the rows' own eviction grid (`RowPhases`, a left-padded batch; see `lola_process`).
     """
 
     win_k: torch.Tensor
@@ -101,6 +104,7 @@ class LolaState:
     pos: int = 0
     nb: int = 0
     inplace: bool = True
+    phases: "RowPhases | None" = None
 
     @classmethod
     def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None):
@@ -289,6 +293,183 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
 GRAPH_PREFILL = True  # replay full chunks of a long Triton prefill from one captured CUDA graph
 
 
+# ------------------------------------------------------------------------------- left-padded rows (lam > 0)
+@dataclass(eq=False)
+class RowPhases:
+    """The eviction grid of each row of a left-padded batch: row r evicts when pos - lead[r] is a positive
+    multiple of `chunk` (its own count of real tokens), as the row alone would.
+
+    lead[r]: position of the row's first real token, None while none has been seen (the row never evicts);
+    groups: phase -> rows (sorted) of the rows that evict when pos % chunk == phase; index: the same rows as
+    LongTensors on the state's device (views of one tensor, made once: no host-to-device copy per step)."""
+
+    lead: tuple
+    chunk: int
+    groups: dict
+    index: dict
+    device: torch.device | None = None
+
+    @property
+    def pending(self) -> bool:
+        return any(l is None for l in self.lead)
+
+    def need(self, pos: int, window: int) -> int:
+        """Buffer rows the batch needs at `pos`: per row its undecided real tokens (those since its last
+        eviction's window start), at most window + chunk - 1 after an eviction; the most of any row."""
+        n = 0
+        for l in self.lead:
+            if l is not None and pos > l:
+                c = pos - l
+                n = max(n, min(c, window + c % self.chunk))
+        return n
+
+    def next_boundary(self, pos: int) -> int:
+        """Tokens until the next position (> pos) at which some row evicts; `chunk` when no row ever does."""
+        if not self.groups:
+            return self.chunk - pos % self.chunk
+        return min((p - pos - 1) % self.chunk + 1 for p in self.groups)
+
+    def select(self, rows) -> "RowPhases | None":
+        """The phases of the batch rows `rows` (a list of indices: beam search, batch selection)."""
+        return row_phases([self.lead[int(r)] for r in rows], self.chunk, self.device)
+
+
+def row_phases(lead, chunk: int, device) -> RowPhases | None:
+    """The `RowPhases` of rows whose first real tokens sit at `lead` (None: not seen yet); None when every row has
+    a first token at a multiple of `chunk` (its padding is whole chunks, neutral: the plain grid is exact)."""
+    lead = tuple(None if l is None else int(l) for l in lead)
+    if all(l is not None and l % chunk == 0 for l in lead):
+        return None
+    groups: dict = {}
+    for r, l in enumerate(lead):
+        if l is not None:
+            groups.setdefault(l % chunk, []).append(r)
+    index = {}
+    if groups:
+        order = [r for p in sorted(groups) for r in groups[p]]
+        flat = torch.tensor(order, dtype=torch.long, device=device)  # one host-to-device copy
+        i = 0
+        for p in sorted(groups):
+            index[p] = flat[i:i + len(groups[p])]
+            i += len(groups[p])
+    return RowPhases(lead, chunk, {p: tuple(rs) for p, rs in groups.items()}, index, device)
+
+
+def left_padding_counts(key_mask: torch.Tensor) -> list[int]:
+    """Leading padding columns of each row of a [B, S] bool mask (S for a row of padding only); one host sync."""
+    km = key_mask.bool()
+    first = km.int().argmax(dim=1)
+    return torch.where(km.any(dim=1), first, torch.full_like(first, km.shape[1])).tolist()
+
+
+def _evict_rows(st: LolaState, idx: torch.Tensor, *, window: int, lam: int, phi_k: PhiK, backend: str) -> None:
+    """`lola_evict` of the batch rows `idx` only (the rows at their chunk boundary); the other rows' sparse cache
+    and state stay as they are. The evicted rows' candidates become decided: masked in the buffer, which keeps
+    them while another row still needs those slots."""
+    n_ev = st.nb - window
+    if n_ev <= 0:
+        return
+    take = lambda t: t.index_select(0, idx)  # noqa: E731
+    _ensure_mask(st, st.win_k.shape[0], st.win_k.device)
+    sub = LolaState(win_k=take(st.win_k[:, :, :n_ev]), win_v=take(st.win_v[:, :, :n_ev]),
+                    win_mask=take(st.win_mask[:, :n_ev]), sp_k=take(st.sp_k), sp_v=take(st.sp_v),
+                    sp_score=take(st.sp_score), H=take(st.H), s=take(st.s), pos=st.pos, nb=st.nb, inplace=False)
+    lola_evict(sub, window=window, lam=lam, phi_k=phi_k, backend=backend)
+    for name in ("sp_k", "sp_v", "sp_score", "H", "s"):
+        t, new = getattr(st, name), getattr(sub, name)
+        if st.inplace:  # same storage (the layer's state)
+            t.index_copy_(0, idx, new.to(t.dtype))
+        else:
+            setattr(st, name, t.index_copy(0, idx, new.to(t.dtype)))
+    if not st.inplace:
+        st.win_mask = st.win_mask.clone()
+    st.win_mask[:, :n_ev].index_fill_(0, idx, False)
+
+
+def _phased_step_end(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str) -> None:
+    """After a piece of a batch with `RowPhases`: evict the rows at their boundary, then drop the front buffer
+    rows no row needs any more (decided or padding in every row)."""
+    ph = st.phases
+    rows = ph.groups.get(st.pos % ph.chunk)
+    if rows is not None:
+        if len(rows) == st.win_k.shape[0]:
+            lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+        else:
+            _evict_rows(st, ph.index[st.pos % ph.chunk], window=window, lam=lam, phi_k=phi_k, backend=backend)
+    drop = st.nb - ph.need(st.pos, window)
+    if drop > 0:
+        _drop_front(st, drop)
+
+
+def _resolve_pending(st: LolaState, key_mask_new, S: int, chunk: int) -> None:
+    """Rows with no real token so far get their first one from this call (its mask, or its first column)."""
+    ph = st.phases
+    pads = left_padding_counts(key_mask_new) if key_mask_new is not None else [0] * len(ph.lead)
+    lead = [l if l is not None else (st.pos + p if p < S else None) for l, p in zip(ph.lead, pads)]
+    st.phases = row_phases(lead, chunk, st.H.device)
+
+
+def _process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, chunk: int, **kw):
+    """A fresh prefill of a left-padded batch: one run per phase group (rows whose padding has the same remainder
+    modulo `chunk`) on its rows with the `trim` leading columns dropped (padding in each of them), so every row
+    keeps the eviction grid of its prompt alone; outputs scattered back (dropped columns: zeros) and the group
+    states merged into one buffer (each group's tokens right-aligned, missing front rows masked)."""
+    B, Hq, S, D = q.shape
+    pads = left_padding_counts(key_mask_new)  # one host sync per layer and padded prefill
+    lead = [p if p < S else None for p in pads]
+    phases = sorted({p % chunk for p in pads if p < S})
+    if not phases or phases == [0]:  # padding of whole chunks only (or rows of padding only): the plain grid
+        o = _process(st, q, k, v, fq, g, lf, key_mask_new=key_mask_new, chunk=chunk, **kw)
+        st.phases = row_phases(lead, chunk, q.device)
+        return o
+    if len(phases) == 1:  # one group: drop the common padding columns
+        p = phases[0]
+        o = _process(st, q[:, :, p:], k[:, :, p:], v[:, :, p:], fq[:, :, p:], g, lf, key_mask_new=key_mask_new[:, p:],
+                     chunk=chunk, **kw)
+        st.pos += p
+        st.phases = row_phases(lead, chunk, q.device)
+        return torch.nn.functional.pad(o, (0, 0, 0, 0, p, 0))
+    # several groups; rows of padding only go with the first
+    rows_of = {p: [r for r in range(B) if pads[r] < S and pads[r] % chunk == p] for p in phases}
+    rows_of[phases[0]] += [r for r in range(B) if pads[r] >= S]
+    Hkv, F2, Hs, lamn = k.shape[1], st.H.shape[2], st.sp_k.shape[1], st.sp_k.shape[2]
+    window = kw["window"]
+    cap = window + chunk
+    o = q.new_zeros(B, S, Hq, D)
+    done = []
+    for p in phases:
+        idx = torch.tensor(sorted(rows_of[p]), dtype=torch.long, device=q.device)
+        take = lambda t: t.index_select(0, idx)[:, :, p:]  # noqa: E731
+        sub = LolaState.empty(len(idx), Hq, Hkv, D, F2, lamn, st.win_k.dtype, q.device, capacity=cap,
+                              inplace=st.inplace, sparse_heads=Hs)
+        og = _process(sub, take(q), take(k), take(v), take(fq), g, lf,
+                      key_mask_new=key_mask_new.index_select(0, idx)[:, p:], chunk=chunk, **kw)
+        o = o.index_copy(0, idx, torch.nn.functional.pad(og, (0, 0, 0, 0, p, 0)))
+        done.append((idx, sub))
+    # merge: one buffer of nb rows, each group's newest token last
+    nb = max(sub.nb for _, sub in done)
+    size = max(cap, nb) if st.inplace else nb
+    win_k = st.win_k.new_zeros(B, Hkv, size, D)
+    win_v = st.win_v.new_zeros(B, Hkv, size, D)
+    win_mask = torch.zeros(B, size, dtype=torch.bool, device=q.device)
+    for idx, sub in done:
+        m = sub.nb
+        front, back = nb - m, size - nb
+        win_k = win_k.index_copy(0, idx, torch.nn.functional.pad(sub.wk, (0, 0, front, back)))
+        win_v = win_v.index_copy(0, idx, torch.nn.functional.pad(sub.wv, (0, 0, front, back)))
+        sm = sub.wmask if sub.win_mask is not None else torch.ones(len(idx), m, dtype=torch.bool, device=q.device)
+        win_mask = win_mask.index_copy(0, idx, torch.nn.functional.pad(sm, (front, back), value=False))
+        for name in ("sp_k", "sp_v", "sp_score", "H", "s"):
+            setattr(st, name, getattr(st, name).index_copy(0, idx, getattr(sub, name).to(getattr(st, name).dtype)))
+    st.win_k, st.win_v, st.win_mask = win_k, win_v, win_mask
+    st.nb, st.pos = nb, S
+    st.phases = row_phases(lead, chunk, q.device)
+    drop = st.nb - st.phases.need(S, window)
+    if drop > 0:
+        _drop_front(st, drop)
+    return o
+
+
 def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
                  scale: float, key_mask_new=None, backend: str = "auto"):
     """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]) and update `st` in place.
@@ -299,7 +480,27 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     Otherwise the tokens go through the chunk loop; on CUDA a loop of at least 4 chunks captures the work of
     one full chunk (append, attend, score, select, fold) in a CUDA graph and replays it for every later full
     chunk: same kernels, same order, same result, without the per-chunk launch overhead.
+
+    Left padding (lam > 0): each row evicts on the grid of its own real tokens, so a padded row gets the result
+    of its prompt alone. A fresh prefill whose paddings are not all whole chunks runs once per phase group
+    (`_process_padded_fresh`) and leaves `st.phases`; later calls evict, at each row's boundary, the rows due
+    (`_evict_rows` on the sub-batch). No padding (key_mask_new None) or padding of whole chunks only: the plain
+    grid, no extra work.
     """
+    if lam > 0:
+        S = q.shape[2]
+        if key_mask_new is not None and st.pos == 0 and st.nb == 0 and st.phases is None:
+            return _process_padded_fresh(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam,
+                                         scale=scale, key_mask_new=key_mask_new, backend=backend)
+        if st.phases is not None and st.phases.pending:
+            _resolve_pending(st, key_mask_new, S, chunk)
+    return _process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
+                    key_mask_new=key_mask_new, backend=backend)
+
+
+def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
+             scale: float, key_mask_new=None, backend: str = "auto"):
+    """`lola_process` once the rows' phases are known (`st.phases`)."""
     S = q.shape[2]
     cap = window + chunk
     if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
@@ -313,7 +514,8 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     if tri and _parallel_ok(st, q, k, window=window, chunk=chunk, lam=lam):
         return _lola_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, lam=lam, scale=scale,
                               key_mask_new=key_mask_new, phi_k=phi_k)
-    use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk
+    phased = st.phases is not None  # rows out of phase: each evicts on its own grid (no graph replay)
+    use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk and not phased
                  and not torch.cuda.is_current_stream_capturing())
     outs = []
     graph = None
@@ -321,7 +523,7 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     i = 0
     while i < S:
         t = st.pos
-        n = min(S - i, (t // chunk + 1) * chunk - t)
+        n = min(S - i, st.phases.next_boundary(t) if phased else (t // chunk + 1) * chunk - t)
         sl = slice(i, i + n)
         mnew = key_mask_new[:, sl] if key_mask_new is not None else None
         steady = use_graph and n == chunk and t % chunk == 0 and st.nb == window
@@ -349,7 +551,9 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
         outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend,
                                   phi_k=phi_k))
         st.pos += n
-        if st.pos % chunk == 0:
+        if phased:
+            _phased_step_end(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
+        elif st.pos % chunk == 0:
             lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
         steady_seen = steady_seen or steady
         i += n

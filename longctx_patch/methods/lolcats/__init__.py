@@ -25,6 +25,7 @@ from ...errors import ConfigError
 from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
 from ...kernels.lola.training import lola_attention_sets, sparse_positions
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
+from ..padding import phase_groups
 from .checkpoint import export_lolcats_checkpoint, load_lolcats_checkpoint
 
 LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
@@ -127,10 +128,28 @@ class LolaLayer(LongctxLayer):
         self.sparse_cache = sparse_cache
         self.sparse_heads = sparse_heads
         self.nb = 0  # buffered tokens at the front of win_k / win_v / win_mask
+        self.phases = None  # RowPhases of a left-padded batch whose rows evict on different grids (ops.lola_process)
 
     def reset(self) -> None:
         super().reset()
         self.nb = 0
+        self.phases = None
+
+    # the rows' eviction grids follow the batch rows (host-side: one device-to-host copy, padded batches only)
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.phases is not None:
+            self.phases = self.phases.select([r for r in range(len(self.phases.lead)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.phases is not None:
+            self.phases = self.phases.select(torch.arange(len(self.phases.lead))[indices.cpu()].tolist())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.phases is not None:
+            self.phases = self.phases.select(beam_idx.tolist())
 
     def get_state(self, B, Hq, Hkv, D, F2, like: torch.Tensor) -> LolaState:
         if self.H is None:
@@ -141,7 +160,8 @@ class LolaLayer(LongctxLayer):
                                  sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
             st.pos = self.seen
             return st
-        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb)
+        return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb,
+                         phases=self.phases)
 
     def set_state(self, st: LolaState) -> None:
         for n in self.state_names:
@@ -149,6 +169,7 @@ class LolaLayer(LongctxLayer):
             setattr(self, n, t.detach() if isinstance(t, torch.Tensor) else t)
         self.seen = st.pos
         self.nb = st.nb
+        self.phases = st.phases
 
 
 class LolcatsAttention(PatchedAttention):
@@ -242,14 +263,33 @@ class LolcatsAttention(PatchedAttention):
         if TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
             # training: the sparse sets chosen without gradients, then one differentiable pass (the chunk
             # loop's value without its per-chunk autograd graph; kernels/lola/training.py)
-            fk = kw["phi_k"](k)
-            sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk, lam=lam,
-                                    sparse_heads=hs)
-            return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
-                                       scale=self.scaling, key_mask=new_mask)
+            # a left-padded batch: one pass per phase group (rows whose padding has one remainder modulo the
+            # chunk) on its rows with the common padding dropped, so each row has the sets of its prompt alone
+            groups = phase_groups(new_mask, cfg.chunk)
+            if len(groups) == 1 and groups[0].trim == 0:
+                return self._train_sets(q, k, v, fq, g, lf, new_mask, kw["phi_k"], hs)
+            B, S = q.shape[0], q.shape[2]
+            o = q.new_zeros(B, S, q.shape[1], q.shape[3])
+            for gp in groups:
+                og = self._train_sets(gp.take(q, 2), gp.take(k, 2), gp.take(v, 2), gp.take(fq, 2), g, lf,
+                                      gp.take(new_mask, 1), kw["phi_k"], hs)
+                og = torch.nn.functional.pad(og, (0, 0, 0, 0, gp.trim, 0))
+                if gp.rows is None:
+                    return og
+                o = o.index_copy(0, gp.rows.to(q.device), og)
+            return o
         st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
                              capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(), sparse_heads=hs)
         return lola_process(st, q, k, v, fq, g, lf, **kw)
+
+    def _train_sets(self, q, k, v, fq, g, lf, new_mask, phi_k, hs):
+        """The training path on one phase group: sparse sets without gradients, then one differentiable pass."""
+        cfg: LolcatsConfig = self.method_config
+        fk = phi_k(k)
+        sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
+                                lam=self.sparse_cache, sparse_heads=hs)
+        return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
+                                   scale=self.scaling, key_mask=new_mask)
 
     def _needs_grad(self, *tensors) -> bool:
         if not torch.is_grad_enabled():
