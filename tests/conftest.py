@@ -123,7 +123,9 @@ def padded_batch_gap(model, lens, max_new_tokens: int = 0, seed: int = 4, positi
             batch = model.generate(ids, attention_mask=am, **gen)
             for r, p in enumerate(prompts):
                 one = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen)
-                same = same and torch.equal(batch.sequences[r, L - len(p):], one.sequences[0])
+                # a row that ends (eos) earlier than the batch is continued with padding there
+                row, alone = batch.sequences[r, L - len(p):], one.sequences[0]
+                same = same and torch.equal(row[:len(alone)], alone) and bool((row[len(alone):] == 0).all())
                 for sb, so in zip(batch.scores, one.scores):
                     gap = max(gap, (sb[r].float() - so[0].float()).abs().max().item())
     return gap, same
