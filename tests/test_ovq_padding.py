@@ -125,12 +125,22 @@ def test_padded_batch_exact_prefill_and_decode(family):
 
 
 def test_padded_batch_exact_triton_interpreter():
-    """The Triton kernels (under TRITON_INTERPRET on the CPU): prefill and decode across a boundary in every row
-    (paddings 0, 1, 7)."""
+    """The Triton kernels (under TRITON_INTERPRET on the CPU): prefill with paddings 0 and 1, then two decode
+    steps in which one row, then the other, completes its chunk (an absorbing sub-batch beside an idle one)."""
     model = tiny_model("llama", num_hidden_layers=1)
     lp.patch(model, "ovq", backend="triton", **CFG)
     model.generation_config.eos_token_id = None
-    assert_padded_batch_exact(model, [14, 13, 7], max_new_tokens=4, atol=1e-4)
+    assert_padded_batch_exact(model, [15, 14], max_new_tokens=3, atol=1e-4)
+
+
+def test_padded_batch_exact_under_inference_mode():
+    """Under torch.inference_mode (masks without a version counter: the phases are not memoised) a padded batch
+    is still exact, without a cache and through generate()."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    lp.patch(model, "ovq", backend="torch", **CFG)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        assert_padded_batch_exact(model, [14, 11, 5], max_new_tokens=4, atol=1e-4)
 
 
 def test_cache_continued_by_a_second_forward():
@@ -256,13 +266,14 @@ def test_unpadded_and_whole_chunk_batches_keep_the_plain_path(monkeypatch):
 
 
 def test_smollm2_padded_batch(smollm2):
-    """The real SmolLM2-135M (fp32): rows of 300 and 100 tokens (padding 200 = 3 chunks of 64 + 8), 4 new tokens."""
+    """The real SmolLM2-135M (fp32): rows of 150 and 62 tokens (padding 88 = 2 chunks of 32 + 24), 3 new tokens
+    (the short row completes a chunk in its second decode step). Without per-row grids: 10.1, other tokens."""
     model, _ = smollm2
     eos = model.generation_config.eos_token_id
-    lp.patch(model, "ovq", chunk_size=64, max_centroids=64, growth=16.0, backend="torch")
+    lp.patch(model, "ovq", chunk_size=32, max_centroids=32, growth=8.0, backend="torch")
     try:
         model.generation_config.eos_token_id = None
-        gap, same = padded_batch_gap(model, [300, 100], max_new_tokens=4, vocab=model.config.vocab_size)
+        gap, same = padded_batch_gap(model, [150, 62], max_new_tokens=3, vocab=model.config.vocab_size)
     finally:
         lp.unpatch(model)
         model.generation_config.eos_token_id = eos

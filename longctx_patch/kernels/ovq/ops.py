@@ -331,8 +331,6 @@ def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None
         raise ValueError(f"ovq_attention_phased: {len(phases)} phases for a batch of {B}")
     if key_valid is None:
         key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)
-    if state is None:
-        state = OVQState.empty(B, H, max_centroids, D, Dv, device=dev)
     width = open_chunk.length if open_chunk is not None else 0
     L0, L1 = past_len, past_len + S
     by_phase: dict[int, list[int]] = {}
@@ -362,8 +360,8 @@ def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None
         def take(x: Tensor, idx=idx) -> Tensor:
             return x if idx is None else x.index_select(0, idx.to(x.device))
 
-        st = state if whole else OVQState(*(take(t) for t in (state.key_sums, state.value_sums, state.counts,
-                                                                state.n_active, state.seen)))
+        st = state if whole or state is None else OVQState(*(take(t) for t in (
+            state.key_sums, state.value_sums, state.counts, state.n_active, state.seen)))
         op = None
         if off > 0:
             op = OpenChunk(take(open_chunk.keys[:, :, width - off:]), take(open_chunk.values[:, :, width - off:]),
@@ -390,9 +388,13 @@ def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None
         if idx is None:
             state = st
         else:
+            if state is None:
+                state = OVQState.empty(B, H, max_centroids, D, Dv, device=dev)
             state = OVQState(_put(state.key_sums, idx, st.key_sums), _put(state.value_sums, idx, st.value_sums),
                              _put(state.counts, idx, st.counts), _put(state.n_active, idx, st.n_active),
                              _put(state.seen, idx, st.seen))
+    if state is None:  # no call absorbed and there was no state: the empty dictionary
+        state = OVQState.empty(B, H, max_centroids, D, Dv, device=dev)
     # the open chunk: each row's open tokens right-aligned in the longest's width
     W = max(phase_open_len(int(p), L1, C) for p in phases)
     if W == 0:
@@ -414,10 +416,7 @@ def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None
             ok = torch.nn.functional.pad(ok, (0, 0, pad, 0))
             ov = torch.nn.functional.pad(ov, (0, 0, pad, 0))
             oval = torch.nn.functional.pad(oval, (pad, 0), value=False)
-        if idx is None:
-            keys, values, valid = ok.to(keys.dtype), ov.to(values.dtype), oval
-        else:
-            keys.index_copy_(0, idx, ok.to(keys.dtype))
-            values.index_copy_(0, idx, ov.to(values.dtype))
-            valid.index_copy_(0, idx, oval)
+        keys.index_copy_(0, idx, ok.to(keys.dtype))  # a call over every row was returned above
+        values.index_copy_(0, idx, ov.to(values.dtype))
+        valid.index_copy_(0, idx, oval)
     return o_all, state, OpenChunk(keys, values, valid)

@@ -179,7 +179,9 @@ class OVQAttention(PatchedAttention):
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of `OVQLayer` after `context_len` tokens: the dictionary, allocated at `max_centroids` rows from
         the first token (float32 key/value sums and counts, int64 `n_active`/`absorbed`), plus the open chunk,
-        the `context_len % chunk_size` tokens not yet absorbed (keys and values in `dtype`, a bool each)."""
+        the `context_len % chunk_size` tokens not yet absorbed (keys and values in `dtype`, a bool each). In a
+        left-padded batch whose paddings are not all whole chunks (`OVQLayer.phases`) the open chunk is
+        `max_r (context_len - phase_r) % chunk_size` wide instead (still below `chunk_size`)."""
         cfg: OVQConfig = self.method_config
         H, D = self.num_key_value_heads, self.head_dim
         elt = torch.tensor([], dtype=dtype).element_size()
@@ -193,15 +195,20 @@ _PHASES: list = [None]  # (weakref to the last key mask, its version, chunk, pha
 
 def row_phases(padding: torch.Tensor | None, chunk: int) -> tuple[int, ...] | None:
     """Each row's left padding modulo `chunk` (host ints: one host sync per forward with padding), or None when
-    there is no padding or every row's padding is whole chunks (those rows are in phase: the plain path)."""
+    there is no padding or every row's padding is whole chunks (those rows are in phase: the plain path).
+
+    Memoised on the mask object and its version counter, which the layers of one forward share. An inference
+    tensor (torch.inference_mode) has no version counter: it is not memoised (one sync per layer, and only in
+    the first forward of a cache, or in every forward without one)."""
     if padding is None:
         return None
+    version = None if padding.is_inference() else padding._version
     memo = _PHASES[0]
-    if memo is not None and memo[0]() is padding and memo[1] == padding._version and memo[2] == chunk:
+    if version is not None and memo is not None and memo[0]() is padding and memo[1:3] == (version, chunk):
         return memo[3]
     ph = (left_padding(padding) % chunk).tolist()
     out = tuple(int(p) for p in ph) if any(ph) else None
-    _PHASES[0] = (weakref.ref(padding), padding._version, chunk, out)
+    _PHASES[0] = (weakref.ref(padding), version, chunk, out) if version is not None else None
     return out
 
 
