@@ -4,9 +4,8 @@ Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (t
 results folder unless --out or $OUT says otherwise; evals/README.md, Results), with the file names' device and
 model parts from `device_token` and `model_token`.
 
-`take_top` and `blocks` are the cells far field's selection and block layout (the package's
-`kernels.muse.cells._take_top` and `kernels.muse.plan._blocks`, private there); the studies rebuild the
-selection from them, so they must stay equal to the package's (tests/test_evals_layout.py checks it).
+The studies that rebuild MuSe's cells selection use the package's own `kernels.muse.cells.take_top` and
+`kernels.muse.plan.block_view`.
 """
 
 from __future__ import annotations
@@ -44,21 +43,6 @@ def results_dir(task: str, out: str | os.PathLike | None = None) -> Path:
     d = Path(out) if out else default_results_dir() / task
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def take_top(retrieved: torch.Tensor, scores: torch.Tensor, k: int) -> None:
-    """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` that score above
-    -inf (-inf: not a candidate)."""
-    val, idx = scores.topk(k, -1)
-    retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
-
-
-def blocks(x: torch.Tensor, L: int, Sp: int) -> torch.Tensor:
-    """[B, H, S, D] -> [B, H, Sp // L, L, D], zero-padded at the end to Sp tokens."""
-    B, H, S, D = x.shape
-    if Sp != S:
-        x = torch.nn.functional.pad(x, (0, 0, 0, Sp - S))
-    return x.reshape(B, H, Sp // L, L, D)
 
 
 def result_file(task: str, name: str, out: str | os.PathLike | None = None) -> Path:

@@ -8,7 +8,6 @@ import importlib
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 EVALS = REPO / "evals"
@@ -80,22 +79,3 @@ def test_no_sys_path_edits_and_no_private_imports(path):
     assert found <= PRIVATE_USES, f"private names of other modules: {sorted(found - PRIVATE_USES)}"
 
 
-def test_shared_helpers_equal_the_package_ones():
-    from evals.shared import blocks, take_top
-    from longctx_patch.kernels.muse.cells import _take_top
-    from longctx_patch.kernels.muse.plan import _blocks
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 300, 8, generator=g)
-    assert torch.equal(blocks(x, 64, 320), _blocks(x, 64, 320))
-    assert torch.equal(blocks(x[:, :, :256], 64, 256), _blocks(x[:, :, :256], 64, 256))
-    scores = torch.randn(2, 3, 5, 9, generator=g)
-    scores[..., 2] = float("-inf")
-    scores[0, 0, 0] = float("-inf")  # a row with no candidate at all
-    for k in (1, 3, 9):
-        got, want = torch.zeros(2, 3, 5, 9, dtype=torch.bool), torch.zeros(2, 3, 5, 9, dtype=torch.bool)
-        got[..., 0] = want[..., 0] = True  # marks already set stay set
-        take_top(got, scores, k)
-        _take_top(want, scores, k)
-        assert torch.equal(got, want)
-        assert not got[0, 0, 0, 1:].any()

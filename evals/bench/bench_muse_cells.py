@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from evals.shared import blocks, device_token, results_dir
+from evals.shared import device_token, results_dir
+from longctx_patch.kernels.muse.plan import block_view
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import triton_cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
@@ -277,7 +278,7 @@ def peaks():
             q, k, _ = qkv(S, D, torch.bfloat16, seed=3)
             nb = S // L
             qbar = q.view(1, 32, nb, L, D).float().mean(3)
-            kb = blocks(k, L, S)
+            kb = block_view(k, L, S)
             valid = torch.ones(1, S, dtype=torch.bool, device="cuda")
             ref = block_peaks(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
             fin = torch.isfinite(ref)

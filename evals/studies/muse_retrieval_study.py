@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from evals.shared import SHARED_DATA, blocks, model_token, result_file, take_top
+from evals.shared import SHARED_DATA, model_token, result_file
+from longctx_patch.kernels.muse.cells import take_top
+from longctx_patch.kernels.muse.plan import block_view
 from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
@@ -44,7 +46,7 @@ def rescored(plan, q, k, scale: float, Cq: int, topk: int, sinks: int):
     mu = cell_summaries(k, k, plan)[0]
     logn = log_counts(plan.counts)
     valid = plan.key_valid.view(B, 1, nb, L).expand(B, Hq, nb, L)
-    cq, _, nq = lloyd(blocks(q, L, Sp).reshape(-1, L, D), valid.reshape(-1, L), Cq, 2, backend="torch")
+    cq, _, nq = lloyd(block_view(q, L, Sp).reshape(-1, L, D), valid.reshape(-1, L), Cq, 2, backend="torch")
     cq, nq = cq.view(B, Hq, nb, Cq, D), nq.view(B, Hq, nb, Cq)
     sc = scale * torch.einsum("bhnad,bhmcd->bhnamc", cq, mu.repeat_interleave(G, 1))
     bs = torch.logsumexp(sc + logn.repeat_interleave(G, 1)[:, :, None, None], -1)  # [B, Hq, n, a, m]

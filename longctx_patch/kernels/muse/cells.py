@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import resolve_backend
-from .plan import _blocks, lloyd, log_counts
+from .plan import block_view, lloyd, log_counts
 from .reference import masked_softmax
 from .support import block_peaks_supported, block_scores_supported
 
@@ -75,7 +75,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     if key_mask is not None:
         key_valid[:, :S] &= key_mask.to(device=dev, dtype=torch.bool)
     vb = key_valid.view(B, 1, nb, L)
-    kb = _blocks(k, L, Sp)  # [B, Hkv, nb, L, D]
+    kb = block_view(k, L, Sp)  # [B, Hkv, nb, L, D]
     cent, ka, cnt = lloyd(kb.reshape(-1, L, D), vb.expand(B, Hkv, nb, L).reshape(-1, L), Ck,
                           kmeans_iters, backend=backend)
     cent = cent.view(B, Hkv, nb, Ck, D)
@@ -90,7 +90,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     if use_triton:
         from .triton_cluster import block_peaks_triton, block_scores_triton
     if (topk_blocks > 0 or peak_blocks > 0) and nb > local_blocks + 1:
-        qb = _blocks(q, L, Sp)  # [B, Hq, nb, L, D]
+        qb = block_view(q, L, Sp)  # [B, Hq, nb, L, D]
         if key_mask is not None:
             qb = qb * vb[..., None].to(qb.dtype)
         qbar = qb.sum(3, dtype=torch.float32) / vb.sum(3, dtype=torch.float32).clamp_min(1)[..., None]
@@ -99,7 +99,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         kk = min(topk_blocks, nb)
         if use_triton and block_scores_supported(D, Ck):
             bs = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks)
-            _take_top(retrieved, bs.masked_fill_(sink[:, None, None, :], -math.inf), kk)
+            take_top(retrieved, bs.masked_fill_(sink[:, None, None, :], -math.inf), kk)
         else:
             step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
             for g in range(Hkv):
@@ -108,19 +108,19 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
                     bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
                     bs = bs.masked_fill(~far[n0:n1][None, None] | sink[:, None, None, :], -math.inf)
-                    _take_top(retrieved[:, g * G:(g + 1) * G, n0:n1], bs, kk)
+                    take_top(retrieved[:, g * G:(g + 1) * G, n0:n1], bs, kk)
     if peak_blocks > 0 and nb > local_blocks + 1:
         if use_triton and block_peaks_supported(k, L, G):
             ps = block_peaks_triton(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks)
         else:
             ps = block_peaks(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks,
                              chunk_elems=chunk_elems)
-        _take_top(retrieved, ps.masked_fill_(retrieved, -math.inf), min(peak_blocks, nb))
+        take_top(retrieved, ps.masked_fill_(retrieved, -math.inf), min(peak_blocks, nb))
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
                      min(topk_blocks + peak_blocks + sink_blocks, nb), key_mask is not None)
 
 
-def _take_top(retrieved, scores, k: int) -> None:
+def take_top(retrieved, scores, k: int) -> None:
     """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` that score above
     -inf (-inf: not a candidate)."""
     val, idx = scores.topk(k, -1)
@@ -159,8 +159,8 @@ def cell_summaries(k, v, plan: CellsPlan):
     inv = 1.0 / plan.counts.clamp_min(1)  # [B, Hkv, nb, Ck]
     w = torch.nn.functional.one_hot(plan.k_assign, Ck).view(B, Hkv, plan.num_blocks, L, Ck) * inv[:, :, :, None]
     w = (w * plan.key_valid.view(B, 1, plan.num_blocks, L, 1)).to(k.dtype)
-    mu = torch.einsum("bhmlc,bhmld->bhmcd", w, _blocks(k, L, Sp))
-    vbar = torch.einsum("bhmlc,bhmld->bhmcd", w, _blocks(v, L, Sp))
+    mu = torch.einsum("bhmlc,bhmld->bhmcd", w, block_view(k, L, Sp))
+    vbar = torch.einsum("bhmlc,bhmld->bhmcd", w, block_view(v, L, Sp))
     return mu, vbar
 
 

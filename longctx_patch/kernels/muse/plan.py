@@ -115,7 +115,7 @@ def lloyd(x: torch.Tensor, valid: torch.Tensor, C: int, iters: int, backend: str
     return cent, a, cnt
 
 
-def _blocks(x: torch.Tensor, L: int, Sp: int) -> torch.Tensor:
+def block_view(x: torch.Tensor, L: int, Sp: int) -> torch.Tensor:
     """[B, H, S, D] -> [B, H, nb, L, D], zero-padded at the end."""
     B, H, S, D = x.shape
     if Sp != S:
@@ -161,10 +161,10 @@ def make_plan(
         key_valid[:, :S] &= km
     kv_blocks = key_valid.reshape(B, 1, nb, L)
 
-    qb = _blocks(q, L, Sp).reshape(B * Hq * nb, L, D)
+    qb = block_view(q, L, Sp).reshape(B * Hq * nb, L, D)
     qvalid = kv_blocks.expand(B, Hq, nb, L).reshape(-1, L)
     qc, qa, _ = lloyd(qb, qvalid, q_clusters, kmeans_iters, backend)
-    kb = _blocks(k, L, Sp).reshape(B * Hkv * nb, L, D)
+    kb = block_view(k, L, Sp).reshape(B * Hkv * nb, L, D)
     kvalid = kv_blocks.expand(B, Hkv, nb, L).reshape(-1, L)
     kc, ka, kcnt = lloyd(kb, kvalid, k_clusters, kmeans_iters, backend)
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .plan import MusePlan, _blocks
+from .plan import MusePlan, block_view
 
 
 def masked_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -125,9 +125,9 @@ def muse_reference_planned(
     G = Hq // Hkv
     L, nb, Sp = plan.block_size, plan.num_blocks, plan.padded_len
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    Q = _blocks(q.to(ct), L, Sp)  # [B, H, n, L, D]
-    K = _blocks(k.to(ct), L, Sp).repeat_interleave(G, dim=1)
-    V = _blocks(v.to(ct), L, Sp).repeat_interleave(G, dim=1)
+    Q = block_view(q.to(ct), L, Sp)  # [B, H, n, L, D]
+    K = block_view(k.to(ct), L, Sp).repeat_interleave(G, dim=1)
+    V = block_view(v.to(ct), L, Sp).repeat_interleave(G, dim=1)
     nk = plan.ret_cell.shape[-1]
     nq = plan.q_centroids.shape[3]
     ka = plan.k_assign.long().repeat_interleave(G, dim=1).reshape(B, Hq, nb, L)
