@@ -77,17 +77,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def assert_left_padded_batch_matches_single(model, lens, max_new_tokens: int, seed: int = 4) -> None:
-    """Greedy generate() of a left-padded batch of random prompts (lengths `lens`) gives, row by row, the
-    tokens (prompt and continuation) of generating each prompt alone."""
+def left_padded_prompts(lens, seed: int = 4, vocab: int = 128):
+    """Random prompts of lengths `lens` (token ids 3..vocab-1) and their left-padded batch: (prompts, ids, mask)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 128, (n,), generator=g) for n in lens]
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
     L = max(lens)
     ids = torch.zeros(len(prompts), L, dtype=torch.long)
     am = torch.zeros_like(ids)
     for r, p in enumerate(prompts):
         ids[r, L - len(p):] = p
         am[r, L - len(p):] = 1
+    return prompts, ids, am
+
+
+def assert_left_padded_batch_matches_single(model, lens, max_new_tokens: int, seed: int = 4) -> None:
+    """Greedy generate() of a left-padded batch of random prompts (lengths `lens`) gives, row by row, the
+    tokens (prompt and continuation) of generating each prompt alone."""
+    prompts, ids, am = left_padded_prompts(lens, seed)
+    L = max(lens)
     with torch.no_grad():
         batch = model.generate(ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
         for r, p in enumerate(prompts):
@@ -102,14 +109,8 @@ def padded_batch_gap(model, lens, max_new_tokens: int = 0, seed: int = 4, positi
     difference| over every real position of the prefill (a plain forward, with `position_ids` from the mask or
     without any) and, with `max_new_tokens`, over every greedy decode step's logits; and whether every row
     generated the tokens it generates alone."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+    prompts, ids, am = left_padded_prompts(lens, seed, vocab)
     L = max(lens)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = p
-        am[r, L - len(p):] = 1
     gap, same = 0.0, True
     with torch.no_grad():
         kw = {"position_ids": (am.cumsum(1) - 1).clamp_min(0)} if position_ids else {}
