@@ -55,6 +55,7 @@ class PatchState:
     # into a projection shared with the original module, so that unpatch() puts the weight back
     saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
+    decode_graphs: Any = None  # the DecodeGraphs forward installed on generate_owner
 
 
 _ATTR = "_longctx_patch_state"
@@ -304,6 +305,11 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
 
         top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
         st.generate_owner = top
+        # decode steps from CUDA graphs (decode_graphs.py): the top model's forward, routed through DecodeGraphs
+        from .decode_graphs import DecodeGraphs
+
+        if not isinstance(top.__dict__.get("forward"), DecodeGraphs):
+            top.forward = st.decode_graphs = DecodeGraphs(top, top.forward)
     setattr(base, _ATTR, st)
     return st
 
@@ -313,6 +319,8 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
         h.remove()
     if st.generate_owner is not None:
         st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
+        if st.decode_graphs is not None and st.generate_owner.__dict__.get("forward") is st.decode_graphs:
+            del st.generate_owner.__dict__["forward"]
     delattr(base, _ATTR)
 
 
@@ -382,10 +390,12 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
     return group, new
 
 
-def patch(model: nn.Module, method: str, layers=None, **config) -> nn.Module:
+def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | None = None, **config) -> nn.Module:
     """Patch `model` in place with `method` on `layers` (None = all; '0-7,12' or a list), return it.
 
     Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
+    decode_graphs: replay `generate()`'s one-token steps from CUDA graphs where every layer allows it (default:
+    on; False: every step eager; see `set_decode_graphs`).
     """
     group, new = _apply(model, method, layers, config)
     try:
@@ -393,6 +403,23 @@ def patch(model: nn.Module, method: str, layers=None, **config) -> nn.Module:
     except Exception:
         _undo_group(model, group)
         raise
+    if decode_graphs is not None:
+        set_decode_graphs(model, decode_graphs)
+    return model
+
+
+def set_decode_graphs(model: nn.Module, enabled: bool) -> nn.Module:
+    """Turn the CUDA-graph replay of decode steps (longctx_patch/decode_graphs.py) on or off for a patched
+    model. On (the default), a one-token step without gradients or padding whose every layer can be replayed
+    runs from a graph captured for its layers' keys; anything else runs eagerly. Off: every step eager."""
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"decode_graphs must be True or False, not {enabled!r}")
+    st = _state(model)
+    if st.decode_graphs is None:
+        if enabled:
+            raise ConfigError("this model has no generate() entry point to replay (patch the *ForCausalLM model)")
+        return model
+    st.decode_graphs.enabled = enabled
     return model
 
 

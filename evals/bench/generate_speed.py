@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -26,6 +27,11 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--contexts", default="16k,32k")
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-base", type=int, default=1,
+                    help="decode time = generate(base + N) - generate(base); past 1 + chunk it is the steady state "
+                         "of replayed decode graphs (their captures cancel)")
+    ap.add_argument("--decode-graphs", choices=("on", "off"), default="on",
+                    help="off: every decode step eager (LONGCTX_DECODE_GRAPHS=0); the file stem gets -eager")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--static", action="store_true", help="also plain transformers with its static cache")
     ap.add_argument("--out-dir", default=None, help="folder (default evals/results/speed)")
@@ -33,12 +39,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (a 1B-shaped model at 16k-128k tokens)")
+    if args.decode_graphs == "off":
+        os.environ["LONGCTX_DECODE_GRAPHS"] = "0"
     runs = [MethodRun(args.method, json.loads(args.config))]
     model = llama_1b_shaped("cuda", torch.bfloat16)
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts),
               batches=[int(b) for b in args.batches.split(",")], decode_tokens=args.decode_tokens,
+              decode_base=args.decode_base,
               repeats=args.repeats, static=args.static, out_dir=results_dir("speed", args.out_dir),
-              name=args.name or f"llama-3.2-1b-shaped-generate-{args.method}-{device_token()}",
+              name=args.name or (f"llama-3.2-1b-shaped-generate-{args.method}"
+                                 f"{'-eager' if args.decode_graphs == 'off' else ''}-{device_token()}"),
               model_name="llama-3.2-1b-shaped-random",
               command="python3 -m evals.bench.generate_speed " + " ".join(sys.argv[1:] if argv is None else argv))
 

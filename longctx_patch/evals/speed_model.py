@@ -97,8 +97,10 @@ def _generate_s(model, ids, new_tokens: int, extra: dict) -> float:
 
 
 def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: int, vocab: int, bandwidth: float,
-              weights: int, generate_kwargs: dict | None = None, seed: int = 0) -> dict[str, Any]:
-    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory."""
+              weights: int, generate_kwargs: dict | None = None, seed: int = 0, decode_base: int = 1) -> dict[str, Any]:
+    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory. Decode time: generate()
+    with decode_base + decode_tokens new tokens minus with decode_base (a base past the first steps measures the
+    steady state, e.g. once decode graphs are captured)."""
     import torch
 
     device = next(model.parameters()).device
@@ -118,23 +120,26 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
                 model(input_ids=ids, use_cache=True, **last)
                 _sync(device)
                 prefill.append(time.perf_counter() - t0)
-        one = statistics.median(_generate_s(model, ids, 1, extra) for _ in range(repeats)) if decode_tokens or extra else None
+        one = (statistics.median(_generate_s(model, ids, decode_base, extra) for _ in range(repeats))
+               if decode_tokens or extra else None)
         decode_s = None
         if decode_tokens:
-            decode_s = statistics.median(_generate_s(model, ids, decode_tokens + 1, extra) for _ in range(repeats)) - one
+            decode_s = statistics.median(_generate_s(model, ids, decode_base + decode_tokens, extra)
+                                         for _ in range(repeats)) - one
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     state = state_bytes(model, context + decode_tokens, batch)
     floor_ms = 1e3 * (weights + state) / bandwidth * 2  # read once: half of what a copy of the same bytes moves
     row: dict[str, Any] = {
         "prefill_s": round(statistics.median(prefill), 5) if prefill else None,
-        "generate_1_s": None if one is None else round(one, 5),
+        "generate_1_s" if decode_base == 1 else f"generate_{decode_base}_s": None if one is None else round(one, 5),
         "decode_tok_s": None, "ms_per_step": None,
         "floor_ms": round(floor_ms, 4),
         "peak_mem_bytes": peak,
         "state_bytes": state,
     }
     if decode_s is not None and decode_s <= 0:
-        row["note"] = (f"generate() with {decode_tokens + 1} new tokens was not slower than with 1 (timing noise "
+        row["note"] = (f"generate() with {decode_base + decode_tokens} new tokens was not slower than with "
+                       f"{decode_base} (timing noise "
                        "exceeds the decode time): raise --decode-tokens")
     elif decode_s is not None:
         step_ms = 1e3 * decode_s / decode_tokens
@@ -160,6 +165,7 @@ def run_model_speed(
     contexts: Sequence[int] = (1024, 4096),
     batches: Sequence[int] = (1,),
     decode_tokens: int = 32,
+    decode_base: int = 1,
     repeats: int = 3,
     static: bool = False,
     out_dir=RESULTS_DEFAULT,
@@ -169,8 +175,8 @@ def run_model_speed(
     echo=print,
 ) -> dict[str, Any]:
     """Every method x batch x context cell (`time_cell`); writes `<name>.json` + `<name>.png`."""
-    if repeats < 1 or decode_tokens < 0 or not batches or min(batches) < 1:
-        raise ConfigError("--repeats must be >= 1, --decode-tokens >= 0 and every --batch >= 1")
+    if repeats < 1 or decode_tokens < 0 or decode_base < 1 or not batches or min(batches) < 1:
+        raise ConfigError("--repeats must be >= 1, --decode-tokens >= 0, --decode-base >= 1 and every --batch >= 1")
     model_name = begin_run(model, model_name)
     mdl, _ = load_model(model)
     device = next(mdl.parameters()).device
@@ -197,7 +203,7 @@ def run_model_speed(
                     for C in contexts:
                         cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
                                               repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
-                                              generate_kwargs=extra)
+                                              generate_kwargs=extra, decode_base=decode_base)
                         rows[label][f"b{B}"][size_label(C)] = cell
                         echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
                 if extra:
@@ -211,7 +217,8 @@ def run_model_speed(
     figures: dict[str, Any] = {
         "level": "model", "layout": "results[method][b<batch>][context]",
         "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
-        "decode_timing": "generate() with N+1 new tokens minus with 1, N = decode_tokens",
+        "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
+        "decode_base": decode_base,
         "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
         "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
         "results": rows, "reference": ref,

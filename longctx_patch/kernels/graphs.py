@@ -11,13 +11,14 @@ import torch
 _CAPTURE_STREAMS: dict = {}
 
 
-def capture_graph(fn, device: torch.device | int | None = None):
+def capture_graph(fn, device: torch.device | int | None = None, pool=None):
     """Capture the GPU work of fn() in a CUDA graph; returns (graph, fn's result). Unlike the
     `torch.cuda.graph` context this does not synchronize the device, run `gc.collect()` or empty the
     allocator cache first: those cost a prefill about 0.3 ms of idle GPU per capture. The capture runs on a
     side stream that first waits for the current one; the current stream then waits for it. Allocations
     inside fn come from the graph's private pool, as with the context. ``device``: the CUDA device of the
-    work (default: the current one)."""
+    work (default: the current one). ``pool``: a `torch.cuda.graph_pool_handle()` shared with other graphs
+    replayed one at a time (decode_graphs.py), else a private pool."""
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         dev = torch.cuda.current_device()
         side = _CAPTURE_STREAMS.get(dev)
@@ -27,7 +28,7 @@ def capture_graph(fn, device: torch.device | int | None = None):
         side.wait_stream(cur)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            g.capture_begin()
+            g.capture_begin(pool=pool) if pool is not None else g.capture_begin()
             try:
                 out = fn()
             finally:

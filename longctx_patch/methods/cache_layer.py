@@ -16,6 +16,8 @@ class LongctxLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     state_names: tuple[str, ...] = ()
+    # host-side fields a decode step moves on (decode_graphs.py replays a step and moves them as it did)
+    host_fields: tuple[str, ...] = ("seen",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,6 +48,20 @@ class LongctxLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    # -- decode steps replayed from CUDA graphs (decode_graphs.py) ---------------------------------------
+    def graph_key(self):
+        """What a one-token decode step of this layer reads from the host (the sizes and branches of its launches),
+        hashable; equal keys mean the same launches on the same state tensors, updated in place. None: this
+        layer's step cannot be replayed (the default: the state is replaced, not updated in place)."""
+        return None
+
+    def host_state(self) -> dict:
+        return {f: getattr(self, f) for f in self.host_fields}
+
+    def set_host_state(self, values: dict) -> None:
+        for f, v in values.items():
+            setattr(self, f, v)
 
     # -- state management ---------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

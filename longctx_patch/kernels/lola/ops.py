@@ -190,6 +190,10 @@ def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: st
         H, s = st.H.contiguous(), st.s.contiguous()
         _tk().fold_into_state(cand_fk, cand_v, w, H, s)
         st.H, st.s = H, s
+    elif st.inplace:  # same storage, as above
+        H, s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
+        st.H.copy_(H)
+        st.s.copy_(s)
     else:
         st.H, st.s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
     if lam > 0:

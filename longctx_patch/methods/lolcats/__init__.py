@@ -120,6 +120,7 @@ class LolaLayer(LongctxLayer):
     """
 
     state_names = ("win_k", "win_v", "win_mask", "sp_k", "sp_v", "sp_score", "H", "s")
+    host_fields = ("seen", "nb")
 
     def __init__(self, window: int, chunk: int, sparse_cache: int, sparse_heads: str = "kv"):
         super().__init__()
@@ -134,6 +135,14 @@ class LolaLayer(LongctxLayer):
         super().reset()
         self.nb = 0
         self.phases = None
+
+    def graph_key(self):
+        # a decode step appends at row nb of the window buffer, attends its first nb + 1 rows and, when the
+        # position reaches a multiple of chunk, evicts (kernels/lola/ops.py `_process`); rows evicting on their own
+        # grids (a left-padded batch: `phases`) decide on the host per row
+        if self.H is None or self.phases is not None or self.win_k is None or self.win_k.shape[2] < self.window + self.chunk:
+            return None
+        return (self.nb, self.seen % self.chunk, self.win_mask is None)
 
     # the rows' eviction grids follow the batch rows (host-side: one device-to-host copy, padded batches only)
     def batch_repeat_interleave(self, repeats: int) -> None:

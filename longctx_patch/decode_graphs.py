@@ -1,0 +1,264 @@
+"""Decode steps replayed from CUDA graphs: `model.generate()` after `patch()` without the host's per-step cost.
+
+An eager decode step of a 16-layer model issues a few hundred small launches from Python: 13-35 ms of host work
+for about 1 ms of GPU work at batch 16 (docs/PERFORMANCE.md, "Decode"). `patch()` routes the top model's forward
+through `DecodeGraphs`: a one-token step (no gradients, no padding) continuing a `LongctxCache` whose every layer
+can be replayed (`LongctxLayer.graph_key()` is not None) runs the model's whole forward from a CUDA graph.
+
+Why graphs per key: a method's decode step is not the same launch every step. LoLA's window buffer holds `nb`
+tokens (a host integer that sizes the launch) and every `chunk`-th step evicts. Each layer says what its step
+depends on (`graph_key()`: e.g. `(nb, seen % chunk)`); the model's key is the tuple of its layers' keys plus the
+batch shape, so a LoLA model has `chunk` graphs and replays them cyclically. Everything else a step reads must be
+device state updated in place (a graph keeps the addresses it was captured with).
+
+The host side of a replayed step: each layer's host fields (`host_fields`, e.g. `seen`, `nb`) are moved on as the
+captured step moved them (integers by the same difference, others to the value after the capture). State tensors
+replaced outside a step (beam reordering, `batch_select_indices`) drop every graph of that cache.
+
+The default: on for CUDA (`patch(..., decode_graphs=False)`, `set_decode_graphs(model, False)` or the environment's
+`LONGCTX_DECODE_GRAPHS=0` at patch time turn it off); a
+capture that fails runs the step eagerly (twice for one key, then that key stays eager). `SIMULATE` replays on
+the CPU by re-running the step with the layers' host fields as they were at the capture (what a graph bakes in):
+the tests check with it that the keys cover everything a step reads from the host.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .methods.cache_layer import LongctxLayer
+
+SIMULATE = False  # CPU replay by re-execution with capture-time host fields (tests); never on in use
+MAX_GRAPHS = 512  # per cache: a model whose keys never repeat stops capturing here
+MAX_FAILURES = 2  # failed captures of one key before that key stays eager
+_PASSED = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache", "use_cache",
+           "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states"}
+
+
+@dataclass
+class _Entry:
+    graph: Any  # torch.cuda.CUDAGraph, or _SimGraph
+    out: Any  # the model output whose logits the replays overwrite
+    before: list[dict]
+    after: list[dict]
+
+
+@dataclass
+class _Store:
+    """Per cache: static inputs, graphs by key, the state tensors they were captured against."""
+    ids: torch.Tensor
+    pos: torch.Tensor
+    cpos: torch.Tensor | None
+    state_sig: tuple
+    graphs: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    pool: Any = None
+    eager_steps: int = 0
+    captures: int = 0
+    replays: int = 0
+
+
+def _state_sig(cache) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape)) for layer in cache.layers for t in layer.state_tensors().values())
+
+
+def model_key(cache) -> tuple | None:
+    """The tuple of every layer's `graph_key()`, or None when some layer cannot be replayed."""
+    keys = []
+    for layer in cache.layers:
+        k = layer.graph_key() if isinstance(layer, LongctxLayer) else None
+        if k is None:
+            return None
+        keys.append(k)
+    return tuple(keys)
+
+
+def _same_storage(now: dict, was: dict) -> bool:
+    """The step wrote into the tensors it found (views of the same memory, same shapes), allocating none."""
+    return now.keys() == was.keys() and all(
+        t.data_ptr() == was[n].data_ptr() and t.shape == was[n].shape and t.stride() == was[n].stride()
+        for n, t in now.items())
+
+
+def _advance(before: dict, after: dict, now: dict) -> dict:
+    out = {}
+    for f, a in after.items():
+        b = before[f]
+        out[f] = now[f] + (a - b) if isinstance(a, int) and not isinstance(a, bool) else a
+    return out
+
+
+class _SimGraph:
+    """CPU stand-in for a CUDA graph: a replay re-runs the step with the host fields of the capture."""
+
+    def __init__(self, run, layers, before, out):
+        self.run, self.layers, self.before, self.out = run, layers, before, out
+
+    def replay(self):
+        for layer, h in zip(self.layers, self.before):
+            layer.set_host_state(dict(h))
+        self.out.logits.copy_(self.run().logits)
+
+
+class DecodeGraphs:
+    """The forward `patch()` installs on the top model: graph replay where it applies, the original elsewhere."""
+
+    def __init__(self, model, orig_forward):
+        self.model = model
+        self.orig = orig_forward
+        self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
+
+    # -- eligibility ------------------------------------------------------------------------------------
+    def _cache(self, args, kwargs):
+        from .cache import LongctxCache
+
+        if args or not self.enabled or self.model.training or torch.is_grad_enabled():
+            return None
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return None
+        if not (ids.is_cuda or SIMULATE) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        if any(v is not None and v is not False for k, v in kwargs.items() if k not in _PASSED):
+            return None
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
+            return None
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if not isinstance(cache, LongctxCache) or cache.get_seq_length() == 0:
+            return None
+        facts = cache.padding_facts
+        am = kwargs.get("attention_mask")
+        if (facts is not None and facts[0]) or (am is not None and (facts is None or am.dim() != 2)):
+            return None  # padded rows: the eager step (the mask tensor changes every step)
+        if kwargs.get("use_cache") is False:
+            return None
+        return cache
+
+    def __call__(self, *args, **kwargs):
+        cache = self._cache(args, kwargs)
+        if cache is None:
+            return self.orig(*args, **kwargs)
+        key = model_key(cache)
+        if key is None:
+            return self.orig(*args, **kwargs)
+        return self._step(cache, key, kwargs)
+
+    # -- a step ---------------------------------------------------------------------------------------
+    def _step(self, cache, key, kwargs):
+        ids = kwargs["input_ids"]
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor):
+            return self.orig(**kwargs)
+        store: _Store | None = getattr(cache, "_decode_graphs", None)
+        if store is None or store.ids.shape != ids.shape or store.state_sig != _state_sig(cache):
+            # first step of this cache (it compiles the step's kernels before any capture), or state replaced
+            out = self.orig(**kwargs)
+            cpos = kwargs.get("cache_position")
+            cache._decode_graphs = _Store(ids=ids.clone(), pos=ids.clone(),
+                                          cpos=cpos.clone() if isinstance(cpos, torch.Tensor) else None,
+                                          state_sig=_state_sig(cache), eager_steps=1)
+            return out
+        full_key = (tuple(ids.shape), keep, key)
+        entry = store.graphs.get(full_key)
+        if entry is None:
+            if store.failures.get(full_key, 0) >= MAX_FAILURES or len(store.graphs) >= MAX_GRAPHS:
+                store.eager_steps += 1
+                return self.orig(**kwargs)
+            self._load_inputs(store, cache, kwargs)
+            entry = self._capture(store, cache, keep)
+            if entry is None:
+                store.failures[full_key] = store.failures.get(full_key, 0) + 1
+                store.eager_steps += 1
+                return self.orig(**kwargs)
+            store.graphs[full_key] = entry
+            store.captures += 1
+        else:
+            self._load_inputs(store, cache, kwargs)
+        now = [layer.host_state() for layer in cache.layers]
+        entry.graph.replay()
+        for layer, b, a, n in zip(cache.layers, entry.before, entry.after, now):
+            layer.set_host_state(_advance(b, a, n))
+        store.replays += 1
+        out = entry.out  # its fields as the model names them (`past_key_values` or `cache`), logits copied
+        return type(out)(**{k: (v.clone() if k == "logits" else v) for k, v in out.items()})
+
+    def _load_inputs(self, store: _Store, cache, kwargs) -> None:
+        store.ids.copy_(kwargs["input_ids"])
+        pos = kwargs.get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.shape == store.pos.shape:
+            store.pos.copy_(pos)
+        else:  # no padding: every row is at the cache's length
+            store.pos.fill_(cache.get_seq_length())
+        if store.cpos is not None:
+            cp = kwargs.get("cache_position")
+            if isinstance(cp, torch.Tensor) and cp.shape == store.cpos.shape:
+                store.cpos.copy_(cp)
+            else:
+                store.cpos.fill_(cache.get_seq_length())
+
+    def _capture(self, store: _Store, cache, keep) -> _Entry | None:
+        layers = cache.layers
+        cache_arg = "past_key_values" if "past_key_values" in _forward_params(self.orig) else "cache"
+        call = {"input_ids": store.ids, "position_ids": store.pos, cache_arg: cache, "use_cache": True,
+                "return_dict": True}
+        if keep:
+            call["logits_to_keep"] = keep
+        if store.cpos is not None:
+            call["cache_position"] = store.cpos
+
+        def run():
+            return self.orig(**call)
+
+        before = [layer.host_state() for layer in layers]
+        attrs = [dict(layer.state_tensors()) for layer in layers]
+        saved = [{n: t.clone() for n, t in a.items()} for a in attrs] if SIMULATE else None
+        graph = out = None
+        try:
+            if SIMULATE:
+                out = run()
+            else:
+                from .kernels.graphs import capture_graph
+
+                if store.pool is None:
+                    store.pool = torch.cuda.graph_pool_handle()
+                graph, out = capture_graph(run, store.ids.device, pool=store.pool)
+        except Exception:  # noqa: BLE001 - a step that cannot be captured runs eagerly
+            out = None
+        after = [layer.host_state() for layer in layers]
+        same = all(_same_storage(layer.state_tensors(), a) for layer, a in zip(layers, attrs))
+        # undo what the capture's Python did to the host side (and, simulated, what its kernels did)
+        for layer, a, h in zip(layers, attrs, before):
+            for n, t in a.items():
+                setattr(layer, n, t)
+            layer.set_host_state(dict(h))
+        if saved is not None:
+            for a, s in zip(attrs, saved):
+                for n, t in a.items():
+                    t.copy_(s[n])
+        if out is None or not same or getattr(out, "logits", None) is None:
+            return None
+        if SIMULATE:
+            graph = _SimGraph(run, layers, before, out)
+        return _Entry(graph=graph, out=out, before=before, after=after)
+
+
+def _forward_params(fn) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def stats(cache) -> dict | None:
+    """{eager_steps, captures, replays, graphs} of a cache's decode so far (None: no decode step went this way)."""
+    store = getattr(cache, "_decode_graphs", None)
+    if store is None:
+        return None
+    return {"eager_steps": store.eager_steps, "captures": store.captures, "replays": store.replays,
+            "graphs": len(store.graphs)}
