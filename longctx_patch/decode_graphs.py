@@ -110,6 +110,13 @@ class DecodeGraphs:
     def __init__(self, model, orig_forward):
         self.model = model
         self.orig = orig_forward
+        # what generate() and others read off `model.forward` (its parameters decide e.g. whether generate() passes
+        # logits_to_keep=1 to the prefill, without which a 32k x 128k-vocab prefill computes every position's logits)
+        import inspect
+
+        self.__signature__ = inspect.signature(orig_forward)
+        self.__doc__ = getattr(orig_forward, "__doc__", None)
+        self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
 
     # -- eligibility ------------------------------------------------------------------------------------
