@@ -24,6 +24,7 @@ the tests check with it that the keys cover everything a step reads from the hos
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,10 @@ class _Store:
 
 
 def _state_sig(cache) -> tuple:
-    return tuple((t.data_ptr(), tuple(t.shape)) for layer in cache.layers for t in layer.state_tensors().values())
+    """Which memory the layers' state tensors are (names, addresses, shapes, strides): equal before and after a step
+    when it wrote into the tensors it found, allocating none; changed when something replaced them."""
+    return tuple((n, t.data_ptr(), tuple(t.shape), t.stride()) for layer in cache.layers
+                 for n, t in layer.state_tensors().items())
 
 
 def model_key(cache) -> tuple | None:
@@ -75,13 +79,6 @@ def model_key(cache) -> tuple | None:
             return None
         keys.append(k)
     return tuple(keys)
-
-
-def _same_storage(now: dict, was: dict) -> bool:
-    """The step wrote into the tensors it found (views of the same memory, same shapes), allocating none."""
-    return now.keys() == was.keys() and all(
-        t.data_ptr() == was[n].data_ptr() and t.shape == was[n].shape and t.stride() == was[n].stride()
-        for n, t in now.items())
 
 
 def _advance(before: dict, after: dict, now: dict) -> dict:
@@ -112,9 +109,8 @@ class DecodeGraphs:
         self.orig = orig_forward
         # what generate() and others read off `model.forward` (its parameters decide e.g. whether generate() passes
         # logits_to_keep=1 to the prefill, without which a 32k x 128k-vocab prefill computes every position's logits)
-        import inspect
-
         self.__signature__ = inspect.signature(orig_forward)
+        self._cache_arg = "past_key_values" if "past_key_values" in self.__signature__.parameters else "cache"
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
@@ -209,8 +205,7 @@ class DecodeGraphs:
 
     def _capture(self, store: _Store, cache, keep) -> _Entry | None:
         layers = cache.layers
-        cache_arg = "past_key_values" if "past_key_values" in _forward_params(self.orig) else "cache"
-        call = {"input_ids": store.ids, "position_ids": store.pos, cache_arg: cache, "use_cache": True,
+        call = {"input_ids": store.ids, "position_ids": store.pos, self._cache_arg: cache, "use_cache": True,
                 "return_dict": True}
         if keep:
             call["logits_to_keep"] = keep
@@ -221,6 +216,7 @@ class DecodeGraphs:
             return self.orig(**call)
 
         before = [layer.host_state() for layer in layers]
+        sig = _state_sig(cache)
         attrs = [dict(layer.state_tensors()) for layer in layers]
         saved = [{n: t.clone() for n, t in a.items()} for a in attrs] if SIMULATE else None
         graph = out = None
@@ -236,7 +232,7 @@ class DecodeGraphs:
         except Exception:  # noqa: BLE001 - a step that cannot be captured runs eagerly
             out = None
         after = [layer.host_state() for layer in layers]
-        same = all(_same_storage(layer.state_tensors(), a) for layer, a in zip(layers, attrs))
+        same = _state_sig(cache) == sig
         # undo what the capture's Python did to the host side (and, simulated, what its kernels did)
         for layer, a, h in zip(layers, attrs, before):
             for n, t in a.items():
@@ -251,15 +247,6 @@ class DecodeGraphs:
         if SIMULATE:
             graph = _SimGraph(run, layers, before, out)
         return _Entry(graph=graph, out=out, before=before, after=after)
-
-
-def _forward_params(fn) -> set:
-    import inspect
-
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def stats(cache) -> dict | None:
