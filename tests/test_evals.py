@@ -384,6 +384,17 @@ def test_model_speed_fields(tiny, tmp_path):
     assert (tmp_path / "s.png").is_file()
 
 
+def test_model_speed_cells(tiny, tmp_path):
+    """`cells` times only the (batch, context) pairs asked for, not the product of batches and contexts."""
+    runs = parse_methods(["exact"], [])
+    res = speed.run_speed(tiny, runs, cells=[(3, 16), (1, 64)], decode_tokens=4, repeats=1, out_dir=tmp_path,
+                          name="c", model_name="tiny", echo=lambda *_: None)
+    r = res["figures"]["results"]["exact"]
+    assert {b: set(per) for b, per in r.items()} == {"b3": {"16"}, "b1": {"64"}}
+    assert r["b3"]["16"]["decode_tok_s"] > 0 and r["b1"]["64"]["decode_tok_s"] > 0
+    assert res["figures"]["batches"] == [1, 3] and res["figures"]["contexts"] == [16, 64]
+
+
 def test_cli_speed_refuses_a_bad_batch_before_loading(tmp_path):
     from cli.eval_cmd import eval_group
 

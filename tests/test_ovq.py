@@ -216,7 +216,7 @@ def test_prefill_then_decode_equals_one_forward(family):
             logits.append(out.logits)
     torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-4, rtol=1e-4)
     layer = cache.layers[0]
-    assert layer.open_keys.shape[2] == 27 % 4 and int(layer.n_active.max()) <= 6
+    assert layer.open_len == 27 % 4 and layer.open_keys.shape[2] == 4 and int(layer.n_active.max()) <= 6
 
 
 def test_left_padding_by_whole_chunks_equals_single_prompt():

@@ -26,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--config", default="{}", help="the method's config as JSON (default: its defaults)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--contexts", default="16k,32k")
+    ap.add_argument("--cells", default=None,
+                    help="only these batch x context pairs, e.g. 16x32k,1x64k (instead of every --batches x --contexts)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-base", type=int, default=1,
                     help="decode time = generate(base + N) - generate(base); past 1 + chunk it is the steady state "
@@ -42,10 +44,13 @@ def main(argv=None):
     if args.decode_graphs == "off":
         os.environ["LONGCTX_DECODE_GRAPHS"] = "0"
     runs = [MethodRun(args.method, json.loads(args.config))]
+    cells = None
+    if args.cells:
+        cells = [(int(b), parse_sizes(c)[0]) for b, c in (x.split("x") for x in args.cells.split(","))]
     model = llama_1b_shaped("cuda", torch.bfloat16)
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts),
               batches=[int(b) for b in args.batches.split(",")], decode_tokens=args.decode_tokens,
-              decode_base=args.decode_base,
+              decode_base=args.decode_base, cells=cells,
               repeats=args.repeats, static=args.static, out_dir=results_dir("speed", args.out_dir),
               name=args.name or (f"llama-3.2-1b-shaped-generate-{args.method}"
                                  f"{'-eager' if args.decode_graphs == 'off' else ''}-{device_token()}"),

@@ -3,7 +3,7 @@ from CUDA graphs against the same with every step eager, per method and dtype, o
 model: the same tokens, the largest score difference, how many steps were captured / replayed, and the wall time
 of each whole generate() call.
 
-    python3 -m evals.device.decode_graphs_check [--methods lola,lolcats] [--prompt 2048] [--new 160] [--out DIR]
+    python3 -m evals.device.decode_graphs_check [--methods lola,lolcats,ovq] [--prompt 2048] [--new 160] [--out DIR]
 
 Writes decode-graphs-<gpu>.json (device, date, commit, command, one row per method x dtype) under --out
 (default $OUT, else evals/results/speed/).
@@ -62,7 +62,7 @@ def check(method: str, dtype, prompt: int, new: int, batch: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="lola,lolcats")
+    ap.add_argument("--methods", default="lola,lolcats,ovq")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)

@@ -3,6 +3,8 @@
 # own), results under OUT_DIR; set LONGCTX_COMMIT to the commit the tree came from.
 #
 #   BATCHES=1,16 CONTEXTS=16k,32k bash evals/device/generate_speed.sh OUT_DIR [METHOD ...]
+#   DECODE_BASE=81 DECODE_TOKENS=64 ...: the steady state of replayed decode steps (their captures before the base)
+#   PER_METHOD_S=300 bounds each method's process; CELLS=16x32k,1x64k runs those pairs instead of the product
 set -uo pipefail
 out=$1; shift
 methods=("$@")
@@ -12,6 +14,7 @@ for m in "${methods[@]}"; do
   [ "$m" = none ] && extra=(--static)
   echo "+ $m"
   timeout "${PER_METHOD_S:-900}" python3 -m evals.bench.generate_speed --method "$m" --batches "${BATCHES:-1,16}" \
-      --contexts "${CONTEXTS:-16k,32k}" --decode-tokens "${DECODE_TOKENS:-32}" --out-dir "$out" "${extra[@]}" \
+      --contexts "${CONTEXTS:-16k,32k}" --decode-tokens "${DECODE_TOKENS:-32}" \
+      --decode-base "${DECODE_BASE:-1}" ${CELLS:+--cells "$CELLS"} --out-dir "$out" "${extra[@]}" \
       || echo "! $m exited with $?"
 done

@@ -168,13 +168,21 @@ def run_model_speed(
     decode_base: int = 1,
     repeats: int = 3,
     static: bool = False,
+    cells: Sequence[tuple[int, int]] | None = None,
     out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
     command: str | None = None,
     echo=print,
 ) -> dict[str, Any]:
-    """Every method x batch x context cell (`time_cell`); writes `<name>.json` + `<name>.png`."""
+    """Every method x batch x context cell (`time_cell`), or only the (batch, context) pairs of `cells`; writes
+    `<name>.json` + `<name>.png`."""
+    if cells:
+        cells = [(int(b), int(c)) for b, c in cells]
+        batches = sorted({b for b, _ in cells})
+        contexts = sorted({c for _, c in cells})
+    else:
+        cells = [(b, c) for b in batches for c in contexts]
     if repeats < 1 or decode_tokens < 0 or decode_base < 1 or not batches or min(batches) < 1:
         raise ConfigError("--repeats must be >= 1, --decode-tokens >= 0, --decode-base >= 1 and every --batch >= 1")
     model_name = begin_run(model, model_name)
@@ -198,14 +206,12 @@ def run_model_speed(
                 common = dict(decode_tokens=min(decode_tokens, 2), repeats=1, vocab=vocab, bandwidth=bw,
                               weights=weights, generate_kwargs=extra)
                 _cell_or_error(time_cell, model=mdl, batch=min(batches), context=min(contexts), **common)  # warm-up
-                for B in batches:
-                    rows[label][f"b{B}"] = {}
-                    for C in contexts:
-                        cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
-                                              repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
-                                              generate_kwargs=extra, decode_base=decode_base)
-                        rows[label][f"b{B}"][size_label(C)] = cell
-                        echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
+                for B, C in cells:
+                    cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
+                                          repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
+                                          generate_kwargs=extra, decode_base=decode_base)
+                    rows[label].setdefault(f"b{B}", {})[size_label(C)] = cell
+                    echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
                 if extra:
                     compiled = hasattr(mdl, "_compiled_call")
                     if compiled:

@@ -166,6 +166,24 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     return o, state, new_open, seen_bound
 
 
+def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: int, *, backend: str = "auto") -> Tensor:
+    """Attention of queries that come after every key of an open-chunk buffer (a decode step whose new key is
+    already written into it): one softmax over the first ``n_dict`` dictionary rows and the buffer's valid slots.
+
+    ``buffer``: ``[B, H, C, D]`` keys / values and ``[B, C]`` validity; slots not in use are invalid, whatever
+    they hold. The launch depends on ``n_dict`` and the shapes only, not on how many slots are in use, so a CUDA
+    graph captured once replays every step of a chunk (methods/ovq: ``OVQLayer``, decode_graphs.py). Equals
+    :func:`ovq_attention` of the same queries over the open tokens (bit for bit on Triton; the reference adds
+    the masked slots' exact zeros in another order). No gradient. Returns ``[B, Hq, M, Dv]``."""
+    be = resolve_backend(backend, q, buffer.keys, buffer.values)
+    if be == "triton":
+        from .triton_fast import ovq_open_attention_fast
+
+        return ovq_open_attention_fast(q, buffer.keys, buffer.values, buffer.valid, state, n_dict)
+    kk, vv, bias = merge_keys(state, buffer.keys, buffer.values, buffer.valid, n_dict, q.dtype)
+    return chunk_attention_ref(q, kk, vv, bias, n_dict, buffer.length - 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # chunk-parallel training path
 # ----------------------------------------------------------------------------------------------

@@ -503,6 +503,42 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
 
 
 @torch.no_grad()
+def ovq_open_attention_fast(q, kc, vc, valid, state: OVQState, n_dict: int):
+    """Queries ``q`` ``[B, Hq, M, D]`` placed after every slot of an open-chunk buffer ``kc``/``vc``
+    ``[B, H, C, D]`` (``valid`` ``[B, C]`` marks the slots in use) attend to the first ``n_dict`` dictionary rows
+    and to the valid slots: the kernels of a decode step of ``ovq_forward_fast`` with the chunk length fixed at
+    the buffer's C and the queries at its end, so that the launch does not depend on how full the buffer is (one
+    CUDA graph serves every step of a chunk, decode_graphs.py). Slots a step has not written yet are masked; the
+    result equals ``ovq_forward_fast`` over the same open tokens bit for bit (a masked key adds exact zeros)."""
+    B, H, C, D = kc.shape
+    DV = vc.shape[-1]
+    HQ, M = q.shape[1], q.shape[2]
+    q = q.contiguous()
+    valid8 = valid.to(torch.int8)
+    KS, VS, CNT = state.key_sums, state.value_sums, state.counts
+    R = _rows_per_split(M, attention=True)
+    nsplit = triton.cdiv(n_dict, R) + 1
+    pacc = torch.empty(nsplit * B * HQ * M * DV, device=kc.device, dtype=torch.float32)
+    pm = torch.empty(nsplit * B * HQ * M, device=kc.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    o = torch.empty(B, HQ, M, DV, device=kc.device, dtype=q.dtype)
+    ctr = _unused_i32(kc.device)
+    BM, nw = _blk(M)
+    BN_D = int(os.environ.get("LONGCTX_OVQ_BLOCK_N", "64"))
+    _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
+        q, KS, VS, CNT, kc, vc, valid8, pacc, pm, pl, ctr, ctr,
+        q.stride(0), q.stride(1), q.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
+        VS.stride(0), VS.stride(1), VS.stride(2), CNT.stride(0), CNT.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        valid8.stride(0), M, C, n_dict, C - 1, HQ, HQ // H, R, nsplit, B,
+        D=D, DV=DV, BM=BM, BN=BN_D, UP=INTERPRET, DEV_T=False, MEAN=False, num_warps=nw)
+    BMc = 64 if M > 32 else (32 if M > 16 else 16)
+    _ovq_combine[(triton.cdiv(M, BMc), B * HQ)](
+        pacc, pm, pl, o, ctr, o.stride(0), o.stride(1), o.stride(2), M, HQ, nsplit, DV=DV, BM=BMc, DEV_T=False)
+    return o
+
+
+@torch.no_grad()
 def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assign: bool = True):
     """Discrete part of the update for the training path: the row of every token of a chunk.
 
