@@ -276,6 +276,9 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
               help="Model level: add plain transformers with its static cache (compiled by transformers on CUDA), "
                    "the fastest decode without this package.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Model level: prefill repeats (median).")
+@click.option("--prefill-chunk", default=None, type=click.IntRange(1),
+              help="Model level: feed the prompt in chunks of this many tokens (generate()'s prefill_chunk_size), so "
+                   "that peak memory shows the decode state rather than one long prefill's activations.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Model level: add 'exact' as the reference when neither exact nor none is among the methods.")
 @click.option("--op", is_flag=True, help="Op level (CUDA only): time the attention op alone against SDPA cuDNN/flash.")
@@ -287,8 +290,8 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
 @output_options
 @device_dtype_options
 @friendly_errors
-def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, repeats, baseline, op, lengths, heads,
-              kv_heads, head_dim, modes, out_dir, name, device, dtype):
+def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, repeats, prefill_chunk, baseline, op, lengths,
+              heads, kv_heads, head_dim, modes, out_dir, name, device, dtype):
     """Prefill time, generate()'s decode tokens/s, the bytes floor of a step and memory vs context and batch (model
     level), or the attention op alone (--op, CUDA).
 
@@ -296,6 +299,7 @@ def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, re
     Examples:
       longctx eval speed --method sliding-window --set window=1024 --context 1k,4k,16k
       longctx eval speed --method none --method lola --method ovq --static --batch 1,16 --context 16k,32k --device cuda
+      longctx eval speed --method lola --batch 16 --context 16k,32k,64k,128k --prefill-chunk 8192 --device cuda
       longctx eval speed --op --method muse --lengths 4k,16k,64k,128k --heads 32 --kv-heads 8 --head-dim 128
     """
     from longctx_patch.evals.common import parse_sizes
@@ -316,7 +320,7 @@ def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, re
         raise click.BadParameter(f"{batches!r}: write batch sizes as integers, e.g. 1,16,64", param_hint="--batch")
     pair = _load(model, dtype, device, runs)
     run_speed(pair, runs, contexts=ctx_list, batches=batch_list, decode_tokens=decode_tokens, static=static,
-              repeats=repeats, out_dir=out_dir, name=name,
+              repeats=repeats, prefill_chunk=prefill_chunk, out_dir=out_dir, name=name,
               model_name=model, command=_command(), echo=click.echo)
 
 

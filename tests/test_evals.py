@@ -385,13 +385,15 @@ def test_model_speed_fields(tiny, tmp_path):
 
 
 def test_model_speed_cells(tiny, tmp_path):
-    """`cells` times only the (batch, context) pairs asked for, not the product of batches and contexts."""
+    """`cells` times only the (batch, context) pairs asked for, not the product of batches and contexts; with
+    `prefill_chunk` the prompt goes through the cache in chunks (prefill and generate())."""
     runs = parse_methods(["exact"], [])
-    res = speed.run_speed(tiny, runs, cells=[(3, 16), (1, 64)], decode_tokens=4, repeats=1, out_dir=tmp_path,
-                          name="c", model_name="tiny", echo=lambda *_: None)
+    res = speed.run_speed(tiny, runs, cells=[(3, 16), (1, 64)], decode_tokens=16, repeats=2, out_dir=tmp_path,
+                          name="c", model_name="tiny", prefill_chunk=24, echo=lambda *_: None)
+    assert res["figures"]["prefill_chunk"] == 24
     r = res["figures"]["results"]["exact"]
     assert {b: set(per) for b, per in r.items()} == {"b3": {"16"}, "b1": {"64"}}
-    assert r["b3"]["16"]["decode_tok_s"] > 0 and r["b1"]["64"]["decode_tok_s"] > 0
+    assert r["b3"]["16"]["prefill_s"] > 0 and r["b1"]["64"]["prefill_s"] > 0, r
     assert res["figures"]["batches"] == [1, 3] and res["figures"]["contexts"] == [16, 64]
 
 

@@ -35,6 +35,8 @@ def main(argv=None):
     ap.add_argument("--decode-graphs", choices=("on", "off"), default="on",
                     help="off: every decode step eager (LONGCTX_DECODE_GRAPHS=0); the file stem gets -eager")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="feed the prompt in chunks of this many tokens (generate()'s prefill_chunk_size)")
     ap.add_argument("--static", action="store_true", help="also plain transformers with its static cache")
     ap.add_argument("--out-dir", default=None, help="folder (default evals/results/speed)")
     ap.add_argument("--name", default=None, help="file stem (default llama-3.2-1b-shaped-generate-METHOD-<gpu>)")
@@ -50,7 +52,7 @@ def main(argv=None):
     model = llama_1b_shaped("cuda", torch.bfloat16)
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts),
               batches=[int(b) for b in args.batches.split(",")], decode_tokens=args.decode_tokens,
-              decode_base=args.decode_base, cells=cells,
+              decode_base=args.decode_base, cells=cells, prefill_chunk=args.prefill_chunk,
               repeats=args.repeats, static=args.static, out_dir=results_dir("speed", args.out_dir),
               name=args.name or (f"llama-3.2-1b-shaped-generate-{args.method}"
                                  f"{'-eager' if args.decode_graphs == 'off' else ''}-{device_token()}"),

@@ -4,6 +4,7 @@
 #
 #   BATCHES=1,16 CONTEXTS=16k,32k bash evals/device/generate_speed.sh OUT_DIR [METHOD ...]
 #   DECODE_BASE=81 DECODE_TOKENS=64 ...: the steady state of replayed decode steps (their captures before the base)
+#   PREFILL_CHUNK=8192: the prompt in chunks (peak memory of the decode state); NAME_SUFFIX names the files
 #   PER_METHOD_S=300 bounds each method's process; CELLS=16x32k,1x64k runs those pairs instead of the product
 set -uo pipefail
 out=$1; shift
@@ -15,6 +16,7 @@ for m in "${methods[@]}"; do
   echo "+ $m"
   timeout "${PER_METHOD_S:-900}" python3 -m evals.bench.generate_speed --method "$m" --batches "${BATCHES:-1,16}" \
       --contexts "${CONTEXTS:-16k,32k}" --decode-tokens "${DECODE_TOKENS:-32}" \
-      --decode-base "${DECODE_BASE:-1}" ${CELLS:+--cells "$CELLS"} --out-dir "$out" "${extra[@]}" \
+      --decode-base "${DECODE_BASE:-1}" ${CELLS:+--cells "$CELLS"} \
+      ${PREFILL_CHUNK:+--prefill-chunk "$PREFILL_CHUNK"} ${NAME_SUFFIX:+--name "llama-3.2-1b-shaped-generate-$m-$NAME_SUFFIX"} --out-dir "$out" "${extra[@]}" \
       || echo "! $m exited with $?"
 done

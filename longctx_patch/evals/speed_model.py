@@ -96,15 +96,32 @@ def _generate_s(model, ids, new_tokens: int, extra: dict) -> float:
     return time.perf_counter() - t0
 
 
+def _prefill(model, ids, chunk: int | None, last: dict) -> None:
+    """`model(ids, use_cache=True)`, or chunk by chunk through the cache (as generate()'s `prefill_chunk_size`)."""
+    if not chunk:
+        model(input_ids=ids, use_cache=True, **last)
+        return
+    cache = None
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    for s in range(0, ids.shape[1], chunk):
+        cache = model(input_ids=ids[:, s:s + chunk], use_cache=True, **{name: cache}, **last).past_key_values
+
+
 def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: int, vocab: int, bandwidth: float,
-              weights: int, generate_kwargs: dict | None = None, seed: int = 0, decode_base: int = 1) -> dict[str, Any]:
+              weights: int, generate_kwargs: dict | None = None, seed: int = 0, decode_base: int = 1,
+              prefill_chunk: int | None = None) -> dict[str, Any]:
     """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory. Decode time: generate()
     with decode_base + decode_tokens new tokens minus with decode_base (a base past the first steps measures the
-    steady state, e.g. once decode graphs are captured)."""
+    steady state, e.g. once decode graphs are captured). `prefill_chunk`: the prompt goes through the model in
+    chunks of that many tokens (generate()'s `prefill_chunk_size`), so that the prefill's activations, not only the
+    cache, stay bounded: what a constant-state method needs for constant memory."""
     import torch
 
     device = next(model.parameters()).device
     extra = dict(generate_kwargs or {})
+    timed_prefill = not extra  # the static-cache row shares the unpatched prefill; its own is generate()'s
+    if prefill_chunk:
+        extra["prefill_chunk_size"] = prefill_chunk
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(min(100, vocab - 1), vocab, (batch, context), generator=gen).to(device)
     if device.type == "cuda":
@@ -113,11 +130,11 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     prefill = []
     with torch.no_grad():
-        if not extra:  # the static-cache row shares the unpatched prefill; its own is generate()'s
+        if timed_prefill:
             for _ in range(repeats):
                 _sync(device)
                 t0 = time.perf_counter()
-                model(input_ids=ids, use_cache=True, **last)
+                _prefill(model, ids, prefill_chunk, last)
                 _sync(device)
                 prefill.append(time.perf_counter() - t0)
         one = (statistics.median(_generate_s(model, ids, decode_base, extra) for _ in range(repeats))
@@ -169,6 +186,7 @@ def run_model_speed(
     repeats: int = 3,
     static: bool = False,
     cells: Sequence[tuple[int, int]] | None = None,
+    prefill_chunk: int | None = None,
     out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
@@ -209,7 +227,8 @@ def run_model_speed(
                 for B, C in cells:
                     cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
                                           repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
-                                          generate_kwargs=extra, decode_base=decode_base)
+                                          generate_kwargs=extra, decode_base=decode_base,
+                                          prefill_chunk=prefill_chunk)
                     rows[label].setdefault(f"b{B}", {})[size_label(C)] = cell
                     echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
                 if extra:
@@ -224,7 +243,7 @@ def run_model_speed(
         "level": "model", "layout": "results[method][b<batch>][context]",
         "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
         "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
-        "decode_base": decode_base,
+        "decode_base": decode_base, "prefill_chunk": prefill_chunk,
         "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
         "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
         "results": rows, "reference": ref,
