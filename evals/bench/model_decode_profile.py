@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: a Llama-3.2-1B-shaped model (random weights, bf16, batch 1) prefills a
-context, then decodes greedily, unpatched (sdpa), patched with `exact` and patched with `muse`.
+"""Where a decode step's time goes: a Llama-3.2-1B-shaped model (random weights, bf16, `--batch` rows) prefills a
+context, then decodes greedily, unpatched (sdpa) and patched with each of `--methods`.
 
 For each: tokens/s over `--steps` steps with SDPA free to pick its backend, the same with cuDNN's attention
 excluded (`sdpa_kernel`), and a `torch.profiler` table of the ops with the most self CPU and self device time over
-`--profile-steps` steps. Eager decoding, as `generate()` runs it (no CUDA graphs, no compilation).
+`--profile-steps` steps. Eager decoding (decode graphs off, so that the profile sees every kernel; no
+compilation); `--decode-graphs on` times the replayed steps instead.
 
     python3 -m evals.bench.model_decode_profile --context 16k --out $OUT/decode-profile.json
+    python3 -m evals.bench.model_decode_profile --methods lola,lolcats --batch 16 --context 32k --out ...
 """
 
 from __future__ import annotations
@@ -49,9 +51,15 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--methods", default="none,exact,muse")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--decode-graphs", choices=("on", "off"), default="off")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script (small --context)")
     ap.add_argument("--out", default=None, help="file (default evals/results/decode/profile-llama-3.2-1b-shaped-<device>.json)")
     args = ap.parse_args()
+    if args.decode_graphs == "off":
+        import os
+
+        os.environ["LONGCTX_DECODE_GRAPHS"] = "0"  # read at patch time
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --device cpu with a small --context)")
@@ -62,7 +70,7 @@ def main():
 
     C = parse_sizes(args.context)[0]
     model = llama_1b_shaped(dev, torch.bfloat16)
-    ids = torch.randint(100, 128256, (1, C), generator=torch.Generator().manual_seed(0)).to(dev)
+    ids = torch.randint(100, 128256, (args.batch, C), generator=torch.Generator().manual_seed(0)).to(dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     results = {}
@@ -80,7 +88,7 @@ def main():
                 t0 = time.perf_counter()
                 nxt, cache = _decode(model, nxt, cache, args.steps)
                 sync()
-                row[f"tok_s_{label}"] = args.steps / (time.perf_counter() - t0)
+                row[f"tok_s_{label}"] = args.batch * args.steps / (time.perf_counter() - t0)
                 if label == "default":
                     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
                     with profile(activities=acts) as prof:
@@ -103,14 +111,14 @@ def main():
         results[method] = row
         if method != "none":
             lp.unpatch(model)
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-           "date": datetime.date.today().isoformat(), "commit": git_commit(),
-           "command": "python3 -m evals.bench.model_decode_profile " + shlex.join(sys.argv[1:]),
-           "model": "llama-3.2-1b-shaped-random", "context": C, "steps": args.steps,
-           "profile_steps": args.profile_steps, "results": results}
+    record = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+              "date": datetime.date.today().isoformat(), "commit": git_commit(),
+              "command": "python3 -m evals.bench.model_decode_profile " + shlex.join(sys.argv[1:]),
+              "model": "llama-3.2-1b-shaped-random", "context": C, "batch": args.batch, "steps": args.steps,
+              "decode_graphs": args.decode_graphs, "profile_steps": args.profile_steps, "results": results}
     out = result_file("decode", f"profile-llama-3.2-1b-shaped-{device_token() if dev == 'cuda' else 'cpu'}.json", args.out)
     with open(out, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(record, f, indent=1)
     print("wrote", out)
 
 
