@@ -50,6 +50,53 @@ def test_replayed_decode_equals_eager(simulate, method, config):
             torch.testing.assert_close(lg.state_tensors()[n], t, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 6}),
+                                           ("sliding-window", {"window": 40})])
+def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config):
+    """exact and sliding-window (methods/kv_layer.py): one graph per buffer capacity; a window smaller than the
+    prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, method, **config)
+    ids = torch.randint(3, 100, (2, 13))
+    lp.set_decode_graphs(model, False)
+    seq_e, sc_e, cache_e = _generate(model, ids, 21)
+    lp.set_decode_graphs(model, True)
+    seq_g, sc_g, cache_g = _generate(model, ids, 21)
+    st = dg.stats(cache_g)
+    assert st["eager_steps"] == 1 and st["graphs"] == st["captures"] == 1 and st["replays"] == 19, st
+    assert torch.equal(seq_g, seq_e)
+    torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
+    for le, lg in zip(cache_e.layers, cache_g.layers):
+        assert le.seen == lg.seen == 13 + 20
+        for n, t in le.state_tensors().items():
+            torch.testing.assert_close(lg.state_tensors()[n], t, atol=1e-5, rtol=0)
+
+
+def test_a_buffer_regrow_drops_the_graphs(simulate, monkeypatch):
+    """A full buffer: the step that would overflow runs eagerly and grows it (new tensors), later steps are captured
+    again at the new capacity."""
+    from longctx_patch.methods import kv_layer
+
+    monkeypatch.setattr(kv_layer, "ALIGN", 8)
+    monkeypatch.setattr(kv_layer, "HEADROOM", 2)
+    monkeypatch.setattr(kv_layer, "GROW", 8)
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, "exact")
+    ids = torch.randint(3, 100, (1, 13))
+    lp.set_decode_graphs(model, False)
+    seq_e, sc_e, _ = _generate(model, ids, 21)
+    lp.set_decode_graphs(model, True)
+    seq_g, sc_g, cache = _generate(model, ids, 21)
+    assert cache.layers[0].capacity == 40  # 16 after the prefill, 24 at token 16, 32 at 24, 40 at 32
+    # stats since the last state replacement: the step at 24 grew the buffer (eager, the key is None), the one at
+    # 25 found new tensors (eager, a new store), 26 was captured, 26-31 replayed, 32 grew it again (eager)
+    assert dg.stats(cache) == {"eager_steps": 1, "captures": 1, "replays": 6, "graphs": 1}
+    assert torch.equal(seq_g, seq_e)
+    torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
+
+
 def test_a_key_missing_a_host_field_is_caught(simulate, monkeypatch):
     """The check has teeth: a key that ignores the window's fill (`nb`, which sets where a step appends and whether
     it evicts) replays one captured step for every position."""
@@ -80,16 +127,18 @@ def test_padded_batch_and_other_methods_stay_eager(simulate):
     assert dg.stats(out.past_key_values) is None  # padded rows: eager (their mask tensor changes every step)
     lp.unpatch(model)
     assert "forward" not in model.__dict__
-    lp.patch(model, "exact")
+    lp.patch(model, "exact", layers=[0, 1])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                          pad_token_id=0, return_dict_in_generate=True)
-    assert dg.stats(out.past_key_values) is None  # a full KV cache grows: not replayable
+    assert dg.stats(out.past_key_values) is None  # an unpatched layer's KV cache grows: not replayable
 
 
-def test_beam_reorder_drops_graphs(simulate):
+@pytest.mark.parametrize("method,config", [("lolcats", {k: v for k, v in LOLA.items() if k != "sparse_cache"}),
+                                           ("exact", {}), ("sliding-window", {"window": 5})])
+def test_beam_reorder_drops_graphs(simulate, method, config):
     torch.manual_seed(0)
     model = tiny_model("llama").eval()
-    lp.patch(model, "lolcats", **{k: v for k, v in LOLA.items() if k != "sparse_cache"})
+    lp.patch(model, method, **config)
     ids = torch.randint(3, 100, (1, 9))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, num_beams=2, do_sample=False, pad_token_id=0)
     lp.set_decode_graphs(model, False)

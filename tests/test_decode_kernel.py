@@ -73,3 +73,25 @@ def test_supported_says_why_not():
     with pytest.raises(RuntimeError, match="cannot run"):
         masked_few_query_attention(torch.randn(1, 2, 1, 24), torch.randn(1, 2, 5, 24), torch.randn(1, 2, 5, 24),
                                    scale=0.2)
+
+
+def test_decode_over_a_preallocated_buffer():
+    """The call a `KVBufferLayer` decode step makes (methods/kv_layer.py): one query against the whole buffer,
+    valid slots anywhere (a ring), zeroed empty slots, `q_offset` = capacity (no causal rule, no forced own slot):
+    equal to attention over the valid keys alone, GQA with 7 query heads per kv head."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, cap, D = 2, 14, 2, 96, 16
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k = torch.randn(B, Hkv, cap, D, generator=g)
+    v = torch.randn(B, Hkv, cap, D, generator=g)
+    km = torch.rand(B, cap, generator=g) < 0.6
+    k[~km[:, None, :, None].expand_as(k)] = 0.0
+    v[~km[:, None, :, None].expand_as(v)] = 0.0
+    out = masked_few_query_attention(q, k, v, scale=D ** -0.5, key_mask=km, q_offset=cap, splits=3)
+    torch.testing.assert_close(out.double(), _dense(q, k, v, D ** -0.5, km, cap, None), atol=2e-6, rtol=2e-6)
+    exact = softmax_attention(q, k, v, scale=D ** -0.5, key_mask=km, q_offset=cap)
+    torch.testing.assert_close(out, exact, atol=2e-6, rtol=2e-6)
+    for b in range(B):  # the valid keys alone, in slot order (softmax does not depend on the keys' order)
+        kb, vb = k[b:b + 1, :, km[b]], v[b:b + 1, :, km[b]]
+        alone = _dense(q[b:b + 1], kb, vb, D ** -0.5, None, kb.shape[2], None)
+        torch.testing.assert_close(out[b:b + 1].double(), alone, atol=2e-6, rtol=2e-6)

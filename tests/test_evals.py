@@ -369,10 +369,14 @@ def test_model_speed_fields(tiny, tmp_path):
                 assert cell["decode_tok_s"] > 0 and cell["ms_per_step"] > 0 and cell["floor_ms"] > 0
                 assert cell["floor_ratio"] == pytest.approx(cell["ms_per_step"] / cell["floor_ms"], rel=1e-2)
                 assert (cell["prefill_s"] is None) == (lab == speed_model.STATIC)
+    from longctx_patch.methods.kv_layer import capacity_for
+
     cfg = tiny[0].config
-    full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (64 + 12) * 16 * 4  # fp32 K and V
+    # the preallocated buffers (methods/kv_layer.py): K and V of the capacity, the validity mask, the write slot
+    per_row = lambda cap: cfg.num_hidden_layers * (2 * cfg.num_key_value_heads * cap * 16 * 4 + cap + 8)  # noqa: E731
+    full = per_row(capacity_for(64 + 12))  # fp32
     assert r["exact"]["b1"]["64"]["state_bytes"] == full and r["exact"]["b3"]["64"]["state_bytes"] == 3 * full
-    assert r["sliding-window(window=16)"]["b1"]["64"]["state_bytes"] == full * 15 // 76
+    assert r["sliding-window(window=16)"]["b1"]["64"]["state_bytes"] == per_row(16)
     # the floor: (weights + state) read once at the measured copy bandwidth (which counts read + written bytes)
     want = 1e3 * (fig["weights_bytes"] + full) / (fig["copy_bandwidth_Bps"] / 2)
     assert r["exact"]["b1"]["64"]["floor_ms"] == pytest.approx(want, rel=1e-3)

@@ -85,11 +85,10 @@ def test_exact_cached_generate_and_left_padded_batch_equal_unpatched(family, one
     torch.testing.assert_close(out[1, 40:], ref[1, 40:], atol=1e-5, rtol=1e-5)
     assert torch.equal(out_gen.sequences, ref_gen.sequences)
     torch.testing.assert_close(torch.stack(out_gen.logits), torch.stack(ref_gen.logits), atol=1e-5, rtol=1e-5)
-    # a windowed layer's cache keeps window - 1 tokens, as transformers' own
+    # a windowed layer's cache is a ring of window slots (window - 1 past tokens and the current one)
     cache = lp.LongctxCache(model)
     for i, w in enumerate(CASES[family][1]):
-        layer = cache.layers[i]
-        assert (getattr(layer, "keep", None) == w - 1) if w else not hasattr(layer, "keep")
+        assert cache.layers[i].window == w
 
 
 def test_attention_transfer_teacher_keeps_the_window(one_thread):

@@ -165,7 +165,7 @@ def test_what_the_patcher_hands_out(tiny_llama):
     it (NotPatchedError on an unpatched model, as LongctxCache(model))."""
     from transformers.cache_utils import DynamicLayer
 
-    from longctx_patch.methods.exact import RollingKVLayer
+    from longctx_patch.methods.kv_layer import KVBufferLayer
     from longctx_patch.methods.patch_access import patched_modules as patched_modules_for_methods
 
     for ask in (patched_modules, patch_groups, patch_context, patched_modules_for_methods, lp.LongctxCache):
@@ -183,8 +183,8 @@ def test_what_the_patcher_hands_out(tiny_llama):
     ctx = patch_context(tiny_llama)
     assert all(m._ctx is ctx for m in mods.values())
     cache = lp.LongctxCache(tiny_llama)
-    assert [type(layer) for layer in cache.layers] == [DynamicLayer, DynamicLayer, RollingKVLayer]
-    assert cache.layers[2].keep == 3
+    assert [type(layer) for layer in cache.layers] == [KVBufferLayer, DynamicLayer, KVBufferLayer]
+    assert cache.layers[0].window is None and cache.layers[2].window == 4
     lp.unpatch(tiny_llama)
     with pytest.raises(lp.NotPatchedError):
         patched_modules(tiny_llama)
@@ -303,7 +303,7 @@ def test_cache_is_created_for_plain_forward_and_generate(tiny_llama):
     out = tiny_llama(x, use_cache=True)
     cache = out.past_key_values
     assert isinstance(cache, lp.LongctxCache)
-    assert cache.layers[0].keys.shape[2] == 5  # window - 1 past tokens
+    assert cache.layers[0].keys.shape[2] == 6  # a ring of window slots
     assert cache.get_seq_length() == 20
     # a non-empty foreign cache is refused with a clear message
     from transformers import DynamicCache

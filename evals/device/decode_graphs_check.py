@@ -3,7 +3,12 @@ from CUDA graphs against the same with every step eager, per method and dtype, o
 model: the same tokens, the largest score difference, how many steps were captured / replayed, and the wall time
 of each whole generate() call.
 
-    python3 -m evals.device.decode_graphs_check [--methods lola,lolcats,ovq] [--prompt 2048] [--new 160] [--out DIR]
+    python3 -m evals.device.decode_graphs_check [--methods lola,lolcats,ovq,exact,sliding-window] [--prompt 2048]
+        [--new 160] [--out DIR]
+
+exact and sliding-window (its default window of 256 tokens: a ring below the 2048-token prompt) decode from a
+preallocated KV buffer (longctx_patch/methods/kv_layer.py); ovq from its open-chunk buffer (a prompt of 2000
+tokens puts an absorbing step among the new ones).
 
 Writes decode-graphs-<gpu>.json (device, date, commit, command, one row per method x dtype) under --out
 (default $OUT, else evals/results/speed/).
@@ -62,7 +67,7 @@ def check(method: str, dtype, prompt: int, new: int, batch: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="lola,lolcats,ovq")
+    ap.add_argument("--methods", default="lola,lolcats,ovq,exact,sliding-window")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_layer import LongctxLayer
 from ..kernels.softmax import key_mask_for, softmax_attention
 from .base import Method, MethodConfig, PatchedAttention, register_method
+from .kv_layer import KVBufferLayer, kv_buffer_bytes
 
 
 @dataclass
@@ -16,31 +16,10 @@ class ExactConfig(MethodConfig):
     """No options: exact softmax attention."""
 
 
-class RollingKVLayer(LongctxLayer):
-    """Holds the K/V of the last `keep` tokens (`[B, Hkv, <=keep, D]`): the cache of a windowed layer."""
-
-    state_names = ("keys", "values")
-
-    def __init__(self, keep: int):
-        super().__init__()
-        self.keep = keep
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns past + new keys and values (the new ones last), then keeps the last `keep` of them."""
-        if not self.is_initialized:
-            self.lazy_initialization(k, v)
-            self.keys, self.values = k[:, :, :0], v[:, :, :0]
-        k_all = torch.cat([self.keys, k], dim=2)
-        v_all = torch.cat([self.values, v], dim=2)
-        start = max(0, k_all.shape[2] - self.keep)
-        self.keys, self.values = k_all[:, :, start:], v_all[:, :, start:]
-        self.seen += k.shape[2]
-        return k_all, v_all
-
-
 class ExactAttention(PatchedAttention):
     """Exact causal softmax attention; on a layer the original model windows (`spec.sliding_window`), the same
-    window, with a rolling cache of `window - 1` tokens as transformers' own for such a layer."""
+    window. Its cache is a preallocated `KVBufferLayer` (methods/kv_layer.py; for a window, a ring of `window`
+    slots), so its decode steps write in place and can be replayed from CUDA graphs."""
 
     method_name = "exact"
 
@@ -56,21 +35,22 @@ class ExactAttention(PatchedAttention):
         return softmax_attention(q, k, v, scale=scale)
 
     def attend(self, q, k, v, cache_layer, padding):
-        if isinstance(cache_layer, RollingKVLayer):
-            k, v = cache_layer.append(k, v)
-        elif cache_layer is not None:
+        if isinstance(cache_layer, KVBufferLayer):
+            kv = cache_layer.extend(k, v, padding)
+            return softmax_attention(q, kv.keys, kv.values, scale=self.scaling, key_mask=kv.key_mask,
+                                     q_offset=kv.q_offset, window=kv.window)
+        if cache_layer is not None:  # a cache layer of transformers' own (a DynamicLayer handed in by a caller)
             k, v = cache_layer.update(k, v)
-        # the queries are the last keys: a rolling cache returns the kept past and the new tokens
+        # the queries are the last keys
         return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]),
                                  window=self.window)
 
     def make_cache_layer(self):
-        w = self.window
-        return super().make_cache_layer() if w is None else RollingKVLayer(keep=w - 1)
+        return KVBufferLayer(window=self.window)
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        w = self.window
-        return super().state_bytes(context_len if w is None else min(context_len, w - 1), batch, dtype)
+        """What the buffer a prefill of `context_len` tokens allocates holds (its capacity, not its fill)."""
+        return kv_buffer_bytes(context_len, batch, self.num_key_value_heads, self.head_dim, dtype, self.window)
 
 
 @register_method

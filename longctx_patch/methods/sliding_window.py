@@ -1,7 +1,7 @@
-"""`sliding-window`: exact softmax over the last `window` tokens, with a rolling KV cache.
+"""`sliding-window`: exact softmax over the last `window` tokens, with a ring KV cache.
 
-The cache layer keeps at most `window - 1` past tokens: with the current token that is exactly `window`
-keys per query at decode, and memory never grows with the context.
+The cache layer (methods/kv_layer.py) holds at most `window` slots: a decode step overwrites the oldest token
+with the current one and attends to exactly `window` keys, and memory never grows with the context.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from .base import Method, MethodConfig, option, register_method
 from ..kernels.softmax import softmax_attention
-from .exact import ExactAttention, RollingKVLayer
+from .exact import ExactAttention
+from .kv_layer import KVBufferLayer
 
-__all__ = ["RollingKVLayer", "SlidingWindow", "SlidingWindowAttention", "SlidingWindowConfig"]
+__all__ = ["KVBufferLayer", "SlidingWindow", "SlidingWindowAttention", "SlidingWindowConfig"]
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SlidingWindowAttention(ExactAttention):
 @register_method
 class SlidingWindow(Method):
     name = "sliding-window"
-    description = "exact softmax over the last `window` tokens; rolling KV cache of window-1 tokens"
+    description = "exact softmax over the last `window` tokens; ring KV cache of window tokens"
     config_cls = SlidingWindowConfig
     module_cls = SlidingWindowAttention
     keeps_model_window = True  # the smaller of the two windows (SlidingWindowAttention.window)
