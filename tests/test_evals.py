@@ -401,6 +401,27 @@ def test_model_speed_cells(tiny, tmp_path):
     assert res["figures"]["batches"] == [1, 3] and res["figures"]["contexts"] == [16, 64]
 
 
+def test_model_speed_keeps_finished_methods(tiny, tmp_path, monkeypatch):
+    """A method that fails (a crash, a time limit) leaves the rows of the methods before it on disk."""
+    runs = parse_methods(["exact", "sliding-window"], ["window=16"])
+    real = speed_model.time_cell
+
+    def cell(model, **kw):
+        from longctx_patch.patcher import is_patched, patched_modules
+
+        if is_patched(model) and patched_modules(model)[0].method_name == "sliding-window":
+            raise RuntimeError("killed")
+        return real(model, **kw)
+
+    monkeypatch.setattr(speed_model, "time_cell", cell)
+    with pytest.raises(RuntimeError, match="killed"):
+        speed.run_speed(tiny, runs, cells=[(1, 16)], decode_tokens=4, repeats=1, out_dir=tmp_path, name="p",
+                        model_name="tiny", echo=lambda *_: None)
+    rec = json.loads((tmp_path / "p.json").read_text())
+    assert set(rec["results"]) == {"exact"} and rec["complete"] is False
+    assert rec["results"]["exact"]["b1"]["16"]["prefill_s"] > 0
+
+
 def test_cli_speed_refuses_a_bad_batch_before_loading(tmp_path):
     from cli.eval_cmd import eval_group
 

@@ -215,6 +215,31 @@ def run_model_speed(
         plan.append((STATIC, MethodRun("none"), {"cache_implementation": "static"}))
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     compiled = None
+    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+
+    def figures_of(rows) -> dict[str, Any]:
+        done = [p[0] for p in plan if p[0] in rows]
+        figures: dict[str, Any] = {
+            "level": "model", "layout": "results[method][b<batch>][context]",
+            "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
+            "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
+            "decode_base": decode_base, "prefill_chunk": prefill_chunk,
+            "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
+            "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
+            "results": rows, "reference": ref, "complete": len(done) == len(plan),
+        }
+        if static:
+            figures["static_compiled"] = compiled
+        if ref is not None and ref in rows:
+            figures["speedup_vs_reference"] = _speedups(rows, ref, done)
+        return figures
+
+    out_dir = output_dir(out_dir, "speed")
+    json_path = None if out_dir is None else Path(out_dir) / f"{name or default_name('speed', model_name, methods)}.json"
+
+    def save(figures) -> Path:
+        return write_result(json_path, task="speed", model=model_name, runs=methods, figures=figures, command=command)
+
     was_training = mdl.training
     mdl.eval()
     try:
@@ -235,23 +260,12 @@ def run_model_speed(
                     compiled = hasattr(mdl, "_compiled_call")
                     if compiled:
                         del mdl._compiled_call  # the next rows run the model as users do, uncompiled
+            if json_path is not None and len(rows) < len(plan):
+                save(figures_of(rows))  # what is done so far survives a later method's crash or time limit
     finally:
         mdl.train(was_training)
     labels = [p[0] for p in plan]
-    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
-    figures: dict[str, Any] = {
-        "level": "model", "layout": "results[method][b<batch>][context]",
-        "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
-        "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
-        "decode_base": decode_base, "prefill_chunk": prefill_chunk,
-        "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
-        "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
-        "results": rows, "reference": ref,
-    }
-    if static:
-        figures["static_compiled"] = compiled
-    if ref is not None:
-        figures["speedup_vs_reference"] = _speedups(rows, ref, labels)
+    figures = figures_of(rows)
     header = ["method", "batch", "context", "prefill s", "decode tok/s", "ms/step", "floor ms", "peak MiB", "state MiB"]
     table = [[lab, b[1:], c, r.get("prefill_s"), r.get("decode_tok_s"), r.get("ms_per_step"), r.get("floor_ms"),
               None if r.get("peak_mem_bytes") is None else round(r["peak_mem_bytes"] / 2**20, 1),
@@ -259,12 +273,9 @@ def run_model_speed(
              for lab in labels for b, per in rows[lab].items() for c, r in per.items()]
     echo(format_table(header, table))
     result = {"figures": figures}
-    out_dir = output_dir(out_dir, "speed")
-    if out_dir is not None:
-        stem = name or default_name("speed", model_name, methods)
-        path = write_result(Path(out_dir) / f"{stem}.json", task="speed", model=model_name, runs=methods,
-                            figures=figures, command=command)
-        png = plot(figures, labels, Path(out_dir) / f"{stem}.png")
+    if json_path is not None:
+        path = save(figures)
+        png = plot(figures, labels, json_path.with_suffix(".png"))
         echo(f"wrote {path} and {png}")
         result.update({"json": str(path), "png": str(png)})
     return result
