@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,8 @@ _PASSED = {"input_ids", "attention_mask", "position_ids", "cache_position", "pas
 @dataclass
 class _Entry:
     graph: Any  # torch.cuda.CUDAGraph, or _SimGraph
-    out: Any  # the model output whose logits the replays overwrite
+    out: Any  # the model output whose logits the replays overwrite (its cache field emptied: see _capture)
+    cache_field: str | None  # the name of that field (`past_key_values` or `cache`), given the cache back per step
     before: list[dict]
     after: list[dict]
 
@@ -186,8 +188,11 @@ class DecodeGraphs:
         for layer, b, a, n in zip(cache.layers, entry.before, entry.after, now):
             layer.set_host_state(_advance(b, a, n))
         store.replays += 1
-        out = entry.out  # its fields as the model names them (`past_key_values` or `cache`), logits copied
-        return type(out)(**{k: (v.clone() if k == "logits" else v) for k, v in out.items()})
+        out = entry.out  # its fields as the model names them, logits copied
+        fields = {k: (v.clone() if k == "logits" else v) for k, v in out.items()}
+        if entry.cache_field is not None:
+            fields[entry.cache_field] = cache
+        return type(out)(**fields)
 
     def _load_inputs(self, store: _Store, cache, kwargs) -> None:
         store.ids.copy_(kwargs["input_ids"])
@@ -205,15 +210,17 @@ class DecodeGraphs:
 
     def _capture(self, store: _Store, cache, keep) -> _Entry | None:
         layers = cache.layers
-        call = {"input_ids": store.ids, "position_ids": store.pos, self._cache_arg: cache, "use_cache": True,
-                "return_dict": True}
+        call = {"input_ids": store.ids, "position_ids": store.pos, "use_cache": True, "return_dict": True}
         if keep:
             call["logits_to_keep"] = keep
         if store.cpos is not None:
             call["cache_position"] = store.cpos
 
+        cache_ref = weakref.ref(cache)  # what a graph keeps must not keep the cache alive (a reference cycle
+        # through the cache's own graph store would hold its state until the garbage collector runs)
+
         def run():
-            return self.orig(**call)
+            return self.orig(**call, **{self._cache_arg: cache_ref()})
 
         before = [layer.host_state() for layer in layers]
         sig = _state_sig(cache)
@@ -246,7 +253,10 @@ class DecodeGraphs:
             return None
         if SIMULATE:
             graph = _SimGraph(run, layers, before, out)
-        return _Entry(graph=graph, out=out, before=before, after=after)
+        field_name = next((k for k, v in out.items() if v is cache), None)
+        if field_name is not None:
+            out[field_name] = None
+        return _Entry(graph=graph, out=out, cache_field=field_name, before=before, after=after)
 
 
 def stats(cache) -> dict | None:

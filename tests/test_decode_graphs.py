@@ -154,3 +154,25 @@ def test_set_decode_graphs_rejects_non_bool():
         lp.set_decode_graphs(model, "yes")
     with pytest.raises(lp.NotPatchedError):
         lp.set_decode_graphs(tiny_model("llama"), True)
+
+
+def test_a_cache_with_graphs_is_freed_without_the_garbage_collector(simulate):
+    """The graphs a cache keeps do not point back at it: once generate()'s output is gone, reference counting frees
+    the cache and its state (a cycle held a 32k-token cache per generate() call on the GPU until a collection)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, "lola", **LOLA)
+    ids = torch.randint(3, 100, (1, 13))
+    gc.collect()
+    gc.disable()
+    try:
+        seq, _, cache = _generate(model, ids, 12)
+        assert dg.stats(cache)["replays"] > 0
+        ref = weakref.ref(cache)
+        del cache
+        assert ref() is None
+    finally:
+        gc.enable()
