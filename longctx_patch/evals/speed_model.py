@@ -145,7 +145,9 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
                                          for _ in range(repeats)) - one
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     state = state_bytes(model, context + decode_tokens, batch)
-    floor_ms = 1e3 * (weights + state) / bandwidth * 2  # read once: half of what a copy of the same bytes moves
+    # read once, at the rate a device copy moves bytes (its reads plus its writes): a copy of the same bytes takes
+    # twice as long, since it also writes them
+    floor_ms = 1e3 * (weights + state) / bandwidth
     row: dict[str, Any] = {
         "prefill_s": round(statistics.median(prefill), 5) if prefill else None,
         "generate_1_s" if decode_base == 1 else f"generate_{decode_base}_s": None if one is None else round(one, 5),
@@ -225,7 +227,8 @@ def run_model_speed(
             "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
             "decode_base": decode_base, "prefill_chunk": prefill_chunk,
             "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
-            "floor": "(weights_bytes + state_bytes) / (copy_bandwidth_Bps / 2): every byte read once",
+            "floor": "(weights_bytes + state_bytes) / copy_bandwidth_Bps: every byte read once at the copy's rate "
+                     "of bytes moved (read + written)",
             "results": rows, "reference": ref, "complete": len(done) == len(plan),
         }
         if static:
