@@ -145,3 +145,25 @@ def test_cpu_tensors_keep_the_banded_path(monkeypatch):
     q, k, v = _inputs(1, 4, 2, 200, 200, 16, torch.float32, seed=12)
     with torch.no_grad():
         softmax_attention(q, k, v, scale=0.25, window=8)
+
+
+def test_patched_model_through_the_kernel_equals_the_bands(monkeypatch):
+    """A sliding-window tiny Llama's padded prefill with the kernel's route forced (the interpreter): the same
+    logits as through the banded path, and the kernel was taken."""
+    import longctx_patch as lp
+    from conftest import tiny_model
+
+    model = lp.patch(tiny_model("llama"), "sliding-window", window=16)
+    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(0))
+    am = torch.ones(2, 300, dtype=torch.long)
+    am[1, :37] = 0  # left padding
+    with torch.no_grad():
+        want = model(ids, attention_mask=am, use_cache=False).logits
+        calls = []
+        real = sm.window_attention_triton
+        monkeypatch.setattr(sm, "window_kernel_route", lambda q, k, v: window_kernel_supported(q, k, v) is None)
+        monkeypatch.setattr(sm, "window_attention_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = model(ids, attention_mask=am, use_cache=False).logits
+    assert calls, "the 300-token prefill did not take the kernel"
+    keep = am.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
