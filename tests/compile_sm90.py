@@ -1,4 +1,4 @@
-"""Compile the LoLA, MuSe and OVQ Triton kernels for sm_90 without a GPU; run as a script (the interpreter must be off).
+"""Compile the LoLA, MuSe, OVQ, decode and sliding-window Triton kernels for sm_90 without a GPU; run as a script (the interpreter must be off).
 
     python tests/compile_sm90.py        # prints one JSON object: kernel case -> {"shared": bytes} or {"error": ...}
 
@@ -15,6 +15,7 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -31,6 +32,7 @@ from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
 from longctx_patch.kernels.ovq import triton_fast as of  # noqa: E402
+from longctx_patch.kernels import triton_window as tw  # noqa: E402
 
 FLOAT_SCALARS = {"eps", "scale_log2"}
 F32, BF16, I8, I32, I64 = "*fp32", "*bf16", "*i8", "*i32", "*i64"
@@ -351,6 +353,14 @@ for _D, _t, _R, _tag in ((128, BF16, 4, "bf16"), (64, BF16, 512, "bf16"), (64, F
         dict(Q=_t, K=_t, V=_t, KM=I8, PO=F32, PM=F32, PL=F32), {"num_warps": _w, "num_stages": 2})
 CASES["decode_combine_D128"] = (dk._combine_kernel, dict(HKV=8, G=4, NRB=1, BR=16, D=128),
                                 dict(PO=F32, PM=F32, PL=F32, O=BF16), {"num_warps": 4})
+
+for _D, _t, _G, _tag in ((64, BF16, 4, "bf16"), (128, BF16, 4, "bf16"), (256, BF16, 4, "bf16"), (64, BF16, 7, "bf16"),
+                         (64, F32, 4, "fp32"), (128, F32, 4, "fp32")):  # as window_forward launches it
+    _BR, _BN, _w, _st = tw.window_tiles(_D, torch.float32 if _t == F32 else torch.bfloat16)
+    CASES[f"window_fwd_D{_D}_G{_G}_{_tag}"] = (
+        tw._window_fwd_kernel, dict(HKV=8, G=_G, BR=_BR, BN=_BN, D=_D, HAS_KM=True,
+                                    PREC="ieee" if _t == F32 else "tf32"),
+        dict(Q=_t, K=_t, V=_t, KM=I8, O=_t), {"num_warps": _w, "num_stages": _st})
 
 
 # the 64-bit offset check's own cases: the same load with the batch x head program id 32-bit (as every LoLA and OVQ

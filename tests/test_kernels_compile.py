@@ -36,7 +36,9 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "sre", "sre_bf
     + [f"cells_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dcells")] \
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \
-    + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"]
+    + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"] \
+    + ["window_fwd_D64_G4_bf16", "window_fwd_D128_G4_bf16", "window_fwd_D256_G4_bf16", "window_fwd_D64_G7_bf16",
+       "window_fwd_D64_G4_fp32", "window_fwd_D128_G4_fp32"]
 CANARIES = ["canary_i32_base", "canary_i64_base", "canary_widened_late"]
 
 

@@ -1,4 +1,5 @@
-"""Sliding-window prefill on a CUDA GPU: the package's banded kernel (kernels/window.py) against flex attention
+"""Sliding-window prefill on a CUDA GPU: the package's banded kernel (kernels/window.py) and its Triton forward
+(kernels/triton_window.py, `window_attention_triton`; forward only: no fwd+bwd row) against flex attention
 with a sliding-window block mask (compiled), SDPA under the dense mask (the path before the banded kernel) and
 cuDNN's full causal attention (no window: the cost the window exists to avoid), in the same run.
 
@@ -23,7 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from evals.shared import device_token, result_file
 from longctx_patch.evals.common import git_commit, parse_sizes
 from longctx_patch.kernels.softmax import attention_mask
-from longctx_patch.kernels.window import banded_bytes, banded_window_attention
+from longctx_patch.kernels.window import banded_bytes, banded_window_attention, window_attention_triton
+
+FWD_ONLY = {"triton"}  # no backward: timed forward only
 
 
 def _flex(W):
@@ -68,6 +71,7 @@ def main(argv=None):
     dev, dt, W, D = torch.device("cuda"), torch.bfloat16, args.window, args.head_dim
     scale = D ** -0.5
     variants = {"banded": lambda q, k, v, s: banded_window_attention(q, k, v, scale=s, window=W),
+                "triton": lambda q, k, v, s: window_attention_triton(q, k, v, scale=s, window=W),
                 "flex": _flex(W), "dense-mask": _dense(W), "cudnn-full-causal": _cudnn_full}
     rows = []
     for L in parse_sizes(args.lengths):
@@ -80,6 +84,11 @@ def main(argv=None):
             ref = _dense(W)(q.float(), k.float(), v.float(), scale)
             row["banded_max_err_vs_fp32"] = (banded_window_attention(q, k, v, scale=scale, window=W).float()
                                              - ref).abs().max().item()
+            try:
+                row["triton_max_err_vs_fp32"] = (window_attention_triton(q, k, v, scale=scale, window=W).float()
+                                                 - ref).abs().max().item()
+            except Exception as e:  # noqa: BLE001 - reported; the variant loop records it again
+                row["triton_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             del ref
         base = banded_window_attention(q, k, v, scale=scale, window=W).float()
         for name, fn in variants.items():
@@ -91,6 +100,9 @@ def main(argv=None):
                     if name != "cudnn-full-causal":
                         row[f"{name}_max_diff_vs_banded"] = (out.float() - base).abs().max().item()
                     row[f"{name}_fwd_ms"] = do_bench(lambda: fn(q, k, v, scale))
+                if name in FWD_ONLY:
+                    del out
+                    continue
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                 gout = torch.randn_like(out)
 
@@ -103,8 +115,9 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - one variant's failure is a result, the others go on
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             torch.cuda.empty_cache()
-        if "cudnn-full-causal_fwd_ms" in row and "banded_fwd_ms" in row:
-            row["banded_speedup_vs_cudnn_full"] = row["cudnn-full-causal_fwd_ms"] / row["banded_fwd_ms"]
+        for name in ("banded", "triton"):
+            if "cudnn-full-causal_fwd_ms" in row and f"{name}_fwd_ms" in row:
+                row[f"{name}_speedup_vs_cudnn_full"] = row["cudnn-full-causal_fwd_ms"] / row[f"{name}_fwd_ms"]
         print(json.dumps(row), flush=True)
         rows.append(row)
         del q, k, v, base

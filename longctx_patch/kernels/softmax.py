@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from .window import banded_window_attention, use_banded
+from .window import banded_window_attention, use_banded, window_attention_triton, window_kernel_route
 
 
 def attention_mask(
@@ -76,7 +76,10 @@ def softmax_attention(
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     if use_banded(Sq, Sk, window):
-        # many queries under a window (a windowed layer's prefill): O(S * W) banded blocks, not an S x S mask
+        # many queries under a window (a windowed layer's prefill): O(S * W), not an S x S mask. Without a gradient
+        # on CUDA the Triton forward (no bands or mask in memory); else banded blocks through SDPA (differentiable)
+        if window_kernel_route(q, k, v):
+            return window_attention_triton(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=q_offset)
         return banded_window_attention(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=q_offset)
     simple = key_mask is None and window is None and (q_offset is None or q_offset == Sk - Sq)
     if simple and 1 < Sq < Sk and (G == 1 or _LOWER_RIGHT_GQA):
