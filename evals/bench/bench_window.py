@@ -66,6 +66,8 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dense-max", default="32k", help="longest length for the dense-mask variant (S x S memory)")
+    ap.add_argument("--variants", default="banded,triton,flex,dense-mask,cudnn-full-causal",
+                    help="which to time (flex compiles first: leave it out for a short run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dt, W, D = torch.device("cuda"), torch.bfloat16, args.window, args.head_dim
@@ -73,6 +75,11 @@ def main(argv=None):
     variants = {"banded": lambda q, k, v, s: banded_window_attention(q, k, v, scale=s, window=W),
                 "triton": lambda q, k, v, s: window_attention_triton(q, k, v, scale=s, window=W),
                 "flex": _flex(W), "dense-mask": _dense(W), "cudnn-full-causal": _cudnn_full}
+    keep = [x.strip() for x in args.variants.split(",") if x.strip()]
+    unknown = sorted(set(keep) - set(variants))
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {sorted(variants)}")
+    variants = {n: f for n, f in variants.items() if n in keep}
     rows = []
     for L in parse_sizes(args.lengths):
         g = torch.Generator(device=dev).manual_seed(0)

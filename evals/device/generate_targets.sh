@@ -31,6 +31,7 @@ case "$part" in
     sp lola 81 100
     sp sliding-window 8 80
     timeout 70 python3 -m evals.bench.bench_window --lengths 16k,64k,128k --window 256 \
+      --variants banded,triton,cudnn-full-causal \
       --out "$out/window-256-h200.json" || echo "! bench_window exited with $?"
     for m in lola ovq; do
       CELLS=4x16k,4x32k,4x64k,4x128k,64x32k PREFILL_CHUNK=8192 DECODE_TOKENS=8 DECODE_BASE=8 PER_METHOD_S=70 \
