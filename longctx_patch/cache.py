@@ -39,6 +39,16 @@ class LongctxCache(DynamicCache):
         # (any padding, left padding) read from the first forward's attention mask (patcher._padding_facts)
         self.padding_facts: tuple[bool, bool] | None = None
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """What transformers sizes the model's 4-D attention mask by. Patched modules never read that mask (they read
+        the 2-D padding mask), so when every layer is a method's own the mask serves nobody: report the queries
+        alone, and transformers skips it (SDPA's causal skip) or builds a `q x q` one, instead of a `q x (past + q)`
+        mask per forward: a chunked prefill of 4 x 128k tokens built a 4.3 GB mask for its last chunk (peak memory
+        grew with the context while the state did not). With unpatched layers (a hybrid) they get the real sizes."""
+        if self.layers and all(isinstance(layer, LongctxLayer) for layer in self.layers):
+            return query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
+
     def nbytes(self) -> int:
         """Bytes held by every layer's state tensors."""
         total = 0
