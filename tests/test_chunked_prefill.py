@@ -19,6 +19,7 @@ CONFIGS = {
     "lolcats": {"window": 4, "chunk": 4, "feature_dim": 8, "checkpoint": "none"},
     "ovq": {"chunk_size": 8, "max_centroids": 12, "growth": 4.0},
     "muse": {},
+    "moba": {"block_size": 8, "top_k": 2},
 }
 
 

@@ -51,10 +51,11 @@ def test_replayed_decode_equals_eager(simulate, method, config):
 
 
 @pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 6}),
-                                           ("sliding-window", {"window": 40})])
+                                           ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2})])
 def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config):
-    """exact and sliding-window (methods/kv_layer.py): one graph per buffer capacity; a window smaller than the
-    prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings)."""
+    """exact, sliding-window and moba (methods/kv_layer.py): one graph per buffer capacity; a window smaller than the
+    prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings); moba's step
+    gates the buffer's blocks from device state only."""
     torch.manual_seed(0)
     model = tiny_model("llama").eval()
     lp.patch(model, method, **config)

@@ -34,6 +34,7 @@ _SETTINGS = {
     "sliding-window": {"window": 8},
     "muse": {"block_size": 8, "min_seq_len": 16, "k_clusters": 2, "q_clusters": 2, "topk_blocks": 1,
              "topk_clusters": 1},
+    "moba": {"block_size": 8, "top_k": 2},
     "lolcats": {"window": 8, "chunk": 8},
     "lola": {"window": 8, "chunk": 8, "sparse_cache": 4},
     "ovq": {"chunk_size": 16, "max_centroids": 8},

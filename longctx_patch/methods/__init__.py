@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from .base import Method, MethodConfig, PatchedAttention, _REGISTRY, option, register_method
 
 # Built-in method modules, imported on first use of the registry (import cost stays off `import longctx_patch`).
-_BUILTIN = ("exact", "sliding_window", "muse", "lolcats", "lola", "ovq")
+_BUILTIN = ("exact", "sliding_window", "muse", "moba", "lolcats", "lola", "ovq")
 _loaded = False
 
 

@@ -1,0 +1,137 @@
+"""MoBA (Mixture of Block Attention, Lu et al. 2025, arXiv:2502.13189) in PyTorch: the gating and the block-sparse
+exact attention. Differentiable (through the attention; the gate is a hard top-k and has no gradient, as in MoBA),
+any float dtype (float64 for checks). docs/moba.md has the definition.
+
+Per query token (MoBA's per-token gating, not per query block):
+- the keys are cut into blocks of `block_size` consecutive *positions* of their row (position = index among the
+  row's real keys, so a left-padded row has the blocks of its prompt alone);
+- the query's own block (the block of its own position) is always attended, causally;
+- every earlier block n (all complete) is scored by `q . mean_k(block n)` (in fp32 or wider); the `top_k - 1`
+  best are attended too (MoBA's top-k counts the own block, which its gate sets to +inf);
+- one exact softmax over the union of those keys.
+A query whose position is below `min_seq_len` attends to every earlier key (exact).
+
+Shapes as `kernels/softmax.softmax_attention`: q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]` (GQA: Hq a multiple of Hkv,
+each query head gates with its kv head's block means), key_mask `[B, Sk]` (True = real key) or None; query i sits at
+key index `q_offset + i` (default `Sk - Sq`); a `q_offset + i >= Sk` (a decode step over a preallocated buffer)
+puts the query after every real key. Out `[B, Sq, Hq, D]` in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def key_positions(key_mask: torch.Tensor | None, B: int, Sk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kpos, valid) `[B, Sk]`: each key's position among its row's real keys (0-based; the position of the last
+    real key before it for a padded key) and whether it is real."""
+    if key_mask is None:
+        kpos = torch.arange(Sk, device=device).expand(B, Sk)
+        return kpos, torch.ones(B, Sk, dtype=torch.bool, device=device)
+    valid = key_mask.bool().expand(B, Sk)
+    return valid.long().cumsum(1) - 1, valid
+
+
+def query_positions(kpos: torch.Tensor, valid: torch.Tensor, Sq: int, q_offset: int | None):
+    """(qpos, qreal, qidx): each query's position `[B, Sq]`, whether it is a real token `[B, Sq]`, and its key index
+    `[Sq]` (>= Sk for a query after every key)."""
+    B, Sk = kpos.shape
+    q_offset = Sk - Sq if q_offset is None else q_offset
+    qidx = torch.arange(Sq, device=kpos.device) + q_offset
+    inside = qidx < Sk
+    at = qidx.clamp(max=Sk - 1)
+    last = valid.long().sum(1, keepdim=True) - 1  # a query past every key is the last real one (its own key)
+    qpos = torch.where(inside, kpos[:, at], last + (qidx - Sk))
+    qreal = torch.where(inside, valid[:, at], torch.ones_like(valid[:, :1]))
+    return qpos, qreal, qidx
+
+
+def block_means(k: torch.Tensor, kpos: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean key of each block of positions, `[B, Hkv, nb, D]` in the work dtype (0 for a block with no key);
+    nb = ceil(Sk / block_size)."""
+    B, H, Sk, D = k.shape
+    nb = -(-Sk // block_size)
+    wd = _work_dtype(k)
+    blk = kpos.clamp(min=0) // block_size
+    dump = B * nb  # padded keys go to one extra row
+    index = torch.where(valid, blk + nb * torch.arange(B, device=k.device)[:, None], dump).reshape(-1)
+    rows = k.to(wd).permute(0, 2, 1, 3).reshape(B * Sk, H * D)
+    sums = rows.new_zeros(B * nb + 1, H * D).index_add_(0, index, rows)
+    counts = rows.new_zeros(B * nb + 1).index_add_(0, index, torch.ones_like(index, dtype=wd))
+    means = sums[:dump] / counts[:dump].clamp(min=1)[:, None]
+    return means.view(B, nb, H, D).permute(0, 2, 1, 3)
+
+
+def gate(q: torch.Tensor, means: torch.Tensor, qpos: torch.Tensor, *, block_size: int, top_k: int,
+         min_seq_len: int = 0) -> torch.Tensor:
+    """The earlier blocks each query attends, `[B, Hq, Sq, nb]` bool: the `top_k - 1` earlier blocks of highest
+    `q . mean` (all of them when there are fewer, or below `min_seq_len`). The own block is not included."""
+    B, Hq, Sq, D = q.shape
+    Hkv, nb = means.shape[1], means.shape[2]
+    G = Hq // Hkv
+    wd = means.dtype
+    qblk = (qpos.clamp(min=0) // block_size)[:, None, :, None]  # [B, 1, Sq, 1]
+    cand = torch.arange(nb, device=q.device) < qblk  # earlier blocks
+    k_sel = top_k - 1
+    if k_sel >= nb:
+        return cand.expand(B, Hq, Sq, nb)
+    scores = torch.matmul(q.to(wd).reshape(B, Hkv, G * Sq, D), means.transpose(2, 3)).view(B, Hq, Sq, nb)
+    scores = scores.masked_fill(~cand, float("-inf"))
+    sel = torch.zeros(B, Hq, Sq, nb, dtype=torch.bool, device=q.device)
+    if k_sel > 0:
+        sel.scatter_(3, scores.topk(k_sel, dim=3).indices, True)
+    sel &= cand  # a query with fewer earlier blocks than k_sel: the -inf picks dropped
+    if min_seq_len > 0:
+        sel = torch.where((qpos < min_seq_len)[:, None, :, None], cand, sel)
+    return sel
+
+
+def allowed_keys(sel: torch.Tensor, kpos, valid, qpos, qreal, qidx, block_size: int) -> torch.Tensor:
+    """`[B, Hq, Sq, Sk]` bool: real keys of the own block up to the query, and of its selected earlier blocks. A
+    padded query sees its own key only (its output is ignored; as `softmax.attention_mask`)."""
+    Sk = kpos.shape[1]
+    kblk = (kpos.clamp(min=0) // block_size)[:, None, None, :]  # [B, 1, 1, Sk]
+    qblk = (qpos.clamp(min=0) // block_size)[:, None, :, None]  # [B, 1, Sq, 1]
+    causal = valid[:, None, None, :] & (kpos[:, None, None, :] <= qpos[:, None, :, None])
+    own = kblk == qblk
+    picked = sel.gather(3, kblk.expand(*sel.shape[:3], Sk))
+    ok = causal & (own | picked)
+    self_key = (torch.arange(Sk, device=kpos.device)[None, :] == qidx[:, None])[None, None]
+    return torch.where(qreal[:, None, :, None], ok, self_key)
+
+
+def moba_reference(q, k, v, *, scale: float, block_size: int, top_k: int, key_mask: torch.Tensor | None = None,
+                   q_offset: int | None = None, min_seq_len: int = 0, chunk_elems: int = 2**26) -> torch.Tensor:
+    """MoBA attention (module docstring), dense per chunk of queries: at most `chunk_elems` logits at a time."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    wd = _work_dtype(q)
+    kpos, valid = key_positions(key_mask, B, Sk, q.device)
+    qpos, qreal, qidx = query_positions(kpos, valid, Sq, q_offset)
+    with torch.no_grad():  # the gate is a hard choice: no gradient (as MoBA)
+        means = block_means(k.detach(), kpos, valid, block_size)
+    kw, vw = k.to(wd), v.to(wd)
+    c = max(1, min(Sq, chunk_elems // max(1, B * Hq * Sk)))
+    outs = []
+    for s0 in range(0, Sq, c):
+        s1 = min(Sq, s0 + c)
+        qc = q[:, :, s0:s1]
+        with torch.no_grad():
+            sel = gate(qc.detach(), means, qpos[:, s0:s1], block_size=block_size, top_k=top_k,
+                       min_seq_len=min_seq_len)
+            ok = allowed_keys(sel, kpos, valid, qpos[:, s0:s1], qreal[:, s0:s1], qidx[s0:s1], block_size)
+        n = s1 - s0
+        logits = torch.matmul(qc.to(wd).reshape(B, Hkv, G * n, D), kw.transpose(2, 3)).view(B, Hq, n, Sk) * scale
+        p = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1)
+        o = torch.matmul(p.view(B, Hkv, G * n, Sk), vw).view(B, Hq, n, D)
+        outs.append(o)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+    return o.transpose(1, 2).to(q.dtype)
+
+
+__all__ = ["allowed_keys", "block_means", "gate", "key_positions", "moba_reference", "query_positions"]
