@@ -12,9 +12,14 @@ multiple of `chunk`, the pairs that have left the window
 phi(q) . phi(k) from the window buffer, exactly as LoLCATs would, so lam = 0 is LoLCATs exactly and a
 prefill cut anywhere gives the same result as token-by-token decoding.
 
-The state holds keys and values only: phi(k) is recomputed (`phi_k`, the layer's key feature map) for the
-buffered keys that are attended linearly, and for the candidates of an eviction. The sparse cache has one
-slot set per kv head (shared by its query heads, scored by the sum of their SRE) or per query head.
+Feature cache: an in-place state (no gradients: decode, no-grad prefill) keeps phi(k) of the buffered keys that
+have left the window (the first nb - window rows of the buffer, at most `chunk`) in `win_fk`, computed once per
+key when it leaves the window (`phi_k`, the layer's key feature map), shifted with the window buffer; the linear
+attention to buffered keys and an eviction's window candidates read it instead of recomputing phi of up to
+`chunk` keys per step. An out-of-place state (gradients) keeps no
+feature cache and recomputes phi(k) where it is needed, differentiably, as before. Phi of the sparse cache's
+keys is recomputed at each eviction. The sparse cache has one slot set per kv head (shared by its query heads,
+scored by the sum of their SRE) or per query head.
 """
 
 from __future__ import annotations
@@ -51,11 +56,16 @@ def _tk():
     return triton_kernels
 
 
-def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto"):
-    """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton forward on CUDA without grad, else torch."""
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto", out=None):
+    """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton forward on CUDA without grad, else torch.
+    out: write the result there (no grad; Triton writes it directly, torch copies) and return it."""
     if x.stride(-1) == 1 and _use_triton(backend, x, weight):
-        return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype)
-    return ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+        return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out)
+    f = ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+    if out is None:
+        return f
+    out.copy_(f)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- lolcats forward
@@ -87,7 +97,9 @@ class LolaState:
     the buffered tokens, oldest first (positions pos - nb .. pos - 1);
     sp_k/sp_v [B, Hs, lam, D], sp_score [B, Hs, lam] fp32 (-inf = empty slot) with Hs = Hkv (one sparse cache
     per kv head) or Hq (one per query head); H [B, Hq, F2, D] fp32, s [B, Hq, F2] fp32; pos: tokens seen
-    (padding included). No phi(k) is stored: `phi_k` recomputes it where it is needed.
+    (padding included). win_fk [B, Hq, cap - window, F2] (in-place states with `feature_cache`, else None): phi(k)
+    of the buffered keys older than the window, rows 0 .. nb - window - 1 (`_ensure_fk`); None: `phi_k` recomputes
+    it where it is needed.
     `inplace=False` (set when gradients flow) replaces every in-place buffer write by a concatenation.
     phases: None (every row evicts when `pos` reaches a multiple of `chunk`: no padding, or padding of whole
     chunks only) or the rows' own eviction grid (`RowPhases`, a left-padded batch; see `lola_process`).
@@ -101,14 +113,18 @@ class LolaState:
     sp_score: torch.Tensor
     H: torch.Tensor
     s: torch.Tensor
+    win_fk: torch.Tensor | None = None
+    feature_cache: bool = True
     pos: int = 0
     nb: int = 0
     inplace: bool = True
     phases: "RowPhases | None" = None
 
     @classmethod
-    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None):
-        """sparse_heads: heads of the sparse cache, Hkv (default) or Hq."""
+    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None,
+              feature_cache: bool = True):
+        """sparse_heads: heads of the sparse cache, Hkv (default) or Hq. The feature cache is made by the first
+        `lola_process` call (`_ensure_fk`: its rows depend on the window)."""
         Hs = Hkv if sparse_heads is None else int(sparse_heads)
         if Hs not in (Hkv, Hq):
             raise ValueError(f"sparse_heads must be the kv heads ({Hkv}) or the query heads ({Hq}), not {Hs}")
@@ -118,7 +134,8 @@ class LolaState:
             win_k=z(B, Hkv, cap, D), win_v=z(B, Hkv, cap, D), win_mask=None,
             sp_k=z(B, Hs, lam, D), sp_v=z(B, Hs, lam, D),
             sp_score=torch.full((B, Hs, lam), float("-inf"), dtype=torch.float32, device=device),
-            H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32), pos=0, nb=0, inplace=inplace,
+            H=z(B, Hq, F2, D, dt=torch.float32), s=z(B, Hq, F2, dt=torch.float32),
+            win_fk=None, feature_cache=feature_cache, pos=0, nb=0, inplace=inplace,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -146,6 +163,33 @@ class LolaState:
 
 
 PhiK = Callable[[torch.Tensor], torch.Tensor]  # keys [B, Hx, N, D] (Hq % Hx == 0) -> phi(k) [B, Hq, N, F2]
+# a PhiK with the attribute `writes_out = True` also takes `out=` (a [B, Hq, N, F2] view) and writes phi(k) there
+
+
+def _phi_into(phi_k: PhiK, k, dst) -> None:
+    """dst <- phi_k(k): written directly by a PhiK that `writes_out`, else computed and copied."""
+    if getattr(phi_k, "writes_out", False):
+        phi_k(k, out=dst)
+    else:
+        dst.copy_(phi_k(k))
+
+
+def _ensure_fk(st: LolaState, phi_k: PhiK, window: int) -> None:
+    """An in-place state with `feature_cache` gets its feature cache: win_fk of (buffer rows - window) rows, phi(k)
+    of its first nb - window buffered keys; any other state none. A no-op (host checks only) when it has the
+    right one already, as on every decode step."""
+    if not (st.inplace and st.feature_cache):
+        st.win_fk = None
+        return
+    B, _, cap, _ = st.win_k.shape
+    Hq, F2 = st.H.shape[1], st.H.shape[2]
+    rows = max(cap - window, 0)
+    if st.win_fk is not None and st.win_fk.shape == (B, Hq, rows, F2):
+        return
+    st.win_fk = st.win_k.new_zeros(B, Hq, rows, F2)
+    nl = max(st.nb - window, 0)
+    if nl > 0:
+        _phi_into(phi_k, st.win_k[:, :, :nl], st.win_fk[:, :, :nl])
 
 
 def _select(scores, valid, lam):
@@ -170,14 +214,16 @@ def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: st
     ev_valid = (torch.ones(B, n_ev, dtype=torch.bool, device=ev_k.device) if st.win_mask is None
                 else st.win_mask[:, :n_ev])
     use_tk = _use_triton(backend, st.H, ev_k)
+    ev_fk = None if st.win_fk is None else st.win_fk[:, :, :n_ev]  # the feature cache (in-place states)
     if lam == 0:
         cand_k, cand_v, w = ev_k, ev_v, ev_valid[:, None, :].float()  # fold every valid pair
+        cand_fk = phi_k(cand_k) if ev_fk is None else ev_fk
     else:
         Hs = st.sp_k.shape[1]
         cand_k = torch.cat([st.sp_k, ref.expand_kv(ev_k, Hs).to(st.sp_k.dtype)], 2)
         cand_v = torch.cat([st.sp_v, ref.expand_kv(ev_v, Hs).to(st.sp_v.dtype)], 2)
         cand_valid = torch.cat([st.sp_valid, ev_valid[:, None, :].expand(B, Hs, n_ev)], 2)
-    cand_fk = phi_k(cand_k)
+        cand_fk = phi_k(cand_k) if ev_fk is None else torch.cat([phi_k(st.sp_k), ev_fk], 2)
     if lam > 0:
         # SRE per query head (one program per query head and block of candidates: a kernel that sums the
         # group in-program has a quarter of the programs and ran 2.8x slower on the H200), summed per sparse head
@@ -213,6 +259,13 @@ def _drop_front(st: LolaState, n: int) -> None:
     """Drop the n oldest buffered tokens (shift the rest to the front of the fixed buffer)."""
     keep = st.nb - n
     names = ["win_k", "win_v"] + (["win_mask"] if st.win_mask is not None else [])
+    if st.win_fk is not None:  # its rows are the buffer's first rows: shift them alike (the valid ones and beyond)
+        rows = st.win_fk.shape[2]
+        if st.inplace:
+            if n < rows:
+                st.win_fk[:, :, : rows - n] = st.win_fk[:, :, n:].clone()
+        else:
+            st.win_fk = st.win_fk[:, :, n:]
     for name in names:
         t = getattr(st, name)
         src = t[:, :, n: st.nb] if t.dim() > 2 else t[:, n: st.nb]
@@ -231,8 +284,14 @@ def _ensure_mask(st: LolaState, B: int, device) -> None:
         st.win_mask = torch.ones(B, st.win_k.shape[2], dtype=torch.bool, device=device)
 
 
-def _append_window(st: LolaState, k, v, mask_new) -> None:
+def _append_window(st: LolaState, k, v, mask_new, phi_k: PhiK | None = None, window: int = 0) -> None:
+    """Append n tokens to the window buffer. With a feature cache (and phi_k given), phi of the buffered keys that
+    this moves out of the window (rows max(nb - window, 0) .. nb + n - window - 1) goes into it; phi_k None: the
+    caller rebuilds the feature cache."""
     B, n = k.shape[0], k.shape[2]
+    fk_rows = None
+    if st.win_fk is not None and phi_k is not None:
+        fk_rows = (max(st.nb - window, 0), max(st.nb + n - window, 0))
     if mask_new is not None:
         _ensure_mask(st, B, k.device)
     cap = st.win_k.shape[2]
@@ -242,6 +301,9 @@ def _append_window(st: LolaState, k, v, mask_new) -> None:
         st.win_v[:, :, st.nb:e] = v
         if st.win_mask is not None:
             st.win_mask[:, st.nb:e] = mask_new.bool() if mask_new is not None else True
+        if fk_rows is not None and fk_rows[1] > fk_rows[0]:
+            a, b = fk_rows
+            _phi_into(phi_k, st.win_k[:, :, a:b], st.win_fk[:, :, a:b])
         st.nb = e
         return
     # functional path (gradients) or more tokens than the buffer holds (one long parallel prefill)
@@ -251,13 +313,18 @@ def _append_window(st: LolaState, k, v, mask_new) -> None:
     if st.win_mask is not None:
         st.win_mask = torch.cat([st.wmask, new], 1)
     st.nb += n
+    if fk_rows is not None:  # rows: the buffer's rows minus the window, as `_ensure_fk` makes them
+        a, b = fk_rows
+        st.win_fk = torch.cat([st.win_fk[:, :, :a], phi_k(st.win_k[:, :, a:b]).to(st.win_fk.dtype)], 2)
+    elif st.win_fk is not None:
+        st.win_fk = None  # the caller rebuilds it
 
 
 def _repack(st: LolaState, cap: int) -> None:
     """After a long parallel prefill: move the buffered tokens back into a buffer of `cap` rows."""
     if not st.inplace or st.win_k.shape[2] == cap:
         return
-    for name in ("win_k", "win_v", "win_mask"):
+    for name in ("win_k", "win_v", "win_mask"):  # the feature cache: `_ensure_fk` makes it anew
         t = getattr(st, name)
         if t is None:
             continue
@@ -273,13 +340,19 @@ def _repack(st: LolaState, cap: int) -> None:
 
 
 def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
-    """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) is computed
-    for the buffered keys that some of these queries attend linearly (at most chunk - 1 + S of them)."""
+    """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) of the buffered
+    keys that some of these queries attend linearly (at most chunk - 1 + S of them): read from the feature cache
+    (in-place states), else computed."""
     nb = st.nb
     S = q.shape[2]
     lam = st.sp_k.shape[2]
     n_lin = ref.linear_rows(nb - S, S, window)
-    fk = phi_k(st.win_k[:, :, :n_lin]) if n_lin > 0 else fq[:, :, :0]
+    if n_lin <= 0:
+        fk = fq[:, :, :0]
+    elif st.win_fk is not None:
+        fk = st.win_fk[:, :, :n_lin]
+    else:
+        fk = phi_k(st.win_k[:, :, :n_lin])
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     if _use_triton(backend, q, st.win_k, st.H):
         tk = _tk()
@@ -377,7 +450,9 @@ def _evict_rows(st: LolaState, idx: torch.Tensor, *, window: int, lam: int, phi_
     _ensure_mask(st, st.win_k.shape[0], st.win_k.device)
     sub = LolaState(win_k=take(st.win_k[:, :, :n_ev]), win_v=take(st.win_v[:, :, :n_ev]),
                     win_mask=take(st.win_mask[:, :n_ev]), sp_k=take(st.sp_k), sp_v=take(st.sp_v),
-                    sp_score=take(st.sp_score), H=take(st.H), s=take(st.s), pos=st.pos, nb=st.nb, inplace=False)
+                    sp_score=take(st.sp_score), H=take(st.H), s=take(st.s),
+                    win_fk=None if st.win_fk is None else take(st.win_fk[:, :, :n_ev]), pos=st.pos, nb=st.nb,
+                    inplace=False)
     lola_evict(sub, window=window, lam=lam, phi_k=phi_k, backend=backend)
     for name in ("sp_k", "sp_v", "sp_score", "H", "s"):
         t, new = getattr(st, name), getattr(sub, name)
@@ -465,8 +540,9 @@ def _process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, ch
         win_mask = win_mask.index_copy(0, idx, torch.nn.functional.pad(sm, (front, back), value=False))
         for name in ("sp_k", "sp_v", "sp_score", "H", "s"):
             setattr(st, name, getattr(st, name).index_copy(0, idx, getattr(sub, name).to(getattr(st, name).dtype)))
-    st.win_k, st.win_v, st.win_mask = win_k, win_v, win_mask
+    st.win_k, st.win_v, st.win_mask, st.win_fk = win_k, win_v, win_mask, None
     st.nb, st.pos = nb, S
+    _ensure_fk(st, kw["phi_k"], window)  # phi of the merged buffer's keys older than the window
     st.phases = row_phases(lead, chunk, q.device)
     drop = st.nb - st.phases.need(S, window)
     if drop > 0:
@@ -509,6 +585,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
     cap = window + chunk
     if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
         _repack(st, cap)
+    _ensure_fk(st, phi_k, window)
     tri = _use_triton(backend, q, k, v, fq, g, lf, st.H)
     if not tri:  # every step below (attention pieces, evictions, phi(k)) on the same, differentiable, path
         backend = "torch"
@@ -551,7 +628,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
                 st.pos += n
                 i += n
                 continue
-        _append_window(st, k[:, :, sl], v[:, :, sl], mnew)
+        _append_window(st, k[:, :, sl], v[:, :, sl], mnew, phi_k, window)
         outs.append(_attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend,
                                   phi_k=phi_k))
         st.pos += n
@@ -573,7 +650,7 @@ def _capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, back
     nb0 = st.nb
 
     def piece():
-        _append_window(st, static[1], static[2], static[4] if mnew is not None else None)
+        _append_window(st, static[1], static[2], static[4] if mnew is not None else None, phi_k, window)
         o = _attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
                           phi_k=phi_k)
         lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
@@ -595,7 +672,7 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
     if st.nb == 0 and key_mask_new is None and st.win_mask is None:
         lk, lv, lm = k, v, None  # nothing buffered: the new tokens are the local keys
     else:
-        _append_window(st, k, v, key_mask_new)
+        _append_window(st, k, v, key_mask_new)  # no phi_k: the feature cache is made anew below
         lk, lv, lm = st.wk, st.wv, st.wmask
     lfk = phi_k(lk)
     nb = lk.shape[2]
@@ -626,6 +703,12 @@ def _lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_
             buf[:, :keep] = src[:, nb - keep:]
         setattr(st, name, buf)
     st.nb = keep
+    if st.inplace and st.feature_cache:  # phi of the kept keys older than the window: computed above
+        nl = max(keep - window, 0)
+        st.win_fk = lfk.new_zeros(B, Hq, cap - window, lfk.shape[-1])
+        st.win_fk[:, :, :nl] = lfk[:, :, nb - keep: nb - keep + nl]
+    else:
+        st.win_fk = None
     return o
 
 
@@ -715,6 +798,9 @@ def _lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mas
         st.s.copy_(ev.s_all[n_ev])
         st.win_k[:, :, :nb] = k[:, :, start:]
         st.win_v[:, :, :nb] = v[:, :, start:]
+        if st.win_fk is not None:  # phi of the buffered keys older than the window
+            nl = max(nb - W, 0)
+            st.win_fk[:, :, :nl] = fk[:, :, start:start + nl]
         if km is not None:
             _ensure_mask(st, B, q.device)
             st.win_mask[:, :nb] = km[:, start:]

@@ -386,13 +386,17 @@ def _feature_map_kernel(
     tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
 
 
-def feature_map(x, weight, eps: float = 1e-12, out_dtype=None):
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
     """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
     weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
-    accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype)."""
+    accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype), written into `out` when
+    given (any strides with a unit last one: e.g. rows of a feature buffer)."""
     B, Hx, N, D = x.shape
     H, _, F = weight.shape
-    out = torch.empty(B, H, N, 2 * F, device=x.device, dtype=out_dtype or x.dtype)
+    if out is None:
+        out = torch.empty(B, H, N, 2 * F, device=x.device, dtype=out_dtype or x.dtype)
+    else:
+        assert out.shape == (B, H, N, 2 * F) and out.stride(-1) == 1, (tuple(out.shape), out.stride())
     w = weight.contiguous()
     BM = 64
     grid = (triton.cdiv(N, BM), B * H)

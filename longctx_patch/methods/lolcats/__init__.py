@@ -55,6 +55,9 @@ class LolcatsConfig(MethodConfig):
                                       "window and sparse pairs weigh more against the far past (docs/lola.md, "
                                       "'Weighing the linear term down'); 1 = as trained", min=0.0)
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
+    feature_cache: bool = option(True, "keep phi(k) of the buffered keys older than the window in the cache (chunk "
+                                       "rows of 2F per query head) instead of recomputing it every decode step "
+                                       "(docs/lola.md, 'Feature cache')")
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
                           choices=("auto", "triton", "torch"))
@@ -82,8 +85,8 @@ class HedgehogFeatureMap(nn.Module):
         self.mlp = FeatureMapMLP(layer)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, out_dtype=None, backend: str = "auto") -> torch.Tensor:
-        return feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype, backend=backend)
+    def forward(self, x: torch.Tensor, out_dtype=None, backend: str = "auto", out=None) -> torch.Tensor:
+        return feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype, backend=backend, out=out)
 
 
 def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, generator: torch.Generator) -> torch.Tensor:
@@ -116,14 +119,18 @@ class LolaLayer(LongctxLayer):
 
     win_k / win_v [B, Hkv, window+chunk, D], win_mask [B, .] (left padding), sp_k / sp_v [B, Hs, lambda, D],
     sp_score [B, Hs, lambda] fp32 (-inf = empty) with Hs the kv heads (`sparse_heads=kv`) or the query heads,
-    H [B, Hq, 2F, D] fp32, s [B, Hq, 2F] fp32. No phi(k) is stored. Nothing grows with the context.
+    H [B, Hq, 2F, D] fp32, s [B, Hq, 2F] fp32, win_fk [B, Hq, chunk, 2F] (`feature_cache`, else None): phi(k) of
+    the buffered keys older than the window (computed once per key; kernels/lola/ops.py). Nothing grows with the
+    context.
     """
 
-    state_names = ("win_k", "win_v", "win_mask", "sp_k", "sp_v", "sp_score", "H", "s")
+    state_names = ("win_k", "win_v", "win_mask", "sp_k", "sp_v", "sp_score", "H", "s", "win_fk")
     host_fields = ("seen", "nb")
 
-    def __init__(self, window: int, chunk: int, sparse_cache: int, sparse_heads: str = "kv"):
+    def __init__(self, window: int, chunk: int, sparse_cache: int, sparse_heads: str = "kv",
+                 feature_cache: bool = True):
         super().__init__()
+        self.feature_cache = feature_cache
         self.window = window
         self.chunk = chunk
         self.sparse_cache = sparse_cache
@@ -140,7 +147,10 @@ class LolaLayer(LongctxLayer):
         # a decode step appends at row nb of the window buffer, attends its first nb + 1 rows and, when the
         # position reaches a multiple of chunk, evicts (kernels/lola/ops.py `_process`); rows evicting on their own
         # grids (a left-padded batch: `phases`) decide on the host per row
+        # the feature cache must be there, row for row with the buffer (else the step would allocate it)
         if self.H is None or self.phases is not None or self.win_k is None or self.win_k.shape[2] < self.window + self.chunk:
+            return None
+        if self.feature_cache and (self.win_fk is None or self.win_fk.shape[2] != self.win_k.shape[2] - self.window):
             return None
         return (self.nb, self.seen % self.chunk, self.win_mask is None)
 
@@ -166,11 +176,12 @@ class LolaLayer(LongctxLayer):
                 self.lazy_initialization(like)
             st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device,
                                  capacity=self.window + self.chunk,
-                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
+                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv),
+                                 feature_cache=self.feature_cache)
             st.pos = self.seen
             return st
         return LolaState(**{n: getattr(self, n) for n in self.state_names}, pos=self.seen, nb=self.nb,
-                         phases=self.phases)
+                         phases=self.phases, feature_cache=self.feature_cache)
 
     def set_state(self, st: LolaState) -> None:
         for n in self.state_names:
@@ -248,11 +259,14 @@ class LolcatsAttention(PatchedAttention):
         return st_out
 
     def _process_kw(self, q, new_mask) -> dict:
-        """`lola_process`'s options; phi(k) is recomputed where the manager needs it (the cache stores keys only)."""
+        """`lola_process`'s options; phi_k: the key feature map, called at append (the feature cache of an in-place
+        state, written into it: `out`) or where the manager needs phi(k) of keys it does not cache."""
         cfg: LolcatsConfig = self.method_config
 
-        def phi_k(x):
-            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend)
+        def phi_k(x, out=None):
+            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend, out=out)
+
+        phi_k.writes_out = True
 
         return dict(window=cfg.window, scale=self.scaling, backend=cfg.backend, phi_k=phi_k, chunk=cfg.chunk,
                     lam=self.sparse_cache, key_mask_new=new_mask)
@@ -288,7 +302,8 @@ class LolcatsAttention(PatchedAttention):
                 o = o.index_copy(0, gp.rows.to(q.device), og)
             return o
         st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
-                             capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(), sparse_heads=hs)
+                             capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(), sparse_heads=hs,
+                             feature_cache=cfg.feature_cache)
         return lola_process(st, q, k, v, fq, g, lf, **kw)
 
     def _train_sets(self, q, k, v, fq, g, lf, new_mask, phi_k, hs):
@@ -307,21 +322,24 @@ class LolcatsAttention(PatchedAttention):
                 or any(p.requires_grad for p in self.feature_map_k.parameters()))
 
     def make_cache_layer(self):
-        return LolaLayer(self.method_config.window, self.method_config.chunk, self.sparse_cache, self.sparse_heads)
+        cfg = self.method_config
+        return LolaLayer(cfg.window, cfg.chunk, self.sparse_cache, self.sparse_heads, cfg.feature_cache)
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of `LolaLayer` after a prefill of `context_len` tokens (no padding): the window buffer's keys and
-        values, the sparse cache and the linear state, whatever the length. The buffer's padding mask
+        """Bytes of `LolaLayer` after a prefill of `context_len` tokens (no padding): the window buffer's keys,
+        values, the feature cache (`feature_cache`: phi(k) of `chunk` keys, 2F per query head), the sparse cache
+        and the linear state, whatever the length. The buffer's padding mask
         (`batch * (window + chunk)` bools) is created only once a batch has left padding and is not counted."""
         cfg = self.method_config
         elt = torch.tensor([], dtype=dtype).element_size()
         Hq, Hkv, D, F2 = self.num_heads, self.num_key_value_heads, self.head_dim, 2 * cfg.feature_dim
         buf = cfg.window + cfg.chunk  # fixed-size window buffer (keys, values)
         window = batch * buf * 2 * Hkv * D * elt
+        features = batch * cfg.chunk * Hq * F2 * elt if cfg.feature_cache else 0  # win_fk
         lam = self.sparse_cache
         sparse = batch * sparse_head_count(self.sparse_heads, Hq, Hkv) * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
-        return window + sparse + state
+        return window + features + sparse + state
 
 
 _WARNED_CACHE_IN_TRAINING: set = set()
