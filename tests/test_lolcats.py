@@ -253,11 +253,12 @@ def test_lola_cache_is_under_a_quarter_of_the_full_kv_cache_at_4k(dtype):
     cache after a 4096-token prefill is under 1/4 of a full KV cache of the same dtype (keys and values only,
     one sparse cache per kv head, fp32 linear state), and the module's state_bytes() says so ahead of time.
     One sparse cache per query head (sparse_heads=query) costs three times the sparse part. The feature cache
-    (feature_cache=True, the default: phi(k) of `chunk` keys, 2F per query head) adds 0.047 of the full cache (fp32
-    or bf16; bf16 0.284 in all): measured without it, then its size checked."""
+    (feature_cache=True, opt-in: phi(k) of `chunk` keys, 2F per query head) adds 0.047 of the full cache (fp32
+    or bf16; bf16 0.284 in all): its size checked, then the default layout measured."""
     model = tiny_model("llama", num_hidden_layers=1, hidden_size=576, intermediate_size=64, num_attention_heads=9,
                        num_key_value_heads=3, max_position_embeddings=8192).to(dtype)
-    lp.patch(model, "lola", window=256, sparse_cache=256, feature_dim=64, chunk=64, backend="torch")
+    lp.patch(model, "lola", window=256, sparse_cache=256, feature_dim=64, chunk=64, backend="torch",
+             feature_cache=True)
     with torch.no_grad():
         cache = model(_ids(1, 512, seed=3), use_cache=True).past_key_values
     elt = torch.tensor([], dtype=dtype).element_size()

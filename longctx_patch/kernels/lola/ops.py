@@ -114,7 +114,7 @@ class LolaState:
     H: torch.Tensor
     s: torch.Tensor
     win_fk: torch.Tensor | None = None
-    feature_cache: bool = True
+    feature_cache: bool = False
     pos: int = 0
     nb: int = 0
     inplace: bool = True
@@ -122,7 +122,7 @@ class LolaState:
 
     @classmethod
     def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None,
-              feature_cache: bool = True):
+              feature_cache: bool = False):
         """sparse_heads: heads of the sparse cache, Hkv (default) or Hq. The feature cache is made by the first
         `lola_process` call (`_ensure_fk`: its rows depend on the window)."""
         Hs = Hkv if sparse_heads is None else int(sparse_heads)

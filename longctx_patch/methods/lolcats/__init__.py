@@ -55,9 +55,10 @@ class LolcatsConfig(MethodConfig):
                                       "window and sparse pairs weigh more against the far past (docs/lola.md, "
                                       "'Weighing the linear term down'); 1 = as trained", min=0.0)
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
-    feature_cache: bool = option(True, "keep phi(k) of the buffered keys older than the window in the cache (chunk "
-                                       "rows of 2F per query head) instead of recomputing it every decode step "
-                                       "(docs/lola.md, 'Feature cache')")
+    feature_cache: bool = option(False, "keep phi(k) of the buffered keys older than the window in the cache (chunk "
+                                        "rows of 2F per query head) instead of recomputing it every decode step; "
+                                        "opt-in until its decode speed is measured on a GPU (docs/lola.md, "
+                                        "'Feature cache')")
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
                           choices=("auto", "triton", "torch"))
@@ -128,7 +129,7 @@ class LolaLayer(LongctxLayer):
     host_fields = ("seen", "nb")
 
     def __init__(self, window: int, chunk: int, sparse_cache: int, sparse_heads: str = "kv",
-                 feature_cache: bool = True):
+                 feature_cache: bool = False):
         super().__init__()
         self.feature_cache = feature_cache
         self.window = window
