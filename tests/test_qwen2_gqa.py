@@ -20,6 +20,7 @@ APPROX = {
     "lolcats": dict(window=5, feature_dim=8, chunk=4, backend="torch"),
     "lola": dict(window=5, feature_dim=8, chunk=4, sparse_cache=3, backend="torch"),
     "ovq": dict(chunk_size=4, max_centroids=8, growth=4.0, backend="torch"),
+    "moba": dict(block_size=4, top_k=2, backend="torch"),
 }
 
 
