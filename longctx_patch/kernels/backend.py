@@ -51,6 +51,23 @@ def triton_missing(*tensors: torch.Tensor | None) -> str | None:
     return None
 
 
+def attention_kernel_missing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """What the inference-only attention kernels (decode split-key, sliding window) have in common: None when Triton
+    can run them on these tensors (fp16/bf16/fp32 alike, head_dim a power of two in 16..256, no gradient), else why
+    not. Each kernel adds its own limits."""
+    why = triton_missing(q, k, v)  # Triton installed, CUDA tensors (or the CPU under TRITON_INTERPRET=1)
+    if why is not None:
+        return why
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D & (D - 1):
+        return f"head_dim {D}: a power of two in 16..256"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "no backward: these kernels serve inference"
+    return None
+
+
 def check_backend(backend: str, what: str) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"{what}: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import triton_missing
+from .backend import attention_kernel_missing
 
 
 def band_block(window: int) -> int:
@@ -106,18 +106,14 @@ def banded_bytes(B: int, Hq: int, Hkv: int, S: int, D: int, window: int, itemsiz
 
 def window_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when `window_attention_triton` can run these tensors, else why not."""
-    why = triton_missing(q, k, v)  # Triton installed, CUDA tensors (or the CPU under TRITON_INTERPRET=1)
+    why = attention_kernel_missing(q, k, v)
     if why is not None:
         return why
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
     D = q.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1) or k.shape[-1] != D or v.shape[-1] != D:
+    if k.shape[-1] != D or v.shape[-1] != D:
         return f"head_dim {D} (k {k.shape[-1]}, v {v.shape[-1]}): one power of two in 16..256"
     if q.shape[0] * k.shape[1] > 65535:
         return f"batch x kv heads {q.shape[0] * k.shape[1]}: at most 65535 (the grid's second axis)"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return "no backward: the kernel serves inference (a windowed layer's prefill); training takes the bands"
     return None
 
 

@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import triton_missing
+from ..backend import attention_kernel_missing
 
 
 def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when `masked_few_query_attention` can run these tensors, else why not."""
-    why = triton_missing(q, k, v)  # Triton installed, CUDA tensors (or the CPU under TRITON_INTERPRET=1)
-    if why is not None:
-        return why
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike"
-    D = q.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1):
-        return f"head_dim {D}: a power of two in 16..256"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return "no backward: the kernels serve inference (decode steps, a generation prefill's tail)"
-    return None
+    return attention_kernel_missing(q, k, v)
 
 
 def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
