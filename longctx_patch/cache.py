@@ -12,13 +12,21 @@ it stores.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .methods.cache_layer import LongctxLayer
 from .methods.patch_access import patched_modules
 
-__all__ = ["LongctxCache", "LongctxLayer"]
+__all__ = ["LongctxCache", "LongctxLayer", "cache_argument"]
+
+
+def cache_argument(forward) -> str:
+    """The name under which a model's forward takes its cache: `cache` where transformers has it (newer 5.x, where
+    `past_key_values` is deprecated), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class LongctxCache(DynamicCache):

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .cache import cache_argument
 from .methods.cache_layer import LongctxLayer
 
 SIMULATE = False  # CPU replay by re-execution with capture-time host fields (tests); never on in use
@@ -112,7 +113,7 @@ class DecodeGraphs:
         # what generate() and others read off `model.forward` (its parameters decide e.g. whether generate() passes
         # logits_to_keep=1 to the prefill, without which a 32k x 128k-vocab prefill computes every position's logits)
         self.__signature__ = inspect.signature(orig_forward)
-        self._cache_arg = "past_key_values" if "past_key_values" in self.__signature__.parameters else "cache"
+        self._cache_arg = cache_argument(orig_forward)
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"

@@ -10,7 +10,6 @@ directory to a model) is the model loader's (models.py).
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
 import sys
@@ -149,11 +148,6 @@ def parse_layers(layers, num_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------- hooks
-def _cache_arg_name(base: nn.Module) -> str:
-    params = inspect.signature(type(base).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _stacklevel_outside_libraries() -> int:
     """The stacklevel of warnings.warn, called from the caller of this function, that points at the first frame
     outside torch, transformers, peft, accelerate and this package (the user's forward or generate call)."""
@@ -246,7 +240,9 @@ def _padding_facts(am: torch.Tensor, cache, args: tuple, kwargs: dict) -> tuple[
 
 
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
-    st = PatchState(cache_arg=_cache_arg_name(base))
+    from .cache import cache_argument
+
+    st = PatchState(cache_arg=cache_argument(type(base).forward))
     cfg = model_config(model)
 
     def pre_hook(module, args, kwargs):

@@ -24,13 +24,12 @@ import torch
 
 import longctx_patch as lp
 from evals.shared import device_token, result_file
+from longctx_patch.cache import cache_argument
 from longctx_patch.evals.common import git_commit, parse_sizes
 
 
 def _decode(model, nxt, cache, steps):
-    import inspect
-
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = cache_argument(model.forward)
     for _ in range(steps):
         out = model(input_ids=nxt, use_cache=True, **{cache_arg: cache})
         cache = out.past_key_values

@@ -101,8 +101,10 @@ def _prefill(model, ids, chunk: int | None, last: dict) -> None:
     if not chunk:
         model(input_ids=ids, use_cache=True, **last)
         return
+    from ..cache import cache_argument
+
     cache = None
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    name = cache_argument(model.forward)
     for s in range(0, ids.shape[1], chunk):
         cache = model(input_ids=ids[:, s:s + chunk], use_cache=True, **{name: cache}, **last).past_key_values
 
