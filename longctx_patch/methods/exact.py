@@ -37,13 +37,16 @@ class ExactAttention(PatchedAttention):
     def attend(self, q, k, v, cache_layer, padding):
         if isinstance(cache_layer, KVBufferLayer):
             kv = cache_layer.extend(k, v, padding)
-            return softmax_attention(q, kv.keys, kv.values, scale=self.scaling, key_mask=kv.key_mask,
-                                     q_offset=kv.q_offset, window=kv.window)
+            return self.attention(q, kv.keys, kv.values, key_mask=kv.key_mask, q_offset=kv.q_offset, window=kv.window)
         if cache_layer is not None:  # a cache layer of transformers' own (a DynamicLayer handed in by a caller)
             k, v = cache_layer.update(k, v)
         # the queries are the last keys
-        return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]),
-                                 window=self.window)
+        return self.attention(q, k, v, key_mask=key_mask_for(padding, k.shape[2]), q_offset=None, window=self.window)
+
+    def attention(self, q, k, v, *, key_mask, q_offset, window):
+        """The attention of `attend` over the keys it gathered (`kernels.softmax.softmax_attention`'s arguments):
+        exact softmax here; a method that keeps this full KV cache and changes only the attention overrides it."""
+        return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask, q_offset=q_offset, window=window)
 
     def make_cache_layer(self):
         return KVBufferLayer(window=self.window)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ConfigError
 from ..kernels.moba import BACKENDS, moba_attention
-from ..kernels.softmax import key_mask_for
-from .base import Method, MethodConfig, PatchedAttention, option, register_method
-from .kv_layer import KVBufferLayer, kv_buffer_bytes
+from .base import Method, MethodConfig, option, register_method
+from .exact import ExactAttention
 
 
 @dataclass
@@ -39,7 +36,11 @@ class MobaConfig(MethodConfig):
         return dict(block_size=self.block_size, top_k=self.top_k, min_seq_len=self.min_seq_len, backend=self.backend)
 
 
-class MobaAttention(PatchedAttention):
+class MobaAttention(ExactAttention):
+    """MoBA over `exact`'s full KV cache (`ExactAttention.attend`, `make_cache_layer`, `state_bytes`): only the
+    attention over the gathered keys differs. MoBA refuses windowed layers (`Moba.window_conflict`), so no window
+    reaches it."""
+
     method_name = "moba"
 
     @classmethod
@@ -48,22 +49,9 @@ class MobaAttention(PatchedAttention):
         k/v `[B, Hkv, S, D]` -> `[B, S, Hq, D]`."""
         return moba_attention(q, k, v, scale=scale, **config.kernel_kwargs())
 
-    def attend(self, q, k, v, cache_layer, padding):
-        kw = self.method_config.kernel_kwargs()
-        if isinstance(cache_layer, KVBufferLayer):
-            kv = cache_layer.extend(k, v, padding)
-            return moba_attention(q, kv.keys, kv.values, scale=self.scaling, key_mask=kv.key_mask,
-                                  q_offset=kv.q_offset, **kw)
-        if cache_layer is not None:  # a cache layer of transformers' own (a DynamicLayer handed in by a caller)
-            k, v = cache_layer.update(k, v)
-        return moba_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]), **kw)
-
-    def make_cache_layer(self):
-        return KVBufferLayer()
-
-    def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """The full KV buffer a prefill of `context_len` tokens allocates (as `exact`)."""
-        return kv_buffer_bytes(context_len, batch, self.num_key_value_heads, self.head_dim, dtype)
+    def attention(self, q, k, v, *, key_mask, q_offset, window):
+        return moba_attention(q, k, v, scale=self.scaling, key_mask=key_mask, q_offset=q_offset,
+                              **self.method_config.kernel_kwargs())
 
 
 @register_method
