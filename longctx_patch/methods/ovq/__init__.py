@@ -153,14 +153,10 @@ class OVQLayer(LongctxLayer):
         """Store `t` under `name`, into the tensor already there when it has the same layout (its address is
         what a captured decode step reads)."""
         cur = getattr(self, name)
-        if cur is t or (cur is not None and cur.data_ptr() == t.data_ptr() and cur.shape == t.shape
-                        and cur.stride() == t.stride()):
-            return
-        if (cur is not None and cur.shape == t.shape and cur.dtype == t.dtype
-                and cur.device == t.device and cur.stride() == t.stride()):
-            cur.copy_(t)
-        else:
+        if cur is None or (cur.shape, cur.stride(), cur.dtype, cur.device) != (t.shape, t.stride(), t.dtype, t.device):
             setattr(self, name, t)
+        elif cur.data_ptr() != t.data_ptr():  # (the fast path updated it in place: nothing to copy)
+            cur.copy_(t)
 
     def set_state(self, state: OVQState, open_chunk: OpenChunk | None, new_tokens: int, like: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -263,8 +259,9 @@ class OVQAttention(PatchedAttention):
         """Bytes of `OVQLayer` after `context_len` (>= 1) tokens: the dictionary, allocated at `max_centroids`
         rows from the first token (float32 key/value sums and counts, int64 `n_active`/`absorbed`), plus the
         open-chunk buffer of `chunk_size` tokens (keys and values in `dtype`, a bool each) and its int64 write
-        position per row, allocated once so that decode steps write into it in place. In a left-padded batch whose paddings are not all whole chunks
-        (`OVQLayer.phases`) the open chunk is exactly `max_r (context_len - phase_r) % chunk_size` wide instead."""
+        position per row, allocated once so that decode steps write into it in place. In a left-padded batch
+        whose paddings are not all whole chunks (`OVQLayer.phases`) the open chunk is exactly
+        `max_r (context_len - phase_r) % chunk_size` wide instead."""
         cfg: OVQConfig = self.method_config
         H, D = self.num_key_value_heads, self.head_dim
         elt = torch.tensor([], dtype=dtype).element_size()
