@@ -52,6 +52,22 @@ def tiny_llama():
     return tiny_model("llama")
 
 
+@pytest.fixture
+def simulate(monkeypatch):
+    """Decode steps replayed from CUDA graphs on the CPU (decode_graphs.SIMULATE: a replay re-runs the step with the
+    host fields of its capture, which is what a CUDA graph bakes in)."""
+    from longctx_patch import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "SIMULATE", True)
+
+
+def greedy_with_scores(model, ids, n, **kw):
+    """Exactly `n` greedy new tokens of an unpadded batch: (sequences, scores [B, n, vocab], the cache)."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.scores, 1), out.past_key_values
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (fp32, CPU), loaded once per test session."""

@@ -10,20 +10,9 @@ import torch
 import longctx_patch as lp
 from longctx_patch import decode_graphs as dg
 
-from conftest import tiny_model
+from conftest import greedy_with_scores, tiny_model
 
 LOLA = {"window": 4, "chunk": 4, "sparse_cache": 4, "feature_dim": 8, "backend": "torch", "checkpoint": "none"}
-
-
-@pytest.fixture
-def simulate(monkeypatch):
-    monkeypatch.setattr(dg, "SIMULATE", True)
-
-
-def _generate(model, ids, n, **kw):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kw)
-    return out.sequences, torch.stack(out.scores, 1), out.past_key_values
 
 
 @pytest.mark.parametrize("method,config", [("lola", LOLA), ("lolcats", {k: v for k, v in LOLA.items()
@@ -34,10 +23,10 @@ def test_replayed_decode_equals_eager(simulate, method, config):
     lp.patch(model, method, **config)
     ids = torch.randint(3, 100, (2, 13))
     lp.set_decode_graphs(model, False)
-    seq_e, sc_e, cache_e = _generate(model, ids, 23)
+    seq_e, sc_e, cache_e = greedy_with_scores(model, ids, 23)
     assert dg.stats(cache_e) is None
     lp.set_decode_graphs(model, True)
-    seq_g, sc_g, cache_g = _generate(model, ids, 23)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 23)
     st = dg.stats(cache_g)
     # 22 decode steps: the first eager, then one capture per key (chunk = 4 keys: nb and seen % chunk) and replays
     assert st["eager_steps"] == 1 and st["graphs"] == st["captures"] == 4 and st["replays"] == 21, st
@@ -61,9 +50,9 @@ def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config)
     lp.patch(model, method, **config)
     ids = torch.randint(3, 100, (2, 13))
     lp.set_decode_graphs(model, False)
-    seq_e, sc_e, cache_e = _generate(model, ids, 21)
+    seq_e, sc_e, cache_e = greedy_with_scores(model, ids, 21)
     lp.set_decode_graphs(model, True)
-    seq_g, sc_g, cache_g = _generate(model, ids, 21)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 21)
     st = dg.stats(cache_g)
     assert st["eager_steps"] == 1 and st["graphs"] == st["captures"] == 1 and st["replays"] == 19, st
     assert torch.equal(seq_g, seq_e)
@@ -87,9 +76,9 @@ def test_a_buffer_regrow_drops_the_graphs(simulate, monkeypatch):
     lp.patch(model, "exact")
     ids = torch.randint(3, 100, (1, 13))
     lp.set_decode_graphs(model, False)
-    seq_e, sc_e, _ = _generate(model, ids, 21)
+    seq_e, sc_e, _ = greedy_with_scores(model, ids, 21)
     lp.set_decode_graphs(model, True)
-    seq_g, sc_g, cache = _generate(model, ids, 21)
+    seq_g, sc_g, cache = greedy_with_scores(model, ids, 21)
     assert cache.layers[0].capacity == 40  # 16 after the prefill, 24 at token 16, 32 at 24, 40 at 32
     # stats since the last state replacement: the step at 24 grew the buffer (eager, the key is None), the one at
     # 25 found new tensors (eager, a new store), 26 was captured, 26-31 replayed, 32 grew it again (eager)
@@ -109,9 +98,9 @@ def test_a_key_missing_a_host_field_is_caught(simulate, monkeypatch):
     lp.patch(model, "lola", **LOLA)
     ids = torch.randint(3, 100, (1, 13))
     lp.set_decode_graphs(model, False)
-    _, sc_e, _ = _generate(model, ids, 15)
+    _, sc_e, _ = greedy_with_scores(model, ids, 15)
     lp.set_decode_graphs(model, True)
-    _, sc_g, _ = _generate(model, ids, 15)
+    _, sc_g, _ = greedy_with_scores(model, ids, 15)
     fin = sc_e.isfinite()
     assert (sc_g - sc_e)[fin].abs().max() > 1e-3
 
@@ -170,7 +159,7 @@ def test_a_cache_with_graphs_is_freed_without_the_garbage_collector(simulate):
     gc.collect()
     gc.disable()
     try:
-        seq, _, cache = _generate(model, ids, 12)
+        seq, _, cache = greedy_with_scores(model, ids, 12)
         assert dg.stats(cache)["replays"] > 0
         ref = weakref.ref(cache)
         del cache

@@ -17,7 +17,7 @@ import longctx_patch as lp  # noqa: E402
 from longctx_patch import decode_graphs as dg  # noqa: E402
 from longctx_patch.kernels.ovq import OpenChunk, OVQState, ovq_attention, ovq_open_attention, target_int  # noqa: E402
 
-from conftest import tiny_model  # noqa: E402
+from conftest import greedy_with_scores, tiny_model  # noqa: E402
 
 OVQ = {"chunk_size": 8, "max_centroids": 12, "growth": 4.0, "backend": "torch"}
 
@@ -61,17 +61,6 @@ def test_buffer_attention_equals_the_general_path(backend, dtype, n_open):
         torch.testing.assert_close(out, ref, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
 
 
-def _generate(model, ids, n, **kw):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kw)
-    return out.sequences, torch.stack(out.scores, 1), out.past_key_values
-
-
-@pytest.fixture
-def simulate(monkeypatch):
-    monkeypatch.setattr(dg, "SIMULATE", True)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_replayed_decode_equals_eager(simulate, family):
     """29 decode steps over 4 chunk boundaries (chunk 8): the first step and each absorbing step run eagerly, one
@@ -81,10 +70,10 @@ def test_replayed_decode_equals_eager(simulate, family):
     lp.patch(model, "ovq", **OVQ)
     ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(1))
     lp.set_decode_graphs(model, False)
-    seq_e, sc_e, cache_e = _generate(model, ids, 30)
+    seq_e, sc_e, cache_e = greedy_with_scores(model, ids, 30)
     assert dg.stats(cache_e) is None
     lp.set_decode_graphs(model, True)
-    seq_g, sc_g, cache_g = _generate(model, ids, 30)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 30)
     st = dg.stats(cache_g)
     # positions 13..41 are decoded; steps at positions 15, 23, 31, 39 complete a chunk (eager)
     n_dicts = set()
@@ -143,8 +132,8 @@ def test_a_key_without_the_dictionary_size_is_caught(simulate, monkeypatch):
     lp.patch(model, "ovq", **OVQ)
     ids = torch.randint(3, 100, (1, 13), generator=torch.Generator().manual_seed(1))
     lp.set_decode_graphs(model, False)
-    _, sc_e, _ = _generate(model, ids, 30)
+    _, sc_e, _ = greedy_with_scores(model, ids, 30)
     lp.set_decode_graphs(model, True)
-    _, sc_g, _ = _generate(model, ids, 30)
+    _, sc_g, _ = greedy_with_scores(model, ids, 30)
     fin = sc_e.isfinite()
     assert (sc_g - sc_e)[fin].abs().max() > 1e-3
