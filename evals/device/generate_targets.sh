@@ -7,6 +7,9 @@
 #           to 128k at batch 4 with the prompt fed in 8k chunks, and batch 64 x 32k.
 # Decode is timed past each method's graph captures (--decode-base: 81 for lola/lolcats, whose 64 keys are captured
 # in the first 65 steps; 8 for exact/ovq/sliding-window, one graph; 1 for plain transformers).
+#   part c: an eager per-kernel profile of lola/lolcats at batch 16 x 32k; lola's feature cache on and off; exact,
+#           lolcats and ovq at batch 1 x 64k over 384 decode tokens (64 were within the prefill's jitter);
+#   part d: peak memory of lola, ovq, lolcats at batch 4 x 16k/64k/128k and 64 x 32k; the static-cache row.
 #
 #   LONGCTX_COMMIT=<sha> bash evals/device/generate_targets.sh a OUT_DIR
 set -uo pipefail
@@ -38,5 +41,28 @@ case "$part" in
         NAME_SUFFIX=memory-h200 bash evals/device/generate_speed.sh "$out" "$m"
     done
     ;;
-  *) echo "part a or b" >&2; exit 2 ;;
+  c)  # where a batch-16 decode step goes (eager profile), the feature cache, and batch 1 x 64k with 384 tokens
+    timeout 150 python3 -m evals.bench.model_decode_profile --methods lola,lolcats --batch 16 --context 32k \
+      --steps 8 --profile-steps 2 --out "$out/profile-b16-32k.json" || echo "! model_decode_profile exited with $?"
+    for fc in true false; do
+      timeout 110 python3 -m evals.bench.generate_speed --method lola --config "{\"feature_cache\": $fc}" \
+        --cells 16x32k --decode-tokens 384 --decode-base 81 --name "llama-3.2-1b-shaped-generate-lola-fc-$fc-h200" \
+        --out-dir "$out" || echo "! lola feature_cache=$fc exited with $?"
+    done
+    for m in exact lolcats ovq; do
+      base=8; [ "$m" = lolcats ] && base=81
+      CELLS=1x64k DECODE_TOKENS=384 DECODE_BASE=$base PER_METHOD_S=80 NAME_SUFFIX=b1-64k-384-h200 \
+        bash evals/device/generate_speed.sh "$out" "$m"
+    done
+    ;;
+  d)  # peak memory of the constant-state methods 16k -> 128k (batch 4, prompt in 8k chunks) and batch 64 x 32k;
+      # plain transformers with its static cache compiled at batch 16 x 32k
+    for m in lola ovq lolcats; do
+      CELLS=4x16k,4x64k,4x128k,64x32k PREFILL_CHUNK=8192 DECODE_TOKENS=8 DECODE_BASE=8 PER_METHOD_S=140 \
+        NAME_SUFFIX=memory-h200 bash evals/device/generate_speed.sh "$out" "$m"
+    done
+    CELLS=16x32k DECODE_TOKENS=64 DECODE_BASE=1 PER_METHOD_S=150 NAME_SUFFIX=static-h200 \
+      bash evals/device/generate_speed.sh "$out" none
+    ;;
+  *) echo "part a, b, c or d" >&2; exit 2 ;;
 esac
