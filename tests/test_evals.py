@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -386,6 +387,27 @@ def test_model_speed_fields(tiny, tmp_path):
     assert fig["speedup_vs_reference"][speed_model.STATIC]["b3"]["64"]["prefill"] is None
     assert RESULT_FIELDS <= set(json.loads((tmp_path / "s.json").read_text()))
     assert (tmp_path / "s.png").is_file()
+
+
+def test_decode_time_is_marked_inside_one_generate(tiny, monkeypatch):
+    """The decode time is the span of steps base .. base+N-1 of one generate() call, marked after each step: N
+    forwards, not the prefill; the marks count every step."""
+    model = tiny[0]
+    ids = torch.randint(100, model.config.vocab_size, (2, 24))
+    calls = []
+    real = model.forward
+
+    def counted(*a, **kw):
+        calls.append(time.perf_counter())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", counted)
+    total, decode = speed_model._generate_s(model, ids, 9, {}, decode_base=3)
+    assert len(calls) == 9  # the prefill and 8 decode steps
+    assert 0 < decode < total
+    # steps 3 .. 8 began after the end of step 2, so the span covers their six forwards and no earlier one
+    assert decode <= calls[-1] - calls[2] + (total - (calls[-1] - calls[0]))
+    assert decode >= calls[-1] - calls[3]
 
 
 def test_model_speed_cells(tiny, tmp_path):

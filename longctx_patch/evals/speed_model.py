@@ -2,9 +2,10 @@
 
 For each method, batch size and context length, on random prompts:
 - prefill: median seconds of `model(ids, use_cache=True)` (logits of the last position only, as generate());
-- decode: wall time of `generate()` with N + 1 new tokens minus the time with 1 (medians of `repeats`; both
-  greedy, the same prompt, `min_new_tokens` so that no row stops early), over N steps: tokens/s
-  (batch x N / seconds) and ms per step;
+- decode: inside one `generate()` call of B + N new tokens (greedy, `min_new_tokens` so that no row stops early),
+  the time of its steps B .. B+N-1, marked by CUDA events a logits processor records after each step (no
+  synchronisation: the steps run as unobserved; the prefill's jitter stays out), the median of `repeats` calls:
+  tokens/s (batch x N / seconds) and ms per step;
 - the bytes floor of a step: (weight bytes read per step + the attention state at that context) / the device's
   measured copy bandwidth, and the step's ratio to it;
 - peak device memory (CUDA) and the decode-time attention state the patched layers report.
@@ -83,17 +84,56 @@ def state_bytes(model, context: int, batch: int = 1) -> int:
                    for i in range(cfg.num_hidden_layers)))
 
 
-def _generate_s(model, ids, new_tokens: int, extra: dict) -> float:
+class _StepMarks:
+    """A logits processor that marks the end of each generate() step: a CUDA event recorded on the current stream
+    (no synchronisation: the steps run as they would unobserved), or the host clock on a CPU. Step i's mark follows
+    forward i (forward 0 is the prefill)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def seconds(self, a: int, b: int) -> float:
+        """Seconds from the end of step a to the end of step b (the forwards a+1 .. b)."""
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b]) / 1e3
+        return self.marks[b] - self.marks[a]
+
+
+def _generate_s(model, ids, new_tokens: int, extra: dict, decode_base: int | None = None):
+    """Seconds of one generate() call with `new_tokens` greedy tokens; with `decode_base`, also the seconds of its
+    decode steps decode_base .. new_tokens - 1 (from the end of step decode_base - 1 to the end of the last),
+    timed inside the same call: the prefill's jitter stays out of the decode time."""
     import torch
+    from transformers import LogitsProcessorList
 
     device = ids.device
+    marks = _StepMarks(device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               attention_mask=torch.ones_like(ids), pad_token_id=0, **extra)
+    if decode_base is not None:
+        kw["logits_processor"] = LogitsProcessorList([marks])
     _sync(device)
     t0 = time.perf_counter()
     model.generate(ids, **kw)
     _sync(device)
-    return time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    if decode_base is None:
+        return total
+    if len(marks.marks) != new_tokens:
+        raise RuntimeError(f"generate() ran {len(marks.marks)} steps for {new_tokens} new tokens")
+    return total, marks.seconds(decode_base - 1, new_tokens - 1)
 
 
 def _prefill(model, ids, chunk: int | None, last: dict) -> None:
@@ -112,9 +152,9 @@ def _prefill(model, ids, chunk: int | None, last: dict) -> None:
 def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: int, vocab: int, bandwidth: float,
               weights: int, generate_kwargs: dict | None = None, seed: int = 0, decode_base: int = 1,
               prefill_chunk: int | None = None) -> dict[str, Any]:
-    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory. Decode time: generate()
-    with decode_base + decode_tokens new tokens minus with decode_base (a base past the first steps measures the
-    steady state, e.g. once decode graphs are captured). `prefill_chunk`: the prompt goes through the model in
+    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory. Decode time: the steps
+    decode_base .. decode_base + decode_tokens - 1 of one generate() call (a base past the first steps measures
+    the steady state, e.g. once decode graphs are captured). `prefill_chunk`: the prompt goes through the model in
     chunks of that many tokens (generate()'s `prefill_chunk_size`), so that the prefill's activations, not only the
     cache, stay bounded: what a constant-state method needs for constant memory."""
     import torch
@@ -144,12 +184,14 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
             # later calls of that length (and shorter ones: the cache keeps the longest length) reuse it, so one
             # untimed call keeps the compilation out of the times below
             _generate_s(model, ids, decode_base + decode_tokens, extra)
-        one = (statistics.median(_generate_s(model, ids, decode_base, extra) for _ in range(repeats))
-               if decode_tokens or extra else None)
+        one = None
         decode_s = None
         if decode_tokens:
-            decode_s = statistics.median(_generate_s(model, ids, decode_base + decode_tokens, extra)
-                                         for _ in range(repeats)) - one
+            runs = [_generate_s(model, ids, decode_base + decode_tokens, extra, decode_base) for _ in range(repeats)]
+            one = statistics.median(t for t, _ in runs)
+            decode_s = statistics.median(d for _, d in runs)
+        elif extra:
+            one = statistics.median(_generate_s(model, ids, decode_base, extra) for _ in range(repeats))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     state = state_bytes(model, context + decode_tokens, batch)
     # read once, at the rate a device copy moves bytes (its reads plus its writes): a copy of the same bytes takes
@@ -157,17 +199,13 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
     floor_ms = 1e3 * (weights + state) / bandwidth
     row: dict[str, Any] = {
         "prefill_s": round(statistics.median(prefill), 5) if prefill else None,
-        "generate_1_s" if decode_base == 1 else f"generate_{decode_base}_s": None if one is None else round(one, 5),
+        "generate_s": None if one is None else round(one, 5),
         "decode_tok_s": None, "ms_per_step": None,
         "floor_ms": round(floor_ms, 4),
         "peak_mem_bytes": peak,
         "state_bytes": state,
     }
-    if decode_s is not None and decode_s <= 0:
-        row["note"] = (f"generate() with {decode_base + decode_tokens} new tokens was not slower than with "
-                       f"{decode_base} (timing noise "
-                       "exceeds the decode time): raise --decode-tokens")
-    elif decode_s is not None:
+    if decode_s is not None:
         step_ms = 1e3 * decode_s / decode_tokens
         row.update(decode_tok_s=round(batch * decode_tokens / decode_s, 2), ms_per_step=round(step_ms, 4),
                    floor_ratio=round(step_ms / floor_ms, 3))
@@ -231,7 +269,10 @@ def run_model_speed(
         figures: dict[str, Any] = {
             "level": "model", "layout": "results[method][b<batch>][context]",
             "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
-            "decode_timing": f"generate() with B+N new tokens minus with B, N = decode_tokens, B = {decode_base}",
+            "decode_timing": (f"one generate() call of B+N new tokens, N = decode_tokens, B = {decode_base}: the time "
+                              "from the end of step B-1 to the end of step B+N-1 (CUDA events recorded by a logits "
+                              "processor, no synchronisation), the median of `repeats` calls; generate_s: the "
+                              "whole call"),
             "decode_base": decode_base, "prefill_chunk": prefill_chunk,
             "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
             "floor": "(weights_bytes + state_bytes) / copy_bandwidth_Bps: every byte read once at the copy's rate "
