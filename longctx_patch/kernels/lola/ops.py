@@ -353,15 +353,17 @@ def _attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
         fk = st.win_fk[:, :, :n_lin]
     else:
         fk = phi_k(st.win_k[:, :, :n_lin])
-    sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     if _use_triton(backend, q, st.win_k, st.H):
         tk = _tk()
-        if S == 1:
+        if S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches per step)
+            sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
             return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
                                   scale=scale, key_mask=st.wmask, **sp)
+        sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
         return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                              q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
                              block_m=TUNE["piece_block_m"] or 64, **sp)
+    sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                            key_mask=st.wmask, q_offset=nb - S, **sp)
     return o.transpose(1, 2).to(q.dtype)

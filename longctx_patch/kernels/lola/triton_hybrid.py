@@ -232,7 +232,7 @@ def _decode_kernel(
     s_spm_b, s_spm_h,
     s_o_b, s_o_h,
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
+    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr, SP_SCORE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     b = pid // HQ
@@ -262,7 +262,11 @@ def _decode_kernel(
         for l0 in range(0, L, BN):
             offs_l = l0 + tl.arange(0, BN)
             ml = offs_l < L
-            ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
+            if SP_SCORE:  # the sparse cache's scores: a slot holds a pair when its score is finite (> -inf)
+                ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L,
+                                   other=float("-inf")) > float("-inf"))
+            else:
+                ml = ml & (tl.load(SPM + b * s_spm_b + hs * s_spm_h + offs_l, mask=offs_l < L, other=0) != 0)
             sk = tl.load(SPK + b * s_spk_b + hs * s_spk_h + offs_l[:, None] * s_spk_l + offs_d[None, :],
                          mask=ml[:, None] & md[None, :], other=0.0).to(tl.float32)
             sv = tl.load(SPV + b * s_spv_b + hs * s_spv_h + offs_l[:, None] * s_spv_l + offs_d[None, :],
@@ -307,10 +311,12 @@ def _decode_kernel(
 
 
 def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
-                sparse_k=None, sparse_v=None, sparse_valid=None, out=None):
+                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None):
     """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
     the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
-    attended linearly); state H/s; optional sparse cache [B, Hs, L, *]. Returns [B, 1, Hq, D]."""
+    attended linearly); state H/s; optional sparse cache [B, Hs, L, *] whose valid slots are given by
+    `sparse_valid` (bool) or, read in the kernel, by `sparse_score` (float32: valid where > -inf; no
+    conversion launched per step). Returns [B, 1, Hq, D]."""
     B, Hq, _, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
@@ -322,7 +328,10 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
     has_sp = sparse_k is not None and sparse_k.shape[2] > 0
     L = sparse_k.shape[2] if has_sp else 0
     GS = Hq // sparse_k.shape[1] if has_sp else 1
-    spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+    if has_sp and sparse_score is not None:
+        spm = sparse_score if sparse_score.stride(-1) == 1 else sparse_score.contiguous()
+    else:
+        spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
     dummy = q
     if NF == 0:
         fk = fq  # nothing is read from it
@@ -342,8 +351,9 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(2),
-        HQ=Hq, BN=min(64, np2(N)), BD=np2(D), BK=min(64, np2(F2)),
-        HAS_KM=km is not None, HAS_SP=has_sp,
+        HQ=Hq, BN=min(TUNE["decode_bn"] or 64, np2(max(N, L))), BD=np2(D), BK=min(TUNE["decode_bk"] or 64, np2(F2)),
+        HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None,
+        num_warps=TUNE["decode_warps"] or 4,
     )
     return out
 
@@ -398,13 +408,15 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
     else:
         assert out.shape == (B, H, N, 2 * F) and out.stride(-1) == 1, (tuple(out.shape), out.stride())
     w = weight.contiguous()
-    BM = 64
+    # rows per program: a decode step maps one row (the query, or the key leaving the window): a 16-row tile
+    # (tl.dot's least) does a quarter of a 64-row tile's work
+    BM = TUNE["fmap_bm"] or max(16, min(64, np2(N)))
     grid = (triton.cdiv(N, BM), B * H)
     _feature_map_kernel[grid](
         x, w, out, N, D, F, H // Hx, eps,
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w),
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), num_warps=TUNE["fmap_warps"] or 4,
     )
     return out

@@ -107,7 +107,8 @@ def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, 
         norms.append(torch.randn(head_dim, feature_dim, generator=generator).norm(dim=0))  # chi(D)
     qm, _ = torch.linalg.qr(torch.stack(gauss))  # [heads * blocks, D, D]
     dirs = qm.reshape(heads, blocks, head_dim, head_dim).transpose(1, 2).reshape(heads, head_dim, blocks * head_dim)
-    return dirs[:, :, :feature_dim] * torch.stack(norms)[:, None, :] * head_dim ** -0.25
+    # contiguous: the QR's column-major output would make every feature-map call copy the weight first
+    return (dirs[:, :, :feature_dim] * torch.stack(norms)[:, None, :] * head_dim ** -0.25).contiguous()
 
 
 def sparse_head_count(sparse_heads: str, Hq: int, Hkv: int) -> int:
@@ -220,10 +221,21 @@ class LolcatsAttention(PatchedAttention):
         return "kv"
 
     def factors(self):
-        g = torch.sigmoid(self.window_factors.float()).view(-1)
-        lf = 1 - g if self.method_config.affine_factors else torch.ones_like(g)
-        if self.method_config.linear_scale != 1.0:
-            lf = lf * self.method_config.linear_scale
+        """(g, lf) per query head: the window's and the linear part's weights. Without gradients they are kept
+        until the parameter changes (its storage or version): a decode step launches nothing for them."""
+        wf, cfg = self.window_factors, self.method_config
+        grad = torch.is_grad_enabled() and wf.requires_grad
+        key = (wf.data_ptr(), wf._version, wf.device, cfg.affine_factors, cfg.linear_scale)
+        memo = self.__dict__.get("_factors_memo")
+        if not grad and memo is not None and memo[0] == key:
+            return memo[1]
+        g = torch.sigmoid(wf.float()).view(-1)
+        lf = 1 - g if cfg.affine_factors else torch.ones_like(g)
+        if cfg.linear_scale != 1.0:
+            lf = lf * cfg.linear_scale
+        # not kept from inside a CUDA-graph capture: its memory belongs to the graph's pool
+        if not grad and not (wf.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.__dict__["_factors_memo"] = (key, (g, lf))
         return g, lf
 
     def attend(self, q, k, v, cache_layer, padding):
