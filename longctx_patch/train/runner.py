@@ -331,8 +331,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         from ..patcher import is_patched, patch_context
 
         ctx = patch_context(self.model) if is_patched(self.model) else None
-        if ctx is not None:
-            ctx.recompute = stage.attention_checkpointing
+        if ctx is not None:  # whole layers recomputed (gradient_checkpointing) recompute their attention anyway
+            ctx.recompute = stage.attention_checkpointing and not stage.gradient_checkpointing
         try:
             if stage.objective != "attention_transfer":
                 yield None
