@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
 from ..errors import ConfigError
@@ -164,6 +165,9 @@ class PatchContext:
     def __init__(self) -> None:
         self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
         self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
+        # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
+        # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
+        self.recompute = False
 
 
 class PatchedAttention(nn.Module):
@@ -271,7 +275,10 @@ class PatchedAttention(nn.Module):
         q, k, v = self.project(hidden_states, position_embeddings)
         layer = cache.layers[self.layer_idx] if cache is not None else None
         padding = self._ctx.key_mask if self._ctx is not None else None
-        o = self.attend(q, k, v, layer, padding)
+        if layer is None and self._ctx is not None and self._ctx.recompute and torch.is_grad_enabled():
+            o = checkpoint(self.attend, q, k, v, None, padding, use_reentrant=False)
+        else:
+            o = self.attend(q, k, v, layer, padding)
         transfer = self._ctx.transfer if self._ctx is not None else None
         if transfer is not None:
             o = transfer.record(self, q, k, v, padding, o)

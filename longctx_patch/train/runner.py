@@ -47,6 +47,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError, LongctxError
 from ..evals.common import git_commit
+from .losses import fusable_head, lm_head_bypassed, next_token_loss
 from .data import PackedData, load_documents, make_packed, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR
@@ -313,18 +314,36 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             if not transfer.losses:
                 raise LongctxError("attention transfer recorded no layer losses: are any layers patched?")
             return transfer.loss()
+        if stage.fused_loss and self.fsdp is None and fusable_head(self.model):
+            # the final hidden states come out as `logits` (the model's own call: DDP's hooks stay), and the
+            # loss is taken over row chunks through the frozen output embedding (losses.py); a trained output
+            # embedding (trainable: [full]) or FSDP's sharded one take the model's own loss
+            with lm_head_bypassed(self.model) as weight:
+                hidden = model(input_ids=batch, use_cache=False).logits
+            return next_token_loss(hidden, weight, batch)
         out = model(input_ids=batch, labels=batch, use_cache=False)
         return out.loss
 
     @contextlib.contextmanager
     def _objective(self, stage: Stage):
-        if stage.objective != "attention_transfer":
-            yield None
-            return
-        from .transfer import attention_transfer
+        """The stage's loss hooks for the duration of the stage: the attention-transfer recorder (yielded, else
+        None) and the recomputation of the patched attentions in the backward (`attention_checkpointing`)."""
+        from ..patcher import is_patched, patch_context
 
-        with attention_transfer(self.model, teacher_forcing=stage.teacher_forcing) as tr:
-            yield tr
+        ctx = patch_context(self.model) if is_patched(self.model) else None
+        if ctx is not None:  # whole layers recomputed (gradient_checkpointing) recompute their attention anyway
+            ctx.recompute = stage.attention_checkpointing and not stage.gradient_checkpointing
+        try:
+            if stage.objective != "attention_transfer":
+                yield None
+                return
+            from .transfer import attention_transfer
+
+            with attention_transfer(self.model, teacher_forcing=stage.teacher_forcing) as tr:
+                yield tr
+        finally:
+            if ctx is not None:
+                ctx.recompute = False
 
     def evaluate(self, model, data: PackedData, stage: Stage, transfer) -> float | None:
         t = time.time()

@@ -16,6 +16,7 @@ from ..errors import ConfigError, LongctxError
 from .data import BatchOrder, local_slice
 from .recipe import Stage
 from .checkpointing import _full
+from .timing import StepTimer
 
 
 def lr_lambda(stage: Stage) -> Callable[[int], float]:
@@ -34,6 +35,12 @@ def lr_lambda(stage: Stage) -> Callable[[int], float]:
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
     return f
+
+
+def make_optimizer(groups: list[dict[str, Any]], stage: Stage, fused: bool) -> torch.optim.AdamW:
+    """AdamW over `groups`; `fused` (CUDA, unsharded parameters): one kernel for every tensor of the step instead
+    of a loop of small ones (same update up to rounding)."""
+    return torch.optim.AdamW(groups, lr=stage.lr, betas=tuple(stage.betas), **({"fused": True} if fused else {}))
 
 
 @dataclass
@@ -79,10 +86,7 @@ class StageLoopMixin:
         if ckpt is not None:
             self.read_checkpoint(ckpt)
             self.load_trained_state(ckpt)
-        if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if hasattr(self.root, "enable_input_require_grads"):
-                self.root.enable_input_require_grads()
+        self.enter_stage_modes(stage)
         data = self.packed(stage)
         log.train_chunks, log.eval_chunks = int(data.train.shape[0]), int(data.eval.shape[0])
         log.trainable_params = int(sum(p.numel() for _, p in params))
@@ -99,7 +103,7 @@ class StageLoopMixin:
             model = self._shard(self.root, keep_gathered=keep)
             now = dict(model.named_parameters())
             params = [(n, now[n]) for n, _ in params]
-        optimizer = torch.optim.AdamW(self.param_groups(stage, params), lr=stage.lr, betas=tuple(stage.betas))
+        optimizer = make_optimizer(self.param_groups(stage, params), stage, fused=self.fsdp is None and acc.device.type == "cuda")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
         if ckpt is not None:
             self.load_resume_state(ckpt, optimizer, scheduler, start_step)
@@ -157,30 +161,9 @@ class StageLoopMixin:
                 if ev is not None:
                     log.eval_loss.append([0, ev])
             for step in range(start_step, stage.steps):
-                local = torch.zeros((), device=acc.device)
-                for micro in range(stage.grad_accum):
-                    m = step * stage.grad_accum + micro
-                    batch = data.train[order.indices(m)]
-                    batch = local_slice(batch, self.rank, self.world).to(acc.device)
-                    sync = micro == stage.grad_accum - 1
-                    if self.fsdp is not None:  # reduce-scatter the accumulated gradients on the last micro-step
-                        model.set_requires_gradient_sync(sync)
-                        ctx = contextlib.nullcontext()
-                    else:
-                        ctx = contextlib.nullcontext() if sync else acc.no_sync(model)
-                    with ctx:
-                        loss = self._forward_loss(model, batch, stage, transfer)
-                        acc.backward(loss / stage.grad_accum)
-                    local += loss.detach().float() / stage.grad_accum
-                if self.fsdp is not None:
-                    self._average_replicated_grads(trainable)
-                g = acc.clip_grad_norm_(trainable, stage.max_grad_norm) if stage.max_grad_norm else None
+                batches = [self.micro_batch(data, order, step * stage.grad_accum + m) for m in range(stage.grad_accum)]
                 lr_now = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if self.fsdp is not None:
-                    self._reshard_all(model)
+                local, g = self.train_step(model, optimizer, scheduler, batches, stage, transfer, trainable)
                 done = step + 1
                 pending.append((done, local, g, lr_now))
                 log.tokens += stage.tokens_per_step
@@ -244,8 +227,7 @@ class StageLoopMixin:
         if steady is not None and log.tokens > steady[0]:
             # after the first log point: compilation and autotuning of the first steps left out
             log.steady_tokens_per_s = (log.tokens - steady[0]) / max(log.time_s - steady[1], 1e-9)
-        if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_disable()
+        self.leave_stage_modes(stage)
         self.save_checkpoint(
             si, log.steps_done, optimizer, scheduler, keep=self.recipe.output.keep_checkpoints, completed=True
         )
@@ -264,5 +246,66 @@ class StageLoopMixin:
             f"{log.final_loss if log.final_loss is None else round(log.final_loss, 4)}"
             + (f", eval {log.final_eval_loss:.4f}" if log.final_eval_loss is not None else "")
         )
+
+    def enter_stage_modes(self, stage: Stage) -> None:
+        """Gradient checkpointing of the decoder layers and their compilation (`compile`), for this stage."""
+        if stage.gradient_checkpointing:
+            self.root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.root, "enable_input_require_grads"):
+                self.root.enable_input_require_grads()
+        if stage.compile:
+            for layer in self._decoder_layers():
+                layer.compile(dynamic=False)
+
+    def leave_stage_modes(self, stage: Stage) -> None:
+        if stage.gradient_checkpointing:
+            self.root.gradient_checkpointing_disable()
+        if stage.compile:
+            for layer in self._decoder_layers():
+                layer._compiled_call_impl = None  # what nn.Module.compile set: calls go to forward again
+
+    def _decoder_layers(self):
+        from ..architectures import get_adapter
+
+        return get_adapter(self.model).decoder_layers(self.model)
+
+    def micro_batch(self, data, order: BatchOrder, m: int) -> torch.Tensor:
+        """This process's rows of micro-step `m`'s batch, on the device."""
+        batch = local_slice(data.train[order.indices(m)], self.rank, self.world)
+        return batch.to(self.accelerator.device, non_blocking=True)
+
+    def train_step(self, model, optimizer, scheduler, batches: list[torch.Tensor], stage: Stage, transfer,
+                   trainable: list[torch.nn.Parameter], timer: StepTimer | None = None):
+        """One optimizer step over the micro-batches `batches` (gradient accumulation). Returns the mean loss and the
+        gradient norm (None without clipping) as device tensors: nothing here waits for the device. `timer`
+        (StepTimer, started by the caller) marks the end of each forward, backward and of the optimizer."""
+        acc = self.accelerator
+        local = torch.zeros((), device=acc.device)
+        for micro, batch in enumerate(batches):
+            sync = micro == len(batches) - 1
+            if self.fsdp is not None:  # reduce-scatter the accumulated gradients on the last micro-step
+                model.set_requires_gradient_sync(sync)
+                ctx = contextlib.nullcontext()
+            else:
+                ctx = contextlib.nullcontext() if sync else acc.no_sync(model)
+            with ctx:
+                loss = self._forward_loss(model, batch, stage, transfer)
+                if timer is not None:
+                    timer.mark("forward")
+                acc.backward(loss / len(batches))
+                if timer is not None:
+                    timer.mark("backward")
+            local += loss.detach().float() / len(batches)
+        if self.fsdp is not None:
+            self._average_replicated_grads(trainable)
+        g = acc.clip_grad_norm_(trainable, stage.max_grad_norm) if stage.max_grad_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.fsdp is not None:
+            self._reshard_all(model)
+        if timer is not None:
+            timer.mark("optimizer")
+        return local, g
 
     # ------------------------------------------------------------------------------------------- the run

@@ -15,6 +15,7 @@ from torch import nn
 from ..kernels.softmax import key_mask_for, softmax_attention
 from ..methods.base import PatchedAttention
 from ..patcher import patch_context
+from .losses import transfer_mse
 
 
 class AttentionTransfer:
@@ -31,15 +32,11 @@ class AttentionTransfer:
 
     def record(self, module: PatchedAttention, q, k, v, padding, o) -> torch.Tensor:
         """Append this layer's loss; return the output the layer passes on."""
-        with torch.no_grad():
+        with torch.no_grad():  # SDPA (flash on CUDA under bf16): no S x S matrix
             teacher = softmax_attention(q, k, v, scale=module.scaling, key_mask=key_mask_for(padding, k.shape[2]),
                                         window=module.spec.sliding_window)  # the original layer's window
-        diff = (o.float() - teacher.float()) ** 2
-        if padding is not None:  # only real query tokens count
-            w = padding[:, -o.shape[1] :].to(diff.dtype)[:, :, None, None]
-            self.losses.append((diff * w).sum() / (w.sum() * diff.shape[2] * diff.shape[3]).clamp_min(1))
-        else:
-            self.losses.append(diff.mean())
+        # only real query tokens count; the backward keeps o and the teacher, not their fp32 difference
+        self.losses.append(transfer_mse(o, teacher, padding))
         return teacher.to(o.dtype) if self.teacher_forcing else o
 
     def loss(self) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""Throughput of the fine-tune trainer's stages (attention transfer, LoRA next-token) on a SmolLM2-135M-shaped
+random-weight model patched with lolcats: tokens/s, peak memory and a step-time breakdown (forward, backward,
+optimizer), through the runner's own step (`Finetuner.train_step`) and the stages of a recipe.
+
+    python3 -m evals.bench.train_throughput [--batch 8,16] [--seq 4096] [--stages transfer,lora] [--compile]
+        [--grad-checkpointing] [--steps 5] [--warmup 2] [--out FILE]
+    python3 -m evals.bench.train_throughput --device cpu --seq 256 --batch 1 --layers 2   # smoke test
+    python3 -m evals.bench.train_throughput --merge DIR --out FILE   # the rows of DIR/*.json in one file
+
+One row per (stage, batch); a batch that runs out of memory gives a row with its error. Writes device, date, commit
+(LONGCTX_COMMIT or git), command and the rows to --out (default evals/results/finetune/train-throughput-<device>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from evals.shared import REPO_ROOT, device_token, result_file
+from longctx_patch.evals.common import device_description, git_commit
+
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+
+
+class _NoTokenizer:
+    """The runner asks for a tokenizer beside a given model; the benchmark feeds random token ids."""
+
+
+def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import longctx_patch as lp
+
+    cfg = dict(SMOLLM2_135M, num_hidden_layers=layers)
+    if vocab:
+        cfg["vocab_size"] = vocab
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs (a CPU init of 135M parameters takes seconds)
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype=dtype)
+    lp.patch(model, "lolcats", checkpoint="none", init_window_factor=-2.197)
+    return model
+
+
+def overrides(args, batch: int) -> list[str]:
+    out = []
+    for name in ("transfer", "lora"):
+        out += [f"stages.{name}.batch_size={batch}", f"stages.{name}.seq_len={args.seq}",
+                f"stages.{name}.gradient_checkpointing={str(args.grad_checkpointing).lower()}",
+                f"stages.{name}.compile={str(args.compile).lower()}",
+                f"stages.{name}.attention_checkpointing={str(not args.no_attention_checkpointing).lower()}",
+                f"stages.{name}.fused_loss={str(not args.no_fused_loss).lower()}",
+                f"stages.{name}.steps={args.warmup + args.steps}", f"stages.{name}.warmup=1"]
+    return out
+
+
+def time_stage(ft, stage, args, device) -> dict:
+    """Warm-up steps, then `args.steps` timed steps of `stage` through the runner's own step."""
+    from longctx_patch.train.stage_loop import lr_lambda, make_optimizer
+    from longctx_patch.train.timing import StepTimer
+
+    acc = ft.accelerator
+    cuda = device.type == "cuda"
+    params = ft.setup_stage(stage)
+    ft.enter_stage_modes(stage)
+    trainable = [p for _, p in params]
+    optimizer = make_optimizer(ft.param_groups(stage, params), stage, fused=cuda)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(stage))
+    ft.root.train()
+    model, optimizer = acc.prepare(ft.root, optimizer)
+    vocab = ft.model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    timer = StepTimer(device)
+    steps, losses = [], []
+    try:
+        with ft._objective(stage) as transfer:
+            for i in range(args.warmup + args.steps):
+                batch = torch.randint(3, vocab, (stage.batch_size, stage.seq_len), generator=gen).to(device)
+                if cuda and i == args.warmup:
+                    torch.cuda.reset_peak_memory_stats(device)
+                timer.start()
+                loss, _ = ft.train_step(model, optimizer, scheduler, [batch], stage, transfer, trainable, timer)
+                t = timer.finish()  # waits for the step: one host sync per step, outside it
+                if i >= args.warmup:
+                    steps.append(t)
+                    losses.append(float(loss))
+    finally:
+        ft.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
+        ft.leave_stage_modes(stage)
+        del optimizer, scheduler
+        acc.free_memory()
+    tokens = stage.batch_size * stage.seq_len
+    mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    return {
+        "tokens_per_step": tokens,
+        "step_ms": round(mean["total"], 3),
+        "tokens_per_s": round(tokens / (mean["total"] / 1e3), 1),
+        "breakdown_ms": {k: round(v, 3) for k, v in mean.items() if k != "total"},
+        "step_ms_all": [round(s["total"], 3) for s in steps],
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
+        "trainable_params": int(sum(p.numel() for p in trainable)),
+        "loss": losses,
+    }
+
+
+def run_batch(args, batch: int, device: torch.device) -> list[dict]:
+    from longctx_patch.train.recipe import load_recipe
+    from longctx_patch.train.runner import Finetuner
+
+    recipe = load_recipe(args.recipe, overrides(args, batch))
+    recipe.mixed_precision = "bf16" if device.type == "cuda" else "no"
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args.layers, dtype, str(device), args.vocab)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ft = Finetuner(recipe, tmp, progress=False, model=model, tokenizer=_NoTokenizer(), command="bench")
+        ft.load()
+        for stage in recipe.stages:
+            if stage.name not in args.stages:
+                continue
+            row = {"stage": stage.name, "objective": stage.objective, "batch": batch, "seq": args.seq,
+                   "gradient_checkpointing": stage.gradient_checkpointing, "compile": stage.compile,
+                   "attention_checkpointing": stage.attention_checkpointing, "fused_loss": stage.fused_loss}
+            try:
+                row.update(time_stage(ft, stage, args, device))
+            except torch.OutOfMemoryError as e:
+                row["error"] = f"out of memory: {str(e).splitlines()[0]}"
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("step_ms_all", "loss")}), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del model, ft
+    return rows
+
+
+def merge(folder: Path) -> dict:
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise SystemExit(f"--merge: no *.json files in {folder}")
+    runs = [json.loads(f.read_text()) for f in files]
+    head = {k: runs[0][k] for k in ("device", "date", "commit")}
+    head["command"] = " ; ".join(r["command"] for r in runs)
+    head["rows"] = [dict(row, config=r.get("config", {})) for r in runs for row in r["rows"]]
+    return head
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", default="8", help="comma-separated batch sizes (sequences per step)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default SmolLM2's 49152)")
+    ap.add_argument("--stages", default="transfer,lora", help="stages of the recipe to time")
+    ap.add_argument("--recipe", default=str(REPO_ROOT / "recipes" / "linearize.yaml"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="weights' dtype (bf16 autocast on CUDA either way)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")
+    ap.add_argument("--grad-checkpointing", action="store_true", help="stage option gradient_checkpointing")
+    ap.add_argument("--no-attention-checkpointing", action="store_true",
+                    help="keep the patched attentions' intermediates (stage option attention_checkpointing: false)")
+    ap.add_argument("--no-fused-loss", action="store_true", help="the model's own loss (stage option fused_loss: false)")
+    ap.add_argument("--merge", default=None, help="merge the result files of this folder into --out and exit")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    command = "python3 -m evals.bench.train_throughput " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    if args.merge:
+        out = Path(args.out or "train-throughput.json")
+        out.write_text(json.dumps(merge(Path(args.merge)), indent=1) + "\n")
+        return out
+    args.stages = args.stages.split(",")
+    device = torch.device(args.device)
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        rows += run_batch(args, b, device)
+    res = {
+        "device": device_description(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": command,
+        "config": {"model": "SmolLM2-135M-shaped, random weights", "layers": args.layers, "dtype": args.dtype,
+                   "method": "lolcats", "recipe": Path(args.recipe).name, "steps": args.steps, "warmup": args.warmup,
+                   "torch": torch.__version__},
+        "rows": rows,
+    }
+    name = f"train-throughput-{device_token(str(device)) if device.type == 'cuda' else 'cpu'}.json"
+    out = result_file("finetune", name, args.out)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""evals/bench/train_throughput.py in its CPU smoke mode: both stages through the runner's step, and a merged file."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def test_train_throughput_smoke(tmp_path):
+    from evals.bench import train_throughput
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = train_throughput.main(["--device", "cpu", "--seq", "64", "--batch", "1", "--layers", "2", "--vocab", "512",
+                                     "--dtype", "float32", "--steps", "1", "--warmup", "1",
+                                     "--out", str(tmp_path / "runs" / "a.json")])
+    finally:
+        torch.set_num_threads(n)
+    res = json.loads(out.read_text())
+    assert {"device", "date", "commit", "command"} <= res.keys()
+    assert [r["stage"] for r in res["rows"]] == ["transfer", "lora"]
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert r["tokens_per_step"] == 64 and r["tokens_per_s"] > 0
+        assert set(r["breakdown_ms"]) == {"forward", "backward", "optimizer"}
+        assert all(v >= 0 for v in r["breakdown_ms"].values())
+        assert r["trainable_params"] > 0 and all(l == l for l in r["loss"])  # finite (not NaN)
+    merged = train_throughput.main(["--merge", str(tmp_path / "runs"), "--out", str(tmp_path / "all.json")])
+    assert [r["stage"] for r in json.loads(merged.read_text())["rows"]] == ["transfer", "lora"]
