@@ -5,7 +5,7 @@ its method tensors moved away from their initial values so that each head's diff
 same checkpoint with `tp_plan="auto"`, patch it, load those method tensors (the full record: each rank keeps its
 heads) and must give the same logits (1e-4, fp32) and the same greedy tokens. A rank's modules hold its heads only;
 the method tensors gathered back equal the full ones; a fresh patch gathers to the single-process fresh patch;
-`save_patched` on both ranks writes one full record that loads in one process.
+`save_patched` on both ranks writes one full record that loads in one process and back on two.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import longctx_patch as lp
-from longctx_patch.patcher import load_method_state_dict, method_state_dict, patched_modules
+from longctx_patch.patcher import apply_patch_record, load_method_state_dict, method_state_dict, patched_modules
 from conftest import tiny_model
 from test_method_contract import SETTINGS
 
@@ -73,6 +73,12 @@ def _rank(rank: int, base: str, port: int, ref_path: str, work: str) -> None:
         ref = torch.load(ref_path, weights_only=True)
         results = {m: _run(model, m, ref[m]["state"], os.path.join(work, "saved") if m == SAVED else None)
                    for m in SETTINGS}
+        dist.barrier()  # the saved directory is written (rank 0): load it tensor-parallel, as docs/tensor-parallel.md
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(work, "saved"), tp_plan="auto",
+                                                     dtype=torch.float32).eval()
+        apply_patch_record(saved, os.path.join(work, "saved"))
+        with torch.no_grad():
+            results["reloaded"] = saved(_ids()).logits
         torch.save(results, os.path.join(work, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -131,7 +137,9 @@ def test_ranks_match_one_process(runs, method):
 
 
 def test_save_patched_writes_the_full_record(runs):
-    ref, _, work = runs
+    ref, ranks, work = runs
+    for got in ranks:  # loaded back tensor-parallel (from_pretrained(tp_plan) + apply_patch_record)
+        torch.testing.assert_close(got["reloaded"], ref[SAVED]["logits"], rtol=1e-4, atol=1e-4)
     loaded = lp.load_patched(work / "saved", dtype=torch.float32, device="cpu").eval()
     assert lp.patched_layers(loaded) == {0: SAVED, 1: SAVED}
     state = method_state_dict(loaded)
