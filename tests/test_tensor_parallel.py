@@ -148,3 +148,16 @@ def test_save_patched_writes_the_full_record(runs):
     with torch.no_grad():
         logits = loaded(_ids()).logits
     torch.testing.assert_close(logits, ref[SAVED]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_heads_a_group_cannot_share_are_refused():
+    from longctx_patch.architectures import ADAPTERS
+    from longctx_patch.errors import UnsupportedModelError
+    from longctx_patch.tensor_parallel import HeadShard, local_spec
+
+    attn = tiny_model("llama", num_hidden_layers=1).model.layers[0].self_attn
+    spec = ADAPTERS["llama"].spec(attn.config, 0)
+    with pytest.raises(UnsupportedModelError, match="3 ranks cannot share"):
+        local_spec(attn, spec, HeadShard(rank=0, world=3, group=None))
+    with pytest.raises(UnsupportedModelError, match="holds 64 output rows"):  # whole projections: not split
+        local_spec(attn, spec, HeadShard(rank=0, world=2, group=None))
