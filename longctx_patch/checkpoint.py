@@ -25,6 +25,7 @@ from torch import nn
 
 from . import __version__
 from .errors import CheckpointError
+from .tensor_parallel import full_shape, full_tensor, local_part
 
 PATCH_JSON = "longctx_patch.json"
 PATCH_WEIGHTS = "longctx_patch.safetensors"
@@ -200,18 +201,19 @@ def modules_state_dict(modules: Mapping[int, nn.Module]) -> dict[str, torch.Tens
     out = {}
     for i, mod in sorted(modules.items()):
         for k, v in mod.method_parameters().items():
-            out[f"layers.{i}.{k}"] = v.detach().contiguous()
+            out[f"layers.{i}.{k}"] = full_tensor(mod, k, v).detach().contiguous()
     return out
 
 
 def load_modules_state_dict(modules: Mapping[int, nn.Module], sd: Mapping[str, torch.Tensor],
                             source: str = "checkpoint") -> None:
     """Loads `modules_state_dict` output into `modules` strictly: missing/unexpected/mis-shaped keys raise
-    CheckpointError naming `source`."""
-    own = modules_state_dict(modules)
+    CheckpointError naming `source`. Under tensor parallelism `sd` is the unsharded record: each rank loads its part."""
+    own = {f"layers.{i}.{k}": torch.Size(full_shape(mod, k, v))
+           for i, mod in sorted(modules.items()) for k, v in mod.method_parameters().items()}
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
-    shapes = sorted(f"{k}: expected {tuple(own[k].shape)}, got {tuple(sd[k].shape)}" for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    shapes = sorted(f"{k}: expected {tuple(own[k])}, got {tuple(sd[k].shape)}" for k in set(own) & set(sd) if own[k] != sd[k].shape)
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -224,7 +226,7 @@ def load_modules_state_dict(modules: Mapping[int, nn.Module], sd: Mapping[str, t
     with torch.no_grad():
         for i, mod in modules.items():
             prefix = f"layers.{i}."
-            local = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            local = {k[len(prefix):]: local_part(mod, k[len(prefix):], v) for k, v in sd.items() if k.startswith(prefix)}
             if local:
                 mod.load_state_dict(local, strict=False)
 

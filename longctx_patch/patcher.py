@@ -28,6 +28,7 @@ from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
 from .methods import get_method, patch_access
 from .methods.base import MethodConfig, PatchContext, PatchedAttention
+from .tensor_parallel import build_sharded, head_shard, writes_files
 
 
 @dataclass
@@ -364,7 +365,11 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
         orig = decoder[i].self_attn
         if isinstance(orig, PatchedAttention):  # patched outside our bookkeeping (e.g. deep-copied model)
             raise AlreadyPatchedError(f"layer {i} already holds a patched module; unpatch first")
-        mod = m.build(orig, specs[i], cfg, adapter)
+        shard = head_shard(orig)
+        if shard is None:
+            mod = m.build(orig, specs[i], cfg, adapter)
+        else:  # tensor parallelism: this rank's heads (tensor_parallel.py)
+            mod = build_sharded(lambda spec: m.build(orig, spec, cfg, adapter), orig, specs[i], shard)
         p = next(orig.parameters(), None)
         if p is not None:
             mod.to(device=p.device)
@@ -391,7 +396,7 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
 
     Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
     decode_graphs: replay `generate()`'s one-token steps from CUDA graphs where every layer allows it (default:
-    on; False: every step eager; see `set_decode_graphs`).
+    on, off on a tensor-parallel model; False: every step eager; see `set_decode_graphs`).
     """
     group, new = _apply(model, method, layers, config)
     try:
@@ -399,6 +404,8 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
     except Exception:
         _undo_group(model, group)
         raise
+    if decode_graphs is None and any(mod.head_shard is not None for mod in new.values()):
+        decode_graphs = False  # tensor parallelism: collectives replayed from CUDA graphs are unverified
     if decode_graphs is not None:
         set_decode_graphs(model, decode_graphs)
     return model
@@ -493,7 +500,10 @@ def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source
 
 
 def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
-    """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`."""
+    """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`.
+
+    A tensor-parallel model (tp_plan): call it on every rank (the weights are gathered across them); global rank 0
+    writes the full, unsharded record."""
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
         # PeftModel.save_pretrained writes the adapter only: the directory would have no base model to load
         raise ConfigError("save_patched got a PEFT model, whose save_pretrained writes only the adapter; call "
@@ -517,9 +527,10 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     finally:
         for i, mod in st.modules.items():
             decoder[i].self_attn = mod
-    write_patch(directory, groups, weights)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+    if writes_files(st.modules.values()):
+        write_patch(directory, groups, weights)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
     return directory
 
 

@@ -32,7 +32,8 @@ LAYERS = (
     (f"{ROOT}.kernels", 0),  # plain tensors in and out
     (f"{ROOT}.errors", 0),
     (f"{ROOT}.architectures", 1),  # shared by the methods and the API: model families, the checkpoint format,
-    (f"{ROOT}.checkpoint", 1),  # packaged method weights
+    (f"{ROOT}.checkpoint", 1),  # packaged method weights, the tensor-parallel split of method tensors
+    (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.methods", 2),
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert

@@ -198,6 +198,8 @@ class PatchedAttention(nn.Module):
         self._adapter = adapter
         adapter.rotary_fn()  # resolved now, outside the forward (see architectures._rotary_fn)
         self._ctx: PatchContext | None = None
+        # this rank's share of the heads under tensor parallelism (tensor_parallel.HeadShard; None: every head)
+        self.head_shard = None
 
     # -- op level -------------------------------------------------------------------------------------
     @classmethod

@@ -17,7 +17,8 @@ import torch
 
 from ...architectures import shared_weight
 from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
-from ...errors import CheckpointError
+from ...errors import CheckpointError, ConfigError
+from ...tensor_parallel import full_shape, local_part
 from ..patch_access import keep_original_weight, patched_modules
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
@@ -157,9 +158,9 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
             missing.append(key.replace(f"lora_{ab}", f"lora_{'B' if ab == 'A' else 'A'}"))
     shapes = []
     for (i, name), (t, key) in method.items():
-        own = mods[i].get_parameter(name)
-        if tuple(t.shape) != tuple(own.shape):
-            shapes.append(f"{key}: expected {tuple(own.shape)}, got {tuple(t.shape)}")
+        own = full_shape(mods[i], name, mods[i].get_parameter(name))
+        if tuple(t.shape) != own:
+            shapes.append(f"{key}: expected {own}, got {tuple(t.shape)}")
     for (i, proj, ab), (t, key, _) in lora.items():
         w = shared_weight(getattr(mods[i], proj))
         other = lora.get((i, proj, "B" if ab == "A" else "A"))
@@ -172,6 +173,11 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
             shapes.append(f"{key}: expected ({w.shape[0]}, r), got {tuple(t.shape)}")
         if ab == "A" and other is not None and other[0].dim() == 2 and other[0].shape[1] != t.shape[0]:
             shapes.append(f"{key}: rank {t.shape[0]} does not match {other[1]} (rank {other[0].shape[1]})")
+    if lora and any(m.head_shard is not None for m in mods.values()):
+        raise ConfigError(
+            f"checkpoint {paths} holds LoRA adapters, which are merged into the q/k/v/o projections: that is not done "
+            "on a tensor-parallel model (split projections). Patch the model on one process with this checkpoint, "
+            "save_patched() it, and load the saved directory with tp_plan='auto'")
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -186,7 +192,7 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
     with torch.no_grad():
         for (i, name), (t, _) in method.items():
             p = mods[i].get_parameter(name)
-            p.copy_(t.to(device=p.device, dtype=p.dtype))
+            p.copy_(local_part(mods[i], name, t).to(device=p.device, dtype=p.dtype))
         for (i, proj, ab), (t, _, alpha) in lora.items():
             if ab != "A":
                 continue
