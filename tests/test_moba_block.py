@@ -157,10 +157,13 @@ def test_triton_forward_and_gradients_match_the_reference(case, dtype):
     km = left_mask(c["B"], c["S"], c["pads"]) if any(c["pads"]) else None
     kw = dict(scale=c["D"] ** -0.5, block_size=128, top_k=c["top_k"], key_mask=km, min_seq_len=c["min_seq_len"],
               gating="block")
-    o = moba_attention(q, k, v, backend="triton", **kw)
-    ref = moba_reference(q, k, v, **kw)
+    sums = [torch.zeros(c["B"], c["Hq"], c["D"]) for _ in range(2)]  # what a prefill leaves for the decode steps
+    o = moba_attention(q, k, v, backend="triton", query_sum=sums[0], **kw)
+    ref = moba_reference(q, k, v, query_sum=sums[1], **kw)
     assert o.dtype == dtype and o.shape == (c["B"], c["S"], c["Hq"], c["D"])
     torch.testing.assert_close(o.float(), ref.float(), **_tol(dtype))
+    torch.testing.assert_close(sums[0], sums[1], atol=1e-4, rtol=1e-5)
+    assert sums[0].abs().min() > 0  # every row ends inside a block (300 - 37, 389 tokens)
     assert (ref.float() - softmax_attention(q, k, v, scale=kw["scale"], key_mask=km).float()).abs().max() > 0.05
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     got = torch.autograd.grad(o, (q, k, v), do)

@@ -13,8 +13,8 @@ from ..backend import BACKENDS, resolve_backend
 from ..muse.ops import listed_blocks_triton
 from ..muse.support import cells_supported
 from ..softmax import softmax_attention
-from .reference import GATINGS, block_gate, block_means, block_query_sums, key_positions, moba_reference, \
-    query_positions
+from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, key_positions, moba_reference, \
+    prefix_block_sums, query_positions
 
 
 def moba_is_exact(Sk: int, *, block_size: int, top_k: int, min_seq_len: int) -> bool:
@@ -94,10 +94,13 @@ def moba_block_triton(q, k, v, *, scale: float, block_size: int, top_k: int, key
         ckpos = torch.minimum(torch.arange(S, device=q.device)[None].expand(B, S), n_real - 1)
     else:
         cvalid, ckpos = valid, kpos
-    with torch.no_grad():
-        means = block_means(k.detach(), ckpos, cvalid, L)
-        sel = block_gate(q, means, ckpos, cvalid, block_size=L, top_k=top_k, min_seq_len=min_seq_len,
-                         query_sum=query_sum)
+    with torch.no_grad():  # positions are indices here, the real tokens a prefix of each row: block sums of views
+        mask = None if key_mask is None else cvalid
+        ks, kc = prefix_block_sums(k.detach(), mask, L)
+        means = ks / kc.clamp(min=1)[:, None, :, None]
+        sums = prefix_block_sums(q.detach(), mask, L)
+        carry_query_sum(*sums, ckpos, cvalid, block_size=L, query_sum=query_sum)
+        sel = block_gate(q, means, ckpos, cvalid, block_size=L, top_k=top_k, min_seq_len=min_seq_len, sums=sums)
         key_valid = torch.nn.functional.pad(cvalid, (0, nb * L - S))
     most = max(top_k - 1, -(-min_seq_len // L))  # earlier blocks a query block lists at most
     o = listed_blocks_triton(q, k, v, sel.contiguous(), key_valid, block_size=L, max_listed=most, scale=scale)

@@ -55,6 +55,22 @@ def query_positions(kpos: torch.Tensor, valid: torch.Tensor, Sq: int, q_offset: 
     return qpos, qreal, qidx
 
 
+def prefix_block_sums(x: torch.Tensor, valid: torch.Tensor | None, block_size: int):
+    """Sums `[B, H, nb, D]` (work dtype) and counts `[B, nb]` of x `[B, H, S, D]` over blocks of consecutive indices,
+    when each row's real entries are a prefix of it (positions are indices: no padding, or padding gathered to the
+    end); valid `[B, S]` or None (all real). A view and one reduction: no copy of x without padding."""
+    B, H, S, D = x.shape
+    nb = -(-S // block_size)
+    wd = _work_dtype(x)
+    if valid is not None:
+        x = x * valid[:, None, :, None].to(x.dtype)
+    x = torch.nn.functional.pad(x, (0, 0, 0, nb * block_size - S))
+    sums = x.reshape(B, H, nb, block_size, D).sum(3, dtype=wd)
+    ones = torch.ones(B, S, dtype=wd, device=x.device) if valid is None else valid.to(wd)
+    counts = torch.nn.functional.pad(ones, (0, nb * block_size - S)).view(B, nb, block_size).sum(2)
+    return sums, counts
+
+
 def block_means(k: torch.Tensor, kpos: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """Mean key of each block of positions, `[B, Hkv, nb, D]` in the work dtype (0 for a block with no key);
     nb = ceil(Sk / block_size)."""
@@ -103,42 +119,53 @@ def select(g: torch.Tensor, means: torch.Tensor, gblk: torch.Tensor, everything:
 def block_query_sums(q: torch.Tensor, qpos: torch.Tensor, qreal: torch.Tensor, *, block_size: int, nbq: int,
                      query_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum `[B, Hq, nbq, D]` (work dtype) and count `[B, nbq]` of the real queries of each block of positions, this
-    call's plus, for the block of the row's first query, `query_sum` `[B, Hq, D]` (the sum of that block's queries
-    of earlier calls; their count is the first query's position modulo block_size). `query_sum` is then set in place
-    to the sum of the queries of the block of the row's last query (0 when that block is complete)."""
+    call's plus the earlier calls' of the block of the row's first query (`carry_query_sum`)."""
     B, Hq, Sq, D = q.shape
     wd = _work_dtype(q)
     qblk = qpos.clamp(min=0) // block_size
     dump = B * nbq
     index = torch.where(qreal, qblk + nbq * torch.arange(B, device=q.device)[:, None], dump).reshape(-1)
     rows = q.detach().to(wd).permute(0, 2, 1, 3).reshape(B * Sq, Hq * D)
-    sums = rows.new_zeros(B * nbq + 1, Hq * D).index_add_(0, index, rows)[:dump].view(B, nbq, Hq * D)
+    sums = rows.new_zeros(B * nbq + 1, Hq * D).index_add_(0, index, rows)[:dump].view(B, nbq, Hq, D)
     counts = rows.new_zeros(B * nbq + 1).index_add_(0, index, torch.ones_like(index, dtype=wd))[:dump].view(B, nbq)
-    if query_sum is not None:
-        big = torch.iinfo(qpos.dtype).max
-        first = torch.where(qreal, qpos, big).amin(1)  # [B]: the row's first real query (big: none)
-        last = torch.where(qreal, qpos, -1).amax(1)
-        has = last >= 0
-        fb = torch.where(has, first // block_size, 0).clamp(max=nbq - 1)[:, None]
-        carry = query_sum.to(wd).reshape(B, 1, Hq * D) * has[:, None, None]
-        sums.scatter_add_(1, fb[:, :, None].expand(B, 1, Hq * D), carry)
-        counts.scatter_add_(1, fb, (torch.where(has, first % block_size, 0)[:, None]).to(wd))
-        lb = torch.where(has, last // block_size, 0).clamp(max=nbq - 1)
-        now = sums.gather(1, lb[:, None, None].expand(B, 1, Hq * D)).view(B, Hq, D)
-        complete = ((last + 1) % block_size == 0)[:, None, None]
-        keep = ~has[:, None, None]
-        query_sum.copy_(torch.where(keep, query_sum, torch.where(complete, 0.0, now).to(query_sum.dtype)))
-    return sums.view(B, nbq, Hq, D).permute(0, 2, 1, 3), counts
+    sums = sums.permute(0, 2, 1, 3)
+    carry_query_sum(sums, counts, qpos, qreal, block_size=block_size, query_sum=query_sum)
+    return sums, counts
+
+
+def carry_query_sum(sums, counts, qpos, qreal, *, block_size: int, query_sum: torch.Tensor | None) -> None:
+    """Block gating across calls, in place. Adds `query_sum` `[B, Hq, D]` (the sum of the queries of earlier calls
+    in the block of the row's first query; their count is that query's position modulo block_size) to that block of
+    this call's `sums` `[B, Hq, nbq, D]` and `counts` `[B, nbq]`; then sets `query_sum` to the sum of the block of the
+    row's last query (0 when that block is complete). Nothing when query_sum is None."""
+    if query_sum is None:
+        return
+    B, Hq, nbq, D = sums.shape
+    big = torch.iinfo(qpos.dtype).max
+    first = torch.where(qreal, qpos, big).amin(1)  # [B]: the row's first real query (big: none)
+    last = torch.where(qreal, qpos, -1).amax(1)
+    has = last >= 0
+    fb = torch.where(has, first // block_size, 0).clamp(max=nbq - 1)
+    at = fb[:, None, None, None].expand(B, Hq, 1, D)
+    sums.scatter_add_(2, at, (query_sum.to(sums.dtype) * has[:, None, None])[:, :, None])
+    counts.scatter_add_(1, fb[:, None], torch.where(has, first % block_size, 0)[:, None].to(counts.dtype))
+    lb = torch.where(has, last // block_size, 0).clamp(max=nbq - 1)
+    now = sums.gather(2, lb[:, None, None, None].expand(B, Hq, 1, D))[:, :, 0]
+    complete = ((last + 1) % block_size == 0)[:, None, None]
+    new = torch.where(complete, torch.zeros_like(now), now).to(query_sum.dtype)
+    query_sum.copy_(torch.where(has[:, None, None], new, query_sum))
 
 
 def block_gate(q, means, qpos, qreal, *, block_size: int, top_k: int, min_seq_len: int = 0,
-               query_sum: torch.Tensor | None = None) -> torch.Tensor:
+               query_sum: torch.Tensor | None = None, sums=None) -> torch.Tensor:
     """Block gating: the earlier blocks each query block attends, `[B, Hq, nbq, nb]` bool (nbq = nb: the blocks of
-    the keys), gated by the block's mean query (`block_query_sums`; `query_sum` is updated in place); a query block
-    starting below `min_seq_len` takes every earlier block."""
+    the keys), gated by the block's mean query (`block_query_sums`, or `sums` = (sums, counts) computed by the caller
+    and carried already; `query_sum` is updated in place); a query block starting below `min_seq_len` takes every
+    earlier block."""
     nb = means.shape[2]
-    sums, counts = block_query_sums(q, qpos, qreal, block_size=block_size, nbq=nb, query_sum=query_sum)
-    qbar = sums / counts.clamp(min=1)[:, None, :, None]
+    if sums is None:
+        sums = block_query_sums(q, qpos, qreal, block_size=block_size, nbq=nb, query_sum=query_sum)
+    qbar = sums[0] / sums[1].clamp(min=1)[:, None, :, None]
     blk = torch.arange(nb, device=q.device).expand(q.shape[0], nb)
     return select(qbar, means, blk, blk * block_size < min_seq_len, top_k=top_k)
 
@@ -196,5 +223,5 @@ def moba_reference(q, k, v, *, scale: float, block_size: int, top_k: int, key_ma
     return o.transpose(1, 2).to(q.dtype)
 
 
-__all__ = ["GATINGS", "allowed_keys", "block_gate", "block_means", "block_query_sums", "gate", "key_positions",
-           "moba_reference", "query_positions", "select"]
+__all__ = ["GATINGS", "allowed_keys", "block_gate", "block_means", "block_query_sums", "carry_query_sum", "gate",
+           "key_positions", "moba_reference", "prefix_block_sums", "query_positions", "select"]
