@@ -306,15 +306,18 @@ def cells_ptrs(t, *out, **other):
     return {**{n: t for n in ("Q", "K", "V", "MU", "VB", "DO", "O")}, **base, **other}
 
 
-def _cells_case(kernel, D, dtype, bwd):
-    """The tiles `_CellsAttention` launches with (`cells_tiles`, block_size 256)."""
+def _cells_case(kernel, D, dtype, bwd, far=True):
+    """The tiles `_CellsAttention` launches with (`cells_tiles`; block_size 256 with cells, 512 without: moba's
+    block lists)."""
     import torch
 
-    BM, BN, warps, stages_or_bmk = mc.cells_tiles(D, torch.float32 if dtype == F32 else torch.bfloat16, 256)[
+    L = 256 if far else 512
+    BM, BN, warps, stages_or_bmk = mc.cells_tiles(D, torch.float32 if dtype == F32 else torch.bfloat16, L)[
         "bwd" if bwd else "fwd"]
     if kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells):
         BM = stages_or_bmk
-    consts = dict(L=256, CK=32, LOC=1, NE=9, NEP=16, PAD=0, D=D, BM=BM, BN=BN)
+    consts = dict(L=L, CK=32 if far else 1, LOC=1 if far else 0, NE=9 if far else 2, NEP=16 if far else 2, PAD=0,
+                  D=D, BM=BM, BN=BN, FAR=int(far))
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     ptrs = {n: t for n, t in cells_ptrs(dtype).items() if n in kernel.arg_names}
     return (kernel, consts, ptrs, {"num_warps": warps, "num_stages": 1 if bwd else stages_or_bmk})
@@ -326,6 +329,8 @@ for _D in (64, 128):
         CASES[f"cells_bwd_dq{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dq, _D, _t, True)
         CASES[f"cells_bwd_dkdv{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dkdv, _D, _t, True)
         CASES[f"cells_bwd_dcells{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dcells, _D, _t, True)
+        CASES[f"lists_fwd{_tn}_D{_D}"] = _cells_case(mc._cells_fwd, _D, _t, False, far=False)
+        CASES[f"lists_bwd_dq{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dq, _D, _t, True, far=False)
 
 # the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the
 # tilted design's query clusters (L 128, 8 clusters)

@@ -37,7 +37,7 @@ SETTINGS: dict[str, dict] = {
     "sliding-window": dict(window=8),
     "muse": dict(block_size=8, min_seq_len=16, k_clusters=2, q_clusters=2, topk_blocks=1, topk_clusters=1,
                  exact_tail=8),
-    "moba": dict(block_size=8, top_k=2),
+    "moba": dict(block_size=8, top_k=2, gating="token"),  # block gating: tests/test_moba_block.py
     "lolcats": dict(window=8, chunk=8),
     "lola": dict(window=8, chunk=8, sparse_cache=4),
     # growth=4: the dictionary still grows at 40-100 tokens (7 rows after the first chunk, 13 after the sixth)

@@ -1,6 +1,7 @@
-"""MoBA (kernels/moba, methods/moba.py): the gating and the attention against a naive per-query loop (float64, with
-gradients), exact attention when every block is selected, causality, GQA, odd lengths, padding, the decode
-convention, the method's config and CLI entry. The model-level contract: tests/test_method_contract.py -k moba."""
+"""MoBA (kernels/moba, methods/moba.py), token gating: the gating and the attention against a naive per-query loop
+(float64, with gradients), exact attention when every block is selected, causality, GQA, odd lengths, padding, the
+decode convention, the method's config and CLI entry. Block gating and its Triton kernels: tests/test_moba_block.py.
+The model-level contract: tests/test_method_contract.py -k moba (token gating)."""
 
 from __future__ import annotations
 
@@ -86,9 +87,9 @@ def test_top_k_covering_every_block_is_exact(S):
     q, k, v = qkv(2, 4, 2, S, 16, dtype=torch.float32, seed=S)
     ref = softmax_attention(q, k, v, scale=0.25)
     nb = -(-S // 8)
-    for o in (moba_reference(q, k, v, scale=0.25, block_size=8, top_k=nb),
-              moba_attention(q, k, v, scale=0.25, block_size=8, top_k=nb + 3),
-              moba_reference(q, k, v, scale=0.25, block_size=8, top_k=2, min_seq_len=S)):
+    for o in (moba_reference(q, k, v, scale=0.25, block_size=8, gating="token", top_k=nb),
+              moba_attention(q, k, v, scale=0.25, block_size=8, gating="token", top_k=nb + 3),
+              moba_reference(q, k, v, scale=0.25, block_size=8, gating="token", top_k=2, min_seq_len=S)):
         assert o.shape == (2, S, 4, 16)
         torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
 
@@ -96,7 +97,7 @@ def test_top_k_covering_every_block_is_exact(S):
 @pytest.mark.parametrize("S,bs,top_k", [(53, 8, 2), (53, 8, 3), (70, 16, 2), (33, 5, 4)])
 def test_small_top_k_differs_from_exact_and_equals_the_naive_loop(S, bs, top_k):
     q, k, v = qkv(1, 14, 2, S, 8, seed=S + bs)  # GQA 14 / 2, lengths not multiples of the block
-    o = moba_attention(q, k, v, scale=0.35, block_size=bs, top_k=top_k)
+    o = moba_attention(q, k, v, scale=0.35, block_size=bs, gating="token", top_k=top_k)
     want = naive_moba(q, k, v, scale=0.35, bs=bs, top_k=top_k)
     torch.testing.assert_close(o, want, atol=1e-12, rtol=1e-10)
     assert (o - softmax_attention(q, k, v, scale=0.35)).abs().max() > 1e-3
@@ -104,7 +105,7 @@ def test_small_top_k_differs_from_exact_and_equals_the_naive_loop(S, bs, top_k):
 
 def test_min_seq_len_keeps_the_first_positions_exact():
     q, k, v = qkv(1, 4, 2, 60, 8, seed=3)
-    o = moba_attention(q, k, v, scale=0.35, block_size=8, top_k=2, min_seq_len=30)
+    o = moba_attention(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2, min_seq_len=30)
     torch.testing.assert_close(o, naive_moba(q, k, v, scale=0.35, bs=8, top_k=2, min_seq_len=30))
     torch.testing.assert_close(o[:, :30], softmax_attention(q, k, v, scale=0.35)[:, :30])
     assert (o[:, 30:] - softmax_attention(q, k, v, scale=0.35)[:, 30:]).abs().max() > 1e-3
@@ -112,11 +113,11 @@ def test_min_seq_len_keeps_the_first_positions_exact():
 
 def test_causal_no_future_block_or_key():
     q, k, v = qkv(1, 4, 2, 50, 8, seed=4)
-    o = moba_attention(q, k, v, scale=0.35, block_size=8, top_k=2)
+    o = moba_attention(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 30:] = 10 * torch.randn_like(k2[:, :, 30:])  # the future of query 29 (and block 3's mean)
     v2[:, :, 30:] = 10 * torch.randn_like(v2[:, :, 30:])
-    o2 = moba_attention(q, k2, v2, scale=0.35, block_size=8, top_k=2)
+    o2 = moba_attention(q, k2, v2, scale=0.35, block_size=8, gating="token", top_k=2)
     assert torch.equal(o[:, :30], o2[:, :30])
     kpos, valid = key_positions(None, 1, 50, q.device)
     qpos, _, _ = query_positions(kpos, valid, 50, None)
@@ -130,7 +131,7 @@ def test_gradients_equal_the_naive_loop():
     q, k, v = qkv(1, 4, 2, 37, 8, seed=5, grad=True)
     do = torch.randn(1, 37, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     grads = []
-    for f in (lambda: moba_reference(q, k, v, scale=0.35, block_size=8, top_k=2),
+    for f in (lambda: moba_reference(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2),
               lambda: naive_moba(q, k, v, scale=0.35, bs=8, top_k=2)):
         (f() * do).sum().backward()
         grads.append([t.grad.clone() for t in (q, k, v)])
@@ -145,7 +146,7 @@ def test_float32_gradients_are_finite_with_padding():
     q, k, v = qkv(2, 4, 2, 40, 8, dtype=torch.float32, seed=7, grad=True)
     km = torch.ones(2, 40, dtype=torch.bool)
     km[0, :13] = False
-    moba_attention(q, k, v, scale=0.35, block_size=8, top_k=2, key_mask=km).sum().backward()
+    moba_attention(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2, key_mask=km).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
@@ -155,11 +156,11 @@ def test_left_padded_rows_equal_each_row_alone():
     km = torch.ones(3, 58, dtype=torch.bool)
     for r, p in enumerate(pads):
         km[r, :p] = False
-    o = moba_attention(q, k, v, scale=0.35, block_size=8, top_k=2, key_mask=km)
+    o = moba_attention(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2, key_mask=km)
     torch.testing.assert_close(o, naive_moba(q, k, v, scale=0.35, bs=8, top_k=2, key_mask=km))
     for r, p in enumerate(pads):
         alone = moba_attention(q[r:r + 1, :, p:], k[r:r + 1, :, p:], v[r:r + 1, :, p:], scale=0.35, block_size=8,
-                               top_k=2)
+                               gating="token", top_k=2)
         torch.testing.assert_close(o[r:r + 1, p:], alone, atol=1e-12, rtol=1e-10)
 
 
@@ -169,8 +170,8 @@ def test_queries_after_a_prefix_and_a_decode_buffer_equal_the_full_sequence():
     q, k, v = qkv(2, 4, 2, 45, 8, seed=9)
     km = torch.ones(2, 45, dtype=torch.bool)
     km[1, :7] = False
-    full = moba_attention(q, k, v, scale=0.35, block_size=8, top_k=2, key_mask=km)
-    tail = moba_attention(q[:, :, 30:], k, v, scale=0.35, block_size=8, top_k=2, key_mask=km)
+    full = moba_attention(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2, key_mask=km)
+    tail = moba_attention(q[:, :, 30:], k, v, scale=0.35, block_size=8, gating="token", top_k=2, key_mask=km)
     torch.testing.assert_close(tail, full[:, 30:], atol=1e-12, rtol=1e-10)
     cap = 64
     kb = torch.zeros(2, 2, cap, 8, dtype=k.dtype)
@@ -178,21 +179,21 @@ def test_queries_after_a_prefix_and_a_decode_buffer_equal_the_full_sequence():
     kb[:, :, :45], vb[:, :, :45] = k, v
     mb = torch.zeros(2, cap, dtype=torch.bool)
     mb[:, :45] = km
-    step = moba_attention(q[:, :, 44:], kb, vb, scale=0.35, block_size=8, top_k=2, key_mask=mb, q_offset=cap)
+    step = moba_attention(q[:, :, 44:], kb, vb, scale=0.35, block_size=8, gating="token", top_k=2, key_mask=mb, q_offset=cap)
     torch.testing.assert_close(step, full[:, 44:], atol=1e-12, rtol=1e-10)
 
 
 def test_query_chunks_do_not_change_the_result():
     q, k, v = qkv(1, 4, 2, 50, 8, seed=10)
-    a = moba_reference(q, k, v, scale=0.35, block_size=8, top_k=2)
-    b = moba_reference(q, k, v, scale=0.35, block_size=8, top_k=2, chunk_elems=4 * 50 * 7)  # 7 queries a chunk
+    a = moba_reference(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2)
+    b = moba_reference(q, k, v, scale=0.35, block_size=8, gating="token", top_k=2, chunk_elems=4 * 50 * 7)  # 7 queries a chunk
     torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-12)
 
 
 def test_config_defaults_and_bad_values():
     cfg = lp.methods.get_method("moba").parse_config({})
-    assert (cfg.block_size, cfg.top_k, cfg.min_seq_len, cfg.backend) == (512, 3, 0, "auto")
-    for bad in (dict(top_k=0), dict(block_size=0), dict(backend="triton"), dict(window=3)):
+    assert (cfg.block_size, cfg.top_k, cfg.min_seq_len, cfg.gating, cfg.backend) == (512, 3, 0, "block", "auto")
+    for bad in (dict(top_k=0), dict(block_size=0), dict(backend="cuda"), dict(gating="query"), dict(window=3)):
         with pytest.raises(ConfigError):
             lp.methods.get_method("moba").parse_config(bad)
 

@@ -1,8 +1,9 @@
-"""MoBA (Mixture of Block Attention) kernels: `reference` (PyTorch: the gating, the block-sparse exact attention),
-`ops` (the dispatch `moba_attention`). No Triton kernel yet. docs/moba.md has the definition.
+"""MoBA (Mixture of Block Attention) kernels: `reference` (PyTorch: the gating, token or block, and the block-sparse
+exact attention), `ops` (the dispatch `moba_attention`; block gating over a whole sequence runs on the block-list
+Triton kernels of kernels/muse). docs/moba.md has the definition.
 """
 
-from .ops import BACKENDS, moba_attention, moba_is_exact
-from .reference import moba_reference
+from .ops import BACKENDS, moba_attention, moba_block_triton, moba_is_exact
+from .reference import GATINGS, moba_reference
 
-__all__ = ["BACKENDS", "moba_attention", "moba_is_exact", "moba_reference"]
+__all__ = ["BACKENDS", "GATINGS", "moba_attention", "moba_block_triton", "moba_is_exact", "moba_reference"]

@@ -120,6 +120,18 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                      min(topk_blocks + peak_blocks + sink_blocks, nb), key_mask is not None)
 
 
+def list_plan(retrieved: torch.Tensor, key_valid: torch.Tensor, *, block_size: int, max_listed: int) -> CellsPlan:
+    """A plan without a far field (no cells): query block n attends exactly to the earlier blocks m with
+    `retrieved[b, h, n, m]` and to its own block causally, nothing else (MoBA's block gating, kernels/moba).
+    retrieved [B, Hq, nb, nb] bool (True only for m < n), key_valid [B, nb * block_size] bool, with the real keys of
+    every listed block all real (only the own block's masked keys are masked); max_listed: an upper bound on
+    retrieved.sum(-1)."""
+    B, nb = retrieved.shape[0], retrieved.shape[2]
+    empty = retrieved.new_zeros(B, 0, dtype=torch.float32)
+    return CellsPlan(block_size, 0, 0, nb * block_size, nb, empty, empty, key_valid, retrieved,
+                     min(max_listed, nb))
+
+
 def take_top(retrieved, scores, k: int) -> None:
     """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` that score above
     -inf (-inf: not a candidate)."""

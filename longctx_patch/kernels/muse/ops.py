@@ -9,7 +9,7 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import BACKENDS, resolve_backend
-from .cells import CellsPlan, cell_summaries, cells_reference, make_cells_plan
+from .cells import CellsPlan, cell_summaries, cells_reference, list_plan, make_cells_plan
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
 from .support import cells_supported, triton_supported
@@ -197,3 +197,21 @@ def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
     (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
     mu, vbar = cell_summaries(k, v, plan)
     return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
+
+
+def listed_blocks_triton(q, k, v, retrieved: torch.Tensor, key_valid: torch.Tensor, *, block_size: int,
+                         max_listed: int, scale: float) -> torch.Tensor:
+    """Exact attention of every query block to its listed earlier blocks and its own block (causally), nothing else:
+    the cells kernels without a far field (`cells.list_plan`), forward and backward. q [B, Hq, S, D], k/v
+    [B, Hkv, S, D] of one dtype, retrieved [B, Hq, nb, nb] bool (m < n only), key_valid [B, nb * block_size] bool
+    (the listed blocks' keys all real) -> o [B, S, Hq, D]. block_size a multiple of 128, D <= 128 (`cells_supported`;
+    a D off the kernels' grid runs zero-padded)."""
+    why = cells_supported(q, block_size=block_size)
+    if why is not None:
+        raise ConfigError(f"block-list kernels: {why}")
+    D = q.shape[-1]
+    Dp = _kernel_head_dim(D)
+    if Dp != D:
+        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    plan = list_plan(retrieved, key_valid, block_size=block_size, max_listed=max_listed)
+    return _CellsAttention.apply(q, k, v, None, None, plan, float(scale))[..., :D]

@@ -62,7 +62,8 @@ def _list_len(EXL, row, NE: tl.constexpr, NEP: tl.constexpr):
 @triton.jit
 def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB, Sp, NCK,
                L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
-               PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+               PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
+               FAR: tl.constexpr):
     # programs run in launch order, axis 0 fastest: the longest (last) query tiles of every head start first
     bh = tl.program_id(0).to(tl.int64)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -78,11 +79,12 @@ def _cells_fwd(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, O, LSE, scale, H, HKV, NB,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    # far field: the cells of blocks 0 .. n - LOC - 1, minus the retrieved blocks
-    hi = tl.maximum(n - LOC, 0) * CK
-    for c0 in range(0, hi, BN):
-        _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        m_i, l_i, acc = online_softmax_scaled(s, qk, vb, m_i, l_i, acc, "tf32x3", UP, True)
+    # far field (FAR; without it, the listed blocks alone): the cells of blocks 0 .. n - LOC - 1, minus the retrieved
+    if FAR:
+        hi = tl.maximum(n - LOC, 0) * CK
+        for c0 in range(0, hi, BN):
+            _, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+            m_i, l_i, acc = online_softmax_scaled(s, qk, vb, m_i, l_i, acc, "tf32x3", UP, True)
     # exact: the listed earlier blocks (retrieved and local), one flat loop over (block, key tile) so that the
     # loads pipeline across blocks; then the own block up to the tile's last query, causally
     row = bh * NB + n
@@ -125,7 +127,8 @@ def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
 @triton.jit
 def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, scale, H, HKV, NB, Sp, NCK,
                   L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
-                  PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+                  PAD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
+                  FAR: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -141,11 +144,12 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
     lse2 = tl.load(LSE + bh * Sp + offs_m) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sp + offs_m)
     dq = tl.zeros([BM, D], tl.float32)
-    hi = tl.maximum(n - LOC, 0) * CK
-    for c0 in range(0, hi, BN):
-        mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
-        p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
-        dq += dot(ds.to(mu.dtype), mu, "tf32x3", UP)
+    if FAR:
+        hi = tl.maximum(n - LOC, 0) * CK
+        for c0 in range(0, hi, BN):
+            mu, vb, s = _cell_tile(MU, VB, LOGN, RET, q, scale, bh, kvh, n, NB, NCK, c0, hi, offs_n, offs_d, CK, D, UP)
+            p, ds = _p_ds(s, qk, lse2, do, vb, delta, UP)
+            dq += dot(ds.to(mu.dtype), mu, "tf32x3", UP)
     row = bh * NB + n
     for it in range(0, _list_len(EXL, row, NE, NEP) * (L // BN)):
         mblk = tl.load(EXL + row * NE + it // (L // BN))
@@ -272,10 +276,15 @@ def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
     Hkv = k.shape[1]
     L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
     tiles = cells_tiles(D, q.dtype, L)
-    MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
-    VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
-    logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
     Q, K, V = (_padded(t, Sp) for t in (q, k, v))
+    far = Ck > 0  # a plan without cells (`cells.list_plan`): the listed blocks and the own block only
+    if far:
+        MU = mu.reshape(B * Hkv, nb * Ck, D).contiguous()
+        VB = vbar.reshape(B * Hkv, nb * Ck, D).contiguous()
+        logn = log_counts(plan.counts).reshape(B * Hkv, nb * Ck).contiguous()
+    else:  # never read (FAR=False); the kernels take pointers
+        MU = VB = K.new_empty(1, 1, D)
+        logn = K.new_empty(1, 1, dtype=torch.float32)
     exl = exact_lists(plan)
     # the list kernels' constants; PAD: the listed blocks may hold masked keys (a key mask was given)
     lists = dict(NE=exl.shape[-1], NEP=triton.next_power_of_2(exl.shape[-1]), PAD=int(plan.key_masked))
@@ -287,14 +296,15 @@ def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
     fm, fn, fw, fs = tiles["fwd"]
     _cells_fwd[(B * Hq, Sp // fm)](
         Q, K, V, MU, VB, logn, kval, exl, ret, O, LSE, scale, Hq, Hkv, nb, Sp, nb * Ck,
-        L=L, CK=Ck, LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, num_warps=fw, num_stages=fs)
+        L=L, CK=max(Ck, 1), LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, FAR=far, num_warps=fw,
+        num_stages=fs)
     return O, (Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval), (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks,
                                                                 lists, tiles["bwd"], up, scale)
 
 
 def cells_bwd(saved, meta, do):
     """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
-    q, k, v, mu and vbar."""
+    q, k, v, mu and vbar (None for a plan without cells)."""
     Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
     B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
     DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
@@ -303,17 +313,19 @@ def cells_bwd(saved, meta, do):
     DQ = torch.empty(B, Hq, Sp, D, **f32)
     DK = torch.empty(B, Hkv, Sp, D, **f32)
     DV = torch.empty(B, Hkv, Sp, D, **f32)
-    DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
-    DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
     _cells_bwd_dq[(Sp // BM, B * Hq)](
         Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
-        L=L, CK=Ck, LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, num_warps=warps, num_stages=1)
+        L=L, CK=max(Ck, 1), LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, FAR=Ck > 0, num_warps=warps, num_stages=1)
     _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
         Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
         L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    cast = lambda t, like: t.to(like.dtype)  # noqa: E731
+    dq, dk, dv = cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V)
+    if Ck == 0:
+        return dq, dk, dv, None, None
+    DMU = torch.empty(B * Hkv, nb * Ck, D, **f32)
+    DVB = torch.empty(B * Hkv, nb * Ck, D, **f32)
     _cells_bwd_dcells[(triton.cdiv(nb * Ck, BN), B * Hkv)](
         Q, MU, VB, logn, ret, DO, LSE, DELTA, DMU, DVB, scale, Hq, Hkv, nb, Sp, nb * Ck,
         L=L, CK=Ck, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
-    cast = lambda t, like: t.to(like.dtype)  # noqa: E731
-    return (cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V),
-            cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB))
+    return dq, dk, dv, cast(DMU.view(B, Hkv, nb, Ck, D), MU), cast(DVB.view(B, Hkv, nb, Ck, D), VB)
