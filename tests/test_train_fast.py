@@ -41,6 +41,21 @@ def test_next_token_loss_matches_cross_entropy(ignore):
     _close(got, gref)
 
 
+def test_next_token_loss_takes_hidden_states_in_another_dtype():
+    """fp32 hidden states against a bf16 output embedding without autocast (a bf16 model whose last norm returns
+    fp32): the product runs in the embedding's dtype, as the lm_head would, and the gradient keeps the hidden
+    states' dtype."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 7, 16, generator=g, requires_grad=True)
+    weight = torch.randn(29, 16, generator=g).bfloat16()
+    labels = torch.randint(0, 29, (2, 7), generator=g)
+    ref = F.cross_entropy((hidden.bfloat16() @ weight.T)[:, :-1].reshape(-1, 29).float(), labels[:, 1:].reshape(-1))
+    loss = next_token_loss(hidden, weight, labels)
+    (got,) = torch.autograd.grad(loss, hidden)
+    _close(loss, ref, 1e-4)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all() and got.abs().sum() > 0
+
+
 def test_next_token_loss_refuses_a_trained_head():
     w = torch.randn(5, 4, requires_grad=True)
     with pytest.raises(ValueError, match="output embedding"):

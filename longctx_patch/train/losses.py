@@ -35,6 +35,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(h) if h.requires_grad else None
         for i in range(0, h.shape[0], rows):
             hc, t, ok = h[i : i + rows], targets[i : i + rows], valid[i : i + rows]
+            if hc.dtype != weight.dtype and not torch.is_autocast_enabled(hc.device.type):
+                hc = hc.to(weight.dtype)  # the lm_head's dtype (e.g. fp32 hidden states of a bf16 model's norm)
             logits = F.linear(hc, weight).float()  # in the autocast dtype when autocast is on, as the lm_head
             lse = torch.logsumexp(logits, -1)
             tc = t.clamp_min(0)
