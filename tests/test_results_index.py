@@ -12,7 +12,7 @@ import pytest
 from evals import index
 
 RESULTS = Path(__file__).resolve().parents[1] / "evals" / "results"
-FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "multigpu", "muse", "niah", "ovq", "ppl",
+FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "ppl",
            "racecheck", "ruler", "speed", "speed-op", "synthetic"}
 # result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
 LACKING: dict[str, tuple[str, ...]] = {}
