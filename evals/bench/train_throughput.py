@@ -147,9 +147,12 @@ def merge(folder: Path) -> dict:
     if not files:
         raise SystemExit(f"--merge: no *.json files in {folder}")
     runs = [json.loads(f.read_text()) for f in files]
-    head = {k: runs[0][k] for k in ("device", "date", "commit")}
+    head = {k: runs[0][k] for k in ("device", "date")}
+    # runs from several commits (a sweep re-run after a fix): every commit named, and each row keeps its own
+    head["commit"] = " ".join(dict.fromkeys(r["commit"] for r in runs))
     head["command"] = " ; ".join(r["command"] for r in runs)
-    head["rows"] = [dict(row, config=r.get("config", {})) for r in runs for row in r["rows"]]
+    head["rows"] = [dict(row, config=r.get("config", {}), commit=r["commit"], date=r["date"])
+                    for r in runs for row in r["rows"]]
     return head
 
 
