@@ -85,30 +85,25 @@ def state_bytes(model, context: int, batch: int = 1) -> int:
 
 
 class _StepMarks:
-    """A logits processor that marks the end of each generate() step: a CUDA event recorded on the current stream
-    (no synchronisation: the steps run as they would unobserved), or the host clock on a CPU. Step i's mark follows
-    forward i (forward 0 is the prefill)."""
+    """A logits processor that marks the end of each generate() step with a `StepTimer` (CUDA events recorded on
+    the current stream, no synchronisation: the steps run as they would unobserved; the host clock on a CPU). Step
+    i's mark follows forward i (forward 0 is the prefill)."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
+        from ..train.timing import StepTimer
+
+        self.timer = StepTimer(device)
+        self.timer.start()
+        self.steps = 0
 
     def __call__(self, input_ids, scores):
-        import torch
-
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
+        self.timer.mark("step")
+        self.steps += 1
         return scores
 
     def seconds(self, a: int, b: int) -> float:
         """Seconds from the end of step a to the end of step b (the forwards a+1 .. b)."""
-        if self.cuda:
-            return self.marks[a].elapsed_time(self.marks[b]) / 1e3
-        return self.marks[b] - self.marks[a]
+        return self.timer.span_ms(a + 1, b + 1) / 1e3
 
 
 def _generate_s(model, ids, new_tokens: int, extra: dict, decode_base: int | None = None):
@@ -131,8 +126,8 @@ def _generate_s(model, ids, new_tokens: int, extra: dict, decode_base: int | Non
     total = time.perf_counter() - t0
     if decode_base is None:
         return total
-    if len(marks.marks) != new_tokens:
-        raise RuntimeError(f"generate() ran {len(marks.marks)} steps for {new_tokens} new tokens")
+    if marks.steps != new_tokens:
+        raise RuntimeError(f"generate() ran {marks.steps} steps for {new_tokens} new tokens")
     return total, marks.seconds(decode_base - 1, new_tokens - 1)
 
 

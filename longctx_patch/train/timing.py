@@ -1,5 +1,6 @@
 """Where the time of a training step goes: `StepTimer` marks the end of each phase (forward, backward,
-optimizer) with CUDA events on a GPU (no host wait inside the step) or the wall clock on a CPU."""
+optimizer) with CUDA events on a GPU (no host wait inside the step) or the wall clock on a CPU. The speed eval marks
+generate()'s steps with it too (`evals/speed_model.py`)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ class StepTimer:
             raise RuntimeError("StepTimer.mark before start()")
         self._marks.append((phase, self._now()))
 
+    def span_ms(self, i: int, j: int) -> float:
+        """Milliseconds from mark i to mark j (0: `start()`, then each `mark()` in order); waits for mark j on a GPU."""
+        a, b = self._marks[i][1], self._marks[j][1]
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
     def finish(self) -> dict[str, float]:
         if len(self._marks) < 2:
             raise RuntimeError("StepTimer.finish needs start() and at least one mark()")
-        if self.cuda:
-            self._marks[-1][1].synchronize()
-            span = lambda a, b: a.elapsed_time(b)  # noqa: E731
-        else:
-            span = lambda a, b: (b - a) * 1e3  # noqa: E731
         out: dict[str, float] = {}
-        for (_, a), (name, b) in zip(self._marks, self._marks[1:]):
-            out[name] = out.get(name, 0.0) + span(a, b)
-        out["total"] = span(self._marks[0][1], self._marks[-1][1])
+        for i, (name, _) in enumerate(self._marks[1:], 1):
+            out[name] = out.get(name, 0.0) + self.span_ms(i - 1, i)
+        out["total"] = self.span_ms(0, len(self._marks) - 1)
         self._marks = []
         return out
 
