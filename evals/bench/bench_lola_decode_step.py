@@ -24,6 +24,7 @@ import sys
 import torch
 
 from longctx_patch.evals.common import git_commit
+from longctx_patch.evals.speed_model import copy_bandwidth
 
 
 def _time(fn, smoke: bool) -> float:
@@ -35,13 +36,6 @@ def _time(fn, smoke: bool) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=50)
-
-
-def _copy_bw(dev) -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    ms = _time(lambda: y.copy_(x), dev.type != "cuda")
-    return 2 * x.numel() / (ms / 1e3) if ms == ms else float("nan")
 
 
 def main(argv=None):
@@ -67,10 +61,11 @@ def main(argv=None):
     Hs = rnd(B, Hq, F2, D, dtype=torch.float32).abs()
     ss = rnd(B, Hq, F2, dtype=torch.float32).abs() + 1
     spk, spv = rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
-    spm = torch.ones(B, Hkv, L, dtype=torch.bool, device=dev)
+    # the sparse slots' scores, as a decode step passes them (valid where finite)
+    sp_score = torch.zeros(B, Hkv, L, dtype=torch.float32, device=dev)
     gate = torch.full((Hq,), 0.5, device=dev)
     lf = 1 - gate
-    bw = _copy_bw(dev)
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     rows, res = [], {}
 
     def sweep(name, fn, grid, nbytes):
@@ -105,10 +100,10 @@ def main(argv=None):
         fq = tk.feature_map(q, wq, out_dtype=dt)
         fk = tk.feature_map(k[:, :, :nl], wk, out_dtype=dt)
         step = lambda: tk.decode_step(q, k, v, fq, fk, gate, lf, Hs, ss, window=W, scale=D ** -0.5,  # noqa: E731
-                                      sparse_k=spk, sparse_v=spv, sparse_valid=spm)
+                                      sparse_k=spk, sparse_v=spv, sparse_score=sp_score)
         grid = one or [{}] + [{"decode_bn": bn, "decode_bk": bk, "decode_warps": w}
                               for bn, bk, w in itertools.product((32, 64), (32, 64, 128), (2, 4))]
-        nbytes = (Hs.numel() * 4 + ss.numel() * 4 + 2 * spk.numel() * 2 + 2 * k.numel() * 2 + fk.numel() * 2
+        nbytes = (Hs.numel() * 4 + ss.numel() * 4 + sp_score.numel() * 4 + 2 * spk.numel() * 2 + 2 * k.numel() * 2 + fk.numel() * 2
                   + 2 * q.numel() * 2 + fq.numel() * 2)
         sweep(f"decode_step (N={n}, lambda={L})", step, grid, nbytes)
     res.update({
