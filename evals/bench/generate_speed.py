@@ -30,8 +30,9 @@ def main(argv=None):
                     help="only these batch x context pairs, e.g. 16x32k,1x64k (instead of every --batches x --contexts)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-base", type=int, default=1,
-                    help="decode time = generate(base + N) - generate(base); past 1 + chunk it is the steady state "
-                         "of replayed decode graphs (their captures cancel)")
+                    help="decode is timed over steps base .. base + N - 1 inside one generate() call (CUDA events "
+                         "a logits processor records); past 1 + chunk it is the steady state of replayed decode "
+                         "graphs (their captures come before the base)")
     ap.add_argument("--decode-graphs", choices=("on", "off"), default="on",
                     help="off: every decode step eager (LONGCTX_DECODE_GRAPHS=0); the file stem gets -eager")
     ap.add_argument("--repeats", type=int, default=1)

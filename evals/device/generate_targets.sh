@@ -10,6 +10,9 @@
 #   part c: an eager per-kernel profile of lola/lolcats at batch 16 x 32k; lola's feature cache on and off; exact,
 #           lolcats and ovq at batch 1 x 64k over 384 decode tokens (64 were within the prefill's jitter);
 #   part d: peak memory of lola, ovq, lolcats at batch 4 x 16k/64k/128k and 64 x 32k; the static-cache row.
+#   part e: the cells not yet timed inside one generate() call: batch 1 x 64k for plain transformers (and its
+#           static cache compiled, with batch 16 x 32k), exact, lolcats, lola and ovq; ovq and sliding-window at
+#           batch 16 x 32k.
 #
 #   LONGCTX_COMMIT=<sha> bash evals/device/generate_targets.sh a OUT_DIR
 set -uo pipefail
@@ -64,5 +67,17 @@ case "$part" in
     CELLS=16x32k DECODE_TOKENS=64 DECODE_BASE=1 PER_METHOD_S=150 NAME_SUFFIX=static-h200 \
       bash evals/device/generate_speed.sh "$out" none
     ;;
-  *) echo "part a, b, c or d" >&2; exit 2 ;;
+  e)
+    one() {  # method, cells, decode base, seconds
+      CELLS=$2 DECODE_TOKENS=256 DECODE_BASE=$3 PER_METHOD_S=$4 NAME_SUFFIX=in-call-h200 \
+        bash evals/device/generate_speed.sh "$out" "$1"
+    }
+    one none 1x64k,16x32k 1 200
+    one exact 1x64k 8 60
+    one lolcats 1x64k 81 60
+    one lola 1x64k 81 70
+    one ovq 1x64k,16x32k 8 90
+    one sliding-window 16x32k 8 70
+    ;;
+  *) echo "part a, b, c, d or e" >&2; exit 2 ;;
 esac
