@@ -51,10 +51,11 @@ def _use_triton(backend: str, *tensors) -> bool:
     check_backend(backend, "lola/lolcats")
     grad = _needs_grad(*tensors)
     if backend == "triton" and grad:
-        raise ConfigError("backend='triton' was asked for while gradients are needed, but only the LoLCATs "
-                          "whole-sequence hybrid (lam = 0, no cache) has a Triton backward, not the LoLA chunk "
-                          "loop, evictions or feature map; train with backend='auto' (the PyTorch path is taken "
-                          "under grad where there is no backward) or backend='torch'")
+        raise ConfigError("backend='triton' was asked for while gradients are needed, but this LoLA/LoLCATs "
+                          "Triton kernel has no backward (only the LoLCATs whole-sequence hybrid attention has "
+                          "one; the feature map, the LoLA chunk loop and evictions do not); train with "
+                          "backend='auto' (the Triton hybrid where it has a backward, the PyTorch path elsewhere) "
+                          "or backend='torch'")
     return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
 
 

@@ -1,7 +1,8 @@
-"""Triton kernels of the LoLCATs / LoLA attention (forward only), each matched against `reference.py`
+"""Triton kernels of the LoLCATs / LoLA attention (forward), each matched against `reference.py`
 (tests/test_lola_kernels.py):
 
   hybrid_fwd        window softmax + sparse softmax + linear, one normaliser <- lola_attention / hybrid_attention_*
+                    (stats=True: also the row statistics of the whole-sequence backward, triton_hybrid_bwd.py)
   decode_step       one query per (batch, head) against window/sparse/state <- lola_attention with S == 1
   feature_map       the Hedgehog feature map [softmax(x W), softmax(-x W)]  <- hedgehog_feature_map
 
