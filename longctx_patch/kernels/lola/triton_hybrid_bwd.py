@@ -33,6 +33,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, dot, dot_precision, np2
 from .triton_state import chunk_states
+from .tuning import TUNE
 
 
 @triton.jit
@@ -259,6 +260,9 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
     dgr, dlr, dmr = (torch.empty(B, Hq, M, **f32) for _ in range(3))
     BD, BF = np2(D), np2(F2)
     prec = dot_precision(q, k, fq)
+    # untimed guess (FlashAttention-2's backward takes 8 warps at 128-wide tiles): [64, F2 = 128] fp32
+    # accumulators (dfq, dfk) next to the [64, 64] ones
+    warps = 8 if max(BD, BF) >= 128 else 4
     dummy = q
     _dq_kernel[(triton.cdiv(M, BM), B * Hq)](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss, do, m2, r, delta, am,
@@ -272,7 +276,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         Ss.stride(0), Ss.stride(1), Ss.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), CS=cs, HAS_KM=km is not None, PREC=prec,
-        num_warps=4, num_stages=2,
+        num_warps=TUNE["bwd_dq_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
     )
     _dkv_kernel[(triton.cdiv(M, BN), B * Hkv)](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, do, m2, r, delta, dk, dv, dfk,
@@ -283,7 +287,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         km.stride(0) if km is not None else 0,
         do.stride(0), do.stride(1), do.stride(2),
         HQ=Hq, HKV=Hkv, BM=BM, BN=BN, BD=BD, BF=BF, CS=cs, HAS_KM=km is not None, PREC=prec,
-        num_warps=4, num_stages=2,
+        num_warps=TUNE["bwd_dkv_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
     )
     del Hs, Ss
 
