@@ -136,3 +136,42 @@ def test_hybrid_function_composes_with_checkpointing():
     _, ckpt = _grads(lambda *a: checkpoint(tri, *a, use_reentrant=False), xs, do)
     for name, a, b in zip(NAMES, ckpt, plain):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_lolcats_model_trains_through_the_triton_function(monkeypatch):
+    """A patched model under gradients with backend=auto, the CUDA decision made here on the CPU (the interpreter
+    runs the kernels): the layers take the Function, and every trainable gradient matches the PyTorch path."""
+    import longctx_patch as lp
+    from conftest import tiny_model
+
+    real = ops.resolve_backend
+    real_fn = ops.hybrid_attention_triton
+    calls = []
+
+    def as_on_cuda(backend, *tensors, what):
+        return "triton" if backend == "auto" else real(backend, *tensors, what=what)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real_fn(*a, **kw)
+
+    monkeypatch.setattr(ops, "hybrid_attention_triton", counted)
+
+    x = torch.randint(3, 128, (2, 41), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 41, dtype=torch.long)
+    mask[1, :6] = 0
+    grads = {}
+    for name in ("triton", "torch"):
+        model = tiny_model("llama")
+        lp.patch(model, "lolcats", window=16, feature_dim=8, chunk=16, backend="auto")
+        model.train()
+        if name == "triton":
+            monkeypatch.setattr(ops, "resolve_backend", as_on_cuda)
+        else:
+            monkeypatch.setattr(ops, "resolve_backend", real)
+        model(x, attention_mask=mask, labels=x, use_cache=False).loss.backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(calls) == 3, "every layer takes the Function"  # tiny_model: 3 layers
+    assert grads["triton"].keys() == grads["torch"].keys()
+    for n, want in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][n], want, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
