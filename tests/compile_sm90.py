@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from longctx_patch.kernels.decode import triton_decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_evict as le  # noqa: E402
 from longctx_patch.kernels.lola import triton_hybrid as lh  # noqa: E402
+from longctx_patch.kernels.lola import triton_hybrid_bwd as lhb  # noqa: E402
 from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
 from longctx_patch.kernels.muse import support as msup  # noqa: E402
 from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
@@ -66,14 +67,41 @@ CASES = {
                    bf16("FK", "V", KM=I8, OUT=F32, OUTS=F32), {}),
     "hybrid_fwd_lola_D128": (lh._hybrid_fwd_kernel,
                              dict(HQ=32, BM=64, BN=64, BD=128, BF=128, BKS=32, CS=256, PER_BLOCK=True, HAS_KM=True,
-                                  HAS_SP=True, PREC="tf32"),
+                                  HAS_SP=True, PREC="tf32", STATS=False),
                              bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32,
-                                  HS=F32, SS=F32), {"num_stages": 2}),
+                                  HS=F32, SS=F32, MST=F32, RST=F32, AMST=I32), {"num_stages": 2}),
     "hybrid_fwd_fp32": (lh._hybrid_fwd_kernel,
                         dict(HQ=8, BM=64, BN=64, BD=64, BF=64, BKS=32, CS=1, PER_BLOCK=False, HAS_KM=False,
-                             HAS_SP=False, PREC="ieee"),
-                        {**{n: F32 for n in ("Q", "K", "V", "FQ", "FK", "O", "GW", "LFW", "HS", "SS", "SPK", "SPV")},
-                         "KM": I8, "SPM": I8}, {"num_stages": 2}),
+                             HAS_SP=False, PREC="ieee", STATS=False),
+                        {**{n: F32 for n in ("Q", "K", "V", "FQ", "FK", "O", "GW", "LFW", "HS", "SS", "SPK", "SPV",
+                                             "MST", "RST")}, "KM": I8, "SPM": I8, "AMST": I32}, {"num_stages": 2}),
+    # the whole-sequence training case (ops.HybridAttentionFn): the forward with the backward's statistics, the
+    # backward's two kernels (warps as hybrid_bwd picks them: 8 at F2 = 128)
+    "hybrid_fwd_stats_D64": (lh._hybrid_fwd_kernel,
+                             dict(HQ=9, BM=64, BN=64, BD=64, BF=128, BKS=32, CS=256, PER_BLOCK=True, HAS_KM=True,
+                                  HAS_SP=False, PREC="tf32", STATS=True),
+                             bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32,
+                                  HS=F32, SS=F32, MST=F32, RST=F32, AMST=I32), {"num_stages": 2}),
+    "hybrid_bwd_dq_D64": (lhb._dq_kernel,
+                          dict(HQ=9, BM=64, BN=64, BD=64, BF=128, BKD=32, CS=256, HAS_KM=True, PREC="tf32"),
+                          bf16("Q", "K", "V", "FQ", "FK", "DO", KM=I8, GW=F32, LFW=F32, HS=F32, SS=F32, MS=F32,
+                               RS=F32, DL=F32, AM=I32, DQ=F32, DFQ=F32, DGR=F32, DLR=F32, DMR=F32, scale="fp32"),
+                          {"num_stages": 2, "num_warps": 8}),
+    "hybrid_bwd_dkv_D64": (lhb._dkv_kernel,
+                           dict(HQ=9, HKV=3, BM=64, BN=64, BD=64, BF=128, CS=256, HAS_KM=True, PREC="tf32"),
+                           bf16("Q", "K", "V", "FQ", "FK", "DO", KM=I8, GW=F32, LFW=F32, MS=F32, RS=F32, DL=F32,
+                                DK=F32, DV=F32, DFK=F32, scale="fp32"), {"num_stages": 2, "num_warps": 8}),
+    "hybrid_bwd_dq_fp32": (lhb._dq_kernel,
+                           dict(HQ=9, BM=64, BN=64, BD=64, BF=128, BKD=32, CS=256, HAS_KM=True, PREC="ieee"),
+                           {**{n: F32 for n in ("Q", "K", "V", "FQ", "FK", "DO", "GW", "LFW", "HS", "SS", "MS", "RS",
+                                                "DL", "DQ", "DFQ", "DGR", "DLR", "DMR")}, "KM": I8, "AM": I32,
+                            "scale": "fp32"},
+                           {"num_stages": 2, "num_warps": 8}),
+    "hybrid_bwd_dkv_fp32": (lhb._dkv_kernel,
+                            dict(HQ=9, HKV=3, BM=64, BN=64, BD=64, BF=128, CS=256, HAS_KM=True, PREC="ieee"),
+                            {**{n: F32 for n in ("Q", "K", "V", "FQ", "FK", "DO", "GW", "LFW", "MS", "RS", "DL", "DK",
+                                                 "DV", "DFK")}, "KM": I8, "scale": "fp32"},
+                            {"num_stages": 2, "num_warps": 8}),
     "sre": (le._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="ieee"),
             bf16("FK", "V", VALID=I8, H=F32, S=F32, OUT=F32), {}),
     "sre_bf16x3": (le._sre_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_VALID=True, PREC="bf16x3"),

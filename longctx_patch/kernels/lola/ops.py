@@ -1,7 +1,10 @@
 """Dispatchers and the LoLA cache manager on plain tensors.
 
-`backend`: "auto" (Triton on CUDA when no gradient is needed, PyTorch otherwise), "triton" or "torch".
-Under TRITON_INTERPRET=1 "triton" runs the kernels on the CPU (tests).
+`backend`: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". Under gradients only the
+whole-sequence LoLCATs hybrid (`hybrid_attention`) has a Triton path (`HybridAttentionFn`: the forward kernel and
+`triton_hybrid_bwd`'s backward); every other piece (the LoLA chunk loop, evictions, feature map) takes the
+differentiable PyTorch path under grad with "auto" and refuses "triton". Under TRITON_INTERPRET=1 "triton" runs
+the kernels on the CPU (tests).
 
 The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
 tokens are processed in pieces that never cross a multiple of `chunk` (the token index from the row's first
@@ -36,16 +39,23 @@ from . import reference as ref
 from .tuning import TUNE
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
+
+
 def _use_triton(backend: str, *tensors) -> bool:
-    """Whether the Triton kernels run (`kernels.backend.resolve_backend`). They have no backward, so `auto` takes
-    the (differentiable) PyTorch path whenever one of `tensors` needs a gradient; pass every input that may be
-    trained (q, k, v and the feature maps' outputs, the window factors)."""
+    """Whether the forward-only Triton kernels run (`kernels.backend.resolve_backend`): `auto` takes the
+    (differentiable) PyTorch path whenever one of `tensors` needs a gradient; pass every input that may be
+    trained (q, k, v and the feature maps' outputs, the window factors). The whole-sequence hybrid
+    (`hybrid_attention`) does not ask here under grad: it has a Triton backward (`HybridAttentionFn`)."""
     check_backend(backend, "lola/lolcats")
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
+    grad = _needs_grad(*tensors)
     if backend == "triton" and grad:
-        raise ConfigError("backend='triton' was asked for while gradients are needed, but the LoLA/LoLCATs "
-                          "Triton kernels have no backward; train with backend='auto' (the PyTorch path is "
-                          "taken under grad) or backend='torch'")
+        raise ConfigError("backend='triton' was asked for while gradients are needed, but this LoLA/LoLCATs "
+                          "Triton kernel has no backward (only the LoLCATs whole-sequence hybrid attention has "
+                          "one; the feature map, the LoLA chunk loop and evictions do not); train with "
+                          "backend='auto' (the Triton hybrid where it has a backward, the PyTorch path elsewhere) "
+                          "or backend='torch'")
     return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
 
 
@@ -71,15 +81,66 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "a
 # ------------------------------------------------------------------------------------------- lolcats forward
 STATE_CHUNK = 256  # keys per materialised prefix state of the parallel pass (H200: 1.36 ms vs 1.72 ms with 64)
 
+
+class HybridAttentionFn(torch.autograd.Function):
+    """The whole-sequence hybrid on the Triton kernels: forward `hybrid_fwd` (the inference kernel, with the row
+    statistics of the backward), backward `hybrid_bwd` (triton_hybrid_bwd.py); gradients for q, k, v, fq, fk, g, lf.
+    The prefix states are recomputed in the backward (cheap), not saved."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fq, fk, g, lf, key_mask, window: int, scale: float, state_chunk: int,
+                block_m: int, block_n: int):
+        tk = _tk()
+        q, k, v, fq, fk = (x.contiguous() for x in (q, k, v, fq, fk))
+        Hs, Ss = tk.chunk_states(fk, v, state_chunk, key_mask=key_mask)
+        B, Hq, S, D = q.shape
+        # the output in fp32 (rounded to q.dtype below, as the kernel rounds it): the backward's
+        # delta = do . o from the unrounded o (a bf16 o made dg / dlf, sums over every row, visibly noisier)
+        o32 = torch.empty(B, S, Hq, D, device=q.device, dtype=torch.float32)
+        o32, (m, r, am) = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
+                                        key_mask=key_mask, state_chunk=state_chunk, block_m=block_m,
+                                        block_n=block_n, stats=True, out=o32)
+        del Hs, Ss
+        ctx.save_for_backward(q, k, v, fq, fk, g, lf, key_mask, o32, m, r, am)
+        ctx.meta = dict(window=window, scale=scale, state_chunk=state_chunk, block_m=block_m, block_n=block_n)
+        return o32.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, fq, fk, g, lf, key_mask, o, m, r, am = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        with torch.autocast(q.device.type, enabled=False):  # its torch einsums stay fp32 under a trainer's autocast
+            grads = _tk().hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, (m, r, am), key_mask=key_mask, **ctx.meta)
+        return (*grads, None, None, None, None, None, None)
+
+
+def hybrid_attention_triton(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None,
+                            state_chunk: int = STATE_CHUNK, block_m: int = 64, block_n: int = 64):
+    """`HybridAttentionFn` (the Triton forward and backward): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2] of
+    one dtype, g/lf [Hq], key_mask [B, S] bool or None -> [B, S, Hq, D] in q.dtype. state_chunk: a multiple of
+    block_n (tests pass small blocks to get several state slots at small S)."""
+    return HybridAttentionFn.apply(q, k, v, fq, fk, g, lf, key_mask, int(window), float(scale), int(state_chunk),
+                                   int(block_m), int(block_n))
+
+
 def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
                      backend: str = "auto", state_chunk: int | None = None):
     """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
 
-    Returns [B, S, Hq, D] in q.dtype. Differentiable on the torch backend.
+    Returns [B, S, Hq, D] in q.dtype. Differentiable on both backends: under grad the Triton backend runs
+    `HybridAttentionFn` (Triton forward and backward), the torch backend `reference.hybrid_attention_chunked`.
     """
-    if _use_triton(backend, q, k, v, fq, fk, g):
+    cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
+    tensors = (q, k, v, fq, fk, g, lf)
+    if _needs_grad(*tensors):
+        check_backend(backend, "lola/lolcats")
+        if window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton":
+            dt = q.dtype
+            return hybrid_attention_triton(q, k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
+                                           scale=scale, key_mask=key_mask, state_chunk=cs)
+    elif _use_triton(backend, *tensors):
         tk = _tk()
-        cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
         return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
                              key_mask=key_mask, state_chunk=cs)

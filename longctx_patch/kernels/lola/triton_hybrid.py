@@ -1,7 +1,8 @@
-"""Triton kernels of the LoLCATs / LoLA attention (forward only), each matched against `reference.py`
+"""Triton kernels of the LoLCATs / LoLA attention (forward), each matched against `reference.py`
 (tests/test_lola_kernels.py):
 
   hybrid_fwd        window softmax + sparse softmax + linear, one normaliser <- lola_attention / hybrid_attention_*
+                    (stats=True: also the row statistics of the whole-sequence backward, triton_hybrid_bwd.py)
   decode_step       one query per (batch, head) against window/sparse/state <- lola_attention with S == 1
   feature_map       the Hedgehog feature map [softmax(x W), softmax(-x W)]  <- hedgehog_feature_map
 
@@ -23,7 +24,7 @@ from .tuning import TUNE
 # ------------------------------------------------------------------------------------------- hybrid forward
 @triton.jit
 def _hybrid_fwd_kernel(
-    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O,
+    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, SPK, SPV, SPM, O, MST, RST, AMST,
     M, N, NF, L, D, F2, G, GS, q_off, window, scale_log2, sp_chunk,
     s_q_b, s_q_h, s_q_m,
     s_k_b, s_k_h, s_k_n,
@@ -39,7 +40,7 @@ def _hybrid_fwd_kernel(
     s_o_b, s_o_m, s_o_h,
     HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
     CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
+    PREC: tl.constexpr, STATS: tl.constexpr = False, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
@@ -65,6 +66,7 @@ def _hybrid_fwd_kernel(
     l_l = tl.zeros([BM], dtype=tl.float32)
     acc_e = tl.zeros([BM, BD], dtype=tl.float32)
     acc_l = tl.zeros([BM, BD], dtype=tl.float32)
+    am = tl.zeros([BM], dtype=tl.int32)  # STATS: the window key of the row max (first of equal ones)
 
     # 1. linear state of every token before the first explicit key
     a0 = q_off + pid_m * BM
@@ -122,6 +124,8 @@ def _hybrid_fwd_kernel(
             win = (diff >= 0) & (diff < window) & mn[None, :]
             sc = dot(q, tl.trans(k.to(q.dtype)), PREC, UPCAST) * scale_log2
             sc = tl.where(win, sc, float("-inf"))
+            if STATS:
+                am = tl.where(tl.max(sc, 1) > m_i, tl.argmax(sc, 1).to(tl.int32) + n0, am)
             m_i, p, alpha = online_softmax_step(sc, m_i, True, False)
             acc_e = acc_e * alpha[:, None] + dot(p.to(v.dtype), v, PREC, UPCAST)
             l_e = l_e * alpha + tl.sum(p, 1)
@@ -138,6 +142,11 @@ def _hybrid_fwd_kernel(
     lw = tl.load(LFW + h).to(tl.float32)
     num = gw * acc_e + lw * acc_l
     den = gw * l_e + lw * l_l
+    if STATS:  # the backward's row statistics [B, Hq, M]: max (log2 units), 1 / den (0 for den <= 0), argmax
+        row = pid_bh * M + offs_m
+        tl.store(MST + row, m_i, mask=mm)
+        tl.store(RST + row, tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0), mask=mm)
+        tl.store(AMST + row, am, mask=mm)
     den = tl.where(den > 0, den, 1.0)
     out = num / den[:, None]
     tl.store(O + b * s_o_b + offs_m[:, None] * s_o_m + h * s_o_h + offs_d[None, :],
@@ -146,8 +155,11 @@ def _hybrid_fwd_kernel(
 
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
                key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
-               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None):
-    """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`).
+               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None, stats: bool = False):
+    """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`); with `stats` (the
+    training forward of `triton_hybrid_bwd`: no sparse cache) (o, (m, r, am)), the per-row statistics
+    [B, Hq, S] of the backward: the window max in log2 units (fp32), 1 / normaliser (fp32, 0 where it is <= 0)
+    and the index of the window key that holds the max (int32, 0 for rows without a window key).
 
     Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
     queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
@@ -187,10 +199,16 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     gw = g.float().contiguous()
     lw = lf.float().contiguous()
     dummy = q
+    if stats:
+        assert not has_sp, "the backward's statistics are those of the training case (no sparse cache)"
+        st_m = torch.empty(B, Hq, M, device=q.device, dtype=torch.float32)
+        st_r = torch.empty(B, Hq, M, device=q.device, dtype=torch.float32)
+        st_a = torch.empty(B, Hq, M, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(M, BM), B * Hq)
     _hybrid_fwd_kernel[grid](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss,
         sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        st_m if stats else dummy, st_r if stats else dummy, st_a if stats else dummy,
         M, N, NF, L, D, F2, G, GS, q_offset, window, scale * LOG2E, sparse_chunk if per_chunk else 1 << 30,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -207,10 +225,12 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0, cst(spm, 2),
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
-        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq),
+        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq), STATS=stats,
         num_warps=TUNE["hybrid_num_warps"] or 4,
         num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
     )
+    if stats:
+        return out, (st_m, st_r, st_a)
     return out
 
 

@@ -1,17 +1,19 @@
-"""The entry points of the LoLCATs / LoLA Triton kernels (forward only), one namespace for `ops.py` and the
-benchmarks (evals/bench_lola.py), by family:
+"""The entry points of the LoLCATs / LoLA Triton kernels, one namespace for `ops.py` and the benchmarks
+(evals/bench_lola.py), by family:
 
-  triton_hybrid.py  hybrid_fwd, decode_step, feature_map  (the attention)
-  triton_state.py   chunk_states, fold_into_state, local_states  (the linear state)
-  triton_evict.py   sre_score, PrefillEvictions  (the evictions)
+  triton_hybrid.py      hybrid_fwd, decode_step, feature_map  (the attention, forward)
+  triton_hybrid_bwd.py  hybrid_bwd  (the backward of the whole-sequence hybrid: `ops.HybridAttentionFn`)
+  triton_state.py       chunk_states, fold_into_state, local_states  (the linear state)
+  triton_evict.py       sre_score, PrefillEvictions  (the evictions)
 
 `TUNE` (tuning.py): the launch settings benchmarks override. Imported only once the backend chose "triton".
 """
 
 from .triton_evict import PrefillEvictions, sre_score
 from .triton_hybrid import decode_step, feature_map, hybrid_fwd
+from .triton_hybrid_bwd import hybrid_bwd
 from .triton_state import chunk_states, fold_into_state, local_states
 from .tuning import TUNE
 
-__all__ = ["TUNE", "PrefillEvictions", "chunk_states", "decode_step", "feature_map", "fold_into_state", "hybrid_fwd",
-           "local_states", "sre_score"]
+__all__ = ["TUNE", "PrefillEvictions", "chunk_states", "decode_step", "feature_map", "fold_into_state", "hybrid_bwd",
+           "hybrid_fwd", "local_states", "sre_score"]
