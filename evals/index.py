@@ -27,7 +27,7 @@ REQUIRED = ("device", "date", "commit", "command")  # every result file should s
 # folders that hold several kinds of benchmark or study: a file's name starts with its kind
 KINDS = {
     "decode": ("attention", "profile", "anatomy"),
-    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "determinism", "mass", "needle-in-cache"),
+    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache"),
     "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks",
              "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff"),
     "ovq": ("overlap", "profile", "speed", "train-speed"),

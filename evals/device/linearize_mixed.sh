@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Linearize SmolLM2-135M-Instruct on mixed text (essays, a book, Python source) at 4k sequences on one GPU, then
+# measure it on held-out text of two kinds that are not essays (Python modules never trained on, the last tenth of
+# the book) and on S-NIAH-1 in held-out essays. Run from the repository root on the GPU machine with the model at
+# $MODEL (see evals/README.md, "GPU runs") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
+#   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh train OUT   # -> $RUN, asset in $RUN/assets
+#   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh eval OUT    # perplexity + S-NIAH-1, every method
+# The split (deterministic): every 5th essay and the book's last 10% held out; the standard library's non-test
+# modules alternate between training and held-out in sorted order. Essays and the book are repeated 3x in the
+# training text so that natural language is about half of it (the source is ~1.7M tokens, the rest ~0.5M).
+set -euo pipefail
+STEP=${1:?usage: $0 train|eval OUT}
+OUT=${2:?usage: $0 train|eval OUT}
+MODEL=${MODEL:-/tmp/smollm2.gguf}
+SRC=${SRC:-.device-data}
+W=${W:-/tmp/mixed}
+RUN=${RUN:-/tmp/linearize-mixed}
+DEV=${DEV:-$(python3 -c 'from evals.shared import device_token; print(device_token())')}
+SEQ=${SEQ:-4096}
+TRANSFER_BATCH=${TRANSFER_BATCH:-16}
+LORA_BATCH=${LORA_BATCH:-16}
+TRANSFER_STEPS=${TRANSFER_STEPS:-300}   # 300 x 16 x 4096 = 19.7M tokens
+LORA_STEPS=${LORA_STEPS:-300}
+TRANSFER_MAX_S=${TRANSFER_MAX_S:-150}
+LORA_MAX_S=${LORA_MAX_S:-240}
+EVAL_MAX_S=${EVAL_MAX_S:-400}
+NAME=${NAME:-smollm2-135m-linearize-mixed}
+export LONGCTX_ASSET_PATH=$RUN/assets
+mkdir -p "$OUT"
+
+split_text() {
+  [ -d "$W/train" ] && return 0
+  mkdir -p "$W/train/text" "$W/train/code" "$W/heldout-code" "$W/heldout-book" "$W/heldout-essays"
+  python3 - "$SRC" "$W" <<'PY'
+import pathlib, shutil, sys, sysconfig
+src, w = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+essays = sorted(p for p in (src / "pg_essays").glob("*.txt") if "LICENSE" not in p.name)
+for i, p in enumerate(essays):
+    if i % 5 == 4:
+        shutil.copy(p, w / "heldout-essays" / p.name)
+    else:
+        for r in range(3):
+            shutil.copy(p, w / "train" / "text" / f"{r}-{p.name}")
+book = (src / "books" / "tinyshakespeare.txt").read_text()
+cut = book.rfind("\n\n", 0, int(len(book) * 0.9))
+for r in range(3):
+    (w / "train" / "text" / f"{r}-tinyshakespeare.txt").write_text(book[:cut])
+(w / "heldout-book" / "tinyshakespeare-last10.txt").write_text(book[cut:])
+lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+skip = ("test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__")
+mods = sorted(p for p in lib.rglob("*.py") if not any(s in p.relative_to(lib).parts for s in skip))
+for i, p in enumerate(mods):
+    dst = (w / "train" / "code") if i % 2 == 0 else (w / "heldout-code")
+    shutil.copy(p, dst / str(p.relative_to(lib)).replace("/", "__"))
+print(f"essays {len(essays)}, modules {len(mods)}")
+PY
+  du -sh "$W"/*/ "$W"/train/*
+}
+
+if [ "$STEP" = train ]; then
+  split_text
+  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$W/train" --output "$RUN" -q \
+    --set stages.transfer.seq_len="$SEQ" --set stages.lora.seq_len="$SEQ" \
+    --set stages.transfer.batch_size="$TRANSFER_BATCH" --set stages.lora.batch_size="$LORA_BATCH" \
+    --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
+    --set stages.transfer.warmup=10 --set stages.lora.warmup=10 \
+    --set stages.transfer.eval_every=100 --set stages.transfer.save_every=100000 \
+    --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
+    --set stages.lora.eval_every=100 --set stages.lora.save_every=100000 \
+    --set output.lolcats_export=true --results "$OUT/finetune/$NAME-$DEV.json" ${EXTRA:-}
+  . "$(dirname "$0")/train_text.sh"
+  write_run_asset "$RUN" "SmolLM2-135M-Instruct linearized on mixed text (evals/device/linearize_mixed.sh)"
+  (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
+  exit 0
+fi
+
+# eval: each method in its own process; perplexity on the two held-out kinds, S-NIAH-1 in held-out essays
+split_text
+E=/tmp/mixed-eval && mkdir -p "$E/ppl" "$E/niah"
+export OMP_NUM_THREADS=2
+M="--model $MODEL --no-progress"
+METHODS=(none lolcats 'lola(window=64,sparse_cache=64)' 'lola(window=256,sparse_cache=256)')
+pm=(); for m in "${METHODS[@]}"; do pm+=(--method "$m"); done
+pids=()
+for kind in code book; do
+  timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl $M "${pm[@]}" --text "$W/heldout-$kind" --context 4k,8k \
+    --windows 8 --out-dir "$E/ppl" --name "$NAME-heldout-$kind-$DEV" > "$E/ppl-$kind.log" 2>&1 &
+  pids+=($!)
+done
+for meth in "${METHODS[@]}"; do
+  tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
+  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1 --lengths 2k,4k,8k \
+    --samples 4 --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
+    --name "$NAME-$tag-$DEV" > "$E/niah-$tag.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+(cd "$E" && tar czf "$OUT/linearize-mixed-eval.tgz" ppl niah ./*.log)
+tail -n 8 "$E"/*.log
+exit $rc
