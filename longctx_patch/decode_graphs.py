@@ -145,6 +145,10 @@ class DecodeGraphs:
         return cache
 
     def __call__(self, *args, **kwargs):
+        if args and args[0] is self.model:
+            # re-bound as a method of the model: accelerate's `unwrap_model` (after its mixed-precision wrapper)
+            # sets `model.forward = MethodType(<the forward it found>, model)`, which passes the model first
+            args = args[1:]
         cache = self._cache(args, kwargs)
         if cache is None:
             return self.orig(*args, **kwargs)

@@ -316,7 +316,9 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
         h.remove()
     if st.generate_owner is not None:
         st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
-        if st.decode_graphs is not None and st.generate_owner.__dict__.get("forward") is st.decode_graphs:
+        fwd = st.generate_owner.__dict__.get("forward")
+        # ours, or ours re-bound as a method (accelerate's unwrap_model: MethodType(forward, model))
+        if st.decode_graphs is not None and (fwd is st.decode_graphs or getattr(fwd, "__func__", None) is st.decode_graphs):
             del st.generate_owner.__dict__["forward"]
     delattr(base, _ATTR)
 

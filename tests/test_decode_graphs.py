@@ -166,3 +166,21 @@ def test_a_cache_with_graphs_is_freed_without_the_garbage_collector(simulate):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_forward_rebound_as_a_method_still_runs_and_unpatches():
+    """accelerate's `unwrap_model` (after its mixed-precision wrapper on CUDA) sets `model.forward =
+    MethodType(<the forward it found>, model)`: the decode-graph forward then receives the model first."""
+    import types
+
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    ids = torch.randint(3, 100, (1, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    lp.patch(model, "exact")
+    model.forward = types.MethodType(model.forward, model)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, want, atol=1e-5)
+    lp.unpatch(model)
+    assert "forward" not in model.__dict__
