@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", default="9,3", help="query heads, kv heads (SmolLM2: 9,3)")
     ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of one Triton forward + "
+                    "backward (the kernels and torch ops with the most device time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -114,6 +116,20 @@ def main():
     # what the whole model's attention would cost per token: 30 layers of SmolLM2
     times["tokens_per_s_attention_only_30_layers"] = B * S / (30 * times["triton"]["fwd_bwd_ms"] / 1e3)
     rec["timing_bf16"] = times
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for t in xs:
+            t.grad = None
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            o = ops.hybrid_attention_triton(*xs, window=W, scale=scale)
+            o.backward(do)
+            torch.cuda.synchronize()
+        evs = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:15]
+        rec["profile"] = [{"op": e.key[:120], "calls": e.count, "device_ms": e.self_device_time_total / 1e3}
+                          for e in evs]
+        for r in rec["profile"]:
+            print(f"  {r['device_ms']:8.3f} ms x{r['calls']:4d} {r['op']}")
     print(json.dumps(times, indent=1))
     out = result_file("lola", "train-hybrid-bwd-h200.json", args.out)
     with open(out, "w") as f:
