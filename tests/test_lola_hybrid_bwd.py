@@ -175,3 +175,26 @@ def test_lolcats_model_trains_through_the_triton_function(monkeypatch):
     assert grads["triton"].keys() == grads["torch"].keys()
     for n, want in grads["torch"].items():
         torch.testing.assert_close(grads["triton"][n], want, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_hybrid_under_autocast_runs_the_kernels_in_its_dtype(monkeypatch):
+    """A trainer's fp32 weights under bf16 autocast hand over fp32 q/k (the rotary's fp32 cos/sin) and bf16 v: the
+    Function gets every input in autocast's dtype (fp32 inputs would run fp32 products), gradients in the inputs'."""
+    xs, do = _inputs(1, 2, 1, 37)
+    xs[2] = xs[2].detach().to(torch.bfloat16).requires_grad_(True)  # v as an autocast linear returns it
+    seen = []
+    real = ops.hybrid_attention_triton
+
+    def spy(*a, **kw):
+        seen.append({t.dtype for t in a[:5]})
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "hybrid_attention_triton", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton")
+    assert seen == [{torch.bfloat16}] and o.dtype == torch.bfloat16
+    (o.float() * do).sum().backward()
+    assert xs[0].grad.dtype == torch.float32 and xs[2].grad.dtype == torch.bfloat16
+    seen.clear()
+    ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton")  # no autocast: q's dtype
+    assert seen == [{torch.float32}]

@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default SmolLM2's 49152)")
     ap.add_argument("--stages", default="transfer,lora", help="stages of the recipe to time")
     ap.add_argument("--recipe", default=str(REPO_ROOT / "recipes" / "linearize.yaml"))
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                    help="weights' dtype (bf16 autocast on CUDA either way)")
+    ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
+                    help="weights' dtype (bf16 autocast on CUDA either way); float32 is what recipes/linearize.yaml "
+                         "loads (rows before 2026-12-02 were measured with bfloat16 weights)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")

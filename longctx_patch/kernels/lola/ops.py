@@ -136,8 +136,12 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
     if _needs_grad(*tensors):
         check_backend(backend, "lola/lolcats")
         if window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton":
-            dt = q.dtype
-            return hybrid_attention_triton(q, k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
+            # one dtype for the kernels: autocast's where it is on (a trainer's fp32 weights under bf16 autocast
+            # hand over fp32 q/k after the rotary's fp32 cos/sin and bf16 v: the kernels would run fp32 "ieee"
+            # products, far slower than bf16 ones), else q's
+            dev = q.device.type
+            dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+            return hybrid_attention_triton(q.to(dt), k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
                                            scale=scale, key_mask=key_mask, state_chunk=cs)
     elif _use_triton(backend, *tensors):
         tk = _tk()
