@@ -410,6 +410,10 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
     inference (fused_ops.py; default: on for a model on CUDA, unless `LONGCTX_FUSED_OPS=0`, off on a
     tensor-parallel model; False: the original ops; see `set_fused_ops`).
     """
+    if fused_ops is not None:
+        from .fused_ops import parse_mode
+
+        parse_mode(fused_ops)  # a bad value raises before anything changes
     group, new = _apply(model, method, layers, config)
     try:
         get_method(method).after_patch(model, new, group.config)
@@ -420,10 +424,14 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
         decode_graphs = False  # tensor parallelism: collectives replayed from CUDA graphs are unverified
     if decode_graphs is not None:
         set_decode_graphs(model, decode_graphs)
-    if fused_ops is not None:
-        set_fused_ops(model, fused_ops)
-    else:
-        _default_fused_ops(model, new)
+    try:
+        if fused_ops is not None:
+            set_fused_ops(model, fused_ops)
+        else:
+            _default_fused_ops(model, new)
+    except Exception:  # e.g. fused_ops="triton" where Triton cannot run: the model as it was
+        _undo_group(model, group)
+        raise
     return model
 
 

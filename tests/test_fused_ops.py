@@ -239,6 +239,10 @@ def test_defaults_and_switches(monkeypatch):
     assert not fused_ops.env_enabled()
     with pytest.raises(ConfigError):
         lp.set_fused_ops(model, "yes")
+    other = tiny_model("llama")
+    with pytest.raises(ConfigError):  # refused before the model changes
+        lp.patch(other, "exact", fused_ops="on")
+    assert not lp.is_patched(other)
     lp.set_fused_ops(model, True)  # "auto": installed, CPU tensors take the original ops
     assert all(isinstance(m.__dict__.get("forward"), fused_ops.FusedForward) for m in _targets(model))
     # a second patch() of other layers keeps the choice
