@@ -271,3 +271,22 @@ def test_only_standard_modules():
     assert isinstance(layers[1].input_layernorm.__dict__.get("forward"), fused_ops.FusedForward)
     lp.unpatch(model)
     assert replaced.__dict__["forward"] is custom
+
+
+def test_not_in_the_patch_record(tmp_path):
+    """A runtime option: save_patched does not write it; a loaded model takes the default (off on the CPU)."""
+    import json
+
+    from longctx_patch.checkpoint import PATCH_JSON
+    from longctx_patch.patcher import apply_patch_record
+
+    model = tiny_model("llama")
+    lp.patch(model, "lolcats", fused_ops="triton")
+    lp.save_patched(model, tmp_path)
+    assert "fused" not in (tmp_path / PATCH_JSON).read_text()
+    json.loads((tmp_path / PATCH_JSON).read_text())
+    fresh = tiny_model("llama")
+    apply_patch_record(fresh, tmp_path)
+    assert all("forward" not in m.__dict__ for m in _targets(fresh))
+    lp.set_fused_ops(fresh, "triton")
+    assert all(isinstance(m.__dict__.get("forward"), fused_ops.FusedForward) for m in _targets(fresh))
