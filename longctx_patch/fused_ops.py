@@ -91,8 +91,11 @@ class FusedForward:
         self.mode = mode
         self.orig = type(module).forward
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
         m = self.module
+        if len(args) != 1 or kwargs:  # not the decoder's own call (one tensor, positional): the original
+            return self.orig(m, *args, **kwargs)
+        x = args[0]
         if self.kind == "norm":
             if rms_norm_missing(x, m.weight, self.mode) is None:
                 return rms_norm(x, m.weight, m.variance_epsilon)
