@@ -147,8 +147,8 @@ def _targets(model):
     return mods
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["exact", "lolcats"])
+@pytest.mark.parametrize("model_type,method", [("llama", "exact"), ("llama", "lolcats"), ("qwen2", "exact"),
+                                               ("qwen2", "lolcats"), ("mistral", "exact")])
 def test_patched_model_same_with_fused_ops(model_type, method, counted, one_thread):
     model = tiny_model(model_type)
     ids = torch.randint(3, 128, (2, 13), generator=torch.Generator().manual_seed(6))
@@ -184,11 +184,18 @@ def test_qwen3_qk_norms_fused(counted, one_thread):
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
 
 
-def test_unpatch_restores_the_modules():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_unpatch_restores_the_modules(model_type):
+    from longctx_patch.architectures import get_adapter
+
+    model = tiny_model(model_type)
     mods = _targets(model)
+    if model_type == "qwen3":
+        mods += [m for layer in model.model.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert get_adapter(model).standard_rotary()
     before = [(dict(m.__dict__), m.forward.__func__) for m in mods]
-    lp.patch(model, "lolcats", fused_ops="triton")
+    # mistral's config has a sliding window on every layer, which lolcats refuses
+    lp.patch(model, "exact" if model_type == "mistral" else "lolcats", fused_ops="triton")
     assert all(isinstance(m.__dict__.get("forward"), fused_ops.FusedForward) for m in mods)
     lp.unpatch(model)
     for m, (d, f) in zip(mods, before):
