@@ -22,7 +22,8 @@ from .errors import (  # noqa: E402
 from .generation import generate  # noqa: E402
 from .models import load_model, load_patched  # noqa: E402
 from .methods import get_method, list_methods  # noqa: E402
-from .patcher import is_patched, patch, patched_layers, save_patched, set_decode_graphs, unpatch  # noqa: E402
+from .patcher import (is_patched, patch, patched_layers, save_patched, set_decode_graphs, set_fused_ops,  # noqa: E402
+                      unpatch)
 from .cache import LongctxCache  # noqa: E402
 from .convert import convert_to_lola  # noqa: E402
 
@@ -33,6 +34,7 @@ __all__ = [
     "is_patched",
     "patched_layers",
     "set_decode_graphs",
+    "set_fused_ops",
     "load_model",
     "save_patched",
     "load_patched",

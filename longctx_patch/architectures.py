@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .kernels.fused import rotary, rotary_missing
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,29 @@ class AttentionSpec:
 _ROTARY: dict[str, Callable] = {}  # modeling module -> its apply_rotary_pos_emb, filled when a layer is patched
 
 
+_STANDARD_ROTARY: dict[str, bool] = {}  # modeling module -> its apply_rotary_pos_emb is the module's own
+
+
+def _standard_rotary(modeling_module: str) -> bool:
+    """Whether the module's `apply_rotary_pos_emb` is the one it defines (rotate-half, `(q, k, cos, sin, ...)`), not
+    a replacement someone installed (e.g. another library's kernel): only then may a fused kernel stand in for it."""
+    ok = _STANDARD_ROTARY.get(modeling_module)
+    if ok is None:
+        import inspect
+
+        fn = _rotary_fn(modeling_module)
+        try:
+            params = list(inspect.signature(fn).parameters)[:4]
+        except (TypeError, ValueError):
+            params = []
+        mod = importlib.import_module(modeling_module)
+        ok = (getattr(fn, "__module__", None) == modeling_module
+              and getattr(fn, "__qualname__", None) == "apply_rotary_pos_emb"
+              and params == ["q", "k", "cos", "sin"] and callable(getattr(mod, "rotate_half", None)))
+        _STANDARD_ROTARY[modeling_module] = ok
+    return ok
+
+
 def _rotary_fn(modeling_module: str) -> Callable:
     # a plain dict read once filled (at patch time): an import inside the attention call costs every call and
     # breaks torch.compile's graph there
@@ -59,6 +83,10 @@ class ArchAdapter:
 
     def rotary_fn(self) -> Callable:
         return _rotary_fn(self.modeling_module)
+
+    def standard_rotary(self) -> bool:
+        """Whether `rotary_fn()` is the modeling module's own (see `_standard_rotary`); read at patch time."""
+        return _standard_rotary(self.modeling_module)
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         base = base_model(model)
@@ -105,8 +133,13 @@ class ArchAdapter:
                 return None
         return int(window)
 
-    def project(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, head_dim: int):
-        """q [B, Hq, S, D], k/v [B, Hkv, S, D] after the optional q/k norm and rotary, as the original does."""
+    def project(self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, head_dim: int,
+                fused: str | None = None):
+        """q [B, Hq, S, D], k/v [B, Hkv, S, D] after the optional q/k norm and rotary, as the original does.
+
+        fused: the patch's fused-ops mode (fused_ops.py; None = off): "auto" / "triton" apply the rotary embedding
+        of q and k in one kernel (`kernels/fused.py`, the same values) where `rotary_missing` allows it and the
+        family's rotary function is the standard one."""
         shape = (*hidden_states.shape[:-1], -1, head_dim)
         q = attn.q_proj(hidden_states).view(shape)
         k = attn.k_proj(hidden_states).view(shape)
@@ -117,7 +150,11 @@ class ArchAdapter:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            q, k = self.rotary_fn()(q, k, cos, sin)
+            if (fused is not None and _STANDARD_ROTARY.get(self.modeling_module)
+                    and rotary_missing(q, k, cos, sin, fused) is None):
+                q, k = rotary(q, k, cos, sin)
+            else:
+                q, k = self.rotary_fn()(q, k, cos, sin)
         return q, k, v
 
 

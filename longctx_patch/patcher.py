@@ -56,6 +56,8 @@ class PatchState:
     saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
     decode_graphs: Any = None  # the DecodeGraphs forward installed on generate_owner
+    fused: Any = None  # fused_ops.FusedOps: the fused norm / MLP forwards installed on the model (set_fused_ops)
+    fused_decided: bool = False  # fused ops were set (by default or explicitly) since the first patch
 
 
 _ATTR = "_longctx_patch_state"
@@ -307,6 +309,9 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
 
         if not isinstance(top.__dict__.get("forward"), DecodeGraphs):
             top.forward = st.decode_graphs = DecodeGraphs(top, top.forward)
+    from .fused_ops import FusedOps
+
+    st.fused = FusedOps()
     setattr(base, _ATTR, st)
     return st
 
@@ -314,6 +319,9 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
 def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
     for h in st.hooks:
         h.remove()
+    if st.fused is not None:
+        st.fused.remove()
+    st.ctx.fused_ops = None
     if st.generate_owner is not None:
         st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
         fwd = st.generate_owner.__dict__.get("forward")
@@ -393,13 +401,21 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
     return group, new
 
 
-def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | None = None, **config) -> nn.Module:
+def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | None = None,
+          fused_ops: bool | str | None = None, **config) -> nn.Module:
     """Patch `model` in place with `method` on `layers` (None = all; '0-7,12' or a list), return it.
 
     Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
     decode_graphs: replay `generate()`'s one-token steps from CUDA graphs where every layer allows it (default:
     on, off on a tensor-parallel model; False: every step eager; see `set_decode_graphs`).
+    fused_ops: the model's RMSNorms, SiLU MLPs and the patched layers' rotary embedding as fused Triton kernels at
+    inference (fused_ops.py; default: on for a model on CUDA, unless `LONGCTX_FUSED_OPS=0`, off on a
+    tensor-parallel model; False: the original ops; see `set_fused_ops`).
     """
+    if fused_ops is not None:
+        from .fused_ops import parse_mode
+
+        parse_mode(fused_ops)  # a bad value raises before anything changes
     group, new = _apply(model, method, layers, config)
     try:
         get_method(method).after_patch(model, new, group.config)
@@ -410,6 +426,41 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
         decode_graphs = False  # tensor parallelism: collectives replayed from CUDA graphs are unverified
     if decode_graphs is not None:
         set_decode_graphs(model, decode_graphs)
+    try:
+        if fused_ops is not None:
+            set_fused_ops(model, fused_ops)
+        else:
+            _default_fused_ops(model, new)
+    except Exception:  # e.g. fused_ops="triton" where Triton cannot run: the model as it was
+        _undo_group(model, group)
+        raise
+    return model
+
+
+def _default_fused_ops(model: nn.Module, new: Mapping[int, PatchedAttention]) -> None:
+    """Fused ops by default (fused_ops.default_mode) once per patch: a later patch() of other layers keeps them."""
+    from .fused_ops import default_mode
+
+    st = _state(model)
+    if not st.fused_decided:
+        # tensor parallelism: norms with sharded or distributed weights are unverified with the kernels
+        tp = any(mod.head_shard is not None for mod in new.values())
+        set_fused_ops(model, False if tp else (default_mode(model) or False))
+
+
+def set_fused_ops(model: nn.Module, enabled: bool | str) -> nn.Module:
+    """Turn the fused inference kernels (longctx_patch/fused_ops.py) on or off for a patched model: the decoder's
+    RMSNorms and SiLU MLPs and the patched layers' rotary embedding. True (or "auto"): a kernel for each call on CUDA
+    tensors without gradients, the original ops elsewhere; "triton": also on the CPU under TRITON_INTERPRET=1
+    (tests); False: the original ops everywhere. Takes effect from the next forward (a generate() already running
+    keeps the decode graphs it captured)."""
+    from .fused_ops import parse_mode
+
+    mode = parse_mode(enabled)
+    st = _state(model)
+    st.fused.install(model, get_adapter(model), mode)
+    st.ctx.fused_ops = mode
+    st.fused_decided = True
     return model
 
 
@@ -551,6 +602,8 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
                 raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
             applied.append(group)
         load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
+        if applied:  # a runtime option, not in the record: the default (fused_ops.py)
+            _default_fused_ops(model, patched_modules(model))
     except BaseException:
         for group in reversed(applied):
             _undo_group(model, group)

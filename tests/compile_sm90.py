@@ -33,6 +33,7 @@ from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
 from longctx_patch.kernels.ovq import triton_fast as of  # noqa: E402
+from longctx_patch.kernels import triton_fused as tf  # noqa: E402
 from longctx_patch.kernels import triton_window as tw  # noqa: E402
 
 FLOAT_SCALARS = {"eps", "scale_log2"}
@@ -394,6 +395,23 @@ for _D, _t, _G, _tag in ((64, BF16, 4, "bf16"), (128, BF16, 4, "bf16"), (256, BF
         tw._window_fwd_kernel, dict(HKV=8, G=_G, BR=_BR, BN=_BN, D=_D, HAS_KM=True,
                                     PREC="ieee" if _t == F32 else "tf32"),
         dict(Q=_t, K=_t, V=_t, KM=I8, O=_t), {"num_warps": _w, "num_stages": _st})
+
+# the fused model ops (kernels/fused.py), as their launches configure them: rotary of the 1B shape (32 / 8 heads,
+# D = 64) and D = 80 / 128 in fp32; RMSNorm of hidden 2048 (bf16 x, bf16 or fp32 weight) and 8192; SiLU * up
+CASES["fused_rotary_D64_bf16"] = (tf._rotary_kernel, dict(HALF=32, BHQ=32, BHK=8, BD=32, NQB=1, EMU=False),
+                                  bf16("Q", "K", "QO", "KO", "C", "SN"), {"enable_fp_fusion": False})
+CASES["fused_rotary_D80_fp32"] = (tf._rotary_kernel, dict(HALF=40, BHQ=32, BHK=8, BD=64, NQB=1, EMU=False),
+                                  f32("Q", "K", "QO", "KO", "C", "SN"), {"enable_fp_fusion": False})
+CASES["fused_rotary_D128_bf16"] = (tf._rotary_kernel, dict(HALF=64, BHQ=32, BHK=8, BD=64, NQB=1, EMU=False),
+                                   bf16("Q", "K", "QO", "KO", "C", "SN"), {"enable_fp_fusion": False})
+CASES["fused_rmsnorm_N2048_bf16"] = (tf._rmsnorm_kernel, dict(BN=2048, EMU=False), bf16("X", "W", "O"),
+                                     {"num_warps": 4})
+CASES["fused_rmsnorm_N2048_bf16_w32"] = (tf._rmsnorm_kernel, dict(BN=2048, EMU=False), bf16("X", W=F32, O=F32),
+                                         {"num_warps": 4})
+CASES["fused_rmsnorm_N8192_fp32"] = (tf._rmsnorm_kernel, dict(BN=8192, EMU=False), f32("X", "W", "O"),
+                                     {"num_warps": 8})
+CASES["fused_silu_mul_bf16"] = (tf._silu_mul_kernel, dict(BLOCK=1024, EMU=False), bf16("G", "U", "O"),
+                                {"num_warps": 4})
 
 
 # the 64-bit offset check's own cases: the same load with the batch x head program id 32-bit (as every LoLA and OVQ

@@ -1,4 +1,4 @@
-"""The LoLA, MuSe and OVQ Triton kernels compile for the H200 (sm_90) with the installed Triton, on a machine
+"""The LoLA, MuSe, OVQ, decode, window and fused-op Triton kernels compile for the H200 (sm_90) with the installed Triton, on a machine
 without a GPU.
 
 The interpreter (TRITON_INTERPRET=1, the other kernel tests) runs the kernels' Python semantics, not the
@@ -40,7 +40,9 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \
     + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"] \
     + ["window_fwd_D64_G4_bf16", "window_fwd_D128_G4_bf16", "window_fwd_D256_G4_bf16", "window_fwd_D64_G7_bf16",
-       "window_fwd_D64_G4_fp32", "window_fwd_D128_G4_fp32"]
+       "window_fwd_D64_G4_fp32", "window_fwd_D128_G4_fp32"] \
+    + ["fused_rotary_D64_bf16", "fused_rotary_D80_fp32", "fused_rotary_D128_bf16", "fused_rmsnorm_N2048_bf16",
+       "fused_rmsnorm_N2048_bf16_w32", "fused_rmsnorm_N8192_fp32", "fused_silu_mul_bf16"]
 CANARIES = ["canary_i32_base", "canary_i64_base", "canary_widened_late"]
 
 

@@ -168,6 +168,9 @@ class PatchContext:
         # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
         # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
         self.recompute = False
+        # the patch's fused-ops mode (longctx_patch/fused_ops.py): None = off, "auto" / "triton" = the fused rotary
+        # kernel of `ArchAdapter.project` where it can run
+        self.fused_ops: str | None = None
 
 
 class PatchedAttention(nn.Module):
@@ -197,6 +200,7 @@ class PatchedAttention(nn.Module):
         self.is_causal = True
         self._adapter = adapter
         adapter.rotary_fn()  # resolved now, outside the forward (see architectures._rotary_fn)
+        adapter.standard_rotary()  # idem
         self._ctx: PatchContext | None = None
         # this rank's share of the heads under tensor parallelism (tensor_parallel.HeadShard; None: every head)
         self.head_shard = None
@@ -262,7 +266,8 @@ class PatchedAttention(nn.Module):
 
     # -- shared machinery ----------------------------------------------------------------------------
     def project(self, hidden_states, position_embeddings):
-        return self._adapter.project(self, hidden_states, position_embeddings, self.head_dim)
+        fused = self._ctx.fused_ops if self._ctx is not None else None
+        return self._adapter.project(self, hidden_states, position_embeddings, self.head_dim, fused=fused)
 
     def forward(
         self,
