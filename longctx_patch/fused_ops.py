@@ -17,9 +17,11 @@ forward nobody replaced. Each call takes the kernel only where `kernels/fused.py
 tensors under TRITON_INTERPRET=1 in mode "triton"; no gradient needed; not under torch.compile; dtypes and shapes
 the kernel takes), else the original ops. The kernels round as the original code does.
 
-Default (`fused_ops=None`): on when the model's parameters are on CUDA and Triton is installed, off on a
-tensor-parallel model and when the environment has `LONGCTX_FUSED_OPS=0` at patch time. A runtime option: it is not
-written to the patch record (save_patched); loading a patched model decides it again.
+Default (`fused_ops=None`): off, until the kernels have been checked and timed inside replayed decode steps on a
+GPU (they are checked against the original ops under the Triton interpreter and compiled for sm_90, not yet run on
+CUDA). `LONGCTX_FUSED_OPS=1` at patch time makes the default on for a model on CUDA with Triton installed; it
+stays off on a tensor-parallel model. A runtime option: it is not written to the patch record (save_patched);
+loading a patched model decides it again.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ MLP_CLASSES = {"llama": "LlamaMLP", "mistral": "MistralMLP", "qwen2": "Qwen2MLP"
 
 
 def env_enabled() -> bool:
-    """False when the environment turns fused ops off (`LONGCTX_FUSED_OPS=0`)."""
-    return os.environ.get(ENV, "1") != "0"
+    """True when the environment turns the default on (`LONGCTX_FUSED_OPS=1`)."""
+    return os.environ.get(ENV, "0") == "1"
 
 
 def parse_mode(fused_ops) -> str | None:
@@ -60,8 +62,8 @@ def parse_mode(fused_ops) -> str | None:
 
 
 def default_mode(model: nn.Module) -> str | None:
-    """The default of `fused_ops=None`: "auto" for a model on CUDA with Triton installed, unless the environment
-    turns it off; else None."""
+    """The default of `fused_ops=None`: "auto" for a model on CUDA with Triton installed when the environment turns
+    it on (`LONGCTX_FUSED_OPS=1`); else None."""
     if not env_enabled() or not triton_installed():
         return None
     p = next(model.parameters(), None)
