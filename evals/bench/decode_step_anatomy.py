@@ -67,12 +67,13 @@ def _host_profile(model, ids, new_tokens: int, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
-def measure(method: str, batch: int, context: int, steps: int, base: int) -> dict:
+def measure(method: str, batch: int, context: int, steps: int, base: int, fused_ops: bool = False) -> dict:
     model = llama_1b_shaped("cuda", torch.bfloat16)
     if method != "none":
-        lp.patch(model, method)
+        lp.patch(model, method, fused_ops=fused_ops)
     ids = torch.randint(100, 128256, (batch, context), generator=torch.Generator().manual_seed(0)).cuda()
-    row: dict = {"method": method, "batch": batch, "context": context, "steps": steps, "decode_base": base}
+    row: dict = {"method": method, "batch": batch, "context": context, "steps": steps, "decode_base": base,
+                 "fused_ops": fused_ops}
     with torch.no_grad():
         _generate_s(model, ids, base + 2, {}, base)  # kernels compiled, graphs captured
         _, dec = _generate_s(model, ids, base + steps, {}, base)
@@ -124,15 +125,18 @@ def main():
     ap.add_argument("--context", default="32k")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--decode-base", type=int, default=81, help="steps before the measured ones (captures)")
-    ap.add_argument("--out", default=None, help="file (default evals/results/decode/anatomy-METHOD-<device>.json)")
+    ap.add_argument("--fused-ops", action="store_true", help="patch with fused_ops=True (the model's RMSNorm, "
+                    "rotary and SiLU MLP as fused kernels)")
+    ap.add_argument("--out", default=None, help="file (default evals/results/decode/anatomy-METHOD-bB-<device>.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    row = measure(args.method, args.batch, parse_sizes(args.context)[0], args.steps, args.decode_base)
+    row = measure(args.method, args.batch, parse_sizes(args.context)[0], args.steps, args.decode_base, args.fused_ops)
     record = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": git_commit(), "command": "python3 -m evals.bench.decode_step_anatomy " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", **row}
-    out = result_file("decode", f"anatomy-{args.method}-b{args.batch}-{device_token()}.json", args.out)
+    fused = "-fused" if args.fused_ops else ""
+    out = result_file("decode", f"anatomy-{args.method}-b{args.batch}{fused}-{device_token()}.json", args.out)
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     print("wrote", out)

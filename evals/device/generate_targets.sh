@@ -13,6 +13,8 @@
 #   part e: the cells not yet timed inside one generate() call: batch 1 x 64k for plain transformers (and its
 #           static cache compiled, with batch 16 x 32k), exact, lolcats, lola and ovq; ovq and sliding-window at
 #           batch 16 x 32k.
+#   part f: the fused model ops on CUDA (evals.device.fused_ops_check: same tokens, score differences, ms per step
+#           with and without), and the replayed step's anatomy of lolcats at batch 16 x 32k with and without them.
 #
 #   LONGCTX_COMMIT=<sha> bash evals/device/generate_targets.sh a OUT_DIR
 set -uo pipefail
@@ -79,5 +81,13 @@ case "$part" in
     one ovq 1x64k,16x32k 8 90
     one sliding-window 16x32k 8 70
     ;;
-  *) echo "part a, b, c, d or e" >&2; exit 2 ;;
+  f)
+    timeout 240 python3 -m evals.device.fused_ops_check --methods exact,lolcats,lola --dtypes bfloat16,float32 \
+      --out "$out/fused-ops-check-h200.json" || echo "! fused_ops_check exited with $?"
+    for f in "" --fused-ops; do
+      timeout 120 python3 -m evals.bench.decode_step_anatomy --method lolcats --batch 16 --context 32k $f \
+        --out "$out/anatomy-lolcats-b16${f:+-fused}-h200.json" || echo "! anatomy $f exited with $?"
+    done
+    ;;
+  *) echo "part a, b, c, d, e or f" >&2; exit 2 ;;
 esac
