@@ -110,7 +110,7 @@ class HybridAttentionFn(torch.autograd.Function):
         q, k, v, fq, fk, g, lf, key_mask, o, m, r, am = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
-        with torch.autocast(q.device.type, enabled=False):  # its torch einsums stay fp32 under a trainer's autocast
+        with torch.autocast(q.device.type, enabled=False):  # its few torch ops (prefix states' sums) stay fp32
             grads = _tk().hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, (m, r, am), key_mask=key_mask, **ctx.meta)
         return (*grads, None, None, None, None, None, None)
 

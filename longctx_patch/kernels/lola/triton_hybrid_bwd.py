@@ -14,12 +14,27 @@ t_ij = r_i (do_i . v_j - delta_i), delta_i = do_i . o_i):
            dH_n = sum_{rows of slot n} lf r_i fq_i do_i^T, ds_n = -sum lf r_i delta_i fq_i, and key j of state
            chunk c gets dfk_j += (sum_{n>c} dH_n) v_j + sum_{n>c} ds_n, dv_j += (sum_{n>c} dH_n)^T fk_j
 
-Kernels (FlashAttention-2 layout): `_dq_kernel`, one program per (query block, batch x query head), iterates the
-keys the forward iterates (its state slot, then the explicit keys) and writes dq, dfq and the per-row partials of
-dg, dlf and dm; `_dkv_kernel`, one program per (key block, batch x kv head), loops over the G query heads of the
-kv head and the query blocks that see the key block explicitly (those whose state slot starts at or before it),
-writing dk, dv (summed over the group) and dfk per query head. The state terms of dfk / dv (suffix sums over
-the few slots, [B, Hq, NS, F2, D]), the argmax scatter into dk and the sums of the row partials are torch.
+Kernels (FlashAttention-2 layout), launched in this order after `chunk_states` recomputes the prefix states:
+
+  _dq_kernel          one program per (query block, batch x query head): delta_i = do_i . o_i (written for
+                      _dkv_kernel), then the keys the forward iterates (its state slot, then the explicit keys);
+                      writes dq and dfq (input dtype), the per-row dm (for dk), the block's sums of the dg / dlf
+                      row partials, and, for a block of slot n >= 1, its part of dH_n / ds_n (fp32, one buffer
+                      row per block)
+  _state_grad_kernel  one program per (batch x query head, tile of F2 x D): the blocks' parts summed per slot
+                      and then over the slots after each chunk c (gH_c = sum_{n>c} dH_n, gs_c likewise) in a fixed
+                      order: deterministic, no atomics (the slot of block a0 is max(a0 - window, 0) // CS, so a
+                      slot's blocks are consecutive)
+  _dkv_kernel         one program per (key block, batch x kv head): loops over the G query heads of the kv head
+                      and the query blocks that see the key block explicitly (those whose state slot starts at or
+                      before it), adds the max's gradient of the rows whose argmax key it holds (dm_i on that
+                      score) and the state terms of its chunk c (dfk += v gH_c^T + gs_c, dv += fk gH_c, gH_c read in
+                      slices); writes dk, dv (summed over the group) and dfk per query head, in the input dtype. dm_i
+                      joins ds_ij before ds is rounded to the operands' dtype for the dk product (bf16: one
+                      rounding of the sum)
+
+The torch left: the prefix states' allocation and cumulative sums (`chunk_states`), the key mask's int8 copy,
+the sum of the per-block dg / dlf partials over batch and blocks, and allocations.
 
 Runs under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA.
 """
@@ -31,22 +46,25 @@ import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
-from ..triton_lib import LOG2E, dot, dot_precision, np2
+from ..triton_lib import LOG2E, cast_out, dot, dot_precision, np2
 from .triton_state import chunk_states
 from .tuning import TUNE
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, DO, MS, RS, DL, AM, DQ, DFQ, DGR, DLR, DMR,
-    M, D, F2, G, window, scale_log2, scale,
+    Q, K, V, FQ, FK, KM, GW, LFW, HS, SS, O, DO, MS, RS, AM, DL, DQ, DFQ, DMR, DGL, PH, PS,
+    M, D, F2, G, NB, window, scale_log2, scale,
     s_q_b, s_q_h, s_q_m,
     s_k_b, s_k_h, s_k_n,
     s_f_b, s_f_h, s_f_m,
     s_km_b,
     s_hs_b, s_hs_h, s_hs_n, s_hs_f,
     s_ss_b, s_ss_h, s_ss_n,
+    s_o_b, s_o_m, s_o_h,
     s_do_b, s_do_m, s_do_h,
+    s_ph_b, s_ph_h, s_ph_n, s_ph_f,
+    s_ps_b, s_ps_h, s_ps_n,
     HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
     BKD: tl.constexpr, CS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr = INTERPRET,
@@ -71,7 +89,11 @@ def _dq_kernel(
     row = pid_bh * M + offs_m
     m2 = tl.load(MS + row, mask=mm, other=0.0)
     r = tl.load(RS + row, mask=mm, other=0.0)
-    dl = tl.load(DL + row, mask=mm, other=0.0)
+    # delta = do . o (the forward's fp32 output), written for the key-side kernel
+    o = tl.load(O + b * s_o_b + h * s_o_h + offs_m[:, None] * s_o_m + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    dl = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DL + row, dl, mask=mm)
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
 
@@ -128,32 +150,94 @@ def _dq_kernel(
             da = tl.where(lin, lw * t, 0.0)
             dfq += dot(da.to(fk.dtype), fk, PREC, UPCAST)
 
-    # 3. the max's gradient on the score of the argmax key (the forward's index)
+    # 3. the max's gradient on the score of the argmax key (the forward's index); dk gets it in _dkv_kernel
     am = tl.load(AM + row, mask=mm, other=0).to(tl.int64)
     ka = tl.load(K + b * s_k_b + hk * s_k_h + am[:, None] * s_k_n + offs_d[None, :],
                  mask=mm[:, None] & md[None, :], other=0.0).to(tl.float32)
     dq = (dq + dmr[:, None] * ka) * scale
-    tl.store(DQ + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_m + offs_d[None, :], dq,
+    tl.store(DQ + b * s_q_b + h * s_q_h + offs_m[:, None] * s_q_m + offs_d[None, :], cast_out(dq, DQ, UPCAST),
              mask=mm[:, None] & md[None, :])
-    tl.store(DFQ + b * s_f_b + h * s_f_h + offs_m[:, None] * s_f_m + offs_f[None, :], dfq,
+    tl.store(DFQ + b * s_f_b + h * s_f_h + offs_m[:, None] * s_f_m + offs_f[None, :], cast_out(dfq, DFQ, UPCAST),
              mask=mm[:, None] & mf[None, :])
-    tl.store(DGR + row, dgr, mask=mm)
-    tl.store(DLR + row, dlr, mask=mm)
     tl.store(DMR + row, dmr, mask=mm)
+    gl = (pid_bh * NB + pid_m) * 2  # this block's sums of the row partials of dg and dlf
+    tl.store(DGL + gl, tl.sum(dgr, 0))
+    tl.store(DGL + gl + 1, tl.sum(dlr, 0))
+
+    # 4. this block's part of its slot's state gradient (slot 0 feeds no key): dH = (lf r fq)^T do [F2, D],
+    # dS = -sum lf r delta fq [F2], fp32, summed per slot by _state_grad_kernel
+    if n_blk > 0:
+        x = (lw * r)[:, None] * fq.to(tl.float32)
+        blk = pid_m.to(tl.int64)
+        for d0 in range(0, D, BKD):
+            offs_ds = d0 + tl.arange(0, BKD)
+            mds = offs_ds < D
+            dos = tl.load(do_base + offs_ds[None, :], mask=mm[:, None] & mds[None, :], other=0.0).to(tl.float32)
+            ph = dot(tl.trans(x), dos, PREC, UPCAST)
+            tl.store(PH + b * s_ph_b + h * s_ph_h + blk * s_ph_n + offs_f[:, None] * s_ph_f + offs_ds[None, :], ph,
+                     mask=mf[:, None] & mds[None, :])
+        tl.store(PS + b * s_ps_b + h * s_ps_h + blk * s_ps_n + offs_f, -tl.sum(x * dl[:, None], 0), mask=mf)
+
+
+@triton.jit
+def _state_grad_kernel(
+    PH, PS, GH, GS,
+    NB, NS, F2, D, window,
+    s_ph_b, s_ph_h, s_ph_n, s_ph_f,
+    s_ps_b, s_ps_h, s_ps_n,
+    s_gh_b, s_gh_h, s_gh_n, s_gh_f,
+    s_gs_b, s_gs_h, s_gs_n,
+    HQ: tl.constexpr, BM: tl.constexpr, CS: tl.constexpr, TF: tl.constexpr, TD: tl.constexpr, ND: tl.constexpr,
+):
+    """GH[:, :, c] = sum of the query blocks' dH partials over the slots n > c (GS likewise): the blocks of slot
+    n >= 1 are [cdiv(n * CS + window, BM), cdiv((n + 1) * CS + window, BM)) (slot = max(a0 - window, 0) // CS),
+    summed in a fixed order (deterministic). One program per (batch x head, [TF, TD] tile of F2 x D)."""
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit base offsets
+    pid_t = tl.program_id(1)
+    pid_f = pid_t // ND
+    pid_d = pid_t % ND
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    offs_f = pid_f * TF + tl.arange(0, TF)
+    offs_d = pid_d * TD + tl.arange(0, TD)
+    mf = offs_f < F2
+    md = offs_d < D
+    ms = mf & ((offs_f * 0 + pid_d) == 0)  # the first column tile also sums dS
+    ph_base = PH + b * s_ph_b + h * s_ph_h + offs_f[:, None] * s_ph_f + offs_d[None, :]
+    ps_base = PS + b * s_ps_b + h * s_ps_h + offs_f
+    gh_base = GH + b * s_gh_b + h * s_gh_h + offs_f[:, None] * s_gh_f + offs_d[None, :]
+    gs_base = GS + b * s_gs_b + h * s_gs_h + offs_f
+    acc = tl.zeros([TF, TD], dtype=tl.float32)
+    acs = tl.zeros([TF], dtype=tl.float32)
+    for cc in range(0, NS):
+        c = NS - 1 - cc  # from the last slot down: acc holds the blocks of the slots after c
+        c64 = tl.cast(c, tl.int64)
+        tl.store(gh_base + c64 * s_gh_n, acc, mask=mf[:, None] & md[None, :])
+        tl.store(gs_base + c64 * s_gs_n, acs, mask=ms)
+        i_lo = tl.minimum(tl.cdiv(c * CS + window, BM), NB)
+        i_hi = tl.minimum(tl.cdiv((c + 1) * CS + window, BM), NB)
+        if c == 0:
+            i_hi = i_lo  # slot 0's blocks feed no key (and wrote no partial)
+        for i in range(i_lo, i_hi):
+            i64 = tl.cast(i, tl.int64)
+            acc += tl.load(ph_base + i64 * s_ph_n, mask=mf[:, None] & md[None, :], other=0.0)
+            acs += tl.load(ps_base + i64 * s_ps_n, mask=ms, other=0.0)
 
 
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, FQ, FK, KM, GW, LFW, DO, MS, RS, DL, DK, DV, DFK,
-    M, D, F2, G, window, scale_log2, scale,
+    Q, K, V, FQ, FK, KM, GW, LFW, DO, MS, RS, DL, AM, DMR, GH, GS, DK, DV, DFK,
+    M, D, F2, G, NS, window, scale_log2, scale,
     s_q_b, s_q_h, s_q_m,
     s_k_b, s_k_h, s_k_n,
     s_f_b, s_f_h, s_f_m,
     s_km_b,
     s_do_b, s_do_m, s_do_h,
+    s_gh_b, s_gh_h, s_gh_n, s_gh_f,
+    s_gs_b, s_gs_h, s_gs_n,
     HQ: tl.constexpr, HKV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    BF: tl.constexpr, CS: tl.constexpr, HAS_KM: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr = INTERPRET,
+    BF: tl.constexpr, BKD: tl.constexpr, BKS: tl.constexpr, CS: tl.constexpr, HAS_KM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1).to(tl.int64)  # 64-bit base offsets
@@ -178,6 +262,9 @@ def _dkv_kernel(
     # max(a0 - window, 0) // CS at or before this block's chunk (CS is a multiple of BN)
     i_lo = n0 // BM
     i_hi = tl.minimum(tl.cdiv(M, BM), tl.cdiv((n0 // CS + 1) * CS + window, BM))
+    # the state slots after this block's chunk read it through the prefix states
+    chunk = n0 // CS
+    c64 = chunk.to(tl.int64)
     for hh in range(0, G):
         h = hk * G + hh
         gw = tl.load(GW + h).to(tl.float32)
@@ -204,7 +291,10 @@ def _dkv_kernel(
                 sc = tl.where(win, sc, float("-inf"))
                 p = tl.exp2(sc - m2[:, None])
                 dv += dot(tl.trans((gw * p * r[:, None]).to(do.dtype)), do, PREC, UPCAST)
-                ds = gw * p * t
+                # the max's gradient dm_i (from _dq_kernel) on the score of row i's argmax key
+                am = tl.load(AM + row, mask=mm, other=-1)
+                dmr = tl.load(DMR + row, mask=mm, other=0.0)
+                ds = gw * p * t + tl.where(offs_n[None, :] == am[:, None], dmr[:, None], 0.0)
                 dk += dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST)
             if a0 + BM - 1 - n0 >= window:
                 fq = tl.load(FQ + b * s_f_b + h * s_f_h + offs_m[:, None] * s_f_m + offs_f[None, :],
@@ -214,23 +304,34 @@ def _dkv_kernel(
                 dv += dot(tl.trans((lw * a * r[:, None]).to(do.dtype)), do, PREC, UPCAST)
                 da = tl.where(lin, lw * t, 0.0)
                 dfk += dot(tl.trans(da.to(fq.dtype)), fq, PREC, UPCAST)
-        tl.store(DFK + b * s_f_b + h * s_f_h + offs_n[:, None] * s_f_m + offs_f[None, :], dfk,
-                 mask=(offs_n < M)[:, None] & mf[None, :])
-    tl.store(DK + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :], dk * scale,
-             mask=(offs_n < M)[:, None] & md[None, :])
-    tl.store(DV + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :], dv,
-             mask=(offs_n < M)[:, None] & md[None, :])
-
-
-def _slot_rows(M: int, BM: int, window: int, cs: int) -> dict[int, tuple[int, int]]:
-    """The rows [start, end) of each state slot n > 0 (the forward's choice per query block)."""
-    rows: dict[int, tuple[int, int]] = {}
-    for a0 in range(0, M, BM):
-        n = max(a0 - window, 0) // cs
-        if n > 0:
-            s, _ = rows.get(n, (a0, 0))
-            rows[n] = (s, min(a0 + BM, M))
-    return rows
+        # the state terms: dfk += v gH_c^T + gS_c, dv += fk gH_c (gH_c: the sum of the slots after chunk c,
+        # fp32, read in slices); padded keys get none
+        if chunk < NS - 1:
+            gh_base = GH + b * s_gh_b + h * s_gh_h + c64 * s_gh_n
+            for d0 in range(0, D, BKD):
+                offs_ds = d0 + tl.arange(0, BKD)
+                mds = offs_ds < D
+                vs = tl.load(V + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_ds[None, :],
+                             mask=mn[:, None] & mds[None, :], other=0.0).to(tl.float32)
+                ghs = tl.load(gh_base + offs_f[:, None] * s_gh_f + offs_ds[None, :],
+                              mask=mf[:, None] & mds[None, :], other=0.0)
+                dfk += dot(vs, tl.trans(ghs), PREC, UPCAST)
+            gs = tl.load(GS + b * s_gs_b + h * s_gs_h + c64 * s_gs_n + offs_f, mask=mf, other=0.0)
+            dfk += tl.where(mn[:, None], gs[None, :], 0.0)
+            for f0 in range(0, F2, BKS):
+                offs_fs = f0 + tl.arange(0, BKS)
+                mfs = offs_fs < F2
+                fks = tl.load(FK + b * s_f_b + h * s_f_h + offs_n[:, None] * s_f_m + offs_fs[None, :],
+                              mask=mn[:, None] & mfs[None, :], other=0.0).to(tl.float32)
+                ghs = tl.load(gh_base + offs_fs[:, None] * s_gh_f + offs_d[None, :],
+                              mask=mfs[:, None] & md[None, :], other=0.0)
+                dv += dot(fks, ghs, PREC, UPCAST)
+        tl.store(DFK + b * s_f_b + h * s_f_h + offs_n[:, None] * s_f_m + offs_f[None, :],
+                 cast_out(dfk, DFK, UPCAST), mask=(offs_n < M)[:, None] & mf[None, :])
+    tl.store(DK + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+             cast_out(dk * scale, DK, UPCAST), mask=(offs_n < M)[:, None] & md[None, :])
+    tl.store(DV + b * s_k_b + hk * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+             cast_out(dv, DV, UPCAST), mask=(offs_n < M)[:, None] & md[None, :])
 
 
 def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: float, key_mask=None,
@@ -238,7 +339,8 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
     """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(..., q_offset=0, state_chunk=state_chunk,
     block_m, block_n, stats=True)` (prefix states from `chunk_states`, recomputed here) for the output gradient
     do [B, S, Hq, D] (unit last stride). q [B, Hq, S, D], k/v [B, Hkv, S, D], fq/fk [B, Hq, S, F2] contiguous,
-    all of one dtype; o the forward's output, stats its (m, r, am). Each gradient in its input's dtype."""
+    all of one dtype; o [B, S, Hq, D] the forward's output (fp32 as `ops.HybridAttentionFn` keeps it), stats its
+    (m, r, am). Each gradient in its input's dtype."""
     B, Hq, M, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -247,84 +349,77 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
     BM = min(block_m, np2(M))  # the forward's tiles: the split state / explicit keys depends on them
     BN = block_n
     assert cs % BN == 0 and window >= 1
-    assert all(x.is_contiguous() for x in (q, k, v, fq, fk)) and do.stride(-1) == 1
+    assert all(x.is_contiguous() for x in (q, k, v, fq, fk)) and do.stride(-1) == 1 and o.stride(-1) == 1
     m2, r, am = stats
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
     Hs, Ss = chunk_states(fk, v, cs, key_mask=key_mask)
     NS = Hs.shape[2]
-    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
+    NB = triton.cdiv(M, BM)
     gw = g.detach().float().contiguous()
     lw = lf.detach().float().contiguous()
     f32 = dict(device=q.device, dtype=torch.float32)
-    dq, dfq, dk, dv, dfk = (torch.empty(x.shape, **f32) for x in (q, fq, k, v, fk))
-    dgr, dlr, dmr = (torch.empty(B, Hq, M, **f32) for _ in range(3))
+    dq, dk, dv, dfq, dfk = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v, fq, fk))
+    delta, dmr = torch.empty(B, Hq, M, **f32), torch.empty(B, Hq, M, **f32)
+    dgl = torch.empty(B * Hq * NB * 2, **f32)  # per query block: the sums of dg's and dlf's row partials
+    if NS > 1:  # per query block: its part of its slot's state gradient (blocks of slot 0 write none)
+        ph, ps = torch.empty(B, Hq, NB, F2, D, **f32), torch.empty(B, Hq, NB, F2, **f32)
+    else:
+        ph, ps = Hs, Ss  # nothing is written
     BD, BF = np2(D), np2(F2)
     prec = dot_precision(q, k, fq)
     # untimed guess (FlashAttention-2's backward takes 8 warps at 128-wide tiles): [64, F2 = 128] fp32
     # accumulators (dfq, dfk) next to the [64, 64] ones
     warps = 8 if max(BD, BF) >= 128 else 4
     dummy = q
-    _dq_kernel[(triton.cdiv(M, BM), B * Hq)](
-        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss, do, m2, r, delta, am,
-        dq, dfq, dgr, dlr, dmr,
-        M, D, F2, G, window, scale * LOG2E, scale,
+    _dq_kernel[(NB, B * Hq)](
+        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss, o, do, m2, r, am, delta,
+        dq, dfq, dmr, dgl, ph, ps,
+        M, D, F2, G, NB, window, scale * LOG2E, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         fq.stride(0), fq.stride(1), fq.stride(2),
         km.stride(0) if km is not None else 0,
         Hs.stride(0), Hs.stride(1), Hs.stride(2), Hs.stride(3),
         Ss.stride(0), Ss.stride(1), Ss.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
+        ph.stride(0), ph.stride(1), ph.stride(2), ph.stride(3),
+        ps.stride(0), ps.stride(1), ps.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), CS=cs, HAS_KM=km is not None, PREC=prec,
         num_warps=TUNE["bwd_dq_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
     )
+    del Hs, Ss
+    if NS > 1:
+        # the exclusive suffix sums over slots: key chunk c feeds every slot n > c
+        gh, gs = torch.empty(B, Hq, NS, F2, D, **f32), torch.empty(B, Hq, NS, F2, **f32)
+        TF, TD = min(BF, 32), min(BD, 64)
+        ND = triton.cdiv(D, TD)
+        _state_grad_kernel[(B * Hq, triton.cdiv(F2, TF) * ND)](
+            ph, ps, gh, gs,
+            NB, NS, F2, D, window,
+            ph.stride(0), ph.stride(1), ph.stride(2), ph.stride(3),
+            ps.stride(0), ps.stride(1), ps.stride(2),
+            gh.stride(0), gh.stride(1), gh.stride(2), gh.stride(3),
+            gs.stride(0), gs.stride(1), gs.stride(2),
+            HQ=Hq, BM=BM, CS=cs, TF=TF, TD=TD, ND=ND, num_warps=4,
+        )
+        del ph, ps
+    else:
+        gh, gs = dmr, dmr  # nothing is read
     _dkv_kernel[(triton.cdiv(M, BN), B * Hkv)](
-        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, do, m2, r, delta, dk, dv, dfk,
-        M, D, F2, G, window, scale * LOG2E, scale,
+        q, k, v, fq, fk, km if km is not None else dummy, gw, lw, do, m2, r, delta, am, dmr, gh, gs, dk, dv, dfk,
+        M, D, F2, G, NS, window, scale * LOG2E, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         fq.stride(0), fq.stride(1), fq.stride(2),
         km.stride(0) if km is not None else 0,
         do.stride(0), do.stride(1), do.stride(2),
-        HQ=Hq, HKV=Hkv, BM=BM, BN=BN, BD=BD, BF=BF, CS=cs, HAS_KM=km is not None, PREC=prec,
+        gh.stride(0) if NS > 1 else 0, gh.stride(1) if NS > 1 else 0, gh.stride(2) if NS > 1 else 0,
+        gh.stride(3) if NS > 1 else 0,
+        gs.stride(0) if NS > 1 else 0, gs.stride(1) if NS > 1 else 0, gs.stride(2) if NS > 1 else 0,
+        HQ=Hq, HKV=Hkv, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), BKS=min(BF, 32), CS=cs,
+        HAS_KM=km is not None, PREC=prec,
         num_warps=TUNE["bwd_dkv_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
     )
-    del Hs, Ss
-
-    # the max's gradient into dk: row i of head h adds scale * dm_i * q_i to its argmax key (of kv head h // G)
-    idx = (torch.arange(B, device=q.device).view(B, 1, 1) * Hkv
-           + (torch.arange(Hq, device=q.device) // G).view(1, Hq, 1)) * M + am.long()
-    src = (dmr * scale).unsqueeze(-1) * q.float()
-    dk.view(B * Hkv * M, D).index_add_(0, idx.reshape(-1), src.reshape(-1, D))
-
-    # the prefix states: suffix sums over slots of dH_n = sum_{rows of n} lf r fq do^T, ds_n = -sum lf r delta fq
-    if NS > 1:
-        dof = do.float().transpose(1, 2)  # [B, Hq, S, D]
-        x = (lw.view(1, Hq, 1) * r).unsqueeze(-1) * fq.float()  # [B, Hq, S, F2]
-        dH = torch.zeros(B, Hq, NS, F2, D, **f32)
-        dS = torch.zeros(B, Hq, NS, F2, **f32)
-        for n, (s0, s1) in _slot_rows(M, BM, window, cs).items():
-            dH[:, :, n] = x[:, :, s0:s1].transpose(-1, -2) @ dof[:, :, s0:s1]
-            dS[:, :, n] = -(x[:, :, s0:s1] * delta[:, :, s0:s1, None]).sum(2)
-        # key chunk c feeds every slot n > c: exclusive suffix sums
-        gH = torch.flip(torch.cumsum(torch.flip(dH, [2]), 2), [2]) - dH
-        gS = torch.flip(torch.cumsum(torch.flip(dS, [2]), 2), [2]) - dS
-        del dH, dS, x
-        pad = NS * cs - M
-        gH6 = gH.view(B, Hkv, G, NS, F2, D)
-        vp = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(B, Hkv, NS, cs, D)
-        fkp = torch.nn.functional.pad(fk.float(), (0, 0, 0, pad)).view(B, Hkv, G, NS, cs, F2)
-        dfk_s = torch.einsum("bkncd,bkgnfd->bkgncf", vp, gH6) + gS.view(B, Hkv, G, NS, 1, F2)
-        dv_s = torch.einsum("bkgncf,bkgnfd->bkncd", fkp, gH6)
-        dfk_s = dfk_s.reshape(B, Hq, NS * cs, F2)[:, :, :M]
-        dv_s = dv_s.reshape(B, Hkv, NS * cs, D)[:, :, :M]
-        if key_mask is not None:
-            kmf = key_mask.to(torch.float32)
-            dfk_s = dfk_s * kmf[:, None, :, None]
-            dv_s = dv_s * kmf[:, None, :, None]
-        dfk += dfk_s
-        dv += dv_s
-    dg = dgr.sum((0, 2))
-    dlf = dlr.sum((0, 2))
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype),
-            dg.to(g.dtype), dlf.to(lf.dtype))
+    dgl = dgl.view(B, Hq, NB, 2).sum((0, 2))  # [Hq, 2]
+    return dq, dk, dv, dfq, dfk, dgl[:, 0].to(g.dtype), dgl[:, 1].to(lf.dtype)
