@@ -402,7 +402,7 @@ def test_decode_time_is_marked_inside_one_generate(tiny, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(model, "forward", counted)
-    total, decode = speed_model._generate_s(model, ids, 9, {}, decode_base=3)
+    total, decode = speed_model.timed_generate(model, ids, 9, {}, decode_base=3)
     assert len(calls) == 9  # the prefill and 8 decode steps
     assert 0 < decode < total
     # steps 3 .. 8 began after the end of step 2, so the span covers their six forwards and no earlier one

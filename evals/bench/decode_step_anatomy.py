@@ -33,7 +33,7 @@ import longctx_patch as lp
 from evals.shared import device_token, llama_1b_shaped, result_file
 from longctx_patch.cache import cache_argument
 from longctx_patch.evals.common import git_commit, parse_sizes
-from longctx_patch.evals.speed_model import _generate_s
+from longctx_patch.evals.speed_model import timed_generate
 
 
 def _events_ms(fn, n: int) -> float:
@@ -56,7 +56,7 @@ def _loop(model, nxt, cache, steps: int):
 def _host_profile(model, ids, new_tokens: int, top: int = 25) -> list[dict]:
     prof = cProfile.Profile()
     prof.enable()
-    _generate_s(model, ids, new_tokens, {})
+    timed_generate(model, ids, new_tokens, {})
     prof.disable()
     st = pstats.Stats(prof, stream=io.StringIO())
     rows = []
@@ -75,8 +75,8 @@ def measure(method: str, batch: int, context: int, steps: int, base: int, fused_
     row: dict = {"method": method, "batch": batch, "context": context, "steps": steps, "decode_base": base,
                  "fused_ops": fused_ops}
     with torch.no_grad():
-        _generate_s(model, ids, base + 2, {}, base)  # kernels compiled, graphs captured
-        _, dec = _generate_s(model, ids, base + steps, {}, base)
+        timed_generate(model, ids, base + 2, {}, base)  # kernels compiled, graphs captured
+        _, dec = timed_generate(model, ids, base + steps, {}, base)
         row["generate_ms"] = dec * 1e3 / steps
         arg = cache_argument(model.forward)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)

@@ -19,7 +19,7 @@ import torch
 import longctx_patch as lp
 from evals.shared import llama_1b_shaped
 from longctx_patch.evals.common import git_commit
-from longctx_patch.evals.speed_model import _generate_s
+from longctx_patch.evals.speed_model import timed_generate
 
 
 def _greedy(model, ids, new: int):
@@ -38,7 +38,7 @@ def check(method: str, dtype: torch.dtype, prompt: int, new: int, batch: int) ->
         with torch.no_grad():
             logits = model(input_ids=ids, logits_to_keep=1).logits.float()
             toks, scores = _greedy(model, ids, new)
-            _, dec = _generate_s(model, ids, 81 + new, {}, 81)
+            _, dec = timed_generate(model, ids, 81 + new, {}, 81)
         res[fused] = (logits, toks, scores, dec * 1e3 / new)
         lp.unpatch(model)
     (l0, t0, s0, ms0), (l1, t1, s1, ms1) = res[False], res[True]

@@ -106,7 +106,7 @@ class _StepMarks:
         return self.timer.span_ms(a + 1, b + 1) / 1e3
 
 
-def _generate_s(model, ids, new_tokens: int, extra: dict, decode_base: int | None = None):
+def timed_generate(model, ids, new_tokens: int, extra: dict, decode_base: int | None = None):
     """Seconds of one generate() call with `new_tokens` greedy tokens; with `decode_base`, also the seconds of its
     decode steps decode_base .. new_tokens - 1 (from the end of step decode_base - 1 to the end of the last),
     timed inside the same call: the prefill's jitter stays out of the decode time."""
@@ -178,15 +178,15 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
             # transformers compiles the static-cache decode step at the first generate() of a new cache length;
             # later calls of that length (and shorter ones: the cache keeps the longest length) reuse it, so one
             # untimed call keeps the compilation out of the times below
-            _generate_s(model, ids, decode_base + decode_tokens, extra)
+            timed_generate(model, ids, decode_base + decode_tokens, extra)
         one = None
         decode_s = None
         if decode_tokens:
-            runs = [_generate_s(model, ids, decode_base + decode_tokens, extra, decode_base) for _ in range(repeats)]
+            runs = [timed_generate(model, ids, decode_base + decode_tokens, extra, decode_base) for _ in range(repeats)]
             one = statistics.median(t for t, _ in runs)
             decode_s = statistics.median(d for _, d in runs)
         elif extra:
-            one = statistics.median(_generate_s(model, ids, decode_base, extra) for _ in range(repeats))
+            one = statistics.median(timed_generate(model, ids, decode_base, extra) for _ in range(repeats))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     state = state_bytes(model, context + decode_tokens, batch)
     # read once, at the rate a device copy moves bytes (its reads plus its writes): a copy of the same bytes takes
