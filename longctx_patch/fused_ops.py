@@ -113,7 +113,6 @@ class FusedOps:
     """The fused forwards installed on one model (`install`), and their removal (`remove`)."""
 
     def __init__(self) -> None:
-        self.mode: str | None = None
         self.installed: list[tuple[nn.Module, FusedForward]] = []
 
     def targets(self, model: nn.Module, adapter: ArchAdapter) -> list[tuple[nn.Module, str]]:
@@ -139,7 +138,6 @@ class FusedOps:
         if mode == "triton":
             require_triton("fused_ops", next(model.parameters(), None))
         self.remove()
-        self.mode = mode
         if mode is None:
             return
         for mod, kind in self.targets(model, adapter):
@@ -153,4 +151,3 @@ class FusedOps:
             if mod.__dict__.get("forward") is fwd:
                 del mod.__dict__["forward"]
         self.installed = []
-        self.mode = None

@@ -68,6 +68,11 @@ def attention_kernel_missing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return None
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will want a gradient through any of `tensors` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
+
+
 def check_backend(backend: str, what: str) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"{what}: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_missing
+from .backend import needs_grad, triton_missing
 
-FUSED_MODES = ("auto", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_DIM = 32768  # RMSNorm rows wider than this take the original ops (one row is one program's tile)
 
@@ -24,10 +23,6 @@ def _device_missing(mode: str, *tensors: torch.Tensor) -> str | None:
     if mode == "auto" and not all(t.is_cuda for t in tensors):
         return "not CUDA tensors"
     return triton_missing(*tensors)
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _compiling() -> bool:
@@ -39,7 +34,7 @@ def rotary_missing(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     """None when `rotary` can replace `apply_rotary_pos_emb(q, k, cos, sin)` (unsqueeze_dim=1) here, else why not."""
     if _compiling():
         return "under torch.compile"
-    if _needs_grad(q, k, cos, sin):
+    if needs_grad(q, k, cos, sin):
         return "a gradient is needed"
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or sin.stride() != cos.stride():
         return "shapes: q/k [B, H, S, D], cos/sin [B, S, D] alike"
@@ -65,7 +60,7 @@ def rms_norm_missing(x: torch.Tensor, weight: torch.Tensor, mode: str) -> str | 
     """None when `rms_norm` can replace LlamaRMSNorm's forward on x here, else why not."""
     if _compiling():
         return "under torch.compile"
-    if _needs_grad(x, weight):
+    if needs_grad(x, weight):
         return "a gradient is needed"
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0] or not weight.is_contiguous():
         return "weight [N] contiguous, x [..., N]"
@@ -87,7 +82,7 @@ def silu_mul_missing(g: torch.Tensor, u: torch.Tensor, mode: str) -> str | None:
     """None when `silu_mul` can replace `F.silu(g) * u` here, else why not."""
     if _compiling():
         return "under torch.compile"
-    if _needs_grad(g, u):
+    if needs_grad(g, u):
         return "a gradient is needed"
     if g.shape != u.shape or g.dtype != u.dtype or g.dtype not in _DTYPES:
         return "g and u of one shape and dtype (fp16, bf16 or fp32)"

@@ -20,21 +20,7 @@ import triton
 import triton.language as tl
 
 from .backend import INTERPRET, next_power_of_2
-
-
-@triton.jit
-def _rounded(x, dt: tl.constexpr, EMU: tl.constexpr):
-    """fp32 x rounded to dtype dt (to nearest, ties to even), as fp32 values. EMU: the interpreter's workaround
-    (Triton's CPU interpreter truncates fp32 -> bf16 casts): the rounding done on the bits (finite values; the
-    kernels' tests run there). On the GPU the cast itself rounds to nearest even."""
-    if dt == tl.float32:
-        return x
-    elif EMU and dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dt).to(tl.float32)
+from .triton_lib import rounded
 
 
 @triton.jit
@@ -56,8 +42,8 @@ def _rotary_rows(X, O, C, SN, b, s, h0, H, S, sxb, sxh, sxs, scb, scs,
     x2 = tl.load(x_at + HALF, mask=m, other=0.0).to(tl.float32)
     dt = O.dtype.element_ty
     # rotate_half(x) = cat(-x2, x1): first half x1 * c1 + (-x2) * s1, second half x2 * c2 + x1 * s2
-    o1 = _rounded(_rounded(x1 * c1, dt, EMU) + _rounded(-x2 * s1, dt, EMU), dt, EMU).to(dt)
-    o2 = _rounded(_rounded(x2 * c2, dt, EMU) + _rounded(x1 * s2, dt, EMU), dt, EMU).to(dt)
+    o1 = rounded(rounded(x1 * c1, dt, EMU) + rounded(-x2 * s1, dt, EMU), dt, EMU).to(dt)
+    o2 = rounded(rounded(x2 * c2, dt, EMU) + rounded(x1 * s2, dt, EMU), dt, EMU).to(dt)
     D = 2 * HALF
     o_at = O + ((b * H + h[:, None]) * S + s) * D + d[None, :]
     tl.store(o_at, o1, mask=m)
@@ -108,10 +94,10 @@ def _rmsnorm_kernel(X, W, O, sx, N, eps, BN: tl.constexpr, EMU: tl.constexpr):
     m = n < N
     x = tl.load(X + row * sx + n, mask=m, other=0.0).to(tl.float32)
     var = tl.sum(x * x, 0) / N
-    h = _rounded(x * tl.math.rsqrt(var + eps), X.dtype.element_ty, EMU)
+    h = rounded(x * tl.math.rsqrt(var + eps), X.dtype.element_ty, EMU)
     w = tl.load(W + n, mask=m, other=0.0).to(tl.float32)
     dt = O.dtype.element_ty
-    tl.store(O + row * N + n, _rounded(w * h, dt, EMU).to(dt), mask=m)
+    tl.store(O + row * N + n, rounded(w * h, dt, EMU).to(dt), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,8 +122,8 @@ def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr, EMU: tl.constexpr):
     g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
     dt = O.dtype.element_ty
-    a = _rounded(g / (1.0 + tl.exp(-g)), dt, EMU)
-    tl.store(O + offs, _rounded(a * u, dt, EMU).to(dt), mask=m)
+    a = rounded(g / (1.0 + tl.exp(-g)), dt, EMU)
+    tl.store(O + offs, rounded(a * u, dt, EMU).to(dt), mask=m)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ they are imported only once `backend.resolve_backend` chose "triton".
   for fp32 operands only), and the interpreter's workaround (UPCAST): Triton's CPU interpreter (3.9) multiplies
   bf16/fp16 dot operands wrongly, so there the operands are upcast to fp32 first. They hold bf16/fp16 values, so
   the products are the ones the GPU's tensor cores compute; the interpreter ignores PREC.
-- `cast_out`: an fp32 result in an output's dtype, rounded to nearest even also under the interpreter (which
-  truncates fp32 -> bf16).
+- `rounded` / `cast_out`: an fp32 value rounded to a narrower dtype (as fp32) / stored in an output's dtype, to
+  nearest even also under the interpreter (which truncates fp32 -> bf16).
 - `dot_bf16x3`: a @ c to fp32 accuracy on bf16 tensor cores, for bf16 `a` and fp32 `c` (c split in three bf16
   parts): the LoLA self-recall error and the MuSe clustering.
 - `online_softmax_step`: the rescale of a running (flash) softmax by one tile of keys (new max, exponentials,
@@ -55,14 +55,26 @@ def dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def rounded(x, dt: tl.constexpr, EMU: tl.constexpr):
+    """fp32 x rounded to dtype dt (to nearest, ties to even), as fp32 values. EMU: the interpreter's workaround
+    (Triton's CPU interpreter truncates fp32 -> bf16 casts): the rounding done on the bits (finite values; the
+    kernels' tests run there). On the GPU the cast itself rounds to nearest even."""
+    if dt == tl.float32:
+        return x
+    elif EMU and dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
 def cast_out(x, PTR, UPCAST: tl.constexpr):
-    """fp32 x in PTR's element type, rounded to nearest even as the GPU rounds it; UPCAST: the interpreter
-    (3.9) truncates fp32 -> bf16, so there the value is rounded first (the truncation then exact)."""
+    """fp32 x in PTR's element type, rounded to nearest even as the GPU rounds it (`rounded` first under the
+    interpreter, UPCAST, whose cast would truncate)."""
     if UPCAST:
-        if PTR.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+        x = rounded(x, PTR.dtype.element_ty, UPCAST)
     return x.to(PTR.dtype.element_ty)
 
 

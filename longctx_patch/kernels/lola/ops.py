@@ -34,13 +34,9 @@ from typing import Callable
 import torch
 
 from ...errors import ConfigError
-from ..backend import check_backend, resolve_backend
+from ..backend import check_backend, needs_grad, resolve_backend
 from . import reference as ref
 from .tuning import TUNE
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
 
 
 def _use_triton(backend: str, *tensors) -> bool:
@@ -49,7 +45,7 @@ def _use_triton(backend: str, *tensors) -> bool:
     trained (q, k, v and the feature maps' outputs, the window factors). The whole-sequence hybrid
     (`hybrid_attention`) does not ask here under grad: it has a Triton backward (`HybridAttentionFn`)."""
     check_backend(backend, "lola/lolcats")
-    grad = _needs_grad(*tensors)
+    grad = needs_grad(*tensors)
     if backend == "triton" and grad:
         raise ConfigError("backend='triton' was asked for while gradients are needed, but this LoLA/LoLCATs "
                           "Triton kernel has no backward (only the LoLCATs whole-sequence hybrid attention has "
@@ -133,7 +129,7 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
     """
     cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
     tensors = (q, k, v, fq, fk, g, lf)
-    if _needs_grad(*tensors):
+    if needs_grad(*tensors):
         check_backend(backend, "lola/lolcats")
         if window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton":
             # one dtype for the kernels: autocast's where it is on (a trainer's fp32 weights under bf16 autocast
