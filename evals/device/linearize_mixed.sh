@@ -57,20 +57,15 @@ PY
   du -sh "$W"/*/ "$W"/train/*
 }
 
-if [ "$STEP" = train ]; then
+if [ "$STEP" = train ]; then  # linearize_smollm2.sh's train step on this text, at $SEQ tokens
   split_text
-  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$W/train" --output "$RUN" -q \
-    --set stages.transfer.seq_len="$SEQ" --set stages.lora.seq_len="$SEQ" \
-    --set stages.transfer.batch_size="$TRANSFER_BATCH" --set stages.lora.batch_size="$LORA_BATCH" \
-    --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
-    --set stages.transfer.warmup=10 --set stages.lora.warmup=10 \
-    --set stages.transfer.eval_every=100 --set stages.transfer.save_every=100000 \
-    --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
-    --set stages.lora.eval_every=100 --set stages.lora.save_every=100000 \
-    --set output.lolcats_export=true --results "$OUT/finetune/$NAME-$DEV.json" ${EXTRA:-}
-  . "$(dirname "$0")/train_text.sh"
-  write_run_asset "$RUN" "SmolLM2-135M-Instruct linearized on mixed text (evals/device/linearize_mixed.sh)"
-  (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
+  TEXT="$W/train" MODEL="$MODEL" RUN="$RUN" OUT="$OUT" NAME="$NAME" DEV="$DEV" TRANSFER_STEPS="$TRANSFER_STEPS" \
+    LORA_STEPS="$LORA_STEPS" TRANSFER_MAX_S="$TRANSFER_MAX_S" LORA_MAX_S="$LORA_MAX_S" \
+    EXTRA="--set stages.transfer.seq_len=$SEQ --set stages.lora.seq_len=$SEQ \
+      --set stages.transfer.batch_size=$TRANSFER_BATCH --set stages.lora.batch_size=$LORA_BATCH \
+      --set stages.transfer.warmup=10 --set stages.lora.warmup=10 \
+      --set stages.transfer.eval_every=100 --set stages.lora.eval_every=100 ${EXTRA:-}" \
+    bash "$(dirname "$0")/linearize_smollm2.sh" train
   exit 0
 fi
 

@@ -12,6 +12,7 @@ MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/linearize}
 OUT=${OUT:-evals/results}  # result JSONs go to $OUT/<task>/ as in evals/results (evals/README.md, results)
+NAME=${NAME:-smollm2-135m-linearize}  # the finetune record: $OUT/finetune/$NAME-<device>.json
 DEV=${DEV:-$(python3 -c 'from evals.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"
 TRANSFER_STEPS=${TRANSFER_STEPS:-1200}
@@ -34,7 +35,7 @@ if [ "$STEP" = train ]; then
     --set stages.transfer.eval_every=200 --set stages.transfer.save_every=100000 \
     --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
     --set stages.lora.eval_every=200 --set stages.lora.save_every=100000 \
-    --set output.lolcats_export=true --results "$OUT/finetune/smollm2-135m-linearize-$DEV.json" $EXTRA
+    --set output.lolcats_export=true --results "$OUT/finetune/$NAME-$DEV.json" $EXTRA
   write_run_asset "$RUN" "SmolLM2-135M-Instruct linearized with recipes/linearize.yaml"
   # the asset folder as one tar (a device call returns at most 8 files, none from deep folders)
   mkdir -p "$OUT" && (cd "$RUN"/assets && tar cf "$OUT/asset.tar" .)
