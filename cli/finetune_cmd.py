@@ -30,11 +30,14 @@ from cli.common import check_architecture, friendly_errors
 @click.option("--field", default=None, help="Dataset column holding the text (default: text).")
 @click.option("--output", "-o", "output", default=None, type=click.Path(file_okay=False), help="Output directory (overrides output.dir).")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
+@click.option("--stop-after", default=None, metavar="STAGE", help="End the run once stage STAGE (a name or index) is "
+              "done and checkpointed; the same command with --resume continues with the next stage. For runs split "
+              "over time-limited jobs.")
 @click.option("--results", default=None, metavar="NAME", help="Also write evals/results/NAME.json (device, date, commit, command, figures).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved recipe and the stage plan; train nothing.")
 @friendly_errors
-def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, results, quiet, dry_run):
+def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, stop_after, results, quiet, dry_run):
     """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
     from longctx_patch.train import load_recipe, run_finetune
 
@@ -58,14 +61,17 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     if dry_run:
         _print_plan(r, output)
         return
-    log = run_finetune(r, output, resume=resume, results=results, progress=not quiet)
+    log = run_finetune(r, output, resume=resume, results=results, progress=not quiet, stop_after=stop_after)
     if not quiet:
         lines = [f"{s['name']}: {s['steps_done']} steps, {s['tokens']} tokens, {s['time_s']:.1f} s, loss "
                  f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"
                  + (f", eval {_fmt(s['final_eval_loss'])}" if s.get("final_eval_loss") is not None else "")
                  for s in log["stages"]]
         click.echo("\n".join(lines))
-        click.echo(f"saved to {log['output_dir']}")
+        if log.get("stopped_after"):
+            click.echo(f"stopped after {log['stopped_after']}; continue with the same command and --resume")
+        else:
+            click.echo(f"saved to {log['output_dir']}")
 
 
 def _print_plan(r, output) -> None:

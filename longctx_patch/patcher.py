@@ -409,8 +409,8 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
     decode_graphs: replay `generate()`'s one-token steps from CUDA graphs where every layer allows it (default:
     on, off on a tensor-parallel model; False: every step eager; see `set_decode_graphs`).
     fused_ops: the model's RMSNorms, SiLU MLPs and the patched layers' rotary embedding as fused Triton kernels at
-    inference (fused_ops.py; default: off until run on a GPU; `LONGCTX_FUSED_OPS=1` makes it on for a model on
-    CUDA; True: on; see `set_fused_ops`).
+    inference (fused_ops.py; default: on for a model on CUDA with Triton, off elsewhere; `LONGCTX_FUSED_OPS=0`
+    makes the default off; see `set_fused_ops`).
     """
     if fused_ops is not None:
         from .fused_ops import parse_mode

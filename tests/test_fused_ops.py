@@ -241,11 +241,17 @@ def test_defaults_and_switches(monkeypatch):
     model = tiny_model("llama")
     lp.patch(model, "exact")  # CPU model: off by default
     assert all("forward" not in m.__dict__ for m in _targets(model))
-    assert fused_ops.default_mode(model) is None
-    assert not fused_ops.env_enabled()  # off unless asked for (not yet run on CUDA)
-    monkeypatch.setenv(fused_ops.ENV, "1")
-    assert fused_ops.env_enabled()
     assert fused_ops.default_mode(model) is None  # on CUDA models only
+    monkeypatch.delenv(fused_ops.ENV, raising=False)
+    assert fused_ops.env_enabled()  # on unless turned off
+    monkeypatch.setenv(fused_ops.ENV, "0")
+    assert not fused_ops.env_enabled()
+    monkeypatch.setattr(fused_ops, "triton_installed", lambda: True)
+    monkeypatch.setattr(type(next(model.parameters())), "is_cuda", property(lambda self: True))
+    assert fused_ops.default_mode(model) is None  # the environment turned it off
+    monkeypatch.setenv(fused_ops.ENV, "1")
+    assert fused_ops.default_mode(model) == "auto"  # a CUDA model (as far as the check can tell)
+    monkeypatch.undo()
     with pytest.raises(ConfigError):
         lp.set_fused_ops(model, "yes")
     other = tiny_model("llama")

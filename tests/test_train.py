@@ -385,6 +385,33 @@ def test_resume_is_exact(tiny_dir, text_file, temp_method, tmp_path):
         Finetuner(recipe_from_dict(d2), tmp_path / "run0", resume=True, progress=False).run()
 
 
+def test_stop_after_then_resume_equals_one_run(tiny_dir, text_file, temp_method, tmp_path):
+    """A run split at a stage boundary (stop_after, then resume) trains what one run trains, and the first half
+    writes no outputs beyond its checkpoint and log."""
+    from longctx_patch.errors import ConfigError
+    from longctx_patch.train import Finetuner, recipe_from_dict, run_finetune
+
+    d = recipe_dict(tiny_dir, text_file)
+    d["output"]["save_model"] = False
+    ref = Finetuner(recipe_from_dict(d), tmp_path / "ref", progress=False)
+    ref_log = ref.run()
+    out = tmp_path / "split"
+    first = run_finetune(recipe_from_dict(d), out, progress=False, stop_after="transfer")
+    assert first["stopped_after"] == "transfer" and [s["name"] for s in first["stages"]] == ["transfer"]
+    assert not (out / "trainable").exists()
+    assert json.loads((out / "train_log.json").read_text())["stopped_after"] == "transfer"
+    ft = Finetuner(recipe_from_dict(d), out, resume=True, progress=False)
+    log = ft.run()
+    assert "stopped_after" not in log and (out / "trainable").exists()
+    for a, b in zip(log["stages"], ref_log["stages"], strict=True):
+        assert a["loss"] == b["loss"] and a["eval_loss"] == b["eval_loss"], a["name"]
+    ref_sd = dict(ref.root.named_parameters())
+    for n, p in ft.root.named_parameters():
+        assert torch.equal(p, ref_sd[n]), n
+    with pytest.raises(ConfigError, match="no such stage.*transfer, lora"):
+        Finetuner(recipe_from_dict(d), tmp_path / "x", progress=False, stop_after="warmup")
+
+
 def test_rng_state_survives_json():
     """The RNG states a checkpoint stores (python, numpy with a cached gaussian, torch) come back exactly
     after the JSON round trip."""

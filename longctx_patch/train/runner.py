@@ -119,12 +119,14 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         progress: bool = True,
         model=None,
         tokenizer=None,
+        stop_after: str | None = None,
     ):
         from accelerate import Accelerator
 
         self.recipe = recipe
         self.out = Path(output_dir)
         self.resume = resume
+        self.stop_after = _stage_index(recipe, stop_after)
         self.results = results
         self.command = command if command is not None else command_line()
         self.progress = progress
@@ -392,6 +394,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         self.load()
         self.load_data()
         for si, stage in enumerate(r.stages):
+            if self.stop_after is not None and si > self.stop_after:
+                break
             log = StageLog(
                 name=stage.name, objective=stage.objective, trainable=list(stage.trainable or []), steps=stage.steps,
                 seq_len=stage.seq_len, batch_size=stage.batch_size, grad_accum=stage.grad_accum, lr=stage.lr,
@@ -414,8 +418,14 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             self.run_stage(si, stage, start, this_ckpt, log)
         self.accelerator.wait_for_everyone()
         summary = self.summary()
+        stopped = len(self.stage_logs) < len(r.stages)
+        if stopped:
+            summary["stopped_after"] = r.stages[self.stop_after].name
+            self._log(f"stopped after stage {summary['stopped_after']} (its checkpoint is in {self._ckpt_root()}); "
+                      "run the same command with --resume to continue")
         if self.is_main:
-            self.save_outputs()
+            if not stopped:
+                self.save_outputs()
             (self.out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             if self.results:
                 write_results(self.results, summary)
@@ -506,11 +516,28 @@ def run_finetune(
     progress: bool = True,
     model=None,
     tokenizer=None,
+    stop_after: str | None = None,
 ) -> dict[str, Any]:
-    """Runs every stage of `recipe` and writes the outputs; returns the training log (also in train_log.json)."""
+    """Runs every stage of `recipe` and writes the outputs; returns the training log (also in train_log.json).
+    `stop_after` (a stage's name or index) ends the run once that stage is done and checkpointed, before the outputs
+    are written: the same call with `resume=True` continues with the next stage."""
     out = output_dir or recipe.output.dir
     if not out:
         raise ConfigError("no output directory; pass --output DIR (or set output.dir in the recipe)")
     return Finetuner(
-        recipe, out, resume=resume, results=results, command=command, progress=progress, model=model, tokenizer=tokenizer
+        recipe, out, resume=resume, results=results, command=command, progress=progress, model=model,
+        tokenizer=tokenizer, stop_after=stop_after,
     ).run()
+
+
+def _stage_index(recipe: Recipe, stage: str | int | None) -> int | None:
+    """The index of the stage named (or numbered) `stage`; None for None."""
+    if stage is None:
+        return None
+    names = [s.name for s in recipe.stages]
+    if str(stage) in names:
+        return names.index(str(stage))
+    if str(stage).isdigit() and int(stage) < len(names):
+        return int(stage)
+    raise ConfigError(f"stop after {stage!r}: the recipe has no such stage; its stages are {', '.join(names)} "
+                      f"(or their indices 0-{len(names) - 1})")
