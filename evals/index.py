@@ -26,7 +26,7 @@ from evals.shared import RESULTS
 REQUIRED = ("device", "date", "commit", "command")  # every result file should say these
 # folders that hold several kinds of benchmark or study: a file's name starts with its kind
 KINDS = {
-    "decode": ("attention", "profile", "anatomy"),
+    "decode": ("attention", "profile", "anatomy", "fused-ops"),
     "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache"),
     "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks",
              "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff"),

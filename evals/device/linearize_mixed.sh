@@ -50,8 +50,11 @@ lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
 skip = ("test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__")
 mods = sorted(p for p in lib.rglob("*.py") if not any(s in p.relative_to(lib).parts for s in skip))
 for i, p in enumerate(mods):
-    dst = (w / "train" / "code") if i % 2 == 0 else (w / "heldout-code")
-    shutil.copy(p, dst / str(p.relative_to(lib)).replace("/", "__"))
+    name = str(p.relative_to(lib)).replace("/", "__")
+    if i % 2 == 0:
+        shutil.copy(p, w / "train" / "code" / name)
+    else:  # `longctx eval ppl` reads a folder's .txt files
+        shutil.copy(p, w / "heldout-code" / (name + ".txt"))
 print(f"essays {len(essays)}, modules {len(mods)}")
 PY
   du -sh "$W"/*/ "$W"/train/*
