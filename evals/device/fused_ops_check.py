@@ -28,6 +28,15 @@ def _greedy(model, ids, new: int):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores).float()
 
 
+def _finite_max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| where both are finite (generate's processors set some scores to -inf: min_new_tokens
+    masks EOS); NaN if the two disagree on which scores are finite."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb):
+        return float("nan")
+    return float((a[fa] - b[fb]).abs().max()) if bool(fa.any()) else 0.0
+
+
 def check(method: str, dtype: torch.dtype, prompt: int, new: int, batch: int) -> dict:
     model = llama_1b_shaped("cuda", dtype)
     ids = torch.randint(100, 128256, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
@@ -46,8 +55,8 @@ def check(method: str, dtype: torch.dtype, prompt: int, new: int, batch: int) ->
     first = int((~same).any(0).nonzero()[0]) if not bool(same.all()) else None
     upto = first if first is not None else new
     row.update(prefill_logits_max_diff=float((l0 - l1).abs().max()), tokens_equal=bool(same.all()),
-               first_different_step=first, scores_max_diff_before_it=float((s0[:upto] - s1[:upto]).abs().max())
-               if upto else 0.0, decode_ms_per_step_unfused=ms0, decode_ms_per_step_fused=ms1,
+               first_different_step=first, scores_max_diff_before_it=_finite_max_diff(s0[:upto], s1[:upto]),
+               decode_ms_per_step_unfused=ms0, decode_ms_per_step_fused=ms1,
                speedup=ms0 / ms1)
     print(json.dumps(row))
     return row
