@@ -14,7 +14,7 @@ def test_train_throughput_smoke(tmp_path):
     torch.set_num_threads(1)
     try:
         out = train_throughput.main(["--device", "cpu", "--seq", "64", "--batch", "1", "--layers", "2", "--vocab", "512",
-                                     "--dtype", "float32", "--steps", "1", "--warmup", "1",
+                                     "--dtype", "float32", "--steps", "1", "--warmup", "1", "--profile",
                                      "--out", str(tmp_path / "runs" / "a.json")])
     finally:
         torch.set_num_threads(n)
@@ -27,5 +27,8 @@ def test_train_throughput_smoke(tmp_path):
         assert set(r["breakdown_ms"]) == {"forward", "backward", "optimizer"}
         assert all(v >= 0 for v in r["breakdown_ms"].values())
         assert r["trainable_params"] > 0 and all(l == l for l in r["loss"])  # finite (not NaN)
+        prof = r["profile"]  # one more step's ops by time: the GEMMs are there, and the kinds add up
+        assert prof["by_kind_ms"]["gemm"] > 0 and prof["launches"] >= len(prof["top"]) > 0
+        assert abs(sum(prof["by_kind_ms"].values()) - prof["total_ms"]) < 0.01 * prof["total_ms"] + 0.01
     merged = train_throughput.main(["--merge", str(tmp_path / "runs"), "--out", str(tmp_path / "all.json")])
     assert [r["stage"] for r in json.loads(merged.read_text())["rows"]] == ["transfer", "lora"]

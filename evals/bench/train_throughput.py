@@ -3,7 +3,7 @@ random-weight model patched with lolcats: tokens/s, peak memory and a step-time 
 optimizer), through the runner's own step (`Finetuner.train_step`) and the stages of a recipe.
 
     python3 -m evals.bench.train_throughput [--batch 8,16] [--seq 4096] [--stages transfer,lora] [--compile]
-        [--grad-checkpointing] [--steps 5] [--warmup 2] [--out FILE]
+        [--grad-checkpointing] [--steps 5] [--warmup 2] [--profile] [--out FILE]
     python3 -m evals.bench.train_throughput --device cpu --seq 256 --batch 1 --layers 2   # smoke test
     python3 -m evals.bench.train_throughput --merge DIR --out FILE   # the rows of DIR/*.json in one file
 
@@ -93,6 +93,15 @@ def time_stage(ft, stage, args, device) -> dict:
                 if i >= args.warmup:
                     steps.append(t)
                     losses.append(float(loss))
+            if args.profile:  # one more step, its kernels by device time
+                batch = torch.randint(3, vocab, (stage.batch_size, stage.seq_len), generator=gen).to(device)
+
+                def one_step():
+                    timer.start()
+                    ft.train_step(model, optimizer, scheduler, [batch], stage, transfer, trainable, timer)
+                    timer.finish()
+
+                profile = profile_step(one_step, cuda)
     finally:
         ft.root = acc.unwrap_model(model, keep_fp32_wrapper=False)
         ft.leave_stage_modes(stage)
@@ -100,7 +109,7 @@ def time_stage(ft, stage, args, device) -> dict:
         acc.free_memory()
     tokens = stage.batch_size * stage.seq_len
     mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-    return {
+    return ({"profile": profile} if args.profile else {}) | {
         "tokens_per_step": tokens,
         "step_ms": round(mean["total"], 3),
         "tokens_per_s": round(tokens / (mean["total"] / 1e3), 1),
@@ -109,6 +118,46 @@ def time_stage(ft, stage, args, device) -> dict:
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
         "trainable_params": int(sum(p.numel() for p in trainable)),
         "loss": losses,
+    }
+
+
+# kernel name -> kind, first match wins (names of cuBLAS/CUTLASS GEMMs, Triton kernels, PyTorch's own)
+KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
+         ("attention", ("flash", "fmha", "cudnn", "scaled_dot_product", "_attn")),
+         ("triton", ("triton", "_kernel")),
+         ("copy / cast", ("copy", "_to_copy", "cast", "fill")),
+         ("reduction", ("reduce", "sum", "mean", "norm", "softmax", "cross_entropy", "nll")),
+         ("elementwise", ("elementwise", "vectorized", "mul", "add", "silu", "pow", "rsqrt", "neg", "cat")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(x in low for x in keys)), "other")
+
+
+def profile_step(step, cuda: bool, top: int = 30) -> dict:
+    """One call of `step` under torch.profiler: its kernels (CUDA) or ops (CPU) by self time, the top `top` of them,
+    the time by kind (GEMM, attention, Triton, copies and casts, reductions, elementwise, other) and the count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    ms = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 for e in events}
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + ms[e.key]
+    events.sort(key=lambda e: -ms[e.key])
+    return {
+        "timer": "device" if cuda else "cpu (ops, children excluded)",
+        "total_ms": round(sum(ms.values()), 3),
+        "launches": int(sum(e.count for e in events)),
+        "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": e.key[:120], "calls": e.count, "ms": round(ms[e.key], 3), "kind": kind_of(e.key)}
+                for e in events[:top]],
     }
 
 
@@ -135,7 +184,12 @@ def run_batch(args, batch: int, device: torch.device) -> list[dict]:
             except torch.OutOfMemoryError as e:
                 row["error"] = f"out of memory: {str(e).splitlines()[0]}"
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("step_ms_all", "loss")}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("step_ms_all", "loss", "profile")}), flush=True)
+            if "profile" in row:
+                pr = row["profile"]
+                print(f"  profile: {pr['total_ms']} ms in {pr['launches']} launches; by kind {pr['by_kind_ms']}")
+                for e in pr["top"][:12]:
+                    print(f"    {e['ms']:9.3f} ms x {e['calls']:5d}  [{e['kind']}] {e['name']}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     del model, ft
@@ -175,6 +229,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--no-attention-checkpointing", action="store_true",
                     help="keep the patched attentions' intermediates (stage option attention_checkpointing: false)")
     ap.add_argument("--no-fused-loss", action="store_true", help="the model's own loss (stage option fused_loss: false)")
+    ap.add_argument("--profile", action="store_true", help="also profile one more step: its kernels by device time, "
+                    "grouped by kind (GEMM, attention, Triton, copies, reductions, elementwise), in the row's 'profile'")
     ap.add_argument("--merge", default=None, help="merge the result files of this folder into --out and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
