@@ -64,6 +64,7 @@ class _Store:
     eager_steps: int = 0
     captures: int = 0
     replays: int = 0
+    one_device: bool = True  # a model split over devices (device_map) is never captured: a graph is one device's
 
 
 def _state_sig(cache) -> tuple:
@@ -170,8 +171,12 @@ class DecodeGraphs:
             cpos = kwargs.get("cache_position")
             cache._decode_graphs = _Store(ids=ids.clone(), pos=ids.clone(),
                                           cpos=cpos.clone() if isinstance(cpos, torch.Tensor) else None,
-                                          state_sig=_state_sig(cache), eager_steps=1)
+                                          state_sig=_state_sig(cache), eager_steps=1,
+                                          one_device=len({t.device for t in self.model.parameters()}) <= 1)
             return out
+        if not store.one_device:
+            store.eager_steps += 1
+            return self.orig(**kwargs)
         full_key = (tuple(ids.shape), keep, key)
         entry = store.graphs.get(full_key)
         if entry is None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from .architectures import ArchAdapter, base_model
 from .errors import ConfigError
-from .kernels.backend import require_triton, triton_installed
+from .kernels.backend import on_device, require_triton, triton_installed
 from .kernels.fused import rms_norm, rms_norm_missing, silu_mul, silu_mul_missing
 
 ENV = "LONGCTX_FUSED_OPS"
@@ -101,12 +101,16 @@ class FusedForward:
         x = args[0]
         if self.kind == "norm":
             if rms_norm_missing(x, m.weight, self.mode) is None:
-                return rms_norm(x, m.weight, m.variance_epsilon)
+                with on_device(x):  # Triton launches on the current device: a model split over GPUs
+                    return rms_norm(x, m.weight, m.variance_epsilon)
             return self.orig(m, x)
         if torch.compiler.is_compiling() or (self.mode == "auto" and not x.is_cuda):
             return self.orig(m, x)
         g, u = m.gate_proj(x), m.up_proj(x)
-        h = silu_mul(g, u) if silu_mul_missing(g, u, self.mode) is None else m.act_fn(g) * u
+        if silu_mul_missing(g, u, self.mode) is not None:
+            return m.down_proj(m.act_fn(g) * u)
+        with on_device(g):
+            h = silu_mul(g, u)
         return m.down_proj(h)
 
 

@@ -184,3 +184,18 @@ def test_forward_rebound_as_a_method_still_runs_and_unpatches():
         assert torch.allclose(model(input_ids=ids).logits, want, atol=1e-5)
     lp.unpatch(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_model_over_several_devices_decodes_eagerly(simulate):
+    """A graph is one device's: a model whose parameters sit on more than one device (device_map) is never captured,
+    every step runs eagerly and gives the same tokens."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, "exact")
+    ids = torch.randint(3, 100, (2, 9))
+    seq_1, _, cache_1 = greedy_with_scores(model, ids, 6)
+    assert dg.stats(cache_1)["captures"] == 1
+    model.register_parameter("elsewhere", torch.nn.Parameter(torch.zeros(1, device="meta")))  # a second device
+    seq_2, _, cache_2 = greedy_with_scores(model, ids, 6)
+    assert dg.stats(cache_2) == {"eager_steps": 5, "captures": 0, "replays": 0, "graphs": 0}
+    assert torch.equal(seq_2, seq_1)

@@ -305,3 +305,43 @@ def test_not_in_the_patch_record(tmp_path):
     assert all("forward" not in m.__dict__ for m in _targets(fresh))
     lp.set_fused_ops(fresh, "triton")
     assert all(isinstance(m.__dict__.get("forward"), fused_ops.FusedForward) for m in _targets(fresh))
+
+
+def test_kernels_launch_on_the_layers_device(monkeypatch):
+    """Triton launches on the current CUDA device: the patched attention and the fused norms / MLP make their
+    input's device current first (a model split over GPUs), through kernels.backend.on_device."""
+    import contextlib
+    import types
+
+    from longctx_patch.kernels import backend
+    from longctx_patch.methods import base
+
+    # on_device itself: a CUDA tensor on another device than the current one switches, else nothing
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    assert isinstance(backend.on_device(torch.zeros(1)), contextlib.nullcontext) and entered == []
+    backend.on_device(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    assert entered == [torch.device("cuda", 1)]
+    assert isinstance(backend.on_device(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))),
+                      contextlib.nullcontext)
+    monkeypatch.undo()
+
+    # the call sites: every patched layer and every fused norm / MLP asks for its input's device
+    seen = []
+
+    def spy(t):
+        seen.append(tuple(t.shape))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(base, "on_device", spy)
+    monkeypatch.setattr(fused_ops, "on_device", spy)
+    model = tiny_model("llama")
+    lp.patch(model, "exact", fused_ops="triton")
+    ids = torch.randint(3, 100, (1, 5))
+    with torch.no_grad():
+        model(ids)
+    layers = model.config.num_hidden_layers
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
+    assert seen.count((1, 5, hidden)) == layers + 2 * layers + 1  # attention inputs, two norms a layer, final norm
+    assert seen.count((1, 5, inter)) == layers  # the SiLU products

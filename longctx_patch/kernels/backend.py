@@ -15,6 +15,7 @@ helpers of `triton_lib.py` among them) are imported only once `resolve_backend` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -66,6 +67,16 @@ def attention_kernel_missing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "no backward: these kernels serve inference"
     return None
+
+
+def on_device(t: torch.Tensor):
+    """A context that makes `t`'s CUDA device the current one for the calls inside it, when it is not already.
+    Triton launches a kernel on the current device, not on its tensors' device: in a model split over GPUs
+    (`device_map`) a layer on cuda:1 called while cuda:0 is current would run its kernels on the wrong GPU (an
+    illegal address, or silently wrong values). A no-op for CPU tensors, the current device, and under torch.compile."""
+    if not t.is_cuda or torch.compiler.is_compiling() or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

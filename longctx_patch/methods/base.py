@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
 from ..errors import ConfigError
+from ..kernels.backend import on_device
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -279,18 +280,19 @@ class PatchedAttention(nn.Module):
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
-        q, k, v = self.project(hidden_states, position_embeddings)
-        layer = cache.layers[self.layer_idx] if cache is not None else None
-        padding = self._ctx.key_mask if self._ctx is not None else None
-        if layer is None and self._ctx is not None and self._ctx.recompute and torch.is_grad_enabled():
-            o = checkpoint(self.attend, q, k, v, None, padding, use_reentrant=False)
-        else:
-            o = self.attend(q, k, v, layer, padding)
-        transfer = self._ctx.transfer if self._ctx is not None else None
-        if transfer is not None:
-            o = transfer.record(self, q, k, v, padding, o)
-        B, S = hidden_states.shape[:2]
-        return self.o_proj(o.reshape(B, S, -1).to(hidden_states.dtype)), None
+        with on_device(hidden_states):  # the kernels launch on this layer's GPU in a model split over several
+            q, k, v = self.project(hidden_states, position_embeddings)
+            layer = cache.layers[self.layer_idx] if cache is not None else None
+            padding = self._ctx.key_mask if self._ctx is not None else None
+            if layer is None and self._ctx is not None and self._ctx.recompute and torch.is_grad_enabled():
+                o = checkpoint(self.attend, q, k, v, None, padding, use_reentrant=False)
+            else:
+                o = self.attend(q, k, v, layer, padding)
+            transfer = self._ctx.transfer if self._ctx is not None else None
+            if transfer is not None:
+                o = transfer.record(self, q, k, v, padding, o)
+            B, S = hidden_states.shape[:2]
+            return self.o_proj(o.reshape(B, S, -1).to(hidden_states.dtype)), None
 
     def extra_repr(self) -> str:
         return f"method={self.method_name!r}, layer={self.layer_idx}, config={self.method_config}"
