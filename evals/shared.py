@@ -72,3 +72,30 @@ def llama_1b_shaped(device: str, dtype: torch.dtype):
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     return model.to(dtype).eval()
+
+
+# kinds of profiled kernels and ops, by name (kernel_kind)
+_GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::bmm", "aten::addmm", "aten::linear")
+_ATTENTION = ("flash", "fmha", "cudnn", "scaled_dot_product", "_attn")
+_COPY = ("copy", "_to_copy", "cast", "fill")
+_REDUCTION = ("reduce", "sum", "mean", "norm", "softmax", "cross_entropy", "nll", "scan")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a profiled kernel or op, by its name: gemm, attention, then PyTorch's own kernels and ops
+    (copy / cast, reduction, elementwise), other C++ kernels, and "triton" for a kernel named as a Python function
+    (the package's or Inductor's)."""
+    low = name.lower()
+    if any(x in low for x in _GEMM):
+        return "gemm"
+    if any(x in low for x in _ATTENTION):
+        return "attention"
+    if "at::native" in low or low.startswith("aten::"):
+        if any(x in low for x in _COPY):
+            return "copy / cast"
+        return "reduction" if any(x in low for x in _REDUCTION) else "elementwise"
+    if low.startswith("memcpy") or low.startswith("memset"):
+        return "copy / cast"
+    if low.startswith("void ") or "::" in low or low.startswith("cuda") or " " in low or "backward" in low:
+        return "other"  # other C++ kernels, runtime calls, autograd nodes (a CPU profile)
+    return "triton"

@@ -30,7 +30,7 @@ import sys
 import torch
 
 import longctx_patch as lp
-from evals.shared import device_token, llama_1b_shaped, result_file
+from evals.shared import device_token, kernel_kind, llama_1b_shaped, result_file
 from longctx_patch.cache import cache_argument
 from longctx_patch.evals.common import git_commit, parse_sizes
 from longctx_patch.evals.speed_model import timed_generate
@@ -108,6 +108,13 @@ def measure(method: str, batch: int, context: int, steps: int, base: int, fused_
             evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             row["kernels_per_step"] = len(evs) / k
             row["kernel_ms"] = sum(e.device_time_total for e in evs) / 1e3 / k
+            kinds: dict[str, list[float]] = {}  # kind -> [count, ms] per step
+            for e in evs:
+                c = kinds.setdefault(kernel_kind(e.name), [0.0, 0.0])
+                c[0] += 1 / k
+                c[1] += e.device_time_total / 1e3 / k
+            row["kernels_by_kind"] = {n: {"per_step": round(c, 1), "ms": round(t, 4)}
+                                      for n, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1])}
         else:
             row["graphs"] = len(store.graphs) if store is not None else 0
         del cache, out

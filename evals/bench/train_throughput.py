@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from evals.shared import REPO_ROOT, device_token, result_file
+from evals.shared import REPO_ROOT, device_token, kernel_kind, result_file
 from longctx_patch.evals.common import device_description, git_commit
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
@@ -121,20 +121,6 @@ def time_stage(ft, stage, args, device) -> dict:
     }
 
 
-# kernel name -> kind, first match wins (names of cuBLAS/CUTLASS GEMMs, Triton kernels, PyTorch's own)
-KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
-         ("attention", ("flash", "fmha", "cudnn", "scaled_dot_product", "_attn")),
-         ("triton", ("triton", "_kernel")),
-         ("copy / cast", ("copy", "_to_copy", "cast", "fill")),
-         ("reduction", ("reduce", "sum", "mean", "norm", "softmax", "cross_entropy", "nll")),
-         ("elementwise", ("elementwise", "vectorized", "mul", "add", "silu", "pow", "rsqrt", "neg", "cat")))
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    return next((k for k, keys in KINDS if any(x in low for x in keys)), "other")
-
-
 def profile_step(step, cuda: bool, top: int = 30) -> dict:
     """One call of `step` under torch.profiler: its kernels (CUDA) or ops (CPU) by self time, the top `top` of them,
     the time by kind (GEMM, attention, Triton, copies and casts, reductions, elementwise, other) and the count."""
@@ -149,14 +135,14 @@ def profile_step(step, cuda: bool, top: int = 30) -> dict:
     ms = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 for e in events}
     kinds: dict[str, float] = {}
     for e in events:
-        kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + ms[e.key]
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms[e.key]
     events.sort(key=lambda e: -ms[e.key])
     return {
         "timer": "device" if cuda else "cpu (ops, children excluded)",
         "total_ms": round(sum(ms.values()), 3),
         "launches": int(sum(e.count for e in events)),
         "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-        "top": [{"name": e.key[:120], "calls": e.count, "ms": round(ms[e.key], 3), "kind": kind_of(e.key)}
+        "top": [{"name": e.key[:120], "calls": e.count, "ms": round(ms[e.key], 3), "kind": kernel_kind(e.key)}
                 for e in events[:top]],
     }
 
