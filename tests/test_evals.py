@@ -340,10 +340,18 @@ def test_ppl_text_sources(tmp_path):
     (tmp_path / "b.txt").write_text("beta " * 10)
     (tmp_path / "LICENSE.txt").write_text("licence text")
     assert len(ppl.load_texts(tmp_path)) == 2
+    # the same files as `longctx finetune --text`: source code too, sub-folders too (not the folder's notes)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "pkg" / "blob.bin").write_bytes(b"\x00\x01")
+    assert sorted(ppl.load_texts(tmp_path)) == sorted(["alpha " * 10, "beta " * 10, "def f():\n    return 1\n"])
     with pytest.raises(ConfigError, match="exactly one"):
         ppl.load_texts(None)
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="no such file or directory"):
         ppl.load_texts(tmp_path / "missing.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no text files"):
+        ppl.load_texts(tmp_path / "empty")
 
 
 def test_ppl_dataset_source(tmp_path):

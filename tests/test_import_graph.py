@@ -35,6 +35,7 @@ LAYERS = (
     (f"{ROOT}.checkpoint", 1),  # packaged method weights, the tensor-parallel split of method tensors
     (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
+    (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
     (f"{ROOT}.methods", 2),
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert
     (f"{ROOT}.train", 4),

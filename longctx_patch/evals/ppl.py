@@ -1,6 +1,6 @@
 """Perplexity on long text, and loss by position bucket (does the model use far context?).
 
-The text (files, a folder of .txt files, or a `datasets` dataset) is tokenised, the documents are
+The text (files, a folder of text files, or a `datasets` dataset) is tokenised, the documents are
 joined with the EOS token into one stream, and the stream is cut into non-overlapping windows of each
 `--context` length. Every window is scored in one forward pass without a cache; the loss of each
 predicted token is put into one of `buckets` equal-width position buckets. The same windows are scored
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
+from ..texts import text_files
 from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 LOSS_CHUNK = 1024  # tokens per chunk of the output projection (keeps [chunk, vocab] logits small)
@@ -26,24 +27,15 @@ def load_texts(
     field: str = "text",
     max_docs: int | None = None,
 ) -> list[str]:
-    """Documents from `text` (a file, a folder of .txt files, or a list of those) or from a dataset."""
+    """Documents from `text` (a file, a folder of text files read as `texts.text_files` reads it, without the
+    folder's LICENSE / README notes, or a list of those) or from a dataset."""
     if (text is None) == (dataset is None):
         raise ConfigError("give exactly one text source: --text FILE|DIR or --dataset NAME (with --split, --field)")
     docs: list[str] = []
     if text is not None:
         sources = [text] if isinstance(text, (str, Path)) else list(text)
         for src in sources:
-            p = Path(src)
-            if p.is_dir():
-                files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in (".txt", ".md"))
-                files = [f for f in files if not f.name.upper().startswith(("LICENSE", "SOURCE", "README"))]
-                if not files:
-                    raise ConfigError(f"{p} holds no .txt files; pass a .txt file or a folder of .txt files")
-                docs += [f.read_text(encoding="utf-8", errors="replace") for f in files]
-            elif p.is_file():
-                docs.append(p.read_text(encoding="utf-8", errors="replace"))
-            else:
-                raise ConfigError(f"{p} does not exist; pass a .txt file or a folder of .txt files")
+            docs += [f.read_text(encoding="utf-8", errors="replace") for f in text_files(src, skip_meta=True)]
     else:
         docs = _dataset_texts(dataset, split, field, max_docs)
     docs = [d for d in docs if d.strip()]

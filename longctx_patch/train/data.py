@@ -17,41 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ConfigError
-
-# Files under a --text directory that are read as text; anything else is skipped silently.
-TEXT_SUFFIXES = {
-    ".txt", ".md", ".rst", ".tex", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js",
-    ".ts", ".sh", ".toml", ".yaml", ".yml", ".json", ".jsonl", ".csv", ".html", ".xml", ".org", "",
-}
-
-
-def _looks_binary(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    return b"\x00" in head
-
-
-def text_files(path: str | os.PathLike) -> list[Path]:
-    """The text files of a `--text` argument: the file itself, or every text file under a directory (sorted)."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise ConfigError(f"--text {str(path)!r}: no such file or directory; pass a text file or a folder of text files")
-    files = []
-    for root, dirs, names in os.walk(p):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-        for n in sorted(names):
-            f = Path(root) / n
-            if n.startswith(".") or f.suffix.lower() not in TEXT_SUFFIXES or not f.is_file():
-                continue
-            if _looks_binary(f):
-                continue
-            files.append(f)
-    if not files:
-        raise ConfigError(f"--text {str(path)!r}: the folder holds no text files (suffixes such as .txt, .md, .py)")
-    return files
-
+from ..texts import TEXT_SUFFIXES, text_files  # noqa: F401 - TEXT_SUFFIXES re-exported
 
 def read_text_documents(path: str | os.PathLike) -> list[str]:
     docs = []
