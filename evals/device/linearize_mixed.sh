@@ -4,7 +4,10 @@
 # the book) and on S-NIAH-1 in held-out essays. Run from the repository root on the GPU machine with the model at
 # $MODEL (see evals/README.md, "GPU runs") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
 #   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh train OUT   # -> $RUN, asset in $RUN/assets
-#   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh eval OUT    # perplexity + S-NIAH-1, every method
+#   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh eval OUT    # perplexity + S-NIAH, every method
+#   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh extend OUT  # recipes/linearize-extend.yaml at $EXTEND_SEQ
+#     on the trained run's maps (the LoRA stays merged); the asset in $RUN/assets is replaced by the extended one
+# A run too long for one job: EXTRA="--stop-after transfer" for the first, EXTRA="--resume" for the second.
 # The split (deterministic): every 5th essay and the book's last 10% held out; the standard library's non-test
 # modules alternate between training and held-out in sorted order. Essays and the book are repeated 3x in the
 # training text so that natural language is a large share of it (2.84M tokens in all with SmolLM2's tokenizer).
@@ -60,6 +63,23 @@ PY
   du -sh "$W"/*/ "$W"/train/*
 }
 
+if [ "$STEP" = extend ]; then  # the attention transfer again at $EXTEND_SEQ tokens, from the trained run
+  split_text
+  EXT=${EXT:-$RUN-extend}
+  python3 -m cli.main finetune recipes/linearize-extend.yaml --model "$MODEL" --text "$W/train" --output "$EXT" -q \
+    --set method_config.checkpoint="$RUN/trainable" --set "stages.0.seq_len=${EXTEND_SEQ:-8192}" \
+    --set "stages.0.batch_size=${EXTEND_BATCH:-8}" --set "stages.0.steps=${EXTEND_STEPS:-150}" \
+    --set "stages.0.max_time_s=${EXTEND_MAX_S:-240}" --set stages.0.eval_every=50 --set stages.0.save_every=100000 \
+    --results "$OUT/finetune/$NAME-extend-$DEV.json" ${EXTRA:-}
+  . "$(dirname "$0")/train_text.sh"
+  # the extension trains the maps with the run's LoRA merged and frozen: the asset takes the run's adapter as it was
+  cp -r "$RUN/trainable/adapter" "$EXT/trainable/adapter"
+  write_run_asset "$EXT" "SmolLM2-135M-Instruct linearized on mixed text, transfer extended to ${EXTEND_SEQ:-8192} tokens"
+  rm -rf "$RUN/assets" && mkdir -p "$RUN/assets" && cp -r "$EXT/assets/." "$RUN/assets/"
+  (cd "$RUN/assets" && tar cf "$OUT/asset-extended.tar" .)
+  exit 0
+fi
+
 if [ "$STEP" = train ]; then  # linearize_smollm2.sh's train step on this text, at $SEQ tokens
   split_text
   TEXT="$W/train" MODEL="$MODEL" RUN="$RUN" OUT="$OUT" NAME="$NAME" DEV="$DEV" TRANSFER_STEPS="$TRANSFER_STEPS" \
@@ -77,7 +97,8 @@ split_text
 E=/tmp/mixed-eval && mkdir -p "$E/ppl" "$E/niah"
 export OMP_NUM_THREADS=2
 M="--model $MODEL --no-progress"
-METHODS=(none lolcats 'lola(window=64,sparse_cache=64)' 'lola(window=256,sparse_cache=256)')
+METHODS=(none lolcats 'lola(window=64,sparse_cache=64)' 'lola(window=128,sparse_cache=128)'
+         'lola(window=256,sparse_cache=256)')
 pm=(); for m in "${METHODS[@]}"; do pm+=(--method "$m"); done
 pids=()
 for kind in code book; do
@@ -87,7 +108,7 @@ for kind in code book; do
 done
 for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
-  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1 --lengths 2k,4k,8k \
+  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2 --lengths 2k,4k,8k \
     --samples 4 --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
     --name "$NAME-$tag-$DEV" > "$E/niah-$tag.log" 2>&1 &
   pids+=($!)

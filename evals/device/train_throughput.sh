@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Throughput sweep of the fine-tune trainer (evals/bench/train_throughput.py) on one GPU: SmolLM2-135M-shaped,
 # random weights, lolcats, 4096-token sequences; the attention-transfer and LoRA stages of recipes/linearize.yaml
-# at several batch sizes and options. Each configuration runs in its own process under `timeout` (an OOM or a crash
-# ends only its own); configurations that would not finish before DEADLINE seconds are skipped. Run from the
-# repository root:
+# at several batch sizes and options (the first two also profile one step: its kernels by kind). Each configuration
+# runs in its own process under `timeout` (an OOM or a crash ends only its own); configurations that would not finish
+# before DEADLINE seconds are skipped. Run from the repository root:
 #   LONGCTX_COMMIT=<commit> bash evals/device/train_throughput.sh OUT
 # Writes OUT/finetune/train-throughput-<device>.json (every row), OUT/train-throughput/*.json (one per
 # configuration) and OUT/train-throughput.log.
@@ -20,13 +20,13 @@ start=$(date +%s)
 
 # name | seconds | options   (most telling first: the deadline cuts from the end)
 CONFIGS=(
-  "transfer-b16|70|--stages transfer --batch 16"
+  "transfer-b16|80|--stages transfer --batch 16 --profile"
+  "lora-b16|90|--stages lora --batch 16 --profile"
   "transfer-b32|70|--stages transfer --batch 32"
   "lora-b8|70|--stages lora --batch 8"
   "lora-b16-gc|70|--stages lora --batch 16 --grad-checkpointing"
   "transfer-b64|80|--stages transfer --batch 64"
   "lora-b32-gc|80|--stages lora --batch 32 --grad-checkpointing"
-  "lora-b16|70|--stages lora --batch 16"
   "transfer-b16-compile|150|--stages transfer --batch 16 --compile"
   "lora-b16-gc-compile|150|--stages lora --batch 16 --grad-checkpointing --compile"
   "transfer-b16-keep-attention|60|--stages transfer --batch 16 --no-attention-checkpointing"
