@@ -17,7 +17,8 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..texts import TEXT_SUFFIXES, text_files  # noqa: F401 - TEXT_SUFFIXES re-exported
+from ..texts import text_files
+
 
 def read_text_documents(path: str | os.PathLike) -> list[str]:
     docs = []
