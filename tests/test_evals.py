@@ -199,7 +199,7 @@ def test_niah_too_short_and_bad_task(tok):
         niah.build_sample(tok, "s-niah-2", 40, 0.5)
     with pytest.raises(ConfigError, match="unknown niah task"):
         niah.build_sample(tok, "s-niah-9", 400, 0.5)
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="--haystack '/nonexistent/dir': no such file or directory"):
         niah.load_haystack("/nonexistent/dir")
 
 
@@ -545,8 +545,8 @@ def test_cli_approx_and_ppl_run(tiny_dir, tmp_path):
         (["niah", "--method", "nope"], "unknown method 'nope'"),
         (["niah", "--set", "window=3"], "no selected method has a key 'window'"),
         (["niah", "--depths", "2"], "bad depth"),
-        (["niah", "--haystack", "/no/such/dir"], "does not exist"),
-        (["ppl", "--text", "/no/such/file.txt"], "does not exist"),
+        (["niah", "--haystack", "/no/such/dir"], "--haystack '/no/such/dir': no such file or directory"),
+        (["ppl", "--text", "/no/such/file.txt"], "--text '/no/such/file.txt': no such file or directory"),
         (["speed", "--op", "--lengths", "1k"], "CUDA"),
     ],
 )

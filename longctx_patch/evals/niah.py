@@ -86,11 +86,12 @@ class NiahSample:
 
 # ----------------------------------------------------------------------------------------------- haystack
 def load_haystack(source: str | Path | None = None) -> str:
-    """Text of a haystack: a .txt file, or every .txt file of a folder (sorted by name) joined by blank lines."""
+    """Text of a haystack: a text file, or the text files of a folder (as `ppl.load_texts` reads them) joined by
+    blank lines."""
     from .ppl import load_texts
 
     path = Path(source) if source is not None else DEFAULT_HAYSTACK
-    text = "\n\n".join(d.strip() for d in load_texts(path))
+    text = "\n\n".join(d.strip() for d in load_texts(path, option="--haystack"))
     if len(text) < 200:
         raise ConfigError(f"haystack {path} is too short ({len(text)} characters); give at least a few paragraphs")
     return text

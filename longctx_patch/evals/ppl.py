@@ -26,16 +26,17 @@ def load_texts(
     split: str = "test",
     field: str = "text",
     max_docs: int | None = None,
+    option: str = "--text",
 ) -> list[str]:
     """Documents from `text` (a file, a folder of text files read as `texts.text_files` reads it, without the
-    folder's LICENSE / README notes, or a list of those) or from a dataset."""
+    folder's LICENSE / README notes, or a list of those) or from a dataset. `option` names the source in errors."""
     if (text is None) == (dataset is None):
         raise ConfigError("give exactly one text source: --text FILE|DIR or --dataset NAME (with --split, --field)")
     docs: list[str] = []
     if text is not None:
         sources = [text] if isinstance(text, (str, Path)) else list(text)
         for src in sources:
-            docs += [f.read_text(encoding="utf-8", errors="replace") for f in text_files(src, skip_meta=True)]
+            docs += [f.read_text(encoding="utf-8", errors="replace") for f in text_files(src, option=option, skip_meta=True)]
     else:
         docs = _dataset_texts(dataset, split, field, max_docs)
     docs = [d for d in docs if d.strip()]
