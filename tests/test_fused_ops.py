@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import greedy_with_scores, tiny_model
 
 import longctx_patch as lp
 from longctx_patch import fused_ops
@@ -345,3 +345,25 @@ def test_kernels_launch_on_the_layers_device(monkeypatch):
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
     assert seen.count((1, 5, hidden)) == layers + 2 * layers + 1  # attention inputs, two norms a layer, final norm
     assert seen.count((1, 5, inter)) == layers  # the SiLU products
+
+
+def test_smollm2_greedy_tokens_equal_with_fused_ops(smollm2, monkeypatch):
+    """The real model (SmolLM2-135M, fp32): greedy tokens and every step's scores with the fused kernels as with
+    transformers' own ops (the GPU check in evals/device/fused_ops_check.py runs random 1B-shaped weights)."""
+    model, tok = smollm2
+    ids = tok("Long contexts need cheap attention because", return_tensors="pt").input_ids
+    calls = []
+    norm = fused_ops.rms_norm
+    monkeypatch.setattr(fused_ops, "rms_norm", lambda *a: calls.append(1) or norm(*a))
+    try:
+        lp.patch(model, "exact", fused_ops=False)
+        seq_a, sc_a, _ = greedy_with_scores(model, ids, 6)
+        lp.unpatch(model)
+        assert not calls
+        lp.patch(model, "exact", fused_ops="triton")
+        seq_b, sc_b, _ = greedy_with_scores(model, ids, 6)
+    finally:
+        lp.unpatch(model)
+    assert len(calls) == 6 * (2 * model.config.num_hidden_layers + 1)  # every norm of every forward took the kernel
+    assert torch.equal(seq_a, seq_b)
+    torch.testing.assert_close(sc_b, sc_a, atol=2e-4, rtol=0)
