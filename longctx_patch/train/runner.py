@@ -418,7 +418,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             self.run_stage(si, stage, start, this_ckpt, log)
         self.accelerator.wait_for_everyone()
         summary = self.summary()
-        stopped = len(self.stage_logs) < len(r.stages)
+        stopped = self.stop_after is not None and self.stop_after < len(r.stages) - 1
         if stopped:
             summary["stopped_after"] = r.stages[self.stop_after].name
             self._log(f"stopped after stage {summary['stopped_after']} (its checkpoint is in {self._ckpt_root()}); "
