@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -794,3 +795,47 @@ def test_hybrid_recipe_patches_the_other_layers(tiny_dir, text_file, tmp_path):
     assert longctx_patch.patched_layers(m2) == want
     with pytest.raises(ConfigError, match="rest_method.*layers"):
         recipe_from_dict({**d, "layers": None})
+
+
+@pytest.mark.parametrize("frozen", ["auto", "keep"])
+def test_frozen_weights_in_bf16_under_mixed_precision(tiny_dir, text_file, tmp_path, frozen, monkeypatch):
+    """frozen_dtype=auto under bf16 autocast: the base model's parameters are bf16 while the stages run, the
+    method's and LoRA's stay fp32, and model/ is written from the weights as loaded (the parts LoRA does not
+    touch are bit-equal to them); keep: fp32 throughout."""
+    import longctx_patch
+    from longctx_patch.train import Finetuner, load_recipe
+    from longctx_patch.train import runner as runner_mod
+
+    r = load_recipe(
+        REPO / "recipes" / "linearize.yaml",
+        [f"model={tiny_dir}", f"data.text={text_file}", "method_config.window=16", "method_config.feature_dim=8",
+         "method_config.chunk=16", "mixed_precision=bf16", f"frozen_dtype={frozen}",
+         "stages.*.seq_len=64", "stages.*.batch_size=2", "stages.*.warmup=1", "stages.*.log_every=1",
+         "stages.*.eval_every=0", "stages.*.save_every=0", "stages.*.steps=2", "data.eval_fraction=0.1",
+         "output.keep_checkpoints=0"],
+    )
+    seen: list[dict[str, set]] = []
+    orig = runner_mod.Finetuner.train_step
+
+    def spy(self, model, *a, **k):
+        kinds: dict[str, set] = {"base": set(), "method": set(), "lora": set()}
+        method = {id(p) for _, p in runner_mod.method_parameters(self.model)}
+        for n, p in self.root.named_parameters():
+            kinds["lora" if "lora_" in n else "method" if id(p) in method else "base"].add(p.dtype)
+        seen.append(kinds)
+        return orig(self, model, *a, **k)
+
+    monkeypatch.setattr(runner_mod.Finetuner, "train_step", spy)
+    ft = Finetuner(r, tmp_path / "run", progress=False)
+    log = ft.run()
+    assert all(s["final_loss"] is not None and math.isfinite(s["final_loss"]) for s in log["stages"])
+    base_dtype = torch.bfloat16 if frozen == "auto" else torch.float32
+    assert len(seen) == 4 and all(s["base"] == {base_dtype} and s["method"] == {torch.float32} for s in seen), seen
+    assert seen[-1]["lora"] == {torch.float32}
+    loaded, _ = longctx_patch.load_model(str(tiny_dir), dtype="float32", device="cpu")
+    saved, _ = longctx_patch.load_model(str(tmp_path / "run" / "model"), dtype="float32", device="cpu")
+    ref, out = dict(loaded.named_parameters()), dict(saved.named_parameters())
+    untouched = [n for n in ref if not any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    assert len(untouched) > 5
+    for n in untouched:
+        assert out[n].dtype == torch.float32 and torch.equal(out[n], ref[n]), n

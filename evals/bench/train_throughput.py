@@ -153,6 +153,7 @@ def run_batch(args, batch: int, device: torch.device) -> list[dict]:
 
     recipe = load_recipe(args.recipe, overrides(args, batch))
     recipe.mixed_precision = "bf16" if device.type == "cuda" else "no"
+    recipe.frozen_dtype = args.frozen_dtype
     dtype = getattr(torch, args.dtype)
     model = build_model(args.layers, dtype, str(device), args.vocab)
     rows = []
@@ -164,7 +165,8 @@ def run_batch(args, batch: int, device: torch.device) -> list[dict]:
                 continue
             row = {"stage": stage.name, "objective": stage.objective, "batch": batch, "seq": args.seq,
                    "gradient_checkpointing": stage.gradient_checkpointing, "compile": stage.compile,
-                   "attention_checkpointing": stage.attention_checkpointing, "fused_loss": stage.fused_loss}
+                   "attention_checkpointing": stage.attention_checkpointing, "fused_loss": stage.fused_loss,
+                   "frozen_dtype": args.frozen_dtype}
             try:
                 row.update(time_stage(ft, stage, args, device))
             except torch.OutOfMemoryError as e:
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
                     help="weights' dtype (bf16 autocast on CUDA either way); float32 is what recipes/linearize.yaml "
                          "loads (rows before 2026-12-02 were measured with bfloat16 weights)")
+    ap.add_argument("--frozen-dtype", default="auto", choices=("auto", "keep"),
+                    help="recipe key frozen_dtype: auto holds the base weights in bf16 under bf16 autocast (rows before "
+                         "2026-12-03 had keep)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")

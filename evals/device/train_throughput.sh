@@ -22,6 +22,8 @@ start=$(date +%s)
 CONFIGS=(
   "transfer-b16|80|--stages transfer --batch 16 --profile"
   "lora-b16|90|--stages lora --batch 16 --profile"
+  "transfer-b16-fp32-frozen|60|--stages transfer --batch 16 --frozen-dtype keep"
+  "lora-b16-fp32-frozen|70|--stages lora --batch 16 --frozen-dtype keep"
   "transfer-b32|70|--stages transfer --batch 32"
   "lora-b8|70|--stages lora --batch 8"
   "lora-b16-gc|70|--stages lora --batch 16 --grad-checkpointing"

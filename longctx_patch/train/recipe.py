@@ -34,6 +34,7 @@ TRAINABLE = ("method", "lora", "full")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+FROZEN_DTYPES = ("auto", "keep")
 LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -112,6 +113,9 @@ class Recipe:
     seed: int = 0
     dtype: str = "float32"  # weights as loaded for training
     mixed_precision: str = "auto"  # auto: bf16 on CUDA devices that support it, otherwise no
+    # auto: under bf16 mixed precision the parameters no stage trains (the base model's) are held in bf16, as
+    # the model runs at inference; keep: as loaded (`dtype`)
+    frozen_dtype: str = "auto"
     data: DataSpec = field(default_factory=DataSpec)
     stages: list[Stage] = field(default_factory=list)
     output: OutputSpec = field(default_factory=OutputSpec)
@@ -380,6 +384,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     r.seed = _check_type("seed", r.seed, int, minimum=0)
     r.dtype = _check_type("dtype", r.dtype, str, choices=DTYPES)
     r.mixed_precision = _check_type("mixed_precision", r.mixed_precision, str, choices=PRECISIONS)
+    r.frozen_dtype = _check_type("frozen_dtype", r.frozen_dtype, str, choices=FROZEN_DTYPES)
 
     d = r.data
     d.text = _check_type("data.text", d.text, str, optional=True)
