@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from longctx_patch.kernels.decode import triton_decode as dk  # noqa: E402
 from longctx_patch.kernels.lola import triton_evict as le  # noqa: E402
+from longctx_patch.kernels.lola import triton_feature_map_bwd as lfb  # noqa: E402
 from longctx_patch.kernels.lola import triton_hybrid as lh  # noqa: E402
 from longctx_patch.kernels.lola import triton_hybrid_bwd as lhb  # noqa: E402
 from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
@@ -116,6 +117,9 @@ CASES = {
     "decode": (lh._decode_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, HAS_SP=True),
                bf16("Q", "K", "V", "FQ", "FK", "SPK", "SPV", "O", KM=I8, SPM=I8, GW=F32, LFW=F32, H=F32, S=F32), {}),
     "feature_map": (lh._feature_map_kernel, dict(H=32, BM=64, BD=128, BF=64, PREC="tf32"), bf16("X", "W", "O"), {}),
+    "feature_map_bwd": (lfb._feature_map_bwd_kernel,
+                        dict(H=9, BM=64, BD=64, BF=64, PREC="ieee", NEED_DX=True, NEED_DW=True),
+                        {**bf16("X", "DO", "DX"), "W": F32, "DWP": F32}, {}),
     "ev_score": (le._ev_score_kernel, dict(HQ=32, BN=128, BD=128, BK=64, HAS_KM=True, PREC="bf16x3"),
                  bf16("FK", "V", CNT=I32, SPIDX=I32, KM=I8, HALL=F32, SALL=F32, SC=F32), {}),
     "ev_score_fp32": (le._ev_score_kernel, dict(HQ=32, BN=64, BD=128, BK=64, HAS_KM=True, PREC="ieee"),

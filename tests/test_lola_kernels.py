@@ -211,3 +211,51 @@ def test_feature_map_kernel_matches_reference(dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
     got16 = tk.feature_map(x, W)
     assert got16.dtype == dtype and got16.shape == (2, 4, 45, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hx,H", [(4, 4), (2, 4), (1, 7)])  # one query head per input, 2, and 7 per kv head
+@pytest.mark.parametrize("need", ["both", "dx", "dw"])
+def test_feature_map_backward_matches_reference(dtype, Hx, H, need):
+    """`ops.feature_map` under grad on the Triton path (FeatureMapFn) gives the reference's value and gradients,
+    odd length, several row tiles per program, a kv-head input summed over its group; the clamp's gradient
+    included (a sharp map puts some softmax entries below eps)."""
+    from longctx_patch.kernels.lola.ops import feature_map
+
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, Hx, 83, 16, generator=gen).to(DEV, dtype)
+    W0 = torch.randn(H, 16, 8, generator=gen).to(DEV) * 1.5
+    up = torch.randn(2, H, 83, 16, generator=gen).to(DEV, dtype)
+    eps = 1e-4
+
+    def run(backend):
+        x = x0.clone().requires_grad_(need != "dw")
+        W = W0.clone().requires_grad_(need != "dx")
+        phi = feature_map(x, W, eps=eps, out_dtype=dtype, backend=backend)
+        (phi.float() * up.float()).sum().backward()
+        return phi, x.grad, W.grad
+
+    phi_t, dx_t, dw_t = run("triton")
+    phi_r, dx_r, dw_r = run("torch")
+    assert phi_t.grad_fn is not None and type(phi_t.grad_fn).__name__ == "FeatureMapFnBackward"
+    tol = TOL[dtype]
+    torch.testing.assert_close(phi_t.float(), phi_r.float(), **tol)
+    if need != "dw":
+        assert dx_t.dtype == dtype
+        scale = dx_r.float().abs().max()
+        torch.testing.assert_close(dx_t.float() / scale, dx_r.float() / scale, **tol)
+    else:
+        assert dx_t is None
+    if need != "dx":
+        assert dw_t.dtype == torch.float32
+        scale = dw_r.abs().max()
+        torch.testing.assert_close(dw_t / scale, dw_r / scale, **tol)
+    else:
+        assert dw_t is None
+    # several row tiles per program and several programs: the same gradients
+    x = x0.clone()
+    dphi = torch.randn(2, H, 83, 16, generator=gen).to(DEV, dtype)
+    a = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=32)
+    b = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=128)
+    torch.testing.assert_close(a[0].float(), b[0].float(), **tol)
+    torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)

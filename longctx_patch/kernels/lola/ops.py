@@ -1,9 +1,9 @@
 """Dispatchers and the LoLA cache manager on plain tensors.
 
-`backend`: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". Under gradients only the
-whole-sequence LoLCATs hybrid (`hybrid_attention`) has a Triton path (`HybridAttentionFn`: the forward kernel and
-`triton_hybrid_bwd`'s backward); every other piece (the LoLA chunk loop, evictions, feature map) takes the
-differentiable PyTorch path under grad with "auto" and refuses "triton". Under TRITON_INTERPRET=1 "triton" runs
+`backend`: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". Under gradients the whole-sequence
+LoLCATs hybrid (`hybrid_attention`: `HybridAttentionFn`, the forward kernel and `triton_hybrid_bwd`'s backward) and
+the feature map (`FeatureMapFn`: `triton_feature_map_bwd`) have Triton paths; every other piece (the LoLA chunk
+loop, evictions) takes the differentiable PyTorch path under grad with "auto" and refuses "triton". Under TRITON_INTERPRET=1 "triton" runs
 the kernels on the CPU (tests).
 
 The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
@@ -48,8 +48,8 @@ def _use_triton(backend: str, *tensors) -> bool:
     grad = needs_grad(*tensors)
     if backend == "triton" and grad:
         raise ConfigError("backend='triton' was asked for while gradients are needed, but this LoLA/LoLCATs "
-                          "Triton kernel has no backward (only the LoLCATs whole-sequence hybrid attention has "
-                          "one; the feature map, the LoLA chunk loop and evictions do not); train with "
+                          "Triton kernel has no backward (the LoLCATs whole-sequence hybrid attention and the "
+                          "feature map have one; the LoLA chunk loop and evictions do not); train with "
                           "backend='auto' (the Triton hybrid where it has a backward, the PyTorch path elsewhere) "
                           "or backend='torch'")
     return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
@@ -62,9 +62,31 @@ def _tk():
     return triton_kernels
 
 
+class FeatureMapFn(torch.autograd.Function):
+    """The hedgehog feature map on the Triton kernels: forward `feature_map`, backward `feature_map_bwd` (it
+    recomputes the projection and the softmaxes: nothing but x and W is kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, dphi):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _tk().feature_map_bwd(x, weight, dphi, ctx.eps, need_dx, need_dw)
+        return dx, (dw.to(weight.dtype) if dw is not None else None), None, None
+
+
 def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto", out=None):
-    """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton forward on CUDA without grad, else torch.
-    out: write the result there (no grad; Triton writes it directly, torch copies) and return it."""
+    """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton on CUDA (under grad `FeatureMapFn`, forward and
+    backward kernels), else torch. out: write the result there (no grad; Triton writes it directly, torch copies)
+    and return it."""
+    if (out is None and x.stride(-1) == 1 and needs_grad(x, weight)
+            and resolve_backend(backend, x, weight, what="lola/lolcats") == "triton"):
+        return FeatureMapFn.apply(x, weight, float(eps), out_dtype)
     if x.stride(-1) == 1 and _use_triton(backend, x, weight):
         return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out)
     f = ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)

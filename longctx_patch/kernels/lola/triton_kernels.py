@@ -3,6 +3,7 @@
 
   triton_hybrid.py      hybrid_fwd, decode_step, feature_map  (the attention, forward)
   triton_hybrid_bwd.py  hybrid_bwd  (the backward of the whole-sequence hybrid: `ops.HybridAttentionFn`)
+  triton_feature_map_bwd.py  feature_map_bwd  (the feature map's backward: `ops.FeatureMapFn`)
   triton_state.py       chunk_states, fold_into_state, local_states  (the linear state)
   triton_evict.py       sre_score, PrefillEvictions  (the evictions)
 
@@ -10,10 +11,11 @@
 """
 
 from .triton_evict import PrefillEvictions, sre_score
+from .triton_feature_map_bwd import feature_map_bwd
 from .triton_hybrid import decode_step, feature_map, hybrid_fwd
 from .triton_hybrid_bwd import hybrid_bwd
 from .triton_state import chunk_states, fold_into_state, local_states
 from .tuning import TUNE
 
-__all__ = ["TUNE", "PrefillEvictions", "chunk_states", "decode_step", "feature_map", "fold_into_state", "hybrid_bwd",
+__all__ = ["TUNE", "PrefillEvictions", "chunk_states", "decode_step", "feature_map", "feature_map_bwd", "fold_into_state", "hybrid_bwd",
            "hybrid_fwd", "local_states", "sre_score"]
