@@ -10,8 +10,10 @@ s < eps, as torch's clamp_min passes it only where s >= eps):
 
 One program takes RPP rows of one (batch, head) in tiles of BM: it recomputes a with the forward's product (same
 precision), writes dx of its rows and one partial dW (summed over programs outside, so the result does not depend
-on the order programs run in). `NEED_DX` / `NEED_DW`: constexpr switches for the stage that trains only the feature
-maps (no dx) or only the projections below them (no dW).
+on the order programs run in). For a bf16 / fp16 x the products of dx and dW take da and W in that dtype (tensor
+cores, fp32 sums: what autocast's backward of the PyTorch map does); for fp32 x they are fp32, as the forward.
+`NEED_DX` / `NEED_DW`: constexpr switches for the stage that trains only the feature maps (no dx) or only the
+projections below them (no dW).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def _feature_map_bwd_kernel(
     s_do_b, s_do_h, s_do_n,
     s_dx_b, s_dx_h, s_dx_n,
     s_p_b, s_p_m, s_p_h, s_p_d,
-    H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
-    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
+    H: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr, GPREC: tl.constexpr,
+    LOWP: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
@@ -46,6 +48,10 @@ def _feature_map_bwd_kernel(
     md = offs_d < D
     mf = offs_f < F
     w = tl.load(W + h * s_w_h + offs_d[:, None] * s_w_d + offs_f[None, :], mask=md[:, None] & mf[None, :], other=0.0)
+    if LOWP:
+        w_t = tl.trans(w).to(X.dtype.element_ty)
+    else:
+        w_t = tl.trans(w.to(tl.float32))
     dw = tl.zeros((BD, BF), dtype=tl.float32)
     start = pid_m * RPP
     for r0 in range(start, tl.minimum(start + RPP, N), BM):
@@ -68,12 +74,18 @@ def _feature_map_bwd_kernel(
         gn = tl.where(sn >= eps, gn, 0.0)
         da = sp * (gp - tl.sum(gp * sp, 1)[:, None]) - sn * (gn - tl.sum(gn * sn, 1)[:, None])
         da = tl.where(msk, da, 0.0)
+        if LOWP:  # bf16 / fp16 input: the gradient products on tensor cores in its dtype, fp32 sums
+            da_g = da.to(X.dtype.element_ty)
+            x_g = x
+        else:
+            da_g = da
+            x_g = x.to(tl.float32)
         if NEED_DX:
-            dx = dot(da, tl.trans(w.to(tl.float32)), PREC, UPCAST)  # [BM, BD]
+            dx = dot(da_g, w_t, GPREC, UPCAST)  # [BM, BD]
             tl.store(DX + b * s_dx_b + h * s_dx_h + offs_m[:, None] * s_dx_n + offs_d[None, :],
                      cast_out(dx, DX, UPCAST), mask=mm[:, None] & md[None, :])
         if NEED_DW:
-            dw = dot(tl.trans(x.to(tl.float32)), da, PREC, UPCAST) + dw
+            dw = dot(tl.trans(x_g), da_g, GPREC, UPCAST) + dw
     if NEED_DW:
         tl.store(DWP + b * s_p_b + pid_m.to(tl.int64) * s_p_m + h * s_p_h + offs_d[:, None] * s_p_d + offs_f[None, :], dw,
                  mask=md[:, None] & mf[None, :])
@@ -98,6 +110,7 @@ def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, r
     parts = torch.empty(B, nprog, H, D, F, device=x.device, dtype=torch.float32) if need_dw else None
     dxa = dx if dx is not None else x  # unused pointers when a switch is off
     pa = parts if parts is not None else w
+    lowp = x.dtype in (torch.bfloat16, torch.float16)
     grid = (nprog, B * H)
     _feature_map_bwd_kernel[grid](
         x, w, dphi, dxa, pa,
@@ -107,7 +120,8 @@ def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, r
         dphi.stride(0), dphi.stride(1), dphi.stride(2),
         dxa.stride(0), dxa.stride(1), dxa.stride(2),
         *((parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3)) if parts is not None else (0, 0, 0, 0)),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), NEED_DX=need_dx, NEED_DW=need_dw, num_warps=4,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), GPREC=dot_precision(x, w), LOWP=lowp,
+        NEED_DX=need_dx, NEED_DW=need_dw, num_warps=8,
     )
     if dx is not None and G > 1:
         dx = dx.view(B, Hx, G, N, D).sum(2).to(x.dtype)
