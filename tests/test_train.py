@@ -826,8 +826,15 @@ def test_frozen_weights_in_bf16_under_mixed_precision(tiny_dir, text_file, tmp_p
         return orig(self, model, *a, **k)
 
     monkeypatch.setattr(runner_mod.Finetuner, "train_step", spy)
-    ft = Finetuner(r, tmp_path / "run", progress=False)
-    log = ft.run()
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one process-wide state: the earlier tests' Accelerator (mixed_precision "no") must go first
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        ft = Finetuner(r, tmp_path / "run", progress=False)
+        log = ft.run()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert all(s["final_loss"] is not None and math.isfinite(s["final_loss"]) for s in log["stages"])
     base_dtype = torch.bfloat16 if frozen == "auto" else torch.float32
     assert len(seen) == 4 and all(s["base"] == {base_dtype} and s["method"] == {torch.float32} for s in seen), seen

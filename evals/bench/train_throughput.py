@@ -57,9 +57,10 @@ def overrides(args, batch: int) -> list[str]:
         out += [f"stages.{name}.batch_size={batch}", f"stages.{name}.seq_len={args.seq}",
                 f"stages.{name}.gradient_checkpointing={str(args.grad_checkpointing).lower()}",
                 f"stages.{name}.compile={str(args.compile).lower()}",
-                f"stages.{name}.attention_checkpointing={str(not args.no_attention_checkpointing).lower()}",
                 f"stages.{name}.fused_loss={str(not args.no_fused_loss).lower()}",
                 f"stages.{name}.steps={args.warmup + args.steps}", f"stages.{name}.warmup=1"]
+        if args.attention_checkpointing != "recipe":  # else the recipe's own (linearize.yaml: off for transfer)
+            out.append(f"stages.{name}.attention_checkpointing={str(args.attention_checkpointing == 'on').lower()}")
     return out
 
 
@@ -217,8 +218,11 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")
     ap.add_argument("--grad-checkpointing", action="store_true", help="stage option gradient_checkpointing")
-    ap.add_argument("--no-attention-checkpointing", action="store_true",
-                    help="keep the patched attentions' intermediates (stage option attention_checkpointing: false)")
+    ap.add_argument("--attention-checkpointing", choices=("recipe", "on", "off"), default="recipe",
+                    help="stage option attention_checkpointing: recompute the patched attentions in the backward (on) "
+                         "or keep their intermediates (off); default: as the recipe says")
+    ap.add_argument("--no-attention-checkpointing", dest="attention_checkpointing", action="store_const", const="off",
+                    help="the same as --attention-checkpointing off")
     ap.add_argument("--no-fused-loss", action="store_true", help="the model's own loss (stage option fused_loss: false)")
     ap.add_argument("--profile", action="store_true", help="also profile one more step: its kernels by device time, "
                     "grouped by kind (GEMM, attention, Triton, copies, reductions, elementwise), in the row's 'profile'")

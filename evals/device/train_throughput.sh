@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Throughput sweep of the fine-tune trainer (evals/bench/train_throughput.py) on one GPU: SmolLM2-135M-shaped,
 # random weights, lolcats, 4096-token sequences; the attention-transfer and LoRA stages of recipes/linearize.yaml
-# at several batch sizes and options (the first two also profile one step: its kernels by kind). Each configuration
+# at several batch sizes and options (rows with --profile also profile one step: its kernels by kind). Each configuration
 # runs in its own process under `timeout` (an OOM or a crash ends only its own); configurations that would not finish
 # before DEADLINE seconds are skipped. Run from the repository root:
 #   LONGCTX_COMMIT=<commit> bash evals/device/train_throughput.sh OUT
@@ -21,6 +21,7 @@ start=$(date +%s)
 # name | seconds | options   (most telling first: the deadline cuts from the end)
 CONFIGS=(
   "transfer-b16|80|--stages transfer --batch 16 --profile"
+  "transfer-b16-recompute-attention|60|--stages transfer --batch 16 --attention-checkpointing on"
   "lora-b16|90|--stages lora --batch 16 --profile"
   "transfer-b16-fp32-frozen|60|--stages transfer --batch 16 --frozen-dtype keep"
   "lora-b16-fp32-frozen|70|--stages lora --batch 16 --frozen-dtype keep"
@@ -31,7 +32,6 @@ CONFIGS=(
   "lora-b32-gc|80|--stages lora --batch 32 --grad-checkpointing"
   "transfer-b16-compile|150|--stages transfer --batch 16 --compile"
   "lora-b16-gc-compile|150|--stages lora --batch 16 --grad-checkpointing --compile"
-  "transfer-b16-keep-attention|60|--stages transfer --batch 16 --no-attention-checkpointing"
   "lora-b8-model-loss|60|--stages lora --batch 8 --no-fused-loss"
 )
 rc=0
