@@ -416,16 +416,9 @@ def _feature_map_kernel(
     tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
 
 
-def fmap_precision(w) -> str:
-    """The feature map's projection: "tf32x3" for fp32 weights (three tf32 tensor-core products, fp32's accuracy;
-    "ieee" ran the training shapes at ~0.45 TB/s on an H200), else "tf32" (ignored by bf16 operands). The forward
-    and the backward's recomputation take the same."""
-    return "tf32x3" if w.dtype == torch.float32 else "tf32"
-
-
 def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
     """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
-    weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: `fmap_precision`) with fp32
+    weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
     accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype), written into `out` when
     given (any strides with a unit last one: e.g. rows of a feature buffer)."""
     B, Hx, N, D = x.shape
@@ -444,6 +437,6 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w), num_warps=TUNE["fmap_warps"] or 4,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), num_warps=TUNE["fmap_warps"] or 4,
     )
     return out
