@@ -839,6 +839,7 @@ def test_frozen_weights_in_bf16_under_mixed_precision(tiny_dir, text_file, tmp_p
     base_dtype = torch.bfloat16 if frozen == "auto" else torch.float32
     assert len(seen) == 4 and all(s["base"] == {base_dtype} and s["method"] == {torch.float32} for s in seen), seen
     assert seen[-1]["lora"] == {torch.float32}
+    assert {p.dtype for p in ft.model.parameters()} == {torch.float32}  # the run leaves the weights as loaded
     loaded, _ = longctx_patch.load_model(str(tiny_dir), dtype="float32", device="cpu")
     saved, _ = longctx_patch.load_model(str(tmp_path / "run" / "model"), dtype="float32", device="cpu")
     ref, out = dict(loaded.named_parameters()), dict(saved.named_parameters())

@@ -216,20 +216,18 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         trains them) in bf16 for the run. With fp32 base weights under autocast the residual stream stays fp32 and
         every projection casts its fp32 input first (on an H200, copies and casts were 45% of a SmolLM2 transfer step).
         The method's parameters and LoRA's stay fp32 (their optimizer states and updates need it). The weights
-        as loaded are kept on the host for `model/` (output.save_model), which is written from them."""
-
+        as loaded are kept on the host and put back when the stages end (`model/` and the model `run` leaves are
+        the weights as loaded plus what the stages trained)."""
         r = self.recipe
         self._frozen_originals: list[tuple[nn.Parameter, torch.Tensor]] = []
         if (r.frozen_dtype != "auto" or self.accelerator.mixed_precision != "bf16" or self.fsdp_requested
                 or any("full" in (s.trainable or []) for s in r.stages)):
             return
         method_ids = {id(p) for _, p in method_parameters(self.model)}
-        keep = r.output.save_model
         for p in self.model.parameters():  # tied weights appear once
             if id(p) in method_ids or not p.is_floating_point() or p.dtype in (torch.bfloat16, torch.float16):
                 continue
-            if keep:
-                self._frozen_originals.append((p, p.data.to("cpu", copy=True)))
+            self._frozen_originals.append((p, p.data.to("cpu", copy=True)))
             p.data = p.data.to(torch.bfloat16)
 
     def _restore_frozen(self) -> None:
@@ -446,6 +444,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             self.stage_logs.append(log)
             self.run_stage(si, stage, start, this_ckpt, log)
         self.accelerator.wait_for_everyone()
+        self._restore_frozen()  # the model as loaded again (plus what the stages trained), saved or handed back
         summary = self.summary()
         stopped = self.stop_after is not None and self.stop_after < len(r.stages) - 1
         if stopped:
@@ -508,7 +507,6 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         if self.recipe.output.lolcats_export:
             self.export_lolcats(tdir / "lolcats" / "model.pt")
         if self.recipe.output.save_model:
-            self._restore_frozen()
             if self._is_peft():
                 self.root = self.root.merge_and_unload()
                 self.model = self.root
