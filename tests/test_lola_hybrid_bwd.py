@@ -140,7 +140,8 @@ def test_hybrid_function_composes_with_checkpointing():
 
 def test_lolcats_model_trains_through_the_triton_function(monkeypatch):
     """A patched model under gradients with backend=auto, the CUDA decision made here on the CPU (the interpreter
-    runs the kernels): the layers take the Function, and every trainable gradient matches the PyTorch path."""
+    runs the kernels): the layers take the Functions (the hybrid's and the feature maps'), and every trainable
+    gradient (feature maps: dW; the projections below them: dx) matches the PyTorch path."""
     import longctx_patch as lp
     from conftest import tiny_model
 
@@ -156,6 +157,9 @@ def test_lolcats_model_trains_through_the_triton_function(monkeypatch):
         return real_fn(*a, **kw)
 
     monkeypatch.setattr(ops, "hybrid_attention_triton", counted)
+    fmaps = []
+    real_fmap = ops.FeatureMapFn.apply
+    monkeypatch.setattr(ops.FeatureMapFn, "apply", lambda *a: fmaps.append(1) or real_fmap(*a))
 
     x = torch.randint(3, 128, (2, 41), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 41, dtype=torch.long)
@@ -172,6 +176,7 @@ def test_lolcats_model_trains_through_the_triton_function(monkeypatch):
         model(x, attention_mask=mask, labels=x, use_cache=False).loss.backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert len(calls) == 3, "every layer takes the Function"  # tiny_model: 3 layers
+    assert len(fmaps) == 6, "every layer's q and k maps take FeatureMapFn"
     assert grads["triton"].keys() == grads["torch"].keys()
     for n, want in grads["torch"].items():
         torch.testing.assert_close(grads["triton"][n], want, atol=1e-4, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
