@@ -3,8 +3,8 @@
 `backend`: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". Under gradients the whole-sequence
 LoLCATs hybrid (`hybrid_attention`: `HybridAttentionFn`, the forward kernel and `triton_hybrid_bwd`'s backward) and
 the feature map (`FeatureMapFn`: `triton_feature_map_bwd`) have Triton paths; every other piece (the LoLA chunk
-loop, evictions) takes the differentiable PyTorch path under grad with "auto" and refuses "triton". Under TRITON_INTERPRET=1 "triton" runs
-the kernels on the CPU (tests).
+loop, evictions, the training pass over sparse sets) takes the differentiable PyTorch path under grad with "auto"
+and refuses "triton". Under TRITON_INTERPRET=1 "triton" runs the kernels on the CPU (tests).
 
 The cache manager (`LolaState` + `lola_process`) implements docs/lola.md, "Chunks and eviction order":
 tokens are processed in pieces that never cross a multiple of `chunk` (the token index from the row's first
@@ -44,15 +44,24 @@ def _use_triton(backend: str, *tensors) -> bool:
     (differentiable) PyTorch path whenever one of `tensors` needs a gradient; pass every input that may be
     trained (q, k, v and the feature maps' outputs, the window factors). The whole-sequence hybrid
     (`hybrid_attention`) does not ask here under grad: it has a Triton backward (`HybridAttentionFn`)."""
+    grad = refuse_forced_triton_under_grad(backend, *tensors)
+    return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
+
+
+def refuse_forced_triton_under_grad(backend: str, *tensors) -> bool:
+    """Raises ConfigError for backend='triton' when one of `tensors` needs a gradient and the piece about to run has
+    no Triton backward (the LoLA chunk loop, its evictions, the training pass over sparse sets); returns whether a
+    gradient is needed."""
     check_backend(backend, "lola/lolcats")
     grad = needs_grad(*tensors)
     if backend == "triton" and grad:
         raise ConfigError("backend='triton' was asked for while gradients are needed, but this LoLA/LoLCATs "
                           "Triton kernel has no backward (the LoLCATs whole-sequence hybrid attention and the "
-                          "feature map have one; the LoLA chunk loop and evictions do not); train with "
+                          "feature map have one; the LoLA chunk loop, its evictions and its training pass over sparse "
+                          "sets do not); train with "
                           "backend='auto' (the Triton hybrid where it has a backward, the PyTorch path elsewhere) "
                           "or backend='torch'")
-    return resolve_backend(backend, *tensors, what="lola/lolcats") == "triton" and not grad
+    return grad
 
 
 def _tk():

@@ -87,8 +87,8 @@ def _feature_map_bwd_kernel(
         if NEED_DW:
             dw = dot(tl.trans(x_g), da_g, GPREC, UPCAST) + dw
     if NEED_DW:
-        tl.store(DWP + b * s_p_b + pid_m.to(tl.int64) * s_p_m + h * s_p_h + offs_d[:, None] * s_p_d + offs_f[None, :], dw,
-                 mask=md[:, None] & mf[None, :])
+        base_p = DWP + b * s_p_b + pid_m.to(tl.int64) * s_p_m + h * s_p_h
+        tl.store(base_p + offs_d[:, None] * s_p_d + offs_f[None, :], dw, mask=md[:, None] & mf[None, :])
 
 
 def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, rows_per_program: int | None = None):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cache_layer import LongctxLayer
 from ...errors import ConfigError
-from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process
+from ...kernels.lola.ops import LolaState, feature_map, hybrid_attention, lola_process, refuse_forced_triton_under_grad
 from ...kernels.lola.training import lola_attention_sets, sparse_positions
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
 from ..padding import phase_groups
@@ -320,8 +320,10 @@ class LolcatsAttention(PatchedAttention):
         return lola_process(st, q, k, v, fq, g, lf, **kw)
 
     def _train_sets(self, q, k, v, fq, g, lf, new_mask, phi_k, hs):
-        """The training path on one phase group: sparse sets without gradients, then one differentiable pass."""
+        """The training path on one phase group: sparse sets without gradients, then one differentiable pass
+        (PyTorch: backend='triton' is refused here)."""
         cfg: LolcatsConfig = self.method_config
+        refuse_forced_triton_under_grad(cfg.backend, q, k, v, fq, g, lf)
         fk = phi_k(k)
         sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
                                 lam=self.sparse_cache, sparse_heads=hs)
