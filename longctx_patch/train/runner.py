@@ -153,6 +153,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         self.fsdp = self._fsdp_plugin() if want_fsdp and self.world > 1 else None
         self._given_model = (model, tokenizer)
         self.root: nn.Module | None = None  # the model forward is called on (PeftModel once LoRA is added)
+        # (parameter, its weights as loaded) of the base parameters held in bf16 for the run (`frozen_dtype`)
+        self._frozen_originals: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.trained: dict[int, nn.Parameter] = {}  # every parameter trained by a stage so far, by identity
         self.stage_logs: list[StageLog] = []
         self._eval_time = 0.0
@@ -219,7 +221,6 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         as loaded are kept on the host and put back when the stages end (`model/` and the model `run` leaves are
         the weights as loaded plus what the stages trained)."""
         r = self.recipe
-        self._frozen_originals: list[tuple[nn.Parameter, torch.Tensor]] = []
         if (r.frozen_dtype != "auto" or self.accelerator.mixed_precision != "bf16" or self.fsdp_requested
                 or any("full" in (s.trainable or []) for s in r.stages)):
             return
@@ -232,7 +233,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
 
     def _restore_frozen(self) -> None:
         """The base parameters as loaded again (before `model/` is written)."""
-        for p, orig in getattr(self, "_frozen_originals", []):
+        for p, orig in self._frozen_originals:
             p.data = orig.to(p.device)
         self._frozen_originals = []
 

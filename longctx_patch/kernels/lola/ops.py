@@ -93,11 +93,13 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "a
     """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton on CUDA (under grad `FeatureMapFn`, forward and
     backward kernels), else torch. out: write the result there (no grad; Triton writes it directly, torch copies)
     and return it."""
-    if (out is None and x.stride(-1) == 1 and needs_grad(x, weight)
-            and resolve_backend(backend, x, weight, what="lola/lolcats") == "triton"):
-        return FeatureMapFn.apply(x, weight, float(eps), out_dtype)
-    if x.stride(-1) == 1 and _use_triton(backend, x, weight):
-        return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out)
+    check_backend(backend, "lola/lolcats")
+    if x.stride(-1) == 1 and resolve_backend(backend, x, weight, what="lola/lolcats") == "triton":
+        if not needs_grad(x, weight):
+            return _tk().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out)
+        if out is None:
+            return FeatureMapFn.apply(x, weight, float(eps), out_dtype)
+        refuse_forced_triton_under_grad(backend, x, weight)  # writing into `out` under grad: the torch path only
     f = ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)
     if out is None:
         return f
