@@ -201,8 +201,17 @@ def test_sre_score_and_fold_match_reference(dtype):
         torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(params=[None, "tf32x3"], ids=["fmap-ieee", "fmap-tf32x3"])
+def fmap_prec(request, monkeypatch):
+    """The feature map's projection precision for fp32 weights (TUNE["fmap_prec"]): both settings must match."""
+    from longctx_patch.kernels.lola.tuning import TUNE
+
+    monkeypatch.setitem(TUNE, "fmap_prec", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_feature_map_kernel_matches_reference(dtype):
+def test_feature_map_kernel_matches_reference(dtype, fmap_prec):
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 2, 45, 16, generator=gen).to(DEV, dtype)
     W = (torch.randn(4, 16, 8, generator=gen) * 0.7).to(DEV, dtype)  # 4 heads over 2 kv heads
@@ -216,7 +225,7 @@ def test_feature_map_kernel_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hx,H", [(4, 4), (2, 4), (1, 7)])  # one query head per input, 2, and 7 per kv head
 @pytest.mark.parametrize("need", ["both", "dx", "dw"])
-def test_feature_map_backward_matches_reference(dtype, Hx, H, need):
+def test_feature_map_backward_matches_reference(dtype, Hx, H, need, fmap_prec):
     """`ops.feature_map` under grad on the Triton path (FeatureMapFn) gives the reference's value and gradients,
     odd length, several row tiles per program, a kv-head input summed over its group; the clamp's gradient
     included (a sharp map puts some softmax entries below eps)."""

@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--frozen-dtype", default="auto", choices=("auto", "keep"),
                     help="recipe key frozen_dtype: auto holds the base weights in bf16 under bf16 autocast (rows before "
                          "2026-12-03 had keep)")
+    ap.add_argument("--fmap-prec", default="ieee", choices=("ieee", "tf32x3"),
+                    help="the feature map's projection with fp32 weights (kernels' TUNE['fmap_prec']): fp32 products "
+                         "(ieee) or three tf32 tensor-core products (tf32x3, fp32's accuracy)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")
@@ -235,6 +238,10 @@ def main(argv: list[str] | None = None) -> Path:
         out.write_text(json.dumps(merge(Path(args.merge)), indent=1) + "\n")
         return out
     args.stages = args.stages.split(",")
+    if args.fmap_prec != "ieee":
+        from longctx_patch.kernels.lola.tuning import TUNE
+
+        TUNE["fmap_prec"] = args.fmap_prec
     device = torch.device(args.device)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
@@ -245,8 +252,8 @@ def main(argv: list[str] | None = None) -> Path:
         "commit": git_commit(),
         "command": command,
         "config": {"model": "SmolLM2-135M-shaped, random weights", "layers": args.layers, "dtype": args.dtype,
-                   "method": "lolcats", "recipe": Path(args.recipe).name, "steps": args.steps, "warmup": args.warmup,
-                   "torch": torch.__version__},
+                   "method": "lolcats", "recipe": Path(args.recipe).name, "fmap_prec": args.fmap_prec,
+                   "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__},
         "rows": rows,
     }
     name = f"train-throughput-{device_token(str(device)) if device.type == 'cuda' else 'cpu'}.json"

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import cast_out, dot, dot_precision, np2
+from .triton_hybrid import fmap_precision
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, r
         dphi.stride(0), dphi.stride(1), dphi.stride(2),
         dxa.stride(0), dxa.stride(1), dxa.stride(2),
         *((parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3)) if parts is not None else (0, 0, 0, 0)),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), GPREC=dot_precision(x, w), LOWP=lowp,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w), GPREC=dot_precision(x, w), LOWP=lowp,
         NEED_DX=need_dx, NEED_DW=need_dw, num_warps=8,
     )
     if dx is not None and G > 1:

@@ -416,6 +416,13 @@ def _feature_map_kernel(
     tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
 
 
+def fmap_precision(w) -> str:
+    """The feature map's projection precision: for fp32 weights TUNE["fmap_prec"] ("ieee" unless set; "tf32x3" runs
+    three tf32 tensor-core products at fp32's accuracy), else "tf32" (which bf16 operands ignore). The forward and
+    the backward's recomputation take the same."""
+    return (TUNE["fmap_prec"] or "ieee") if w.dtype == torch.float32 else "tf32"
+
+
 def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
     """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
     weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
@@ -437,6 +444,6 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=dot_precision(w), num_warps=TUNE["fmap_warps"] or 4,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w), num_warps=TUNE["fmap_warps"] or 4,
     )
     return out
