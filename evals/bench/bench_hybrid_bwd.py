@@ -57,6 +57,48 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+SWEEP = {"train_state_chunk": (64, 128, 256), "warps": ((4, 4), (8, 8), (4, 8), (8, 4)), "bwd_stages": (1, 2, 3)}
+
+
+def sweep(xs, do, window, scale):
+    """Forward + backward time of the training pass for every setting of SWEEP (bf16, the timing shape). Each
+    setting's gradients are compared with the defaults' (relative error of each whole gradient; settings only
+    reorder fp32 sums, so a large one is a bug). Returns (rows, the fastest row)."""
+    import triton.testing
+
+    from longctx_patch.kernels.lola.tuning import TUNE
+
+    keys = ("train_state_chunk", "bwd_dq_warps", "bwd_dkv_warps", "bwd_stages")
+    saved = {k: TUNE[k] for k in keys}
+
+    def run():
+        for t in xs:
+            t.grad = None
+        ops.hybrid_attention(*xs, window=window, scale=scale).backward(do)
+
+    run()
+    ref_grads = [t.grad.float().clone() for t in xs]
+    rows = []
+    try:
+        for cs in SWEEP["train_state_chunk"]:
+            for wq, wkv in SWEEP["warps"]:
+                for st in SWEEP["bwd_stages"]:
+                    TUNE.update(train_state_chunk=cs, bwd_dq_warps=wq, bwd_dkv_warps=wkv, bwd_stages=st)
+                    row = {"train_state_chunk": cs, "bwd_dq_warps": wq, "bwd_dkv_warps": wkv, "bwd_stages": st}
+                    try:
+                        run()
+                        err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
+                        row.update(fwd_bwd_ms=triton.testing.do_bench(run), max_rel_err_vs_default=err)
+                    except Exception as e:  # a setting that does not compile (shared memory) is a row too
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        TUNE.update(saved)
+    ok = [r for r in rows if "fwd_bwd_ms" in r and r["max_rel_err_vs_default"] < 3e-2]
+    return rows, min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -65,6 +107,9 @@ def main():
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of one Triton forward + "
                     "backward (the kernels and torch ops with the most device time)")
+    ap.add_argument("--sweep", action="store_true", help="also time the training pass (forward + backward) over a grid "
+                    "of its settings (kernels' TUNE: train_state_chunk, bwd_dq_warps, bwd_dkv_warps, bwd_stages), each "
+                    "checked against the default settings' gradients; the fastest goes to the record's 'best'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -116,6 +161,8 @@ def main():
     # what the whole model's attention would cost per token: 30 layers of SmolLM2
     times["tokens_per_s_attention_only_30_layers"] = B * S / (30 * times["triton"]["fwd_bwd_ms"] / 1e3)
     rec["timing_bf16"] = times
+    if args.sweep:
+        rec["sweep"], rec["best"] = sweep(xs, do, W, scale)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

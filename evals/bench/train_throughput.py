@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--fmap-prec", default="ieee", choices=("ieee", "tf32x3"),
                     help="the feature map's projection with fp32 weights (kernels' TUNE['fmap_prec']): fp32 products "
                          "(ieee) or three tf32 tensor-core products (tf32x3, fp32's accuracy)")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=INT",
+                    help="set a LoLA/LoLCATs kernel setting (kernels/lola/tuning.py TUNE), e.g. train_state_chunk=128; "
+                         "repeatable")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="stage option compile: torch.compile each decoder layer")
@@ -238,10 +241,17 @@ def main(argv: list[str] | None = None) -> Path:
         out.write_text(json.dumps(merge(Path(args.merge)), indent=1) + "\n")
         return out
     args.stages = args.stages.split(",")
-    if args.fmap_prec != "ieee":
-        from longctx_patch.kernels.lola.tuning import TUNE
+    from longctx_patch.kernels.lola.tuning import TUNE
 
+    if args.fmap_prec != "ieee":
         TUNE["fmap_prec"] = args.fmap_prec
+    tune = {}
+    for kv in args.tune:
+        key, _, val = kv.partition("=")
+        if key not in TUNE or not val.lstrip("-").isdigit():
+            ap.error(f"--tune {kv!r}: expected KEY=INT with KEY one of {', '.join(sorted(TUNE))}")
+        tune[key] = int(val)
+    TUNE.update(tune)
     device = torch.device(args.device)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> Path:
         "command": command,
         "config": {"model": "SmolLM2-135M-shaped, random weights", "layers": args.layers, "dtype": args.dtype,
                    "method": "lolcats", "recipe": Path(args.recipe).name, "fmap_prec": args.fmap_prec,
-                   "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__},
+                   "tune": tune, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__},
         "rows": rows,
     }
     name = f"train-throughput-{device_token(str(device)) if device.type == 'cuda' else 'cpu'}.json"

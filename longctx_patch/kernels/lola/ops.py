@@ -171,7 +171,9 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
             dev = q.device.type
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
             return hybrid_attention_triton(q.to(dt), k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
-                                           scale=scale, key_mask=key_mask, state_chunk=cs)
+                                           scale=scale, key_mask=key_mask,
+                                           state_chunk=cs if state_chunk else (TUNE["train_state_chunk"] or cs),
+                                           block_m=TUNE["train_block_m"] or 64, block_n=TUNE["train_block_n"] or 64)
     elif _use_triton(backend, *tensors):
         tk = _tk()
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)

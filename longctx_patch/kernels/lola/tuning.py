@@ -11,4 +11,6 @@ TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None,
         # "tf32x3" (three tf32 tensor-core products, fp32's accuracy)
         "fmap_prec": None,
         # the whole-sequence hybrid's backward (triton_hybrid_bwd.py): warps of its dq and dkv kernels, their stages
-        "bwd_dq_warps": None, "bwd_dkv_warps": None, "bwd_stages": None}
+        "bwd_dq_warps": None, "bwd_dkv_warps": None, "bwd_stages": None,
+        # the training pass (HybridAttentionFn): keys per prefix state and the forward/backward tiles
+        "train_state_chunk": None, "train_block_m": None, "train_block_n": None}
