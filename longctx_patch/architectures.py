@@ -68,7 +68,28 @@ def _rotary_fn(modeling_module: str) -> Callable:
     # breaks torch.compile's graph there
     fn = _ROTARY.get(modeling_module)
     if fn is None:
-        fn = _ROTARY[modeling_module] = importlib.import_module(modeling_module).apply_rotary_pos_emb
+        fn = _ROTARY[modeling_module] = _unwrap_hub_function(
+            importlib.import_module(modeling_module).apply_rotary_pos_emb)
+    return fn
+
+
+def _unwrap_hub_function(fn: Callable) -> Callable:
+    """The plain function inside a `kernels` hub wrapper, else `fn`.
+
+    From transformers 5.2x (with the `kernels` package) a modeling module's `apply_rotary_pos_emb` is an
+    `nn.Module` instance made by `@use_kernel_forward_from_hub("rotary_pos_emb")`, whose forward calls the wrapped
+    function unless the model was `kernelize`d. The patched attention calls the plain function (no module call per
+    layer and step); a wrapper that does not hold one named `func` stays as it is, and `_standard_rotary` then says
+    no, so the fused rotary is not used in its place."""
+    if not isinstance(fn, nn.Module):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or not cells:
+        return fn
+    for name, cell in zip(code.co_freevars, cells):
+        if name == "func" and callable(cell.cell_contents) and not isinstance(cell.cell_contents, nn.Module):
+            return cell.cell_contents
     return fn
 
 

@@ -172,7 +172,8 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     at 768 tokens, far better than fresh feature maps, and unpatch is exact."""
     model, tok = smollm2
     assert (ASSET / "asset.json").exists() and (ASSET / "adapter" / "adapter_config.json").exists()
-    essay = (TEST_DATA / "pg_essays" / "avg.txt").read_text()  # held out of the linearize run's training text
+    # held out of the asset's training text (tests/data/README.md)
+    essay = (TEST_DATA / "pg_essays_heldout" / "love.txt").read_text()
     ids = tok(essay, return_tensors="pt").input_ids[:, :768]
     with torch.no_grad():
         ref = model(ids, labels=ids)
@@ -187,7 +188,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref.logits)
     base = ref.loss.item()
-    assert losses["auto"] < base + 0.2, (losses, base)  # measured: +0.18 nats at 768 tokens (fresh maps: +2.4)
+    assert losses["auto"] < base + 0.2, (losses, base)  # measured: +0.07 nats at 768 tokens (fresh maps: +1.96)
     assert losses["none"] > losses["auto"] + 1.0, (losses, base)
 
 

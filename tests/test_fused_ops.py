@@ -367,3 +367,32 @@ def test_smollm2_greedy_tokens_equal_with_fused_ops(smollm2, monkeypatch):
     assert len(calls) == 6 * (2 * model.config.num_hidden_layers + 1)  # every norm of every forward took the kernel
     assert torch.equal(seq_a, seq_b)
     torch.testing.assert_close(sc_b, sc_a, atol=2e-4, rtol=0)
+
+
+def test_hub_wrapped_rotary_is_unwrapped():
+    """A modeling module's `apply_rotary_pos_emb` wrapped by `kernels`' `use_kernel_forward_from_hub` (transformers
+    5.2x) is an nn.Module whose forward closes over the function; the patched attention calls that function, and an
+    unknown wrapper is left as it is (then the fused rotary is not used)."""
+    from torch import nn
+
+    from longctx_patch.architectures import _unwrap_hub_function
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return q, k
+
+    def wrap(func):
+        class Func(nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    class Opaque(nn.Module):
+        def forward(self, q, k, cos, sin):
+            return q, k
+
+    assert _unwrap_hub_function(wrap(apply_rotary_pos_emb)) is apply_rotary_pos_emb
+    assert _unwrap_hub_function(apply_rotary_pos_emb) is apply_rotary_pos_emb
+    opaque = Opaque()
+    assert _unwrap_hub_function(opaque) is opaque
+    assert _unwrap_hub_function(wrap(opaque)) is not opaque  # a wrapped module is not a function: kept wrapped

@@ -201,7 +201,7 @@ def test_sre_score_and_fold_match_reference(dtype):
         torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(params=[None, "tf32x3"], ids=["fmap-ieee", "fmap-tf32x3"])
+@pytest.fixture(params=["ieee", "tf32x3"], ids=["fmap-ieee", "fmap-tf32x3"])
 def fmap_prec(request, monkeypatch):
     """The feature map's projection precision for fp32 weights (TUNE["fmap_prec"]): both settings must match."""
     from longctx_patch.kernels.lola.tuning import TUNE

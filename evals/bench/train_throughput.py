@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--frozen-dtype", default="auto", choices=("auto", "keep"),
                     help="recipe key frozen_dtype: auto holds the base weights in bf16 under bf16 autocast (rows before "
                          "2026-12-03 had keep)")
-    ap.add_argument("--fmap-prec", default="ieee", choices=("ieee", "tf32x3"),
-                    help="the feature map's projection with fp32 weights (kernels' TUNE['fmap_prec']): fp32 products "
-                         "(ieee) or three tf32 tensor-core products (tf32x3, fp32's accuracy)")
+    ap.add_argument("--fmap-prec", default="auto", choices=("auto", "ieee", "tf32x3"),
+                    help="the feature map's projection with fp32 weights (kernels' TUNE['fmap_prec']): the kernels' "
+                         "choice (auto: tf32x3 on a GPU with tf32, since 2026-12-03), fp32 products (ieee: rows before "
+                         "that date) or three tf32 tensor-core products (tf32x3, fp32's accuracy)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=INT",
                     help="set a LoLA/LoLCATs kernel setting (kernels/lola/tuning.py TUNE), e.g. train_state_chunk=128; "
                          "repeatable")
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> Path:
     args.stages = args.stages.split(",")
     from longctx_patch.kernels.lola.tuning import TUNE
 
-    if args.fmap_prec != "ieee":
+    if args.fmap_prec != "auto":
         TUNE["fmap_prec"] = args.fmap_prec
     tune = {}
     for kv in args.tune:

@@ -367,9 +367,10 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         ph, ps = Hs, Ss  # nothing is written
     BD, BF = np2(D), np2(F2)
     prec = dot_precision(q, k, fq)
-    # untimed guess (FlashAttention-2's backward takes 8 warps at 128-wide tiles): [64, F2 = 128] fp32
-    # accumulators (dfq, dfk) next to the [64, 64] ones
-    warps = 8 if max(BD, BF) >= 128 else 4
+    # H200 sweep at D = 64, F2 = 128 (evals/results/lola/train-hybrid-bwd-sweep-h200.json): 4 warps in both
+    # kernels and one stage, 3.07 ms against 4.07 ms with 8 warps and 2 stages, the earlier untimed guess. Wider
+    # heads (D = 128: [64, 128] accumulators for dq, dk, dv next to dfq/dfk) keep that guess, not measured
+    warps, stages = (4, 1) if BD <= 64 else (8, 2)
     dummy = q
     _dq_kernel[(NB, B * Hq)](
         q, k, v, fq, fk, km if km is not None else dummy, gw, lw, Hs, Ss, o, do, m2, r, am, delta,
@@ -386,7 +387,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         ph.stride(0), ph.stride(1), ph.stride(2), ph.stride(3),
         ps.stride(0), ps.stride(1), ps.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), CS=cs, HAS_KM=km is not None, PREC=prec,
-        num_warps=TUNE["bwd_dq_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
+        num_warps=TUNE["bwd_dq_warps"] or warps, num_stages=TUNE["bwd_stages"] or stages,
     )
     del Hs, Ss
     if NS > 1:
@@ -419,7 +420,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         gs.stride(0) if NS > 1 else 0, gs.stride(1) if NS > 1 else 0, gs.stride(2) if NS > 1 else 0,
         HQ=Hq, HKV=Hkv, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), BKS=min(BF, 32), CS=cs,
         HAS_KM=km is not None, PREC=prec,
-        num_warps=TUNE["bwd_dkv_warps"] or warps, num_stages=TUNE["bwd_stages"] or 2,
+        num_warps=TUNE["bwd_dkv_warps"] or warps, num_stages=TUNE["bwd_stages"] or stages,
     )
     dgl = dgl.view(B, Hq, NB, 2).sum((0, 2))  # [Hq, 2]
     return dq, dk, dv, dfq, dfk, dgl[:, 0].to(g.dtype), dgl[:, 1].to(lf.dtype)

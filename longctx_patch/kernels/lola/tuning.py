@@ -7,8 +7,8 @@ TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None,
         "ev_fold_warps": None, "ev_select_warps": None,
         # decode (one token): the step kernel's key/feature tiles and warps; the feature map's row tile
         "decode_bn": None, "decode_bk": None, "decode_warps": None, "fmap_bm": None, "fmap_warps": None,
-        # the feature map's projection with fp32 weights, forward and the backward's recomputation: "ieee" (None) or
-        # "tf32x3" (three tf32 tensor-core products, fp32's accuracy)
+        # the feature map's projection with fp32 weights, forward and the backward's recomputation: "ieee" or
+        # "tf32x3" (three tf32 tensor-core products, fp32's accuracy); None: triton_hybrid.fmap_precision's choice
         "fmap_prec": None,
         # the whole-sequence hybrid's backward (triton_hybrid_bwd.py): warps of its dq and dkv kernels, their stages
         "bwd_dq_warps": None, "bwd_dkv_warps": None, "bwd_stages": None,
