@@ -32,3 +32,22 @@ def test_train_throughput_smoke(tmp_path):
         assert abs(sum(prof["by_kind_ms"].values()) - prof["total_ms"]) < 0.01 * prof["total_ms"] + 0.01
     merged = train_throughput.main(["--merge", str(tmp_path / "runs"), "--out", str(tmp_path / "all.json")])
     assert [r["stage"] for r in json.loads(merged.read_text())["rows"]] == ["transfer", "lora"]
+
+
+def test_train_throughput_other_methods(tmp_path):
+    """--method: the OVQ hybrid's two stages (OVQ on even layers, sliding window on the others) and the unpatched
+    reference's LoRA stage alone (no method parameters trained)."""
+    from evals.bench import train_throughput
+
+    common = ["--device", "cpu", "--seq", "64", "--batch", "1", "--layers", "2", "--vocab", "512", "--steps", "1",
+              "--warmup", "0"]
+    hyb = json.loads(train_throughput.main(common + ["--method", "ovq-hybrid", "--out", str(tmp_path / "h.json")])
+                     .read_text())
+    assert hyb["config"]["method"] == "ovq-hybrid" and hyb["config"]["recipe"] == "ovq-finetune.yaml"
+    assert [r["stage"] for r in hyb["rows"]] == ["calibrate", "finetune"]
+    assert hyb["rows"][0]["trainable_params"] == 9  # one inverse temperature per query head of the one OVQ layer
+    ref = json.loads(train_throughput.main(common + ["--method", "none", "--out", str(tmp_path / "n.json")])
+                     .read_text())
+    (row,) = ref["rows"]
+    assert row["stage"] == "finetune" and "error" not in row
+    assert row["trainable_params"] == hyb["rows"][1]["trainable_params"] - 9  # the same LoRA, no temperatures

@@ -99,6 +99,54 @@ def sweep(xs, do, window, scale):
     return rows, min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
 
 
+SWEEP_FWD = {"train_block_m": (64, 128), "train_block_n": (32, 64), "hybrid_num_warps": (4, 8),
+             "hybrid_num_stages": (1, 2)}
+
+
+def sweep_fwd(xs, do, window, scale):
+    """The forward's tiles and launch settings (kernels' TUNE: train_block_m / train_block_n, which the backward
+    takes too, hybrid_num_warps, hybrid_num_stages) with the backward's at their defaults: forward and forward +
+    backward time of the training pass for every setting, the gradients checked against the defaults' as in
+    `sweep`. Returns (rows, the row of the fastest forward + backward)."""
+    import itertools
+
+    import triton.testing
+
+    from longctx_patch.kernels.lola.tuning import TUNE
+
+    keys = tuple(SWEEP_FWD)
+    saved = {k: TUNE[k] for k in keys}
+
+    def fwd():  # the training forward (HybridAttentionFn, with the backward's statistics), its graph dropped
+        ops.hybrid_attention(*xs, window=window, scale=scale)
+
+    def run():
+        for t in xs:
+            t.grad = None
+        ops.hybrid_attention(*xs, window=window, scale=scale).backward(do)
+
+    run()
+    ref_grads = [t.grad.float().clone() for t in xs]
+    rows = []
+    try:
+        for vals in itertools.product(*SWEEP_FWD.values()):
+            row = dict(zip(keys, vals))
+            TUNE.update(row)
+            try:
+                run()
+                err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
+                row.update(fwd_ms=triton.testing.do_bench(fwd), fwd_bwd_ms=triton.testing.do_bench(run),
+                           max_rel_err_vs_default=err)
+            except Exception as e:  # a setting that does not compile (shared memory) is a row too
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        TUNE.update(saved)
+    ok = [r for r in rows if "fwd_bwd_ms" in r and r["max_rel_err_vs_default"] < 3e-2]
+    return rows, min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -110,6 +158,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time the training pass (forward + backward) over a grid "
                     "of its settings (kernels' TUNE: train_state_chunk, bwd_dq_warps, bwd_dkv_warps, bwd_stages), each "
                     "checked against the default settings' gradients; the fastest goes to the record's 'best'")
+    ap.add_argument("--sweep-fwd", action="store_true", help="also time the training pass over a grid of the forward's "
+                    "settings (TUNE: train_block_m, train_block_n, hybrid_num_warps, hybrid_num_stages), each checked "
+                    "against the defaults' gradients; the fastest goes to the record's 'best_fwd'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -163,6 +214,8 @@ def main():
     rec["timing_bf16"] = times
     if args.sweep:
         rec["sweep"], rec["best"] = sweep(xs, do, W, scale)
+    if args.sweep_fwd:
+        rec["sweep_fwd"], rec["best_fwd"] = sweep_fwd(xs, do, W, scale)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

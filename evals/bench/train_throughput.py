@@ -1,9 +1,12 @@
 """Throughput of the fine-tune trainer's stages (attention transfer, LoRA next-token) on a SmolLM2-135M-shaped
-random-weight model patched with lolcats: tokens/s, peak memory and a step-time breakdown (forward, backward,
-optimizer), through the runner's own step (`Finetuner.train_step`) and the stages of a recipe.
+random-weight model patched with lolcats (recipes/linearize.yaml) or OVQ (recipes/ovq-finetune.yaml, every layer or
+the OVQ + sliding-window hybrid), or unpatched (the OVQ recipe's LoRA stage alone, its reference): tokens/s, peak
+memory and a step-time breakdown (forward, backward, optimizer), through the runner's own step
+(`Finetuner.train_step`) and the stages of a recipe.
 
     python3 -m evals.bench.train_throughput [--batch 8,16] [--seq 4096] [--stages transfer,lora] [--compile]
         [--grad-checkpointing] [--steps 5] [--warmup 2] [--profile] [--out FILE]
+    python3 -m evals.bench.train_throughput --method ovq [--batch 8] [--seq 4096]   # calibrate, finetune
     python3 -m evals.bench.train_throughput --device cpu --seq 256 --batch 1 --layers 2   # smoke test
     python3 -m evals.bench.train_throughput --merge DIR --out FILE   # the rows of DIR/*.json in one file
 
@@ -36,7 +39,31 @@ class _NoTokenizer:
     """The runner asks for a tokenizer beside a given model; the benchmark feeds random token ids."""
 
 
-def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None = None):
+# --method: (default recipe, default stages, extra recipe overrides)
+METHODS = {
+    "lolcats": ("linearize.yaml", "transfer,lora", []),
+    "ovq": ("ovq-finetune.yaml", "calibrate,finetune", []),
+    # the OVQ paper's hybrid: OVQ on even layers, a 256-token sliding window on the others
+    "ovq-hybrid": ("ovq-finetune.yaml", "calibrate,finetune", ["layers=EVEN", "rest_method=sliding-window",
+                                                               "rest_config={window: 256}"]),
+    # the reference of the OVQ fine-tune: the same LoRA stage on the unpatched model
+    "none": ("ovq-finetune.yaml", "finetune", ["method=null", "method_config={}", "ONLY_LORA"]),
+}
+
+
+def lora_stage_only(recipe_path: str) -> str:
+    """The override that leaves the recipe's `finetune` stage alone, training only its LoRA (the unpatched
+    reference has no method parameters and no attention to transfer)."""
+    import yaml
+
+    stage = next(s for s in yaml.safe_load(Path(recipe_path).read_text())["stages"] if s["name"] == "finetune")
+    stage["trainable"] = ["lora"]
+    return "stages=" + json.dumps([stage])
+
+
+def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None = None, recipe=None):
+    """The random-weight SmolLM2-shaped model, patched as `recipe` says (None: lolcats as recipes/linearize.yaml
+    starts, without its shipped weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import longctx_patch as lp
@@ -47,13 +74,20 @@ def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None 
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs (a CPU init of 135M parameters takes seconds)
         model = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype=dtype)
-    lp.patch(model, "lolcats", checkpoint="none", init_window_factor=-2.197)
+    if recipe is None:
+        lp.patch(model, "lolcats", checkpoint="none", init_window_factor=-2.197)
+    elif recipe.method:  # as the runner patches a loaded model (Finetuner.load)
+        lp.patch(model, recipe.method, layers=recipe.layers, **recipe.method_config)
+        rest = [i for i in range(layers) if i not in set(recipe.layers or [])]
+        if recipe.rest_method and rest:
+            lp.patch(model, recipe.rest_method, layers=rest, **recipe.rest_config)
     return model
 
 
 def overrides(args, batch: int) -> list[str]:
-    out = []
-    for name in ("transfer", "lora"):
+    out = [lora_stage_only(args.recipe) if kv == "ONLY_LORA" else
+           kv.replace("EVEN", str(list(range(0, args.layers, 2))).replace(" ", "")) for kv in METHODS[args.method][2]]
+    for name in args.stages:
         out += [f"stages.{name}.batch_size={batch}", f"stages.{name}.seq_len={args.seq}",
                 f"stages.{name}.gradient_checkpointing={str(args.grad_checkpointing).lower()}",
                 f"stages.{name}.compile={str(args.compile).lower()}",
@@ -156,7 +190,7 @@ def run_batch(args, batch: int, device: torch.device) -> list[dict]:
     recipe.mixed_precision = "bf16" if device.type == "cuda" else "no"
     recipe.frozen_dtype = args.frozen_dtype
     dtype = getattr(torch, args.dtype)
-    model = build_model(args.layers, dtype, str(device), args.vocab)
+    model = build_model(args.layers, dtype, str(device), args.vocab, None if args.method == "lolcats" else recipe)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ft = Finetuner(recipe, tmp, progress=False, model=model, tokenizer=_NoTokenizer(), command="bench")
@@ -206,8 +240,12 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default SmolLM2's 49152)")
-    ap.add_argument("--stages", default="transfer,lora", help="stages of the recipe to time")
-    ap.add_argument("--recipe", default=str(REPO_ROOT / "recipes" / "linearize.yaml"))
+    ap.add_argument("--method", default="lolcats", choices=sorted(METHODS),
+                    help="lolcats: recipes/linearize.yaml's stages; ovq / ovq-hybrid: recipes/ovq-finetune.yaml's, on "
+                         "every layer or on even layers with a 256-token sliding window on the others; none: that "
+                         "recipe's LoRA stage on the unpatched model")
+    ap.add_argument("--stages", default=None, help="stages of the recipe to time (default: the method's recipe's)")
+    ap.add_argument("--recipe", default=None, help="default: the method's (see --method)")
     ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
                     help="weights' dtype (bf16 autocast on CUDA either way); float32 is what recipes/linearize.yaml "
                          "loads (rows before 2026-12-02 were measured with bfloat16 weights)")
@@ -241,7 +279,9 @@ def main(argv: list[str] | None = None) -> Path:
         out = Path(args.out or "train-throughput.json")
         out.write_text(json.dumps(merge(Path(args.merge)), indent=1) + "\n")
         return out
-    args.stages = args.stages.split(",")
+    recipe_name, stages, _ = METHODS[args.method]
+    args.recipe = args.recipe or str(REPO_ROOT / "recipes" / recipe_name)
+    args.stages = (args.stages or stages).split(",")
     from longctx_patch.kernels.lola.tuning import TUNE
 
     if args.fmap_prec != "auto":
@@ -263,7 +303,7 @@ def main(argv: list[str] | None = None) -> Path:
         "commit": git_commit(),
         "command": command,
         "config": {"model": "SmolLM2-135M-shaped, random weights", "layers": args.layers, "dtype": args.dtype,
-                   "method": "lolcats", "recipe": Path(args.recipe).name, "fmap_prec": args.fmap_prec,
+                   "method": args.method, "recipe": Path(args.recipe).name, "fmap_prec": args.fmap_prec,
                    "tune": tune, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__},
         "rows": rows,
     }

@@ -2,15 +2,13 @@
 # Linearize SmolLM2-135M-Instruct on mixed text (essays, a book, Python source) at 4k sequences on one GPU, then
 # measure it on held-out text of two kinds that are not essays (Python modules never trained on, the last tenth of
 # the book) and on S-NIAH-1 in held-out essays. Run from the repository root on the GPU machine with the model at
-# $MODEL (see evals/README.md, "GPU runs") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
+# $MODEL (see evals/README.md, "Running on a GPU") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
 #   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh train OUT   # -> $RUN, asset in $RUN/assets
 #   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh eval OUT    # perplexity + S-NIAH, every method
 #   LONGCTX_COMMIT=<sha> bash evals/device/linearize_mixed.sh extend OUT  # recipes/linearize-extend.yaml at $EXTEND_SEQ
 #     on the trained run's maps (the LoRA stays merged); the asset in $RUN/assets is replaced by the extended one
 # A run too long for one job: EXTRA="--stop-after transfer" for the first, EXTRA="--resume" for the second.
-# The split (deterministic): every 5th essay and the book's last 10% held out; the standard library's non-test
-# modules alternate between training and held-out in sorted order. Essays and the book are repeated 3x in the
-# training text so that natural language is a large share of it (2.84M tokens in all with SmolLM2's tokenizer).
+# The split: `split_text` in train_text.sh.
 set -euo pipefail
 STEP=${1:?usage: $0 train|eval OUT}
 OUT=${2:?usage: $0 train|eval OUT}
@@ -30,38 +28,8 @@ EVAL_MAX_S=${EVAL_MAX_S:-400}
 NAME=${NAME:-smollm2-135m-linearize-mixed}
 export LONGCTX_ASSET_PATH=$RUN/assets
 mkdir -p "$OUT"
+. "$(dirname "$0")/train_text.sh"  # split_text: the mixed text's training and held-out folders in $W
 
-split_text() {
-  [ -d "$W/train" ] && return 0
-  mkdir -p "$W/train/text" "$W/train/code" "$W/heldout-code" "$W/heldout-book" "$W/heldout-essays"
-  python3 - "$SRC" "$W" <<'PY'
-import pathlib, shutil, sys, sysconfig
-src, w = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-essays = sorted(p for p in (src / "pg_essays").glob("*.txt") if "LICENSE" not in p.name)
-for i, p in enumerate(essays):
-    if i % 5 == 4:
-        shutil.copy(p, w / "heldout-essays" / p.name)
-    else:
-        for r in range(3):
-            shutil.copy(p, w / "train" / "text" / f"{r}-{p.name}")
-book = (src / "books" / "tinyshakespeare.txt").read_text()
-cut = book.rfind("\n\n", 0, int(len(book) * 0.9))
-for r in range(3):
-    (w / "train" / "text" / f"{r}-tinyshakespeare.txt").write_text(book[:cut])
-(w / "heldout-book" / "tinyshakespeare-last10.txt").write_text(book[cut:])
-lib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-skip = ("test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__")
-mods = sorted(p for p in lib.rglob("*.py") if not any(s in p.relative_to(lib).parts for s in skip))
-for i, p in enumerate(mods):
-    name = str(p.relative_to(lib)).replace("/", "__")
-    if i % 2 == 0:
-        shutil.copy(p, w / "train" / "code" / name)
-    else:  # `longctx eval ppl` reads a folder's .txt files
-        shutil.copy(p, w / "heldout-code" / (name + ".txt"))
-print(f"essays {len(essays)}, modules {len(mods)}")
-PY
-  du -sh "$W"/*/ "$W"/train/*
-}
 
 if [ "$STEP" = extend ]; then  # the attention transfer again at $EXTEND_SEQ tokens, from the trained run
   split_text
@@ -71,7 +39,6 @@ if [ "$STEP" = extend ]; then  # the attention transfer again at $EXTEND_SEQ tok
     --set "stages.0.batch_size=${EXTEND_BATCH:-8}" --set "stages.0.steps=${EXTEND_STEPS:-150}" \
     --set "stages.0.max_time_s=${EXTEND_MAX_S:-240}" --set stages.0.eval_every=50 --set stages.0.save_every=100000 \
     --results "$OUT/finetune/$NAME-extend-$DEV.json" ${EXTRA:-}
-  . "$(dirname "$0")/train_text.sh"
   # the extension trains the maps with the run's LoRA merged and frozen: the asset takes the run's adapter as it was
   cp -r "$RUN/trainable/adapter" "$EXT/trainable/adapter"
   write_run_asset "$EXT" "SmolLM2-135M-Instruct linearized on mixed text, transfer extended to ${EXTEND_SEQ:-8192} tokens"

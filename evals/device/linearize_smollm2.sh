@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Linearize SmolLM2-135M-Instruct on one GPU (recipes/linearize.yaml) and evaluate it. Two steps, run from the
-# repository root on the GPU machine, after the model is assembled at $MODEL (see evals/README.md, "GPU runs"):
+# repository root on the GPU machine, after the model is assembled at $MODEL (see evals/README.md, "Running on a GPU"):
 #   evals/device/linearize_smollm2.sh train   # attention transfer + LoRA -> $RUN, asset -> $RUN/asset
 #   evals/device/linearize_smollm2.sh eval    # NIAH + perplexity: unpatched, sliding-window, lolcats, lola
 # Data (a git-ignored folder copied beside the repository): $DATA/train (essays + Shakespeare) and

@@ -3,7 +3,7 @@
 # process on one GPU, DDP over two, FSDP2 over two; the same recipe and global batch, fixed step counts (no
 # time caps, so tokens/s compare). Then each run's weights are evaluated the same way (perplexity and
 # S-NIAH), and a summary JSON compares throughput and quality. Run from the repository root after the model
-# is assembled at $MODEL (evals/README.md, "GPU runs"):
+# is assembled at $MODEL (evals/README.md, "Running on a GPU"):
 #   evals/device/multigpu_linearize.sh
 # On a CPU (a smoke run of the script itself): NPROC=2 CPU=1 TRANSFER_STEPS=2 LORA_STEPS=2 SEQ=128 BATCH=2 \
 #   CONTEXTS=512 LENGTHS=512 SAMPLES=1 MODEL=smollm2-135m DATA=... evals/device/multigpu_linearize.sh

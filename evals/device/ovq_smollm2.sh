@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fine-tune SmolLM2-135M-Instruct patched with OVQ (recipes/ovq-finetune.yaml) on one GPU, every layer and the
 # paper's hybrid (OVQ on even layers, sliding window 256 on odd ones), and evaluate before/after. Run from the
-# repository root on the GPU machine, after the model is assembled at $MODEL (evals/README.md, "GPU runs"):
+# repository root on the GPU machine, after the model is assembled at $MODEL (evals/README.md, "Running on a GPU"):
 #   evals/device/ovq_smollm2.sh text    # training text -> $TEXT (evals/device/train_text.sh)
 #   evals/device/ovq_smollm2.sh train   # both fine-tunes, concurrently -> $RUN/all, $RUN/hybrid (+ train JSONs in $OUT/finetune)
 #   evals/device/ovq_smollm2.sh eval    # perplexity + NIAH: unpatched, sliding-window, ovq before and after
