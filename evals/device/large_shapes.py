@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     rec = {"device": device, "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
            "command": f"python3 -m evals.device.large_shapes {argv_s}".strip(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "memcheck": a.memcheck, "cases": cases}
-    what = "all" if a.cases == list(CASES) else "+".join(a.cases)
+    # letters, digits and '-' only: the results index's names, and what a device call hands back
+    what = "all" if a.cases == list(CASES) else "-".join(c.replace("_", "-") for c in a.cases)
     tags = ("-memcheck" if a.memcheck else "") + ("-smoke" if a.smoke else "")
     name = f"large-shapes-{what}{tags}-{device_token(device)}.json"
     path = results_dir("racecheck", a.out) / name
