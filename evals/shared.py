@@ -99,3 +99,15 @@ def kernel_kind(name: str) -> str:
     if low.startswith("void ") or "::" in low or low.startswith("cuda") or " " in low or "backward" in low:
         return "other"  # other C++ kernels, runtime calls, autograd nodes (a CPU profile)
     return "triton"
+
+
+def lora_stage_only(recipe_path: str | os.PathLike, stage: str = "finetune") -> str:
+    """The recipe override (`stages=[...]`) that keeps only `stage` of the recipe, training only its LoRA: the
+    unpatched model's reference for a method's fine-tune (no method parameters, no attention to transfer)."""
+    import json
+
+    import yaml
+
+    found = next(s for s in yaml.safe_load(Path(recipe_path).read_text())["stages"] if s["name"] == stage)
+    found["trainable"] = ["lora"]
+    return "stages=" + json.dumps([found])

@@ -57,67 +57,27 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SWEEP = {"train_state_chunk": (64, 128, 256), "warps": ((4, 4), (8, 8), (4, 8), (8, 4)), "bwd_stages": (1, 2, 3)}
+# the backward's settings (kernels' TUNE), every combination of keys per prefix state x (dq, dkv) warps x stages
+SWEEP = [{"train_state_chunk": cs, "bwd_dq_warps": wq, "bwd_dkv_warps": wkv, "bwd_stages": st}
+         for cs in (64, 128, 256) for wq, wkv in ((4, 4), (8, 8), (4, 8), (8, 4)) for st in (1, 2, 3)]
+# the forward's tiles (train_block_m / train_block_n, which the backward takes too) and launch settings
+SWEEP_FWD = [{"train_block_m": bm, "train_block_n": bn, "hybrid_num_warps": w, "hybrid_num_stages": st}
+             for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for st in (1, 2)]
 
 
-def sweep(xs, do, window, scale):
-    """Forward + backward time of the training pass for every setting of SWEEP (bf16, the timing shape). Each
-    setting's gradients are compared with the defaults' (relative error of each whole gradient; settings only
-    reorder fp32 sums, so a large one is a bug). Returns (rows, the fastest row)."""
+def sweep(xs, do, window, scale, settings=None, time_fwd: bool = False):
+    """Forward + backward time of the training pass (and with `time_fwd` the training forward alone, its graph
+    dropped) for every setting of `settings` (default SWEEP; bf16, the timing shape), the others at their defaults.
+    Each setting's gradients are compared with the defaults' (relative error of each whole gradient; settings only
+    reorder fp32 sums, so a large one is a bug). Returns (rows, the fastest forward + backward's row)."""
     import triton.testing
 
     from longctx_patch.kernels.lola.tuning import TUNE
 
-    keys = ("train_state_chunk", "bwd_dq_warps", "bwd_dkv_warps", "bwd_stages")
-    saved = {k: TUNE[k] for k in keys}
+    settings = SWEEP if settings is None else settings
+    saved = {k: TUNE[k] for row in settings for k in row}
 
-    def run():
-        for t in xs:
-            t.grad = None
-        ops.hybrid_attention(*xs, window=window, scale=scale).backward(do)
-
-    run()
-    ref_grads = [t.grad.float().clone() for t in xs]
-    rows = []
-    try:
-        for cs in SWEEP["train_state_chunk"]:
-            for wq, wkv in SWEEP["warps"]:
-                for st in SWEEP["bwd_stages"]:
-                    TUNE.update(train_state_chunk=cs, bwd_dq_warps=wq, bwd_dkv_warps=wkv, bwd_stages=st)
-                    row = {"train_state_chunk": cs, "bwd_dq_warps": wq, "bwd_dkv_warps": wkv, "bwd_stages": st}
-                    try:
-                        run()
-                        err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
-                        row.update(fwd_bwd_ms=triton.testing.do_bench(run), max_rel_err_vs_default=err)
-                    except Exception as e:  # a setting that does not compile (shared memory) is a row too
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-    finally:
-        TUNE.update(saved)
-    ok = [r for r in rows if "fwd_bwd_ms" in r and r["max_rel_err_vs_default"] < 3e-2]
-    return rows, min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
-
-
-SWEEP_FWD = {"train_block_m": (64, 128), "train_block_n": (32, 64), "hybrid_num_warps": (4, 8),
-             "hybrid_num_stages": (1, 2)}
-
-
-def sweep_fwd(xs, do, window, scale):
-    """The forward's tiles and launch settings (kernels' TUNE: train_block_m / train_block_n, which the backward
-    takes too, hybrid_num_warps, hybrid_num_stages) with the backward's at their defaults: forward and forward +
-    backward time of the training pass for every setting, the gradients checked against the defaults' as in
-    `sweep`. Returns (rows, the row of the fastest forward + backward)."""
-    import itertools
-
-    import triton.testing
-
-    from longctx_patch.kernels.lola.tuning import TUNE
-
-    keys = tuple(SWEEP_FWD)
-    saved = {k: TUNE[k] for k in keys}
-
-    def fwd():  # the training forward (HybridAttentionFn, with the backward's statistics), its graph dropped
+    def fwd():
         ops.hybrid_attention(*xs, window=window, scale=scale)
 
     def run():
@@ -129,14 +89,16 @@ def sweep_fwd(xs, do, window, scale):
     ref_grads = [t.grad.float().clone() for t in xs]
     rows = []
     try:
-        for vals in itertools.product(*SWEEP_FWD.values()):
-            row = dict(zip(keys, vals))
-            TUNE.update(row)
+        for setting in settings:
+            TUNE.update(saved)
+            TUNE.update(setting)
+            row = dict(setting)
             try:
                 run()
                 err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
-                row.update(fwd_ms=triton.testing.do_bench(fwd), fwd_bwd_ms=triton.testing.do_bench(run),
-                           max_rel_err_vs_default=err)
+                if time_fwd:
+                    row["fwd_ms"] = triton.testing.do_bench(fwd)
+                row.update(fwd_bwd_ms=triton.testing.do_bench(run), max_rel_err_vs_default=err)
             except Exception as e:  # a setting that does not compile (shared memory) is a row too
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(json.dumps(row), flush=True)
@@ -215,7 +177,7 @@ def main():
     if args.sweep:
         rec["sweep"], rec["best"] = sweep(xs, do, W, scale)
     if args.sweep_fwd:
-        rec["sweep_fwd"], rec["best_fwd"] = sweep_fwd(xs, do, W, scale)
+        rec["sweep_fwd"], rec["best_fwd"] = sweep(xs, do, W, scale, SWEEP_FWD, time_fwd=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

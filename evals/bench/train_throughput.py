@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from evals.shared import REPO_ROOT, device_token, kernel_kind, result_file
+from evals.shared import REPO_ROOT, device_token, kernel_kind, lora_stage_only, result_file
 from longctx_patch.evals.common import device_description, git_commit
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
@@ -49,16 +49,6 @@ METHODS = {
     # the reference of the OVQ fine-tune: the same LoRA stage on the unpatched model
     "none": ("ovq-finetune.yaml", "finetune", ["method=null", "method_config={}", "ONLY_LORA"]),
 }
-
-
-def lora_stage_only(recipe_path: str) -> str:
-    """The override that leaves the recipe's `finetune` stage alone, training only its LoRA (the unpatched
-    reference has no method parameters and no attention to transfer)."""
-    import yaml
-
-    stage = next(s for s in yaml.safe_load(Path(recipe_path).read_text())["stages"] if s["name"] == "finetune")
-    stage["trainable"] = ["lora"]
-    return "stages=" + json.dumps([stage])
 
 
 def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None = None, recipe=None):

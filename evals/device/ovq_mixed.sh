@@ -15,6 +15,12 @@ STEP=${1:?usage: $0 train|eval OUT VARIANT...}
 OUT=${2:?usage: $0 train|eval OUT VARIANT...}
 shift 2
 [ $# -gt 0 ] || { echo "name at least one variant: all, hybrid, lora-none (eval: also base)" >&2; exit 2; }
+for v in "$@"; do
+  case $STEP:$v in
+    train:all | train:hybrid | train:lora-none | eval:all | eval:hybrid | eval:lora-none | eval:base) ;;
+    *) echo "unknown step or variant: $STEP $v (train: all, hybrid, lora-none; eval: those and base)" >&2; exit 2 ;;
+  esac
+done
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 SRC=${SRC:-.device-data}
 W=${W:-/tmp/mixed}
@@ -43,14 +49,8 @@ if [ "$STEP" = train ]; then
       all) extra=("${cal[@]}") ;;
       hybrid) extra=("${cal[@]}" --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window
                      --set 'rest_config={window: 256}') ;;
-      lora-none) extra=(--set method=null --set 'method_config={}' --set "$(python3 - <<'PY'
-import json, yaml
-stage = next(s for s in yaml.safe_load(open("recipes/ovq-finetune.yaml"))["stages"] if s["name"] == "finetune")
-stage["trainable"] = ["lora"]  # the same LoRA stage, no method
-print("stages=" + json.dumps([stage]))
-PY
-)") ;;
-      *) echo "unknown variant $v (all, hybrid, lora-none)" >&2; exit 2 ;;
+      lora-none) extra=(--set method=null --set 'method_config={}'
+                        --set "$(python3 -c 'from evals.shared import lora_stage_only as f; print(f("recipes/ovq-finetune.yaml"))')") ;;
     esac
     python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$W/train" -q "${extra[@]}" "${ft[@]}" \
       --output "$RUN/$v" --results "$OUT/finetune/$NAME-$v-$DEV.json" > "$RUN/$v.log" 2>&1 &
