@@ -9,6 +9,10 @@ same function from the same plan; tests/test_muse_kernels.py checks that).
         --data .device-data --seq-len 65536 --grid '[{"block_size": 128}]'      # long contexts: Triton on a GPU
     (--dtype bfloat16: MuSe in bf16, as a bf16 model runs it, against the fp32 exact output; a row `{"exact":
     true}` gives the error of the bf16 rounding alone)
+
+A grid row `{"method": "moba", "block_size": 512, "top_k": 8}` runs MoBA instead (`moba_attention`, block gating),
+for the comparison at matched sparsity (`--matched KEYS`: MoBA, `cells` and `tilted` at about KEYS exactly attended
+keys per query, the settings of evals/bench/bench_moba.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import longctx_patch
 from evals.shared import SHARED_DATA, device_token, model_token, result_file
 from longctx_patch.evals.common import git_commit, size_label
+from longctx_patch.kernels.moba import moba_attention
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
 
@@ -80,7 +85,11 @@ def main():
     ap.add_argument("--data", default=str(SHARED_DATA))
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
     ap.add_argument("--out", default=None, help="file (default evals/results/muse/fidelity-<model>-<seq>-<device>.json)")
-    ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID)")
+    ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID); a config with "
+                    "\"method\": \"moba\" runs MoBA with the rest as its options")
+    ap.add_argument("--matched", type=int, default=None, metavar="KEYS",
+                    help="instead of --grid: MoBA, MuSe cells and MuSe tilted at about KEYS exactly attended keys per "
+                         "query (evals/bench/bench_moba.py's settings), each row with its exact keys per query")
     ap.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or directory (load_model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -99,10 +108,15 @@ def main():
     device = torch.cuda.get_device_name(qkv[0][0].device) if qkv[0][0].is_cuda else "cpu"
     dt = getattr(torch, args.dtype)
     grid = json.loads(args.grid) if args.grid else GRID
+    if args.matched:
+        from evals.bench.bench_moba import configs
+
+        grid = [dict(cfg, exact_keys_per_query=keys, **({"method": "moba"} if name == "moba" else {}))
+                for name, (cfg, keys) in configs(args.matched).items()]
     if dt != torch.float32:
         grid = [{"exact": True}] + grid
     for cfg in grid:
-        if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
+        if cfg.get("far_field") == "cells" and cfg.get("method") != "moba":  # record the sink and peak blocks it runs with (muse_attention's defaults)
             for k in ("sink_blocks", "peak_blocks"):
                 cfg.setdefault(k, inspect.signature(muse_attention).parameters[k].default)
         errs, t0 = [], time.time()
@@ -112,10 +126,13 @@ def main():
                 refs[i] = softmax_attention(q, k, v, scale=scale)
             ref = refs[i]
             q, k, v = (t.to(dt) for t in (q, k, v))
+            opts = {k_: v_ for k_, v_ in cfg.items() if k_ not in ("method", "exact_keys_per_query")}
             if cfg.get("exact"):
                 o = softmax_attention(q, k, v, scale=scale)
+            elif cfg.get("method") == "moba":
+                o = moba_attention(q, k, v, scale=scale, backend=args.backend, **opts)
             else:
-                o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **cfg)
+                o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **opts)
             errs.append(((o.float() - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)
