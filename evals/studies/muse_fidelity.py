@@ -109,6 +109,8 @@ def main():
     dt = getattr(torch, args.dtype)
     grid = json.loads(args.grid) if args.grid else GRID
     if args.matched:
+        if args.grid:
+            sys.exit("--matched and --grid are alternatives: give one")
         from evals.bench.bench_moba import configs
 
         grid = [dict(cfg, exact_keys_per_query=keys, **({"method": "moba"} if name == "moba" else {}))
@@ -116,7 +118,7 @@ def main():
     if dt != torch.float32:
         grid = [{"exact": True}] + grid
     for cfg in grid:
-        if cfg.get("far_field") == "cells" and cfg.get("method") != "moba":  # record the sink and peak blocks it runs with (muse_attention's defaults)
+        if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
             for k in ("sink_blocks", "peak_blocks"):
                 cfg.setdefault(k, inspect.signature(muse_attention).parameters[k].default)
         errs, t0 = [], time.time()
