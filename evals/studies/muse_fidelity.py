@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--backend", default="torch",
                     help="MuSe backend: torch (the dense reference: CPU, a few thousand tokens) or auto/triton (CUDA)")
     args = ap.parse_args()
+    if args.matched and args.grid:
+        ap.error("--matched and --grid are alternatives: give one")
     out = result_file("muse", f"fidelity-{model_token(args.model)}-{size_label(args.seq_len)}"
                       f"{'' if args.dtype == 'float32' else '-bf16'}-{device_token(args.device)}.json", args.out)
     torch.manual_seed(0)
@@ -109,8 +111,6 @@ def main():
     dt = getattr(torch, args.dtype)
     grid = json.loads(args.grid) if args.grid else GRID
     if args.matched:
-        if args.grid:
-            sys.exit("--matched and --grid are alternatives: give one")
         from evals.bench.bench_moba import configs
 
         grid = [dict(cfg, exact_keys_per_query=keys, **({"method": "moba"} if name == "moba" else {}))
