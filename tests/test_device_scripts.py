@@ -3,8 +3,10 @@ once, in train_text.sh (split_text, build_train_text, write_run_asset)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,24 @@ def test_ovq_mixed_refuses_unknown_variants(tmp_path):
     r = subprocess.run(["bash", str(DEVICE / "ovq_mixed.sh"), "train", str(tmp_path), "all", "base"],
                        capture_output=True, text=True, cwd=DEVICE.parents[1])
     assert r.returncode == 2 and "unknown step or variant: train base" in r.stderr
+
+
+def test_ovq_variants_as_recipe_options():
+    """train_text.sh's OVQ_HYBRID and lora_only_stage, as the scripts pass them, load as recipe overrides: the
+    hybrid's layers and rest method, and the LoRA-only reference stage (with later --set still applied to it)."""
+    from longctx_patch.train.recipe import load_recipe
+
+    root = DEVICE.parents[1]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # its python3
+    out = subprocess.run(["bash", "-c", '. evals/device/train_text.sh && printf "%s\\n" "${OVQ_HYBRID[@]}" '
+                          '&& echo --set && lora_only_stage'], capture_output=True, text=True, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.splitlines()
+    sets = [a for i, a in enumerate(args) if i % 2 == 1 and args[i - 1] == "--set"]
+    assert len(sets) == 4
+    hyb = load_recipe(root / "recipes" / "ovq-finetune.yaml", sets[:3])
+    assert hyb.layers == list(range(0, 30, 2)) and hyb.rest_method == "sliding-window" and hyb.rest_config == {"window": 256}
+    ref = load_recipe(root / "recipes" / "ovq-finetune.yaml", ["method=null", "method_config={}", sets[3],
+                                                              "stages.finetune.steps=7"])
+    (stage,) = ref.stages
+    assert ref.method is None and stage.name == "finetune" and stage.trainable == ["lora"] and stage.steps == 7

@@ -2,8 +2,8 @@
 # OVQ fine-tuned at a real budget (recipes/ovq-finetune.yaml, >= 20M tokens of the mixed text of linearize_mixed.sh:
 # essays, a book, Python source) on one GPU, with its reference: the same LoRA stage on the unpatched model. Then
 # perplexity on the held-out code and book at 4k and S-NIAH-1/2 in held-out essays, each model in its own process.
-# Run from the repository root on the GPU machine with the model at $MODEL (evals/README.md, "Running on a GPU") and the raw
-# text in $SRC (pg_essays/, books/tinyshakespeare.txt):
+# Run from the repository root on the GPU machine with the model at $MODEL (evals/README.md, "Running on a GPU")
+# and the raw text in $SRC (pg_essays/, books/tinyshakespeare.txt):
 #   LONGCTX_COMMIT=<sha> bash evals/device/ovq_mixed.sh train OUT VARIANT...   # concurrently, -> $RUN/VARIANT/model
 #   LONGCTX_COMMIT=<sha> bash evals/device/ovq_mixed.sh eval OUT VARIANT...    # concurrently, -> OUT/ovq-mixed-eval-*.tgz
 # VARIANT: all (OVQ on every layer), hybrid (OVQ on even layers, a 256-token sliding window on the others, as the
@@ -33,7 +33,6 @@ FT_MAX_S=${FT_MAX_S:-470}
 CAL_MAX_S=${CAL_MAX_S:-30}
 EVAL_MAX_S=${EVAL_MAX_S:-420}
 NAME=${NAME:-smollm2-135m-ovq-mixed}
-HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]"
 mkdir -p "$OUT/finetune" "$RUN"
 . "$(dirname "$0")/train_text.sh"
 split_text
@@ -47,10 +46,8 @@ if [ "$STEP" = train ]; then
   for v in "$@"; do
     case $v in
       all) extra=("${cal[@]}") ;;
-      hybrid) extra=("${cal[@]}" --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window
-                     --set 'rest_config={window: 256}') ;;
-      lora-none) extra=(--set method=null --set 'method_config={}'
-                        --set "$(python3 -c 'from evals.shared import lora_stage_only as f; print(f("recipes/ovq-finetune.yaml"))')") ;;
+      hybrid) extra=("${cal[@]}" "${OVQ_HYBRID[@]}") ;;
+      lora-none) extra=(--set method=null --set 'method_config={}' --set "$(lora_only_stage)") ;;
     esac
     python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$W/train" -q "${extra[@]}" "${ft[@]}" \
       --output "$RUN/$v" --results "$OUT/finetune/$NAME-$v-$DEV.json" > "$RUN/$v.log" 2>&1 &
@@ -63,7 +60,7 @@ if [ "$STEP" = train ]; then
 fi
 
 # eval: perplexity on the two held-out kinds at 4k (8 windows), S-NIAH-1/2 at 2k and 4k (20 haystacks per length)
-E=/tmp/ovq-mixed-eval && mkdir -p "$E/ppl" "$E/niah"
+E=$(mktemp -d /tmp/ovq-mixed-eval.XXXX) && mkdir -p "$E/ppl" "$E/niah"  # this call's files only
 export OMP_NUM_THREADS=2
 pids=()
 for v in "$@"; do

@@ -25,7 +25,6 @@ LENGTHS=${LENGTHS:-2k,4k}
 DEPTHS=${DEPTHS:-0.25,0.5,0.75}
 SAMPLES=${SAMPLES:-3}
 EVAL_MAX_S=${EVAL_MAX_S:-480}
-HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]"
 
 if [ "$STEP" = text ]; then  # built before the trainings start, so that concurrent runs share it
   build_train_text force
@@ -41,7 +40,7 @@ if [ "$STEP" = train ]; then
     --results "$OUT/finetune/smollm2-135m-ovq-finetune-$DEV.json" > "$RUN-all.log" 2>&1 &
   p1=$!
   python3 -m cli.main finetune recipes/ovq-finetune.yaml "${common[@]}" --output "$RUN/hybrid" \
-    --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window --set rest_config.window=256 \
+    "${OVQ_HYBRID[@]}" \
     --results "$OUT/finetune/smollm2-135m-ovq-finetune-hybrid-$DEV.json" > "$RUN-hybrid.log" 2>&1 &
   p2=$!
   rc=0
@@ -57,20 +56,18 @@ if [ "$STEP" = refs ]; then  # recipe as in the file (512-token chunks), three f
           --set stages.finetune.steps="$FT_STEPS" --set stages.finetune.max_time_s="$FT_MAX_S"
           --set stages.finetune.eval_every=100 --set stages.finetune.save_every=100000)
   # the references: only the recipe's LoRA stage (same rank, lr, steps, data), no OVQ temperatures
-  lora_only="stages=[{name: finetune, objective: next_token, trainable: [lora], lora: {r: 16, alpha: 32, dropout: 0.0,
-    targets: [q_proj, k_proj, v_proj, o_proj]}, lr: 2.0e-4, steps: $FT_STEPS, batch_size: 8, seq_len: 2048, warmup: 20,
-    schedule: cosine, min_lr_ratio: 0.1, max_grad_norm: 1.0, log_every: 10, eval_every: 100, eval_batches: 4,
-    save_every: 100000, max_time_s: $FT_MAX_S}]"
+  lora_only=(--set "$(lora_only_stage)" --set stages.finetune.steps="$FT_STEPS" --set stages.finetune.max_time_s="$FT_MAX_S"
+             --set stages.finetune.eval_every=100 --set stages.finetune.save_every=100000)
   python3 -m cli.main finetune recipes/ovq-finetune.yaml "${common[@]}" --output "$RUN/hybrid" \
-    --set "layers=$HYBRID_LAYERS" --set rest_method=sliding-window --set rest_config.window=256 \
+    "${OVQ_HYBRID[@]}" \
     --results "$OUT/finetune/smollm2-135m-ovq-finetune-hybrid-chunk512-$DEV.json" > "$RUN-hybrid.log" 2>&1 &
   p1=$!
   python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$TEXT" -q --set method=none \
-    --set 'method_config={}' --set "$lora_only" --output "$RUN/lora-none" \
+    --set 'method_config={}' "${lora_only[@]}" --output "$RUN/lora-none" \
     --results "$OUT/finetune/smollm2-135m-lora-unpatched-$DEV.json" > "$RUN-lora-none.log" 2>&1 &
   p2=$!
   python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$TEXT" -q --set method=sliding-window \
-    --set 'method_config={window: 256}' --set "$lora_only" --output "$RUN/lora-sw256" \
+    --set 'method_config={window: 256}' "${lora_only[@]}" --output "$RUN/lora-sw256" \
     --results "$OUT/finetune/smollm2-135m-lora-sw256-$DEV.json" > "$RUN-lora-sw256.log" 2>&1 &
   p3=$!
   rc=0

@@ -1,7 +1,7 @@
 # Sourced by the device scripts: the training text they share, built once per machine into $TEXT
 # ($DATA/train: essays + Shakespeare, plus every other top-level module of the Python standard library),
-# the mixed text's split into training and held-out folders (split_text), and the step that turns a linearize
-# run into a package-style asset folder.
+# the mixed text's split into training and held-out folders (split_text), the step that turns a linearize
+# run into a package-style asset folder, and the OVQ fine-tune's variants as `longctx finetune` options.
 TEXT=${TEXT:-/tmp/train-text}
 STDLIB=${STDLIB:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
 
@@ -68,4 +68,16 @@ for i, p in enumerate(mods):
 print(f"essays {len(essays)}, modules {len(mods)}")
 PY
   du -sh "$W"/*/ "$W"/train/*
+}
+
+# The OVQ paper's hybrid (OVQ on SmolLM2's even layers, a 256-token sliding window on the others), as options of
+# `longctx finetune recipes/ovq-finetune.yaml`.
+OVQ_HYBRID=(--set "layers=[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]" --set rest_method=sliding-window
+            --set 'rest_config={window: 256}')
+
+# lora_only_stage [RECIPE]: the option that keeps only RECIPE's finetune stage, training its LoRA alone (the
+# references of a method's fine-tune: the same stage on the unpatched or another model); evals.shared has the rule.
+lora_only_stage() {
+  python3 -c 'import sys; from evals.shared import lora_stage_only as f; print(f(sys.argv[1]))' \
+    "${1:-recipes/ovq-finetune.yaml}"
 }
