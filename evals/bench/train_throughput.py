@@ -39,16 +39,19 @@ class _NoTokenizer:
     """The runner asks for a tokenizer beside a given model; the benchmark feeds random token ids."""
 
 
-# --method: (default recipe, default stages, extra recipe overrides)
-METHODS = {
-    "lolcats": ("linearize.yaml", "transfer,lora", []),
-    "ovq": ("ovq-finetune.yaml", "calibrate,finetune", []),
-    # the OVQ paper's hybrid: OVQ on even layers, a 256-token sliding window on the others
-    "ovq-hybrid": ("ovq-finetune.yaml", "calibrate,finetune", ["layers=EVEN", "rest_method=sliding-window",
-                                                               "rest_config={window: 256}"]),
-    # the reference of the OVQ fine-tune: the same LoRA stage on the unpatched model
-    "none": ("ovq-finetune.yaml", "finetune", ["method=null", "method_config={}", "ONLY_LORA"]),
-}
+# --method: (default recipe, default stages)
+METHODS = {"lolcats": ("linearize.yaml", "transfer,lora"), "ovq": ("ovq-finetune.yaml", "calibrate,finetune"),
+           "ovq-hybrid": ("ovq-finetune.yaml", "calibrate,finetune"), "none": ("ovq-finetune.yaml", "finetune")}
+
+
+def method_overrides(args) -> list[str]:
+    """The recipe overrides of --method: the OVQ paper's hybrid (OVQ on even layers, a 256-token sliding window on
+    the others), or the reference of the OVQ fine-tune (the same LoRA stage on the unpatched model)."""
+    if args.method == "ovq-hybrid":
+        return [f"layers={list(range(0, args.layers, 2))}", "rest_method=sliding-window", "rest_config={window: 256}"]
+    if args.method == "none":
+        return ["method=null", "method_config={}", lora_stage_only(args.recipe)]
+    return []
 
 
 def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None = None, recipe=None):
@@ -75,8 +78,7 @@ def build_model(layers: int, dtype: torch.dtype, device: str, vocab: int | None 
 
 
 def overrides(args, batch: int) -> list[str]:
-    out = [lora_stage_only(args.recipe) if kv == "ONLY_LORA" else
-           kv.replace("EVEN", str(list(range(0, args.layers, 2))).replace(" ", "")) for kv in METHODS[args.method][2]]
+    out = method_overrides(args)
     for name in args.stages:
         out += [f"stages.{name}.batch_size={batch}", f"stages.{name}.seq_len={args.seq}",
                 f"stages.{name}.gradient_checkpointing={str(args.grad_checkpointing).lower()}",
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> Path:
         out = Path(args.out or "train-throughput.json")
         out.write_text(json.dumps(merge(Path(args.merge)), indent=1) + "\n")
         return out
-    recipe_name, stages, _ = METHODS[args.method]
+    recipe_name, stages = METHODS[args.method]
     args.recipe = args.recipe or str(REPO_ROOT / "recipes" / recipe_name)
     args.stages = (args.stages or stages).split(",")
     from longctx_patch.kernels.lola.tuning import TUNE
