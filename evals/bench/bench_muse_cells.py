@@ -10,7 +10,7 @@ the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cel
 Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; default the package's
 cells defaults and the previous defaults; one with "far_field": "tilted" goes to `muse_attention` and is timed
 forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,peaks,tune,speed; also fp32: the fp32 forward against
-SDPA's memory-efficient backend; `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
+SDPA's memory-efficient backend; fwd: forward only, every configuration at every length (the per-length sweep); `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
 64k, each keeping the fastest for the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64":
 [[BM, BN, warps, stages], ...]}: the choices `tune` times); CELLS_PEAKS (JSON [[keys, warps, stages], ...]).
 """
@@ -172,6 +172,40 @@ def speed():
                 save()
 
 
+def fwd():
+    """Forward only, every configuration of CELLS_CFGS at every length and head size against one cuDNN timing: the
+    sweep behind the per-length defaults (plan and attention timed apart)."""
+    for D in (64, 128):
+        for S in SEQS:
+            if time.time() - T0 > BUDGET:
+                RES.setdefault("skipped", []).append(dict(part="fwd", D=D, S=S))
+                continue
+            q, k, v = qkv(S, D, torch.bfloat16, seed=S + D)
+            sc = D**-0.5
+            kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                cudnn = bench(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+            for cfg in CFGS:
+                row = dict(part="fwd", cfg=cfg, D=D, S=S, cudnn_fwd_ms=cudnn)
+                try:
+                    with torch.no_grad():
+                        row["cells_fwd_ms"] = bench(lambda: cells_triton(
+                            q, k, v, make_cells_plan(q, k, scale=sc, **cfg), scale=sc))
+                        plan = make_cells_plan(q, k, scale=sc, **cfg)
+                        row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
+                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
+                        row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
+                    row["speedup_fwd_vs_cudnn"] = cudnn / row["cells_fwd_ms"]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:400]
+                    traceback.print_exc()
+                RES["speed"].append(row)
+                print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+            del q, k, v, kx, vx
+            torch.cuda.empty_cache()
+            save()
+
+
 def fp32():
     """fp32 forward (tf32x3 dots) of the first configuration against torch SDPA's best fp32 backend
     (memory-efficient attention; cuDNN and flash take no fp32), 16k and 64k."""
@@ -311,7 +345,7 @@ def main():
         sys.exit("needs a CUDA GPU")
     RES["device"] = torch.cuda.get_device_name(0)
     parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
-    for part in (checks, fp32, profile, peaks, tune, speed):
+    for part in (checks, fp32, profile, peaks, tune, speed, fwd):
         if part.__name__ in parts:
             try:
                 part()
