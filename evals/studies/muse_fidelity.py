@@ -10,7 +10,8 @@ same function from the same plan; tests/test_muse_kernels.py checks that).
     (--dtype bfloat16: MuSe in bf16, as a bf16 model runs it, against the fp32 exact output; a row `{"exact":
     true}` gives the error of the bf16 rounding alone)
 
-A grid row `{"method": "moba", "block_size": 512, "top_k": 8}` runs MoBA instead (`moba_attention`, block gating),
+A grid row that names a `far_field` runs the method's defaults for it in every option it leaves out (the JSON records
+the whole configuration). A grid row `{"method": "moba", "block_size": 512, "top_k": 8}` runs MoBA instead (`moba_attention`, block gating),
 for the comparison at matched sparsity (`--matched KEYS`: MoBA, `cells` and `tilted` at about KEYS exactly attended
 keys per query, the settings of evals/bench/bench_moba.py).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import sys
 import time
@@ -33,6 +33,7 @@ from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.moba import moba_attention
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
+from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS, MuseConfig
 
 GRID = [
     dict(block_size=64, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0),
@@ -118,9 +119,10 @@ def main():
     if dt != torch.float32:
         grid = [{"exact": True}] + grid
     for cfg in grid:
-        if cfg.get("far_field") == "cells":  # record the sink and peak blocks it runs with (muse_attention's defaults)
-            for k in ("sink_blocks", "peak_blocks"):
-                cfg.setdefault(k, inspect.signature(muse_attention).parameters[k].default)
+        if cfg.get("far_field") in FAR_FIELD_DEFAULTS:  # what the row leaves out: the method's defaults (recorded)
+            defaults = MuseConfig(far_field=cfg["far_field"]).kernel_kwargs()
+            defaults.pop("backend")
+            cfg.update({k_: v_ for k_, v_ in defaults.items() if k_ not in cfg})
         errs, t0 = [], time.time()
         for i in layers:
             q, k, v = qkv[i]
@@ -134,7 +136,7 @@ def main():
             elif cfg.get("method") == "moba":
                 o = moba_attention(q, k, v, scale=scale, backend=args.backend, **opts)
             else:
-                o = muse_attention(q, k, v, scale=scale, backend=args.backend, kmeans_iters=2, **opts)
+                o = muse_attention(q, k, v, scale=scale, backend=args.backend, **{"kmeans_iters": 2, **opts})
             errs.append(((o.float() - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)

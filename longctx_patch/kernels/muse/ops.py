@@ -9,9 +9,12 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import BACKENDS, resolve_backend
+
+FAR_FIELDS = ("cells", "tilted", "tilted-cells")
 from .cells import CellsPlan, cell_summaries, cells_reference, list_plan, make_cells_plan
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
+from .tilted_cells import make_tilt_plan, tilted_cells_reference
 from .support import cells_supported, triton_supported
 
 
@@ -53,24 +56,31 @@ def muse_attention(
     far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
     super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
     `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
-    block; q_clusters, topk_clusters unused).
+    block; q_clusters, topk_clusters unused) or "tilted-cells" (kernels/muse/tilted_cells.py: the cells plan, each far
+    cell summarised for each of `q_clusters` global query clusters per head by its summary tilted at the cluster's
+    centroid; Triton: forward only).
     Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
     """
-    if far_field not in ("tilted", "cells"):
-        raise ConfigError(f"muse far_field={far_field!r}; allowed: tilted, cells")
+    if far_field not in FAR_FIELDS:
+        raise ConfigError(f"muse far_field={far_field!r}; allowed: {', '.join(FAR_FIELDS)}")
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ConfigError(f"muse_attention: expected q [B,Hq,S,D], k/v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
-    if k_clusters > block_size or q_clusters > block_size:
+    if k_clusters > block_size or (far_field == "tilted" and q_clusters > block_size):
         raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
     if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: the attention runs in the autocast dtype
         dt = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dt) for t in (q, k, v))
     elif not q.dtype == k.dtype == v.dtype:  # mixed inputs run in q's dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
+    if far_field == "tilted-cells":
+        return _tilted_cells(q, k, v, scale=scale, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
+                             kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
+                             local_blocks=local_blocks, sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask,
+                             backend=backend)
     if far_field == "cells":
         return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
                       topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,
@@ -142,6 +152,35 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
     if be == "triton":
         return cells_triton(q, k, v, plan, scale=scale)[..., :D]
     return cells_reference(q, k, v, plan, scale=scale)
+
+
+def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **cells_options):
+    """The tilted-cells far field: the Triton forward (`triton_tilted.py`) where the cells kernels run and no gradient
+    is needed, else the reference. It has no Triton backward: a GPU input that needs gradients is refused."""
+    if dipole:
+        raise ConfigError("muse: dipole=True needs far_field='tilted'")
+    why = cells_supported(q, block_size=cells_options["block_size"])
+    be = resolve_backend(backend, q, what="muse")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if be == "triton" and needs_grad:
+        why = why or ("far_field='tilted-cells' has no Triton backward; train with far_field='cells' (or "
+                      "backend='torch' on short inputs)")
+        raise ConfigError(f"muse: {why}")
+    if be == "triton" and why is not None:
+        if backend == "triton":
+            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
+        be = "torch"
+    D = q.shape[-1]
+    Dp = _kernel_head_dim(D) if be == "triton" else D
+    if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
+        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
+                          backend=_plan_backend(be), **cells_options)
+    if be == "triton":
+        from .triton_tilted import tilted_cells_fwd
+
+        return tilted_cells_fwd(q, k, v, plan, scale)[..., :D]
+    return tilted_cells_reference(q, k, v, plan, scale=scale)
 
 
 class _MuseFn(torch.autograd.Function):

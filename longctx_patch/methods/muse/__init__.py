@@ -26,7 +26,9 @@ from ...kernels.softmax import key_mask_for, softmax_attention
 FAR_FIELD_DEFAULTS = {
     "cells": dict(block_size=256, k_clusters=8, topk_blocks=10, peak_blocks=10),
     "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4, peak_blocks=0),
+    "tilted-cells": dict(block_size=256, k_clusters=8, topk_blocks=10, peak_blocks=10),
 }
+Q_CLUSTERS = {"cells": 1, "tilted": 16, "tilted-cells": 256}  # q_clusters' default (the cells have no query clusters)
 
 
 @dataclass
@@ -34,12 +36,15 @@ class MuseConfig(MethodConfig):
     far_field: str = option("cells", "cells: each key cluster of an earlier block is one super-key shared by all "
                             "queries, linear in blocks (the fast path; q_clusters and topk_clusters unused); tilted: "
                             "one summary per (query cluster, cell) pair, quadratic in blocks (more accurate at 64k, "
-                            "slower than exact attention)", choices=["cells", "tilted"])
+                            "slower than exact attention); tilted-cells: the cells plan with each far cell summarised "
+                            "per global query cluster, tilted at its centroid (more accurate than cells; Triton "
+                            "forward only: inference)", choices=["cells", "tilted", "tilted-cells"])
     block_size: int | None = option(None, "tokens per spatial block (exact causal attention inside a block); default "
                                     "256 (cells) / 128 (tilted); Triton: a multiple of 128 (cells), a power of two "
                                     "in 16..128 (tilted)", min=2)
-    q_clusters: int = option(16, "tilted: query clusters per block and query head (tilt centres of the summaries)",
-                             min=1)
+    q_clusters: int | None = option(None, "query clusters per query head, the tilt centres of the summaries: per "
+                                    "block (tilted, default 16) or over the whole sequence (tilted-cells, default "
+                                    "256)", min=1)
     k_clusters: int | None = option(None, "key clusters (cells) per block and kv head, each one super-key; default "
                                     "8 (cells) / 4 (tilted)", min=1)
     kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
@@ -68,22 +73,25 @@ class MuseConfig(MethodConfig):
     def get(self, name: str) -> int:
         """The value of a far-field-dependent option: the one set, else FAR_FIELD_DEFAULTS[far_field]."""
         v = getattr(self, name)
-        return FAR_FIELD_DEFAULTS[self.far_field][name] if v is None else v
+        if v is None:
+            return Q_CLUSTERS[self.far_field] if name == "q_clusters" else FAR_FIELD_DEFAULTS[self.far_field][name]
+        return v
 
     def check(self) -> None:
         L = self.get("block_size")
-        if self.get("k_clusters") > L or (self.far_field == "tilted" and self.q_clusters > L):
+        if self.get("k_clusters") > L or (self.far_field == "tilted" and self.get("q_clusters") > L):
             raise ConfigError(
-                f"MuseConfig: q_clusters ({self.q_clusters}, tilted) and k_clusters ({self.get('k_clusters')}) must "
+                f"MuseConfig: q_clusters ({self.get('q_clusters')}, tilted) and k_clusters ({self.get('k_clusters')}) must "
                 f"be <= block_size ({L})"
             )
         if self.far_field == "tilted" and self.get("peak_blocks"):
             raise ConfigError("MuseConfig: peak_blocks needs far_field='cells' (tilted retrieves per query cluster)")
-        if self.far_field == "cells" and self.dipole:
+        if self.far_field != "tilted" and self.dipole:
             raise ConfigError("MuseConfig: dipole=True needs far_field='tilted' (the cells have no dipole term)")
 
     def kernel_kwargs(self) -> dict:
-        return dict(block_size=self.get("block_size"), q_clusters=self.q_clusters, k_clusters=self.get("k_clusters"),
+        return dict(block_size=self.get("block_size"), q_clusters=self.get("q_clusters"),
+                    k_clusters=self.get("k_clusters"),
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
                     topk_blocks=self.get("topk_blocks"), peak_blocks=self.get("peak_blocks"),
                     local_blocks=self.local_blocks, sink_blocks=self.sink_blocks, dipole=self.dipole,

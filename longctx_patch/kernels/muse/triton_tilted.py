@@ -1,0 +1,145 @@
+"""The Triton forward of MuSe's tilted-cells far field (`tilted_cells.py` has the plan, the reference and the design):
+the tilted summaries of every (query cluster, cell) pair, then the far field over the queries sorted by cluster,
+merged with the exact part (the cells kernels without a far field). Imported only when the Triton backend runs."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import INTERPRET
+from ..triton_lib import dot, online_softmax_scaled
+from .cells import CellsPlan
+from .tilted_cells import TiltPlan
+from .triton_cells import cells_fwd
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tilt_summaries(K, V, KA, KVAL, C, LSE, KT, VT, scale, H, HKV, Sp, NCK, CQ,
+                    L: tl.constexpr, CK: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
+    """Program (block m, batch x query head, tile of BC centroids): the block's Ck cells tilted at each centroid.
+    x = scale c.k over the block's keys ([BC, L], log2 units); per cell j, its real keys: lse = log sum 2^x,
+    kt / vt = the 2^x-weighted means (one [BC, L] x [L, D] product each, the other cells' weights zero)."""
+    m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    kvh = b * HKV + (bh % H) // (H // HKV)
+    offs_l = tl.arange(0, L)
+    offs_d = tl.arange(0, D)
+    offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
+    cm = offs_c < CQ
+    pos = m * L + offs_l
+    k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
+    ka = tl.load(KA + kvh * Sp + pos)
+    ok = tl.load(KVAL + b * Sp + pos) != 0
+    c = tl.load(C + (bh * CQ + offs_c)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
+    x = dot(c, tl.trans(k), "tf32x3", UP) * (scale * 1.4426950408889634)
+    row = (bh * CQ + offs_c) * NCK + m * CK
+    for j in tl.static_range(CK):
+        xj = tl.where((ok & (ka == j))[None, :], x, float("-inf"))
+        mx = tl.max(xj, 1)
+        mxs = tl.where(mx == float("-inf"), 0.0, mx)
+        e = tl.exp2(xj - mxs[:, None])
+        z = tl.sum(e, 1)
+        zs = tl.where(z > 0, z, 1.0)
+        p = (e / zs[:, None]).to(k.dtype)
+        kt = dot(p, k, "tf32x3", UP)
+        vt = dot(p, v, "tf32x3", UP)
+        tl.store(LSE + row + j, tl.where(z > 0, (mxs + tl.log2(zs)) * 0.6931471805599453, float("-inf")), mask=cm)
+        tl.store(KT + (row + j)[:, None] * D + offs_d[None, :], kt.to(KT.dtype.element_ty), mask=cm[:, None])
+        tl.store(VT + (row + j)[:, None] * D + offs_d[None, :], vt.to(VT.dtype.element_ty), mask=cm[:, None])
+
+
+@triton.jit
+def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, NCK, CQ,
+                  L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, UP: tl.constexpr):
+    """Program (tile of BM queries in sorted order, batch x query head): for each query cluster c in the tile, the
+    far cells of its rows (cells of blocks < n - LOC, not retrieved for the row's block n) as super-keys of logit
+    lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
+    positions: the cells kernels' output) and written back in place."""
+    bh = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    pos = tl.load(ORD + bh * Sp + r).to(tl.int64)
+    cl = tl.load(SCL + bh * Sp + r)  # the rows' clusters (CQ: a padding position)
+    n = (pos // L).to(tl.int32)
+    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + offs_d[None, :]).to(tl.float32)
+    qk = scale * 1.4426950408889634
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    c_lo = tl.min(cl, 0)
+    c_hi = tl.max(tl.where(cl < CQ, cl, -1), 0)
+    for c in range(c_lo, c_hi + 1):
+        rows = cl == c
+        cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
+        d = (q - cen[None, :]).to(KT.dtype.element_ty)  # q - c in fp32, rounded once
+        hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
+        base = (bh * CQ + c) * NCK
+        for j0 in range(0, hi, BN):
+            cidx = j0 + offs_n
+            inb = cidx < hi
+            kt = tl.load(KT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+            vt = tl.load(VT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+            lse = tl.load(LSE + base + cidx, mask=inb, other=float("-inf"))
+            mblk = cidx // CK
+            ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :]
+            ok = ok & (tl.load(RET + (bh * NB + n)[:, None] * NB + mblk[None, :], mask=ok, other=1) == 0)
+            s = tl.where(ok, dot(d, tl.trans(kt), "tf32x3", UP) + (lse / scale)[None, :], float("-inf"))
+            m_i, l_i, acc = online_softmax_scaled(s, qk, vt, m_i, l_i, acc, "tf32x3", UP, True)
+    # merge with the exact part: weights 2^(lse_e - M) and 2^(m_i - M) l_i at the common max M (log2 units)
+    oe = tl.load(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :]).to(tl.float32)
+    le = tl.load(LSEE + bh * Sp + pos) * 1.4426950408889634
+    mx = tl.maximum(le, m_i)
+    we = tl.exp2(le - mx)
+    wf = tl.where(l_i > 0, tl.exp2(m_i - mx), 0.0)
+    o = (we[:, None] * oe + wf[:, None] * acc) / (we + wf * l_i)[:, None]
+    tl.store(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=(cl < CQ)[:, None])
+
+
+def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
+    """Launch tiles: summaries (centroids per program, warps), far field (BM, BN, warps, stages)."""
+    wide = D >= 128 or dtype == torch.float32
+    return dict(summ=(32, 8 if wide else 4), far=(64 if wide else 128, 64, 8 if wide else 4, 2))
+
+
+def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D] (one dtype, D a power of two in 16..128, block_size a multiple of 128)
+    -> o [B, S, Hq, D]: the exact part on the cells kernels (no far field), the tilted summaries, the far field
+    merged into it."""
+    cp = plan.cells
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    L, Ck, nb, Sp, loc = cp.block_size, cp.k_clusters, cp.num_blocks, cp.padded_len, cp.local_blocks
+    Cq = plan.centroids.shape[2]
+    empty = cp.counts.new_zeros(B, 0)
+    exact = CellsPlan(L, 0, loc, Sp, nb, empty, empty, cp.key_valid, cp.retrieved, cp.max_retrieved, cp.key_masked)
+    O, saved, _ = cells_fwd(q, k, v, None, None, exact, scale)
+    Q, K, V, LSEE = saved[0], saved[1], saved[2], saved[6]
+    kval = cp.key_valid.to(torch.int8).contiguous()
+    ka = cp.k_assign.to(torch.int32).contiguous()
+    C = plan.centroids.contiguous()
+    NCK = nb * Ck
+    LSE = torch.empty(B * Hq, Cq, NCK, device=q.device, dtype=torch.float32)
+    KT = torch.empty(B * Hq, Cq, NCK, D, device=q.device, dtype=q.dtype)
+    VT = torch.empty_like(KT)
+    up = INTERPRET and q.dtype != torch.float32
+    t = tilted_tiles(D, q.dtype)
+    bc, sw = t["summ"]
+    _tilt_summaries[(nb, B * Hq, triton.cdiv(Cq, bc))](
+        K, V, ka, kval, C, LSE, KT, VT, scale, Hq, Hkv, Sp, NCK, Cq, L=L, CK=Ck, D=D, BC=bc, UP=up, num_warps=sw)
+    valid = cp.key_valid[:, None, :]
+    scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
+    ret = cp.retrieved.to(torch.int8).contiguous()
+    bm, bn, fw, fs = t["far"]
+    _tilt_far_fwd[(Sp // bm, B * Hq)](
+        Q, plan.order.contiguous(), scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, nb, Sp, NCK, Cq,
+        L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
+    return O[:, :, :S].transpose(1, 2)

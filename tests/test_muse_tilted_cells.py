@@ -1,0 +1,139 @@
+"""MuSe's tilted-cells far field (kernels/muse/tilted_cells.py): degenerate configurations equal exact attention, the
+Triton forward equals the PyTorch reference (interpreter on the CPU; fp32 and bf16, GQA with 7 query heads per kv
+head, odd lengths, a left-padded row), the plan's query clusters and sort, the dispatcher's refusals."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from longctx_patch.errors import ConfigError  # noqa: E402
+from longctx_patch.kernels.muse import muse_attention  # noqa: E402
+from longctx_patch.kernels.muse.cells import cells_reference  # noqa: E402
+from longctx_patch.kernels.muse.tilted_cells import (  # noqa: E402
+    cluster_queries, make_tilt_plan, tilted_cells_reference, tilted_summaries)
+from longctx_patch.kernels.muse.triton_tilted import tilted_cells_fwd  # noqa: E402
+from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def qkv(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, S, D, generator=g).to(dtype)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv)
+
+
+CELLS = dict(block_size=128, k_clusters=4, topk_blocks=1, peak_blocks=1, sink_blocks=1, backend="torch")
+
+
+def test_a_cluster_per_query_is_exact():
+    """With one query per cluster the tilt point is the query (d = 0): every tilted summary is exact, so the far
+    field adds no error whatever the cells."""
+    q, k, v = qkv(1, 2, 1, 300, 16, dtype=torch.float64, seed=1)
+    plan = make_tilt_plan(q, k, scale=0.3, q_clusters=384, **CELLS)
+    torch.testing.assert_close(tilted_cells_reference(q, k, v, plan, scale=0.3),
+                               softmax_attention(q, k, v, scale=0.3), atol=1e-6, rtol=1e-6)
+
+
+def test_one_cluster_at_the_origin_is_the_cells_far_field_up_to_the_tilt():
+    """The tilted summary at c = 0 is the cell's plain mean (w = 1): with the centroid forced to 0 the far field is
+    the cells' (log n + s q.mu, mean value)."""
+    q, k, v = qkv(1, 2, 1, 400, 16, dtype=torch.float64, seed=2)
+    plan = make_tilt_plan(q, k, scale=0.3, q_clusters=1, **CELLS)
+    plan.centroids.zero_()
+    torch.testing.assert_close(tilted_cells_reference(q, k, v, plan, scale=0.3),
+                               cells_reference(q, k, v, plan.cells, scale=0.3), atol=1e-10, rtol=1e-10)
+
+
+def test_summaries_are_the_tilted_means():
+    q, k, v = qkv(1, 2, 1, 256, 8, dtype=torch.float64, seed=3)
+    plan = make_tilt_plan(q, k, scale=0.5, q_clusters=3, **CELLS)
+    lse, kt, vt = tilted_summaries(k, v, plan, scale=0.5)
+    cp = plan.cells
+    h, i, m, j = 1, 2, 1, 3
+    sel = (cp.k_assign[0, 0, m * 128:(m + 1) * 128] == j).nonzero()[:, 0] + m * 128
+    w = torch.exp(0.5 * k[0, 0, sel] @ plan.centroids[0, h, i])
+    cell = m * cp.k_clusters + j
+    torch.testing.assert_close(lse[0, h, i, cell], w.sum().log())
+    torch.testing.assert_close(kt[0, h, i, cell], (w[:, None] * k[0, 0, sel]).sum(0) / w.sum())
+    torch.testing.assert_close(vt[0, h, i, cell], (w[:, None] * v[0, 0, sel]).sum(0) / w.sum())
+
+
+def test_query_clusters_and_order():
+    q, _, _ = qkv(2, 3, 1, 500, 8, seed=4)
+    valid = torch.ones(2, 500, dtype=torch.bool)
+    valid[1, :77] = False
+    cent, a = cluster_queries(q, valid, 16, 2)
+    assert cent.shape == (2, 3, 16, 8) and a.shape == (2, 3, 500)
+    assert (a[1, :, :77] == 0).all()
+    # each centroid is the mean of its real members, and each member's nearest centroid (Lloyd's fixed point after
+    # the final assignment)
+    for b in range(2):
+        for c in a[b, 0, valid[b]].unique():
+            sel = (a[b, 0] == c) & valid[b]
+            torch.testing.assert_close(cent[b, 0, c], q[b, 0, sel].mean(0), atol=1e-5, rtol=1e-5)
+    plan = make_tilt_plan(q, q[:, :1], scale=0.3, q_clusters=16, key_mask=valid, **CELLS)
+    o = plan.order.long()
+    for b in range(2):
+        key = torch.where(plan.cells.key_valid[b, None], plan.assign[b], 16).gather(1, o[b])
+        assert (key[:, 1:] >= key[:, :-1]).all()  # sorted by cluster, padding last
+        assert sorted(o[b, 0].tolist()) == list(range(plan.cells.padded_len))  # a permutation
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (14, 2)])
+def test_triton_forward_equals_reference(dtype, tol, Hq, Hkv):
+    q, k, v = qkv(1, Hq, Hkv, 645, 32, dtype=dtype, seed=5)
+    plan = make_tilt_plan(q, k, scale=32**-0.5, q_clusters=8, **CELLS)
+    o = tilted_cells_fwd(q, k, v, plan, 32**-0.5)
+    r = tilted_cells_reference(q, k, v, plan, scale=32**-0.5)
+    assert rel(o, r) < tol
+    assert o.dtype == dtype and o.shape == (1, 645, Hq, 32)
+
+
+def test_triton_forward_left_padded_row():
+    """A batch whose second row is left-padded by whole blocks (what the patched module gives MuSe): the padding rows
+    output 0 and the real rows equal the reference's."""
+    q, k, v = qkv(2, 4, 2, 700, 16, seed=6)
+    km = torch.ones(2, 700, dtype=torch.bool)
+    km[1, :256] = False
+    plan = make_tilt_plan(q, k, scale=0.25, q_clusters=8, key_mask=km, **CELLS)
+    o = tilted_cells_fwd(q, k, v, plan, 0.25)
+    r = tilted_cells_reference(q, k, v, plan, scale=0.25)
+    assert rel(o[1, 256:], r[1, 256:]) < 2e-6 and rel(o[0], r[0]) < 2e-6
+    assert o[1, :256].abs().max() == 0
+
+
+def test_more_clusters_err_less_on_clustered_queries():
+    """Queries drawn around a few directions: the tilt at their clusters' centroids beats the untilted cells."""
+    g = torch.Generator().manual_seed(7)
+    dirs = torch.randn(6, 32, generator=g) * 2
+    q = (dirs[torch.randint(0, 6, (1, 4, 1024), generator=g)] + 0.3 * torch.randn(1, 4, 1024, 32, generator=g))
+    k = torch.randn(1, 2, 1024, 32, generator=g) * 1.5
+    v = torch.randn(1, 2, 1024, 32, generator=g)
+    ex = softmax_attention(q, k, v, scale=32**-0.5)
+    plan = make_tilt_plan(q, k, scale=32**-0.5, q_clusters=8, **dict(CELLS, topk_blocks=0, peak_blocks=0))
+    e_tilt = rel(tilted_cells_reference(q, k, v, plan, scale=32**-0.5), ex)
+    e_cells = rel(cells_reference(q, k, v, plan.cells, scale=32**-0.5), ex)
+    assert e_tilt < 0.5 * e_cells
+
+
+def test_dispatcher():
+    q, k, v = qkv(1, 4, 2, 600, 16, seed=8)
+    kw = dict(scale=0.25, far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=4, topk_blocks=1,
+              peak_blocks=1)
+    o = muse_attention(q, k, v, backend="torch", **kw)
+    o2 = muse_attention(q, k, v, backend="triton", **kw)
+    assert rel(o2, o) < 2e-6
+    qg = q.clone().requires_grad_(True)
+    with pytest.raises(ConfigError, match="no Triton backward"):
+        muse_attention(qg, k, v, backend="triton", **kw)
+    muse_attention(qg, k, v, backend="torch", **kw).sum().backward()  # the reference trains
+    assert qg.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        muse_attention(q, k, v, backend="triton", **dict(kw, block_size=64))
