@@ -50,7 +50,9 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     """Global Lloyd clustering of each head's queries. q [B, H, S, D], valid [B, S] bool -> centroids [B, H, C, D]
     float32 (the mean of the members; an empty cluster keeps its previous value), assign [B, H, S] int64 (invalid
     positions: 0). Initial centroids: C queries evenly spaced over each row's real positions (ties by position: the
-    result is deterministic). Distances in float32 (argmax of 2 x.c - |c|^2, lowest cluster on ties)."""
+    result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; on CUDA for
+    bf16/fp16 queries the products x.c come from the tensor cores (the centroids rounded to the queries' dtype, fp32
+    sums, the result rounded to it: near-ties may go either way), the means always in float32."""
     B, H, S, D = q.shape
     dev = q.device
     nval = valid.sum(-1)  # [B]
@@ -62,12 +64,15 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     vf = valid[:, None, :].float()  # [B, 1, S]
     step = max(1, chunk_elems // max(1, B * H * C))  # positions per scoring chunk
 
+    low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # the scores' products on the tensor cores
+
     def assign_to(cent):
         a = torch.empty(B, H, S, dtype=torch.int64, device=dev)
         c2 = (cent * cent).sum(-1)[:, :, None, :]
+        ct = (2 * cent).to(q.dtype).transpose(-1, -2) if low else 2 * cent.transpose(-1, -2)
         for s0 in range(0, S, step):
-            sc = 2 * x[:, :, s0:s0 + step] @ cent.transpose(-1, -2) - c2
-            a[:, :, s0:s0 + step] = sc.argmax(-1)
+            xs = q[:, :, s0:s0 + step] if low else x[:, :, s0:s0 + step]
+            a[:, :, s0:s0 + step] = ((xs @ ct).float() - c2).argmax(-1)
         return a
 
     def update(a, cent):

@@ -19,40 +19,51 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _tilt_summaries(K, V, KA, KVAL, C, LSE, KT, VT, scale, H, HKV, Sp, NCK, CQ,
-                    L: tl.constexpr, CK: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
-    """Program (block m, batch x query head, tile of BC centroids): the block's Ck cells tilted at each centroid.
-    x = scale c.k over the block's keys ([BC, L], log2 units); per cell j, its real keys: lse = log sum 2^x,
-    kt / vt = the 2^x-weighted means (one [BC, L] x [L, D] product each, the other cells' weights zero)."""
+def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, Sp, NB, NCK, CQ,
+                    L: tl.constexpr, CK: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                    UP: tl.constexpr):
+    """Program (block m, batch x query head, tile of BC centroids): the block's Ck cells tilted at each centroid. The
+    block's keys sorted by cell (KORD, cell j at offsets CST[j] .. CST[j + 1]) make each cell a contiguous segment:
+    per segment, one online softmax over chunks of BK keys of x = scale c.k (log2 units) whose weights 2^x average
+    the keys and the values (three [BC, BK] x [BK, D]-sized products per chunk: 6 D FLOP per centroid and key)."""
     m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     kvh = b * HKV + (bh % H) // (H // HKV)
-    offs_l = tl.arange(0, L)
+    offs_k = tl.arange(0, BK)
     offs_d = tl.arange(0, D)
     offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
     cm = offs_c < CQ
-    pos = m * L + offs_l
-    k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :])
-    ka = tl.load(KA + kvh * Sp + pos)
-    ok = tl.load(KVAL + b * Sp + pos) != 0
     c = tl.load(C + (bh * CQ + offs_c)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
-    x = dot(c, tl.trans(k), "tf32x3", UP) * (scale * 1.4426950408889634)
+    qk = scale * 1.4426950408889634
     row = (bh * CQ + offs_c) * NCK + m * CK
-    for j in tl.static_range(CK):
-        xj = tl.where((ok & (ka == j))[None, :], x, float("-inf"))
-        mx = tl.max(xj, 1)
-        mxs = tl.where(mx == float("-inf"), 0.0, mx)
-        e = tl.exp2(xj - mxs[:, None])
-        z = tl.sum(e, 1)
-        zs = tl.where(z > 0, z, 1.0)
-        p = (e / zs[:, None]).to(k.dtype)
-        kt = dot(p, k, "tf32x3", UP)
-        vt = dot(p, v, "tf32x3", UP)
-        tl.store(LSE + row + j, tl.where(z > 0, (mxs + tl.log2(zs)) * 0.6931471805599453, float("-inf")), mask=cm)
-        tl.store(KT + (row + j)[:, None] * D + offs_d[None, :], kt.to(KT.dtype.element_ty), mask=cm[:, None])
-        tl.store(VT + (row + j)[:, None] * D + offs_d[None, :], vt.to(VT.dtype.element_ty), mask=cm[:, None])
+    for j in range(CK):
+        s0 = tl.load(CST + (kvh * NB + m) * (CK + 1) + j)
+        s1 = tl.load(CST + (kvh * NB + m) * (CK + 1) + j + 1)
+        m_i = tl.full([BC], float("-inf"), tl.float32)
+        l_i = tl.zeros([BC], tl.float32)
+        kt = tl.zeros([BC, D], tl.float32)
+        vt = tl.zeros([BC, D], tl.float32)
+        for k0 in range(s0, s1, BK):
+            inb = k0 + offs_k < s1
+            pos = m * L + tl.load(KORD + kvh * Sp + m * L + k0 + offs_k, mask=inb, other=0)
+            k = tl.load(K + (kvh * Sp + pos)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+            v = tl.load(V + (kvh * Sp + pos)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+            x = tl.where(inb[None, :], dot(c, tl.trans(k), "tf32x3", UP), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, 1) * qk)
+            p = tl.exp2(x * qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            kt = kt * alpha[:, None] + dot(p.to(k.dtype), k, "tf32x3", UP)
+            vt = vt * alpha[:, None] + dot(p.to(v.dtype), v, "tf32x3", UP)
+            m_i = m_new
+        has = l_i > 0
+        ls = tl.where(has, l_i, 1.0)
+        tl.store(LSE + row + j, tl.where(has, (m_i + tl.log2(ls)) * 0.6931471805599453, float("-inf")), mask=cm)
+        tl.store(KT + (row + j)[:, None] * D + offs_d[None, :], (kt / ls[:, None]).to(KT.dtype.element_ty),
+                 mask=cm[:, None])
+        tl.store(VT + (row + j)[:, None] * D + offs_d[None, :], (vt / ls[:, None]).to(VT.dtype.element_ty),
+                 mask=cm[:, None])
 
 
 @triton.jit
@@ -70,7 +81,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, N
     pos = tl.load(ORD + bh * Sp + r).to(tl.int64)
     cl = tl.load(SCL + bh * Sp + r)  # the rows' clusters (CQ: a padding position)
     n = (pos // L).to(tl.int32)
-    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + offs_d[None, :]).to(tl.float32)
+    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + offs_d[None, :])
     qk = scale * 1.4426950408889634
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -80,7 +91,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, N
     for c in range(c_lo, c_hi + 1):
         rows = cl == c
         cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
-        d = (q - cen[None, :]).to(KT.dtype.element_ty)  # q - c in fp32, rounded once
+        d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)  # q - c in fp32, rounded once
         hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
         base = (bh * CQ + c) * NCK
         for j0 in range(0, hi, BN):
@@ -105,9 +116,22 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, N
 
 
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
-    """Launch tiles: summaries (centroids per program, warps), far field (BM, BN, warps, stages)."""
+    """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
     wide = D >= 128 or dtype == torch.float32
-    return dict(summ=(32, 8 if wide else 4), far=(64 if wide else 128, 64, 8 if wide else 4, 2))
+    return dict(summ=(64, 32, 8 if wide else 4), far=(64 if wide else 128, 64, 8, 2))
+
+
+def cell_order(cp: CellsPlan):
+    """Each block's keys sorted by cell: offsets within the block [B, Hkv, Sp] int32 (cell 0's real keys first, then
+    cell 1's, ..., masked keys last) and each cell's range [B, Hkv, nb, Ck + 1] int32 (cell j: CST[j] .. CST[j + 1])."""
+    B, Hkv, Sp = cp.k_assign.shape
+    L, Ck, nb = cp.block_size, cp.k_clusters, cp.num_blocks
+    cell = torch.where(cp.key_valid[:, None, :], cp.k_assign, Ck).view(B, Hkv, nb, L)
+    key = cell * L + torch.arange(L, device=cell.device)
+    order = key.argsort(-1).to(torch.int32).view(B, Hkv, Sp).contiguous()
+    cst = torch.zeros(B, Hkv, nb, Ck + 1, device=cell.device, dtype=torch.int32)
+    cst[..., 1:] = cp.counts.to(torch.int32).cumsum(-1)
+    return order, cst
 
 
 def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
@@ -123,8 +147,7 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
     exact = CellsPlan(L, 0, loc, Sp, nb, empty, empty, cp.key_valid, cp.retrieved, cp.max_retrieved, cp.key_masked)
     O, saved, _ = cells_fwd(q, k, v, None, None, exact, scale)
     Q, K, V, LSEE = saved[0], saved[1], saved[2], saved[6]
-    kval = cp.key_valid.to(torch.int8).contiguous()
-    ka = cp.k_assign.to(torch.int32).contiguous()
+    korder, cstart = cell_order(cp)
     C = plan.centroids.contiguous()
     NCK = nb * Ck
     LSE = torch.empty(B * Hq, Cq, NCK, device=q.device, dtype=torch.float32)
@@ -132,9 +155,10 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
     VT = torch.empty_like(KT)
     up = INTERPRET and q.dtype != torch.float32
     t = tilted_tiles(D, q.dtype)
-    bc, sw = t["summ"]
+    bc, bk, sw = t["summ"]
     _tilt_summaries[(nb, B * Hq, triton.cdiv(Cq, bc))](
-        K, V, ka, kval, C, LSE, KT, VT, scale, Hq, Hkv, Sp, NCK, Cq, L=L, CK=Ck, D=D, BC=bc, UP=up, num_warps=sw)
+        K, V, korder, cstart, C, LSE, KT, VT, scale, Hq, Hkv, Sp, nb, NCK, Cq, L=L, CK=Ck, D=D, BC=bc, BK=bk, UP=up,
+        num_warps=sw)
     valid = cp.key_valid[:, None, :]
     scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
     ret = cp.retrieved.to(torch.int8).contiguous()
