@@ -137,3 +137,26 @@ def test_dispatcher():
     assert qg.grad.abs().sum() > 0
     with pytest.raises(ConfigError, match="multiple of 128"):
         muse_attention(q, k, v, backend="triton", **dict(kw, block_size=64))
+
+
+def test_triton_forward_many_blocks_odd_cells():
+    """More than 32 blocks (the retrieved blocks' bits span two words) and 3 cells per block (a tile of cells
+    straddles blocks and words)."""
+    q, k, v = qkv(1, 2, 1, 4500, 16, seed=9)
+    plan = make_tilt_plan(q, k, scale=0.25, q_clusters=4, **dict(CELLS, k_clusters=3, topk_blocks=3, peak_blocks=2))
+    assert plan.cells.num_blocks > 32 and plan.cells.retrieved[..., 32:].any()
+    assert rel(tilted_cells_fwd(q, k, v, plan, 0.25), tilted_cells_reference(q, k, v, plan, scale=0.25)) < 2e-6
+
+
+def test_nearest_centroid_kernel():
+    from longctx_patch.kernels.muse.triton_tilted import nearest_centroid
+
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 3, 300, 32, generator=g).to(torch.bfloat16)
+    cent = torch.randn(2, 3, 70, 32, generator=g)
+    got = nearest_centroid(x, cent)
+    sc = 2 * x.float() @ cent.to(torch.bfloat16).float().transpose(-1, -2) - (cent * cent).sum(-1)[:, :, None]
+    want = sc.argmax(-1)
+    # the kernel's products are the same bf16 products; only fp32 summation order may flip a near-tie
+    picked = sc.gather(-1, got[..., None])[..., 0]
+    assert (picked >= sc.amax(-1) - 1e-4).all() and (got == want).float().mean() > 0.99

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend import resolve_backend
 from .cells import CellsPlan, make_cells_plan
 from .plan import block_view
 from .reference import masked_softmax
@@ -46,13 +47,14 @@ class TiltPlan:
 
 
 @torch.no_grad()
-def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, chunk_elems: int = 2**27):
+def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, chunk_elems: int = 2**27,
+                    triton: bool = False):
     """Global Lloyd clustering of each head's queries. q [B, H, S, D], valid [B, S] bool -> centroids [B, H, C, D]
     float32 (the mean of the members; an empty cluster keeps its previous value), assign [B, H, S] int64 (invalid
     positions: 0). Initial centroids: C queries evenly spaced over each row's real positions (ties by position: the
-    result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; on CUDA for
-    bf16/fp16 queries the products x.c come from the tensor cores (the centroids rounded to the queries' dtype, fp32
-    sums, the result rounded to it: near-ties may go either way), the means always in float32."""
+    result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; with `triton`
+    (CUDA, bf16/fp16 queries: `triton_tilted.nearest_centroid`) the products x.c come from the tensor cores (the
+    centroids rounded to the queries' dtype, fp32 sums: near-ties may go the other way). Means in float32."""
     B, H, S, D = q.shape
     dev = q.device
     nval = valid.sum(-1)  # [B]
@@ -64,15 +66,16 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     vf = valid[:, None, :].float()  # [B, 1, S]
     step = max(1, chunk_elems // max(1, B * H * C))  # positions per scoring chunk
 
-    low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # the scores' products on the tensor cores
+    if triton:  # on CUDA for bf16/fp16: one kernel, the products on the tensor cores
+        from .triton_tilted import nearest_centroid
 
     def assign_to(cent):
+        if triton:
+            return nearest_centroid(q, cent)
         a = torch.empty(B, H, S, dtype=torch.int64, device=dev)
         c2 = (cent * cent).sum(-1)[:, :, None, :]
-        ct = (2 * cent).to(q.dtype).transpose(-1, -2) if low else 2 * cent.transpose(-1, -2)
         for s0 in range(0, S, step):
-            xs = q[:, :, s0:s0 + step] if low else x[:, :, s0:s0 + step]
-            a[:, :, s0:s0 + step] = ((xs @ ct).float() - c2).argmax(-1)
+            a[:, :, s0:s0 + step] = (2 * x[:, :, s0:s0 + step] @ cent.transpose(-1, -2) - c2).argmax(-1)
         return a
 
     def update(a, cent):
@@ -99,7 +102,9 @@ def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: i
     Sp = cells.padded_len
     valid = cells.key_valid  # [B, Sp]
     qp = torch.nn.functional.pad(q, (0, 0, 0, Sp - S))
-    cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters)
+    use_triton = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+                  and resolve_backend(backend, q, what="muse plan") == "triton")
+    cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton)
     key = assign * Sp + torch.arange(Sp, device=q.device)
     key = torch.where(valid[:, None, :], key, q_clusters * Sp + torch.arange(Sp, device=q.device))  # padding last
     order = key.argsort(-1).to(torch.int32)

@@ -67,13 +67,14 @@ def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, Sp, NB, NCK,
 
 
 @triton.jit
-def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, NCK, CQ,
+def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, NW, Sp, NCK, CQ,
                   L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, UP: tl.constexpr):
     """Program (tile of BM queries in sorted order, batch x query head): for each query cluster c in the tile, the
     far cells of its rows (cells of blocks < n - LOC, not retrieved for the row's block n) as super-keys of logit
     lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
-    positions: the cells kernels' output) and written back in place."""
+    positions: the cells kernels' output) and written back in place. RET: the retrieved blocks of each query block as
+    bits (`retrieved_bits`: bit m % 32 of word m // 32), one word per row and tile."""
     bh = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
@@ -101,8 +102,14 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, N
             vt = tl.load(VT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
             lse = tl.load(LSE + base + cidx, mask=inb, other=float("-inf"))
             mblk = cidx // CK
-            ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :]
-            ok = ok & (tl.load(RET + (bh * NB + n)[:, None] * NB + mblk[None, :], mask=ok, other=1) == 0)
+            # the rows' retrieved blocks among this tile's (at most 32 blocks: in one or two words of the bits)
+            w0 = (j0 // CK) // 32
+            w1 = tl.minimum(((j0 + BN - 1) // CK) // 32, NW - 1)  # a word past the last holds no far block
+            b0 = tl.load(RET + (bh * NB + n) * NW + w0, mask=rows, other=0)
+            b1 = tl.load(RET + (bh * NB + n) * NW + w1, mask=rows, other=0)
+            word = tl.where((mblk // 32 == w0)[None, :], b0[:, None], b1[:, None])
+            got = (word >> (mblk % 32)[None, :]) & 1
+            ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :] & (got == 0)
             s = tl.where(ok, dot(d, tl.trans(kt), "tf32x3", UP) + (lse / scale)[None, :], float("-inf"))
             m_i, l_i, acc = online_softmax_scaled(s, qk, vt, m_i, l_i, acc, "tf32x3", UP, True)
     # merge with the exact part: weights 2^(lse_e - M) and 2^(m_i - M) l_i at the common max M (log2 units)
@@ -115,10 +122,55 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, Sp, N
     tl.store(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=(cl < CQ)[:, None])
 
 
+@triton.jit
+def _nearest(X, C, C2, A, S, CQ, D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
+    """Program (tile of BM tokens, batch x head): each token's nearest centroid, argmax of 2 x.c - |c|^2 (the products
+    on the tensor cores in the tokens' dtype, fp32 sums; lowest index on ties), over tiles of BC centroids."""
+    bh = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = r < S
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
+    best = tl.full([BM], float("-inf"), tl.float32)
+    arg = tl.zeros([BM], tl.int32)
+    for c0 in range(0, CQ, BC):
+        cc = c0 + tl.arange(0, BC)
+        cm = cc < CQ
+        c = tl.load(C + (bh * CQ + cc)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
+        c2 = tl.load(C2 + bh * CQ + cc, mask=cm, other=0.0)
+        sc = tl.where(cm[None, :], 2 * dot(x, tl.trans(c), "tf32x3", UP) - c2[None, :], float("-inf"))
+        m = tl.max(sc, 1)
+        am = tl.argmax(sc, 1, tie_break_left=True)
+        upd = m > best
+        best = tl.where(upd, m, best)
+        arg = tl.where(upd, c0 + am, arg)
+    tl.store(A + bh * S + r, arg, mask=rm)
+
+
+def nearest_centroid(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32 -> [B, H, S] int64: each token's nearest centroid
+    (the centroids rounded to x's dtype in the products, |c|^2 in float32)."""
+    B, H, S, D = x.shape
+    C = cent.shape[2]
+    a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
+    _nearest[(triton.cdiv(S, 128), B * H)](
+        x.contiguous(), cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128,
+        BC=64, UP=INTERPRET, num_warps=8 if D >= 128 else 4)
+    return a.long()
+
+
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
     wide = D >= 128 or dtype == torch.float32
     return dict(summ=(64, 32, 8 if wide else 4), far=(64 if wide else 128, 64, 8, 2))
+
+
+def retrieved_bits(retrieved: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, nb, nb] bool -> [B, Hq, nb, ceil(nb / 32)] int64: bit m % 32 of word m // 32 is retrieved[..., m]."""
+    nb = retrieved.shape[-1]
+    nw = triton.cdiv(nb, 32)
+    r = torch.nn.functional.pad(retrieved, (0, nw * 32 - nb)).view(*retrieved.shape[:-1], nw, 32).to(torch.int64)
+    return (r << torch.arange(32, device=r.device)).sum(-1).contiguous()
 
 
 def cell_order(cp: CellsPlan):
@@ -161,9 +213,10 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
         num_warps=sw)
     valid = cp.key_valid[:, None, :]
     scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
-    ret = cp.retrieved.to(torch.int8).contiguous()
+    ret = retrieved_bits(cp.retrieved)
     bm, bn, fw, fs = t["far"]
+    bn = min(bn, 32 * Ck)  # a tile's cells span at most 32 blocks: two words of the bits
     _tilt_far_fwd[(Sp // bm, B * Hq)](
-        Q, plan.order.contiguous(), scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, nb, Sp, NCK, Cq,
+        Q, plan.order.contiguous(), scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, nb, ret.shape[-1], Sp, NCK, Cq,
         L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
     return O[:, :, :S].transpose(1, 2)
