@@ -33,6 +33,13 @@ def test_config_validation():
     assert tilted.get("peak_blocks") == 0
     assert (tilted.get("block_size"), tilted.get("k_clusters"), tilted.get("topk_blocks")) == (128, 4, 4)
     assert m.parse_config({"topk_blocks": 3}).kernel_kwargs()["topk_blocks"] == 3
+    # tilted-cells: the cells' plan defaults and 256 global query clusters; the tilted design's 16 per block
+    tc = m.parse_config({"far_field": "tilted-cells"}).kernel_kwargs()
+    assert (tc["block_size"], tc["k_clusters"], tc["topk_blocks"], tc["peak_blocks"], tc["q_clusters"]) == (256, 8, 10, 10, 256)
+    assert tilted.kernel_kwargs()["q_clusters"] == 16
+    assert m.parse_config({"far_field": "tilted-cells", "q_clusters": "64"}).kernel_kwargs()["q_clusters"] == 64
+    with pytest.raises(ConfigError, match="dipole"):
+        m.parse_config({"far_field": "tilted-cells", "dipole": True})
     with pytest.raises(ConfigError, match="k_clusters"):
         m.parse_config({"k_clusters": 512})  # > the cells' default block of 256
     with pytest.raises(ConfigError, match="unknown"):

@@ -32,14 +32,18 @@ def _threads(one_thread):
     yield
 
 
-@pytest.mark.parametrize("far_field", ["cells", "tilted"])
+TILTED_CELLS = dict(CELLS, far_field="tilted-cells", q_clusters=8)
+
+
+@pytest.mark.parametrize("far_field", ["cells", "tilted", "tilted-cells"])
 @pytest.mark.parametrize("exact_tail", [0, 5])
 def test_padded_rows_equal_prompts_alone(far_field, exact_tail):
     """Prefill logits (1e-4) and 3 greedy steps of each row against the prompt alone; with exact_tail, generate()'s
     prefill recomputes the tail exactly (the forward without a cache does not). Before: 1.8e-3 (cells) and 1.8e-3
     (tilted) on this model."""
     model = tiny_model("llama")
-    lp.patch(model, "muse", **dict(CELLS if far_field == "cells" else TILTED, exact_tail=exact_tail))
+    cfg = {"cells": CELLS, "tilted": TILTED, "tilted-cells": TILTED_CELLS}[far_field]
+    lp.patch(model, "muse", **dict(cfg, exact_tail=exact_tail))
     assert_padded_batch_exact(model, LENS, max_new_tokens=3)
 
 
