@@ -55,7 +55,7 @@ def _partial(logits, vals):
     return m, p.sum(-1), o
 
 
-def tilted_summaries(C, K, V, cell, ncell, valid, scale):
+def span_summaries(C, K, V, cell, ncell, valid, scale):
     """Summaries of every key cell tilted at every centroid. C [Cq, D], K/V [Sp, D], cell [Sp] (global cell id),
     valid [Sp] -> lse [Cq, ncell] (-inf: empty), kt, vt [Cq, ncell, D]."""
     X = (scale * C @ K.T).masked_fill(~valid[None], NINF)  # [Cq, Sp]
@@ -133,7 +133,7 @@ def layer_errors(q, k, v, scale, cells_cfg, tilts, chunk=1024):
                 sids = span_ix.unique().tolist()  # the spans this chunk touches; their summaries once per head
                 for si in sids:
                     if (t["name"], si) not in summ:
-                        summ[(t["name"], si)] = tilted_summaries(cent[si], Kh, Vh, cell, ncell, valid, scale)
+                        summ[(t["name"], si)] = span_summaries(cent[si], Kh, Vh, cell, ncell, valid, scale)
                 loc_ix = span_ix - sids[0]
                 lse, kt, vt = (torch.stack([summ[(t["name"], si)][j] for si in sids])[loc_ix, a] for j in range(3))
                 c = cent[span_ix, a]

@@ -176,12 +176,30 @@ def cell_summaries(k, v, plan: CellsPlan):
     return mu, vbar
 
 
+def chunk_masks(plan: CellsPlan, t: torch.Tensor):
+    """For the query positions t [T]: the keys each one attends exactly, [B, Hq, T, Sp] (its own block causally, the
+    local blocks, the retrieved ones; real keys only), and the cells it sees through the far field, [B, Hq, T, nb * Ck]
+    (the blocks before the local ones that are not retrieved). The references' masks (cells, tilted-cells)."""
+    L, Ck, nb, Sp, loc = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len, plan.local_blocks
+    pos = torch.arange(Sp, device=t.device)
+    kblk = pos // L
+    cblk = torch.arange(nb * Ck, device=t.device) // Ck
+    n = t // L
+    R = plan.retrieved[:, :, n]  # [B, Hq, T, nb]
+    B, Hq = R.shape[:2]
+    exact = ((kblk[None] == n[:, None]) & (pos[None] <= t[:, None])) \
+        | ((kblk[None] < n[:, None]) & (kblk[None] >= n[:, None] - loc))  # [T, Sp]
+    exact = (exact[None, None] | torch.gather(R, -1, kblk.expand(B, Hq, len(t), Sp))) & plan.key_valid[:, None, None, :]
+    far = (cblk[None] < n[:, None] - loc)[None, None] & ~torch.gather(R, -1, cblk.expand(B, Hq, len(t), nb * Ck))
+    return exact, far
+
+
 def cells_reference(q, k, v, plan: CellsPlan, *, scale: float, chunk_elems: int = 2**26) -> torch.Tensor:
     """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D] (computed in float32, or float64 for float64)."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
-    L, Ck, nb, Sp, loc = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len, plan.local_blocks
+    L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     mu, vbar = cell_summaries(k.to(ct), v.to(ct), plan)
     mu = mu.repeat_interleave(G, 1).flatten(2, 3)  # [B, Hq, nb*Ck, D]
@@ -192,21 +210,13 @@ def cells_reference(q, k, v, plan: CellsPlan, *, scale: float, chunk_elems: int 
     K = torch.nn.functional.pad(k.to(ct), (0, 0, 0, Sp - S)).repeat_interleave(G, 1)
     V = torch.nn.functional.pad(v.to(ct), (0, 0, 0, Sp - S)).repeat_interleave(G, 1)
     pos = torch.arange(Sp, device=q.device)
-    kblk = pos // L
-    cblk = torch.arange(nb * Ck, device=q.device) // Ck
     step = max(1, chunk_elems // max(1, B * Hq * L * (Sp + nb * Ck)))
     outs = []
     for n0 in range(0, nb, step):
         n1 = min(nb, n0 + step)
         t = pos[n0 * L:n1 * L]
-        n = t // L  # [T]
-        R = plan.retrieved[:, :, n]  # [B, Hq, T, nb]
-        exact = ((kblk[None] == n[:, None]) & (pos[None] <= t[:, None])) \
-            | ((kblk[None] < n[:, None]) & (kblk[None] >= n[:, None] - loc))  # [T, Sp]
-        exact = (exact[None, None] | torch.gather(R, -1, kblk.expand(B, Hq, len(t), Sp))) \
-            & plan.key_valid[:, None, None, :]
-        far = cblk[None] < n[:, None] - loc  # [T, nb*Ck]
-        summ = far[None, None] & ~torch.gather(R, -1, cblk.expand(B, Hq, len(t), nb * Ck)) & cell_ok[:, :, None]
+        exact, far = chunk_masks(plan, t)
+        summ = far & cell_ok[:, :, None]
         se = (scale * Q[:, :, t] @ K.transpose(-1, -2)).masked_fill(~exact, -math.inf)
         sc = (scale * Q[:, :, t] @ mu.transpose(-1, -2) + logn[:, :, None]).masked_fill(~summ, -math.inf)
         p = masked_softmax(torch.cat([se, sc], -1))

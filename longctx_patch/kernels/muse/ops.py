@@ -131,20 +131,35 @@ def _kernel_head_dim(D: int) -> int:
     return max(16, 1 << (D - 1).bit_length())
 
 
-def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
-           sink_blocks, dipole, key_mask, backend):
-    if dipole:
-        raise ConfigError("muse: dipole=True needs far_field='tilted'")
+def _cells_backend(q, backend: str, block_size: int) -> str:
+    """The backend of the cells kernels' family (cells, tilted-cells): "triton" where `cells_supported` takes the input
+    (backend='triton' where it does not: a ConfigError that says why), else "torch"."""
     why = cells_supported(q, block_size=block_size)
     be = resolve_backend(backend, q, what="muse")  # backend='triton' where it cannot run: a DeviceError
     if be == "triton" and why is not None:
         if backend == "triton":
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
         be = "torch"
+    return be
+
+
+def _kernel_inputs(q, k, v, be: str):
+    """q, k, v zero-padded to the kernels' head_dim on the Triton path (zero columns change no dot product or
+    distance: the same plan and output, sliced back to D)."""
     D = q.shape[-1]
     Dp = _kernel_head_dim(D) if be == "triton" else D
-    if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
+    if Dp != D:
         q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    return q, k, v
+
+
+def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
+           sink_blocks, dipole, key_mask, backend):
+    if dipole:
+        raise ConfigError("muse: dipole=True needs far_field='tilted'")
+    be = _cells_backend(q, backend, block_size)
+    D = q.shape[-1]
+    q, k, v = _kernel_inputs(q, k, v, be)
     plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
                            kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
                            local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
@@ -155,25 +170,16 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
 
 
 def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **cells_options):
-    """The tilted-cells far field: the Triton forward (`triton_tilted.py`) where the cells kernels run and no gradient
-    is needed, else the reference. It has no Triton backward: a GPU input that needs gradients is refused."""
+    """The tilted-cells far field: the Triton forward (`triton_tilted.py`) where the cells kernels run, else the
+    reference. It has no Triton backward: on the Triton path a forward that needs gradients is refused."""
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
-    why = cells_supported(q, block_size=cells_options["block_size"])
-    be = resolve_backend(backend, q, what="muse")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if be == "triton" and needs_grad:
-        why = why or ("far_field='tilted-cells' has no Triton backward; train with far_field='cells' (or "
-                      "backend='torch' on short inputs)")
-        raise ConfigError(f"muse: {why}")
-    if be == "triton" and why is not None:
-        if backend == "triton":
-            raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        be = "torch"
+    be = _cells_backend(q, backend, cells_options["block_size"])
+    if be == "triton" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ConfigError("muse: far_field='tilted-cells' has no Triton backward; train with far_field='cells' (or "
+                          "backend='torch' on short inputs)")
     D = q.shape[-1]
-    Dp = _kernel_head_dim(D) if be == "triton" else D
-    if Dp != D:  # zero columns change no dot product or distance: the same plan and output, sliced back
-        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    q, k, v = _kernel_inputs(q, k, v, be)
     plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
                           backend=_plan_backend(be), **cells_options)
     if be == "triton":
@@ -249,8 +255,6 @@ def listed_blocks_triton(q, k, v, retrieved: torch.Tensor, key_valid: torch.Tens
     if why is not None:
         raise ConfigError(f"block-list kernels: {why}")
     D = q.shape[-1]
-    Dp = _kernel_head_dim(D)
-    if Dp != D:
-        q, k, v = (torch.nn.functional.pad(t, (0, Dp - D)) for t in (q, k, v))
+    q, k, v = _kernel_inputs(q, k, v, "triton")
     plan = list_plan(retrieved, key_valid, block_size=block_size, max_listed=max_listed)
     return _CellsAttention.apply(q, k, v, None, None, plan, float(scale))[..., :D]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import resolve_backend
-from .cells import CellsPlan, make_cells_plan
+from .cells import CellsPlan, chunk_masks, make_cells_plan
 from .plan import block_view
 from .reference import masked_softmax
 
@@ -152,7 +152,7 @@ def tilted_cells_reference(q, k, v, plan: TiltPlan, *, scale: float, chunk_elems
     cp = plan.cells
     B, Hq, S, D = q.shape
     G = Hq // k.shape[1]
-    L, Ck, nb, Sp, loc = cp.block_size, cp.k_clusters, cp.num_blocks, cp.padded_len, cp.local_blocks
+    L, Ck, nb, Sp = cp.block_size, cp.k_clusters, cp.num_blocks, cp.padded_len
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse, kt, vt = tilted_summaries(k, v, plan, scale=scale)
     C = plan.centroids.to(ct)
@@ -160,22 +160,14 @@ def tilted_cells_reference(q, k, v, plan: TiltPlan, *, scale: float, chunk_elems
     K = torch.nn.functional.pad(k.to(ct), (0, 0, 0, Sp - S)).repeat_interleave(G, 1)
     V = torch.nn.functional.pad(v.to(ct), (0, 0, 0, Sp - S)).repeat_interleave(G, 1)
     pos = torch.arange(Sp, device=q.device)
-    kblk = pos // L
-    cblk = torch.arange(nb * Ck, device=q.device) // Ck
     step = max(1, chunk_elems // max(1, B * Hq * L * (Sp + nb * Ck * D)))
     outs = []
     for n0 in range(0, nb, step):
         n1 = min(nb, n0 + step)
         t = pos[n0 * L:n1 * L]
-        n = t // L
-        R = cp.retrieved[:, :, n]  # [B, Hq, T, nb]
-        exact = ((kblk[None] == n[:, None]) & (pos[None] <= t[:, None])) \
-            | ((kblk[None] < n[:, None]) & (kblk[None] >= n[:, None] - loc))
-        exact = (exact[None, None] | torch.gather(R, -1, kblk.expand(B, Hq, len(t), Sp))) \
-            & cp.key_valid[:, None, None, :]
+        exact, far = chunk_masks(cp, t)
         a = plan.assign[:, :, t]  # [B, Hq, T]
         gather = lambda x: torch.gather(x, 2, a[..., None].expand(*a.shape, x.shape[-1]))  # noqa: E731
-        far = (cblk[None] < n[:, None] - loc)[None, None] & ~torch.gather(R, -1, cblk.expand(B, Hq, len(t), nb * Ck))
         la = gather(lse)  # [B, Hq, T, nb*Ck]
         ka = torch.gather(kt, 2, a[..., None, None].expand(*a.shape, nb * Ck, D))  # [B, Hq, T, nb*Ck, D]
         va = torch.gather(vt, 2, a[..., None, None].expand(*a.shape, nb * Ck, D))
