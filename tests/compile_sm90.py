@@ -31,6 +31,7 @@ from longctx_patch.kernels.muse import support as msup  # noqa: E402
 from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
 from longctx_patch.kernels.muse import triton_cluster as mcl  # noqa: E402
 from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
+from longctx_patch.kernels.muse import triton_tilted as mt  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
 from longctx_patch.kernels.ovq import triton_fast as of  # noqa: E402
@@ -380,6 +381,22 @@ for _D in (64, 128):
         CASES[f"cells_bwd_dcells{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dcells, _D, _t, True)
         CASES[f"lists_fwd{_tn}_D{_D}"] = _cells_case(mc._cells_fwd, _D, _t, False, far=False)
         CASES[f"lists_bwd_dq{_tn}_D{_D}"] = _cells_case(mc._cells_bwd_dq, _D, _t, True, far=False)
+
+# the tilted-cells forward as tilted_cells_fwd launches it (L 256, 8 cells), and its clustering's assignment
+for _D in (64, 128):
+    for _t, _tn in ((BF16, ""), (F32, "_fp32")):
+        _dt = torch.float32 if _t == F32 else torch.bfloat16
+        _BC, _BK, _sw = mt.tilted_tiles(_D, _dt)["summ"]
+        CASES[f"tilt_summaries{_tn}_D{_D}"] = (
+            mt._tilt_summaries, dict(L=256, CK=8, D=_D, BC=_BC, BK=_BK),
+            dict(K=_t, V=_t, KORD=I32, CST=I32, C=_t, LSE=F32, KT=_t, VT=_t, scale="fp32"), {"num_warps": _sw})
+        _BM, _BN, _fw, _fs = mt.tilted_tiles(_D, _dt)["far"]
+        CASES[f"tilt_far_fwd{_tn}_D{_D}"] = (
+            mt._tilt_far_fwd, dict(L=256, CK=8, LOC=1, D=_D, BM=_BM, BN=_BN),
+            dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I64, O=_t, LSEE=F32, scale="fp32"),
+            {"num_warps": _fw, "num_stages": _fs})
+    CASES[f"nearest_D{_D}"] = (mt._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
+                               {"num_warps": 8 if _D >= 128 else 4})
 
 # the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the
 # tilted design's query clusters (L 128, 8 clusters)
