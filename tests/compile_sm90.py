@@ -395,7 +395,7 @@ for _D in (64, 128):
             mt._tilt_far_fwd, dict(L=256, CK=8, LOC=1, D=_D, BM=_BM, BN=_BN),
             dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I64, O=_t, LSEE=F32, scale="fp32"),
             {"num_warps": _fw, "num_stages": _fs})
-    CASES[f"nearest_D{_D}"] = (mt._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
+    CASES[f"nearest_D{_D}"] = (mcl._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
                                {"num_warps": 8 if _D >= 128 else 4})
 
 # the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the

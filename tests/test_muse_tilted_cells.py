@@ -149,7 +149,7 @@ def test_triton_forward_many_blocks_odd_cells():
 
 
 def test_nearest_centroid_kernel():
-    from longctx_patch.kernels.muse.triton_tilted import nearest_centroid
+    from longctx_patch.kernels.muse.triton_cluster import nearest_centroid
 
     g = torch.Generator().manual_seed(10)
     x = torch.randn(2, 3, 300, 32, generator=g).to(torch.bfloat16)

@@ -67,7 +67,7 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     step = max(1, chunk_elems // max(1, B * H * C))  # positions per scoring chunk
 
     if triton:  # on CUDA for bf16/fp16: one kernel, the products on the tensor cores
-        from .triton_tilted import nearest_centroid
+        from .triton_cluster import nearest_centroid
 
     def assign_to(cent):
         if triton:

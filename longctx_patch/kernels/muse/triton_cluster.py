@@ -1,4 +1,5 @@
-"""Triton kernels of the MuSe plan: the per-block Lloyd clustering and the cells' block-retrieval scores.
+"""Triton kernels of the MuSe plan: the per-block Lloyd clustering, the cells' block-retrieval scores, the global
+query clustering's assignment.
 
 The PyTorch plan (`plan.lloyd`, `cells.make_cells_plan`) issues a few hundred small launches per call (a
 farthest-point step is a handful of launches, and there are `C - 1` of them); these kernels do the same work in
@@ -14,6 +15,9 @@ one launch each:
   `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
   query rounded to bf16; exact products, fp32 sums), in the same layout. The kv head's query heads share each key
   tile.
+- `_nearest` (`nearest_centroid`): the tilted-cells plan's global query clustering (`tilted_cells.cluster_queries`):
+  each token's nearest of up to thousands of centroids, argmax in registers over tiles of 64 centroids (bf16
+  products, fp32 sums: near-ties may go the other way than in float32).
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
 between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
-from ..triton_lib import dot_acc, dot_bf16x3
+from ..triton_lib import dot, dot_acc, dot_bf16x3
 # the tiles (support.py, no Triton there: the dispatchers' checks use them); PEAKS_TILES: set by the benchmarks
 from .support import PEAKS_TILES, peaks_tiles, scores_tiles  # noqa: F401
 
@@ -201,3 +205,40 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
         key_valid.to(torch.int8).contiguous(), bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, GP=GP,
         BL=BL, MC=MC, UP=INTERPRET, num_warps=warps, num_stages=stages)
     return bs
+
+
+@triton.jit
+def _nearest(X, C, C2, A, S, CQ, D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
+    """Program (tile of BM tokens, batch x head): each token's nearest centroid, argmax of 2 x.c - |c|^2 (the products
+    on the tensor cores in the tokens' dtype, fp32 sums; lowest index on ties), over tiles of BC centroids."""
+    bh = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = r < S
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
+    best = tl.full([BM], float("-inf"), tl.float32)
+    arg = tl.zeros([BM], tl.int32)
+    for c0 in range(0, CQ, BC):
+        cc = c0 + tl.arange(0, BC)
+        cm = cc < CQ
+        c = tl.load(C + (bh * CQ + cc)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
+        c2 = tl.load(C2 + bh * CQ + cc, mask=cm, other=0.0)
+        sc = tl.where(cm[None, :], 2 * dot(x, tl.trans(c), "tf32x3", UP) - c2[None, :], float("-inf"))
+        m = tl.max(sc, 1)
+        am = tl.argmax(sc, 1, tie_break_left=True)
+        upd = m > best
+        best = tl.where(upd, m, best)
+        arg = tl.where(upd, c0 + am, arg)
+    tl.store(A + bh * S + r, arg, mask=rm)
+
+
+def nearest_centroid(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32 -> [B, H, S] int64: each token's nearest centroid
+    (the centroids rounded to x's dtype in the products, |c|^2 in float32)."""
+    B, H, S, D = x.shape
+    C = cent.shape[2]
+    a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
+    _nearest[(triton.cdiv(S, 128), B * H)](
+        x.contiguous(), cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128,
+        BC=64, UP=INTERPRET, num_warps=8 if D >= 128 else 4)
+    return a.long()

@@ -122,43 +122,6 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, NW, S
     tl.store(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=(cl < CQ)[:, None])
 
 
-@triton.jit
-def _nearest(X, C, C2, A, S, CQ, D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
-    """Program (tile of BM tokens, batch x head): each token's nearest centroid, argmax of 2 x.c - |c|^2 (the products
-    on the tensor cores in the tokens' dtype, fp32 sums; lowest index on ties), over tiles of BC centroids."""
-    bh = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
-    rm = r < S
-    offs_d = tl.arange(0, D)
-    x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
-    best = tl.full([BM], float("-inf"), tl.float32)
-    arg = tl.zeros([BM], tl.int32)
-    for c0 in range(0, CQ, BC):
-        cc = c0 + tl.arange(0, BC)
-        cm = cc < CQ
-        c = tl.load(C + (bh * CQ + cc)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
-        c2 = tl.load(C2 + bh * CQ + cc, mask=cm, other=0.0)
-        sc = tl.where(cm[None, :], 2 * dot(x, tl.trans(c), "tf32x3", UP) - c2[None, :], float("-inf"))
-        m = tl.max(sc, 1)
-        am = tl.argmax(sc, 1, tie_break_left=True)
-        upd = m > best
-        best = tl.where(upd, m, best)
-        arg = tl.where(upd, c0 + am, arg)
-    tl.store(A + bh * S + r, arg, mask=rm)
-
-
-def nearest_centroid(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32 -> [B, H, S] int64: each token's nearest centroid
-    (the centroids rounded to x's dtype in the products, |c|^2 in float32)."""
-    B, H, S, D = x.shape
-    C = cent.shape[2]
-    a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
-    _nearest[(triton.cdiv(S, 128), B * H)](
-        x.contiguous(), cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128,
-        BC=64, UP=INTERPRET, num_warps=8 if D >= 128 else 4)
-    return a.long()
-
-
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
     wide = D >= 128 or dtype == torch.float32
