@@ -14,9 +14,6 @@ from .cells import CellsPlan
 from .tilted_cells import TiltPlan
 from .triton_cells import cells_fwd
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, Sp, NB, NCK, CQ,
@@ -74,7 +71,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, NW, S
     far cells of its rows (cells of blocks < n - LOC, not retrieved for the row's block n) as super-keys of logit
     lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
     positions: the cells kernels' output) and written back in place. RET: the retrieved blocks of each query block as
-    bits (`retrieved_bits`: bit m % 32 of word m // 32), one word per row and tile."""
+    bits (`retrieved_bits`: bit m % 32 of word m // 32), one or two words per row and tile."""
     bh = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
