@@ -40,24 +40,25 @@ class MuseConfig(MethodConfig):
                             "per global query cluster, tilted at its centroid (more accurate than cells; Triton "
                             "forward only: inference)", choices=["cells", "tilted", "tilted-cells"])
     block_size: int | None = option(None, "tokens per spatial block (exact causal attention inside a block); default "
-                                    "256 (cells) / 128 (tilted); Triton: a multiple of 128 (cells), a power of two "
-                                    "in 16..128 (tilted)", min=2)
+                                    "256 (cells, tilted-cells) / 128 (tilted); Triton: a multiple of 128 (cells, "
+                                    "tilted-cells), a power of two in 16..128 (tilted)", min=2)
     q_clusters: int | None = option(None, "query clusters per query head, the tilt centres of the summaries: per "
                                     "block (tilted, default 16) or over the whole sequence (tilted-cells, default "
                                     "256)", min=1)
     k_clusters: int | None = option(None, "key clusters (cells) per block and kv head, each one super-key; default "
-                                    "8 (cells) / 4 (tilted)", min=1)
-    kmeans_iters: int = option(2, "Lloyd iterations of the per-block clustering (farthest-point init)", min=0, max=50)
+                                    "8 (cells, tilted-cells) / 4 (tilted)", min=1)
+    kmeans_iters: int = option(2, "Lloyd iterations of the clusterings (per block: farthest-point init; tilted-cells' "
+                               "global query clusters: evenly spaced init)", min=0, max=50)
     topk_clusters: int = option(8, "tilted: earlier cells attended exactly per query cluster", min=0)
     topk_blocks: int | None = option(None, "earlier blocks attended exactly per query block (cells: those of most "
-                                     "estimated attention mass) or per query cluster (tilted); default 10 (cells) / "
-                                     "4 (tilted)", min=0)
-    peak_blocks: int | None = option(None, "cells: more earlier blocks attended exactly per query block, beyond "
+                                     "estimated attention mass) or per query cluster (tilted); default 10 (cells, "
+                                     "tilted-cells) / 4 (tilted)", min=0)
+    peak_blocks: int | None = option(None, "cells, tilted-cells: more earlier blocks attended exactly per query block, beyond "
                                      "topk_blocks: those whose best key scores highest at the block's mean query "
                                      "(max_j q.k_j), which finds a block whose one matching key a cell mean hides; "
                                      "default 10 (cells) / 0 (tilted has none)", min=0)
     local_blocks: int = option(1, "blocks just before a query's block that are always attended exactly", min=0)
-    sink_blocks: int = option(1, "cells: the first blocks with real tokens, attended exactly by every query block "
+    sink_blocks: int = option(1, "cells, tilted-cells: the first blocks with real tokens, attended exactly by every query block "
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
     dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
                           "only")
