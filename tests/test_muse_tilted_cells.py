@@ -174,3 +174,14 @@ def test_tilt_study_measures_the_far_field():
                         chunk=256)
     assert set(errs) == {"cells", "wexact", "one per query", "balanced"}
     assert errs["one per query"] < 1e-5 < errs["cells"]
+
+
+def test_triton_forward_in_head_chunks():
+    """Summaries held for a few query heads at a time (a small memory budget): the same output as all at once."""
+    q, k, v = qkv(2, 14, 2, 520, 16, seed=12)
+    plan = make_tilt_plan(q, k, scale=0.25, q_clusters=8, **CELLS)
+    whole = tilted_cells_fwd(q, k, v, plan, 0.25)
+    per_head = 2 * 8 * plan.cells.num_blocks * 4 * (2 * 16 * 4 + 4)  # B * Cq * cells * (kt, vt, lse) bytes
+    for heads in (1, 3):
+        torch.testing.assert_close(tilted_cells_fwd(q, k, v, plan, 0.25, summary_bytes=heads * per_head), whole,
+                                   atol=0, rtol=0)

@@ -16,24 +16,28 @@ from .triton_cells import cells_fwd
 
 
 @triton.jit
-def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, Sp, NB, NCK, CQ,
+def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, H0, HC, Sp, NB, NCK, CQ,
                     L: tl.constexpr, CK: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                     UP: tl.constexpr):
     """Program (block m, batch x query head, tile of BC centroids): the block's Ck cells tilted at each centroid. The
     block's keys sorted by cell (KORD, cell j at offsets CST[j] .. CST[j + 1]) make each cell a contiguous segment:
     per segment, one online softmax over chunks of BK keys of x = scale c.k (log2 units) whose weights 2^x average
-    the keys and the values (three [BC, BK] x [BK, D]-sized products per chunk: 6 D FLOP per centroid and key)."""
+    the keys and the values (three [BC, BK] x [BK, D]-sized products per chunk: 6 D FLOP per centroid and key).
+    Heads H0 .. H0 + HC - 1 (a chunk of the query heads): program id 1 runs over batch x those heads, and the
+    summaries are written for them only (LSE, KT, VT hold B * HC heads)."""
     m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    kvh = b * HKV + (bh % H) // (H // HKV)
+    lh = tl.program_id(1).to(tl.int64)  # the chunk's (batch, head)
+    b = lh // HC
+    h = H0 + lh % HC
+    bh = b * H + h
+    kvh = b * HKV + h // (H // HKV)
     offs_k = tl.arange(0, BK)
     offs_d = tl.arange(0, D)
     offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
     cm = offs_c < CQ
     c = tl.load(C + (bh * CQ + offs_c)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
     qk = scale * 1.4426950408889634
-    row = (bh * CQ + offs_c) * NCK + m * CK
+    row = (lh * CQ + offs_c) * NCK + m * CK
     for j in range(CK):
         s0 = tl.load(CST + (kvh * NB + m) * (CK + 1) + j)
         s1 = tl.load(CST + (kvh * NB + m) * (CK + 1) + j + 1)
@@ -64,15 +68,17 @@ def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, Sp, NB, NCK,
 
 
 @triton.jit
-def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, NW, Sp, NCK, CQ,
+def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, NB, NW, Sp, NCK, CQ,
                   L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, UP: tl.constexpr):
     """Program (tile of BM queries in sorted order, batch x query head): for each query cluster c in the tile, the
     far cells of its rows (cells of blocks < n - LOC, not retrieved for the row's block n) as super-keys of logit
     lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
     positions: the cells kernels' output) and written back in place. RET: the retrieved blocks of each query block as
-    bits (`retrieved_bits`: bit m % 32 of word m // 32), one or two words per row and tile."""
-    bh = tl.program_id(1).to(tl.int64)
+    bits (`retrieved_bits`: bit m % 32 of word m // 32), one or two words per row and tile. Heads H0 .. H0 + HC - 1
+    (the summaries' chunk), as in `_tilt_summaries`."""
+    lh = tl.program_id(1).to(tl.int64)
+    bh = (lh // HC) * H + H0 + lh % HC
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
@@ -91,7 +97,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, NB, NW, S
         cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
         d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)  # q - c in fp32, rounded once
         hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
-        base = (bh * CQ + c) * NCK
+        base = (lh * CQ + c) * NCK
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
             inb = cidx < hi
@@ -146,10 +152,13 @@ def cell_order(cp: CellsPlan):
     return order, cst
 
 
-def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
+SUMMARY_BYTES = 4 << 30  # the most memory the tilted summaries of one chunk of query heads take
+
+
+def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES) -> torch.Tensor:
     """q [B, Hq, S, D], k/v [B, Hkv, S, D] (one dtype, D a power of two in 16..128, block_size a multiple of 128)
-    -> o [B, S, Hq, D]: the exact part on the cells kernels (no far field), the tilted summaries, the far field
-    merged into it."""
+    -> o [B, S, Hq, D]: the exact part on the cells kernels (no far field), then per chunk of query heads whose
+    summaries fit in `summary_bytes` (at least one head), the tilted summaries and the far field merged into it."""
     cp = plan.cells
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
@@ -161,22 +170,28 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float) -> torch.Tensor:
     Q, K, V, LSEE = saved[0], saved[1], saved[2], saved[6]
     korder, cstart = cell_order(cp)
     C = plan.centroids.contiguous()
+    order = plan.order.contiguous()
     NCK = nb * Ck
-    LSE = torch.empty(B * Hq, Cq, NCK, device=q.device, dtype=torch.float32)
-    KT = torch.empty(B * Hq, Cq, NCK, D, device=q.device, dtype=q.dtype)
-    VT = torch.empty_like(KT)
-    up = INTERPRET and q.dtype != torch.float32
-    t = tilted_tiles(D, q.dtype)
-    bc, bk, sw = t["summ"]
-    _tilt_summaries[(nb, B * Hq, triton.cdiv(Cq, bc))](
-        K, V, korder, cstart, C, LSE, KT, VT, scale, Hq, Hkv, Sp, nb, NCK, Cq, L=L, CK=Ck, D=D, BC=bc, BK=bk, UP=up,
-        num_warps=sw)
     valid = cp.key_valid[:, None, :]
     scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
     ret = retrieved_bits(cp.retrieved)
+    up = INTERPRET and q.dtype != torch.float32
+    t = tilted_tiles(D, q.dtype)
+    bc, bk, sw = t["summ"]
     bm, bn, fw, fs = t["far"]
     bn = min(bn, 32 * Ck)  # a tile's cells span at most 32 blocks: two words of the bits
-    _tilt_far_fwd[(Sp // bm, B * Hq)](
-        Q, plan.order.contiguous(), scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, nb, ret.shape[-1], Sp, NCK, Cq,
-        L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
+    # the summaries of a chunk of query heads at a time, within summary_bytes (they are the memory this path adds)
+    per_head = B * Cq * NCK * (2 * D * q.element_size() + 4)
+    hc = max(1, min(Hq, summary_bytes // per_head))
+    LSE = torch.empty(B * hc, Cq, NCK, device=q.device, dtype=torch.float32)
+    KT = torch.empty(B * hc, Cq, NCK, D, device=q.device, dtype=q.dtype)
+    VT = torch.empty_like(KT)
+    for h0 in range(0, Hq, hc):
+        n = min(hc, Hq - h0)
+        _tilt_summaries[(nb, B * n, triton.cdiv(Cq, bc))](
+            K, V, korder, cstart, C, LSE, KT, VT, scale, Hq, Hkv, h0, n, Sp, nb, NCK, Cq, L=L, CK=Ck, D=D, BC=bc,
+            BK=bk, UP=up, num_warps=sw)
+        _tilt_far_fwd[(Sp // bm, B * n)](
+            Q, order, scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, h0, n, nb, ret.shape[-1], Sp, NCK, Cq,
+            L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
     return O[:, :, :S].transpose(1, 2)
