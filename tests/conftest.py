@@ -17,6 +17,18 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)
 
 
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def rand_qkv(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0):
+    """Random q [B, Hq, S, D] and k, v [B, Hkv, S, D] (standard normal, drawn in float32, then cast)."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, S, D, generator=g).to(dtype)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv)
+
+
 def tiny_config(model_type: str = "llama", **kw):
     """A tiny random-weight config of a supported family (GQA: 4 q heads, 2 kv heads)."""
     from transformers import AutoConfig

@@ -13,15 +13,7 @@ from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan  #
 from longctx_patch.kernels.muse.ops import cells_triton  # noqa: E402
 from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def qkv(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda h: torch.randn(B, h, S, D, generator=g).to(dtype)  # noqa: E731
-    return mk(Hq), mk(Hkv), mk(Hkv)
+from conftest import rand_qkv as qkv, rel  # noqa: E402
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])

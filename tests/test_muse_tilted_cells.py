@@ -17,15 +17,7 @@ from longctx_patch.kernels.muse.tilted_cells import (  # noqa: E402
 from longctx_patch.kernels.muse.triton_tilted import tilted_cells_fwd  # noqa: E402
 from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def qkv(B, Hq, Hkv, S, D, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda h: torch.randn(B, h, S, D, generator=g).to(dtype)  # noqa: E731
-    return mk(Hq), mk(Hkv), mk(Hkv)
+from conftest import rand_qkv as qkv, rel  # noqa: E402
 
 
 CELLS = dict(block_size=128, k_clusters=4, topk_blocks=1, peak_blocks=1, sink_blocks=1, backend="torch")

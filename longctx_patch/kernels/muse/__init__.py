@@ -6,10 +6,10 @@
 """
 
 from ..backend import BACKENDS  # noqa: F401  (the methods' `backend` option lists them)
-from .ops import muse_attention
+from .ops import FAR_FIELDS, muse_attention
 from .plan import MusePlan, lloyd, make_plan
 from .reference import muse_reference_planned
 from .support import cells_supported, triton_supported
 
-__all__ = ["cells_supported", "MusePlan", "make_plan", "lloyd", "muse_attention", "muse_reference_planned",
+__all__ = ["cells_supported", "FAR_FIELDS", "MusePlan", "make_plan", "lloyd", "muse_attention", "muse_reference_planned",
            "triton_supported"]

@@ -9,13 +9,13 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import BACKENDS, resolve_backend
-
-FAR_FIELDS = ("cells", "tilted", "tilted-cells")
 from .cells import CellsPlan, cell_summaries, cells_reference, list_plan, make_cells_plan
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
 from .tilted_cells import make_tilt_plan, tilted_cells_reference
 from .support import cells_supported, triton_supported
+
+FAR_FIELDS = ("cells", "tilted", "tilted-cells")  # muse_attention's far fields (docs/muse.md sections 1-4, 7, 8)
 
 
 def muse_attention(

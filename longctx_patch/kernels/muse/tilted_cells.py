@@ -17,12 +17,13 @@ block through their tilted summaries.
 
 Two paths compute the same function from one `TiltPlan`:
 - `tilted_cells_reference`: dense PyTorch per chunk of query blocks (any device, differentiable);
-- `ops.tilted_cells_triton`: `triton_tilted.py` (forward): the summaries kernel, then the exact part on the cells
-  kernels without a far field, then the far field over the queries sorted by cluster, which merges the two.
+- `triton_tilted.tilted_cells_fwd` (forward only): the exact part on the cells kernels without a far field, then,
+  per chunk of query heads, the summaries kernel and the far field over the queries sorted by cluster, which merges
+  the two.
 
-Cost (docs/muse.md section 8): the summaries are `q_clusters * S * (2 + 4 k_clusters) * D` FLOP per head (linear in
-S); the far field is, per query, one super-key per far cell of its cluster (as the cells'), computed once per
-cluster present in a tile of queries sorted by cluster.
+Cost (docs/muse.md section 8): the summaries are `q_clusters * S * 6 D` FLOP per head (linear in S); the far field
+is, per query, one super-key per far cell of its cluster (as the cells'), computed once per cluster present in a tile
+of queries sorted by cluster.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     float32 (the mean of the members; an empty cluster keeps its previous value), assign [B, H, S] int64 (invalid
     positions: 0). Initial centroids: C queries evenly spaced over each row's real positions (ties by position: the
     result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; with `triton`
-    (CUDA, bf16/fp16 queries: `triton_tilted.nearest_centroid`) the products x.c come from the tensor cores (the
+    (CUDA, bf16/fp16 queries: `triton_cluster.nearest_centroid`) the products x.c come from the tensor cores (the
     centroids rounded to the queries' dtype, fp32 sums: near-ties may go the other way). Means in float32."""
     B, H, S, D = q.shape
     dev = q.device

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ConfigError
-from ...kernels.muse import BACKENDS, muse_attention
+from ...kernels.muse import BACKENDS, FAR_FIELDS, muse_attention
 from ..base import Method, MethodConfig, PatchedAttention, option, register_method
 from ..padding import PhaseGroup, left_padding
 from ...kernels.softmax import key_mask_for, softmax_attention
@@ -26,8 +26,8 @@ from ...kernels.softmax import key_mask_for, softmax_attention
 FAR_FIELD_DEFAULTS = {
     "cells": dict(block_size=256, k_clusters=8, topk_blocks=10, peak_blocks=10),
     "tilted": dict(block_size=128, k_clusters=4, topk_blocks=4, peak_blocks=0),
-    "tilted-cells": dict(block_size=256, k_clusters=8, topk_blocks=10, peak_blocks=10),
 }
+FAR_FIELD_DEFAULTS["tilted-cells"] = FAR_FIELD_DEFAULTS["cells"]  # its exact part and cells are the cells plan's
 Q_CLUSTERS = {"cells": 1, "tilted": 16, "tilted-cells": 256}  # q_clusters' default (the cells have no query clusters)
 
 
@@ -38,7 +38,7 @@ class MuseConfig(MethodConfig):
                             "one summary per (query cluster, cell) pair, quadratic in blocks (more accurate at 64k, "
                             "slower than exact attention); tilted-cells: the cells plan with each far cell summarised "
                             "per global query cluster, tilted at its centroid (more accurate than cells; Triton "
-                            "forward only: inference)", choices=["cells", "tilted", "tilted-cells"])
+                            "forward only: inference)", choices=list(FAR_FIELDS))
     block_size: int | None = option(None, "tokens per spatial block (exact causal attention inside a block); default "
                                     "256 (cells, tilted-cells) / 128 (tilted); Triton: a multiple of 128 (cells, "
                                     "tilted-cells), a power of two in 16..128 (tilted)", min=2)
