@@ -37,7 +37,8 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
          "ovq_means_rows_D128", "ovq_means_all_fp32_D64"] \
     + [f"cells_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dcells")] \
     + [f"lists_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq")] \
-    + [f"tilt_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("summaries", "far_fwd")] \
+    + [f"tilt_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("summaries", "far_fwd", "far_dq", "far_dsumm",
+                                                                          "summaries_bwd")] \
     + ["nearest_D64", "nearest_D128"] \
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \

@@ -1,12 +1,14 @@
 """MuSe's tilted-cells far field (`kernels/muse/tilted_cells.py`) on a CUDA GPU: the Triton forward against the PyTorch
 reference, then its forward time (plan included) against torch SDPA (cuDNN) and against the cells far field with the
-same exact part, in the same run, with the time split into the plan, the summaries, the exact part and the far field.
+same exact part, in the same run, with the time split into the plan, the summaries, the exact part and the far field;
+the backward likewise (against autograd through the reference; forward + backward against cuDNN's and the cells').
 
     python3 -m evals.bench.bench_muse_tilted      # writes $OUT/tilted-cells-speed-<gpu>.json (else evals/results/muse/)
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
-package's cells defaults), TILT_BUDGET_S (default 400).
+package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also bwd_checks,
+bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles).
 """
 
 from __future__ import annotations
@@ -130,13 +132,129 @@ def profile(S=65536, D=64):
     save()
 
 
+def bwd_checks():
+    """Triton backward against autograd through the reference (fp32 and bf16, D 64 and 128, odd length, 14 / 2 heads):
+    relative error of dq, dk, dv, and of the reference's own bf16-input gradients against its fp32-input ones."""
+    from longctx_patch.kernels.muse.ops import _TiltedCellsAttention
+
+    for D in (64, 128):
+        base = qkv(3001, D, torch.float32, H=14, Hkv=2, seed=D + 1)
+        sc = D**-0.5
+        cfg = dict(block_size=256, k_clusters=8, topk_blocks=2, peak_blocks=2, q_clusters=32)
+        plan = make_tilt_plan(base[0], base[1], scale=sc, **cfg)
+        do = torch.randn_like(base[0]).transpose(1, 2)
+
+        def grads(fn, dtype):
+            x = [t.to(dtype).requires_grad_(True) for t in base]
+            fn(*x).backward(do.to(dtype))
+            return [t.grad.float() for t in x]
+
+        exact = grads(lambda *x: tilted_cells_reference(*x, plan, scale=sc), torch.float64)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = grads(lambda *x: _TiltedCellsAttention.apply(*x, plan, sc), dtype)
+            ref = grads(lambda *x: tilted_cells_reference(*x, plan, scale=sc), dtype)
+            row = dict(dtype=str(dtype), D=D, S=3001, cfg=cfg)
+            for name, a, r, e in zip(("dq", "dk", "dv"), got, ref, exact):
+                row[f"{name}_vs_float64"] = rel(a, e)
+                row[f"{name}_reference_vs_float64"] = rel(r, e)
+            RES.setdefault("bwd_checks", []).append(row)
+            print(json.dumps(row), flush=True)
+    save()
+
+
+def bwd_speed():
+    """Forward + backward (plan included) against cuDNN's and the cells' in the same run, and the backward alone
+    (retain_graph: the same graph each repetition)."""
+    cells_cfg = {k: v for k, v in CFG.items() if k != "q_clusters"}
+    for D in (64, 128):
+        for S in SEQS:
+            if time.time() - T0 > BUDGET:
+                RES.setdefault("skipped", []).append(dict(D=D, S=S, part="bwd"))
+                continue
+            row = dict(D=D, S=S)
+            try:
+                q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=S + D))
+                kx, vx = (t.detach().repeat_interleave(4, 1).requires_grad_(True) for t in (k, v))
+                do = torch.randn_like(q)
+                sc = D**-0.5
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    row["cudnn_fwdbwd_ms"] = bench(
+                        lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=sc).backward(do))
+                kx = vx = None
+                dot_ = do.transpose(1, 2)
+                row["cells_fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="cells",
+                                                                      **cells_cfg).backward(dot_))
+                for qc in QCS:
+                    kw = dict(cells_cfg, q_clusters=qc)
+                    r = dict(q_clusters=qc)
+                    r["fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells",
+                                                                  **kw).backward(dot_))
+                    o = muse_attention(q, k, v, scale=sc, far_field="tilted-cells", **kw)
+                    r["bwd_ms"] = bench(lambda: o.backward(dot_, retain_graph=True))
+                    o = None
+                    r["speedup_fwdbwd_vs_cudnn"] = row["cudnn_fwdbwd_ms"] / r["fwdbwd_ms"]
+                    r["vs_cells"] = row["cells_fwdbwd_ms"] / r["fwdbwd_ms"]
+                    row[f"tilted_q{qc}"] = r
+                    torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+                traceback.print_exc()
+            q = k = v = None
+            torch.cuda.empty_cache()
+            RES.setdefault("bwd_speed", []).append(row)
+            print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+            save()
+
+
+def bwd_profile(S=65536):
+    """One backward at S by kernel (self CUDA time, ms), D 64 and 128; then the backward's launch tiles swept
+    (TILT_BWD_SWEEP=1): each kernel's alternatives, the backward timed alone."""
+    from longctx_patch.kernels.muse import triton_tilted_bwd as mtb
+
+    for D in (64, 128):
+        q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=2))
+        do = torch.randn_like(q).transpose(1, 2)
+        kw = dict(CFG, q_clusters=QCS[0])
+        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", **kw)
+        o.backward(do, retain_graph=True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            o.backward(do, retain_graph=True)
+            torch.cuda.synchronize()
+        rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()),
+                      key=lambda r: -r[1])[:15]
+        prof_row = dict(S=S, D=D, kernels=[dict(name=n[:80], ms=t, calls=c) for n, t, c in rows], sweep=[])
+        if os.environ.get("TILT_BWD_SWEEP"):
+            default = mtb.tilted_bwd_tiles
+            base = default(D, torch.bfloat16)
+            options = dict(dq=[(64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 32, 4)],
+                           dsumm=[(64, 64, 4), (64, 64, 8), (32, 64, 4), (128, 64, 8), (64, 32, 4)],
+                           sbwd=[(32, 32, 4), (64, 32, 4), (64, 32, 8), (32, 64, 4), (16, 32, 4)])
+            for part, alts in options.items():
+                for alt in alts:
+                    mtb.tilted_bwd_tiles = lambda D_, dt_, part=part, alt=alt: dict(base, **{part: alt})
+                    try:
+                        ms = bench(lambda: o.backward(do, retain_graph=True), rep=20)
+                    except Exception as e:  # noqa: BLE001
+                        ms = repr(e)[:200]
+                    prof_row["sweep"].append(dict(part=part, tiles=alt, bwd_ms=ms))
+                    print(json.dumps(prof_row["sweep"][-1]), flush=True)
+            mtb.tilted_bwd_tiles = default
+        RES.setdefault("bwd_profile", []).append(prof_row)
+        print(json.dumps({k_: v_ for k_, v_ in prof_row.items() if k_ != "sweep"}), flush=True)
+        o = q = k = v = None
+        torch.cuda.empty_cache()
+        save()
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     RES["device"] = torch.cuda.get_device_name(0)
     for part in os.environ.get("TILT_PARTS", "checks,speed,profile").split(","):
         try:
-            {"checks": checks, "speed": speed, "profile": profile}[part]()
+            {"checks": checks, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
+             "bwd_profile": bwd_profile}[part]()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     save()

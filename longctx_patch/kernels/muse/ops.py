@@ -58,7 +58,7 @@ def muse_attention(
     `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
     block; q_clusters, topk_clusters unused) or "tilted-cells" (kernels/muse/tilted_cells.py: the cells plan, each far
     cell summarised for each of `q_clusters` global query clusters per head by its summary tilted at the cluster's
-    centroid; Triton: forward only).
+    centroid).
     Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
     """
     if far_field not in FAR_FIELDS:
@@ -170,23 +170,38 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
 
 
 def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **cells_options):
-    """The tilted-cells far field: the Triton forward (`triton_tilted.py`) where the cells kernels run, else the
-    reference. It has no Triton backward: on the Triton path a forward that needs gradients is refused."""
+    """The tilted-cells far field: the Triton kernels (`triton_tilted.py`, `triton_tilted_bwd.py`) where the cells
+    kernels run, else the reference."""
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
     be = _cells_backend(q, backend, cells_options["block_size"])
-    if be == "triton" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ConfigError("muse: far_field='tilted-cells' has no Triton backward; train with far_field='cells' (or "
-                          "backend='torch' on short inputs)")
     D = q.shape[-1]
     q, k, v = _kernel_inputs(q, k, v, be)
     plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
                           backend=_plan_backend(be), **cells_options)
     if be == "triton":
-        from .triton_tilted import tilted_cells_fwd
-
-        return tilted_cells_fwd(q, k, v, plan, scale)[..., :D]
+        return _TiltedCellsAttention.apply(q, k, v, plan, float(scale))[..., :D]
     return tilted_cells_reference(q, k, v, plan, scale=scale)
+
+
+class _TiltedCellsAttention(torch.autograd.Function):
+    """The tilted-cells attention with the plan fixed (`triton_tilted.tilted_cells_forward`,
+    `triton_tilted_bwd.tilted_cells_bwd`): differentiable in q, k, v; the plan (clusters, cells, retrieval) is a
+    constant, as in the reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale: float):
+        from .triton_tilted import tilted_cells_forward
+
+        o, saved, ctx.meta = tilted_cells_forward(q, k, v, plan, scale)
+        ctx.save_for_backward(*saved)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from .triton_tilted_bwd import tilted_cells_bwd
+
+        return (*tilted_cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
 
 
 class _MuseFn(torch.autograd.Function):

@@ -302,13 +302,16 @@ def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
                                                                 lists, tiles["bwd"], up, scale)
 
 
-def cells_bwd(saved, meta, do):
-    """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
-    q, k, v, mu and vbar (None for a plan without cells)."""
+def bwd_inputs(do, O):
+    """do [B, S, Hq, D] as the kernels take it ([B, Hq, Sp, D] padded, O's dtype) and Delta = rowsum(dO * O)."""
+    DO = _padded(do.transpose(1, 2).to(O.dtype), O.shape[2])
+    return DO, (DO.float() * O.float()).sum(-1).contiguous()
+
+
+def cells_bwd_qkv(saved, meta, DO, DELTA):
+    """dQ (exact keys and cells), dK and dV (exact keys) in float32, padded to the plan's blocks ([B, H, Sp, D])."""
     Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
     B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
-    DO = _padded(do.transpose(1, 2).to(Q.dtype), Sp)
-    DELTA = (DO.float() * O.float()).sum(-1).contiguous()
     f32 = dict(device=Q.device, dtype=torch.float32)
     DQ = torch.empty(B, Hq, Sp, D, **f32)
     DK = torch.empty(B, Hkv, Sp, D, **f32)
@@ -319,6 +322,17 @@ def cells_bwd(saved, meta, do):
     _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
         Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
         L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    return DQ, DK, DV
+
+
+def cells_bwd(saved, meta, do):
+    """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
+    q, k, v, mu and vbar (None for a plan without cells)."""
+    Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
+    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
+    DO, DELTA = bwd_inputs(do, O)
+    DQ, DK, DV = cells_bwd_qkv(saved, meta, DO, DELTA)
+    f32 = dict(device=Q.device, dtype=torch.float32)
     cast = lambda t, like: t.to(like.dtype)  # noqa: E731
     dq, dk, dv = cast(DQ[:, :, :S], Q), cast(DK[:, :, :S], K), cast(DV[:, :, :S], V)
     if Ck == 0:

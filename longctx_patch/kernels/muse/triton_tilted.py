@@ -68,15 +68,41 @@ def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, H0, HC, Sp, 
 
 
 @triton.jit
+def _far_load(KT, VT, LSE, base, cidx, inb, offs_d, D: tl.constexpr):
+    """Summaries base + cidx of one (cluster, head): kt, vt [BN, D] and lse [BN] (-inf outside `inb`)."""
+    kt = tl.load(KT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+    vt = tl.load(VT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
+    lse = tl.load(LSE + base + cidx, mask=inb, other=float("-inf"))
+    return kt, vt, lse
+
+
+@triton.jit
+def _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.constexpr, LOC: tl.constexpr,
+                BN: tl.constexpr, UP: tl.constexpr):
+    """Unscaled logits [BM, BN] of the rows (q - c = d, query blocks n) against far cells j0 .. j0 + BN of their
+    cluster: d.kt + lse / scale (the callers multiply by scale); -inf where masked: rows outside `rows`, cells of
+    blocks >= n - LOC, empty cells, blocks the row's block retrieved (RET: `retrieved_bits`, a tile's cells span at
+    most 32 blocks: one or two words)."""
+    mblk = cidx // CK
+    w0 = (j0 // CK) // 32
+    w1 = tl.minimum(((j0 + BN - 1) // CK) // 32, NW - 1)  # a word past the last holds no far block
+    b0 = tl.load(RET + (bh * NB + n) * NW + w0, mask=rows, other=0)
+    b1 = tl.load(RET + (bh * NB + n) * NW + w1, mask=rows, other=0)
+    word = tl.where((mblk // 32 == w0)[None, :], b0[:, None], b1[:, None])
+    got = (word >> (mblk % 32)[None, :]) & 1
+    ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :] & (got == 0)
+    return tl.where(ok, dot(d, tl.trans(kt), "tf32x3", UP) + (lse / scale)[None, :], float("-inf"))
+
+
+@triton.jit
 def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, NB, NW, Sp, NCK, CQ,
                   L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, UP: tl.constexpr):
     """Program (tile of BM queries in sorted order, batch x query head): for each query cluster c in the tile, the
     far cells of its rows (cells of blocks < n - LOC, not retrieved for the row's block n) as super-keys of logit
     lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
-    positions: the cells kernels' output) and written back in place. RET: the retrieved blocks of each query block as
-    bits (`retrieved_bits`: bit m % 32 of word m // 32), one or two words per row and tile. Heads H0 .. H0 + HC - 1
-    (the summaries' chunk), as in `_tilt_summaries`."""
+    positions: the cells kernels' output) and both written back in place (LSEE: the merged log-sum-exp, for the
+    backward). Heads H0 .. H0 + HC - 1 (the summaries' chunk), as in `_tilt_summaries`."""
     lh = tl.program_id(1).to(tl.int64)
     bh = (lh // HC) * H + H0 + lh % HC
     r = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -100,29 +126,20 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
         base = (lh * CQ + c) * NCK
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
-            inb = cidx < hi
-            kt = tl.load(KT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
-            vt = tl.load(VT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
-            lse = tl.load(LSE + base + cidx, mask=inb, other=float("-inf"))
-            mblk = cidx // CK
-            # the rows' retrieved blocks among this tile's (at most 32 blocks: in one or two words of the bits)
-            w0 = (j0 // CK) // 32
-            w1 = tl.minimum(((j0 + BN - 1) // CK) // 32, NW - 1)  # a word past the last holds no far block
-            b0 = tl.load(RET + (bh * NB + n) * NW + w0, mask=rows, other=0)
-            b1 = tl.load(RET + (bh * NB + n) * NW + w1, mask=rows, other=0)
-            word = tl.where((mblk // 32 == w0)[None, :], b0[:, None], b1[:, None])
-            got = (word >> (mblk % 32)[None, :]) & 1
-            ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :] & (got == 0)
-            s = tl.where(ok, dot(d, tl.trans(kt), "tf32x3", UP) + (lse / scale)[None, :], float("-inf"))
+            kt, vt, lse = _far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
+            s = _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
             m_i, l_i, acc = online_softmax_scaled(s, qk, vt, m_i, l_i, acc, "tf32x3", UP, True)
     # merge with the exact part: weights 2^(lse_e - M) and 2^(m_i - M) l_i at the common max M (log2 units)
+    real = cl < CQ
     oe = tl.load(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :]).to(tl.float32)
     le = tl.load(LSEE + bh * Sp + pos) * 1.4426950408889634
     mx = tl.maximum(le, m_i)
     we = tl.exp2(le - mx)
     wf = tl.where(l_i > 0, tl.exp2(m_i - mx), 0.0)
-    o = (we[:, None] * oe + wf[:, None] * acc) / (we + wf * l_i)[:, None]
-    tl.store(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=(cl < CQ)[:, None])
+    z = we + wf * l_i
+    o = (we[:, None] * oe + wf[:, None] * acc) / z[:, None]
+    tl.store(O + (bh * Sp + pos)[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=real[:, None])
+    tl.store(LSEE + bh * Sp + pos, (mx + tl.log2(z)) * 0.6931471805599453, mask=real)
 
 
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
@@ -155,10 +172,16 @@ def cell_order(cp: CellsPlan):
 SUMMARY_BYTES = 4 << 30  # the most memory the tilted summaries of one chunk of query heads take
 
 
-def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES) -> torch.Tensor:
+def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES):
     """q [B, Hq, S, D], k/v [B, Hkv, S, D] (one dtype, D a power of two in 16..128, block_size a multiple of 128)
     -> o [B, S, Hq, D]: the exact part on the cells kernels (no far field), then per chunk of query heads whose
     summaries fit in `summary_bytes` (at least one head), the tilted summaries and the far field merged into it."""
+    return tilted_cells_forward(q, k, v, plan, scale, summary_bytes)[0]
+
+
+def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES):
+    """`tilted_cells_fwd`, with what the backward takes: (o, saved tensors, sizes). The saved tensors are the cells
+    kernels' (their O and LSE the merged output and log-sum-exp) and the far field's plan tensors."""
     cp = plan.cells
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
@@ -166,7 +189,7 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int =
     Cq = plan.centroids.shape[2]
     empty = cp.counts.new_zeros(B, 0)
     exact = CellsPlan(L, 0, loc, Sp, nb, empty, empty, cp.key_valid, cp.retrieved, cp.max_retrieved, cp.key_masked)
-    O, saved, _ = cells_fwd(q, k, v, None, None, exact, scale)
+    O, saved, meta = cells_fwd(q, k, v, None, None, exact, scale)
     Q, K, V, LSEE = saved[0], saved[1], saved[2], saved[6]
     korder, cstart = cell_order(cp)
     C = plan.centroids.contiguous()
@@ -177,21 +200,33 @@ def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int =
     ret = retrieved_bits(cp.retrieved)
     up = INTERPRET and q.dtype != torch.float32
     t = tilted_tiles(D, q.dtype)
-    bc, bk, sw = t["summ"]
     bm, bn, fw, fs = t["far"]
     bn = min(bn, 32 * Ck)  # a tile's cells span at most 32 blocks: two words of the bits
-    # the summaries of a chunk of query heads at a time, within summary_bytes (they are the memory this path adds)
-    per_head = B * Cq * NCK * (2 * D * q.element_size() + 4)
-    hc = max(1, min(Hq, summary_bytes // per_head))
+    hc = head_chunk(B, Hq, Cq, NCK, D, q.element_size(), summary_bytes)
     LSE = torch.empty(B * hc, Cq, NCK, device=q.device, dtype=torch.float32)
     KT = torch.empty(B * hc, Cq, NCK, D, device=q.device, dtype=q.dtype)
     VT = torch.empty_like(KT)
     for h0 in range(0, Hq, hc):
         n = min(hc, Hq - h0)
-        _tilt_summaries[(nb, B * n, triton.cdiv(Cq, bc))](
-            K, V, korder, cstart, C, LSE, KT, VT, scale, Hq, Hkv, h0, n, Sp, nb, NCK, Cq, L=L, CK=Ck, D=D, BC=bc,
-            BK=bk, UP=up, num_warps=sw)
+        summaries(K, V, korder, cstart, C, LSE, KT, VT, scale, h0, n, (B, Hq, Hkv, Sp, nb, Ck, Cq, L, D), up,
+                  t["summ"])
         _tilt_far_fwd[(Sp // bm, B * n)](
             Q, order, scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, h0, n, nb, ret.shape[-1], Sp, NCK, Cq,
             L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
-    return O[:, :, :S].transpose(1, 2)
+    tilt = (korder, cstart, C, order, scl, ret)
+    return O[:, :, :S].transpose(1, 2), saved + tilt, (meta, len(saved), Ck, Cq, summary_bytes)
+
+
+def head_chunk(B, Hq, Cq, NCK, D, itemsize, summary_bytes, arrays: int = 1) -> int:
+    """Query heads whose tilted summaries (`arrays` copies of lse, kt, vt) fit in summary_bytes: at least one."""
+    per_head = arrays * B * Cq * NCK * (2 * D * itemsize + 4)
+    return max(1, min(Hq, summary_bytes // per_head))
+
+
+def summaries(K, V, korder, cstart, C, LSE, KT, VT, scale, h0, n, sizes, up, tiles):
+    """Launch `_tilt_summaries` for query heads h0 .. h0 + n - 1 into LSE, KT, VT (chunk-local heads)."""
+    B, Hq, Hkv, Sp, nb, Ck, Cq, L, D = sizes
+    bc, bk, sw = tiles
+    _tilt_summaries[(nb, B * n, triton.cdiv(Cq, bc))](
+        K, V, korder, cstart, C, LSE, KT, VT, scale, Hq, Hkv, h0, n, Sp, nb, nb * Ck, Cq, L=L, CK=Ck, D=D, BC=bc,
+        BK=bk, UP=up, num_warps=sw)
