@@ -352,7 +352,7 @@ def i32_offset_products(ttir: str) -> list[list[str]]:
 
 def cells_ptrs(t, *out, **other):
     """Pointer arguments of the cells kernels: tensors of dtype t, the plan's tables and fp32 statistics."""
-    base = dict(LOGN=F32, KVAL=I8, EXL=I32, RET=I8, LSE=F32, DELTA=F32, DQ=F32, DK=F32, DV=F32, DMU=F32, DVB=F32,
+    base = dict(LOGN=F32, KVAL=I8, EXL=I32, RET=I8, TL=I32, TCNT=I32, LSE=F32, DELTA=F32, DQ=F32, DK=F32, DV=F32, DMU=F32, DVB=F32,
                 scale="fp32")
     return {**{n: t for n in ("Q", "K", "V", "MU", "VB", "DO", "O")}, **base, **other}
 
@@ -368,7 +368,7 @@ def _cells_case(kernel, D, dtype, bwd, far=True):
     if kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells):
         BM = stages_or_bmk
     consts = dict(L=L, CK=32 if far else 1, LOC=1 if far else 0, NE=9 if far else 2, NEP=16 if far else 2, PAD=0,
-                  D=D, BM=BM, BN=BN, FAR=int(far))
+                  D=D, BM=BM, BN=BN, FAR=int(far), CH=mc.READERS_CHUNK)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     ptrs = {n: t for n, t in cells_ptrs(dtype).items() if n in kernel.arg_names}
     return (kernel, consts, ptrs, {"num_warps": warps, "num_stages": 1 if bwd else stages_or_bmk})

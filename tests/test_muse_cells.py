@@ -125,7 +125,44 @@ def test_triton_backward_matches_reference(case, dtype, masked):
         assert a.dtype == dtype and rel(a, b) < (2e-6 if dtype == torch.float32 else 1e-2)
 
 
-def test_reference_gradcheck():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backward_splits_the_blocks_read_by_many(dtype):
+    """7 query heads per kv head over 9 blocks: the sink block is read by 63 (head, query block) pairs, more than one
+    program of the dK/dV kernel takes (`READERS_CHUNK`), so its sums are split over programs and added; the other
+    blocks' are stored by one program. Both against the reference."""
+    from longctx_patch.kernels.muse.triton_cells import READERS_CHUNK, exact_readers
+
+    g = torch.Generator().manual_seed(21)
+    S, D = 1100, 16
+    q, k, v = (torch.randn(1, h, S, D, generator=g).to(dtype).requires_grad_(True) for h in (14, 2, 2))
+    plan = make_cells_plan(q, k, scale=0.25, block_size=128, k_clusters=4, topk_blocks=1, sink_blocks=1)
+    readers, counts = exact_readers(plan.retrieved, plan.local_blocks, 2)
+    assert counts.max() > READERS_CHUNK and (counts <= READERS_CHUNK).any()
+    o = cells_triton(q, k, v, plan, scale=0.25)
+    do = torch.randn(o.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    want = torch.autograd.grad(cells_reference(qr, kr, vr, plan, scale=0.25), (qr, kr, vr), do.float())
+    for a, b in zip(got, want):
+        assert rel(a, b) < (2e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_exact_readers_is_the_transpose_of_the_exact_lists():
+    from longctx_patch.kernels.muse.triton_cells import exact_lists, exact_readers
+
+    q, k, _ = qkv(2, 6, 2, 1500, 16, torch.float32, seed=22)
+    plan = make_cells_plan(q, k, scale=0.25, block_size=128, k_clusters=4, topk_blocks=2, sink_blocks=1)
+    lists = exact_lists(plan)  # [B, Hq, n, entries]: the earlier blocks n reads exactly
+    readers, counts = exact_readers(plan.retrieved, plan.local_blocks, 2)
+    nb = plan.num_blocks
+    for b in range(2):
+        for hk in range(2):
+            for m in range(nb):
+                got = readers[b, hk, m, :counts[b, hk, m]].tolist()
+                want = sorted(g * nb + n for g in range(3) for n in range(nb)
+                              if n == m or m in lists[b, hk * 3 + g, n].tolist())
+                assert got == want
+
     q, k, v = (t.double().requires_grad_(True) for t in qkv(1, 2, 1, 45, 8, seed=5))
     plan = make_cells_plan(q, k, scale=0.4, block_size=8, k_clusters=3, topk_blocks=1)
     torch.autograd.gradcheck(lambda a, b, c: cells_reference(a, b, c, plan, scale=0.4), (q, k, v))

@@ -13,6 +13,7 @@ bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward'
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -138,21 +139,22 @@ def bwd_checks():
     from longctx_patch.kernels.muse.ops import _TiltedCellsAttention
 
     for D in (64, 128):
-        base = qkv(3001, D, torch.float32, H=14, Hkv=2, seed=D + 1)
+        # inputs and centroids bf16-representable: every dtype below computes the same function of the same plan
+        base = [t.float() for t in qkv(3001, D, torch.bfloat16, H=14, Hkv=2, seed=D + 1)]
         sc = D**-0.5
         cfg = dict(block_size=256, k_clusters=8, topk_blocks=2, peak_blocks=2, q_clusters=32)
-        plan = make_tilt_plan(base[0], base[1], scale=sc, **cfg)
+        plan = make_tilt_plan(base[0].bfloat16(), base[1].bfloat16(), scale=sc, **cfg)
         do = torch.randn_like(base[0]).transpose(1, 2)
 
         def grads(fn, dtype):
-            x = [t.to(dtype).requires_grad_(True) for t in base]
-            fn(*x).backward(do.to(dtype))
+            x = [t.detach().to(dtype).clone().requires_grad_(True) for t in base]
+            fn(*x, dataclasses.replace(plan, centroids=plan.centroids.to(dtype))).backward(do.to(dtype))
             return [t.grad.float() for t in x]
 
-        exact = grads(lambda *x: tilted_cells_reference(*x, plan, scale=sc), torch.float64)
+        exact = grads(lambda *x: tilted_cells_reference(*x, scale=sc), torch.float64)
         for dtype in (torch.float32, torch.bfloat16):
-            got = grads(lambda *x: _TiltedCellsAttention.apply(*x, plan, sc), dtype)
-            ref = grads(lambda *x: tilted_cells_reference(*x, plan, scale=sc), dtype)
+            got = grads(lambda q, k, v, p: _TiltedCellsAttention.apply(q, k, v, p, sc), dtype)
+            ref = grads(lambda *x: tilted_cells_reference(*x, scale=sc), dtype)
             row = dict(dtype=str(dtype), D=D, S=3001, cfg=cfg)
             for name, a, r, e in zip(("dq", "dk", "dv"), got, ref, exact):
                 row[f"{name}_vs_float64"] = rel(a, e)

@@ -17,9 +17,9 @@ block through their tilted summaries.
 
 Two paths compute the same function from one `TiltPlan`:
 - `tilted_cells_reference`: dense PyTorch per chunk of query blocks (any device, differentiable);
-- `triton_tilted.tilted_cells_fwd` (forward only): the exact part on the cells kernels without a far field, then,
-  per chunk of query heads, the summaries kernel and the far field over the queries sorted by cluster, which merges
-  the two.
+- `triton_tilted.tilted_cells_fwd`: the exact part on the cells kernels without a far field, then, per chunk of
+  query heads, the summaries kernel and the far field over the queries sorted by cluster, which merges the two; its
+  backward is `triton_tilted_bwd.tilted_cells_bwd`.
 
 Cost (docs/muse.md section 8): the summaries are `q_clusters * S * 6 D` FLOP per head (linear in S); the far field
 is, per query, one super-key per far cell of its cluster (as the cells'), computed once per cluster present in a tile

@@ -116,6 +116,26 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
     return torch.where(val > 0, idx, torch.full_like(idx, -1)).to(torch.int32).contiguous()
 
 
+READERS_CHUNK = 32  # (query head, query block) pairs per program of the dK/dV kernel
+
+
+def exact_readers(retrieved: torch.Tensor, local_blocks: int, Hkv: int):
+    """The transpose of `exact_lists` per kv head: for each key block m, the (query head g of the kv head's group,
+    query block n) pairs that attend it exactly (retrieved, local, or its own block), as g * nb + n in ascending order:
+    [B, Hkv, nb, G * nb + 1] int32 (the last column a scratch slot) and their counts [B, Hkv, nb] int32."""
+    R = retrieved != 0  # [B, Hq, n, m]
+    B, Hq, nb, _ = R.shape
+    G = Hq // Hkv
+    ar = torch.arange(nb, device=R.device)
+    band = (ar[None, :] <= ar[:, None]) & (ar[None, :] >= ar[:, None] - local_blocks)  # [n, m]: own and local
+    T = (R | band).view(B, Hkv, G, nb, nb).permute(0, 1, 4, 2, 3).reshape(B, Hkv, nb, G * nb)  # [.., m, g * nb + n]
+    cnt = T.sum(-1, dtype=torch.int32)
+    slot = torch.where(T, T.cumsum(-1) - 1, G * nb)
+    out = torch.full((B, Hkv, nb, G * nb + 1), -1, dtype=torch.int32, device=R.device)
+    out.scatter_(-1, slot, torch.arange(G * nb, device=R.device, dtype=torch.int32).expand_as(slot).contiguous())
+    return out.contiguous(), cnt.contiguous()
+
+
 @triton.jit
 def _p_ds(s, qk, lse2, do, vals, delta, UP: tl.constexpr):
     """Row-major pair [BM queries, BN keys] of unscaled logits s: probabilities and dS = P * (dO V^T - Delta)."""
@@ -165,44 +185,56 @@ def _cells_bwd_dq(Q, K, V, MU, VB, LOGN, KVAL, EXL, RET, DO, LSE, DELTA, DQ, sca
 
 
 @triton.jit
-def _cells_bwd_dkdv(Q, K, V, KVAL, RET, DO, LSE, DELTA, DK, DV, scale, H, HKV, NB, Sp,
-                    L: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _cells_bwd_dkdv(Q, K, V, KVAL, TL, TCNT, DO, LSE, DELTA, DK, DV, scale, H, HKV, NB, Sp, NT,
+                    L: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
                     UP: tl.constexpr):
-    """dK, dV of the exact keys: one program per (BN keys of block m, batch x kv head), over the query blocks that
-    attend block m exactly (its own block causally, the LOC blocks after it, and those that retrieved it)."""
+    """dK, dV of the exact keys: one program per (BN keys of block m, batch x kv head, chunk of CH entries) over its
+    chunk of the (query head, query block) pairs that attend block m exactly (TL: `exact_readers`, TCNT entries).
+    A block read by at most CH pairs (most) is one program that stores its sums; the blocks read by more (a sink
+    block is read by every query block of every head) are split over programs that add into DK, DV (zeroed), so no
+    program runs much longer than the rest."""
     kt = tl.program_id(0)
     bkv = tl.program_id(1).to(tl.int64)
+    e0 = tl.program_id(2) * CH
     G = H // HKV
     b = bkv // HKV
     hk = bkv % HKV
     offs_n = kt * BN + tl.arange(0, BN)
     m = (kt * BN) // L
-    offs_d = tl.arange(0, D)
-    offs_q = tl.arange(0, BM)
-    qk = scale * 1.4426950408889634
-    k = tl.load(K + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
-    v = tl.load(V + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
-    kv = tl.load(KVAL + b * Sp + offs_n) != 0
-    dk = tl.zeros([BN, D], tl.float32)
-    dv = tl.zeros([BN, D], tl.float32)
-    for g in range(G):
-        bh = b * H + hk * G + g
-        for n in range(m, NB):
-            exact = (n - m <= LOC) | (tl.load(RET + (bh * NB + n) * NB + m) != 0)
-            if exact:
-                for q0 in range(0, L, BM):
-                    qpos = n * L + q0 + offs_q
-                    q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
-                    do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
-                    lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
-                    delta = tl.load(DELTA + bh * Sp + qpos)
-                    ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
-                    s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
-                    p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-                    dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
-                    dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
-    tl.store(DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dk * scale)
-    tl.store(DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :], dv)
+    row = bkv * NB + m
+    cnt = tl.load(TCNT + row)
+    if e0 < cnt:
+        offs_d = tl.arange(0, D)
+        offs_q = tl.arange(0, BM)
+        qk = scale * 1.4426950408889634
+        k = tl.load(K + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+        v = tl.load(V + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :])
+        kv = tl.load(KVAL + b * Sp + offs_n) != 0
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for e in range(e0, tl.minimum(e0 + CH, cnt)):
+            gn = tl.load(TL + row * NT + e)
+            n = gn % NB
+            bh = b * H + hk * G + gn // NB
+            for q0 in range(0, L, BM):
+                qpos = n * L + q0 + offs_q
+                q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+                lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+                delta = tl.load(DELTA + bh * Sp + qpos)
+                ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
+                s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
+                p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
+                dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+                dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
+        pk = DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :]
+        pv = DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :]
+        if cnt <= CH:
+            tl.store(pk, dk * scale)
+            tl.store(pv, dv)
+        else:
+            tl.atomic_add(pk, dk * scale, sem="relaxed")
+            tl.atomic_add(pv, dv, sem="relaxed")
 
 
 @triton.jit
@@ -314,14 +346,16 @@ def cells_bwd_qkv(saved, meta, DO, DELTA):
     B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
     f32 = dict(device=Q.device, dtype=torch.float32)
     DQ = torch.empty(B, Hq, Sp, D, **f32)
-    DK = torch.empty(B, Hkv, Sp, D, **f32)
-    DV = torch.empty(B, Hkv, Sp, D, **f32)
+    DK = torch.zeros(B, Hkv, Sp, D, **f32)  # zeros: the key blocks read by many pairs are summed over programs
+    DV = torch.zeros(B, Hkv, Sp, D, **f32)
+    readers, counts = exact_readers(ret, loc, Hkv)
     _cells_bwd_dq[(Sp // BM, B * Hq)](
         Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
         L=L, CK=max(Ck, 1), LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, FAR=Ck > 0, num_warps=warps, num_stages=1)
-    _cells_bwd_dkdv[(Sp // BN, B * Hkv)](
-        Q, K, V, kval, ret, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp,
-        L=L, LOC=loc, D=D, BM=BMK, BN=BN, UP=up, num_warps=warps, num_stages=1)
+    nt = readers.shape[-1]
+    _cells_bwd_dkdv[(Sp // BN, B * Hkv, triton.cdiv(nt - 1, READERS_CHUNK))](
+        Q, K, V, kval, readers, counts, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp, nt,
+        L=L, D=D, BM=BMK, BN=BN, CH=READERS_CHUNK, UP=up, num_warps=warps, num_stages=1)
     return DQ, DK, DV
 
 
