@@ -10,7 +10,7 @@ the plan (Lloyd clustering of every block's keys, retrieval scoring) and the cel
 Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of plan configs; default the package's
 cells defaults and the previous defaults; one with "far_field": "tilted" goes to `muse_attention` and is timed
 forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,peaks,tune,speed; also fp32: the fp32 forward against
-SDPA's memory-efficient backend; fwd: forward only, every configuration at every length (the per-length sweep); `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
+SDPA's memory-efficient backend; dkdv: the dK/dV kernel's tiles timed at 64k; fwd: forward only, every configuration at every length (the per-length sweep); `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
 64k, each keeping the fastest for the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64":
 [[BM, BN, warps, stages], ...]}: the choices `tune` times); CELLS_PEAKS (JSON [[keys, warps, stages], ...]).
 """
@@ -340,12 +340,48 @@ def peaks():
     save()
 
 
+DKDV = [(64, 128, 8, 1), (64, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2),
+        (64, 64, 4, 3), (128, 64, 8, 3)]
+
+
+def dkdv(S=65536):
+    """The backward alone (retain_graph, plan fixed) per tile choice of the dK/dV kernel (key tile, query tile, warps,
+    stages), the first configuration, D 64 and 128; each choice's gradients checked against the first one's. The
+    fastest is kept in DKDV_TILES for later parts."""
+    cfg = CFGS[0]
+    RES["dkdv"] = []
+    for D in (64, 128):
+        q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=3))
+        plan = make_cells_plan(q.detach(), k.detach(), scale=D**-0.5, **cfg)
+        o = cells_triton(q, k, v, plan, scale=D**-0.5)
+        do = torch.randn_like(o)
+        best, ref = None, None
+        for t in DKDV:
+            cells_mod.DKDV_TILES[(D, torch.bfloat16)] = t
+            try:
+                g = torch.autograd.grad(o, (k, v), do, retain_graph=True)
+                ref = g if ref is None else ref
+                row = dict(D=D, S=S, tiles=t, diff_vs_first=max(rel(a, b) for a, b in zip(g, ref)),
+                           bwd_ms=bench(lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True), rep=30))
+                if row["diff_vs_first"] < 1e-2 and (best is None or row["bwd_ms"] < best[1]):
+                    best = (t, row["bwd_ms"])
+            except Exception as e:  # noqa: BLE001
+                row = dict(D=D, tiles=t, error=repr(e)[:200])
+            RES["dkdv"].append(row)
+            print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+        cells_mod.DKDV_TILES[(D, torch.bfloat16)] = best[0]
+        RES.setdefault("dkdv_tiles_used", {})[D] = best[0]
+        o = q = k = v = None
+        torch.cuda.empty_cache()
+    save()
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     RES["device"] = torch.cuda.get_device_name(0)
     parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
-    for part in (checks, fp32, profile, peaks, tune, speed, fwd):
+    for part in (checks, fp32, profile, peaks, tune, dkdv, speed, fwd):
         if part.__name__ in parts:
             try:
                 part()

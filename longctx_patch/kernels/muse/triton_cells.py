@@ -212,21 +212,21 @@ def _cells_bwd_dkdv(Q, K, V, KVAL, TL, TCNT, DO, LSE, DELTA, DK, DV, scale, H, H
         kv = tl.load(KVAL + b * Sp + offs_n) != 0
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
-        for e in range(e0, tl.minimum(e0 + CH, cnt)):
-            gn = tl.load(TL + row * NT + e)
+        # one flat loop over (pair, query tile): the loads pipeline across pairs (as the forward's block lists)
+        for it in range(e0 * (L // BM), tl.minimum(e0 + CH, cnt) * (L // BM)):
+            gn = tl.load(TL + row * NT + it // (L // BM))
             n = gn % NB
             bh = b * H + hk * G + gn // NB
-            for q0 in range(0, L, BM):
-                qpos = n * L + q0 + offs_q
-                q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
-                do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
-                lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
-                delta = tl.load(DELTA + bh * Sp + qpos)
-                ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
-                s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
-                p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
-                dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
-                dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
+            qpos = n * L + (it % (L // BM)) * BM + offs_q
+            q = tl.load(Q + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+            do = tl.load(DO + (bh * Sp + qpos)[:, None] * D + offs_d[None, :])
+            lse2 = tl.load(LSE + bh * Sp + qpos) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * Sp + qpos)
+            ok = kv[None, :] & ((n != m) | (offs_n[None, :] <= qpos[:, None]))
+            s = tl.where(ok, dot(q, tl.trans(k), "tf32x3", UP), float("-inf"))
+            p, ds = _p_ds(s, qk, lse2, do, v, delta, UP)
+            dv += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
+            dk += dot(tl.trans(ds.to(q.dtype)), q, "tf32x3", UP)
         pk = DK + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :]
         pv = DV + (bkv * Sp + offs_n)[:, None] * D + offs_d[None, :]
         if cnt <= CH:
@@ -278,6 +278,8 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
 
 # forward tiles by (head_dim, dtype) that replace cells_tiles' choice: (BM, BN, warps, stages); for benchmarks
 FWD_TILES: dict = {}
+# dK/dV kernel tiles by (head_dim, dtype): (key tile BN, query tile BM, warps, stages); default: cells_tiles' bwd
+DKDV_TILES: dict = {}
 
 
 def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
@@ -353,9 +355,11 @@ def cells_bwd_qkv(saved, meta, DO, DELTA):
         Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
         L=L, CK=max(Ck, 1), LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, FAR=Ck > 0, num_warps=warps, num_stages=1)
     nt = readers.shape[-1]
-    _cells_bwd_dkdv[(Sp // BN, B * Hkv, triton.cdiv(nt - 1, READERS_CHUNK))](
+    kn, km, kw, ks = DKDV_TILES.get((D, Q.dtype), (BN, BMK, warps, 1))
+    kn, km = min(kn, L), min(km, L)
+    _cells_bwd_dkdv[(Sp // kn, B * Hkv, triton.cdiv(nt - 1, READERS_CHUNK))](
         Q, K, V, kval, readers, counts, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp, nt,
-        L=L, D=D, BM=BMK, BN=BN, CH=READERS_CHUNK, UP=up, num_warps=warps, num_stages=1)
+        L=L, D=D, BM=km, BN=kn, CH=READERS_CHUNK, UP=up, num_warps=kw, num_stages=ks)
     return DQ, DK, DV
 
 
