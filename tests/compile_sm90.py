@@ -365,8 +365,11 @@ def _cells_case(kernel, D, dtype, bwd, far=True):
     L = 256 if far else 512
     BM, BN, warps, stages_or_bmk = mc.cells_tiles(D, torch.float32 if dtype == F32 else torch.bfloat16, L)[
         "bwd" if bwd else "fwd"]
-    if kernel in (mc._cells_bwd_dkdv, mc._cells_bwd_dcells):
+    if kernel is mc._cells_bwd_dcells:
         BM = stages_or_bmk
+    if kernel is mc._cells_bwd_dkdv:
+        BN, BM, warps, stages_or_bmk = mc.cells_tiles(D, torch.float32 if dtype == F32 else torch.bfloat16, L)["dkdv"]
+        bwd = False  # its stages are its own
     consts = dict(L=L, CK=32 if far else 1, LOC=1 if far else 0, NE=9 if far else 2, NEP=16 if far else 2, PAD=0,
                   D=D, BM=BM, BN=BN, FAR=int(far), CH=mc.READERS_CHUNK)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}

@@ -278,22 +278,28 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
 
 # forward tiles by (head_dim, dtype) that replace cells_tiles' choice: (BM, BN, warps, stages); for benchmarks
 FWD_TILES: dict = {}
-# dK/dV kernel tiles by (head_dim, dtype): (key tile BN, query tile BM, warps, stages); default: cells_tiles' bwd
+# dK/dV kernel tiles by (head_dim, dtype) that replace cells_tiles' choice: (key tile, query tile, warps, stages)
 DKDV_TILES: dict = {}
 
 
 def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
-    """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages) and bwd (BM, BN, warps,
-    query tile of the dK/dV and dcells kernels). bf16/fp16: the fastest forward of an H200 sweep
-    (evals/bench_muse_cells.py `tune`), and backward tiles that compile without register spills for sm_90
-    (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that fit sm_90's shared memory with the fewest spills
-    (cuobjdump of the sm_90 build). BM and BN divide block_size L (a multiple of 128)."""
+    """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages), bwd (BM, BN, warps,
+    query tile of the dcells kernel) and dkdv (key tile, query tile, warps, stages of the dK/dV kernel). bf16/fp16:
+    the fastest forward and dK/dV of H200 sweeps (evals/bench_muse_cells.py `tune`, `dkdv`: at 64k the dK/dV kernel
+    took 17.9 ms with 64 x 64 tiles, 4 warps and 3 stages against 29.1 ms with 64 x 128, 8 warps, 1 stage), and dq /
+    dcells tiles that compile without register spills for sm_90 (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that
+    fit sm_90's shared memory with the fewest spills (cuobjdump of the sm_90 build). Tiles divide block_size L (a
+    multiple of 128)."""
     if dtype == torch.float32:  # tf32x3 dots keep two tf32 copies of every operand in shared memory
         fwd, bwd = ((128, 64, 8, 1), (64, 32, 4, 32)) if D >= 128 else ((64, 64, 4, 2), (64, 64, 8, 32))
+        dkdv = (bwd[1], bwd[3], bwd[2], 1)
     else:
         fwd, bwd = ((128, 128, 8, 3) if D >= 128 else (128, 128, 4, 2)), (128, 64, 8, 128)
+        dkdv = (64, 64, 4, 2 if D >= 128 else 3)
     fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
-    return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)))
+    kn, km, kw, ks = DKDV_TILES.get((D, dtype), dkdv)
+    return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)),
+                dkdv=(min(kn, L), min(km, L), kw, ks))
 
 
 def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
@@ -355,8 +361,7 @@ def cells_bwd_qkv(saved, meta, DO, DELTA):
         Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
         L=L, CK=max(Ck, 1), LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, FAR=Ck > 0, num_warps=warps, num_stages=1)
     nt = readers.shape[-1]
-    kn, km, kw, ks = DKDV_TILES.get((D, Q.dtype), (BN, BMK, warps, 1))
-    kn, km = min(kn, L), min(km, L)
+    kn, km, kw, ks = cells_tiles(D, Q.dtype, L)["dkdv"]
     _cells_bwd_dkdv[(Sp // kn, B * Hkv, triton.cdiv(nt - 1, READERS_CHUNK))](
         Q, K, V, kval, readers, counts, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp, nt,
         L=L, D=D, BM=km, BN=kn, CH=READERS_CHUNK, UP=up, num_warps=kw, num_stages=ks)
