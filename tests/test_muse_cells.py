@@ -277,18 +277,20 @@ def test_patched_model_with_cells_far_field():
     torch.testing.assert_close(exact, before, atol=2e-5, rtol=1e-4)
 
 
-def test_training_step_through_cells_matches_between_backends():
-    """A next-token training step through a patched model: the Triton backward gives the reference's gradients."""
+@pytest.mark.parametrize("far_field,extra", [("cells", {}), ("tilted-cells", dict(q_clusters=4, sink_blocks=0))])
+def test_training_step_through_cells_matches_between_backends(far_field, extra):
+    """A next-token training step through a patched model: the Triton backward gives the reference's gradients
+    (tilted-cells: 5 blocks without a sink, so that the last ones have far cells)."""
     import longctx_patch as lp
 
     from conftest import tiny_model
 
-    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 128, (2, 300 if far_field == "cells" else 520), generator=torch.Generator().manual_seed(1))
     grads = {}
     for backend in ("torch", "triton"):
         model = tiny_model().train()
-        lp.patch(model, "muse", far_field="cells", block_size=128, k_clusters=8, topk_blocks=1, min_seq_len=0,
-                 backend=backend)
+        lp.patch(model, "muse", [1] if extra else None, far_field=far_field, block_size=128, k_clusters=8,
+                 topk_blocks=1, min_seq_len=0, backend=backend, **extra)  # tilted-cells: one layer (interpreter time)
         loss = model(ids, labels=ids, use_cache=False).loss
         loss.backward()
         grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
