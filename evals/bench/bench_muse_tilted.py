@@ -8,7 +8,7 @@ the backward likewise (against autograd through the reference; forward + backwar
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
 package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also bwd_checks,
-bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles).
+bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles; TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
 """
 
 from __future__ import annotations
@@ -232,6 +232,8 @@ def bwd_profile(S=65536):
             options = dict(dq=[(64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 32, 4)],
                            dsumm=[(64, 64, 4), (64, 64, 8), (32, 64, 4), (128, 64, 8), (64, 32, 4)],
                            sbwd=[(32, 32, 4), (64, 32, 4), (64, 32, 8), (32, 64, 4), (16, 32, 4)])
+            if os.environ.get("TILT_BWD_OPTIONS"):  # JSON {"dsumm": [[BM, BN, warps], ...], ...}
+                options = {k_: [tuple(t) for t in v_] for k_, v_ in json.loads(os.environ["TILT_BWD_OPTIONS"]).items()}
             for part, alts in options.items():
                 for alt in alts:
                     mtb.tilted_bwd_tiles = lambda D_, dt_, part=part, alt=alt: dict(base, **{part: alt})
