@@ -209,9 +209,9 @@ def test_triton_backward_equals_reference(dtype, Hq, Hkv, S, tol):
 
 
 def _apply(q, k, v, plan, scale):
-    from longctx_patch.kernels.muse.ops import _TiltedCellsAttention
+    from longctx_patch.kernels.muse.ops import tilted_cells_triton
 
-    return _TiltedCellsAttention.apply(q, k, v, plan, scale)
+    return tilted_cells_triton(q, k, v, plan, scale=scale)
 
 
 def test_triton_backward_in_head_chunks():

@@ -32,7 +32,7 @@ from evals.shared import device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.cells import make_cells_plan
-from longctx_patch.kernels.muse.ops import cells_triton
+from longctx_patch.kernels.muse.ops import cells_triton, tilted_cells_triton
 from longctx_patch.kernels.muse.tilted_cells import make_tilt_plan, tilted_cells_reference
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
@@ -136,8 +136,6 @@ def profile(S=65536, D=64):
 def bwd_checks():
     """Triton backward against autograd through the reference (fp32 and bf16, D 64 and 128, odd length, 14 / 2 heads):
     relative error of dq, dk, dv, and of the reference's own bf16-input gradients against its fp32-input ones."""
-    from longctx_patch.kernels.muse.ops import _TiltedCellsAttention
-
     for D in (64, 128):
         # inputs and centroids bf16-representable: every dtype below computes the same function of the same plan
         base = [t.float() for t in qkv(3001, D, torch.bfloat16, H=14, Hkv=2, seed=D + 1)]
@@ -153,7 +151,7 @@ def bwd_checks():
 
         exact = grads(lambda *x: tilted_cells_reference(*x, scale=sc), torch.float64)
         for dtype in (torch.float32, torch.bfloat16):
-            got = grads(lambda q, k, v, p: _TiltedCellsAttention.apply(q, k, v, p, sc), dtype)
+            got = grads(lambda *x: tilted_cells_triton(*x, scale=sc), dtype)
             ref = grads(lambda *x: tilted_cells_reference(*x, scale=sc), dtype)
             row = dict(dtype=str(dtype), D=D, S=3001, cfg=cfg)
             for name, a, r, e in zip(("dq", "dk", "dv"), got, ref, exact):

@@ -180,8 +180,14 @@ def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **ce
     plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
                           backend=_plan_backend(be), **cells_options)
     if be == "triton":
-        return _TiltedCellsAttention.apply(q, k, v, plan, float(scale))[..., :D]
+        return tilted_cells_triton(q, k, v, plan, scale=scale)[..., :D]
     return tilted_cells_reference(q, k, v, plan, scale=scale)
+
+
+def tilted_cells_triton(q, k, v, plan, *, scale: float) -> torch.Tensor:
+    """`tilted_cells_reference` through the Triton kernels, forward and backward (the plan a constant). q [B, Hq, S, D],
+    k/v [B, Hkv, S, D] of one dtype with D a power of two in 16..128, block_size a multiple of 128 -> o [B, S, Hq, D]."""
+    return _TiltedCellsAttention.apply(q, k, v, plan, float(scale))
 
 
 class _TiltedCellsAttention(torch.autograd.Function):

@@ -68,7 +68,7 @@ def _tilt_summaries(K, V, KORD, CST, C, LSE, KT, VT, scale, H, HKV, H0, HC, Sp, 
 
 
 @triton.jit
-def _far_load(KT, VT, LSE, base, cidx, inb, offs_d, D: tl.constexpr):
+def far_load(KT, VT, LSE, base, cidx, inb, offs_d, D: tl.constexpr):
     """Summaries base + cidx of one (cluster, head): kt, vt [BN, D] and lse [BN] (-inf outside `inb`)."""
     kt = tl.load(KT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
     vt = tl.load(VT + (base + cidx)[:, None] * D + offs_d[None, :], mask=inb[:, None], other=0.0)
@@ -77,7 +77,7 @@ def _far_load(KT, VT, LSE, base, cidx, inb, offs_d, D: tl.constexpr):
 
 
 @triton.jit
-def _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.constexpr, LOC: tl.constexpr,
+def far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.constexpr, LOC: tl.constexpr,
                 BN: tl.constexpr, UP: tl.constexpr):
     """Unscaled logits [BM, BN] of the rows (q - c = d, query blocks n) against far cells j0 .. j0 + BN of their
     cluster: d.kt + lse / scale (the callers multiply by scale); -inf where masked: rows outside `rows`, cells of
@@ -126,8 +126,8 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
         base = (lh * CQ + c) * NCK
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
-            kt, vt, lse = _far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
-            s = _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+            kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
+            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
             m_i, l_i, acc = online_softmax_scaled(s, qk, vt, m_i, l_i, acc, "tf32x3", UP, True)
     # merge with the exact part: weights 2^(lse_e - M) and 2^(m_i - M) l_i at the common max M (log2 units)
     real = cl < CQ

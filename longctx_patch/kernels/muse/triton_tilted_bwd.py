@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..triton_lib import dot
 from .triton_cells import bwd_inputs, cells_bwd_qkv
-from .triton_tilted import _far_load, _far_logits, head_chunk, summaries, tilted_tiles
+from .triton_tilted import far_load, far_logits, head_chunk, summaries, tilted_tiles
 
 
 @triton.jit
@@ -58,8 +58,8 @@ def _tilt_far_dq(Q, ORD, SCL, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DQ, scale, H
         base = (lh * CQ + c) * NCK
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
-            kt, vt, lse = _far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
-            s = _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+            kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
+            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
             p = tl.exp2(s * qk - lse2[:, None])
             ds = p * (dot(do, tl.trans(vt), "tf32x3", UP) - delta[:, None])
             dq += dot(ds.to(kt.dtype), kt, "tf32x3", UP)
@@ -87,7 +87,7 @@ def _tilt_far_dsumm(Q, ORD, FIRST, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DKT, DV
     frow = (bh * CQ + c) * (NB + 1)
     r0 = tl.load(FIRST + frow + tl.minimum(j0 // CK + LOC + 1, NB))
     r1 = tl.load(FIRST + frow + NB)
-    kt, vt, lse = _far_load(KT, VT, LSE, base, cidx, inb, offs_d, D)
+    kt, vt, lse = far_load(KT, VT, LSE, base, cidx, inb, offs_d, D)
     cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
     qk = scale * 1.4426950408889634
     dkt = tl.zeros([BN, D], tl.float32)
@@ -102,7 +102,7 @@ def _tilt_far_dsumm(Q, ORD, FIRST, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DKT, DV
         lse2 = tl.load(LSEM + bh * Sp + pos, mask=rows, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + bh * Sp + pos, mask=rows, other=0.0)
         d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)
-        s = _far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+        s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
         p = tl.exp2(s * qk - lse2[:, None])
         ds = p * (dot(do, tl.trans(vt), "tf32x3", UP) - delta[:, None])
         dvt += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
@@ -202,7 +202,7 @@ def tilted_cells_bwd(saved, meta, do):
     qm, qn, qw = tb["dq"]
     sm, sn, sw = tb["dsumm"]
     bc, bk, bw = tb["sbwd"]
-    qn, sn = min(qn, 32 * Ck), min(sn, 32 * Ck)  # a tile's cells span at most 32 blocks (`_far_logits`)
+    qn, sn = min(qn, 32 * Ck), min(sn, 32 * Ck)  # a tile's cells span at most 32 blocks (`far_logits`)
     hc = head_chunk(B, Hq, Cq, NCK, D, Q.element_size(), summary_bytes, arrays=2)
     dev = Q.device
     LSE = torch.empty(B * hc, Cq, NCK, device=dev, dtype=torch.float32)
