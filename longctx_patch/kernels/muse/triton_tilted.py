@@ -95,6 +95,31 @@ def far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.con
 
 
 @triton.jit
+def sorted_rows(Q, ORD, SCL, H, H0, HC, Sp, L: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
+    """The program's tile of BM queries in sorted order (program id 0) for batch x head program id 1 (of the head
+    chunk H0 .. H0 + HC - 1): chunk-local head lh, global bh, the rows' positions, clusters (the number of clusters
+    for a padding position), query blocks and queries."""
+    lh = tl.program_id(1).to(tl.int64)
+    bh = (lh // HC) * H + H0 + lh % HC
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    pos = tl.load(ORD + bh * Sp + r).to(tl.int64)
+    cl = tl.load(SCL + bh * Sp + r)
+    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + tl.arange(0, D)[None, :])
+    return lh, bh, pos, cl, (pos // L).to(tl.int32), q
+
+
+@triton.jit
+def cluster_rows_tilt(C, KT, q, cl, n, c, lh, bh, NCK, CQ, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr):
+    """For cluster c of a tile: its rows, d = q - c (formed in fp32, rounded once to the summaries' dtype), the end of
+    the far cells its rows see (cells of blocks < max n - LOC) and the offset of its summaries."""
+    rows = cl == c
+    cen = tl.load(C + (bh * CQ + c) * D + tl.arange(0, D)).to(tl.float32)
+    d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)
+    hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
+    return rows, d, hi, (lh * CQ + c) * NCK
+
+
+@triton.jit
 def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, NB, NW, Sp, NCK, CQ,
                   L: tl.constexpr, CK: tl.constexpr, LOC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, UP: tl.constexpr):
@@ -103,15 +128,9 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
     lse + scale (q - c).kt and value vt, one online softmax; then merged with the exact part (O, LSEE at the rows'
     positions: the cells kernels' output) and both written back in place (LSEE: the merged log-sum-exp, for the
     backward). Heads H0 .. H0 + HC - 1 (the summaries' chunk), as in `_tilt_summaries`."""
-    lh = tl.program_id(1).to(tl.int64)
-    bh = (lh // HC) * H + H0 + lh % HC
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    lh, bh, pos, cl, n, q = sorted_rows(Q, ORD, SCL, H, H0, HC, Sp, L, D, BM)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
-    pos = tl.load(ORD + bh * Sp + r).to(tl.int64)
-    cl = tl.load(SCL + bh * Sp + r)  # the rows' clusters (CQ: a padding position)
-    n = (pos // L).to(tl.int32)
-    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + offs_d[None, :])
     qk = scale * 1.4426950408889634
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -119,11 +138,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
     c_lo = tl.min(cl, 0)
     c_hi = tl.max(tl.where(cl < CQ, cl, -1), 0)
     for c in range(c_lo, c_hi + 1):
-        rows = cl == c
-        cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
-        d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)  # q - c in fp32, rounded once
-        hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
-        base = (lh * CQ + c) * NCK
+        rows, d, hi, base = cluster_rows_tilt(C, KT, q, cl, n, c, lh, bh, NCK, CQ, CK, LOC, D)
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
             kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)

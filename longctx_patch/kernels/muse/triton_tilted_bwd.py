@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..triton_lib import dot
 from .triton_cells import bwd_inputs, cells_bwd_qkv
-from .triton_tilted import far_load, far_logits, head_chunk, summaries, tilted_tiles
+from .triton_tilted import cluster_rows_tilt, far_load, far_logits, head_chunk, sorted_rows, summaries, tilted_tiles
 
 
 @triton.jit
@@ -34,15 +34,9 @@ def _tilt_far_dq(Q, ORD, SCL, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DQ, scale, H
                  BN: tl.constexpr, UP: tl.constexpr):
     """Program (tile of BM queries in sorted order, batch x query head, as `_tilt_far_fwd`): the far field's part of
     dq, added to DQ (float32) at the rows' positions."""
-    lh = tl.program_id(1).to(tl.int64)
-    bh = (lh // HC) * H + H0 + lh % HC
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    lh, bh, pos, cl, n, q = sorted_rows(Q, ORD, SCL, H, H0, HC, Sp, L, D, BM)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
-    pos = tl.load(ORD + bh * Sp + r).to(tl.int64)
-    cl = tl.load(SCL + bh * Sp + r)
-    n = (pos // L).to(tl.int32)
-    q = tl.load(Q + (bh * Sp + pos)[:, None] * D + offs_d[None, :])
     do = tl.load(DO + (bh * Sp + pos)[:, None] * D + offs_d[None, :])
     lse2 = tl.load(LSEM + bh * Sp + pos) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sp + pos)
@@ -51,11 +45,7 @@ def _tilt_far_dq(Q, ORD, SCL, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DQ, scale, H
     c_lo = tl.min(cl, 0)
     c_hi = tl.max(tl.where(cl < CQ, cl, -1), 0)
     for c in range(c_lo, c_hi + 1):
-        rows = cl == c
-        cen = tl.load(C + (bh * CQ + c) * D + offs_d).to(tl.float32)
-        d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)
-        hi = tl.maximum(tl.max(tl.where(rows, n, 0), 0) - LOC, 0) * CK
-        base = (lh * CQ + c) * NCK
+        rows, d, hi, base = cluster_rows_tilt(C, KT, q, cl, n, c, lh, bh, NCK, CQ, CK, LOC, D)
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
             kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
