@@ -185,8 +185,9 @@ def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **ce
 
 
 def tilted_cells_triton(q, k, v, plan, *, scale: float) -> torch.Tensor:
-    """`tilted_cells_reference` through the Triton kernels, forward and backward (the plan a constant). q [B, Hq, S, D],
-    k/v [B, Hkv, S, D] of one dtype with D a power of two in 16..128, block_size a multiple of 128 -> o [B, S, Hq, D]."""
+    """`tilted_cells_reference` through the Triton kernels, forward and backward (the plan a constant).
+    q [B, Hq, S, D], k/v [B, Hkv, S, D] of one dtype, D a power of two in 16..128, block_size a multiple of 128
+    -> o [B, S, Hq, D]."""
     return _TiltedCellsAttention.apply(q, k, v, plan, float(scale))
 
 

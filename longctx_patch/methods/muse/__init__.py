@@ -37,7 +37,8 @@ class MuseConfig(MethodConfig):
                             "queries, linear in blocks (the fast path; q_clusters and topk_clusters unused); tilted: "
                             "one summary per (query cluster, cell) pair, quadratic in blocks (more accurate at 64k, "
                             "slower than exact attention); tilted-cells: the cells plan with each far cell summarised "
-                            "per global query cluster, tilted at its centroid (more accurate than cells, slower)", choices=list(FAR_FIELDS))
+                            "per global query cluster, tilted at its centroid (more accurate than cells, slower)",
+                            choices=list(FAR_FIELDS))
     block_size: int | None = option(None, "tokens per spatial block (exact causal attention inside a block); default "
                                     "256 (cells, tilted-cells) / 128 (tilted); Triton: a multiple of 128 (cells, "
                                     "tilted-cells), a power of two in 16..128 (tilted)", min=2)
