@@ -128,12 +128,15 @@ def exact_readers(retrieved: torch.Tensor, local_blocks: int, Hkv: int):
     G = Hq // Hkv
     ar = torch.arange(nb, device=R.device)
     band = (ar[None, :] <= ar[:, None]) & (ar[None, :] >= ar[:, None] - local_blocks)  # [n, m]: own and local
-    T = (R | band).view(B, Hkv, G, nb, nb).permute(0, 1, 4, 2, 3).reshape(B, Hkv, nb, G * nb)  # [.., m, g * nb + n]
-    cnt = T.sum(-1, dtype=torch.int32)
-    slot = torch.where(T, T.cumsum(-1) - 1, G * nb)
     out = torch.full((B, Hkv, nb, G * nb + 1), -1, dtype=torch.int32, device=R.device)
-    out.scatter_(-1, slot, torch.arange(G * nb, device=R.device, dtype=torch.int32).expand_as(slot).contiguous())
-    return out.contiguous(), cnt.contiguous()
+    cnt = torch.empty(B, Hkv, nb, dtype=torch.int32, device=R.device)
+    entries = torch.arange(G * nb, device=R.device, dtype=torch.int32)
+    for b in range(B):  # a row at a time: the int64 slots of a whole batch would be 8 B per (head, block, block)
+        T = (R[b] | band).view(Hkv, G, nb, nb).permute(0, 3, 1, 2).reshape(Hkv, nb, G * nb)  # [kv, m, g * nb + n]
+        cnt[b] = T.sum(-1, dtype=torch.int32)
+        slot = torch.where(T, T.cumsum(-1) - 1, G * nb)
+        out[b].scatter_(-1, slot, entries.expand_as(slot))
+    return out, cnt
 
 
 @triton.jit
