@@ -215,17 +215,18 @@ def _apply(q, k, v, plan, scale):
 
 
 def test_triton_backward_in_head_chunks():
-    """The backward with the summaries of one or three query heads at a time: the gradients of all heads at once."""
-    q, k, v = qkv(1, 14, 2, 400, 16, seed=15)
+    """The backward with the summaries of one or four query heads at a time (four: chunks that straddle kv heads),
+    batch 2: the gradients of all heads at once."""
+    q, k, v = qkv(2, 6, 2, 400, 16, seed=15)
     plan = make_tilt_plan(q, k, scale=0.25, q_clusters=8, **CELLS)
-    do = torch.randn(1, 400, 14, 16, generator=torch.Generator().manual_seed(16))
-    per_head = 2 * 8 * plan.cells.num_blocks * 4 * (2 * 16 * 4 + 4)  # the backward holds two sets of summaries
+    do = torch.randn(2, 400, 6, 16, generator=torch.Generator().manual_seed(16))
+    per_head = 2 * 2 * 8 * plan.cells.num_blocks * 4 * (2 * 16 * 4 + 4)  # two sets of summaries, batch 2
 
     def grads(nbytes):
         _, saved, meta = tilted_cells_forward(q, k, v, plan, 0.25, summary_bytes=nbytes)
         return tilted_cells_bwd(saved, meta, do)
 
     whole = grads(1 << 30)
-    for heads in (1, 3):
+    for heads in (1, 4):
         for a, b in zip(grads(heads * per_head), whole):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
