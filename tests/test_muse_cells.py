@@ -162,6 +162,8 @@ def test_exact_readers_is_the_transpose_of_the_exact_lists():
                 want = sorted(g * nb + n for g in range(3) for n in range(nb)
                               if n == m or m in lists[b, hk * 3 + g, n].tolist())
                 assert got == want
+    by_row = exact_readers(plan.retrieved, plan.local_blocks, 2, chunk_elems=1)  # built one batch row at a time
+    assert torch.equal(by_row[0], readers) and torch.equal(by_row[1], counts)
 
     q, k, v = (t.double().requires_grad_(True) for t in qkv(1, 2, 1, 45, 8, seed=5))
     plan = make_cells_plan(q, k, scale=0.4, block_size=8, k_clusters=3, topk_blocks=1)

@@ -119,10 +119,11 @@ def exact_lists(plan: CellsPlan) -> torch.Tensor:
 READERS_CHUNK = 32  # (query head, query block) pairs per program of the dK/dV kernel
 
 
-def exact_readers(retrieved: torch.Tensor, local_blocks: int, Hkv: int):
+def exact_readers(retrieved: torch.Tensor, local_blocks: int, Hkv: int, chunk_elems: int = 1 << 26):
     """The transpose of `exact_lists` per kv head: for each key block m, the (query head g of the kv head's group,
     query block n) pairs that attend it exactly (retrieved, local, or its own block), as g * nb + n in ascending order:
-    [B, Hkv, nb, G * nb + 1] int32 (the last column a scratch slot) and their counts [B, Hkv, nb] int32."""
+    [B, Hkv, nb, G * nb + 1] int32 (the last column a scratch slot) and their counts [B, Hkv, nb] int32. Built for
+    as many batch rows at a time as keep the int64 slots within `chunk_elems` elements (at least one row)."""
     R = retrieved != 0  # [B, Hq, n, m]
     B, Hq, nb, _ = R.shape
     G = Hq // Hkv
@@ -131,11 +132,13 @@ def exact_readers(retrieved: torch.Tensor, local_blocks: int, Hkv: int):
     out = torch.full((B, Hkv, nb, G * nb + 1), -1, dtype=torch.int32, device=R.device)
     cnt = torch.empty(B, Hkv, nb, dtype=torch.int32, device=R.device)
     entries = torch.arange(G * nb, device=R.device, dtype=torch.int32)
-    for b in range(B):  # a row at a time: the int64 slots of a whole batch would be 8 B per (head, block, block)
-        T = (R[b] | band).view(Hkv, G, nb, nb).permute(0, 3, 1, 2).reshape(Hkv, nb, G * nb)  # [kv, m, g * nb + n]
-        cnt[b] = T.sum(-1, dtype=torch.int32)
+    rows = max(1, chunk_elems // (Hq * nb * nb))
+    for b0 in range(0, B, rows):
+        b1 = min(B, b0 + rows)
+        T = (R[b0:b1] | band).view(b1 - b0, Hkv, G, nb, nb).permute(0, 1, 4, 2, 3).reshape(b1 - b0, Hkv, nb, G * nb)
+        cnt[b0:b1] = T.sum(-1, dtype=torch.int32)  # T: [rows, kv, m, g * nb + n]
         slot = torch.where(T, T.cumsum(-1) - 1, G * nb)
-        out[b].scatter_(-1, slot, entries.expand_as(slot))
+        out[b0:b1].scatter_(-1, slot, entries.expand_as(slot))
     return out, cnt
 
 

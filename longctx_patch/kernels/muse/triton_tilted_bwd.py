@@ -166,7 +166,7 @@ def tilted_bwd_tiles(D: int, dtype: torch.dtype) -> dict:
     return dict(dq=(64, 32 if wide else 64, 4), dsumm=(64, 32 if wide else 64, 4), sbwd=(32, 32, 4))
 
 
-def cluster_rows(scl: torch.Tensor, order: torch.Tensor, Cq: int, nb: int, L: int) -> torch.Tensor:
+def cluster_row_starts(scl: torch.Tensor, order: torch.Tensor, Cq: int, nb: int, L: int) -> torch.Tensor:
     """[B * Hq, Cq, nb + 1] int32: the first row, in the sorted order, of cluster c's queries at positions >= n L
     (n = nb: the row after the cluster's last). scl, order [B, Hq, Sp]: the sorted rows' clusters and positions."""
     B, Hq, Sp = order.shape
@@ -186,7 +186,7 @@ def tilted_cells_bwd(saved, meta, do):
     G = Hq // Hkv
     DO, DELTA = bwd_inputs(do, O)
     DQ, DK, DV = cells_bwd_qkv(cs, cmeta, DO, DELTA)
-    first = cluster_rows(scl, order, Cq, nb, L)
+    first = cluster_row_starts(scl, order, Cq, nb, L)
     NCK = nb * Ck
     t, tb = tilted_tiles(D, Q.dtype), tilted_bwd_tiles(D, Q.dtype)
     qm, qn, qw = tb["dq"]
