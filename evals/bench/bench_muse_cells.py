@@ -264,6 +264,28 @@ if os.environ.get("CELLS_TILES"):  # JSON {"64": [[BM, BN, warps, stages], ...],
     TILES = {int(d): [tuple(t) for t in ts] for d, ts in json.loads(os.environ["CELLS_TILES"]).items()}
 
 
+def fastest(part, D, S, choices, tiles, run, time_key, rep=50):
+    """Time `run()` (its output: a tensor or a tuple of them) for each tile choice, set in the `tiles` dict under
+    (D, bf16), and keep the fastest whose output is within 1e-2 of the first choice's there; rows in RES[part]."""
+    best, ref = None, None
+    for t in choices:
+        tiles[(D, torch.bfloat16)] = t
+        try:
+            out = run()
+            out = out if isinstance(out, tuple) else (out,)
+            ref = out if ref is None else ref
+            row = dict(D=D, S=S, tiles=t, diff_vs_first=max(rel(a, b) for a, b in zip(out, ref)))
+            row[time_key] = bench(run, rep=rep)
+            if row["diff_vs_first"] < 1e-2 and (best is None or row[time_key] < best[1]):
+                best = (t, row[time_key])
+        except Exception as e:  # noqa: BLE001
+            row = dict(D=D, tiles=t, error=repr(e)[:200])
+        RES[part].append(row)
+        print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
+    tiles[(D, torch.bfloat16)] = best[0]
+    return best[0]
+
+
 def tune(S=65536):
     """Forward kernel time per tile choice (BM, BN, warps, stages) at the first configuration; the fastest is kept
     in cells.FWD_TILES for the speed rows. Each choice's output is checked against the first one's."""
@@ -273,22 +295,8 @@ def tune(S=65536):
         q, k, v = qkv(S, D, torch.bfloat16, seed=2)
         with torch.no_grad():
             plan = make_cells_plan(q, k, scale=D**-0.5, **cfg)
-            best, ref = None, None
-            for t in choices:
-                cells_mod.FWD_TILES[(D, torch.bfloat16)] = t
-                try:
-                    o = cells_triton(q, k, v, plan, scale=D**-0.5)
-                    ref = o if ref is None else ref
-                    row = dict(D=D, S=S, tiles=t, ms=bench(lambda: cells_triton(q, k, v, plan, scale=D**-0.5)),
-                               diff_vs_first=rel(o, ref))
-                    if row["diff_vs_first"] < 1e-2 and (best is None or row["ms"] < best[1]):
-                        best = (t, row["ms"])
-                except Exception as e:  # noqa: BLE001
-                    row = dict(D=D, tiles=t, error=repr(e)[:200])
-                RES["tune"].append(row)
-                print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
-            cells_mod.FWD_TILES[(D, torch.bfloat16)] = best[0]
-            RES.setdefault("tiles_used", {})[D] = best[0]
+            RES.setdefault("tiles_used", {})[D] = fastest(
+                "tune", D, S, choices, cells_mod.FWD_TILES, lambda: cells_triton(q, k, v, plan, scale=D**-0.5), "ms")
         torch.cuda.empty_cache()
     save()
 
@@ -355,22 +363,9 @@ def dkdv(S=65536):
         plan = make_cells_plan(q.detach(), k.detach(), scale=D**-0.5, **cfg)
         o = cells_triton(q, k, v, plan, scale=D**-0.5)
         do = torch.randn_like(o)
-        best, ref = None, None
-        for t in DKDV:
-            cells_mod.DKDV_TILES[(D, torch.bfloat16)] = t
-            try:
-                g = torch.autograd.grad(o, (k, v), do, retain_graph=True)
-                ref = g if ref is None else ref
-                row = dict(D=D, S=S, tiles=t, diff_vs_first=max(rel(a, b) for a, b in zip(g, ref)),
-                           bwd_ms=bench(lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True), rep=30))
-                if row["diff_vs_first"] < 1e-2 and (best is None or row["bwd_ms"] < best[1]):
-                    best = (t, row["bwd_ms"])
-            except Exception as e:  # noqa: BLE001
-                row = dict(D=D, tiles=t, error=repr(e)[:200])
-            RES["dkdv"].append(row)
-            print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
-        cells_mod.DKDV_TILES[(D, torch.bfloat16)] = best[0]
-        RES.setdefault("dkdv_tiles_used", {})[D] = best[0]
+        RES.setdefault("dkdv_tiles_used", {})[D] = fastest(
+            "dkdv", D, S, DKDV, cells_mod.DKDV_TILES, lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True),
+            "bwd_ms", rep=30)
         o = q = k = v = None
         torch.cuda.empty_cache()
     save()
