@@ -397,25 +397,26 @@ for _D in (64, 128):
         _BM, _BN, _fw, _fs = mt.tilted_tiles(_D, _dt)["far"]
         CASES[f"tilt_far_fwd{_tn}_D{_D}"] = (
             mt._tilt_far_fwd, dict(L=256, CK=8, LOC=1, D=_D, BM=_BM, BN=_BN),
-            dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I64, O=_t, LSEE=F32, scale="fp32"),
+            dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I32, O=_t, LSEE=F32, scale="fp32"),
             {"num_warps": _fw, "num_stages": _fs})
         _BM, _BN, _w = mtb.tilted_bwd_tiles(_D, _dt)["dq"]
         CASES[f"tilt_far_dq{_tn}_D{_D}"] = (
             mtb._tilt_far_dq, dict(L=256, CK=8, LOC=1, D=_D, BM=_BM, BN=_BN),
-            dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I64, DO=_t, LSEM=F32, DELTA=F32, DQ=F32,
+            dict(Q=_t, ORD=I32, SCL=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I32, DO=_t, LSEM=F32, DELTA=F32, DQ=F32,
                  scale="fp32"), {"num_warps": _w})
         _BM, _BN, _w = mtb.tilted_bwd_tiles(_D, _dt)["dsumm"]
         CASES[f"tilt_far_dsumm{_tn}_D{_D}"] = (
             mtb._tilt_far_dsumm, dict(L=256, CK=8, LOC=1, D=_D, BM=_BM, BN=_BN),
-            dict(Q=_t, ORD=I32, FIRST=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I64, DO=_t, LSEM=F32, DELTA=F32, DKT=_t,
+            dict(Q=_t, ORD=I32, FIRST=I32, C=_t, LSE=F32, KT=_t, VT=_t, RET=I32, DO=_t, LSEM=F32, DELTA=F32, DKT=_t,
                  DVT=_t, A=F32, scale="fp32"), {"num_warps": _w})
         _BC, _BK, _w = mtb.tilted_bwd_tiles(_D, _dt)["sbwd"]
         CASES[f"tilt_summaries_bwd{_tn}_D{_D}"] = (
             mtb._tilt_summaries_bwd, dict(L=256, CK=8, D=_D, BC=_BC, BK=_BK),
             dict(K=_t, V=_t, KORD=I32, CST=I32, C=_t, LSE=F32, DKT=_t, DVT=_t, A=F32, DK=F32, DV=F32, scale="fp32"),
             {"num_warps": _w})
-    CASES[f"nearest_D{_D}"] = (mcl._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
-                               {"num_warps": 8 if _D >= 128 else 4})
+    CASES[f"nearest_sums_D{_D}"] = (mcl._nearest_sums, dict(D=_D, BM=128, BC=64, CA=256 if _D <= 64 else 128),
+                                    dict(X=BF16, VALID=I8, C=BF16, C2=F32, A=I32, SUM=F32, CNT=F32),
+                                    {"num_warps": 8})
 
 # the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the
 # tilted design's query clusters (L 128, 8 clusters)

@@ -142,18 +142,41 @@ def test_triton_forward_many_blocks_odd_cells():
     assert rel(tilted_cells_fwd(q, k, v, plan, 0.25), tilted_cells_reference(q, k, v, plan, scale=0.25)) < 2e-6
 
 
-def test_nearest_centroid_kernel():
-    from longctx_patch.kernels.muse.triton_cluster import nearest_centroid
+@pytest.mark.parametrize("C,D", [(70, 32), (140, 128)])  # one chunk of centroids per program; two at D 128
+def test_nearest_with_sums_kernel(C, D):
+    """A Lloyd round in one kernel: each token's nearest centroid, and each centroid's sum and count of real members
+    (a left-padded row), over several chunks of tokens."""
+    from longctx_patch.kernels.muse.triton_cluster import nearest_with_sums
 
     g = torch.Generator().manual_seed(10)
-    x = torch.randn(2, 3, 300, 32, generator=g).to(torch.bfloat16)
-    cent = torch.randn(2, 3, 70, 32, generator=g)
-    got = nearest_centroid(x, cent)
+    x = torch.randn(2, 3, 300, D, generator=g).to(torch.bfloat16)
+    cent = torch.randn(2, 3, C, D, generator=g)
+    valid = torch.ones(2, 300, dtype=torch.bool)
+    valid[1, :41] = False
+    got, s, cnt = nearest_with_sums(x, cent, valid)
     sc = 2 * x.float() @ cent.to(torch.bfloat16).float().transpose(-1, -2) - (cent * cent).sum(-1)[:, :, None]
-    want = sc.argmax(-1)
     # the kernel's products are the same bf16 products; only fp32 summation order may flip a near-tie
     picked = sc.gather(-1, got[..., None])[..., 0]
-    assert (picked >= sc.amax(-1) - 1e-4).all() and (got == want).float().mean() > 0.99
+    assert (picked >= sc.amax(-1) - 1e-4).all() and (got == sc.argmax(-1)).float().mean() > 0.99
+    members = torch.nn.functional.one_hot(got, C).float() * valid[:, None, :, None]  # [B, H, S, C]
+    torch.testing.assert_close(cnt, members.sum(2), atol=0, rtol=0)
+    torch.testing.assert_close(s, members.transpose(-1, -2) @ x.float(), atol=1e-4, rtol=1e-5)
+
+
+def test_query_clusters_triton_equal_torch():
+    """The clustering with its rounds in the kernel gives PyTorch's clusters and means (well-separated queries, runs
+    of each centre's queries so that the evenly spaced initial centroids start one per centre: no near-ties for the
+    bf16 products to flip)."""
+    g = torch.Generator().manual_seed(13)
+    centres = 4 * torch.randn(2, 12, 16, generator=g)
+    q = (centres[:, torch.arange(400) * 12 // 400] + 0.1 * torch.randn(2, 400, 16, generator=g))
+    q = q[None].to(torch.bfloat16)
+    valid = torch.ones(1, 400, dtype=torch.bool)
+    valid[0, :23] = False
+    c0, a0 = cluster_queries(q, valid, 12, 2)
+    c1, a1 = cluster_queries(q, valid, 12, 2, triton=True)
+    assert torch.equal(a0, a1)
+    torch.testing.assert_close(c1, c0, atol=1e-5, rtol=1e-5)
 
 
 def test_tilt_study_measures_the_far_field():

@@ -264,9 +264,10 @@ if os.environ.get("CELLS_TILES"):  # JSON {"64": [[BM, BN, warps, stages], ...],
     TILES = {int(d): [tuple(t) for t in ts] for d, ts in json.loads(os.environ["CELLS_TILES"]).items()}
 
 
-def fastest(part, D, S, choices, tiles, run, time_key, rep=50):
+def fastest(rows, D, S, choices, tiles, run, time_key, rep=50):
     """Time `run()` (its output: a tensor or a tuple of them) for each tile choice, set in the `tiles` dict under
-    (D, bf16), and keep the fastest whose output is within 1e-2 of the first choice's there; rows in RES[part]."""
+    (D, bf16), and keep the fastest whose output is within 1e-2 of the first choice's there; a row per choice
+    appended to the list `rows`."""
     best, ref = None, None
     for t in choices:
         tiles[(D, torch.bfloat16)] = t
@@ -280,7 +281,7 @@ def fastest(part, D, S, choices, tiles, run, time_key, rep=50):
                 best = (t, row[time_key])
         except Exception as e:  # noqa: BLE001
             row = dict(D=D, tiles=t, error=repr(e)[:200])
-        RES[part].append(row)
+        rows.append(row)
         print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
     tiles[(D, torch.bfloat16)] = best[0]
     return best[0]
@@ -296,7 +297,7 @@ def tune(S=65536):
         with torch.no_grad():
             plan = make_cells_plan(q, k, scale=D**-0.5, **cfg)
             RES.setdefault("tiles_used", {})[D] = fastest(
-                "tune", D, S, choices, cells_mod.FWD_TILES, lambda: cells_triton(q, k, v, plan, scale=D**-0.5), "ms")
+                RES["tune"], D, S, choices, cells_mod.FWD_TILES, lambda: cells_triton(q, k, v, plan, scale=D**-0.5), "ms")
         torch.cuda.empty_cache()
     save()
 
@@ -364,7 +365,7 @@ def dkdv(S=65536):
         o = cells_triton(q, k, v, plan, scale=D**-0.5)
         do = torch.randn_like(o)
         RES.setdefault("dkdv_tiles_used", {})[D] = fastest(
-            "dkdv", D, S, DKDV, cells_mod.DKDV_TILES, lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True),
+            RES["dkdv"], D, S, DKDV, cells_mod.DKDV_TILES, lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True),
             "bwd_ms", rep=30)
         o = q = k = v = None
         torch.cuda.empty_cache()

@@ -7,8 +7,9 @@ the backward likewise (against autograd through the reference; forward + backwar
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
-package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also bwd_checks,
-bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles; TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
+package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also far_tune (a
+far-field tile sweep whose fastest the later parts use), bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1
+(bwd_profile also sweeps the backward's tiles; TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from evals.bench.bench_muse_cells import bench, qkv, rel
+from evals.bench.bench_muse_cells import bench, fastest, qkv, rel
 from evals.shared import device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import muse_attention
@@ -73,6 +74,29 @@ def checks():
                        err_vs_exact_random=rel(o, ex.transpose(1, 2)), cells_err_vs_exact_random=rel(oc, ex.transpose(1, 2)))
             RES["checks"].append(row)
             print(json.dumps(row), flush=True)
+    save()
+
+
+FAR = {64: [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+           (256, 64, 8, 2)],
+       128: [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 8, 2)]}
+
+
+def far_tune(S=65536):
+    """The tilted forward (plan apart) per far-field tile choice (BM, BN, warps, stages) at S, 256 clusters; the
+    fastest whose output matches the first choice's is kept (triton_tilted.FAR_TILES) for the later parts."""
+    from longctx_patch.kernels.muse import triton_tilted as mt
+
+    RES["far_tune"] = []
+    for D, choices in FAR.items():
+        q, k, v = qkv(S, D, torch.bfloat16, seed=2)
+        with torch.no_grad():
+            plan = make_tilt_plan(q, k, scale=D**-0.5, **dict(CFG, q_clusters=QCS[0]))
+            RES.setdefault("far_tiles_used", {})[D] = fastest(
+                RES["far_tune"], D, S, choices, mt.FAR_TILES, lambda: mt.tilted_cells_fwd(q, k, v, plan, D**-0.5),
+                "attn_ms", rep=20)
+        plan = None
+        torch.cuda.empty_cache()
     save()
 
 
@@ -255,7 +279,7 @@ def main():
     RES["device"] = torch.cuda.get_device_name(0)
     for part in os.environ.get("TILT_PARTS", "checks,speed,profile").split(","):
         try:
-            {"checks": checks, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
+            {"checks": checks, "far_tune": far_tune, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
              "bwd_profile": bwd_profile}[part]()
         except Exception:  # noqa: BLE001
             traceback.print_exc()

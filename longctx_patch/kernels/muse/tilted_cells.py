@@ -54,25 +54,32 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     float32 (the mean of the members; an empty cluster keeps its previous value), assign [B, H, S] int64 (invalid
     positions: 0). Initial centroids: C queries evenly spaced over each row's real positions (ties by position: the
     result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; with `triton`
-    (CUDA, bf16/fp16 queries: `triton_cluster.nearest_centroid`) the products x.c come from the tensor cores (the
-    centroids rounded to the queries' dtype, fp32 sums: near-ties may go the other way). Means in float32."""
+    (CUDA, bf16/fp16 queries: `triton_cluster.nearest_with_sums`, a round per launch) the products x.c come from the
+    tensor cores (the centroids rounded to the queries' dtype, fp32 sums: near-ties may go the other way) and the
+    members' sums from a one-hot product. Means in float32."""
     B, H, S, D = q.shape
     dev = q.device
     nval = valid.sum(-1)  # [B]
     first_valid = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)  # real positions first, in order
     pick = (torch.arange(C, device=dev)[None] * nval[:, None].clamp_min(1)) // C  # [B, C]
     init = first_valid.gather(1, pick.clamp_max(S - 1))  # [B, C] positions
+    cent = q.gather(2, init[:, None, :, None].expand(B, H, C, D)).float()
+
+    def mean(s, cnt, cent):  # an empty cluster keeps its previous centroid
+        return torch.where(cnt[..., None] > 0, s / cnt.clamp_min(1)[..., None], cent)
+
+    if triton:  # on CUDA for bf16/fp16: a round (assignment, sums and counts) in one kernel
+        from .triton_cluster import nearest_with_sums
+
+        for _ in range(iters + 1):
+            a, s, cnt = nearest_with_sums(q, cent, valid)
+            cent = mean(s, cnt, cent)
+        return cent, a.masked_fill(~valid[:, None, :], 0)
     x = q.float()
-    cent = x.gather(2, init[:, None, :, None].expand(B, H, C, D)).clone()
     vf = valid[:, None, :].float()  # [B, 1, S]
     step = max(1, chunk_elems // max(1, B * H * C))  # positions per scoring chunk
 
-    if triton:  # on CUDA for bf16/fp16: one kernel, the products on the tensor cores
-        from .triton_cluster import nearest_centroid
-
     def assign_to(cent):
-        if triton:
-            return nearest_centroid(q, cent)
         a = torch.empty(B, H, S, dtype=torch.int64, device=dev)
         c2 = (cent * cent).sum(-1)[:, :, None, :]
         for s0 in range(0, S, step):
@@ -83,7 +90,7 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
         w = vf.expand(B, H, S)
         cnt = torch.zeros(B, H, C, device=dev).scatter_add_(2, a, w)
         s = torch.zeros(B, H, C, D, device=dev).scatter_add_(2, a[..., None].expand(B, H, S, D), x * w[..., None])
-        return torch.where(cnt[..., None] > 0, s / cnt.clamp_min(1)[..., None], cent)
+        return mean(s, cnt, cent)
 
     for _ in range(iters):
         cent = update(assign_to(cent), cent)

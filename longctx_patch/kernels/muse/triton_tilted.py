@@ -77,20 +77,20 @@ def far_load(KT, VT, LSE, base, cidx, inb, offs_d, D: tl.constexpr):
 
 
 @triton.jit
-def far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.constexpr, LOC: tl.constexpr,
-                BN: tl.constexpr, UP: tl.constexpr):
+def far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK: tl.constexpr, BN: tl.constexpr,
+               UP: tl.constexpr):
     """Unscaled logits [BM, BN] of the rows (q - c = d, query blocks n) against far cells j0 .. j0 + BN of their
-    cluster: d.kt + lse / scale (the callers multiply by scale); -inf where masked: rows outside `rows`, cells of
-    blocks >= n - LOC, empty cells, blocks the row's block retrieved (RET: `retrieved_bits`, a tile's cells span at
-    most 32 blocks: one or two words)."""
+    cluster: d.kt + lse / scale (the callers multiply by scale); -inf where masked. RET (`far_bits`) holds, per row
+    block n, the blocks whose cells it sees (far: m < n - local, and not retrieved), a tile's cells spanning at most
+    32 blocks (one or two int32 words); rows outside `rows` load no bits. Empty cells and cells past the end of the
+    loaded tile have lse = -inf, so their logits are -inf through the bias, without a mask."""
     mblk = cidx // CK
     w0 = (j0 // CK) // 32
     w1 = tl.minimum(((j0 + BN - 1) // CK) // 32, NW - 1)  # a word past the last holds no far block
     b0 = tl.load(RET + (bh * NB + n) * NW + w0, mask=rows, other=0)
     b1 = tl.load(RET + (bh * NB + n) * NW + w1, mask=rows, other=0)
     word = tl.where((mblk // 32 == w0)[None, :], b0[:, None], b1[:, None])
-    got = (word >> (mblk % 32)[None, :]) & 1
-    ok = rows[:, None] & (mblk[None, :] < (n - LOC)[:, None]) & (lse > float("-inf"))[None, :] & (got == 0)
+    ok = ((word >> (mblk % 32)[None, :]) & 1) != 0
     return tl.where(ok, dot(d, tl.trans(kt), "tf32x3", UP) + (lse / scale)[None, :], float("-inf"))
 
 
@@ -142,7 +142,7 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
             kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
-            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, BN, UP)
             m_i, l_i, acc = online_softmax_scaled(s, qk, vt, m_i, l_i, acc, "tf32x3", UP, True)
     # merge with the exact part: weights 2^(lse_e - M) and 2^(m_i - M) l_i at the common max M (log2 units)
     real = cl < CQ
@@ -157,18 +157,27 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
     tl.store(LSEE + bh * Sp + pos, (mx + tl.log2(z)) * 0.6931471805599453, mask=real)
 
 
+FAR_TILES: dict = {}  # (D, dtype) -> the far field's tiles, overriding tilted_tiles' (set by the benchmarks' sweeps)
+
+
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
     wide = D >= 128 or dtype == torch.float32
-    return dict(summ=(64, 32, 8 if wide else 4), far=(64 if wide else 128, 64, 8, 2))
+    far = FAR_TILES.get((D, dtype), (64 if wide else 128, 64, 8, 2))
+    return dict(summ=(64, 32, 8 if wide else 4), far=far)
 
 
-def retrieved_bits(retrieved: torch.Tensor) -> torch.Tensor:
-    """[B, Hq, nb, nb] bool -> [B, Hq, nb, ceil(nb / 32)] int64: bit m % 32 of word m // 32 is retrieved[..., m]."""
+def far_bits(retrieved: torch.Tensor, local_blocks: int) -> torch.Tensor:
+    """The blocks each query block sees through the far field, as bits: [B, Hq, nb, nb] bool (retrieved) ->
+    [B, Hq, nb, ceil(nb / 32)] int32, bit m % 32 of word m // 32 set when m < n - local_blocks and block m is not
+    retrieved for query block n (two's complement: bit 31 is the sign bit)."""
     nb = retrieved.shape[-1]
     nw = triton.cdiv(nb, 32)
-    r = torch.nn.functional.pad(retrieved, (0, nw * 32 - nb)).view(*retrieved.shape[:-1], nw, 32).to(torch.int64)
-    return (r << torch.arange(32, device=r.device)).sum(-1).contiguous()
+    ar = torch.arange(nb, device=retrieved.device)
+    seen = (ar[None, :] < ar[:, None] - local_blocks) & ~retrieved
+    r = torch.nn.functional.pad(seen, (0, nw * 32 - nb)).view(*retrieved.shape[:-1], nw, 32).to(torch.int64)
+    w = (r << torch.arange(32, device=r.device)).sum(-1)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).contiguous()
 
 
 def cell_order(cp: CellsPlan):
@@ -212,7 +221,7 @@ def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: i
     NCK = nb * Ck
     valid = cp.key_valid[:, None, :]
     scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
-    ret = retrieved_bits(cp.retrieved)
+    ret = far_bits(cp.retrieved, loc)
     up = INTERPRET and q.dtype != torch.float32
     t = tilted_tiles(D, q.dtype)
     bm, bn, fw, fs = t["far"]

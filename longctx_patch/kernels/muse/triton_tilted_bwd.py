@@ -49,7 +49,7 @@ def _tilt_far_dq(Q, ORD, SCL, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DQ, scale, H
         for j0 in range(0, hi, BN):
             cidx = j0 + offs_n
             kt, vt, lse = far_load(KT, VT, LSE, base, cidx, cidx < hi, offs_d, D)
-            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+            s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, BN, UP)
             p = tl.exp2(s * qk - lse2[:, None])
             ds = p * (dot(do, tl.trans(vt), "tf32x3", UP) - delta[:, None])
             dq += dot(ds.to(kt.dtype), kt, "tf32x3", UP)
@@ -92,7 +92,7 @@ def _tilt_far_dsumm(Q, ORD, FIRST, C, LSE, KT, VT, RET, DO, LSEM, DELTA, DKT, DV
         lse2 = tl.load(LSEM + bh * Sp + pos, mask=rows, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + bh * Sp + pos, mask=rows, other=0.0)
         d = (q.to(tl.float32) - cen[None, :]).to(KT.dtype.element_ty)
-        s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, LOC, BN, UP)
+        s = far_logits(d, kt, lse, RET, rows, n, bh, j0, cidx, NB, NW, scale, CK, BN, UP)
         p = tl.exp2(s * qk - lse2[:, None])
         ds = p * (dot(do, tl.trans(vt), "tf32x3", UP) - delta[:, None])
         dvt += dot(tl.trans(p.to(do.dtype)), do, "tf32x3", UP)
