@@ -242,9 +242,12 @@ def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: i
 
 
 def head_chunk(B, Hq, Cq, NCK, D, itemsize, summary_bytes, arrays: int = 1) -> int:
-    """Query heads whose tilted summaries (`arrays` copies of lse, kt, vt) fit in summary_bytes: at least one."""
+    """Query heads per chunk: as many as have their tilted summaries (`arrays` copies of lse, kt, vt) fit in
+    summary_bytes (at least one), then evened out over the chunks that takes (32 heads that fit 31 at a time run as
+    16 + 16, not as 31 + 1, whose second launch would leave most of the GPU idle)."""
     per_head = arrays * B * Cq * NCK * (2 * D * itemsize + 4)
-    return max(1, min(Hq, summary_bytes // per_head))
+    most = max(1, min(Hq, summary_bytes // per_head))
+    return -(-Hq // -(-Hq // most))
 
 
 def summaries(K, V, korder, cstart, C, LSE, KT, VT, scale, h0, n, sizes, up, tiles):
