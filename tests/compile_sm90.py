@@ -414,9 +414,10 @@ for _D in (64, 128):
             mtb._tilt_summaries_bwd, dict(L=256, CK=8, D=_D, BC=_BC, BK=_BK),
             dict(K=_t, V=_t, KORD=I32, CST=I32, C=_t, LSE=F32, DKT=_t, DVT=_t, A=F32, DK=F32, DV=F32, scale="fp32"),
             {"num_warps": _w})
-    CASES[f"nearest_sums_D{_D}"] = (mcl._nearest_sums, dict(D=_D, BM=128, BC=64, CA=256 if _D <= 64 else 128),
-                                    dict(X=BF16, VALID=I8, C=BF16, C2=F32, A=I32, SUM=F32, CNT=F32),
-                                    {"num_warps": 8})
+    CASES[f"nearest_D{_D}"] = (mcl._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
+                               {"num_warps": 8 if _D >= 128 else 4})
+    CASES[f"member_sums_D{_D}"] = (mcl._member_sums, dict(D=_D, BM=64, CA=256 if _D <= 64 else 128),
+                                   dict(X=BF16, A=I32, VALID=I8, SUM=F32, CNT=F32), {"num_warps": 8, "num_stages": 3})
 
 # the plan kernels as lloyd_triton / block_scores_triton launch them: cells keys (L 256, 32 or 16 cells) and the
 # tilted design's query clusters (L 128, 8 clusters)

@@ -39,7 +39,7 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
     + [f"lists_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("fwd", "bwd_dq")] \
     + [f"tilt_{k}{t}_D{d}" for d in (64, 128) for t in ("", "_fp32") for k in ("summaries", "far_fwd", "far_dq", "far_dsumm",
                                                                           "summaries_bwd")] \
-    + ["nearest_sums_D64", "nearest_sums_D128"] \
+    + ["nearest_D64", "nearest_D128", "member_sums_D64", "member_sums_D128"] \
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128"] \
     + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"] \

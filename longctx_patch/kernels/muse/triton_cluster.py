@@ -15,11 +15,11 @@ one launch each:
   `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
   query rounded to bf16; exact products, fp32 sums), in the same layout. The kv head's query heads share each key
   tile.
-- `_nearest_sums` (`nearest_with_sums`): one round of the tilted-cells plan's global query clustering
-  (`tilted_cells.cluster_queries`): each token's nearest of up to thousands of centroids, argmax in registers over
-  tiles of 64 centroids (bf16 products, fp32 sums: near-ties may go the other way than in float32), and the sums
-  and counts of each centroid's members (the one-hot assignment times the tokens on the tensor cores: no scatter,
-  no fp32 copy of the queries).
+- `_nearest` and `_member_sums` (`nearest_with_sums`): one round of the tilted-cells plan's global query
+  clustering (`tilted_cells.cluster_queries`): each token's nearest of up to thousands of centroids, argmax in
+  registers over tiles of 64 centroids (bf16 products, fp32 sums: near-ties may go the other way than in
+  float32), then the sums and counts of each centroid's members (the one-hot assignment times the tokens on the
+  tensor cores: no scatter, no fp32 copy of the queries).
 
 Both compute what the PyTorch versions compute, in fp32, up to the order of the sums: a token at a near-tie
 between two clusters may land in the other one. tests/test_muse_plan_triton.py compares them on random,
@@ -210,14 +210,37 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
 
 
 @triton.jit
-def _nearest_sums(X, VALID, C, C2, A, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                  CA: tl.constexpr, UP: tl.constexpr):
-    """One Lloyd round's work for a chunk of tokens. Program (chunk t of TPP tokens, batch x head, chunk of CA
-    centroids): each token's nearest centroid (argmax of 2 x.c - |c|^2 over tiles of BC centroids, the products on
-    the tensor cores in the tokens' dtype, fp32 sums, lowest index on ties; written to A), and the sums and
-    counts of the chunk's real tokens (VALID [B, S] int8) per centroid of the program's CA: the one-hot [BM, CA]
-    assignment times the tokens on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and
-    CNT[bh, t, c], summed over t by the caller."""
+def _nearest(X, C, C2, A, S, CQ, D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UP: tl.constexpr):
+    """Program (tile of BM tokens, batch x head): each token's nearest centroid, argmax of 2 x.c - |c|^2 (the products
+    on the tensor cores in the tokens' dtype, fp32 sums; lowest index on ties), over tiles of BC centroids."""
+    bh = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = r < S
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
+    best = tl.full([BM], float("-inf"), tl.float32)
+    arg = tl.zeros([BM], tl.int32)
+    for c0 in range(0, CQ, BC):
+        cc = c0 + tl.arange(0, BC)
+        cm = cc < CQ
+        c = tl.load(C + (bh * CQ + cc)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
+        c2 = tl.load(C2 + bh * CQ + cc, mask=cm, other=0.0)
+        sc = tl.where(cm[None, :], 2 * dot(x, tl.trans(c), "tf32x3", UP) - c2[None, :], float("-inf"))
+        m = tl.max(sc, 1)
+        am = tl.argmax(sc, 1, tie_break_left=True)
+        upd = m > best
+        best = tl.where(upd, m, best)
+        arg = tl.where(upd, c0 + am, arg)
+    tl.store(A + bh * S + r, arg, mask=rm)
+
+
+@triton.jit
+def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.constexpr, CA: tl.constexpr,
+                 UP: tl.constexpr):
+    """Program (chunk t of TPP tokens, batch x head, chunk of CA centroids): the sums and counts of the chunk's real
+    tokens (VALID [B, S] int8) assigned (A) to each of the program's CA centroids, the transposed one-hot [CA, BM]
+    times the tokens on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and CNT[bh, t, c], summed
+    over t by the caller."""
     tc = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     nt = tl.num_programs(0)
@@ -230,45 +253,37 @@ def _nearest_sums(X, VALID, C, C2, A, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, 
         r = t0 + tl.arange(0, BM)
         rm = r < S
         x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
-        best = tl.full([BM], float("-inf"), tl.float32)
-        arg = tl.zeros([BM], tl.int32)
-        for c0 in range(0, CQ, BC):
-            cc = c0 + tl.arange(0, BC)
-            cm = cc < CQ
-            c = tl.load(C + (bh * CQ + cc)[:, None] * D + offs_d[None, :], mask=cm[:, None], other=0.0)
-            c2 = tl.load(C2 + bh * CQ + cc, mask=cm, other=0.0)
-            sc = tl.where(cm[None, :], 2 * dot(x, tl.trans(c), "tf32x3", UP) - c2[None, :], float("-inf"))
-            m = tl.max(sc, 1)
-            am = tl.argmax(sc, 1, tie_break_left=True)
-            upd = m > best
-            best = tl.where(upd, m, best)
-            arg = tl.where(upd, c0 + am, arg)
-        tl.store(A + bh * S + r, arg, mask=rm)  # every centroid chunk finds the same arg: equal writes
+        a = tl.load(A + bh * S + r, mask=rm, other=-1)
         w = tl.load(VALID + b * S + r, mask=rm, other=0) != 0
-        oh = tl.where((arg[:, None] == ca[None, :]) & w[:, None], 1.0, 0.0)
-        acc = dot_acc(tl.trans(oh.to(x.dtype)), x, acc, "tf32", UP)
-        cnt += tl.sum(oh, 0)
+        oh = tl.where((ca[:, None] == a[None, :]) & w[None, :], 1.0, 0.0)
+        acc = dot_acc(oh.to(x.dtype), x, acc, "tf32", UP)
+        cnt += tl.sum(oh, 1)
     cm = ca < CQ
     tl.store(SUM + ((bh * nt + tc) * CQ + ca)[:, None] * D + offs_d[None, :], acc, mask=cm[:, None])
     tl.store(CNT + (bh * nt + tc) * CQ + ca, cnt, mask=cm)
 
 
 def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
-    """One Lloyd round in one launch: x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32, valid [B, S] bool
-    -> each token's nearest centroid [B, H, S] int64 (the centroids rounded to x's dtype in the products, |c|^2 in
-    float32), and per centroid the sum [B, H, C, D]
-    and count [B, H, C] (float32) of the real tokens assigned to it: the round's new means without a scatter."""
+    """One Lloyd round: x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32, valid [B, S] bool -> each token's
+    nearest centroid [B, H, S] int64 (`_nearest`: the centroids rounded to x's dtype in the products, |c|^2 in
+    float32), and per centroid the sum [B, H, C, D] and count [B, H, C] (float32) of the real tokens assigned to it
+    (`_member_sums`): the round's new means without a scatter or an fp32 copy of x."""
     B, H, S, D = x.shape
     C = cent.shape[2]
-    BM = 128
-    CA = min(triton.next_power_of_2(max(C, 16)), 256 if D <= 64 else 128)  # centroids summed per program
-    tpp = BM * triton.cdiv(triton.cdiv(S, 16), BM)  # tokens per program: at most 16 chunks per head
-    nt = triton.cdiv(S, tpp)
+    x = x.contiguous()
     a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
+    _nearest[(triton.cdiv(S, 128), B * H)](
+        x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128, BC=64,
+        UP=INTERPRET, num_warps=8 if D >= 128 else 4)
+    BM = 64
+    CA = min(triton.next_power_of_2(max(C, 16)), 256 if D <= 64 else 128)  # centroids summed per program
+    # token chunks per head: up to 64, fewer where the partial sums would pass 256 MiB
+    nt = max(1, min(64, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))
+    tpp = BM * triton.cdiv(triton.cdiv(S, nt), BM)
+    nt = triton.cdiv(S, tpp)
     sums = torch.empty(B * H, nt, C, D, device=x.device, dtype=torch.float32)
     cnt = torch.empty(B * H, nt, C, device=x.device, dtype=torch.float32)
-    _nearest_sums[(nt, B * H, triton.cdiv(C, CA))](
-        x.contiguous(), valid.to(torch.int8).contiguous(), cent.to(x.dtype).contiguous(),
-        (cent * cent).sum(-1).contiguous(), a, sums, cnt, H, S, C,
-        tpp, D=D, BM=BM, BC=64, CA=CA, UP=INTERPRET, num_warps=8)
+    _member_sums[(nt, B * H, triton.cdiv(C, CA))](
+        x, a, valid.to(torch.int8).contiguous(), sums, cnt, H, S, C, tpp, D=D, BM=BM, CA=CA, UP=INTERPRET,
+        num_warps=8, num_stages=3)
     return a.long(), sums.sum(1).view(B, H, C, D), cnt.sum(1).view(B, H, C)

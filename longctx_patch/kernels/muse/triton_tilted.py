@@ -163,7 +163,11 @@ FAR_TILES: dict = {}  # (D, dtype) -> the far field's tiles, overriding tilted_t
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
     wide = D >= 128 or dtype == torch.float32
-    far = FAR_TILES.get((D, dtype), (64 if wide else 128, 64, 8, 2))
+    # far: the fastest of an H200 sweep at 64k for bf16 (evals/bench/bench_muse_tilted.py `far_tune`: at D 64 the
+    # forward without its plan took 15.5 ms with these against 19.1 with 128 x 64 tiles, 8 warps, 2 stages); fp32
+    # (tf32x3 dots) keeps tiles that fit sm_90's shared memory
+    far = (64, 64, 8, 2) if dtype == torch.float32 else (64, 64, 4, 2 if D >= 128 else 3)
+    far = FAR_TILES.get((D, dtype), far)
     return dict(summ=(64, 32, 8 if wide else 4), far=far)
 
 
