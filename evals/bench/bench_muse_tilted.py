@@ -8,8 +8,9 @@ the backward likewise (against autograd through the reference; forward + backwar
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
 package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also far_tune (a
-far-field tile sweep whose fastest the later parts use), bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1
-(bwd_profile also sweeps the backward's tiles; TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
+far-field tile sweep whose fastest the later parts use), cluster_tune (likewise for the clustering's sums),
+bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles;
+TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
 """
 
 from __future__ import annotations
@@ -96,6 +97,33 @@ def far_tune(S=65536):
                 RES["far_tune"], D, S, choices, mt.FAR_TILES, lambda: mt.tilted_cells_fwd(q, k, v, plan, D**-0.5),
                 "attn_ms", rep=20)
         plan = None
+        torch.cuda.empty_cache()
+    save()
+
+
+MEMBER = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3), (32, 64, 4, 3)]
+
+
+def cluster_tune(S=65536):
+    """The query clustering (`cluster_queries`, 256 clusters, Triton rounds) per tile choice of the members' sums
+    (centroids per program, tokens per step, warps, stages); the fastest whose centroids match the first choice's
+    is kept (triton_cluster.MEMBER_TILES) for the later parts."""
+    from longctx_patch.kernels.muse import triton_cluster as mcl
+    from longctx_patch.kernels.muse.tilted_cells import cluster_queries
+
+    RES["cluster_tune"] = []
+    for D in (64, 128):
+        q, _, _ = qkv(S, D, torch.bfloat16, seed=3)
+        valid = torch.ones(1, S, dtype=torch.bool, device=q.device)
+        tiles = {}
+
+        def run():
+            mcl.MEMBER_TILES[D] = tiles[(D, torch.bfloat16)]
+            return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
+
+        RES.setdefault("member_tiles_used", {})[D] = fastest(RES["cluster_tune"], D, S, MEMBER, tiles, run, "ms",
+                                                             rep=20)
+        mcl.MEMBER_TILES[D] = RES["member_tiles_used"][D]
         torch.cuda.empty_cache()
     save()
 
@@ -279,7 +307,7 @@ def main():
     RES["device"] = torch.cuda.get_device_name(0)
     for part in os.environ.get("TILT_PARTS", "checks,speed,profile").split(","):
         try:
-            {"checks": checks, "far_tune": far_tune, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
+            {"checks": checks, "far_tune": far_tune, "cluster_tune": cluster_tune, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
              "bwd_profile": bwd_profile}[part]()
         except Exception:  # noqa: BLE001
             traceback.print_exc()

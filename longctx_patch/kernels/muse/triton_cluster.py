@@ -237,16 +237,16 @@ def _nearest(X, C, C2, A, S, CQ, D: tl.constexpr, BM: tl.constexpr, BC: tl.const
 @triton.jit
 def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.constexpr, CA: tl.constexpr,
                  UP: tl.constexpr):
-    """Program (chunk t of TPP tokens, batch x head, chunk of CA centroids): the sums and counts of the chunk's real
+    """Program (chunk of CA centroids, chunk t of TPP tokens, batch x head): the sums and counts of the chunk's real
     tokens (VALID [B, S] int8) assigned (A) to each of the program's CA centroids, the transposed one-hot [CA, BM]
     times the tokens on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and CNT[bh, t, c], summed
     over t by the caller."""
-    tc = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    nt = tl.num_programs(0)
+    tc = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    nt = tl.num_programs(1)
     b = bh // H
     offs_d = tl.arange(0, D)
-    ca = tl.program_id(2) * CA + tl.arange(0, CA)
+    ca = tl.program_id(0) * CA + tl.arange(0, CA)  # centroid chunks vary fastest: they share x through the L2
     acc = tl.zeros([CA, D], tl.float32)
     cnt = tl.zeros([CA], tl.float32)
     for t0 in range(tc * TPP, tc * TPP + TPP, BM):
@@ -263,6 +263,15 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
     tl.store(CNT + (bh * nt + tc) * CQ + ca, cnt, mask=cm)
 
 
+MEMBER_TILES: dict = {}  # D -> (CA, BM, warps, stages), overriding member_tiles' (set by the benchmarks' sweeps)
+
+
+def member_tiles(D: int, C: int) -> tuple[int, int, int, int]:
+    """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages."""
+    CA, BM, warps, stages = MEMBER_TILES.get(D, (64, 64, 4, 3))
+    return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages
+
+
 def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
     """One Lloyd round: x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32, valid [B, S] bool -> each token's
     nearest centroid [B, H, S] int64 (`_nearest`: the centroids rounded to x's dtype in the products, |c|^2 in
@@ -275,15 +284,14 @@ def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
     _nearest[(triton.cdiv(S, 128), B * H)](
         x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128, BC=64,
         UP=INTERPRET, num_warps=8 if D >= 128 else 4)
-    BM = 64
-    CA = min(triton.next_power_of_2(max(C, 16)), 256 if D <= 64 else 128)  # centroids summed per program
+    CA, BM, warps, stages = member_tiles(D, C)
     # token chunks per head: up to 64, fewer where the partial sums would pass 256 MiB
     nt = max(1, min(64, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))
     tpp = BM * triton.cdiv(triton.cdiv(S, nt), BM)
     nt = triton.cdiv(S, tpp)
     sums = torch.empty(B * H, nt, C, D, device=x.device, dtype=torch.float32)
     cnt = torch.empty(B * H, nt, C, device=x.device, dtype=torch.float32)
-    _member_sums[(nt, B * H, triton.cdiv(C, CA))](
+    _member_sums[(triton.cdiv(C, CA), nt, B * H)](
         x, a, valid.to(torch.int8).contiguous(), sums, cnt, H, S, C, tpp, D=D, BM=BM, CA=CA, UP=INTERPRET,
-        num_warps=8, num_stages=3)
+        num_warps=warps, num_stages=stages)
     return a.long(), sums.sum(1).view(B, H, C, D), cnt.sum(1).view(B, H, C)
