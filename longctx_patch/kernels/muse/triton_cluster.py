@@ -239,7 +239,7 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
                  UP: tl.constexpr):
     """Program (chunk of CA centroids, chunk t of TPP tokens, batch x head): the sums and counts of the chunk's real
     tokens (VALID [B, S] int8) assigned (A) to each of the program's CA centroids, the transposed one-hot [CA, BM]
-    times the tokens on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and CNT[bh, t, c], summed
+    times the tokens and times ones on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and CNT[bh, t, c], summed
     over t by the caller."""
     tc = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
@@ -248,16 +248,18 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
     offs_d = tl.arange(0, D)
     ca = tl.program_id(0) * CA + tl.arange(0, CA)  # centroid chunks vary fastest: they share x through the L2
     acc = tl.zeros([CA, D], tl.float32)
-    cnt = tl.zeros([CA], tl.float32)
+    cnt16 = tl.zeros([CA, 16], tl.float32)  # the counts, by a product with ones (a row sum would take shuffles)
+    ones = tl.full([BM, 16], 1.0, X.dtype.element_ty)
     for t0 in range(tc * TPP, tc * TPP + TPP, BM):
         r = t0 + tl.arange(0, BM)
         rm = r < S
         x = tl.load(X + (bh * S + r)[:, None] * D + offs_d[None, :], mask=rm[:, None], other=0.0)
         a = tl.load(A + bh * S + r, mask=rm, other=-1)
-        w = tl.load(VALID + b * S + r, mask=rm, other=0) != 0
-        oh = tl.where((ca[:, None] == a[None, :]) & w[None, :], 1.0, 0.0)
-        acc = dot_acc(oh.to(x.dtype), x, acc, "tf32", UP)
-        cnt += tl.sum(oh, 1)
+        a = tl.where(tl.load(VALID + b * S + r, mask=rm, other=0) != 0, a, -1)  # padding: no centroid
+        oh = tl.where(ca[:, None] == a[None, :], 1.0, 0.0).to(x.dtype)
+        acc = dot_acc(oh, x, acc, "tf32", UP)
+        cnt16 = dot_acc(oh, ones, cnt16, "tf32", UP)
+    cnt = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, cnt16, 0.0), 1)
     cm = ca < CQ
     tl.store(SUM + ((bh * nt + tc) * CQ + ca)[:, None] * D + offs_d[None, :], acc, mask=cm[:, None])
     tl.store(CNT + (bh * nt + tc) * CQ + ca, cnt, mask=cm)
