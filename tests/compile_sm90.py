@@ -416,7 +416,7 @@ for _D in (64, 128):
             {"num_warps": _w})
     CASES[f"nearest_D{_D}"] = (mcl._nearest, dict(D=_D, BM=128, BC=64), dict(X=BF16, C=BF16, C2=F32, A=I32),
                                {"num_warps": 8 if _D >= 128 else 4})
-    _CA, _BM, _w, _s = mcl.member_tiles(_D, 256)
+    _CA, _BM, _w, _s, _ = mcl.member_tiles(_D, 256)
     CASES[f"member_sums_D{_D}"] = (mcl._member_sums, dict(D=_D, BM=_BM, CA=_CA),
                                    dict(X=BF16, A=I32, VALID=I8, SUM=F32, CNT=F32), {"num_warps": _w, "num_stages": _s})
 

@@ -8,8 +8,8 @@ the backward likewise (against autograd through the reference; forward + backwar
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
 package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also far_tune (a
-far-field tile sweep whose fastest the later parts use), cluster_tune (likewise for the clustering's sums),
-bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles;
+far-field and summaries tile sweep whose fastest the later parts use), cluster_tune (likewise for the
+clustering's sums), bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles;
 TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
 """
 
@@ -78,35 +78,39 @@ def checks():
     save()
 
 
-FAR = {64: [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
-           (256, 64, 8, 2)],
-       128: [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 8, 2)]}
+FAR = {64: [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2)],  # the first: the package's default
+       128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2)]}
+SUMM = {64: [(64, 32, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8), (32, 32, 4), (128, 64, 8), (64, 16, 4)],
+        128: [(64, 32, 8), (64, 32, 4), (64, 64, 8), (32, 32, 4), (128, 32, 8), (64, 16, 4)]}
 
 
 def far_tune(S=65536):
-    """The tilted forward (plan apart) per far-field tile choice (BM, BN, warps, stages) at S, 256 clusters; the
-    fastest whose output matches the first choice's is kept (triton_tilted.FAR_TILES) for the later parts."""
+    """The tilted forward (plan apart) per tile choice at S, 256 clusters: of the far field (BM, BN, warps, stages),
+    then of the summaries (centroids BC, keys BK, warps); the fastest whose output matches the first choice's is
+    kept (triton_tilted.FAR_TILES, SUMM_TILES) for the later parts."""
     from longctx_patch.kernels.muse import triton_tilted as mt
 
-    RES["far_tune"] = []
-    for D, choices in FAR.items():
+    RES["far_tune"], RES["summ_tune"] = [], []
+    for D in FAR:
         q, k, v = qkv(S, D, torch.bfloat16, seed=2)
         with torch.no_grad():
             plan = make_tilt_plan(q, k, scale=D**-0.5, **dict(CFG, q_clusters=QCS[0]))
-            RES.setdefault("far_tiles_used", {})[D] = fastest(
-                RES["far_tune"], D, S, choices, mt.FAR_TILES, lambda: mt.tilted_cells_fwd(q, k, v, plan, D**-0.5),
-                "attn_ms", rep=20)
+            run = lambda: mt.tilted_cells_fwd(q, k, v, plan, D**-0.5)  # noqa: E731
+            RES.setdefault("far_tiles_used", {})[D] = fastest(RES["far_tune"], D, S, FAR[D], mt.FAR_TILES, run,
+                                                              "attn_ms", rep=20)
+            RES.setdefault("summ_tiles_used", {})[D] = fastest(RES["summ_tune"], D, S, SUMM[D], mt.SUMM_TILES, run,
+                                                               "attn_ms", rep=20)
         plan = None
         torch.cuda.empty_cache()
     save()
 
 
-MEMBER = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3), (32, 64, 4, 3)]
+MEMBER = [(64, 64, 4, 3, 64), (64, 64, 4, 3, 32), (64, 64, 4, 3, 16), (64, 128, 4, 3, 16), (128, 64, 4, 3, 32)]
 
 
 def cluster_tune(S=65536):
     """The query clustering (`cluster_queries`, 256 clusters, Triton rounds) per tile choice of the members' sums
-    (centroids per program, tokens per step, warps, stages); the fastest whose centroids match the first choice's
+    (centroids per program, tokens per step, warps, stages, token chunks); the fastest whose centroids match the first choice's
     is kept (triton_cluster.MEMBER_TILES) for the later parts."""
     from longctx_patch.kernels.muse import triton_cluster as mcl
     from longctx_patch.kernels.muse.tilted_cells import cluster_queries

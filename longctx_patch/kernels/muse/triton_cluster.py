@@ -268,10 +268,12 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
 MEMBER_TILES: dict = {}  # D -> (CA, BM, warps, stages), overriding member_tiles' (set by the benchmarks' sweeps)
 
 
-def member_tiles(D: int, C: int) -> tuple[int, int, int, int]:
-    """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages."""
-    CA, BM, warps, stages = MEMBER_TILES.get(D, (64, 64, 4, 3))
-    return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages
+def member_tiles(D: int, C: int) -> tuple[int, int, int, int, int]:
+    """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages and the most token chunks per head
+    (each a program writing partial sums): the fastest of an H200 sweep at 64k (evals/bench/bench_muse_tilted.py
+    `cluster_tune`; 0.35 ms a round with 256 centroids at D 64)."""
+    CA, BM, warps, stages, chunks = MEMBER_TILES.get(D, (64, 64, 4, 3, 64))
+    return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages, chunks
 
 
 def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
@@ -286,9 +288,9 @@ def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
     _nearest[(triton.cdiv(S, 128), B * H)](
         x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128, BC=64,
         UP=INTERPRET, num_warps=8 if D >= 128 else 4)
-    CA, BM, warps, stages = member_tiles(D, C)
-    # token chunks per head: up to 64, fewer where the partial sums would pass 256 MiB
-    nt = max(1, min(64, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))
+    CA, BM, warps, stages, chunks = member_tiles(D, C)
+    # token chunks per head: up to `chunks`, fewer where the partial sums would pass 256 MiB
+    nt = max(1, min(chunks, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))
     tpp = BM * triton.cdiv(triton.cdiv(S, nt), BM)
     nt = triton.cdiv(S, tpp)
     sums = torch.empty(B * H, nt, C, D, device=x.device, dtype=torch.float32)

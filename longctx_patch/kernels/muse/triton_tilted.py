@@ -157,7 +157,9 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
     tl.store(LSEE + bh * Sp + pos, (mx + tl.log2(z)) * 0.6931471805599453, mask=real)
 
 
-FAR_TILES: dict = {}  # (D, dtype) -> the far field's tiles, overriding tilted_tiles' (set by the benchmarks' sweeps)
+# (D, dtype) -> the far field's / the summaries' tiles, overriding tilted_tiles' (set by the benchmarks' sweeps)
+FAR_TILES: dict = {}
+SUMM_TILES: dict = {}
 
 
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
@@ -168,7 +170,7 @@ def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     # (tf32x3 dots) keeps tiles that fit sm_90's shared memory
     far = (64, 64, 8, 2) if dtype == torch.float32 else (64, 64, 4, 2 if D >= 128 else 3)
     far = FAR_TILES.get((D, dtype), far)
-    return dict(summ=(64, 32, 8 if wide else 4), far=far)
+    return dict(summ=SUMM_TILES.get((D, dtype), (64, 32, 8 if wide else 4)), far=far)
 
 
 def far_bits(retrieved: torch.Tensor, local_blocks: int) -> torch.Tensor:
