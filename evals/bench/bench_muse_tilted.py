@@ -105,13 +105,16 @@ def far_tune(S=65536):
     save()
 
 
-MEMBER = [(64, 64, 4, 3, 64), (64, 64, 4, 3, 32), (64, 64, 4, 3, 16), (64, 128, 4, 3, 16), (128, 64, 4, 3, 32)]
+MEMBER = [(64, 64, 4, 3, 16), (64, 64, 4, 3, 8)]
+NEAREST = {64: [(128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8), (256, 64, 8), (128, 32, 4)],
+           128: [(128, 64, 8), (128, 64, 4), (64, 64, 4), (128, 128, 8), (128, 32, 4)]}
 
 
 def cluster_tune(S=65536):
     """The query clustering (`cluster_queries`, 256 clusters, Triton rounds) per tile choice of the members' sums
-    (centroids per program, tokens per step, warps, stages, token chunks); the fastest whose centroids match the first choice's
-    is kept (triton_cluster.MEMBER_TILES) for the later parts."""
+    (centroids per program, tokens per step, warps, stages, token chunks), then of the assignment (tokens, centroids,
+    warps); the fastest whose centroids match the first choice's is kept (triton_cluster.MEMBER_TILES,
+    NEAREST_TILES) for the later parts."""
     from longctx_patch.kernels.muse import triton_cluster as mcl
     from longctx_patch.kernels.muse.tilted_cells import cluster_queries
 
@@ -128,6 +131,14 @@ def cluster_tune(S=65536):
         RES.setdefault("member_tiles_used", {})[D] = fastest(RES["cluster_tune"], D, S, MEMBER, tiles, run, "ms",
                                                              rep=20)
         mcl.MEMBER_TILES[D] = RES["member_tiles_used"][D]
+
+        def run_nearest():
+            mcl.NEAREST_TILES[D] = tiles[(D, torch.bfloat16)]
+            return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
+
+        RES.setdefault("nearest_tiles_used", {})[D] = fastest(RES["cluster_tune"], D, S, NEAREST[D], tiles,
+                                                              run_nearest, "ms", rep=20)
+        mcl.NEAREST_TILES[D] = RES["nearest_tiles_used"][D]
         torch.cuda.empty_cache()
     save()
 

@@ -115,6 +115,8 @@ def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: i
     cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton)
     key = assign * Sp + torch.arange(Sp, device=q.device)
     key = torch.where(valid[:, None, :], key, q_clusters * Sp + torch.arange(Sp, device=q.device))  # padding last
+    if (q_clusters + 1) * Sp < 2**31:  # 32-bit keys: half the radix sort's passes
+        key = key.to(torch.int32)
     order = key.argsort(-1).to(torch.int32)
     return TiltPlan(cells, cent.to(q.dtype), assign, order)
 

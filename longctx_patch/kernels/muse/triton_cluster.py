@@ -265,14 +265,17 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
     tl.store(CNT + (bh * nt + tc) * CQ + ca, cnt, mask=cm)
 
 
-MEMBER_TILES: dict = {}  # D -> (CA, BM, warps, stages), overriding member_tiles' (set by the benchmarks' sweeps)
+# D -> tiles overriding the defaults (set by the benchmarks' sweeps): `_nearest`'s (tokens BM, centroids BC, warps),
+# `_member_sums`' (member_tiles)
+NEAREST_TILES: dict = {}
+MEMBER_TILES: dict = {}
 
 
 def member_tiles(D: int, C: int) -> tuple[int, int, int, int, int]:
     """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages and the most token chunks per head
     (each a program writing partial sums): the fastest of an H200 sweep at 64k (evals/bench/bench_muse_tilted.py
-    `cluster_tune`; 0.35 ms a round with 256 centroids at D 64)."""
-    CA, BM, warps, stages, chunks = MEMBER_TILES.get(D, (64, 64, 4, 3, 64))
+    `cluster_tune`: 0.33 ms a round with 256 centroids at D 64, 0.93 with the first one-hot kernel)."""
+    CA, BM, warps, stages, chunks = MEMBER_TILES.get(D, (64, 64, 4, 3, 16))
     return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages, chunks
 
 
@@ -285,9 +288,10 @@ def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
     C = cent.shape[2]
     x = x.contiguous()
     a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
-    _nearest[(triton.cdiv(S, 128), B * H)](
-        x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=128, BC=64,
-        UP=INTERPRET, num_warps=8 if D >= 128 else 4)
+    nm, nc, nw = NEAREST_TILES.get(D, (128, 64, 8 if D >= 128 else 4))
+    _nearest[(triton.cdiv(S, nm), B * H)](
+        x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=nm, BC=nc,
+        UP=INTERPRET, num_warps=nw)
     CA, BM, warps, stages, chunks = member_tiles(D, C)
     # token chunks per head: up to `chunks`, fewer where the partial sums would pass 256 MiB
     nt = max(1, min(chunks, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))

@@ -164,13 +164,13 @@ SUMM_TILES: dict = {}
 
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
-    wide = D >= 128 or dtype == torch.float32
-    # far: the fastest of an H200 sweep at 64k for bf16 (evals/bench/bench_muse_tilted.py `far_tune`: at D 64 the
-    # forward without its plan took 15.5 ms with these against 19.1 with 128 x 64 tiles, 8 warps, 2 stages); fp32
-    # (tf32x3 dots) keeps tiles that fit sm_90's shared memory
-    far = (64, 64, 8, 2) if dtype == torch.float32 else (64, 64, 4, 2 if D >= 128 else 3)
-    far = FAR_TILES.get((D, dtype), far)
-    return dict(summ=SUMM_TILES.get((D, dtype), (64, 32, 8 if wide else 4)), far=far)
+    # bf16 / fp16: the fastest of H200 sweeps at 64k (evals/bench/bench_muse_tilted.py `far_tune`: the forward
+    # without its plan took 15.4 / 26.2 ms at D 64 / 128 with these against 19.2 / 37.3 with the earlier 128 x 64
+    # (D 64) or 64 x 64 (D 128) far tiles at 8 warps and 8-warp summaries at D 128); fp32 (tf32x3 dots) keeps tiles
+    # that fit sm_90's shared memory
+    f32 = dtype == torch.float32
+    far = FAR_TILES.get((D, dtype), (64, 64, 8, 2) if f32 else (64, 64, 4, 3))
+    return dict(summ=SUMM_TILES.get((D, dtype), (64, 32, 8 if f32 else 4)), far=far)
 
 
 def far_bits(retrieved: torch.Tensor, local_blocks: int) -> torch.Tensor:
@@ -192,7 +192,7 @@ def cell_order(cp: CellsPlan):
     B, Hkv, Sp = cp.k_assign.shape
     L, Ck, nb = cp.block_size, cp.k_clusters, cp.num_blocks
     cell = torch.where(cp.key_valid[:, None, :], cp.k_assign, Ck).view(B, Hkv, nb, L)
-    key = cell * L + torch.arange(L, device=cell.device)
+    key = (cell * L + torch.arange(L, device=cell.device)).to(torch.int32)  # < (Ck + 1) L: 32-bit keys sort faster
     order = key.argsort(-1).to(torch.int32).view(B, Hkv, Sp).contiguous()
     cst = torch.zeros(B, Hkv, nb, Ck + 1, device=cell.device, dtype=torch.int32)
     cst[..., 1:] = cp.counts.to(torch.int32).cumsum(-1)
