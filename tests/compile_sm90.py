@@ -437,6 +437,8 @@ for _D in (64, 128):  # as block_peaks_triton launches it (L 256)
     CASES[f"block_peaks_D{_D}"] = (mcl._block_peaks_kernel, dict(L=256, D=_D, NT=_NT, GP=_GP, BL=_BL, MC=16),
                                    dict(QBAR=BF16, K=BF16, KVAL=I8, BS=F32, scale="fp32"),
                                    {"num_warps": _w, "num_stages": _st})
+for _NP, _w in ((256, 1), (8192, 8)):  # as mark_top_triton launches it: 64k and 2M tokens of 256-token blocks
+    CASES[f"mark_top_N{_NP}"] = (mcl._mark_top, dict(NP=_NP), dict(R=I8, SC=F32), {"num_warps": _w})
 
 for _D, _t, _R, _tag in ((128, BF16, 4, "bf16"), (64, BF16, 512, "bf16"), (64, F32, 4, "fp32")):  # as launched
     _BR, _BN, _w = dk.decode_tiles(_D, _R)

@@ -1,5 +1,5 @@
 """The Triton plan kernels of MuSe (kernels/muse/triton_cluster.py) against the PyTorch plan (interpreter on the CPU):
-Lloyd clustering per block and the cells' block-retrieval scores, on random, well-separated and real inputs,
+Lloyd clustering per block, the cells' block-retrieval scores and top-k, on random, well-separated and real inputs,
 with padding, empty blocks, fewer valid tokens than clusters, and cluster counts that are not powers of two."""
 
 import math
@@ -143,6 +143,22 @@ def test_peak_blocks_retrieve_the_block_of_one_matching_key(backend):
     assert mass_only.nonzero().flatten().tolist() == [0, 4]
     assert with_peak.retrieved[0, 0, 7].nonzero().flatten().tolist() == [0, 2, 4]
     assert with_peak.max_retrieved == 3 and int(with_peak.retrieved.sum(-1).max()) <= 3
+
+
+@pytest.mark.parametrize("N,k", [(37, 4), (300, 10), (6, 5)])
+def test_mark_top_equals_torch_take_top(N, k):
+    """The retrieval's top-k in one kernel marks what PyTorch's top-k marks: the k best unmarked entries above -inf
+    (rows with marked entries, -inf entries, fewer candidates than k; random scores: no ties)."""
+    from longctx_patch.kernels.muse.cells import take_top
+
+    g = torch.Generator().manual_seed(N)
+    scores = torch.randn(3, 4, N, generator=g)
+    scores[scores < -1] = -math.inf
+    marked = torch.rand(3, 4, N, generator=g) < 0.1
+    want, got = marked.clone(), marked.clone()
+    take_top(want, scores, k)
+    take_top(got, scores, k, triton=True)
+    assert torch.equal(got, want) and (want.sum(-1) <= marked.sum(-1) + k).all() and (want & ~marked).any()
 
 
 @pytest.mark.parametrize("S,Ck,tb,pb,mask", [(1100, 16, 2, 0, False), (811, 32, 3, 0, True), (1100, 16, 1, 3, True)])

@@ -88,7 +88,8 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
     retrieved |= (far[None] & sink[:, None, :])[:, None]
     use_triton = resolve_backend(backend, q, k, what="muse plan") == "triton"
     if use_triton:
-        from .triton_cluster import block_peaks_triton, block_scores_triton
+        from .triton_cluster import block_peaks_triton, block_scores_triton, mark_top_supported
+    mark_triton = use_triton and mark_top_supported(nb)
     if (topk_blocks > 0 or peak_blocks > 0) and nb > local_blocks + 1:
         qb = block_view(q, L, Sp)  # [B, Hq, nb, L, D]
         if key_mask is not None:
@@ -99,7 +100,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         kk = min(topk_blocks, nb)
         if use_triton and block_scores_supported(D, Ck):
             bs = block_scores_triton(qbar, cent, logn, scale=scale, local_blocks=local_blocks)
-            take_top(retrieved, bs.masked_fill_(sink[:, None, None, :], -math.inf), kk)
+            take_top(retrieved, bs, kk, triton=mark_triton)  # the sinks: already marked
         else:
             step = max(1, chunk_elems // max(1, B * G * nb * Ck))  # query blocks per scoring chunk
             for g in range(Hkv):
@@ -115,7 +116,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
         else:
             ps = block_peaks(qbar, kb, key_valid, scale=scale, local_blocks=local_blocks,
                              chunk_elems=chunk_elems)
-        take_top(retrieved, ps.masked_fill_(retrieved, -math.inf), min(peak_blocks, nb))
+        take_top(retrieved, ps, min(peak_blocks, nb), triton=mark_triton)
     return CellsPlan(L, Ck, local_blocks, Sp, nb, ka.view(B, Hkv, Sp), cnt, key_valid, retrieved,
                      min(topk_blocks + peak_blocks + sink_blocks, nb), key_mask is not None)
 
@@ -132,10 +133,16 @@ def list_plan(retrieved: torch.Tensor, key_valid: torch.Tensor, *, block_size: i
                      min(max_listed, nb))
 
 
-def take_top(retrieved, scores, k: int) -> None:
-    """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` that score above
-    -inf (-inf: not a candidate)."""
-    val, idx = scores.topk(k, -1)
+def take_top(retrieved, scores, k: int, triton: bool = False) -> None:
+    """Marks in `retrieved` (in place; it may be a view) the k best blocks of each row of `scores` among those not yet
+    marked that score above -inf (-inf: not a candidate). triton: one kernel (`triton_cluster.mark_top_triton`;
+    CUDA, `retrieved` contiguous and as shaped as `scores`, ties to the lowest index) instead of PyTorch's top-k."""
+    if triton:
+        from .triton_cluster import mark_top_triton
+
+        mark_top_triton(retrieved, scores, k)
+        return
+    val, idx = scores.masked_fill(retrieved, -math.inf).topk(k, -1)
     retrieved.scatter_(-1, idx, torch.isfinite(val) | retrieved.gather(-1, idx))
 
 

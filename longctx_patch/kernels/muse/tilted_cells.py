@@ -109,7 +109,7 @@ def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: i
                             **cells_options)
     Sp = cells.padded_len
     valid = cells.key_valid  # [B, Sp]
-    qp = torch.nn.functional.pad(q, (0, 0, 0, Sp - S))
+    qp = q if Sp == S else torch.nn.functional.pad(q, (0, 0, 0, Sp - S))  # (a zero pad would copy)
     use_triton = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
                   and resolve_backend(backend, q, what="muse plan") == "triton")
     cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton)

@@ -15,6 +15,8 @@ one launch each:
   `max_j scale * qbar_n . k_j` over the real bf16 keys j of every far block m (the block's best key at the mean
   query rounded to bf16; exact products, fp32 sums), in the same layout. The kv head's query heads share each key
   tile.
+- `_mark_top` (`mark_top_triton`): the retrieval's top-k per query block, marked in place in one launch (PyTorch's
+  top-k, isfinite, gather and scatter: five).
 - `_nearest` and `_member_sums` (`nearest_with_sums`): one round of the tilted-cells plan's global query
   clustering (`tilted_cells.cluster_queries`): each token's nearest of up to thousands of centroids, argmax in
   registers over tiles of 64 centroids (bf16 products, fp32 sums: near-ties may go the other way than in
@@ -207,6 +209,42 @@ def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Te
         key_valid.to(torch.int8).contiguous(), bs, scale, Hq, Hkv, nb, nb * L, local_blocks, L=L, D=D, NT=NT, GP=GP,
         BL=BL, MC=MC, UP=INTERPRET, num_warps=warps, num_stages=stages)
     return bs
+
+
+@triton.jit
+def _mark_top(R, SC, N, K, NP: tl.constexpr):
+    """Row r of SC [rows, N] fp32: its K highest entries above -inf among those R [rows, N] (int8) does not yet mark
+    are marked (set to 1), by K rounds of argmax in registers (the lowest index on ties)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, NP)
+    inb = offs < N
+    got = tl.load(R + row * N + offs, mask=inb, other=0)
+    s = tl.load(SC + row * N + offs, mask=inb, other=float("-inf"))
+    s = tl.where(got != 0, float("-inf"), s)
+    for _ in range(K):
+        pick = (offs == tl.argmax(s, 0, tie_break_left=True)) & (s > float("-inf"))  # none once all are -inf
+        got = tl.where(pick, 1, got).to(tl.int8)
+        s = tl.where(pick, float("-inf"), s)
+    tl.store(R + row * N + offs, got, mask=inb)
+
+
+def mark_top_supported(n: int) -> bool:
+    """Rows of n blocks fit `_mark_top`'s registers."""
+    return n <= 8192
+
+
+def mark_top_triton(retrieved: torch.Tensor, scores: torch.Tensor, k: int) -> None:
+    """`cells.take_top` in one launch: retrieved [..., N] bool (contiguous, CUDA; marked in place), scores of the same
+    shape, fp32."""
+    if not retrieved.is_contiguous() or retrieved.shape != scores.shape:
+        raise ValueError("mark_top_triton: `retrieved` must be contiguous and shaped as `scores`")
+    N = scores.shape[-1]
+    rows = scores.numel() // max(1, N)
+    if rows == 0 or k <= 0:
+        return
+    NP = triton.next_power_of_2(N)
+    _mark_top[(rows,)](retrieved.view(torch.int8), scores.float().contiguous(), N, k, NP=NP,
+                       num_warps=1 if NP <= 256 else 4 if NP <= 2048 else 8)
 
 
 @triton.jit
