@@ -68,7 +68,7 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
     def mean(s, cnt, cent):  # an empty cluster keeps its previous centroid
         return torch.where(cnt[..., None] > 0, s / cnt.clamp_min(1)[..., None], cent)
 
-    if triton:  # on CUDA for bf16/fp16: a round (assignment, sums and counts) in one kernel
+    if triton:  # on CUDA for bf16/fp16: a round in two kernels (the assignment, then the members' sums and counts)
         from .triton_cluster import nearest_with_sums
 
         for _ in range(iters + 1):

@@ -277,8 +277,8 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
                  UP: tl.constexpr):
     """Program (chunk of CA centroids, chunk t of TPP tokens, batch x head): the sums and counts of the chunk's real
     tokens (VALID [B, S] int8) assigned (A) to each of the program's CA centroids, the transposed one-hot [CA, BM]
-    times the tokens and times ones on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and CNT[bh, t, c], summed
-    over t by the caller."""
+    times the tokens and times ones on the tensor cores (exact products, fp32 sums), into SUM[bh, t, c, :] and
+    CNT[bh, t, c], summed over t by the caller."""
     tc = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     nt = tl.num_programs(1)

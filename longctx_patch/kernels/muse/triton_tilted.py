@@ -253,7 +253,8 @@ def head_chunk(B, Hq, Cq, NCK, D, itemsize, summary_bytes, arrays: int = 1) -> i
     16 + 16, not as 31 + 1, whose second launch would leave most of the GPU idle)."""
     per_head = arrays * B * Cq * NCK * (2 * D * itemsize + 4)
     most = max(1, min(Hq, summary_bytes // per_head))
-    return -(-Hq // -(-Hq // most))
+    chunks = -(-Hq // most)
+    return -(-Hq // chunks)
 
 
 def summaries(K, V, korder, cstart, C, LSE, KT, VT, scale, h0, n, sizes, up, tiles):
