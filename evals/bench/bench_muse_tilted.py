@@ -7,10 +7,10 @@ the backward likewise (against autograd through the reference; forward + backwar
 
 Shapes: B = 1, 32 query / 8 kv heads, bf16, D = 64 and 128 (the issue's op-level setting). Env: TILT_SEQS (default
 16384,65536,131072,32768), TILT_QC (query clusters, default 256,64), TILT_CFG (the cells plan, JSON; default the
-package's cells defaults), TILT_BUDGET_S (default 400), TILT_PARTS (default checks,speed,profile; also far_tune (a
-far-field and summaries tile sweep whose fastest the later parts use), cluster_tune (likewise for the
-clustering's sums), bwd_checks, bwd_speed, bwd_profile), TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles;
-TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
+package's cells defaults), TILT_BUDGET_S (default 400), TILT_PROFILE_D (default 64), TILT_PARTS (default
+checks,speed,profile; also far_tune (a tile sweep of the far field, the summaries and the exact part, whose fastest
+the later parts use), cluster_tune (likewise for the clustering's kernels), bwd_checks, bwd_speed, bwd_profile),
+TILT_BWD_SWEEP=1 (bwd_profile also sweeps the backward's tiles; TILT_BWD_OPTIONS, JSON {part: [tiles, ...]}: which).
 """
 
 from __future__ import annotations
@@ -84,13 +84,20 @@ SUMM = {64: [(64, 32, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8), (32, 32, 4), (
         128: [(64, 32, 8), (64, 32, 4), (64, 64, 8), (32, 32, 4), (128, 32, 8), (64, 16, 4)]}
 
 
+# the exact part's forward tiles (the cells kernel without a far field: BM, BN, warps, stages), the first the default
+EXACT = {64: [(128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2)],
+         128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]}
+
+
 def far_tune(S=65536):
     """The tilted forward (plan apart) per tile choice at S, 256 clusters: of the far field (BM, BN, warps, stages),
-    then of the summaries (centroids BC, keys BK, warps); the fastest whose output matches the first choice's is
-    kept (triton_tilted.FAR_TILES, SUMM_TILES) for the later parts."""
+    then of the summaries (centroids BC, keys BK, warps), then of the exact part (the cells forward kernel's tiles:
+    shared with `cells`, whose far field they also serve); the fastest whose output matches the first choice's is
+    kept (triton_tilted.FAR_TILES, SUMM_TILES, triton_cells.FWD_TILES) for the later parts."""
+    from longctx_patch.kernels.muse import triton_cells as mc
     from longctx_patch.kernels.muse import triton_tilted as mt
 
-    RES["far_tune"], RES["summ_tune"] = [], []
+    RES["far_tune"], RES["summ_tune"], RES["exact_tune"] = [], [], []
     for D in FAR:
         q, k, v = qkv(S, D, torch.bfloat16, seed=2)
         with torch.no_grad():
@@ -100,6 +107,8 @@ def far_tune(S=65536):
                                                               "attn_ms", rep=20)
             RES.setdefault("summ_tiles_used", {})[D] = fastest(RES["summ_tune"], D, S, SUMM[D], mt.SUMM_TILES, run,
                                                                "attn_ms", rep=20)
+            RES.setdefault("exact_tiles_used", {})[D] = fastest(RES["exact_tune"], D, S, EXACT[D], mc.FWD_TILES, run,
+                                                                "attn_ms", rep=20)
         plan = None
         torch.cuda.empty_cache()
     save()
@@ -183,8 +192,8 @@ def speed():
             save()
 
 
-def profile(S=65536, D=64):
-    """One forward at S by kernel (self CUDA time, ms), the plan's PyTorch ops included."""
+def profile(S=65536, D=int(os.environ.get("TILT_PROFILE_D", "64"))):
+    """One forward at S by kernel (self CUDA time, ms), the plan's PyTorch ops included; D: TILT_PROFILE_D."""
     q, k, v = qkv(S, D, torch.bfloat16, seed=1)
     kw = dict({k_: v_ for k_, v_ in CFG.items()}, q_clusters=QCS[0])
     with torch.no_grad():
