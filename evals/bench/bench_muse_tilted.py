@@ -79,7 +79,7 @@ def checks():
 
 
 # the first choice of each list is the package's default; the wider sweeps that chose them are in
-# evals/results/muse/tilted-cells-tune-far-h200-e7e7d4c.json and tilted-cells-tune-h200-e42ffc1.json
+# evals/results/muse/tilted-cells-speed-tune-far-h200-e7e7d4c.json and tilted-cells-speed-tune-h200-e42ffc1.json
 FAR = {64: [(64, 64, 4, 3), (128, 64, 4, 2)], 128: [(64, 64, 4, 3), (64, 64, 4, 2)]}
 SUMM = {64: [(64, 32, 4), (64, 16, 4)], 128: [(64, 32, 4), (128, 32, 8)]}
 # the exact part's forward tiles (the cells kernel without a far field: BM, BN, warps, stages), the first the default
