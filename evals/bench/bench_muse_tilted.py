@@ -129,23 +129,17 @@ def cluster_tune(S=65536):
     for D in (64, 128):
         q, _, _ = qkv(S, D, torch.bfloat16, seed=3)
         valid = torch.ones(1, S, dtype=torch.bool, device=q.device)
-        tiles = {}
+        tiles = {}  # `fastest` sets the choice under test here; the run copies it into the kernel's table
 
-        def run():
-            mcl.MEMBER_TILES[D] = tiles[(D, torch.bfloat16)]
-            return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
+        def run_with(table):
+            def run():
+                table[D] = tiles[(D, torch.bfloat16)]
+                return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
+            return run
 
-        RES.setdefault("member_tiles_used", {})[D] = fastest(RES["cluster_tune"], D, S, MEMBER, tiles, run, "ms",
-                                                             rep=20)
-        mcl.MEMBER_TILES[D] = RES["member_tiles_used"][D]
-
-        def run_nearest():
-            mcl.NEAREST_TILES[D] = tiles[(D, torch.bfloat16)]
-            return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
-
-        RES.setdefault("nearest_tiles_used", {})[D] = fastest(RES["cluster_tune"], D, S, NEAREST[D], tiles,
-                                                              run_nearest, "ms", rep=20)
-        mcl.NEAREST_TILES[D] = RES["nearest_tiles_used"][D]
+        for key, table, choices in (("member", mcl.MEMBER_TILES, MEMBER), ("nearest", mcl.NEAREST_TILES, NEAREST[D])):
+            table[D] = fastest(RES["cluster_tune"], D, S, choices, tiles, run_with(table), "ms", rep=20)
+            RES.setdefault(f"{key}_tiles_used", {})[D] = table[D]
         torch.cuda.empty_cache()
     save()
 
@@ -329,8 +323,8 @@ def main():
     RES["device"] = torch.cuda.get_device_name(0)
     for part in os.environ.get("TILT_PARTS", "checks,speed,profile").split(","):
         try:
-            {"checks": checks, "far_tune": far_tune, "cluster_tune": cluster_tune, "speed": speed, "profile": profile, "bwd_checks": bwd_checks, "bwd_speed": bwd_speed,
-             "bwd_profile": bwd_profile}[part]()
+            {"checks": checks, "far_tune": far_tune, "cluster_tune": cluster_tune, "speed": speed, "profile": profile,
+             "bwd_checks": bwd_checks, "bwd_speed": bwd_speed, "bwd_profile": bwd_profile}[part]()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     save()

@@ -108,7 +108,7 @@ def make_cells_plan(q, k, *, scale: float, block_size: int = 256, k_clusters: in
                     n1 = min(nb, n0 + step)
                     sc = scale * torch.einsum("bhnd,bmcd->bhnmc", qbar[:, g * G:(g + 1) * G, n0:n1], cent[:, g])
                     bs = torch.logsumexp(sc + logn[:, g][:, None, None], -1)  # [B, G, n, m]
-                    bs = bs.masked_fill(~far[n0:n1][None, None] | sink[:, None, None, :], -math.inf)
+                    bs = bs.masked_fill(~far[n0:n1][None, None], -math.inf)  # sinks: already marked
                     take_top(retrieved[:, g * G:(g + 1) * G, n0:n1], bs, kk)
     if peak_blocks > 0 and nb > local_blocks + 1:
         if use_triton and block_peaks_supported(k, L, G):
