@@ -487,7 +487,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     def export_lolcats(self, path: Path) -> Path:
         """The LoLCATs `model.pt` layout (feature maps, window factors, PEFT LoRA A/B unmerged). Reload with
         `patch(model, "lolcats", checkpoint=PATH, lora_alpha=ALPHA)`."""
-        from ..methods.lolcats import export_lolcats_checkpoint
+        from ..methods.lola.weights import export_lolcats_checkpoint
 
         return Path(export_lolcats_checkpoint(self.model, str(path)))
 

@@ -20,6 +20,7 @@ from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read
 from ...errors import CheckpointError, ConfigError
 from ...tensor_parallel import full_shape, local_part
 from ..patch_access import keep_original_weight, patched_modules
+from .config import HybridConfig
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -246,3 +247,26 @@ def export_lolcats_checkpoint(model, path: str, modules=None) -> str:
     os.makedirs(d, exist_ok=True)
     torch.save(sd, path)
     return path
+
+
+def load_method_weights(model, modules, config: HybridConfig) -> str:
+    """`after_patch` of lolcats/lola: loads `config.checkpoint` (resolving `auto`) into `modules` and records
+    where the weights came from on each module (`weights_source`, shown by `longctx patch`). Returns it."""
+    ck = config.checkpoint
+    if ck is not None and str(ck).strip().lower() == "auto":
+        from ...assets import find_asset
+
+        asset = find_asset(model, config)
+        if asset is None:
+            source = "fresh feature maps (untrained: train them with recipes/linearize.yaml or pass checkpoint=PATH)"
+        else:
+            load_lolcats_checkpoint(model, str(asset.path), modules=modules, skip_unpatched_layers=True)
+            source = f"packaged asset {asset.name} ({asset.path})"
+    elif ck:
+        load_lolcats_checkpoint(model, ck, modules=modules, lora_alpha=config.lora_alpha)
+        source = f"checkpoint {ck}"
+    else:
+        source = "fresh feature maps (checkpoint=none)"
+    for m in modules.values():
+        m.weights_source = source
+    return source
