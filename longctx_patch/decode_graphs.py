@@ -5,11 +5,17 @@ for about 1 ms of GPU work at batch 16 (docs/PERFORMANCE.md, "Decode"). `patch()
 through `DecodeGraphs`: a one-token step (no gradients, no padding) continuing a `LongctxCache` whose every layer
 can be replayed (`LongctxLayer.graph_key()` is not None) runs the model's whole forward from a CUDA graph.
 
-Why graphs per key: a method's decode step is not the same launch every step. LoLA's window buffer holds `nb`
-tokens (a host integer that sizes the launch) and every `chunk`-th step evicts. Each layer says what its step
-depends on (`graph_key()`: e.g. `(nb, seen % chunk)`); the model's key is the tuple of its layers' keys plus the
-batch shape, so a LoLA model has `chunk` graphs and replays them cyclically. Everything else a step reads must be
-device state updated in place (a graph keeps the addresses it was captured with).
+Why graphs per key: a method's decode step is not always the same launch. A LoLA step reads its position in the
+window buffer from the device (one launch for every position), but every `chunk`-th step evicts, sized by the
+host. Each layer says what its step depends on (`graph_key()`); the model's key is the tuple of its layers' keys
+plus the batch shape, so a LoLA model has two graphs (a step, and the step that evicts). Everything else a step
+reads must be device state updated in place (a graph keeps the addresses it was captured with).
+
+Captured ahead: after the prefill of a cache that `generate()` made, the first decode step's graph and those of
+the keys the layers will need later (`graph_variants()`, e.g. LoLA's evicting step) are captured at once, so that
+no decode step pays a capture. Only where the step's kernels ran in this process before (a capture cannot compile
+them); otherwise the first decode step runs eagerly and the next one captures, as for a cache `generate()` did
+not make.
 
 The host side of a replayed step: each layer's host fields (`host_fields`, e.g. `seen`, `nb`) are moved on as the
 captured step moved them (integers by the same difference, others to the value after the capture). State tensors
@@ -24,6 +30,7 @@ the tests check with it that the keys cover everything a step reads from the hos
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import weakref
@@ -85,6 +92,19 @@ def model_key(cache) -> tuple | None:
     return tuple(keys)
 
 
+@contextlib.contextmanager
+def _simulated_capture():
+    """What `kernels.graphs.capturing` reports inside the CPU stand-in's capture and replays (they re-run Python)."""
+    from .kernels import graphs
+
+    was = graphs.SIMULATED_CAPTURE
+    graphs.SIMULATED_CAPTURE = True
+    try:
+        yield
+    finally:
+        graphs.SIMULATED_CAPTURE = was
+
+
 def _advance(before: dict, after: dict, now: dict) -> dict:
     out = {}
     for f, a in after.items():
@@ -102,7 +122,8 @@ class _SimGraph:
     def replay(self):
         for layer, h in zip(self.layers, self.before):
             layer.set_host_state(dict(h))
-        self.out.logits.copy_(self.run().logits)
+        with _simulated_capture():
+            self.out.logits.copy_(self.run().logits)
 
 
 class DecodeGraphs:
@@ -118,6 +139,9 @@ class DecodeGraphs:
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
+        # (batch shape, logits_to_keep, model key) of the decode steps that ran (eagerly or captured) in this
+        # process: their kernels are compiled, so a graph of them can be captured before any step runs
+        self._warm: set = set()
 
     # -- eligibility ------------------------------------------------------------------------------------
     def _cache(self, args, kwargs):
@@ -152,7 +176,10 @@ class DecodeGraphs:
             args = args[1:]
         cache = self._cache(args, kwargs)
         if cache is None:
-            return self.orig(*args, **kwargs)
+            out = self.orig(*args, **kwargs)
+            if not args:
+                self._ahead(kwargs, out)
+            return out
         key = model_key(cache)
         if key is None:
             return self.orig(*args, **kwargs)
@@ -168,11 +195,9 @@ class DecodeGraphs:
         if store is None or store.ids.shape != ids.shape or store.state_sig != _state_sig(cache):
             # first step of this cache (it compiles the step's kernels before any capture), or state replaced
             out = self.orig(**kwargs)
-            cpos = kwargs.get("cache_position")
-            cache._decode_graphs = _Store(ids=ids.clone(), pos=ids.clone(),
-                                          cpos=cpos.clone() if isinstance(cpos, torch.Tensor) else None,
-                                          state_sig=_state_sig(cache), eager_steps=1,
-                                          one_device=len({t.device for t in self.model.parameters()}) <= 1)
+            cache._decode_graphs = self._new_store(cache, ids, isinstance(kwargs.get("cache_position"), torch.Tensor))
+            cache._decode_graphs.eager_steps = 1
+            self._warm.add((tuple(ids.shape), keep, key))
             return out
         if not store.one_device:
             store.eager_steps += 1
@@ -191,6 +216,7 @@ class DecodeGraphs:
                 return self.orig(**kwargs)
             store.graphs[full_key] = entry
             store.captures += 1
+            self._warm.add(full_key)
         else:
             self._load_inputs(store, cache, kwargs)
         now = [layer.host_state() for layer in cache.layers]
@@ -203,6 +229,70 @@ class DecodeGraphs:
         if entry.cache_field is not None:
             fields[entry.cache_field] = cache
         return type(out)(**fields)
+
+    def _new_store(self, cache, ids, cpos: bool) -> _Store:
+        return _Store(ids=ids.clone(), pos=ids.clone(), cpos=ids.new_zeros(1) if cpos else None,
+                      state_sig=_state_sig(cache),
+                      one_device=len({t.device for t in self.model.parameters()}) <= 1)
+
+    # -- captured ahead ------------------------------------------------------------------------------------
+    def _ahead(self, kwargs, out) -> None:
+        """After a forward that did not take a graph: when it was the prefill of a cache that generate() made (its
+        next call is a decode step of one token per row), capture that step's graph now, and those of the keys the
+        layers name in `graph_variants()`, where the step's kernels have run in this process before."""
+        from .cache import LongctxCache
+
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if not isinstance(cache, LongctxCache):
+            cache = next((v for v in out.values() if isinstance(v, LongctxCache)), None) if hasattr(out, "values") \
+                else None
+        if not isinstance(cache, LongctxCache) or not getattr(cache, "for_generate", False):
+            return
+        ids = kwargs.get("input_ids")
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not self.enabled or self.model.training
+                or torch.is_grad_enabled() or getattr(cache, "_decode_graphs", None) is not None):
+            return
+        if not (ids.is_cuda or SIMULATE) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        facts = cache.padding_facts
+        if cache.get_seq_length() == 0 or (facts is not None and facts[0]):
+            return
+        if kwargs.get("attention_mask") is not None and facts is None:
+            return
+        step_ids = ids[:, -1:]
+        key = model_key(cache)
+        # the logits_to_keep the decode steps of this shape and key passed before (generate() passes one value to all)
+        keep = next((kp for shape, kp, k in self._warm if shape == tuple(step_ids.shape) and k == key), None)
+        if key is None or keep is None:
+            return
+        store = self._new_store(cache, step_ids, isinstance(kwargs.get("cache_position"), torch.Tensor))
+        if not store.one_device:
+            return
+        layers = cache.layers
+        now = [layer.host_state() for layer in layers]
+        variants = [layer.graph_variants() if isinstance(layer, LongctxLayer) else [] for layer in layers]
+        states = [now] + [[v[j] if j < len(v) else h for v, h in zip(variants, now)]
+                          for j in range(max((len(v) for v in variants), default=0))]
+        try:
+            for host in states:
+                for layer, h in zip(layers, host):
+                    layer.set_host_state(dict(h))
+                k = model_key(cache)
+                full_key = (tuple(step_ids.shape), keep, k)
+                if k is None or full_key in store.graphs:
+                    continue
+                entry = self._capture(store, cache, keep)
+                if entry is None:
+                    store.failures[full_key] = store.failures.get(full_key, 0) + 1
+                    if host is now:  # the first step cannot be captured now: it runs eagerly, as without this
+                        return
+                    continue
+                store.graphs[full_key] = entry
+                store.captures += 1
+        finally:
+            for layer, h in zip(layers, now):
+                layer.set_host_state(dict(h))
+        cache._decode_graphs = store
 
     def _load_inputs(self, store: _Store, cache, kwargs) -> None:
         store.ids.copy_(kwargs["input_ids"])
@@ -239,7 +329,8 @@ class DecodeGraphs:
         graph = out = None
         try:
             if SIMULATE:
-                out = run()
+                with _simulated_capture():
+                    out = run()
             else:
                 from .kernels.graphs import capture_graph
 

@@ -299,7 +299,7 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
             for key in ("cache", "past_key_values"):
                 c = model_kwargs.get(key)
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
-                    model_kwargs[key] = LongctxCache(self)
+                    model_kwargs[key] = LongctxCache(self, for_generate=True)
             return out
 
         top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
