@@ -32,7 +32,7 @@ def cache_argument(forward) -> str:
 class LongctxCache(DynamicCache):
     """One cache layer per decoder layer: method layers where patched, transformers' defaults elsewhere."""
 
-    def __init__(self, model=None, *, layers: list | None = None, for_generate: bool = False):
+    def __init__(self, model=None, *, layers: list | None = None):
         if layers is None:
             from .architectures import model_config
 
@@ -46,9 +46,6 @@ class LongctxCache(DynamicCache):
         super(DynamicCache, self).__init__(layers=layers)
         # (any padding, left padding) read from the first forward's attention mask (patcher._padding_facts)
         self.padding_facts: tuple[bool, bool] | None = None
-        # made by generate(): its first forward is the prefill and the next ones decode steps of one token per row
-        # (decode_graphs.py captures their graphs ahead, after the prefill)
-        self.for_generate = for_generate
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """What transformers sizes the model's 4-D attention mask by. Patched modules never read that mask (they read

@@ -11,11 +11,11 @@ host. Each layer says what its step depends on (`graph_key()`); the model's key 
 plus the batch shape, so a LoLA model has two graphs (a step, and the step that evicts). Everything else a step
 reads must be device state updated in place (a graph keeps the addresses it was captured with).
 
-Captured ahead: after the prefill of a cache that `generate()` made, the first decode step's graph and those of
-the keys the layers will need later (`graph_variants()`, e.g. LoLA's evicting step) are captured at once, so that
-no decode step pays a capture. Only where the step's kernels ran in this process before (a capture cannot compile
-them); otherwise the first decode step runs eagerly and the next one captures, as for a cache `generate()` did
-not make.
+Captured ahead: when `generate()`'s prefill ends (`prefill_then_capture`, installed on the model as its `_prefill`),
+the first decode step's graph and those of the keys the layers will need later (`graph_variants()`, e.g. LoLA's
+evicting step) are captured at once, so that no decode step pays a capture. Only where a step of that shape and
+key ran in this process before (a capture cannot compile kernels); otherwise the first decode step runs eagerly
+and the next one captures, as for decode steps outside `generate()`.
 
 The host side of a replayed step: each layer's host fields (`host_fields`, e.g. `seen`, `nb`) are moved on as the
 captured step moved them (integers by the same difference, others to the value after the capture). State tensors
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from transformers.cache_utils import Cache
 
 from .cache import cache_argument
 from .methods.cache_layer import LongctxLayer
@@ -139,8 +141,9 @@ class DecodeGraphs:
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
-        # (batch shape, logits_to_keep, model key) of the decode steps that ran (eagerly or captured) in this
-        # process: their kernels are compiled, so a graph of them can be captured before any step runs
+        # (batch shape, logits_to_keep, model key, cache_position passed, device) of the decode steps that ran
+        # (eagerly or captured) in this process: their kernels are compiled, so a graph of them can be captured
+        # before any step runs (`after_prefill`)
         self._warm: set = set()
 
     # -- eligibility ------------------------------------------------------------------------------------
@@ -176,10 +179,7 @@ class DecodeGraphs:
             args = args[1:]
         cache = self._cache(args, kwargs)
         if cache is None:
-            out = self.orig(*args, **kwargs)
-            if not args:
-                self._ahead(kwargs, out)
-            return out
+            return self.orig(*args, **kwargs)
         key = model_key(cache)
         if key is None:
             return self.orig(*args, **kwargs)
@@ -195,9 +195,10 @@ class DecodeGraphs:
         if store is None or store.ids.shape != ids.shape or store.state_sig != _state_sig(cache):
             # first step of this cache (it compiles the step's kernels before any capture), or state replaced
             out = self.orig(**kwargs)
-            cache._decode_graphs = self._new_store(cache, ids, isinstance(kwargs.get("cache_position"), torch.Tensor))
+            has_cpos = isinstance(kwargs.get("cache_position"), torch.Tensor)
+            cache._decode_graphs = self._new_store(cache, ids, has_cpos)
             cache._decode_graphs.eager_steps = 1
-            self._warm.add((tuple(ids.shape), keep, key))
+            self._warm.add((tuple(ids.shape), keep, key, has_cpos, str(ids.device)))
             return out
         if not store.one_device:
             store.eager_steps += 1
@@ -216,7 +217,7 @@ class DecodeGraphs:
                 return self.orig(**kwargs)
             store.graphs[full_key] = entry
             store.captures += 1
-            self._warm.add(full_key)
+            self._warm.add((*full_key, store.cpos is not None, str(ids.device)))
         else:
             self._load_inputs(store, cache, kwargs)
         now = [layer.host_state() for layer in cache.layers]
@@ -236,36 +237,34 @@ class DecodeGraphs:
                       one_device=len({t.device for t in self.model.parameters()}) <= 1)
 
     # -- captured ahead ------------------------------------------------------------------------------------
-    def _ahead(self, kwargs, out) -> None:
-        """After a forward that did not take a graph: when it was the prefill of a cache that generate() made (its
-        next call is a decode step of one token per row), capture that step's graph now, and those of the keys the
-        layers name in `graph_variants()`, where the step's kernels have run in this process before."""
+    def after_prefill(self, cache, batch: int) -> None:
+        """After generate()'s prefill (its last chunk, with `prefill_chunk_size`): the next forwards are decode steps
+        of one token per row on `cache`. Capture their graphs now: the first step's, and those of the keys the layers
+        name in `graph_variants()` (LoLA's evicting step), where a step of that shape and key ran in this process
+        before (its kernels are compiled: a capture cannot compile them, nor tell which logits_to_keep generate()
+        passes)."""
         from .cache import LongctxCache
 
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        if not isinstance(cache, LongctxCache):
-            cache = next((v for v in out.values() if isinstance(v, LongctxCache)), None) if hasattr(out, "values") \
-                else None
-        if not isinstance(cache, LongctxCache) or not getattr(cache, "for_generate", False):
-            return
-        ids = kwargs.get("input_ids")
-        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not self.enabled or self.model.training
-                or torch.is_grad_enabled() or getattr(cache, "_decode_graphs", None) is not None):
-            return
-        if not (ids.is_cuda or SIMULATE) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if (not isinstance(cache, LongctxCache) or not self.enabled or self.model.training or torch.is_grad_enabled()
+                or cache.get_seq_length() == 0):
             return
         facts = cache.padding_facts
-        if cache.get_seq_length() == 0 or (facts is not None and facts[0]):
-            return
-        if kwargs.get("attention_mask") is not None and facts is None:
-            return
-        step_ids = ids[:, -1:]
+        if facts is not None and facts[0]:
+            return  # padded rows: eager steps
+        store = getattr(cache, "_decode_graphs", None)
+        if store is not None and store.state_sig == _state_sig(cache):
+            return  # a continued cache whose graphs still hold
         key = model_key(cache)
-        # the logits_to_keep the decode steps of this shape and key passed before (generate() passes one value to all)
-        keep = next((kp for shape, kp, k in self._warm if shape == tuple(step_ids.shape) and k == key), None)
-        if key is None or keep is None:
+        shape = (batch, 1)
+        warm = next((w for w in self._warm if w[0] == shape and w[2] == key), None)
+        if key is None or warm is None:
             return
-        store = self._new_store(cache, step_ids, isinstance(kwargs.get("cache_position"), torch.Tensor))
+        _, keep, _, has_cpos, device = warm
+        if not (torch.device(device).type == "cuda" or SIMULATE):
+            return
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        store = self._new_store(cache, torch.zeros(shape, dtype=torch.long, device=device), has_cpos)
         if not store.one_device:
             return
         layers = cache.layers
@@ -278,7 +277,7 @@ class DecodeGraphs:
                 for layer, h in zip(layers, host):
                     layer.set_host_state(dict(h))
                 k = model_key(cache)
-                full_key = (tuple(step_ids.shape), keep, k)
+                full_key = (shape, keep, k)
                 if k is None or full_key in store.graphs:
                     continue
                 entry = self._capture(store, cache, keep)
@@ -367,3 +366,17 @@ def stats(cache) -> dict | None:
         return None
     return {"eager_steps": store.eager_steps, "captures": store.captures, "replays": store.replays,
             "graphs": len(store.graphs)}
+
+
+def prefill_then_capture(model, *args, **kwargs):
+    """generate()'s `_prefill` on a patched model (patcher.py installs it on the instance, bound to it): the class's
+    prefill, then `DecodeGraphs.after_prefill` on the cache it filled."""
+    out = type(model)._prefill(model, *args, **kwargs)
+    fwd = model.__dict__.get("forward")
+    fwd = getattr(fwd, "__func__", fwd)  # re-bound as a method (accelerate's unwrap_model)
+    if isinstance(fwd, DecodeGraphs):
+        cache = next((v for v in out.values() if isinstance(v, Cache)), None) if hasattr(out, "values") else None
+        logits = getattr(out, "logits", None)
+        if cache is not None and isinstance(logits, torch.Tensor):
+            fwd.after_prefill(cache, logits.shape[0])
+    return out

@@ -299,7 +299,7 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
             for key in ("cache", "past_key_values"):
                 c = model_kwargs.get(key)
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
-                    model_kwargs[key] = LongctxCache(self, for_generate=True)
+                    model_kwargs[key] = LongctxCache(self)
             return out
 
         top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
@@ -309,6 +309,10 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
 
         if not isinstance(top.__dict__.get("forward"), DecodeGraphs):
             top.forward = st.decode_graphs = DecodeGraphs(top, top.forward)
+        if hasattr(type(top), "_prefill"):  # generate()'s prefill: the decode graphs are captured when it ends
+            from .decode_graphs import prefill_then_capture
+
+            top._prefill = types.MethodType(prefill_then_capture, top)
     from .fused_ops import FusedOps
 
     st.fused = FusedOps()
@@ -324,6 +328,7 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
     st.ctx.fused_ops = None
     if st.generate_owner is not None:
         st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
+        st.generate_owner.__dict__.pop("_prefill", None)
         fwd = st.generate_owner.__dict__.get("forward")
         # ours, or ours re-bound as a method (accelerate's unwrap_model: MethodType(forward, model))
         if st.decode_graphs is not None and (fwd is st.decode_graphs or getattr(fwd, "__func__", None) is st.decode_graphs):

@@ -63,6 +63,26 @@ def test_a_second_generate_captures_ahead(simulate, method, config):
     torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("method,config", [("lola", LOLA), ("exact", {})])
+def test_graphs_are_captured_after_the_last_prefill_chunk(simulate, method, config):
+    """With `prefill_chunk_size` the prefill is several forwards: the graphs are captured once, when generate()'s
+    prefill has ended (a capture after an earlier chunk could hold tensors that a later chunk replaces, as a growing
+    KV buffer does)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, method, **config)
+    ids = torch.randint(3, 100, (2, 21))
+    lp.set_decode_graphs(model, False)
+    seq_e, sc_e, _ = greedy_with_scores(model, ids, 12, prefill_chunk_size=8)
+    lp.set_decode_graphs(model, True)
+    greedy_with_scores(model, ids[:, :9], 3, prefill_chunk_size=8)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 12, prefill_chunk_size=8)
+    st = dg.stats(cache_g)
+    assert st["eager_steps"] == 0 and st["replays"] == 11 and st["captures"] == st["graphs"], st
+    assert torch.equal(seq_g, seq_e)
+    torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 6}),
                                            ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2})])
 def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config):
