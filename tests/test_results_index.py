@@ -1,4 +1,4 @@
-"""evals/results/INDEX.md is what `python -m evals.index` writes from the result files (it cannot go stale), it
+"""benchmarks/results/INDEX.md is what `python -m benchmarks.index` writes from the result files (it cannot go stale), it
 lists every result JSON, every result says where, when and from what it came, and the files follow the layout."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from evals import index
+from benchmarks import index
 
-RESULTS = Path(__file__).resolve().parents[1] / "evals" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "ppl",
            "racecheck", "ruler", "speed", "speed-op", "synthetic"}
 # result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
@@ -28,7 +28,7 @@ def test_committed_index_is_what_the_results_give(tmp_path):
     out = tmp_path / "INDEX.md"
     assert index.main(["--results", str(RESULTS), "--out", str(out)]) == 0
     committed = (RESULTS / "INDEX.md").read_text()
-    assert out.read_text() == committed, "evals/results/INDEX.md is stale: run python -m evals.index"
+    assert out.read_text() == committed, "benchmarks/results/INDEX.md is stale: run python -m benchmarks.index"
     assert index.main(["--results", str(RESULTS), "--check"]) == 0
 
 
@@ -80,7 +80,7 @@ def test_files_are_laid_out_by_task():
             continue
         if rel.as_posix() == "INDEX.md":
             continue
-        assert len(rel.parts) == 2 and rel.parts[0] in FOLDERS, f"{rel}: results go in evals/results/<task>/"
+        assert len(rel.parts) == 2 and rel.parts[0] in FOLDERS, f"{rel}: results go in benchmarks/results/<task>/"
         assert p.suffix in (".json", ".png", ".log"), rel
         assert re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", rel.stem, re.IGNORECASE), rel
         if p.suffix == ".json":
