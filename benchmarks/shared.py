@@ -1,7 +1,7 @@
-"""Helpers used by several scripts of evals/.
+"""Helpers used by several scripts of benchmarks/.
 
 Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (the task's folder of the default
-results folder unless --out or $OUT says otherwise; evals/README.md, Results), with the file names' device and
+results folder unless --out or $OUT says otherwise; benchmarks/README.md, Results), with the file names' device and
 model parts from `device_token` and `model_token`.
 
 The studies that rebuild MuSe's cells selection use the package's own `kernels.muse.cells.take_top` and
@@ -39,7 +39,7 @@ def device_token(name: str | None = None) -> str:
 def results_dir(task: str, out: str | os.PathLike | None = None) -> Path:
     """The folder a script writes its result files to, made if missing: `out` when given (its --out, or $OUT on
     the device machine, whose files come back from there), else the task's folder of the default results folder:
-    <checkout>/evals/results/<task>, or $LONGCTX_RESULTS/<task> (`common.default_results_dir`)."""
+    <checkout>/benchmarks/results/<task>, or $LONGCTX_RESULTS/<task> (`common.default_results_dir`)."""
     d = Path(out) if out else default_results_dir() / task
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -11,7 +11,7 @@
    stopped by it reports ``steps_done`` < steps.
 3. All runs go through one process pool; after each run ``<prefix>-partial.json`` is written. At the end, per
    task, ``<prefix>-<task>.json`` + ``-length.png`` + ``-state.png`` (fields device, date, commit, command) and
-   the tables are printed; the prefix is ``<device>-<run>`` (evals/README.md, results), e.g. ``h200-seeds``.
+   the tables are printed; the prefix is ``<device>-<run>`` (benchmarks/README.md, results), e.g. ``h200-seeds``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Linearize SmolLM2-135M-Instruct on mixed text (essays, a book, Python source) at 4k sequences on one GPU, then
 # measure it on held-out text of two kinds that are not essays (Python modules never trained on, the last tenth of
 # the book) and on S-NIAH-1 in held-out essays. Run from the repository root on the GPU machine with the model at
-# $MODEL (see evals/README.md, "Running on a GPU") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
+# $MODEL (see benchmarks/README.md, "Running on a GPU") and the raw text carried in $SRC (pg_essays/ and books/tinyshakespeare.txt):
 #   LONGCTX_COMMIT=<sha> bash benchmarks/train/linearize_mixed.sh train OUT   # -> $RUN, asset in $RUN/assets
 #   LONGCTX_COMMIT=<sha> bash benchmarks/train/linearize_mixed.sh eval OUT    # perplexity + S-NIAH, every method
 #   LONGCTX_COMMIT=<sha> bash benchmarks/train/linearize_mixed.sh extend OUT  # recipes/linearize-extend.yaml at $EXTEND_SEQ

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Linearize SmolLM2-135M-Instruct on one GPU (recipes/linearize.yaml) and evaluate it. Two steps, run from the
-# repository root on the GPU machine, after the model is assembled at $MODEL (see evals/README.md, "Running on a GPU"):
+# repository root on the GPU machine, after the model is assembled at $MODEL (see benchmarks/README.md, "Running on a GPU"):
 #   benchmarks/train/linearize_smollm2.sh train   # attention transfer + LoRA -> $RUN, asset -> $RUN/asset
 #   benchmarks/train/linearize_smollm2.sh eval    # NIAH + perplexity: unpatched, sliding-window, lolcats, lola
 # Data (a git-ignored folder copied beside the repository): $DATA/train (essays + Shakespeare) and
@@ -11,7 +11,7 @@ STEP=${1:?usage: $0 train|eval}
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/linearize}
-OUT=${OUT:-benchmarks/results}  # result JSONs go to $OUT/<task>/ as in benchmarks/results (evals/README.md, results)
+OUT=${OUT:-benchmarks/results}  # result JSONs go to $OUT/<task>/ as in benchmarks/results (benchmarks/README.md, results)
 NAME=${NAME:-smollm2-135m-linearize}  # the finetune record: $OUT/finetune/$NAME-<device>.json
 DEV=${DEV:-$(python3 -c 'from benchmarks.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"

@@ -3,7 +3,7 @@
 # process on one GPU, DDP over two, FSDP2 over two; the same recipe and global batch, fixed step counts (no
 # time caps, so tokens/s compare). Then each run's weights are evaluated the same way (perplexity and
 # S-NIAH), and a summary JSON compares throughput and quality. Run from the repository root after the model
-# is assembled at $MODEL (evals/README.md, "Running on a GPU"):
+# is assembled at $MODEL (benchmarks/README.md, "Running on a GPU"):
 #   benchmarks/train/multigpu_linearize.sh
 # On a CPU (a smoke run of the script itself): NPROC=2 CPU=1 TRANSFER_STEPS=2 LORA_STEPS=2 SEQ=128 BATCH=2 \
 #   CONTEXTS=512 LENGTHS=512 SAMPLES=1 MODEL=smollm2-135m DATA=... benchmarks/train/multigpu_linearize.sh
@@ -11,7 +11,7 @@ set -euo pipefail
 MODEL=${MODEL:-/tmp/smollm2.gguf}
 DATA=${DATA:-.device-data}
 RUN=${RUN:-/tmp/multigpu}
-OUT=${OUT:-benchmarks/results}  # the summary goes to $OUT/multigpu/ as in benchmarks/results (evals/README.md, results)
+OUT=${OUT:-benchmarks/results}  # the summary goes to $OUT/multigpu/ as in benchmarks/results (benchmarks/README.md, results)
 DEV=${DEV:-$(python3 -c 'from benchmarks.shared import device_token; print(device_token())')}
 . "$(dirname "$0")/train_text.sh"
 NPROC=${NPROC:-2}

@@ -2,7 +2,7 @@
 # OVQ fine-tuned at a real budget (recipes/ovq-finetune.yaml, >= 20M tokens of the mixed text of linearize_mixed.sh:
 # essays, a book, Python source) on one GPU, with its reference: the same LoRA stage on the unpatched model. Then
 # perplexity on the held-out code and book at 4k and S-NIAH-1/2 in held-out essays, each model in its own process.
-# Run from the repository root on the GPU machine with the model at $MODEL (evals/README.md, "Running on a GPU")
+# Run from the repository root on the GPU machine with the model at $MODEL (benchmarks/README.md, "Running on a GPU")
 # and the raw text in $SRC (pg_essays/, books/tinyshakespeare.txt):
 #   LONGCTX_COMMIT=<sha> bash benchmarks/train/ovq_mixed.sh train OUT VARIANT...   # concurrently, -> $RUN/VARIANT/model
 #   LONGCTX_COMMIT=<sha> bash benchmarks/train/ovq_mixed.sh eval OUT VARIANT...    # concurrently, -> OUT/ovq-mixed-eval-*.tgz
