@@ -16,11 +16,32 @@ from pathlib import Path
 
 import torch
 
+from longctx_patch.errors import LongctxError
 from longctx_patch.evals.common import default_results_dir, slug
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"  # the results committed with the checkout (results/INDEX.md)
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"  # the essays of ../shared/data (pg_essays/) beside the checkout
+DATA_ENV = "LONGCTX_DATA"  # the folder of texts a benchmark reads (pg_essays/ ...), when no --data is given
+
+
+class DataFolderError(LongctxError, FileNotFoundError):
+    """A benchmark's text folder was not given, or is not a folder: pass --data or set $LONGCTX_DATA."""
+
+
+def data_dir(arg: str | os.PathLike | None = None, need: str | None = None) -> Path:
+    """The folder of texts a benchmark reads: `arg` (its --data) when given, else $LONGCTX_DATA. `need`: a subfolder
+    it must hold (e.g. 'pg_essays'). Raises DataFolderError, naming what to pass or set, when there is none."""
+    given = arg or os.environ.get(DATA_ENV)
+    if not given:
+        raise DataFolderError(f"no text folder: pass --data DIR or set ${DATA_ENV} to a folder"
+                              + (f" that holds {need}/" if need else ""))
+    d = Path(given).expanduser()
+    where = "--data" if arg else f"${DATA_ENV}"
+    if not d.is_dir():
+        raise DataFolderError(f"{where} is {d}, which is not a folder: pass --data DIR or set ${DATA_ENV}")
+    if need and not (d / need).is_dir():
+        raise DataFolderError(f"{where} is {d}, which has no {need}/ folder: point it at the folder that holds {need}/")
+    return d
 
 
 def device_token(name: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """MuSe fidelity on real Q/K/V: relative error of the attention output vs exact, per layer of SmolLM2-135M.
 
-Captures post-rotary Q/K/V of every layer on a real text (Paul Graham essays from ../shared/data), then runs
+Captures post-rotary Q/K/V of every layer on a real text (the essays of --data DIR/pg_essays, or of
+$LONGCTX_DATA/pg_essays), then runs
 the MuSe reference for each configuration of a small grid. CPU is enough (the Triton kernels compute the
 same function from the same plan; tests/test_muse_kernels.py checks that).
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 import longctx_patch
-from benchmarks.shared import SHARED_DATA, device_token, model_token, result_file
+from benchmarks.shared import data_dir, device_token, model_token, result_file
 from longctx_patch.evals.common import git_commit, size_label
 from longctx_patch.kernels.moba import moba_attention
 from longctx_patch.kernels.muse import muse_attention
@@ -81,9 +82,9 @@ def real_qkv(model_name: str, data: str, seq_len: int, device: str):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--data", default=str(SHARED_DATA))
+    ap.add_argument("--data", default=None, help="folder holding pg_essays/ (default $LONGCTX_DATA)")
     ap.add_argument("--layers", default="all", help="'all' or a comma list")
     ap.add_argument("--out", default=None, help="file (default benchmarks/results/muse/fidelity-<model>-<seq>-<device>.json)")
     ap.add_argument("--grid", default=None, help="JSON list of configs (default: the built-in GRID); a config with "
@@ -101,10 +102,11 @@ def main():
     args = ap.parse_args()
     if args.matched and args.grid:
         ap.error("--matched and --grid are alternatives: give one")
+    data = data_dir(args.data, need="pg_essays")
     out = result_file("muse", f"fidelity-{model_token(args.model)}-{size_label(args.seq_len)}"
                       f"{'' if args.dtype == 'float32' else '-bf16'}-{device_token(args.device)}.json", args.out)
     torch.manual_seed(0)
-    qkv, scale = real_qkv(args.model, args.data, args.seq_len, args.device)
+    qkv, scale = real_qkv(args.model, data, args.seq_len, args.device)
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     rows, refs = [], {}  # exact outputs, computed once per layer
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
