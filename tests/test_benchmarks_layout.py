@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -44,11 +45,28 @@ def test_scripts_are_grouped_by_what_they_measure():
     assert not misnamed, f"entry scripts are named {'/'.join(e + '*' for e in ENTRY)}: {misnamed}"
 
 
+def test_every_script_is_listed_in_the_readme():
+    """benchmarks/README.md names every entry script (as a module or a path) and every shell recipe, and nothing
+    that is not there."""
+    readme = (BENCH / "README.md").read_text()
+    shells = sorted(p for p in BENCH.rglob("*.sh") if p.parent.name in GROUPS)
+    named = {module_name(p) for p in entry_scripts()} | {p.relative_to(REPO).as_posix() for p in shells}
+    unlisted = sorted(n for n in named if f"`{n}`" not in readme)
+    assert not unlisted, f"scripts missing from benchmarks/README.md: {unlisted}"
+    listed = set(re.findall(r"`(benchmarks\.\w+\.\w+|benchmarks/\w+/\w+\.sh)`", readme))
+    stale = sorted(listed - named)
+    assert not stale, f"benchmarks/README.md lists scripts that are not in the tree: {stale}"
+
+
 @pytest.mark.parametrize("path", entry_scripts(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_script_says_what_it_measures(path):
     """The module docstring (which each script's --help prints) opens with what it measures or checks."""
-    doc = ast.get_docstring(ast.parse(path.read_text()))
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree)
     assert doc and len(doc.splitlines()[0].split()) >= 5, f"{path.name}: a docstring saying what it measures"
+    for node in ast.walk(tree):  # a script with options prints that line first in its --help
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+            assert any(k.arg == "description" for k in node.keywords), f"{path.name}: ArgumentParser(description=...)"
 
 
 @pytest.mark.parametrize("path", script_files(), ids=lambda p: str(p.relative_to(REPO)))

@@ -128,7 +128,7 @@ def count(method: str, backend: str, feature_cache: bool | None, prompt: int, st
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
     ap.add_argument("--methods", default="lola,lolcats")
     ap.add_argument("--feature-cache", default="both", choices=("both", "on", "off", "default"))

@@ -87,7 +87,7 @@ def check(method, dtype, S=777):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder (default $OUT, else benchmarks/results/gpu-integration)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 for a slow smoke run")
     ap.add_argument("--seq", type=int, default=777)
