@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs (longctx_patch/decode_graphs.py), checked on the CPU with the simulated
 replay: a replay re-runs the step with the layers' host fields as they were at its capture, which is what a CUDA
 graph bakes in. A graph key that left out something a step reads from the host gives other logits than the eager
-decode, so these tests check the keys and the host bookkeeping; the GPU run (evals/bench/generate_speed.py
+decode, so these tests check the keys and the host bookkeeping; the GPU run (benchmarks/generate/bench_generate.py
 --decode-graphs both) checks the same equality with real graphs."""
 
 import pytest

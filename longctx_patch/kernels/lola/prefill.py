@@ -115,7 +115,7 @@ def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask
     ev.run(graph=graph)
     # Overlapping pass 2 with the evictions (pass 2 in 4 segments on a low-priority stream, evictions on a
     # high-priority one) measured the same on the H200 (5.98 vs 5.64 ms, 8.23 vs 8.52 ms at 32k, D = 64:
-    # evals/results/lola-speed.json): the attention blocks fill the SMs whenever they run. One pass.
+    # benchmarks/results/lola/speed-h200-34dbded.json): the attention blocks fill the SMs whenever they run. One pass.
 
     # each block of keys' linear state: its chunk's H plus the keys since the chunk's first buffered key
     cs = math.gcd(math.gcd(W, C), 256)  # a multiple of 16 that divides both: chunk starts fall on blocks

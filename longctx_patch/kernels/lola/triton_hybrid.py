@@ -426,7 +426,7 @@ def _feature_map_kernel(
 def fmap_precision(w) -> str:
     """The feature map's projection precision: for fp32 weights TUNE["fmap_prec"] when set, else "tf32x3" (three
     tf32 tensor-core products at fp32's accuracy: H200, the trainer's step 1.7% (transfer) / 3.6% (LoRA) faster
-    than "ieee", evals/results/finetune/train-throughput-fmap-prec-h200.json) on a GPU with tf32 (compute
+    than "ieee", benchmarks/results/finetune/train-throughput-fmap-prec-h200.json) on a GPU with tf32 (compute
     capability 8+) and "ieee" elsewhere (the interpreter, older GPUs); for other weights "tf32" (which bf16
     operands ignore). The forward and the backward's recomputation take the same."""
     if w.dtype != torch.float32:
