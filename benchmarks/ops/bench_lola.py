@@ -100,7 +100,7 @@ def rel(a, b) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
-from longctx_patch.kernels.lola.ops import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 
@@ -164,19 +164,19 @@ def check():
     for kk, vv in out.items():
         row(f"check {kk}", f"{vv:.2e}")
     # CUDA-graph prefill == eager chunks (same kernels): 4096 tokens, chunk 256
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import prefill as lprefill, sparse_cache as lsc
 
     q, k, v, fq, fk, g, lf, _, Wk = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
     Wk16 = Wk.to(torch.bfloat16)
     for par in (True, False):  # the two-pass prefill's eviction graph, and the chunk loop's per-chunk graph
         res = []
-        lops.PARALLEL_PREFILL = par
+        lprefill.PARALLEL_PREFILL = par
         for graph in (False, True):
-            lops.GRAPH_PREFILL = graph
+            lsc.GRAPH_PREFILL = graph
             st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
             res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
                                      chunk=256, lam=256, scale=128 ** -0.5, backend="triton"), st))
-        lops.GRAPH_PREFILL = lops.PARALLEL_PREFILL = True
+        lsc.GRAPH_PREFILL = lprefill.PARALLEL_PREFILL = True
         tag = "" if par else "_chunk_loop"
         out[f"graph_vs_eager{tag}_out"] = rel(res[1][0], res[0][0])
         out[f"graph_vs_eager{tag}_H"] = rel(res[1][1].H, res[0][1].H)
@@ -203,21 +203,21 @@ def _prefill(D, label):
     r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, k, v, fq, fk, g, lf, st_[0], st_[1], window=256,
                                                                       scale=scale, q_offset=0, state_chunk=256))
     del st_
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import prefill as lprefill, sparse_cache as lsc
 
     # two-pass prefill (all evictions, then all chunks at once; evictions replayed from a CUDA graph or eager)
     # and the chunk loop it replaces (CUDA graph per chunk)
     for chunk in (256, 1024):
         for mode in ("parallel", "parallel_eager", "loop_graph"):
-            lops.PARALLEL_PREFILL = mode.startswith("parallel")
-            lops.GRAPH_PREFILL = mode != "parallel_eager"
+            lprefill.PARALLEL_PREFILL = mode.startswith("parallel")
+            lsc.GRAPH_PREFILL = mode != "parallel_eager"
 
             def lola_once(chunk=chunk):
                 st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
                 return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
                                     chunk=chunk, lam=256, scale=scale, backend="triton")
             r[f"lola_eta256_lam256_chunk{chunk}_{mode}_ms"] = bench(lola_once, rep=300)
-        lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
+        lprefill.PARALLEL_PREFILL = lsc.GRAPH_PREFILL = True
         # pass 1 alone: the evictions
         fk_all = tk.feature_map(k, Wk16)
 
@@ -253,7 +253,7 @@ def _prefill(D, label):
                 torch.cuda.set_sync_debug_mode(0)
             r[f"lola_chunk{chunk}_host_syncs"] = [str(w.message)[:160] for w in wl][:8]
         del fk_all
-    lops.PARALLEL_PREFILL = lops.GRAPH_PREFILL = True
+    lprefill.PARALLEL_PREFILL = lsc.GRAPH_PREFILL = True
 
     def lola_query_heads():  # the per-query-head sparse cache (sparse_heads=query), for comparison
         st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV, sparse_heads=Hq)
@@ -429,12 +429,12 @@ def profile():
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import sparse_cache as lsc
 
     B, Hq, Hkv, D, F, S = 1, sz(32, 4), sz(8, 2), 64, sz(64, 8), sz(32768, 640)
     q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=3)
     Wk16 = Wk.to(q.dtype)
-    lops.GRAPH_PREFILL = False
+    lsc.GRAPH_PREFILL = False
     for chunk in (sz(256, 32), sz(1024, 64)):
         kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=sz(256, 32), chunk=chunk, lam=sz(256, 32),
                   scale=D ** -0.5, backend="triton")
@@ -463,7 +463,7 @@ def profile():
         row(f"profile chunk{chunk} kernels / GPU us", f"{RES[name]['kernels']} / {RES[name]['gpu_us']}")
         for n, t, c in rows[:10]:
             row(f"profile chunk{chunk} {n[:44]}", f"{t} us x{c}")
-    lops.GRAPH_PREFILL = True
+    lsc.GRAPH_PREFILL = True
 
 
 @section("tune", 40)

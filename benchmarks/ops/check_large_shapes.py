@@ -8,7 +8,7 @@ under `compute-sanitizer --tool memcheck` (`--memcheck`; slow: pick one case wit
     python3 -m benchmarks.ops.check_large_shapes --list                  # the cases and their shapes (no GPU needed)
 
 Cases (Llama-3.2-1B heads unless said: 32 q / 8 kv heads):
-  lola_prefill    LoLA fresh Triton prefill (`_lola_parallel`), batch 16 x 32k, D 64, feature dim 64 (F2 128):
+  lola_prefill    LoLA fresh Triton prefill (`prefill.lola_parallel`), batch 16 x 32k, D 64, feature dim 64 (F2 128):
                   phi(k) has B Hq S F2 = 2^31 elements, H_all 513 slots of 2^22
   lolcats_hybrid  LoLCATs hybrid prefill, batch 16 x 32k, D 64, F2 128: phi(q), phi(k) 2^31 elements
   decode_exact    exact few-query decode kernel on a batch 64 x 32k cache, D 128: k, v have 2^31 elements
@@ -103,7 +103,7 @@ def _lola_inputs(B, S, Hq=32, Hkv=8, D=64, F=64, seed=0):
 def case_lola_prefill() -> dict:
     import torch
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola.ops import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaState, lola_process
 
     B, S, Hq, Hkv, D = 16, sz(32768, 192), sz(32, 4), sz(8, 2), 64
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B if not SMOKE else 2, S, Hq, Hkv)
@@ -153,7 +153,7 @@ def case_decode_exact() -> dict:
 def case_lola_decode() -> dict:
     import torch
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola.ops import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaState, lola_process
 
     B, S, steps, Hq, Hkv, D = sz(64, 2), 128, sz(4, 2), sz(32, 4), sz(8, 2), 64
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B, S + steps, Hq, Hkv, seed=3)

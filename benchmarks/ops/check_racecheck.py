@@ -61,7 +61,7 @@ def check_lolcats(S: int) -> None:
 
 def check_lola(S: int, steps: int = 6) -> None:
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola.ops import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaState, lola_process
 
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, fq, fk, gw, lf, Wk, km = lola_inputs(S + steps, 64, dtype, seed=2)
