@@ -35,10 +35,10 @@ import time
 import torch
 
 from evals.shared import SHARED_DATA, device_token, model_token, result_file
-from longctx_patch.kernels.muse.cells import take_top
+from longctx_patch.kernels.muse.reference_cells import take_top
 from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit, size_label
-from longctx_patch.kernels.muse.cells import cell_summaries, cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.reference_cells import cell_summaries, cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS

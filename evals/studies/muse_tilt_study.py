@@ -31,7 +31,7 @@ import torch
 from evals.shared import SHARED_DATA, device_token, model_token, result_file
 from evals.studies.muse_fidelity import real_qkv
 from longctx_patch.evals.common import git_commit, size_label
-from longctx_patch.kernels.muse.cells import cell_summaries, make_cells_plan
+from longctx_patch.kernels.muse.reference_cells import cell_summaries, make_cells_plan
 from longctx_patch.kernels.muse.plan import lloyd, log_counts
 
 NINF = -math.inf

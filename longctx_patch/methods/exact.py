@@ -1,4 +1,4 @@
-"""`exact`: reference causal softmax attention (kernels/softmax.py), the baseline every method is compared to."""
+"""`exact`: reference causal softmax attention (kernels/softmax/), the baseline every method is compared to."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """MuSe (multipole semantic attention) kernels: `ops` (the dispatch `muse_attention` and the Triton paths'
 `autograd.Function`s), `plan` / `cells` (the clustering and retrieval plans), `reference` / `cells` (PyTorch),
-`support` (which inputs the kernels take), `triton_kernels` / `triton_cells` / `triton_cluster` (the kernels).
+`support` (which inputs the kernels take), `triton_planned` / `triton_cells` / `triton_cluster` (the kernels).
 
 `muse_attention(q, k, v, ...)` is the entry point (see its docstring); docs/muse.md has the maths.
 """

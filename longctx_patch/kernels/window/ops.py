@@ -8,7 +8,7 @@ all blocks: `S / block` attention problems of `G * block x (block + W)`, instead
 dense mask. Differentiable (SDPA and `unfold` have backward passes). The band mask is the same for every block;
 key validity (the left edge, the padded tail, left padding) is the only per-block part.
 
-`softmax_attention` (kernels/softmax.py) routes windowed calls with many queries here (`use_banded`). Where no
+`softmax_attention` (kernels/softmax/) routes windowed calls with many queries here (`use_banded`). Where no
 gradient is needed on CUDA it takes `window_attention_triton` instead: a flash-style Triton forward
 (`triton_window.py`) that reads q, k, v once and materialises neither the bands nor the mask.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import attention_kernel_missing
+from ..backend import attention_kernel_missing
 
 
 def band_block(window: int) -> int:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRET, next_power_of_2
-from .triton_lib import rounded
+from ..backend import INTERPRET, next_power_of_2
+from ..triton_lib import rounded
 
 
 @triton.jit

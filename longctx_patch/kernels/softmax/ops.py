@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from .window import banded_window_attention, use_banded, window_attention_triton, window_kernel_route
+from ..window import banded_window_attention, use_banded, window_attention_triton, window_kernel_route
 
 
 def attention_mask(
@@ -91,7 +91,7 @@ def softmax_attention(
     if not simple and Sq < Sk and Sq * G <= Sk and q.is_cuda:
         # few queries under a mask (a padded batch's decode step or tail, a window): split-key Triton kernels,
         # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode/)
-        from .decode import decode_kernel_supported, launch_masked_few_query
+        from ..decode import decode_kernel_supported, launch_masked_few_query
 
         if decode_kernel_supported(q, k, v) is None:
             return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=None)
