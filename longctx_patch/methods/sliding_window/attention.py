@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Method, MethodConfig, option, register_method
-from ..kernels.softmax import softmax_attention
-from .exact import ExactAttention
-from .kv_layer import KVBufferLayer
+from ..base import Method, MethodConfig, option, register_method
+from ...kernels.softmax import softmax_attention
+from ..exact import ExactAttention
+from ..kv_layer import KVBufferLayer
 
 __all__ = ["KVBufferLayer", "SlidingWindow", "SlidingWindowAttention", "SlidingWindowConfig"]
 

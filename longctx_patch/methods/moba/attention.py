@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from ..kernels.moba import BACKENDS, GATINGS, moba_attention
-from .base import Method, MethodConfig, option, register_method
-from .exact import ExactAttention
-from .kv_layer import KVBufferLayer
+from ...errors import ConfigError
+from ...kernels.moba import BACKENDS, GATINGS, moba_attention
+from ..base import Method, MethodConfig, option, register_method
+from ..exact import ExactAttention
+from ..kv_layer import KVBufferLayer
 
 
 @dataclass

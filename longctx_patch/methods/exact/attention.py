@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.softmax import key_mask_for, softmax_attention
-from .base import Method, MethodConfig, PatchedAttention, register_method
-from .kv_layer import KVBufferLayer, kv_buffer_bytes
+from ...kernels.softmax import key_mask_for, softmax_attention
+from ..base import Method, MethodConfig, PatchedAttention, register_method
+from ..kv_layer import KVBufferLayer, kv_buffer_bytes
 
 
 @dataclass
