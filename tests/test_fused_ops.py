@@ -58,6 +58,24 @@ def test_rotary_matches_apply_rotary_pos_emb(dtype, D, S):
             assert torch.equal(g, w), (g.float() - w.float()).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_references_are_the_model_code(dtype):
+    """kernels/model_ops/reference.py computes what transformers' own functions and modules compute, bit for bit."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = _projected(2, 9, 6, 64, dtype, 0), _projected(2, 9, 2, 64, dtype, 1)
+    cos, sin = _rope(2, 9, 64, dtype)
+    for w, g in zip(apply_rotary_pos_emb(q, k, cos, sin), model_ops.rotary_reference(q, k, cos, sin)):
+        assert torch.equal(g, w)
+    x = (torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
+    for wdtype in (dtype, torch.float32):
+        for norm in _norms(64, dtype, wdtype):
+            with torch.no_grad():
+                assert torch.equal(model_ops.rms_norm_reference(x, norm.weight, norm.variance_epsilon), norm(x))
+    a, b = x * 3, x.flip(-1)
+    assert torch.equal(model_ops.silu_mul_reference(a, b), F.silu(a) * b)
+
+
 def test_rotary_refuses_what_it_does_not_compute():
     q, k = _projected(1, 3, 4, 64, torch.float32, 0), _projected(1, 3, 2, 64, torch.float32, 1)
     cos, sin = _rope(1, 3, 64, torch.float32)
