@@ -36,6 +36,7 @@ LAYERS = (
     (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
+    (f"{ROOT}.patch_state", 1),  # the patch kept on the model, read by the methods, the cache and the API
     (f"{ROOT}.methods", 2),
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert
     (f"{ROOT}.train", 4),
