@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, LongctxError
-from ..evals.common import git_commit
+from ..provenance import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
 from .data import PackedData, load_documents, make_packed, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
