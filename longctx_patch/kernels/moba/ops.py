@@ -1,7 +1,8 @@
 """The dispatch of MoBA attention: exact attention where MoBA cannot differ from it; block gating over a whole
 sequence through the block-list Triton kernels (MuSe's cells kernels without a far field,
-`kernels.muse.listed_blocks_triton`, taken through the muse package's interface), forward and backward; else the PyTorch reference (dense logits per chunk of
-queries under the MoBA mask: O(Sq * Sk) work, as exact attention). docs/moba.md.
+`kernels.muse.listed_blocks_triton`, taken through the muse package's interface), forward and backward; else the
+PyTorch reference (dense logits per chunk of queries under the MoBA mask: O(Sq * Sk) work, as exact attention).
+docs/moba.md.
 """
 
 from __future__ import annotations
