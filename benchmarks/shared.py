@@ -4,7 +4,7 @@ Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (t
 results folder unless --out or $OUT says otherwise; benchmarks/README.md, Results), with the file names' device and
 model parts from `device_token` and `model_token`.
 
-The studies that rebuild MuSe's cells selection use the package's own `kernels.muse.cells.take_top` and
+The studies that rebuild MuSe's cells selection use the package's own `kernels.muse.reference_cells.take_top` and
 `kernels.muse.plan.block_view`.
 """
 

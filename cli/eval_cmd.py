@@ -2,121 +2,15 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 
 import click
 
-from .common import check_device_dtype, check_layers_spec, device_dtype_options, friendly_errors, load, model_option
-
-METHOD_HELP = (
-    "Method to evaluate, repeatable: several --method compare methods on the same inputs in one run "
-    "(the model is loaded once). 'none' (or 'unpatched') is the unpatched model. NAME(KEY=VALUE,...) gives one "
-    "entry its own config, so a method can be compared with itself: --method 'lola(window=64,sparse_cache=64)' "
-    "--method lola. layers=RANGES patches only those decoder layers and leaves the others exact, e.g. "
-    "--method 'lola(layers=0-23)' or 'lola(layers=0-3+26-29)'. See 'longctx info'."
-)
-SET_HELP = (
-    "Method config, repeatable: METHOD.KEY=VALUE sets KEY of one method (e.g. --set sliding-window.window=256); "
-    "a plain KEY=VALUE sets KEY on every selected method that has it."
-)
-
-
-def method_options(default=("exact",)):
-    def deco(f):
-        f = click.option("--set", "sets", multiple=True, metavar="[METHOD.]KEY=VALUE", help=SET_HELP)(f)
-        f = click.option("--method", "methods", multiple=True, default=default, show_default=True, metavar="METHOD",
-                         help=METHOD_HELP)(f)
-        return f
-
-    return deco
-
-
-def _default_out_dir(ctx, param, value):
-    """No --out-dir: the run_* functions' default results folder (resolved when they write)."""
-    if value is not None:
-        return value
-    from longctx_patch.evals.common import RESULTS_DEFAULT
-
-    return RESULTS_DEFAULT
-
-
-def output_options(f):
-    f = click.option("--name", default=None, metavar="NAME",
-                     help="Base name of the result files (default: TASK-MODEL-METHODS).")(f)
-    f = click.option("--out-dir", default=None, type=click.Path(file_okay=False), callback=_default_out_dir,
-                     help="Folder for NAME.json and NAME.png (default: $LONGCTX_RESULTS/TASK when set; inside a "
-                          "checkout of this repository its benchmarks/results/TASK; else "
-                          "~/.local/share/longctx-patch/results/TASK).")(f)
-    return f
-
-
-def text_options(f):
-    f = click.option("--max-docs", default=None, type=click.IntRange(1), help="Use at most this many documents.")(f)
-    f = click.option("--field", default="text", show_default=True, help="Dataset column holding the text.")(f)
-    f = click.option("--split", default="test", show_default=True, help="Dataset split.")(f)
-    f = click.option("--dataset", default=None, metavar="NAME",
-                     help="A `datasets` dataset (hub name in the local cache, or a folder saved with save_to_disk).")(f)
-    f = click.option("--text", "texts", multiple=True, type=click.Path(), metavar="FILE|DIR",
-                     help="A text file or a folder of .txt files (repeatable). Default: the packaged Shakespeare text.")(f)
-    return f
-
-
-def _command() -> str:
-    """The effective command line (every option, defaults included) of the running subcommand."""
-    ctx = click.get_current_context()
-    parts = ["longctx", "eval", ctx.info_name]
-    for p in ctx.command.params:
-        if not isinstance(p, click.Option) or p.name not in ctx.params:
-            continue
-        value = ctx.params[p.name]
-        opt = max(p.opts, key=len)
-        if p.is_flag:
-            if p.secondary_opts and not value:
-                parts.append(max(p.secondary_opts, key=len))
-            elif value:
-                parts.append(opt)
-        elif value is None:
-            continue
-        elif p.multiple:
-            for v in value:
-                parts += [opt, str(v)]
-        else:
-            parts += [opt, str(value)]
-    return shlex.join(parts)
-
-
-def _runs(methods, sets, baseline: bool = False):
-    from longctx_patch.evals.common import MethodRun, parse_methods
-    from longctx_patch.methods import split_method_spec
-
-    runs = parse_methods(methods, sets)
-    for raw in methods:  # parse_methods has read them; the CLI's layer indices are 0-based
-        for item in split_method_spec(raw)[1]:
-            k, v = (x.strip() for x in item.split("=", 1))
-            if k == "layers":
-                check_layers_spec(v, f"--method {raw!r}", "layers=0-7+12")
-    if baseline and not any(r.name in ("exact", "none") for r in runs):
-        runs.insert(0, MethodRun("exact"))
-    return runs
-
-
-def _load(model, dtype, device, runs, extra_layers=()):
-    """Loads MODEL; the layer selections of the patched runs (and `extra_layers`) are checked against it before
-    any run starts, and an unsupported architecture fails before the load when its config can be read."""
-    specs = [r.layers for r in runs if r.patched] + list(extra_layers)
-    return load(model, device, dtype, layer_specs=specs or None)
-
-
-def _docs(texts, dataset, split, field, max_docs):
-    from longctx_patch.evals.niah import DEFAULT_HAYSTACK
-    from longctx_patch.evals.ppl import load_texts
-
-    if not texts and dataset is None:
-        return load_texts(DEFAULT_HAYSTACK, max_docs=max_docs), f"{DEFAULT_HAYSTACK.name} (packaged)"
-    docs = load_texts(list(texts) or None, dataset=dataset, split=split, field=field, max_docs=max_docs)
-    source = ", ".join(texts) if texts else f"{dataset}:{split}:{field}"
-    return docs, source
+from .common import check_device_dtype, check_layers_spec, device_dtype_options, friendly_errors, model_option
+from .eval_options import (effective_command, eval_docs, load_for_runs, method_options, method_runs, output_options,
+                           text_options)
+from .eval_ruler_cmd import ruler_cmd
+from .eval_synthetic_cmd import icl_cmd, icr_cmd
 
 
 @click.group("eval", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -172,7 +66,7 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
     from longctx_patch.evals.niah import TASKS, load_haystack, run_niah
 
     check_device_dtype(device, dtype)
-    runs = _runs(methods, sets)
+    runs = method_runs(methods, sets)
     task_list = [t.strip().lower() for t in tasks.split(",") if t.strip()]
     bad = [t for t in task_list if t not in TASKS]
     if bad or not task_list:
@@ -181,9 +75,9 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
     length_list, depth_list = parse_sizes(lengths), parse_fractions(depths)
     if haystack is not None:
         load_haystack(haystack)  # fail on a bad path before loading the model
-    pair = _load(model, dtype, device, runs)
+    pair = load_for_runs(model, dtype, device, runs)
     run_niah(pair, runs, tasks=task_list, lengths=length_list, depths=depth_list, samples=samples, seed=seed,
-             haystack=haystack, out_dir=out_dir, name=name, model_name=model, command=_command(), progress=progress,
+             haystack=haystack, out_dir=out_dir, name=name, model_name=model, command=effective_command(), progress=progress,
              echo=click.echo)
 
 
@@ -213,12 +107,12 @@ def ppl_cmd(model, methods, sets, texts, dataset, split, field, max_docs, contex
     from longctx_patch.evals.ppl import run_ppl
 
     check_device_dtype(device, dtype)
-    runs = _runs(methods, sets, baseline=baseline)
+    runs = method_runs(methods, sets, baseline=baseline)
     ctx_list = parse_sizes(contexts)
-    docs, source = _docs(texts, dataset, split, field, max_docs)
-    pair = _load(model, dtype, device, runs)
+    docs, source = eval_docs(texts, dataset, split, field, max_docs)
+    pair = load_for_runs(model, dtype, device, runs)
     run_ppl(pair, runs, docs, contexts=ctx_list, max_windows=windows, buckets=buckets, out_dir=out_dir, name=name,
-            model_name=model, source=source, command=_command(), progress=progress, echo=click.echo)
+            model_name=model, source=source, command=effective_command(), progress=progress, echo=click.echo)
 
 
 # --------------------------------------------------------------------------------------------- approx
@@ -249,7 +143,7 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
     from longctx_patch.patcher import parse_layers
 
     check_device_dtype(device, dtype)
-    runs = _runs(methods, sets)
+    runs = method_runs(methods, sets)
     synth = parse_sizes(lengths) if lengths.strip() else []
     if no_real and not synth:
         raise click.UsageError("--no-real needs --lengths (random inputs), or there is nothing to measure")
@@ -257,10 +151,10 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
     if layers is not None:
         check_layers_spec(layers)
         parse_layers(layers, sys.maxsize)  # the syntax now; the range once the model is loaded
-    docs, source = (None, "") if no_real else _docs(texts, dataset, split, field, max_docs)
-    pair = _load(model, dtype, device, runs, extra_layers=[layers])
+    docs, source = (None, "") if no_real else eval_docs(texts, dataset, split, field, max_docs)
+    pair = load_for_runs(model, dtype, device, runs, extra_layers=[layers])
     run_approx(pair, runs, docs, length=real_length, lengths=synth, layers=layers, seed=seed, out_dir=out_dir,
-               name=name, model_name=model, source=source, command=_command(), echo=click.echo)
+               name=name, model_name=model, source=source, command=effective_command(), echo=click.echo)
 
 
 # --------------------------------------------------------------------------------------------- speed
@@ -306,23 +200,27 @@ def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, re
     from longctx_patch.evals.speed import run_op_speed, run_speed
 
     if op:
-        runs = _runs(methods, sets)
+        runs = method_runs(methods, sets)
         run_op_speed(runs, lengths=parse_sizes(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype or "bfloat16", modes=[m.strip() for m in modes.split(",") if m.strip()],
-                     out_dir=out_dir, name=name, command=_command(), echo=click.echo)
+                     out_dir=out_dir, name=name, command=effective_command(), echo=click.echo)
         return
     check_device_dtype(device, dtype)
-    runs = _runs(methods, sets, baseline=baseline)
+    runs = method_runs(methods, sets, baseline=baseline)
     ctx_list = parse_sizes(contexts)
     try:
         batch_list = [int(b) for b in batches.split(",") if b.strip()]
     except ValueError:
         raise click.BadParameter(f"{batches!r}: write batch sizes as integers, e.g. 1,16,64", param_hint="--batch")
-    pair = _load(model, dtype, device, runs)
+    pair = load_for_runs(model, dtype, device, runs)
     run_speed(pair, runs, contexts=ctx_list, batches=batch_list, decode_tokens=decode_tokens, static=static,
               repeats=repeats, prefill_chunk=prefill_chunk, out_dir=out_dir, name=name,
-              model_name=model, command=_command(), echo=click.echo)
+              model_name=model, command=effective_command(), echo=click.echo)
+
+
+eval_group.add_command(ruler_cmd)
+eval_group.add_command(icr_cmd)
+eval_group.add_command(icl_cmd)
 
 
 __all__ = ["eval_group"]
-from . import eval_ruler_cmd  # noqa: E402,F401  (registers `longctx eval ruler` on eval_group)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .common import check_device_dtype, device_dtype_options, friendly_errors, model_option
-from .eval_cmd import _command, _load, _runs, eval_group, method_options, output_options
+from .eval_options import effective_command, load_for_runs, method_options, method_runs, output_options
 
 TASKS_HELP = (
     "Comma-separated RULER tasks, or 'all': niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue, niah_multiquery "
@@ -13,7 +13,7 @@ TASKS_HELP = (
 )
 
 
-@eval_group.command("ruler")
+@click.command("ruler")
 @model_option
 @method_options(default=("exact",))
 @click.option("--tasks", default="all", show_default=True, help=TASKS_HELP)
@@ -48,16 +48,16 @@ def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, pro
     from longctx_patch.evals.ruler import TASKS, load_ruler_haystack, run_ruler
 
     check_device_dtype(device, dtype)
-    runs = _runs(methods, sets)
+    runs = method_runs(methods, sets)
     task_list = list(TASKS) if tasks.strip().lower() == "all" else [t.strip().lower() for t in tasks.split(",") if t.strip()]
     bad = [t for t in task_list if t not in TASKS]
     if bad or not task_list:
         raise ConfigError(f"unknown ruler task(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
     length_list = parse_sizes(lengths)
     load_ruler_haystack(haystack)  # fail on a bad path before loading the model
-    pair = _load(model, dtype, device, runs)
+    pair = load_for_runs(model, dtype, device, runs)
     run_ruler(pair, runs, tasks=task_list, lengths=length_list, samples=samples, seed=seed, haystack=haystack,
-              out_dir=out_dir, name=name, model_name=model, command=_command(), progress=progress, echo=click.echo)
+              out_dir=out_dir, name=name, model_name=model, command=effective_command(), progress=progress, echo=click.echo)
 
 
 __all__ = ["ruler_cmd"]

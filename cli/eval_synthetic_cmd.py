@@ -13,7 +13,7 @@ import warnings
 import click
 
 from .common import friendly_errors
-from .eval_cmd import _command  # the effective command line, shared with the other eval verbs
+from .eval_options import effective_command
 
 MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME(KEY=VALUE,...), as --method takes "
               "(softmax, sliding, linear, hedgehog, vq, ovq, lolcats, lola; e.g. 'ovq(max_centroids=128,growth=64)'; "
@@ -116,7 +116,7 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
     from longctx_patch.evals.common import default_results_dir
 
     path = (Path(out_dir) if out_dir is not None else default_results_dir() / "synthetic") / f"{name}.json"
-    text, _ = write_report(path, task, specs, records, lengths, mcfg, tcfg, label=label, command=_command(),
+    text, _ = write_report(path, task, specs, records, lengths, mcfg, tcfg, label=label, command=effective_command(),
                            plots=plots, extra=extra)
     click.echo(f"\n{task.name} {label}\n{text}\n-> {path}")
     failed = [r for r in records if r.get("error")]

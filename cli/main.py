@@ -256,11 +256,8 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
 
 # --------------------------------------------------------------------------------------------- sub-verbs
 from .eval_cmd import eval_group  # noqa: E402
-from .eval_synthetic_cmd import icl_cmd, icr_cmd  # noqa: E402
 from .finetune_cmd import finetune_cmd  # noqa: E402
 
-eval_group.add_command(icr_cmd)
-eval_group.add_command(icl_cmd)
 main.add_command(eval_group)
 main.add_command(finetune_cmd)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
-from .kernels.fused import rotary, rotary_missing
+from .kernels.model_ops import rotary, rotary_missing
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class ArchAdapter:
         """q [B, Hq, S, D], k/v [B, Hkv, S, D] after the optional q/k norm and rotary, as the original does.
 
         fused: the patch's fused-ops mode (fused_ops.py; None = off): "auto" / "triton" apply the rotary embedding
-        of q and k in one kernel (`kernels/fused.py`, the same values) where `rotary_missing` allows it and the
+        of q and k in one kernel (`kernels/model_ops/`, the same values) where `rotary_missing` allows it and the
         family's rotary function is the standard one."""
         shape = (*hidden_states.shape[:-1], -1, head_dim)
         q = attn.q_proj(hidden_states).view(shape)

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .methods.cache_layer import LongctxLayer
-from .methods.patch_access import patched_modules
+from .patch_state import patched_modules
 
 __all__ = ["LongctxCache", "LongctxLayer", "cache_argument"]
 

@@ -11,7 +11,7 @@ host. Each layer says what its step depends on (`graph_key()`); the model's key 
 plus the batch shape, so a LoLA model has two graphs (a step, and the step that evicts). Everything else a step
 reads must be device state updated in place (a graph keeps the addresses it was captured with).
 
-Captured ahead: when `generate()`'s prefill ends (`prefill_then_capture`, installed on the model as its `_prefill`),
+Captured ahead: when `generate()`'s prefill ends (`PrefillThenCapture`, installed on the model as its `_prefill`),
 the first decode step's graph and those of the keys the layers will need later (`graph_variants()`, e.g. LoLA's
 evicting step) are captured at once, so that no decode step pays a capture. Only where a step of that shape and
 key ran in this process before (a capture cannot compile kernels); otherwise the first decode step runs eagerly
@@ -368,15 +368,26 @@ def stats(cache) -> dict | None:
             "graphs": len(store.graphs)}
 
 
-def prefill_then_capture(model, *args, **kwargs):
-    """generate()'s `_prefill` on a patched model (patcher.py installs it on the instance, bound to it): the class's
-    prefill, then `DecodeGraphs.after_prefill` on the cache it filled."""
-    out = type(model)._prefill(model, *args, **kwargs)
-    fwd = model.__dict__.get("forward")
-    fwd = getattr(fwd, "__func__", fwd)  # re-bound as a method (accelerate's unwrap_model)
-    if isinstance(fwd, DecodeGraphs):
-        cache = next((v for v in out.values() if isinstance(v, Cache)), None) if hasattr(out, "values") else None
-        logits = getattr(out, "logits", None)
-        if cache is not None and isinstance(logits, torch.Tensor):
-            fwd.after_prefill(cache, logits.shape[0])
-    return out
+class PrefillThenCapture:
+    """generate()'s `_prefill`, installed on a patched model (patcher.py): the model's own prefill, then
+    `DecodeGraphs.after_prefill` on the cache it filled. An object holding its model, not a closure, so that deep
+    copies and pickles of the model carry it with their own model."""
+
+    def __init__(self, model, previous=None):
+        self.model = model
+        self.previous = previous  # an override the instance had before the patch (None: the class's method)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        if self.previous is not None:
+            out = self.previous(*args, **kwargs)
+        else:
+            out = type(model)._prefill(model, *args, **kwargs)
+        fwd = model.__dict__.get("forward")
+        fwd = getattr(fwd, "__func__", fwd)  # re-bound as a method (accelerate's unwrap_model)
+        if isinstance(fwd, DecodeGraphs):
+            cache = next((v for v in out.values() if isinstance(v, Cache)), None) if hasattr(out, "values") else None
+            logits = getattr(out, "logits", None)
+            if cache is not None and isinstance(logits, torch.Tensor):
+                fwd.after_prefill(cache, logits.shape[0])
+        return out

@@ -13,7 +13,7 @@ then bound by the count of those tiny kernels, not by bytes. With fused ops on:
 
 Only on modules of the standard classes of the family's transformers modeling module (LlamaRMSNorm, Qwen2RMSNorm,
 MistralRMSNorm, Qwen3RMSNorm; LlamaMLP ... with a SiLU activation; the module's own `apply_rotary_pos_emb`), whose
-forward nobody replaced. Each call takes the kernel only where `kernels/fused.py` allows it (CUDA tensors, or CPU
+forward nobody replaced. Each call takes the kernel only where `kernels/model_ops/` allows it (CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1 in mode "triton"; no gradient needed; not under torch.compile; dtypes and shapes
 the kernel takes), else the original ops. The kernels round as the original code does.
 
@@ -35,7 +35,7 @@ from torch import nn
 from .architectures import ArchAdapter, base_model
 from .errors import ConfigError
 from .kernels.backend import on_device, require_triton, triton_installed
-from .kernels.fused import rms_norm, rms_norm_missing, silu_mul, silu_mul_missing
+from .kernels.model_ops import rms_norm, rms_norm_missing, silu_mul, silu_mul_missing
 
 ENV = "LONGCTX_FUSED_OPS"
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 import numbers
 import os
 import sys
-import types
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,77 +23,12 @@ from torch import nn
 from .architectures import base_model, get_adapter, model_config, shared_weight
 from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
                          modules_state_dict, read_method_weights, read_patch_record, write_patch)
-from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning, NotPatchedError
-from .methods import get_method, patch_access
-from .methods.base import MethodConfig, PatchContext, PatchedAttention
+from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
+from .methods import get_method
+from .methods.base import PatchedAttention
+from .patch_state import (STATE_ATTR, PatchGroup, PatchState, is_patched, keep_original_weight, keep_original_weights,
+                          patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
 from .tensor_parallel import build_sharded, head_shard, writes_files
-
-
-@dataclass
-class PatchGroup:
-    method: str
-    config: MethodConfig
-    layers: list[int]
-
-    def to_record(self) -> dict[str, Any]:
-        """{method, config, layers}: this group as the patch record (checkpoint.patch_record) writes it."""
-        return {"method": self.method, "config": self.config.to_dict(), "layers": self.layers}
-
-
-@dataclass
-class PatchState:
-    ctx: PatchContext = field(default_factory=PatchContext)
-    groups: list[PatchGroup] = field(default_factory=list)
-    modules: dict[int, PatchedAttention] = field(default_factory=dict)
-    originals: dict[int, nn.Module] = field(default_factory=dict)
-    hooks: list[Any] = field(default_factory=list)  # torch hook handles
-    generate_owner: nn.Module | None = None  # the model whose _prepare_cache_for_generation we overrode
-    cache_arg: str = "cache"
-    # {(layer, submodule name): original weight on the CPU}, kept when a checkpoint merges a delta (e.g. LoRA)
-    # into a projection shared with the original module, so that unpatch() puts the weight back
-    saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
-    decode_graphs: Any = None  # the DecodeGraphs forward installed on generate_owner
-    fused: Any = None  # fused_ops.FusedOps: the fused norm / MLP forwards installed on the model (set_fused_ops)
-    fused_decided: bool = False  # fused ops were set (by default or explicitly) since the first patch
-
-
-_ATTR = "_longctx_patch_state"
-
-
-def _state(model: nn.Module) -> PatchState:
-    st = getattr(base_model(model), _ATTR, None)
-    if st is None:
-        raise NotPatchedError("this model is not patched by longctx-patch; call longctx_patch.patch(model, method) first")
-    return st
-
-
-def is_patched(model: nn.Module) -> bool:
-    return getattr(base_model(model), _ATTR, None) is not None
-
-
-def patched_layers(model: nn.Module) -> dict[int, str]:
-    """{layer index: method name} of the patched layers ({} when unpatched)."""
-    if not is_patched(model):
-        return {}
-    return {i: m.method_name for i, m in sorted(_state(model).modules.items())}
-
-
-def patched_modules(model: nn.Module) -> dict[int, PatchedAttention]:
-    """{layer index: patched module} of `model`, by layer; NotPatchedError when unpatched."""
-    return dict(sorted(_state(model).modules.items()))
-
-
-def patch_context(model: nn.Module) -> PatchContext:
-    """The PatchContext the patched modules of `model` share (the padding of the current batch, the hook of
-    train/transfer.py); NotPatchedError when unpatched."""
-    return _state(model).ctx
-
-
-def patch_groups(model: nn.Module) -> list[PatchGroup]:
-    """The patches of `model` in the order patch() applied them (a hybrid has several); NotPatchedError when
-    unpatched."""
-    return list(_state(model).groups)
 
 
 # --------------------------------------------------------------------------------------------- layers
@@ -242,81 +175,95 @@ def _padding_facts(am: torch.Tensor, cache, args: tuple, kwargs: dict) -> tuple[
     return padded, left
 
 
+def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """The forward pre-hook of a patched model's decoder stack (`module`): reads the batch's padding into the patch's
+    PatchContext (left padding: position ids from the mask), warns past the trained context, and hands the stack a
+    LongctxCache where it would build another. A module-level function that finds the patch on the module it runs
+    on (patch_state.py), so that a deep copy or a pickle of the model runs its own state."""
+    from .cache import LongctxCache
+
+    st = state_of(module)
+    cfg = model_config(module)
+    am = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("cache", None)
+    if cache is None:
+        cache = kwargs.get("past_key_values", None)
+    changed = False
+    facts = None
+    st.ctx.key_mask = None
+    if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
+        facts = _padding_facts(am, cache if isinstance(cache, LongctxCache) else None, args, kwargs)
+        padded, left = facts
+        if padded:
+            st.ctx.key_mask = am.bool()
+            if left:
+                args, kwargs, changed = _left_padded_positions(am, args, kwargs)
+    if not st.context_warned:
+        _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
+    use_cache = kwargs.get("use_cache", None)
+    if use_cache is None:
+        use_cache = getattr(cfg, "use_cache", False)
+    if isinstance(cache, LongctxCache) or (cache is None and not use_cache):
+        return (args, kwargs) if changed else None
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ConfigError(
+            f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "
+            "pass no cache (one is created) or a longctx_patch.LongctxCache"
+        )
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    kwargs[st.cache_arg] = fresh = LongctxCache(module)
+    fresh.padding_facts = facts
+    return args, kwargs
+
+
+class PrepareCache:
+    """generate()'s `_prepare_cache_for_generation`, installed on a patched model: the model's own, then its default
+    DynamicCache replaced by a LongctxCache (the pre-hook would replace an empty DynamicCache anyway; doing it here
+    keeps generate's own bookkeeping on the object it returns). An object holding its model, not a closure, so that
+    deep copies and pickles of the model carry it with their own model."""
+
+    def __init__(self, model: nn.Module, previous=None):
+        self.model = model
+        self.previous = previous  # an override the instance had before the patch (None: the class's method)
+
+    def __call__(self, generation_config, model_kwargs, *args, **kwargs):
+        from transformers.cache_utils import DynamicCache
+
+        from .cache import LongctxCache
+
+        if self.previous is not None:
+            out = self.previous(generation_config, model_kwargs, *args, **kwargs)
+        else:
+            out = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
+                                                                 **kwargs)
+        for key in ("cache", "past_key_values"):
+            c = model_kwargs.get(key)
+            if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
+                model_kwargs[key] = LongctxCache(self.model)
+        return out
+
+
 def _install(model: nn.Module, base: nn.Module) -> PatchState:
     from .cache import cache_argument
 
     st = PatchState(cache_arg=cache_argument(type(base).forward))
-    cfg = model_config(model)
-
-    def pre_hook(module, args, kwargs):
-        from .cache import LongctxCache
-
-        am = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        cache = kwargs.get("cache", None)
-        if cache is None:
-            cache = kwargs.get("past_key_values", None)
-        changed = False
-        facts = None
-        st.ctx.key_mask = None
-        if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
-            facts = _padding_facts(am, cache if isinstance(cache, LongctxCache) else None, args, kwargs)
-            padded, left = facts
-            if padded:
-                st.ctx.key_mask = am.bool()
-                if left:
-                    args, kwargs, changed = _left_padded_positions(am, args, kwargs)
-        if not st.context_warned:
-            _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
-        use_cache = kwargs.get("use_cache", None)
-        if use_cache is None:
-            use_cache = getattr(cfg, "use_cache", False)
-        if isinstance(cache, LongctxCache) or (cache is None and not use_cache):
-            return (args, kwargs) if changed else None
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ConfigError(
-                f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "
-                "pass no cache (one is created) or a longctx_patch.LongctxCache"
-            )
-        kwargs.pop("past_key_values", None)
-        kwargs.pop("cache", None)
-        kwargs[st.cache_arg] = fresh = LongctxCache(model)
-        fresh.padding_facts = facts
-        return args, kwargs
-
-    st.hooks.append(base.register_forward_pre_hook(pre_hook, with_kwargs=True))
-
-    # generate() builds its cache before the first forward: make it ours (the hook would replace an empty
-    # DynamicCache anyway; doing it here keeps generate's own bookkeeping on the object it returns).
+    st.hooks.append(base.register_forward_pre_hook(_forward_pre_hook, with_kwargs=True))
     top = model
     if hasattr(top, "_prepare_cache_for_generation"):
-        orig = top._prepare_cache_for_generation
-
-        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *a, **kw):
-            from .cache import LongctxCache
-            from transformers.cache_utils import DynamicCache
-
-            out = orig(generation_config, model_kwargs, *a, **kw)
-            for key in ("cache", "past_key_values"):
-                c = model_kwargs.get(key)
-                if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
-                    model_kwargs[key] = LongctxCache(self)
-            return out
-
-        top._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, top)
+        top._prepare_cache_for_generation = PrepareCache(top, top.__dict__.get("_prepare_cache_for_generation"))
         st.generate_owner = top
         # decode steps from CUDA graphs (decode_graphs.py): the top model's forward, routed through DecodeGraphs
-        from .decode_graphs import DecodeGraphs
+        from .decode_graphs import DecodeGraphs, PrefillThenCapture
 
         if not isinstance(top.__dict__.get("forward"), DecodeGraphs):
             top.forward = st.decode_graphs = DecodeGraphs(top, top.forward)
         if hasattr(type(top), "_prefill"):  # generate()'s prefill: the decode graphs are captured when it ends
-            from .decode_graphs import prefill_then_capture
-
-            top._prefill = types.MethodType(prefill_then_capture, top)
+            top._prefill = PrefillThenCapture(top, top.__dict__.get("_prefill"))
     from .fused_ops import FusedOps
 
     st.fused = FusedOps()
-    setattr(base, _ATTR, st)
+    setattr(base, STATE_ATTR, st)
     return st
 
 
@@ -327,13 +274,19 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
         st.fused.remove()
     st.ctx.fused_ops = None
     if st.generate_owner is not None:
-        st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
-        st.generate_owner.__dict__.pop("_prefill", None)
+        prepare = st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
+        if isinstance(prepare, PrepareCache) and prepare.previous is not None:
+            st.generate_owner._prepare_cache_for_generation = prepare.previous
+        from .decode_graphs import PrefillThenCapture
+
+        prefill = st.generate_owner.__dict__.pop("_prefill", None)
+        if isinstance(prefill, PrefillThenCapture) and prefill.previous is not None:
+            st.generate_owner._prefill = prefill.previous
         fwd = st.generate_owner.__dict__.get("forward")
         # ours, or ours re-bound as a method (accelerate's unwrap_model: MethodType(forward, model))
         if st.decode_graphs is not None and (fwd is st.decode_graphs or getattr(fwd, "__func__", None) is st.decode_graphs):
             del st.generate_owner.__dict__["forward"]
-    delattr(base, _ATTR)
+    delattr(base, STATE_ATTR)
 
 
 # --------------------------------------------------------------------------------------------- patch
@@ -366,7 +319,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
     specs = {i: adapter.spec(mcfg, i) for i in idx}
     m.check_layers(list(specs.values()), cfg)  # before anything changes (e.g. a model window it would drop)
     if is_patched(model):
-        st = _state(model)
+        st = state_of(model)
         clash = sorted(set(idx) & set(st.modules))
         if clash:
             raise AlreadyPatchedError(
@@ -446,7 +399,7 @@ def _default_fused_ops(model: nn.Module, new: Mapping[int, PatchedAttention]) ->
     """Fused ops by default (fused_ops.default_mode) once per patch: a later patch() of other layers keeps them."""
     from .fused_ops import default_mode
 
-    st = _state(model)
+    st = state_of(model)
     if not st.fused_decided:
         # tensor parallelism: norms with sharded or distributed weights are unverified with the kernels
         tp = any(mod.head_shard is not None for mod in new.values())
@@ -462,7 +415,7 @@ def set_fused_ops(model: nn.Module, enabled: bool | str) -> nn.Module:
     from .fused_ops import parse_mode
 
     mode = parse_mode(enabled)
-    st = _state(model)
+    st = state_of(model)
     st.fused.install(model, get_adapter(model), mode)
     st.ctx.fused_ops = mode
     st.fused_decided = True
@@ -475,7 +428,7 @@ def set_decode_graphs(model: nn.Module, enabled: bool) -> nn.Module:
     runs from a graph captured for its layers' keys; anything else runs eagerly. Off: every step eager."""
     if not isinstance(enabled, bool):
         raise ConfigError(f"decode_graphs must be True or False, not {enabled!r}")
-    st = _state(model)
+    st = state_of(model)
     if st.decode_graphs is None:
         if enabled:
             raise ConfigError("this model has no generate() entry point to replay (patch the *ForCausalLM model)")
@@ -485,7 +438,7 @@ def set_decode_graphs(model: nn.Module, enabled: bool) -> nn.Module:
 
 
 def _undo_group(model: nn.Module, group: PatchGroup) -> None:
-    st = _state(model)
+    st = state_of(model)
     decoder = get_adapter(model).decoder_layers(model)
     for i in group.layers:
         _restore(decoder, st, i)
@@ -510,35 +463,9 @@ def _restore(decoder, st: PatchState, i: int) -> None:
     decoder[i].self_attn = orig
 
 
-def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tensor:
-    """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
-    in place: keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
-    st = _state(model)
-    w = shared_weight(getattr(st.modules[layer], name))
-    if (layer, name) not in st.saved_weights:
-        st.saved_weights[(layer, name)] = w.detach().to("cpu", copy=True)
-    return w
-
-
-def take_original_weights(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
-    """Removes and returns the original weights kept by keep_original_weight ({(layer, projection name): CPU copy}):
-    unpatch() then leaves those projections as they are now (e.g. with a LoRA delta merged). For patching the same
-    layers again with another method (convert_to_lola), which hands them back with keep_original_weights."""
-    st = _state(model)
-    saved = dict(st.saved_weights)
-    st.saved_weights.clear()
-    return saved
-
-
-def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.Tensor]) -> None:
-    """Has unpatch() put back `saved` ({(layer, projection name): original weight}, from take_original_weights) as
-    if keep_original_weight had kept them."""
-    _state(model).saved_weights.update(saved)
-
-
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore every original attention module; logits are then bit-identical to before patch()."""
-    st = _state(model)
+    st = state_of(model)
     decoder = get_adapter(model).decoder_layers(model)
     for i in list(st.modules):
         _restore(decoder, st, i)
@@ -549,12 +476,12 @@ def unpatch(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------------------------- save/load
 def method_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The method-owned parameters/buffers of every patched layer, keyed `layers.{i}.{name}`."""
-    return modules_state_dict(_state(model).modules)
+    return modules_state_dict(state_of(model).modules)
 
 
 def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Load `method_state_dict` output strictly: missing/unexpected/mis-shaped keys raise CheckpointError."""
-    load_modules_state_dict(_state(model).modules, sd, source=source)
+    load_modules_state_dict(state_of(model).modules, sd, source=source)
 
 
 def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
@@ -570,7 +497,7 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     if not isinstance(directory, (str, os.PathLike)):
         raise ConfigError(f"save_patched: pass the directory to write (a str or Path), got {directory!r} "
                           f"({type(directory).__name__})")
-    st = _state(model)
+    st = state_of(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     groups = [g.to_record() for g in st.groups]
@@ -616,5 +543,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     return model
 
 
-# the methods and the cache reach the patched modules and keep_original_weight through methods/patch_access.py
-patch_access.provide(patched_modules=patched_modules, keep_original_weight=keep_original_weight)
+__all__ = ["LAYERS_FORMS", "PatchGroup", "PatchState", "PrepareCache", "apply_patch_record", "is_patched",
+           "keep_original_weight", "keep_original_weights", "load_method_state_dict", "method_state_dict", "parse_layers",
+           "patch", "patch_context", "patch_groups", "patched_layers", "patched_modules", "save_patched",
+           "set_decode_graphs", "set_fused_ops", "take_original_weights", "unpatch"]

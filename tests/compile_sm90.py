@@ -30,14 +30,14 @@ from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
 from longctx_patch.kernels.muse import support as msup  # noqa: E402
 from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
 from longctx_patch.kernels.muse import triton_cluster as mcl  # noqa: E402
-from longctx_patch.kernels.muse import triton_kernels as mk  # noqa: E402
+from longctx_patch.kernels.muse import triton_planned as mk  # noqa: E402
 from longctx_patch.kernels.muse import triton_tilted as mt  # noqa: E402
 from longctx_patch.kernels.muse import triton_tilted_bwd as mtb  # noqa: E402
 from longctx_patch.kernels.ovq import triton_attn as oa  # noqa: E402
 from longctx_patch.kernels.ovq import triton_dict as od  # noqa: E402
 from longctx_patch.kernels.ovq import triton_fast as of  # noqa: E402
-from longctx_patch.kernels import triton_fused as tf  # noqa: E402
-from longctx_patch.kernels import triton_window as tw  # noqa: E402
+from longctx_patch.kernels.model_ops import triton_model_ops as tf  # noqa: E402
+from longctx_patch.kernels.window import triton_window as tw  # noqa: E402
 
 FLOAT_SCALARS = {"eps", "scale_log2"}
 F32, BF16, I8, I32, I64 = "*fp32", "*bf16", "*i8", "*i32", "*i64"
@@ -457,7 +457,7 @@ for _D, _t, _G, _tag in ((64, BF16, 4, "bf16"), (128, BF16, 4, "bf16"), (256, BF
                                     PREC="ieee" if _t == F32 else "tf32"),
         dict(Q=_t, K=_t, V=_t, KM=I8, O=_t), {"num_warps": _w, "num_stages": _st})
 
-# the fused model ops (kernels/fused.py), as their launches configure them: rotary of the 1B shape (32 / 8 heads,
+# the fused model ops (kernels/model_ops/), as their launches configure them: rotary of the 1B shape (32 / 8 heads,
 # D = 64) and D = 80 / 128 in fp32; RMSNorm of hidden 2048 (bf16 x, bf16 or fp32 weight) and 8192; SiLU * up
 CASES["fused_rotary_D64_bf16"] = (tf._rotary_kernel, dict(HALF=32, BHQ=32, BHK=8, BD=32, NQB=1, EMU=False),
                                   bf16("Q", "K", "QO", "KO", "C", "SN"), {"enable_fp_fusion": False})

@@ -6,17 +6,12 @@ import pytest
 import torch
 
 from longctx_patch.kernels.decode import decode_kernel_supported, masked_few_query_attention
-from longctx_patch.kernels.softmax import attention_mask, softmax_attention
+from longctx_patch.kernels.decode.reference import masked_few_query_reference
+from longctx_patch.kernels.softmax import softmax_attention
 
 
 def _dense(q, k, v, scale, key_mask, q_offset, window):
-    B, Hq, Sq, D = q.shape
-    G = Hq // k.shape[1]
-    kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
-    s = q.double() @ kk.transpose(-1, -2) * scale
-    ok = attention_mask(Sq, k.shape[2], device="cpu", key_mask=key_mask, q_offset=q_offset, window=window)
-    s = s.masked_fill(~ok, float("-inf"))
-    return (s.softmax(-1) @ vv).transpose(1, 2)
+    return masked_few_query_reference(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window)
 
 
 CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, splits

@@ -1,4 +1,4 @@
-"""Fused inference kernels for the model's own ops (longctx_patch/fused_ops.py, kernels/fused.py): the rotary
+"""Fused inference kernels for the model's own ops (longctx_patch/fused_ops.py, kernels/model_ops/): the rotary
 embedding of q and k, RMSNorm and SiLU(gate) * up against transformers' originals under Triton's interpreter, and a
 patched model with them on against the same model with them off.
 
@@ -18,7 +18,7 @@ from conftest import greedy_with_scores, tiny_model
 import longctx_patch as lp
 from longctx_patch import fused_ops
 from longctx_patch.errors import ConfigError
-from longctx_patch.kernels import fused
+from longctx_patch.kernels import model_ops
 from longctx_patch.kernels.backend import triton_installed
 
 pytestmark = pytest.mark.skipif(not triton_installed(), reason="needs Triton (its interpreter runs the kernels)")
@@ -50,23 +50,41 @@ def test_rotary_matches_apply_rotary_pos_emb(dtype, D, S):
     assert S == 1 or not q.is_contiguous()  # S = 1: the transpose is contiguous too
     for batch_cos in (True, False):
         cos, sin = _rope(B, S, D, dtype, batch_cos)
-        assert fused.rotary_missing(q, k, cos, sin, "triton") is None
+        assert model_ops.rotary_missing(q, k, cos, sin, "triton") is None
         want = apply_rotary_pos_emb(q, k, cos, sin)
-        got = fused.rotary(q, k, cos, sin)
+        got = model_ops.rotary(q, k, cos, sin)
         for w, g in zip(want, got):
             assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
             assert torch.equal(g, w), (g.float() - w.float()).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_references_are_the_model_code(dtype):
+    """kernels/model_ops/reference.py computes what transformers' own functions and modules compute, bit for bit."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = _projected(2, 9, 6, 64, dtype, 0), _projected(2, 9, 2, 64, dtype, 1)
+    cos, sin = _rope(2, 9, 64, dtype)
+    for w, g in zip(apply_rotary_pos_emb(q, k, cos, sin), model_ops.rotary_reference(q, k, cos, sin)):
+        assert torch.equal(g, w)
+    x = (torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
+    for wdtype in (dtype, torch.float32):
+        for norm in _norms(64, dtype, wdtype):
+            with torch.no_grad():
+                assert torch.equal(model_ops.rms_norm_reference(x, norm.weight, norm.variance_epsilon), norm(x))
+    a, b = x * 3, x.flip(-1)
+    assert torch.equal(model_ops.silu_mul_reference(a, b), F.silu(a) * b)
+
+
 def test_rotary_refuses_what_it_does_not_compute():
     q, k = _projected(1, 3, 4, 64, torch.float32, 0), _projected(1, 3, 2, 64, torch.float32, 1)
     cos, sin = _rope(1, 3, 64, torch.float32)
-    assert fused.rotary_missing(q, k, cos, sin, "auto") is not None  # CPU tensors: "auto" is for CUDA
-    assert fused.rotary_missing(q, k, cos[..., :32], sin[..., :32], "triton") is not None  # partial rotary
-    assert fused.rotary_missing(q, k, cos.double(), sin.double(), "triton") is not None  # dtypes differ
-    assert fused.rotary_missing(q.requires_grad_(), k, cos, sin, "triton") is not None  # a gradient
+    assert model_ops.rotary_missing(q, k, cos, sin, "auto") is not None  # CPU tensors: "auto" is for CUDA
+    assert model_ops.rotary_missing(q, k, cos[..., :32], sin[..., :32], "triton") is not None  # partial rotary
+    assert model_ops.rotary_missing(q, k, cos.double(), sin.double(), "triton") is not None  # dtypes differ
+    assert model_ops.rotary_missing(q.requires_grad_(), k, cos, sin, "triton") is not None  # a gradient
     with torch.no_grad():
-        assert fused.rotary_missing(q, k, cos, sin, "triton") is None
+        assert model_ops.rotary_missing(q, k, cos, sin, "triton") is None
 
 
 def _norms(N, dtype, wdtype):
@@ -91,8 +109,8 @@ def test_rms_norm_matches_the_modules(dtype, wdtype, N):
     for norm in _norms(N, dtype, wdtype):
         with torch.no_grad():
             want = norm(x)
-            assert fused.rms_norm_missing(x, norm.weight, "triton") is None
-            got = fused.rms_norm(x, norm.weight, norm.variance_epsilon)
+            assert model_ops.rms_norm_missing(x, norm.weight, "triton") is None
+            got = model_ops.rms_norm(x, norm.weight, norm.variance_epsilon)
         assert got.dtype == want.dtype and got.shape == want.shape
         if want.dtype == torch.float32 and dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
@@ -106,8 +124,8 @@ def test_rms_norm_matches_the_modules(dtype, wdtype, N):
 def test_silu_mul_matches(dtype):
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randn(3, 7, 131, generator=g) * 3).to(dtype), torch.randn(3, 7, 131, generator=g).to(dtype)
-    assert fused.silu_mul_missing(a, b, "triton") is None
-    want, got = F.silu(a) * b, fused.silu_mul(a, b)
+    assert model_ops.silu_mul_missing(a, b, "triton") is None
+    want, got = F.silu(a) * b, model_ops.silu_mul(a, b)
     assert got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

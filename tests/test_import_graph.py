@@ -1,23 +1,30 @@
-"""The import graph of longctx_patch/ and cli/ keeps the layering of docs/ARCHITECTURE.md.
+"""The import graph of the whole tree (longctx_patch/ with its train/ and evals/, cli/, and the benchmark scripts of
+benchmarks/ or evals/) keeps the layering of docs/ARCHITECTURE.md.
 
 Every module is parsed with `ast`; every import counts, at any depth (module level, inside functions, methods,
 try/except), relative ones resolved against the importing module. `from P import x` is an arrow to the module
 `P.x` when there is one, else to `P`; importing `a.b.c` also runs the packages `a.b` (Python imports the parents
 first), which counts as an arrow too unless that package encloses the importer.
 
-(a) no import cycle among longctx_patch modules: a lazy (function-level) import is still an arrow. The only arrows
-    left out are imports under `if TYPE_CHECKING:` (never executed) and `from longctx_patch import __version__`
-    (the one upward import allowed: the root package defines it before importing anything).
+(a) no import cycle among the tree's modules (cli/ and the scripts included): a lazy (function-level) import is
+    still an arrow. The only arrows left out are imports under `if TYPE_CHECKING:` (never executed) and
+    `from longctx_patch import __version__` (the one upward import allowed: the root package defines it before
+    importing anything).
+    Nor between folders: with each folder's modules taken as one (a module directly in longctx_patch/ as its own),
+    the arrows still make no cycle, so that e.g. train/ and evals/ or two kernel op folders import each other one
+    way only.
 (b) no upward arrow: each module belongs to a layer (LAYERS) and imports only its own layer or lower ones.
 (c) no private name (`_x`) imported from another module, except between modules of one package folder of the
     project (kernels/, methods/, evals/, train/, cli/ ... with their subfolders). A module directly in
     longctx_patch/ (patcher, cache, models ...) keeps its private names to itself: e.g. the patcher's state is
-    reached through its public functions only.
+    reached through its public functions only. The scripts (benchmarks/) are left to their own layout test, which
+    lists the private names they still use.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +32,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "longctx_patch"
-PACKAGES = (ROOT, "cli")
+# the scripts' folder: benchmarks/ (evals/ before it took that name); whichever the tree has
+SCRIPTS = tuple(name for name in ("benchmarks", "evals") if (REPO / name / "__init__.py").is_file())
+PACKAGES = (ROOT, "cli", *SCRIPTS)
 
 # (module prefix, layer): a module is in the layer of its longest matching prefix; arrows may not go up
 LAYERS = (
@@ -36,13 +45,18 @@ LAYERS = (
     (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
+    (f"{ROOT}.timing", 1),  # StepTimer (train and evals)
+    (f"{ROOT}.provenance", 1),  # git_commit (train, evals and the scripts)
+    (f"{ROOT}.patch_state", 1),  # the patch kept on the model, read by the methods, the cache and the API
     (f"{ROOT}.methods", 2),
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert
     (f"{ROOT}.train", 4),
     (f"{ROOT}.evals", 4),
     ("cli", 5),
+    ("benchmarks", 6),  # scripts: anything below them
+    ("evals", 6),
 )
-LAYER_NAMES = {0: "kernels", 1: "shared", 2: "methods", 3: "API", 4: "train/evals", 5: "cli"}
+LAYER_NAMES = {0: "kernels", 1: "shared", 2: "methods", 3: "API", 4: "train/evals", 5: "cli", 6: "scripts"}
 ALLOWED_UPWARD = {(ROOT, "__version__")}
 
 
@@ -156,12 +170,37 @@ def _is_private(name: str) -> bool:
 
 
 def cycle_arrows(arrows: list[Arrow]) -> dict[str, dict[str, Arrow]]:
+    """The arrows between two modules of the tree (all_arrows only makes those), type-only ones and the allowed
+    `__version__` import left out, by source and destination."""
     graph: dict[str, dict[str, Arrow]] = {}
     for a in arrows:
         if a.type_only or (a.dst, a.name) in ALLOWED_UPWARD:
             continue
-        if a.src.split(".")[0] == ROOT and a.dst.split(".")[0] == ROOT and a.src != a.dst:
+        if a.src != a.dst:
             graph.setdefault(a.src, {}).setdefault(a.dst, a)
+    return graph
+
+
+def folder(module: str, modules) -> str:
+    """The folder of a module for the folder-level check: the package folder holding it (a package's `__init__`: its
+    own folder); a module directly in longctx_patch/ stands for itself (the API's modules import down and up the
+    folders below them one way each)."""
+    parts = module.split(".")
+    if modules[module].name == "__init__.py":
+        return module
+    if parts[0] == ROOT and len(parts) == 2:
+        return module
+    return ".".join(parts[:-1])
+
+
+def folder_arrows(arrows: list[Arrow], modules) -> dict[str, dict[str, Arrow]]:
+    """cycle_arrows between folders: an arrow of each (source folder, destination folder) pair, its ends the folders."""
+    graph: dict[str, dict[str, Arrow]] = {}
+    for src, dsts in cycle_arrows(arrows).items():
+        for dst, a in dsts.items():
+            s, d = folder(src, modules), folder(dst, modules)
+            if s != d:
+                graph.setdefault(s, {}).setdefault(d, dataclasses.replace(a, src=s, dst=d))
     return graph
 
 
@@ -249,7 +288,7 @@ def upward(arrows: list[Arrow]) -> list[str]:
 def private_imports(arrows: list[Arrow], modules) -> list[str]:
     bad = []
     for a in arrows:
-        if a.implicit:
+        if a.implicit or a.src.split(".")[0] in SCRIPTS:
             continue
         name = a.name if a.name is not None else a.dst.rsplit(".", 1)[-1]
         if _is_private(name) and private_unit(a.src, modules) != private_unit(a.dst, modules):
@@ -269,6 +308,13 @@ def test_no_import_cycle(graph):
     assert not cycles, "import cycles:\n" + "\n".join("  " + "; ".join(_where(a) for a in c) for c in cycles)
 
 
+def test_no_import_cycle_between_folders(graph):
+    modules, arrows = graph
+    cycles = find_cycles(folder_arrows(arrows, modules))
+    assert not cycles, "folders importing each other:\n" + "\n".join(
+        "  " + "; ".join(f"{a.src} -> {a.dst} ({a.line}: {a.name or 'module'})" for a in c) for c in cycles)
+
+
 def test_no_upward_import(graph):
     _, arrows = graph
     bad = upward(arrows)
@@ -283,18 +329,62 @@ def test_no_private_name_across_packages(graph):
 
 def test_every_module_has_a_layer(graph):
     modules, _ = graph
-    assert all(layer(m) is not None for m in modules)
-    assert {"longctx_patch.patcher", "longctx_patch.kernels.softmax", "longctx_patch.checkpoint"} <= set(modules)
+    assert [m for m in modules if layer(m) is None] == []
+    # and the walk saw the whole tree
+    assert {"longctx_patch.patcher", "longctx_patch.kernels.softmax.ops", "longctx_patch.checkpoint",
+            "longctx_patch.train.runner", "longctx_patch.evals.common", "cli.main", "cli.eval_cmd"} <= set(modules)
+    assert SCRIPTS and any(m.startswith(SCRIPTS[0] + ".") for m in modules)
 
 
 # ---------------------------------------------------------------------------------------- the checker itself
-def _fake(tmp_path: Path, files: dict[str, str]) -> tuple[dict[str, Path], list[Arrow]]:
+def _fake(tmp_path: Path, files: dict[str, str], packages=(ROOT,)) -> tuple[dict[str, Path], list[Arrow]]:
     for rel, text in files.items():
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
-    modules = find_modules(tmp_path, (ROOT,))
+    modules = find_modules(tmp_path, packages)
     return modules, all_arrows(modules)
+
+
+def test_checker_finds_cycles_outside_the_package(tmp_path):
+    """A cycle between two CLI modules, and one between train/ and evals/ through a lazy import, are cycles too;
+    an arrow from a script down to the package is no cycle."""
+    modules, arrows = _fake(tmp_path, {
+        "longctx_patch/__init__.py": "",
+        "longctx_patch/train/__init__.py": "",
+        "longctx_patch/train/runner.py": "from ..evals.speed import StepTimer\nx = 1\n",
+        "longctx_patch/evals/__init__.py": "",
+        "longctx_patch/evals/common.py": "def git_commit(): pass\n",
+        "longctx_patch/evals/speed.py": "def f():\n    from ..train.runner import x\n",
+        "cli/__init__.py": "",
+        "cli/eval_cmd.py": "from . import eval_ruler_cmd\n",
+        "cli/eval_ruler_cmd.py": "from .eval_cmd import _load\n",
+        "benchmarks/__init__.py": "",
+        "benchmarks/ops/__init__.py": "",
+        "benchmarks/ops/bench_x.py": "from longctx_patch.evals.common import git_commit\nimport cli.eval_cmd\n",
+    }, packages=(ROOT, "cli", "benchmarks"))
+    cycles = find_cycles(cycle_arrows(arrows))
+    assert sorted(sorted({a.src for a in c}) for c in cycles) == [
+        ["cli.eval_cmd", "cli.eval_ruler_cmd"],
+        ["longctx_patch.evals.speed", "longctx_patch.train.runner"],
+    ]
+    assert upward(arrows) == []
+
+
+def test_checker_finds_folders_importing_each_other(tmp_path):
+    """train/ and evals/ importing each other through different modules make no module cycle, but a folder cycle."""
+    modules, arrows = _fake(tmp_path, {
+        "longctx_patch/__init__.py": "",
+        "longctx_patch/train/__init__.py": "",
+        "longctx_patch/train/runner.py": "from ..evals.common import git_commit\n",
+        "longctx_patch/train/timing.py": "class StepTimer: pass\n",
+        "longctx_patch/evals/__init__.py": "",
+        "longctx_patch/evals/common.py": "def git_commit(): pass\n",
+        "longctx_patch/evals/speed_model.py": "def f():\n    from ..train.timing import StepTimer\n",
+    })
+    assert find_cycles(cycle_arrows(arrows)) == []
+    cycles = find_cycles(folder_arrows(arrows, modules))
+    assert [sorted({a.src for a in c}) for c in cycles] == [["longctx_patch.evals", "longctx_patch.train"]]
 
 
 def test_checker_resolves_lazy_relative_imports_and_finds_their_cycle(tmp_path):

@@ -154,7 +154,8 @@ def test_kernels_are_layered():
     # and the walk saw the tree: every op folder, the toolbox, the Triton files
     mods = _modules(REPO, "longctx_patch")
     for name in ("backend", "triton_lib", "graphs", "lola.ops", "lola.triton_hybrid", "muse.ops", "muse.triton_cluster",
-                 "ovq.ops", "ovq.triton_fast", "decode.ops", "decode.triton_decode"):
+                 "ovq.ops", "ovq.triton_fast", "decode.ops", "decode.triton_decode", "softmax.ops", "window.ops",
+                 "window.triton_window", "model_ops.ops", "model_ops.triton_model_ops"):
         assert f"longctx_patch.kernels.{name}" in mods, name
 
 

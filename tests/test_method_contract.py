@@ -18,18 +18,29 @@ For each method:
    any padding (here 0, 6, 13 and 32 tokens: none a multiple of the chunks / blocks of 8 and 16), in the
    prefill (with and without position ids) and at every decode step;
 5. `state_bytes` is what the cache holds: after a prefill of S tokens at batch 1, `past_key_values.nbytes()`
-   equals the sum over patched layers of `state_bytes(S, batch=1, dtype=model dtype)`.
+   equals the sum over patched layers of `state_bytes(S, batch=1, dtype=model dtype)`;
+6. a copy of a patched model, by `copy.deepcopy` or through pickle, is a correct and independent model: taken after
+   a padded forward of the original, it runs a padded batch of another size as the original does (the same logits,
+   `torch.equal`), its padded rows equal their prompts alone (prefill and decode steps, 1e-4), its patch, modules
+   and context are its own, and unpatching it gives back the unpatched model bit for bit and leaves the original
+   patched and unchanged;
+7. two patched models generating in two threads of one process give the tokens each gives alone (left-padded
+   batches of different shapes, so that each model's padding state is exercised).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
+import threading
 
 import pytest
 import torch
 
 import longctx_patch as lp
-from conftest import assert_padded_batch_exact, tiny_model
+from conftest import assert_padded_batch_exact, left_padded_prompts, padded_batch_gap, tiny_model
+from longctx_patch.patch_state import patch_context
 
 # method -> config: small settings under which the method's own path runs at 40-100 tokens
 SETTINGS: dict[str, dict] = {
@@ -172,3 +183,70 @@ def test_state_bytes_equal_the_cache(name):
             cache = model(_ids(1, S, seed=S), use_cache=True).past_key_values
         want = sum(m.state_bytes(S, batch=1, dtype=dtype) for m in mods)
         assert cache.nbytes() == want, (S, cache.nbytes(), want)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("name", METHODS)
+def test_copies_are_correct_and_independent(name, how, one_thread):
+    model = _patched(name)
+    unpatched = tiny_model("llama")  # the model _patched() patched, as it was
+    _, ids, am = left_padded_prompts([56, 43, 24])  # paddings 0, 13, 32
+    other = dict(input_ids=ids[:2, 8:], attention_mask=am[:2, 8:])  # another batch: 2 rows, paddings 0 and 5
+    with torch.no_grad():
+        model(ids, attention_mask=am)  # the original's last batch was padded: its mask must not reach the copy
+        want = model(**other).logits
+        plain = unpatched(**other).logits
+    c = COPIES[how](model)
+    assert lp.patched_layers(c) == lp.patched_layers(model)
+    with torch.no_grad():
+        assert torch.equal(c(**other).logits, want)
+    gap, same = padded_batch_gap(c, [56, 50, 43, 24], max_new_tokens=3)  # paddings 0, 6, 13, 32
+    assert same and gap <= 1e-4, f"padded rows differ from the prompts alone: max |dlogits| {gap:.3g}, tokens {same}"
+    mods, ctx = _patched_modules(c), patch_context(c)
+    assert ctx is not patch_context(model) and all(m._ctx is ctx for m in mods)
+    assert not {id(p) for p in c.parameters()} & {id(p) for p in model.parameters()}
+    lp.unpatch(c)
+    assert not lp.is_patched(c) and lp.is_patched(model)
+    with torch.no_grad():
+        assert torch.equal(c(**other).logits, plain)
+        assert torch.equal(model(**other).logits, want)
+    lp.unpatch(model)  # and the original unpatches as it would have without a copy
+    with torch.no_grad():
+        assert torch.equal(model(**other).logits, plain)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_two_models_generate_in_two_threads_as_alone(name, one_thread):
+    models = [_patched(name, seed=s) for s in (0, 1)]
+    batches = [left_padded_prompts([47, 30], seed=5)[1:], left_padded_prompts([41, 41, 22], seed=6)[1:]]
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for m in models:
+        m.generation_config.eos_token_id = None  # every row runs every step
+    with torch.no_grad():
+        alone = [m.generate(ids, attention_mask=am, **gen) for m, (ids, am) in zip(models, batches)]
+    got: list[list] = [[], []]
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            ids, am = batches[i]
+            with torch.no_grad():
+                for _ in range(3):
+                    got[i].append(models[i].generate(ids, attention_mask=am, **gen))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for i in (0, 1):
+        assert len(got[i]) == 3 and all(torch.equal(g, alone[i]) for g in got[i]), (name, i)

@@ -1,4 +1,4 @@
-"""MoBA (kernels/moba, methods/moba.py), token gating: the gating and the attention against a naive per-query loop
+"""MoBA (kernels/moba, methods/moba/), token gating: the gating and the attention against a naive per-query loop
 (float64, with gradients), exact attention when every block is selected, causality, GQA, odd lengths, padding, the
 decode convention, the method's config and CLI entry. Block gating and its Triton kernels: tests/test_moba_block.py.
 The model-level contract: tests/test_method_contract.py -k moba (token gating)."""

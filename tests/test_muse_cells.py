@@ -1,4 +1,4 @@
-"""MuSe's linear-cost far field (kernels/muse/cells.py): degenerate configurations equal exact attention, the
+"""MuSe's linear-cost far field (kernels/muse/reference_cells.py): degenerate configurations equal exact attention, the
 Triton forward equals the PyTorch reference (interpreter on the CPU), gradients of the reference, causality."""
 
 import os
@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan  # noqa: E402
+from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan  # noqa: E402
 from longctx_patch.kernels.muse.ops import cells_triton  # noqa: E402
 from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import longctx_patch as lp  # noqa: E402
-import longctx_patch.methods.muse as muse_method  # noqa: E402
+import longctx_patch.methods.muse.attention as muse_method  # noqa: E402
 
 from conftest import assert_padded_batch_exact, padded_batch_gap, tiny_model  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.muse.cells import block_peaks, make_cells_plan  # noqa: E402
+from longctx_patch.kernels.muse.reference_cells import block_peaks, make_cells_plan  # noqa: E402
 from longctx_patch.kernels.muse.triton_cluster import block_peaks_triton, block_scores_triton  # noqa: E402
 from longctx_patch.kernels.muse.plan import lloyd  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_peak_blocks_retrieve_the_block_of_one_matching_key(backend):
 def test_mark_top_equals_torch_take_top(N, k):
     """The retrieval's top-k in one kernel marks what PyTorch's top-k marks: the k best unmarked entries above -inf
     (rows with marked entries, -inf entries, fewer candidates than k; random scores: no ties)."""
-    from longctx_patch.kernels.muse.cells import take_top
+    from longctx_patch.kernels.muse.reference_cells import take_top
 
     g = torch.Generator().manual_seed(N)
     scores = torch.randn(3, 4, N, generator=g)

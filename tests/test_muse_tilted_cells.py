@@ -1,4 +1,4 @@
-"""MuSe's tilted-cells far field (kernels/muse/tilted_cells.py): degenerate configurations equal exact attention, the
+"""MuSe's tilted-cells far field (kernels/muse/reference_tilted_cells.py): degenerate configurations equal exact attention, the
 Triton forward and backward equal the PyTorch reference (interpreter on the CPU; fp32 and bf16, GQA with 7 query
 heads per kv head, odd lengths, a left-padded row), the plan's query clusters and sort, the dispatcher."""
 
@@ -11,8 +11,8 @@ import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.muse import muse_attention  # noqa: E402
-from longctx_patch.kernels.muse.cells import cells_reference  # noqa: E402
-from longctx_patch.kernels.muse.tilted_cells import (  # noqa: E402
+from longctx_patch.kernels.muse.reference_cells import cells_reference  # noqa: E402
+from longctx_patch.kernels.muse.reference_tilted_cells import (  # noqa: E402
     cluster_queries, make_tilt_plan, tilted_cells_reference, tilted_summaries)
 from longctx_patch.kernels.muse.triton_tilted import head_chunk, tilted_cells_forward, tilted_cells_fwd  # noqa: E402
 from longctx_patch.kernels.muse.triton_tilted_bwd import tilted_cells_bwd  # noqa: E402

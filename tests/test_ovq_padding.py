@@ -246,7 +246,7 @@ def test_beam_search_padded_rows_match_alone():
 
 def test_unpadded_and_whole_chunk_batches_keep_the_plain_path(monkeypatch):
     """No padding, or padding by whole chunks only: the plain batched call (no phases, no regrouping)."""
-    import longctx_patch.methods.ovq as ovq_method
+    import longctx_patch.methods.ovq.attention as ovq_method
 
     def refuse(*a, **k):
         raise AssertionError("the phased path ran")

@@ -166,7 +166,7 @@ def test_what_the_patcher_hands_out(tiny_llama):
     from transformers.cache_utils import DynamicLayer
 
     from longctx_patch.methods.kv_layer import KVBufferLayer
-    from longctx_patch.methods.patch_access import patched_modules as patched_modules_for_methods
+    from longctx_patch.patch_state import patched_modules as patched_modules_for_methods
 
     for ask in (patched_modules, patch_groups, patch_context, patched_modules_for_methods, lp.LongctxCache):
         with pytest.raises(lp.NotPatchedError, match="not patched by longctx-patch"):

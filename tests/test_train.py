@@ -420,7 +420,7 @@ def test_rng_state_survives_json():
 
     import numpy as np
 
-    from longctx_patch.train.checkpointing import _rng_state, _set_rng_state
+    from longctx_patch.train.resume import _rng_state, _set_rng_state
 
     random.gauss(0, 1), np.random.standard_normal()  # leave a cached gaussian in both states
     st = json.loads(json.dumps(_rng_state()))

@@ -1,4 +1,4 @@
-"""kernels/window.py: banded sliding-window attention equals the dense-mask reference (forward and backward)."""
+"""kernels/window/: banded sliding-window attention equals the dense-mask reference (forward and backward)."""
 
 import pytest
 import torch
@@ -95,7 +95,7 @@ def test_queries_outside_the_keys_are_refused():
 
 def test_patched_model_through_the_bands_equals_the_dense_mask(monkeypatch):
     import longctx_patch as lp
-    import longctx_patch.kernels.softmax as sm
+    import longctx_patch.kernels.softmax.ops as sm
     from conftest import assert_padded_batch_exact, tiny_model
 
     model = lp.patch(tiny_model("llama"), "sliding-window", window=16)

@@ -1,4 +1,4 @@
-"""The Triton forward of sliding-window attention (kernels/triton_window.py through `window_attention_triton`)
+"""The Triton forward of sliding-window attention (kernels/window/triton_window.py through `window_attention_triton`)
 against a float64 dense-mask reference, through the Triton interpreter: odd lengths, windows below and above a
 key tile, queries after a past (q_offset), left padding and a row whose own key is masked, GQA 14/2 (G = 7) and
 4/4, fp32 and bf16, every output written; and the routing of `softmax_attention` (the kernel only without a
@@ -7,7 +7,7 @@ gradient)."""
 import pytest
 import torch
 
-import longctx_patch.kernels.softmax as sm
+import longctx_patch.kernels.softmax.ops as sm
 from longctx_patch.kernels.softmax import attention_mask, softmax_attention
 from longctx_patch.kernels.window import (banded_window_attention, window_attention_triton,
                                           window_kernel_supported)

@@ -1,4 +1,4 @@
-"""MuSe's linear-cost far field (`kernels/muse/cells.py`) on a CUDA GPU: correctness of the Triton forward and
+"""MuSe's linear-cost far field (`kernels/muse/reference_cells.py`) on a CUDA GPU: correctness of the Triton forward and
 backward against the PyTorch reference, then forward and forward+backward time against torch SDPA (cuDNN) in the
 same run. The plan is timed on both backends (the Triton clustering/scoring kernels of kernels/muse/triton_cluster.py,
 and the PyTorch code), with how far the two plans agree; a profile of one 64k forward lists the kernels' times.
@@ -36,7 +36,7 @@ from longctx_patch.kernels.muse.plan import block_view
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import triton_cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
-from longctx_patch.kernels.muse.cells import cells_reference, make_cells_plan
+from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
@@ -311,7 +311,7 @@ def peaks():
     """The peak-score kernel (`peak_blocks`) per tile choice (keys per tile, warps, stages) at 64k and 128k, checked
     against the PyTorch `block_peaks` on the same inputs; the fastest at each D is kept in cluster.PEAKS_TILES."""
     from longctx_patch.kernels.muse import triton_cluster as cl
-    from longctx_patch.kernels.muse.cells import block_peaks
+    from longctx_patch.kernels.muse.reference_cells import block_peaks
 
     L = CFGS[0]["block_size"]
     RES["peaks"] = []

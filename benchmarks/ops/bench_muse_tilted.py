@@ -1,4 +1,4 @@
-"""MuSe's tilted-cells far field (`kernels/muse/tilted_cells.py`) on a CUDA GPU: the Triton forward against the PyTorch
+"""MuSe's tilted-cells far field (`kernels/muse/reference_tilted_cells.py`) on a CUDA GPU: the Triton forward against the PyTorch
 reference, then its forward time (plan included) against torch SDPA (cuDNN) and against the cells far field with the
 same exact part, in the same run, with the time split into the plan, the summaries, the exact part and the far field;
 the backward likewise (against autograd through the reference; forward + backward against cuDNN's and the cells').
@@ -33,9 +33,9 @@ from benchmarks.ops.bench_muse_cells import bench, fastest, qkv, rel
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.evals.common import git_commit
 from longctx_patch.kernels.muse import muse_attention
-from longctx_patch.kernels.muse.cells import make_cells_plan
+from longctx_patch.kernels.muse.reference_cells import make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton, tilted_cells_triton
-from longctx_patch.kernels.muse.tilted_cells import make_tilt_plan, tilted_cells_reference
+from longctx_patch.kernels.muse.reference_tilted_cells import make_tilt_plan, tilted_cells_reference
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
 
 OUT = os.environ.get("OUT")
@@ -123,7 +123,7 @@ def cluster_tune(S=65536):
     warps); the fastest whose centroids match the first choice's is kept (triton_cluster.MEMBER_TILES,
     NEAREST_TILES) for the later parts."""
     from longctx_patch.kernels.muse import triton_cluster as mcl
-    from longctx_patch.kernels.muse.tilted_cells import cluster_queries
+    from longctx_patch.kernels.muse.reference_tilted_cells import cluster_queries
 
     RES["cluster_tune"] = []
     for D in (64, 128):

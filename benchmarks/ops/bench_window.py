@@ -1,5 +1,5 @@
-"""Sliding-window prefill on a CUDA GPU: the package's banded kernel (kernels/window.py) and its Triton forward
-(kernels/triton_window.py, `window_attention_triton`; forward only: no fwd+bwd row) against flex attention
+"""Sliding-window prefill on a CUDA GPU: the package's banded kernel (kernels/window/) and its Triton forward
+(kernels/window/triton_window.py, `window_attention_triton`; forward only: no fwd+bwd row) against flex attention
 with a sliding-window block mask (compiled), SDPA under the dense mask (the path before the banded kernel) and
 cuDNN's full causal attention (no window: the cost the window exists to avoid), in the same run.
 

@@ -93,7 +93,7 @@ def overrides(args, batch: int) -> list[str]:
 def time_stage(ft, stage, args, device) -> dict:
     """Warm-up steps, then `args.steps` timed steps of `stage` through the runner's own step."""
     from longctx_patch.train.stage_loop import lr_lambda, make_optimizer
-    from longctx_patch.train.timing import StepTimer
+    from longctx_patch.timing import StepTimer
 
     acc = ft.accelerator
     cuda = device.type == "cuda"

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import datetime as _dt
 import json
 import os
 import platform
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, Iterator, Sequence
 from ..errors import ConfigError
 from ..methods import get_method, list_methods, split_method_spec
 from ..patcher import parse_layers
+from ..provenance import git_commit
 
 UNPATCHED = ("none", "unpatched")
 RESULTS_ENV = "LONGCTX_RESULTS"
@@ -284,22 +283,6 @@ def size_label(n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- results
-@functools.lru_cache(maxsize=None)
-def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """$LONGCTX_COMMIT when set (copies of the tree on another machine, whose .git may be missing or stale),
-    else `git rev-parse --short HEAD` in `cwd` (default: this package's folder), else "unknown"."""
-    if os.environ.get("LONGCTX_COMMIT"):
-        return os.environ["LONGCTX_COMMIT"]
-    cwd = cwd if cwd is not None else Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def device_description(device=None) -> str:
     import torch
 

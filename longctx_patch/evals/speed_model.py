@@ -90,7 +90,7 @@ class _StepMarks:
     i's mark follows forward i (forward 0 is the prefill)."""
 
     def __init__(self, device):
-        from ..train.timing import StepTimer
+        from ..timing import StepTimer
 
         self.timer = StepTimer(device)
         self.timer.start()

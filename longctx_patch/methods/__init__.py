@@ -1,26 +1,36 @@
-"""Method registry. Each method module registers itself with `@register_method` on import."""
+"""Method registry. Every folder of methods/ is a method: its `__init__.py` registers its `Method` with
+`@register_method` on import. The shared modules of the methods (base.py, cache_layer.py, kv_layer.py, padding.py) are
+plain files, so the folders are the methods; they are found and imported on first use of the registry (import cost
+stays off `import longctx_patch`)."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import pkgutil
+import threading
 
 from ..errors import ConfigError
 from .base import Method, MethodConfig, PatchedAttention, _REGISTRY, option, register_method
 
-# Built-in method modules, imported on first use of the registry (import cost stays off `import longctx_patch`).
-_BUILTIN = ("exact", "sliding_window", "muse", "moba", "lolcats", "lola", "ovq")
 _loaded = False
+_lock = threading.Lock()  # two threads asking first must not see a half-filled registry
+
+
+def method_packages() -> list[str]:
+    """The method folders under methods/ (package names, e.g. 'sliding_window'), sorted."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
 
 
 def _load_builtins() -> None:
     global _loaded
     if _loaded:
         return
-    for name in _BUILTIN:
-        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    with _lock:
+        if _loaded:
+            return
+        for name in method_packages():
             importlib.import_module(f"{__name__}.{name}")
-    _loaded = True
+        _loaded = True
 
 
 def list_methods() -> list[str]:
@@ -64,6 +74,7 @@ __all__ = [
     "PatchedAttention",
     "get_method",
     "list_methods",
+    "method_packages",
     "option",
     "register_method",
     "split_method_spec",

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
 from ..errors import ConfigError
 from ..kernels.backend import on_device
+from ..patch_state import PatchContext
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -160,20 +161,6 @@ class MethodConfig:
 
 
 # ----------------------------------------------------------------------------------------------- module
-class PatchContext:
-    """Per-model state shared by its patched modules for the current forward call."""
-
-    def __init__(self) -> None:
-        self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
-        self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
-        # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
-        # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
-        self.recompute = False
-        # the patch's fused-ops mode (longctx_patch/fused_ops.py): None = off, "auto" / "triton" = the fused rotary
-        # kernel of `ArchAdapter.project` where it can run
-        self.fused_ops: str | None = None
-
-
 class PatchedAttention(nn.Module):
     """Replaces one attention module; built from the original, sharing its projections.
 

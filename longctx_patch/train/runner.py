@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, LongctxError
-from ..evals.common import git_commit
+from ..provenance import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
 from .data import PackedData, load_documents, make_packed, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR
-from .checkpointing import CheckpointMixin, _rng_state, _set_rng_state
+from .resume import CheckpointMixin, _rng_state, _set_rng_state
 from .distributed import DistributedMixin, _env_flag, _env_set
 from .params import method_parameters
 from .stage_loop import StageLog, StageLoopMixin

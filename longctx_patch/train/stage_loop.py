@@ -15,8 +15,8 @@ import torch
 from ..errors import ConfigError, LongctxError
 from .data import BatchOrder, local_slice
 from .recipe import Stage
-from .checkpointing import _full
-from .timing import StepTimer
+from .resume import _full
+from ..timing import StepTimer
 
 
 def lr_lambda(stage: Stage) -> Callable[[int], float]:

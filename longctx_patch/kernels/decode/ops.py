@@ -1,10 +1,11 @@
 """Exact attention for a few queries against a long KV cache under a key mask: batched decode with padding, or a
 padded prefill's last queries, on the split-key Triton kernels of `triton_decode.py` ("flash-decoding").
 
-`softmax_attention` (methods/exact.py) runs these on CUDA when the call needs a mask (a padded batch, a window):
+`softmax_attention` (kernels/softmax/) runs these on CUDA when the call needs a mask (a padded batch, a window):
 SDPA's flash kernel takes no mask, its masked kernels do not split the keys across the GPU (6-16% of the
 bandwidth ceiling at 64k), and cuDNN's builds a plan for every new cache length (PERFORMANCE.md, "Exact attention
-with few queries"). Its PyTorch reference is `softmax_attention` itself (SDPA with `methods.exact.attention_mask`).
+with few queries"). Its PyTorch reference: `reference.masked_few_query_reference`, the dense attention under
+`kernels.softmax.attention_mask`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                key_mask: torch.Tensor | None = None, q_offset: int | None = None,
                                window: int | None = None, splits: int | None = None) -> torch.Tensor:
     """Exact causal attention of q `[B, Hq, Sq, D]` (the last queries, at keys `q_offset + i`) on k/v
-    `[B, Hkv, Sk, D]`, with the mask of `methods.exact.attention_mask`; returns `[B, Sq, Hq, D]` in q's dtype.
+    `[B, Hkv, Sk, D]`, with the mask of `kernels.softmax.attention_mask`; returns `[B, Sq, Hq, D]` in q's dtype.
 
     `splits` fixes the number of key splits (tests); by default enough programs for two per SM."""
     why = decode_kernel_supported(q, k, v)

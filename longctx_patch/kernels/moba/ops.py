@@ -1,7 +1,8 @@
 """The dispatch of MoBA attention: exact attention where MoBA cannot differ from it; block gating over a whole
 sequence through the block-list Triton kernels (MuSe's cells kernels without a far field,
-`muse.ops.listed_blocks_triton`), forward and backward; else the PyTorch reference (dense logits per chunk of
-queries under the MoBA mask: O(Sq * Sk) work, as exact attention). docs/moba.md.
+`kernels.muse.listed_blocks_triton`, taken through the muse package's interface), forward and backward; else the
+PyTorch reference (dense logits per chunk of queries under the MoBA mask: O(Sq * Sk) work, as exact attention).
+docs/moba.md.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import BACKENDS, resolve_backend
-from ..muse.ops import listed_blocks_triton
-from ..muse.support import cells_supported
+from ..muse import cells_supported, listed_blocks_triton
 from ..softmax import softmax_attention
 from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, key_positions, moba_reference, \
     prefix_block_sums, query_positions

@@ -14,7 +14,7 @@ seen so far (this call's, plus `query_sum`, the sum carried from earlier calls: 
 its block's queries up to itself, what a prefill ending at that token gives it); every query of a block then
 attends to the same blocks; a query block starting below `min_seq_len` attends to every earlier key.
 
-Shapes as `kernels/softmax.softmax_attention`: q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]` (GQA: Hq a multiple of Hkv,
+Shapes as `kernels.softmax.softmax_attention`: q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]` (GQA: Hq a multiple of Hkv,
 each query head gates with its kv head's block means), key_mask `[B, Sk]` (True = real key) or None; query i sits at
 key index `q_offset + i` (default `Sk - Sq`); a `q_offset + i >= Sk` (a decode step over a preallocated buffer)
 puts the query after every real key. Out `[B, Sq, Hq, D]` in q's dtype.

@@ -1,5 +1,5 @@
 """MuSe's dispatch (`muse_attention`: the tilted or the cells far field, the Triton kernels or the PyTorch
-reference) and the `autograd.Function`s of the Triton paths (their kernels: `triton_kernels.py`, `triton_cells.py`,
+reference) and the `autograd.Function`s of the Triton paths (their kernels: `triton_planned.py`, `triton_cells.py`,
 imported once the backend chose "triton").
 """
 
@@ -9,10 +9,10 @@ import torch
 
 from ...errors import ConfigError
 from ..backend import BACKENDS, resolve_backend
-from .cells import CellsPlan, cell_summaries, cells_reference, list_plan, make_cells_plan
+from .reference_cells import CellsPlan, cell_summaries, cells_reference, list_plan, make_cells_plan
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
-from .tilted_cells import make_tilt_plan, tilted_cells_reference
+from .reference_tilted_cells import make_tilt_plan, tilted_cells_reference
 from .support import cells_supported, triton_supported
 
 FAR_FIELDS = ("cells", "tilted", "tilted-cells")  # muse_attention's far fields (docs/muse.md sections 1-4, 7, 8)
@@ -53,10 +53,10 @@ def muse_attention(
     Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
     of two; for the backward L * D <= 8192.
     backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
-    far_field: "tilted" (above) or "cells" (kernels/muse/cells.py: each key cluster of an earlier block is one
+    far_field: "tilted" (above) or "cells" (kernels/muse/reference_cells.py: each key cluster of an earlier block is one
     super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
     `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
-    block; q_clusters, topk_clusters unused) or "tilted-cells" (kernels/muse/tilted_cells.py: the cells plan, each far
+    block; q_clusters, topk_clusters unused) or "tilted-cells" (kernels/muse/reference_tilted_cells.py: the cells plan, each far
     cell summarised for each of `q_clusters` global query clusters per head by its summary tilted at the cluster's
     centroid).
     Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
@@ -212,11 +212,11 @@ class _TiltedCellsAttention(torch.autograd.Function):
 
 
 class _MuseFn(torch.autograd.Function):
-    """Planned MuSe attention on the Triton kernels (`triton_kernels.muse_fwd` / `muse_bwd`)."""
+    """Planned MuSe attention on the Triton kernels (`triton_planned.muse_fwd` / `muse_bwd`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: MusePlan, scale: float):
-        from .triton_kernels import muse_fwd
+        from .triton_planned import muse_fwd
 
         o, saved, ctx.meta = muse_fwd(q, k, v, plan, scale)
         ctx.save_for_backward(*saved)
@@ -224,7 +224,7 @@ class _MuseFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from .triton_kernels import muse_bwd
+        from .triton_planned import muse_bwd
 
         return (*muse_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
 

@@ -1,8 +1,8 @@
 """Which inputs the MuSe Triton kernels take, and their launch tiles: pure Python (no Triton import), so that the
-dispatchers (`ops.py`, `plan.py`, `cells.py`) check them on any install.
+dispatchers (`ops.py`, `plan.py`, `reference_cells.py`) check them on any install.
 
 - `triton_supported` / `cells_supported`: the attention kernels of the tilted and the cells far field
-  (`triton_kernels.py`, `triton_cells.py`);
+  (`triton_planned.py`, `triton_cells.py`);
 - `lloyd_supported`, `block_scores_supported`, `block_peaks_supported` and the tiles `scores_tiles`, `peaks_tiles`:
   the plan kernels (`triton_cluster.py`).
 """

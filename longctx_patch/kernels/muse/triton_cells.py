@@ -1,4 +1,4 @@
-"""The Triton kernels of MuSe's cells far field (`cells.py` has the plan, the reference and the design): the forward
+"""The Triton kernels of MuSe's cells far field (`reference_cells.py` has the plan, the reference and the design): the forward
 and backward kernels, their tiles and launches (the `autograd.Function` is `ops._CellsAttention`). Imported only
 when the Triton backend runs."""
 
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot, online_softmax_scaled
-from .cells import CellsPlan
+from .reference_cells import CellsPlan
 from .plan import log_counts
 
 # dots at "tf32x3": bf16/fp16 operands, one tensor-core dot; fp32 operands, each split in a tf32 high part and a

@@ -1,4 +1,4 @@
-"""The Triton forward of MuSe's tilted-cells far field (`tilted_cells.py` has the plan, the reference and the design):
+"""The Triton forward of MuSe's tilted-cells far field (`reference_tilted_cells.py` has the plan, the reference and the design):
 the tilted summaries of every (query cluster, cell) pair, then the far field over the queries sorted by cluster,
 merged with the exact part (the cells kernels without a far field). Imported only when the Triton backend runs."""
 
@@ -10,8 +10,8 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot, online_softmax_scaled
-from .cells import CellsPlan
-from .tilted_cells import TiltPlan
+from .reference_cells import CellsPlan
+from .reference_tilted_cells import TiltPlan
 from .triton_cells import cells_fwd
 
 

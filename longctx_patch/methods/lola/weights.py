@@ -19,7 +19,7 @@ from ...architectures import shared_weight
 from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
 from ...errors import CheckpointError, ConfigError
 from ...tensor_parallel import full_shape, local_part
-from ..patch_access import keep_original_weight, patched_modules
+from ...patch_state import keep_original_weight, patched_modules
 from .config import HybridConfig
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")

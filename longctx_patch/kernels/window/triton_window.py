@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRET
-from .triton_lib import LOG2E, dot, online_softmax_step
+from ..backend import INTERPRET
+from ..triton_lib import LOG2E, dot, online_softmax_step
 
 
 # lengths, offsets and the window change from call to call: not specialised, one compiled kernel serves them all

@@ -1,4 +1,4 @@
-"""Exact causal softmax attention over plain tensors, and its masks.
+"""Exact causal softmax attention over plain tensors: `softmax_attention`, the dispatch over SDPA and the kernels.
 
 The primitive of the `exact` and `sliding-window` methods, MuSe's exact tail, the attention-transfer teacher
 (train/transfer.py) and the synthetic suite's softmax mixers. q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]` in,
@@ -15,35 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from .window import banded_window_attention, use_banded, window_attention_triton, window_kernel_route
-
-
-def attention_mask(
-    q_len: int,
-    k_len: int,
-    *,
-    device,
-    key_mask: torch.Tensor | None = None,
-    q_offset: int | None = None,
-    window: int | None = None,
-) -> torch.Tensor | None:
-    """Boolean mask `[B or 1, 1, q_len, k_len]` (True = attend) for causal (optionally windowed) attention.
-
-    Query i sits at key index `q_offset + i` (default `k_len - q_len`: the queries are the last tokens).
-    `key_mask` `[B, k_len]` marks real keys. A query always sees its own key, so a padded query row
-    is never empty (its output is ignored anyway).
-    """
-    q_offset = k_len - q_len if q_offset is None else q_offset
-    qpos = torch.arange(q_len, device=device)[:, None] + q_offset
-    kpos = torch.arange(k_len, device=device)[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed = allowed & (kpos > qpos - window)
-    allowed = allowed[None, None]
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :].bool()
-        allowed = allowed | (kpos == qpos)[None, None]
-    return allowed
+from ..window import banded_window_attention, use_banded, window_attention_triton, window_kernel_route
+from .reference import attention_mask
 
 
 # SDPA with a bottom-right causal bias passes `enable_gqa` on to its kernels (checked, not assumed, for older torch)
@@ -91,7 +64,7 @@ def softmax_attention(
     if not simple and Sq < Sk and Sq * G <= Sk and q.is_cuda:
         # few queries under a mask (a padded batch's decode step or tail, a window): split-key Triton kernels,
         # since SDPA's masked kernels do not split the keys across the GPU (kernels/decode/)
-        from .decode import decode_kernel_supported, launch_masked_few_query
+        from ..decode import decode_kernel_supported, launch_masked_few_query
 
         if decode_kernel_supported(q, k, v) is None:
             return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=None)
@@ -126,10 +99,4 @@ def softmax_attention(
     return o.transpose(1, 2)
 
 
-def key_mask_for(padding: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
-    """The last `k_len` columns of the padding mask (the keys an attention call sees), or None."""
-    if padding is None:
-        return None
-    if padding.shape[1] < k_len:
-        raise ValueError(f"padding mask covers {padding.shape[1]} tokens but attention sees {k_len} keys")
-    return padding[:, padding.shape[1] - k_len :]
+__all__ = ["softmax_attention"]

@@ -1,4 +1,5 @@
-"""The Triton kernels of `fused.py`: rotary embedding of q and k in one launch, RMSNorm, SiLU(gate) * up.
+"""The Triton kernels of `ops.py` (their definitions: `reference.py`): rotary embedding of q and k in one launch,
+RMSNorm, SiLU(gate) * up.
 
 Each one replaces a chain of PyTorch elementwise kernels of the model's own code (transformers' llama / mistral /
 qwen2 / qwen3 modeling) and rounds where that code rounds: every intermediate the original holds in the input dtype
@@ -19,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRET, next_power_of_2
-from .triton_lib import rounded
+from ..backend import INTERPRET, next_power_of_2
+from ..triton_lib import rounded
 
 
 @triton.jit

@@ -1,11 +1,11 @@
 """Fused replacements for the model's own small elementwise ops at inference: the rotary embedding of q and k, RMSNorm,
-and SiLU(gate) * up, each one Triton launch (`triton_fused.py`) where transformers' eager code issues several.
+and SiLU(gate) * up, each one Triton launch (`triton_model_ops.py`) where transformers' eager code issues several.
 
 `mode` (the patch's `fused_ops`, see longctx_patch/fused_ops.py): "auto" takes a kernel for CUDA tensors only;
 "triton" also for CPU tensors under TRITON_INTERPRET=1 (tests). A `*_missing` function says why a call takes the
 original PyTorch ops instead (None: the kernel can run): Triton or the device missing, a dtype or shape the kernel
 does not take, or a gradient to compute (the kernels have no backward). The kernels round as the original code rounds
-(`triton_fused.py`), so the two paths agree to the last bit up to the order of a sum (RMSNorm's mean) and the
+(`triton_model_ops.py`), so the two paths agree to the last bit up to the order of a sum (RMSNorm's mean) and the
 exponential's implementation (SiLU).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import needs_grad, triton_missing
+from ..backend import needs_grad, triton_missing
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_DIM = 32768  # RMSNorm rows wider than this take the original ops (one row is one program's tile)
@@ -51,7 +51,7 @@ def rotary_missing(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` (rotate-half, cos/sin on the full head dim) in one
     launch for q and k; new contiguous tensors. Call after `rotary_missing` said None."""
-    from .triton_fused import rotary as launch
+    from .triton_model_ops import rotary as launch
 
     return launch(q, k, cos, sin)
 
@@ -73,7 +73,7 @@ def rms_norm_missing(x: torch.Tensor, weight: torch.Tensor, mode: str) -> str | 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype)` in one launch."""
-    from .triton_fused import rms_norm as launch
+    from .triton_model_ops import rms_norm as launch
 
     return launch(x, weight, eps)
 
@@ -93,6 +93,6 @@ def silu_mul_missing(g: torch.Tensor, u: torch.Tensor, mode: str) -> str | None:
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`F.silu(g) * u` in one launch."""
-    from .triton_fused import silu_mul as launch
+    from .triton_model_ops import silu_mul as launch
 
     return launch(g, u)

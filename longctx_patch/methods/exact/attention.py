@@ -1,19 +1,12 @@
-"""`exact`: reference causal softmax attention (kernels/softmax.py), the baseline every method is compared to."""
+"""`exact`'s module: exact causal softmax attention (kernels/softmax/) over a preallocated K/V cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..kernels.softmax import key_mask_for, softmax_attention
-from .base import Method, MethodConfig, PatchedAttention, register_method
-from .kv_layer import KVBufferLayer, kv_buffer_bytes
-
-
-@dataclass
-class ExactConfig(MethodConfig):
-    """No options: exact softmax attention."""
+from ...kernels.softmax import key_mask_for, softmax_attention
+from ..base import PatchedAttention
+from ..kv_layer import KVBufferLayer, kv_buffer_bytes
 
 
 class ExactAttention(PatchedAttention):
@@ -56,10 +49,4 @@ class ExactAttention(PatchedAttention):
         return kv_buffer_bytes(context_len, batch, self.num_key_value_heads, self.head_dim, dtype, self.window)
 
 
-@register_method
-class Exact(Method):
-    name = "exact"
-    description = "exact causal softmax attention (reference path; full KV cache)"
-    config_cls = ExactConfig
-    module_cls = ExactAttention
-    keeps_model_window = True  # ExactAttention.window
+__all__ = ["ExactAttention"]

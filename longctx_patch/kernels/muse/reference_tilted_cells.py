@@ -1,7 +1,7 @@
 """MuSe's "tilted-cells" far field: the cells plan's exact part, with every far cell summarised for each query
 cluster by its summary tilted at the cluster's centroid (docs/muse.md, section 8).
 
-The cells far field (`cells.py`) gives every query the same super-key per cell: its mean key and mean value. The
+The cells far field (`reference_cells.py`) gives every query the same super-key per cell: its mean key and mean value. The
 tilted design (sections 1-4) gives each query cluster of a block its own summary of each cell, tilted at the
 cluster's centroid, which is more accurate but specific to one (query block, key block) pair: quadratic in blocks
 with a large constant. Here the queries of each head are clustered *once over the whole sequence* (`q_clusters`
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import resolve_backend
-from .cells import CellsPlan, chunk_masks, make_cells_plan
+from .reference_cells import CellsPlan, chunk_masks, make_cells_plan
 from .plan import block_view
 from .reference import masked_softmax
 

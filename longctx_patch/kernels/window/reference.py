@@ -1,4 +1,5 @@
-"""Exact sliding-window causal attention in O(S * W) time and memory: banded blocks through SDPA.
+"""The PyTorch path of exact sliding-window causal attention in O(S * W) time and memory: banded blocks through SDPA
+(differentiable; the Triton forward of `triton_window.py` must equal it).
 
 Queries are cut into blocks of `block` tokens; the queries of a block see at most the `block + W - 1` keys
 ending at the block's last query (its band). Every band is gathered at once (`unfold` of the keys, padded by `W`
@@ -7,10 +8,6 @@ are stacked along the query axis (each band read once per kv head), and one SDPA
 all blocks: `S / block` attention problems of `G * block x (block + W)`, instead of one `S x S` problem under a
 dense mask. Differentiable (SDPA and `unfold` have backward passes). The band mask is the same for every block;
 key validity (the left edge, the padded tail, left padding) is the only per-block part.
-
-`softmax_attention` (kernels/softmax.py) routes windowed calls with many queries here (`use_banded`). Where no
-gradient is needed on CUDA it takes `window_attention_triton` instead: a flash-style Triton forward
-(`triton_window.py`) that reads q, k, v once and materialises neither the bands nor the mask.
 """
 
 from __future__ import annotations
@@ -18,20 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import attention_kernel_missing
-
 
 def band_block(window: int) -> int:
     """Queries per block: the window rounded up to a multiple of 64, within 64..256 (bands of W + block - 1 keys:
     at most 2x the keys for W >= 256, and never tiny problems for small windows)."""
     return max(64, min(256, -(-window // 64) * 64))
-
-
-def use_banded(q_len: int, k_len: int, window: int | None) -> bool:
-    """True when the banded form does less work than one masked problem: many queries and keys beyond a band."""
-    if window is None or q_len <= band_block(window):
-        return False
-    return k_len > window + 2 * band_block(window)
 
 
 def banded_window_attention(
@@ -104,54 +92,4 @@ def banded_bytes(B: int, Hq: int, Hkv: int, S: int, D: int, window: int, itemsiz
     return bands + qo + mask
 
 
-def window_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None when `window_attention_triton` can run these tensors, else why not."""
-    why = attention_kernel_missing(q, k, v)
-    if why is not None:
-        return why
-    D = q.shape[-1]
-    if k.shape[-1] != D or v.shape[-1] != D:
-        return f"head_dim {D} (k {k.shape[-1]}, v {v.shape[-1]}): one power of two in 16..256"
-    if q.shape[0] * k.shape[1] > 65535:
-        return f"batch x kv heads {q.shape[0] * k.shape[1]}: at most 65535 (the grid's second axis)"
-    return None
-
-
-def window_kernel_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `softmax_attention` takes the Triton kernel for a banded call: CUDA tensors (on a CPU the
-    interpreter is for tests, which call `window_attention_triton` directly) and the kernel supports them."""
-    return q.is_cuda and window_kernel_supported(q, k, v) is None
-
-
-def window_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scale: float,
-    window: int,
-    key_mask: torch.Tensor | None = None,
-    q_offset: int | None = None,
-    block_rows: int | None = None,
-    block_keys: int | None = None,
-) -> torch.Tensor:
-    """`banded_window_attention` (same arguments, mask and `[B, Sq, Hq, D]` result in q's dtype) through the Triton
-    forward kernel of `triton_window.py`: O(S * W) work, q/k/v read once, no bands or mask in memory; no backward.
-    `block_rows` / `block_keys` override the tiles (stacked query-head rows per program, keys per tile; tests)."""
-    why = window_kernel_supported(q, k, v)
-    if why is not None:
-        raise RuntimeError(f"window_attention_triton cannot run: {why}")
-    Sq, Sk = q.shape[2], k.shape[2]
-    o0 = Sk - Sq if q_offset is None else int(q_offset)
-    if not (0 <= o0 and o0 + Sq <= Sk):
-        raise ValueError(f"queries at key positions {o0}..{o0 + Sq - 1} do not lie within the {Sk} keys")
-    if int(window) < 1:
-        raise ValueError(f"window {window}: at least 1 (a query's own key)")
-    from .triton_window import window_forward
-
-    return window_forward(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=o0,
-                          block_rows=block_rows, block_keys=block_keys)
-
-
-__all__ = ["band_block", "banded_bytes", "banded_window_attention", "use_banded", "window_attention_triton",
-           "window_kernel_route", "window_kernel_supported"]
+__all__ = ["band_block", "banded_bytes", "banded_window_attention"]

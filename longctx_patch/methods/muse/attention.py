@@ -1,0 +1,119 @@
+"""`muse`'s module: MuSe for a prefill without a past, exact softmax attention over a full KV cache otherwise."""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.muse import muse_attention
+from ...kernels.softmax import key_mask_for, softmax_attention
+from ..base import PatchedAttention
+from ..padding import PhaseGroup, left_padding
+
+
+def _past_len(cache_layer) -> int:
+    if cache_layer is None or not getattr(cache_layer, "is_initialized", False):
+        return 0
+    keys = getattr(cache_layer, "keys", None)
+    return 0 if keys is None else int(keys.shape[-2])
+
+
+class MuseAttention(PatchedAttention):
+    method_name = "muse"
+
+    def uses_muse(self, q_len: int, past: int) -> bool:
+        c = self.method_config
+        return past == 0 and q_len > c.get("block_size") and q_len >= c.min_seq_len
+
+    @classmethod
+    def op(cls, q, k, v, *, scale, config):
+        """Op-level entry point (`longctx eval speed --op`): MuSe over one full causal sequence, clustering
+        included; q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` -> `[B, S, Hq, D]`."""
+        return muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+
+    def attend(self, q, k, v, cache_layer, padding):
+        past = _past_len(cache_layer)
+        S = q.shape[2]
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        km = key_mask_for(padding, k.shape[2])
+        if not self.uses_muse(S, past):  # no row of the batch is longer than the call: every row exact
+            return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
+        if km is None:
+            o = self._muse(q, k, v, None)
+        else:
+            o = self._muse_padded(q, k, v, km, padding)
+            if o is None:  # every row alone would be shorter than min_seq_len / block_size: exact
+                return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
+        t = min(self.method_config.exact_tail, S)
+        if t and cache_layer is not None and not self.training:
+            tail = softmax_attention(q[:, :, S - t:], k, v, scale=self.scaling, key_mask=km)
+            if torch.is_grad_enabled():
+                return torch.cat([o[:, :S - t], tail], 1)
+            o[:, S - t:] = tail
+        return o
+
+    def _muse(self, q, k, v, km):
+        return muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+
+    def _muse_padded(self, q, k, v, km, padding):
+        """A prefill of a padded batch, each row as that prompt alone (docs/muse.md, "Padded batches"): rows whose
+        real length takes MuSe, grouped by their left padding modulo block_size, run one MuSe call per group on the
+        columns after the group's smallest padding (so every row of it is padded by whole blocks, which are neutral);
+        the other rows take exact attention. None when no row takes MuSe."""
+        c = self.method_config
+        groups = _row_groups(self._ctx, padding, km, c.get("block_size"), c.min_seq_len)
+        if groups is None:  # one group: the whole batch, no columns to drop, the key mask as it is
+            return self._muse(q, k, v, km)
+        if not groups[0]:
+            return None
+        B, Hq, S, D = q.shape
+        parts = []
+        for rows, trim, masked in groups[0]:
+            g = PhaseGroup(rows, trim)
+            parts.append((rows, trim, self._muse(g.take(q, 2), g.take(k, 2), g.take(v, 2),
+                                                 g.take(km, 1) if masked else None)))
+        if groups[1] is not None:
+            g = PhaseGroup(groups[1], 0)
+            parts.append((groups[1], 0, softmax_attention(g.take(q, 2), g.take(k, 2), g.take(v, 2),
+                                                          scale=self.scaling, key_mask=g.take(km, 1))))
+        o = parts[0][2].new_zeros(B, S, Hq, D)
+        for rows, trim, part in parts:
+            if rows is None:
+                o[:, trim:] = part.to(o.dtype)
+            else:
+                o[rows, trim:] = part.to(o.dtype)
+        return o
+
+
+def _row_groups(ctx, padding, km, block: int, min_len: int):
+    """The rows of a padded prefill as MuSe runs them (see MuseAttention._muse_padded), computed once per forward
+    (every layer sees the same mask object: one host read, cached on the PatchContext). None when the whole batch is
+    one group with no column to drop; else ([(rows or None, trim, masked)] of the MuSe groups, the rows of exact
+    attention or None). A row's real length (its True entries) decides between MuSe (longer than `block` and at
+    least `min_len`) and exact attention, as it would alone; `masked`: some row of the group keeps padding after the
+    trim (else its MuSe call takes no key mask, as the prompts alone do)."""
+    key = (block, min_len, tuple(km.shape), padding._version)  # _version: a mask changed in place is read again
+    cached = getattr(ctx, "_muse_rows", None)
+    if cached is not None and cached[0] is padding and cached[1] == key:
+        return cached[2]
+    B, S = km.shape
+    pad, real = torch.stack([left_padding(km), km.sum(1)]).tolist()
+    takes_muse = [real[r] > block and real[r] >= min_len for r in range(B)]
+    by_phase: dict[int, list[int]] = {}
+    for r in range(B):
+        if takes_muse[r]:
+            by_phase.setdefault(pad[r] % block, []).append(r)
+    groups = []
+    for rows in by_phase.values():
+        trim = min(pad[r] for r in rows)  # every padding of the group is trim + a multiple of block
+        masked = any(pad[r] != trim or real[r] != S - pad[r] for r in rows)
+        groups.append((None if len(rows) == B else torch.tensor(rows, device=km.device), trim, masked))
+    exact = [r for r in range(B) if not takes_muse[r]]
+    res = None if len(groups) == 1 and groups[0][0] is None and groups[0][1] == 0 else \
+        (groups, torch.tensor(exact, device=km.device) if exact else None)
+    if ctx is not None:
+        ctx._muse_rows = (padding, key, res)
+    return res
+
+
+__all__ = ["MuseAttention"]

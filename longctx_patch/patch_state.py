@@ -1,0 +1,142 @@
+"""The patch of a model, kept on the model itself: what the patcher, the methods and the cache read of it.
+
+`patch()` (patcher.py) puts one `PatchState` on the model's decoder stack (`architectures.base_model(model)`, the
+attribute `STATE_ATTR`): the patched modules by layer, the originals they replaced, the patches applied (`groups`),
+the `PatchContext` the modules share, the entry points installed on the model. Being an attribute of the model, it
+travels with it: `copy.deepcopy(model)` and pickling carry a state of the copy's own, whose modules and context are
+the copy's, and the forward pre-hook of patcher.py finds it from the module it is called on, never from a closure.
+
+This module only reads the state and keeps original weights; the patcher creates, changes and removes it. Methods
+and the cache import it plainly (it sits below them: it imports nothing of methods/ or the API).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .architectures import base_model, shared_weight
+from .errors import NotPatchedError
+
+STATE_ATTR = "_longctx_patch_state"  # the attribute of the decoder stack that holds its PatchState
+
+
+class PatchContext:
+    """Per-model state shared by its patched modules for the current forward call (`PatchedAttention._ctx`)."""
+
+    def __init__(self) -> None:
+        self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
+        self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
+        # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
+        # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
+        self.recompute = False
+        # the patch's fused-ops mode (longctx_patch/fused_ops.py): None = off, "auto" / "triton" = the fused rotary
+        # kernel of `ArchAdapter.project` where it can run
+        self.fused_ops: str | None = None
+
+
+@dataclass
+class PatchGroup:
+    """One patch() call: the method, its validated config (a methods.base.MethodConfig) and its layers."""
+
+    method: str
+    config: Any
+    layers: list[int]
+
+    def to_record(self) -> dict[str, Any]:
+        """{method, config, layers}: this group as the patch record (checkpoint.patch_record) writes it."""
+        return {"method": self.method, "config": self.config.to_dict(), "layers": self.layers}
+
+
+@dataclass
+class PatchState:
+    ctx: PatchContext = field(default_factory=PatchContext)
+    groups: list[PatchGroup] = field(default_factory=list)
+    modules: dict[int, nn.Module] = field(default_factory=dict)  # layer -> its PatchedAttention
+    originals: dict[int, nn.Module] = field(default_factory=dict)  # layer -> the attention module it replaced
+    hooks: list[Any] = field(default_factory=list)  # torch hook handles
+    generate_owner: nn.Module | None = None  # the model whose _prepare_cache_for_generation we overrode
+    cache_arg: str = "cache"
+    # {(layer, submodule name): original weight on the CPU}, kept when a checkpoint merges a delta (e.g. LoRA)
+    # into a projection shared with the original module, so that unpatch() puts the weight back
+    saved_weights: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    context_warned: bool = False  # a sequence past max_position_embeddings was warned about (once per patch)
+    decode_graphs: Any = None  # the DecodeGraphs forward installed on generate_owner
+    fused: Any = None  # fused_ops.FusedOps: the fused norm / MLP forwards installed on the model (set_fused_ops)
+    fused_decided: bool = False  # fused ops were set (by default or explicitly) since the first patch
+
+
+def find_state(model: nn.Module) -> PatchState | None:
+    """The PatchState of `model` (a *ForCausalLM, a PEFT wrapper or the decoder stack), or None when unpatched."""
+    return getattr(base_model(model), STATE_ATTR, None)
+
+
+def state_of(model: nn.Module) -> PatchState:
+    """The PatchState of `model`; NotPatchedError when it is not patched."""
+    st = find_state(model)
+    if st is None:
+        raise NotPatchedError("this model is not patched by longctx-patch; call longctx_patch.patch(model, method) first")
+    return st
+
+
+def is_patched(model: nn.Module) -> bool:
+    return find_state(model) is not None
+
+
+def patched_layers(model: nn.Module) -> dict[int, str]:
+    """{layer index: method name} of the patched layers ({} when unpatched)."""
+    st = find_state(model)
+    if st is None:
+        return {}
+    return {i: m.method_name for i, m in sorted(st.modules.items())}
+
+
+def patched_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: patched module (a PatchedAttention)} of `model`, by layer; NotPatchedError when unpatched."""
+    return dict(sorted(state_of(model).modules.items()))
+
+
+def patch_context(model: nn.Module) -> PatchContext:
+    """The PatchContext the patched modules of `model` share (the padding of the current batch, the hook of
+    train/transfer.py); NotPatchedError when unpatched."""
+    return state_of(model).ctx
+
+
+def patch_groups(model: nn.Module) -> list[PatchGroup]:
+    """The patches of `model` in the order patch() applied them (a hybrid has several); NotPatchedError when
+    unpatched."""
+    return list(state_of(model).groups)
+
+
+def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tensor:
+    """Call before changing the weight of the shared projection `name` (q_proj ...) of patched layer `layer`
+    in place (e.g. merging a LoRA delta): keeps a CPU copy (once) that unpatch() restores. Returns the weight."""
+    st = state_of(model)
+    w = shared_weight(getattr(st.modules[layer], name))
+    if (layer, name) not in st.saved_weights:
+        st.saved_weights[(layer, name)] = w.detach().to("cpu", copy=True)
+    return w
+
+
+def take_original_weights(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Removes and returns the original weights kept by keep_original_weight ({(layer, projection name): CPU copy}):
+    unpatch() then leaves those projections as they are now (e.g. with a LoRA delta merged). For patching the same
+    layers again with another method (convert_to_lola), which hands them back with keep_original_weights."""
+    st = state_of(model)
+    saved = dict(st.saved_weights)
+    st.saved_weights.clear()
+    return saved
+
+
+def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Has unpatch() put back `saved` ({(layer, projection name): original weight}, from take_original_weights) as
+    if keep_original_weight had kept them."""
+    state_of(model).saved_weights.update(saved)
+
+
+__all__ = ["PatchContext", "PatchGroup", "PatchState", "STATE_ATTR", "find_state", "is_patched", "keep_original_weight",
+           "keep_original_weights", "patch_context", "patch_groups", "patched_layers", "patched_modules", "state_of",
+           "take_original_weights"]
