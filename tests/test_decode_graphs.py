@@ -84,11 +84,13 @@ def test_graphs_are_captured_after_the_last_prefill_chunk(simulate, method, conf
 
 
 @pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 6}),
-                                           ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2})])
+                                           ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2}),
+                                           ("muse", {"block_size": 4, "k_clusters": 2, "topk_blocks": 1, "peak_blocks": 0,
+                                                     "min_seq_len": 0, "exact_tail": 2, "backend": "torch"})])
 def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config):
-    """exact, sliding-window and moba (methods/kv_layer.py): one graph per buffer capacity; a window smaller than the
-    prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings); moba's step
-    gates the buffer's blocks from device state only."""
+    """exact, sliding-window, moba and muse (methods/kv_layer.py): one graph per buffer capacity; a window smaller
+    than the prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings);
+    moba's step gates the buffer's blocks from device state only; muse's prefill is MuSe, its decode exact's."""
     torch.manual_seed(0)
     model = tiny_model("llama").eval()
     lp.patch(model, method, **config)
