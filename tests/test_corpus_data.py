@@ -61,6 +61,7 @@ def make_env(root: Path, order: int = 1) -> tuple[Path, Path]:
         site / "beta" / "sub" / "deep.py": code_file("deep"),
         site / "heldpkg" / "algo.py": code_file("algo", 30),
         site / "heldpkg" / "more.py": code_file("more", 30),
+        site / "heldpkg" / "a" / "inner.py": code_file("inner"),  # walked after algo.py, sorted before it
         site / "solo.py": code_file("solo"),
         site / "alpha-1.0.dist-info" / "x.py": code_file("meta"),
     }
@@ -88,7 +89,8 @@ def test_code_selection_is_deterministic_and_skips(tmp_path):
         ("stdlib", "json/decoder.py"), ("stdlib", "json/encoder.py"),
         ("alpha", "alpha/core.py"), ("alpha", "alpha/util.py"),
         ("beta", "beta/graph.py"), ("beta", "beta/sub/deep.py"),
-        ("heldpkg", "heldpkg/algo.py"), ("heldpkg", "heldpkg/more.py"), ("solo", "solo.py"),
+        ("heldpkg", "heldpkg/algo.py"), ("heldpkg", "heldpkg/more.py"), ("heldpkg", "heldpkg/a/inner.py"),
+        ("solo", "solo.py"),
     }
     assert a.skipped == {"vendored": 1, "generated": 2, "too small": 1, "long lines (minified or data)": 1,
                          "not utf-8": 1}
@@ -288,9 +290,14 @@ def test_pack_is_checked_against_the_manifest(tmp_path):
     src, out = build_small(tmp_path)
     manifest = json.loads(src.read_text())
     pack_dir = tmp_path / "pack"
-    assert len(build_corpus.read_pack(pack_dir, manifest)) > 0
-    (pack_dir / build_corpus.PACK_NAME).unlink()  # the pieces alone do
-    assert len(build_corpus.read_pack(pack_dir, manifest)) > 0
+    pieces = sorted(pack_dir.iterdir())
+    assert [p.name for p in pieces] == [p["file"] for p in manifest["pack"]["pieces"]]  # the pieces alone
+    records = build_corpus.read_pack(pack_dir, manifest)
+    whole = tmp_path / build_corpus.PACK_NAME  # `cat` of the pieces: the same records
+    whole.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    assert prose.sha256_file(whole) == manifest["pack"]["sha256"]
+    assert build_corpus.read_pack(whole, manifest) == records
+    assert {r["source"] for r in records} == {"essays", "heldpkg", "localdocs", "pkgdoc"}
     bad = dict(manifest, sources=[dict(s, content_sha256="0" * 64) if s["name"] == "pkgdoc" else s
                                   for s in manifest["sources"]])
     with pytest.raises(ConfigError, match="pkgdoc"):
@@ -307,6 +314,13 @@ def test_pack_is_checked_against_the_manifest(tmp_path):
     sdist = next(s for s in manifest["sources"] if s["name"] == "pkgdoc")
     with pytest.raises(ConfigError, match="sha256"):
         prose.fetch(dict(sdist, sha256="1" * 64), tmp_path / "cache")
+
+
+def test_content_hash_is_of_the_selection_not_its_order():
+    files = [prose.TextFile("s", "b/x.txt", "one"), prose.TextFile("s", "a.txt", "two")]
+    assert prose.content_sha256(files) == prose.content_sha256(files[::-1])
+    assert prose.content_sha256(files) != prose.content_sha256([files[0], prose.TextFile("s", "a.txt", "two!")])
+    assert prose.content_sha256(files) != prose.content_sha256([files[0], prose.TextFile("s", "c.txt", "two")])
 
 
 def test_globs():

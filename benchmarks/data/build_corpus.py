@@ -49,14 +49,14 @@ def read_sources(manifest: dict, cache: Path, site_roots=None, check: bool = Tru
 
 
 def write_pack(records: list[dict], out_dir: Path, piece_mib: float) -> dict:
-    """The records as one xz-compressed JSON-lines file and its pieces of at most `piece_mib` MiB (named .00,
-    .01, ...; `cat` in order gives the file back)."""
+    """The records as one xz-compressed JSON-lines file, written as pieces of at most `piece_mib` MiB (named .00,
+    .01, ...; `cat` in order gives the file back). Only the pieces are written, so that carrying the folder
+    carries the text once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode("utf-8")
     data = lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)
     for old in out_dir.glob(PACK_NAME + "*"):
         old.unlink()
-    (out_dir / PACK_NAME).write_bytes(data)
     step = int(piece_mib * (1 << 20))
     pieces = []
     for i in range(0, len(data), step):
@@ -69,8 +69,8 @@ def write_pack(records: list[dict], out_dir: Path, piece_mib: float) -> dict:
 
 
 def read_pack(path: Path, manifest: dict) -> list[dict]:
-    """The pack's records: `path` is the .xz file, or a folder holding it or its pieces. Checked against the
-    manifest: the pack's sha256 (or each piece's), then every source's content hash."""
+    """The pack's records: `path` is the .xz file (the pieces concatenated), or a folder holding it or its
+    pieces. Checked against the manifest: each piece's sha256, then the content's, then every source's."""
     meta = manifest["pack"]
     if path.is_dir():
         whole = path / meta["file"]

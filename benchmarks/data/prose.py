@@ -92,9 +92,10 @@ def sha256_file(path: Path) -> str:
 
 
 def content_sha256(files: Iterable[TextFile]) -> str:
-    """sha256 over (path, text) of the files in order: what a source's selection holds, whatever its packaging."""
+    """sha256 over (path, text) of the files in path order: what a source's selection holds, whatever its
+    packaging or the order it was read in."""
     h = hashlib.sha256()
-    for f in files:
+    for f in sorted(files, key=lambda f: f.rel):
         h.update(f.rel.encode() + b"\0" + f.text.encode() + b"\0")
     return h.hexdigest()
 
