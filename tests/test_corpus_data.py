@@ -132,6 +132,34 @@ def test_block_dedupe_cuts_long_repeats_only():
     assert d.filter(f"{long1}\n\n\n{held}\n") == ""
 
 
+class WordCounter:
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+def test_long_documents_cut_books_and_join_essays():
+    book = "\n\n".join(para(f"book{j}", 20) for j in range(40))  # 40 blocks of 21 words
+    essays = [("e", f"e{i}.txt", "\n\n".join(para(f"e{i}-{j}", 20) for j in range(2)), f"h{i}") for i in range(5)]
+    docs = corpus.long_documents([("b", "book.txt", book, "hb")] + essays, WordCounter(), 100, "prose")
+    by = {s: [d for d in docs if d.source == s] for s in ("b", "e")}
+    assert all(d.tokens >= 100 and d.tokens == len(d.text.split()) for d in docs)
+    assert len(by["b"]) == 8  # 40 x 21 words + headers cut at >= 100 words
+    assert by["b"][0].text.startswith("# b/book.txt\n\n")
+    assert all(d.text.startswith("# b/book.txt (continued)\n\n") for d in by["b"][1:])
+    assert all(d.files == ["hb"] for d in by["b"])
+    # five essays of 2 + 42 words: the first document ends inside e2 (after 111 words), the second goes on
+    # from there ("continued") and takes the remainder (e4's last block, too short for a third)
+    assert [d.files for d in by["e"]] == [["h0", "h1", "h2"], ["h2", "h3", "h4"]]
+    assert by["e"][1].text.startswith("# e/e2.txt (continued)\n\n")
+    for i in range(5):
+        assert sum(d.text.count(f"# e/e{i}.txt\n") for d in by["e"]) == 1
+    # every block of the sources is in exactly one document
+    keys = [k for d in docs for k in corpus.block_keys(d.text)]
+    assert len(keys) == len(set(keys)) == sum(len(corpus.block_keys(t)) for t in [book] + [e[2] for e in essays])
+    # a source too short for one document gives none
+    assert corpus.long_documents([("s", "x.txt", para("short", 20), "hs")], WordCounter(), 100, "prose") == []
+
+
 # ----------------------------------------------------------------------------------------------- end to end
 def make_sources(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
     """A manifest with a local held-out prose folder, an environment held-out code source, a training prose

@@ -125,9 +125,12 @@ def group_by_folder(items: Iterable[tuple[str, str, str, str]], max_chars: int =
 def long_documents(
     files: Sequence[tuple[str, str, str, str]], counter, min_tokens: int, kind: str
 ) -> list[Doc]:
-    """Held-out documents of at least `min_tokens` tokens: each source's files in path order, concatenated (each
-    after a `# <source>/<rel>` line) until the count is reached; a shorter remainder joins the last document.
-    A source that cannot fill one document gives none."""
+    """Held-out documents of at least `min_tokens` tokens (by `counter`'s exact count): each source's files in path
+    order, each after a `# <source>/<rel>` line, cut into documents at block boundaries (blank lines) once the
+    count is reached; a document that starts inside a file repeats its line with ` (continued)`, and a shorter
+    remainder joins the source's last document. So a long book gives several documents and short essays are
+    concatenated, and corpus.json lists the files each document holds. A source that cannot fill one document
+    gives none."""
     docs: list[Doc] = []
     by_source: dict[str, list[tuple[str, str, str]]] = {}
     for source, rel, text, h in files:
@@ -136,21 +139,29 @@ def long_documents(
         made: list[Doc] = []
         part: list[str] = []
         hashes: list[str] = []
-        n = 0
+        approx = 0
         for rel, text, h in sorted(by_source[source]):
-            block = f"# {source}/{rel}\n\n{text}"
-            part.append(block)
-            hashes.append(h)
-            n += counter.count(block) + 1
-            if n >= min_tokens:
-                made.append(Doc(f"{source}-{len(made):03d}", kind, source, "\n".join(part), hashes))
-                part, hashes, n = [], [], 0
+            blocks = BLOCK_SPLIT.split(text)[::2]
+            for i, b in enumerate(blocks):
+                if i == 0 or not part:  # a file's first block, or a document starting inside a file
+                    part.append(f"# {source}/{rel}{' (continued)' if i else ''}")
+                if not hashes or hashes[-1] != h:
+                    hashes.append(h)
+                part.append(b)
+                approx += counter.count(b) + 2
+                if approx >= min_tokens:
+                    text_now = "\n\n".join(part)
+                    n = counter.count(text_now)
+                    if n >= min_tokens:
+                        made.append(Doc(f"{source}-{len(made):03d}", kind, source, text_now + "\n", hashes, n))
+                        part, hashes, approx = [], [], 0
+                    else:
+                        approx = n
         if part and made:
             last = made[-1]
-            last.text = last.text + "\n" + "\n".join(part)
-            last.files += hashes
-        for d in made:
-            d.tokens = counter.count(d.text)
+            last.text = last.text + "\n" + "\n\n".join(part) + "\n"
+            last.files += [x for x in hashes if x not in last.files]
+            last.tokens = counter.count(last.text)
         docs += made
     return docs
 
