@@ -242,6 +242,7 @@ def test_build_splits_and_never_repeats(tmp_path):
     sets = m["sets"]
     held_sources = {d["source"] for s in ("heldout/code", "heldout/prose") for d in sets[s]["documents"]}
     train_sources = {d["source"] for s in ("train-a", "train-b") for d in sets[s]["documents"]}
+    assert m["tokenizer"]["same_as_sources_json"] is True
     assert held_sources == {"essays", "heldpkg"}
     assert "heldpkg" not in train_sources and "essays" not in train_sources
     assert {"localdocs", "pkgdoc", "stdlib", "alpha", "beta", "solo"} <= train_sources

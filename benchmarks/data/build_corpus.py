@@ -179,6 +179,11 @@ def build(a) -> dict:
     manifest = prose.load_sources(Path(a.sources))
     counter = Counter(a.tokenizer)
     records = read_pack(Path(a.pack), manifest)
+    tok_sha = prose.sha256_file(counter.path)
+    tok_same = tok_sha == manifest.get("tokenizer", {}).get("sha256")
+    if not tok_same:
+        _log(f"warning: {counter.path} is not the tokenizer sources.json was measured with; the token budget "
+             "and the held-out cuts follow this one")
     held_code_pkgs = set(manifest["heldout_code_packages"])
     t0 = time.time()
 
@@ -233,7 +238,7 @@ def build(a) -> dict:
         "command": " ".join(sys.argv),
         "python": platform.python_version(),
         "prefix": sys.prefix,
-        "tokenizer": {"file": str(counter.path), "sha256": prose.sha256_file(counter.path)},
+        "tokenizer": {"file": str(counter.path), "sha256": tok_sha, "same_as_sources_json": tok_same},
         "pack": {k: manifest["pack"][k] for k in ("file", "sha256", "content_sha256")},
         "settings": {"train_tokens": a.train_tokens, "max_prose_fraction": a.max_prose_fraction,
                      "heldout_min_tokens": a.heldout_min_tokens, "min_block_chars": corpus.MIN_BLOCK,
