@@ -132,6 +132,23 @@ def test_block_dedupe_cuts_long_repeats_only():
     assert d.filter(f"{long1}\n\n\n{held}\n") == ""
 
 
+def test_take_fair_and_split_halves():
+    docs = [corpus.Doc(f"big/{i}", "code", "big", para(f"big{i}", 100)) for i in range(10)]
+    docs += [corpus.Doc(f"small/{i}", "code", "small", para(f"small{i}", 10)) for i in range(3)]
+    docs += [corpus.Doc(f"mid/{i}", "prose", "mid", para(f"mid{i}", 30)) for i in range(6)]
+    taken = corpus.take_fair(docs, 400, corpus.BlockDedupe(), WordCounter())
+    by = {s: sum(d.tokens for d in taken if d.source == s) for s in ("big", "small", "mid")}
+    # the source with the fewest tokens so far goes next: small (3 x 10) comes whole, mid and big share the rest
+    assert by["small"] == 30 and abs(by["big"] - by["mid"]) <= 100
+    assert 400 <= sum(by.values()) < 400 + 100
+    assert [d.name for d in corpus.take_fair(docs, 400, corpus.BlockDedupe(), WordCounter())] == [d.name for d in taken]
+    halves = corpus.split_halves(taken)
+    assert sorted(d.name for h in halves.values() for d in h) == sorted(d.name for d in taken)
+    for kind, biggest in (("code", 100), ("prose", 30)):
+        n = [sum(d.tokens for d in halves[h] if d.kind == kind) for h in ("train-a", "train-b")]
+        assert abs(n[0] - n[1]) <= biggest
+
+
 class WordCounter:
     def count(self, text: str) -> int:
         return len(text.split())
@@ -248,6 +265,10 @@ def test_build_splits_and_never_repeats(tmp_path):
     assert {"localdocs", "pkgdoc", "stdlib", "alpha", "beta", "solo"} <= train_sources
     assert all(d["tokens"] >= 150 for s in ("heldout/code", "heldout/prose") for d in sets[s]["documents"])
     assert sets["train-a"]["documents"] and sets["train-b"]["documents"]
+    for kind in ("code", "prose"):  # both halves get the same mix, within one document
+        per = {s: sum(d["tokens"] for d in sets[s]["documents"] if d["kind"] == kind) for s in ("train-a", "train-b")}
+        biggest = max(d["tokens"] for s in ("train-a", "train-b") for d in sets[s]["documents"] if d["kind"] == kind)
+        assert abs(per["train-a"] - per["train-b"]) <= biggest
     summary = corpus.check_corpus(out)
     assert summary["train-a"]["documents"] == len(sets["train-a"]["documents"])
     texts = [p.read_text() for s in ("train-a", "train-b") for p in sorted((out / s).iterdir())]
@@ -272,7 +293,7 @@ def test_build_is_reproducible(tmp_path):
     assert m1["dropped_blocks"] == m2["dropped_blocks"] > 0
 
 
-def test_token_budget_round_robin(tmp_path):
+def test_token_budget_is_shared_by_packages(tmp_path):
     _, full = build_small(tmp_path / "full")
     src, cache, stdlib, site = make_sources(tmp_path / "part")
     tok = word_tokenizer(tmp_path / "tok")
@@ -289,7 +310,7 @@ def test_token_budget_round_robin(tmp_path):
     code = m["train_tokens"]["code"]
     assert 500 <= code < mf["train_tokens"]["code"]
     assert code - max(d["tokens"] for d in train) < 500  # it stopped at the first document past the budget
-    assert len({d["source"] for d in train}) >= 2  # round robin over packages, not the first one alone
+    assert len({d["source"] for d in train}) >= 2  # shared among packages, not the first one alone
 
 
 def test_check_corpus_finds_tampering(tmp_path):

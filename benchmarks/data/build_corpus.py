@@ -215,24 +215,14 @@ def build(a) -> dict:
 
     def take(files, kind, budget):
         docs = [corpus.Doc(n, kind, s, t, h) for s, n, t, h in corpus.group_by_folder(files)]
-        taken, n = [], 0
-        for d in corpus.round_robin(docs):
-            if n >= budget:
-                break
-            d.text = dedupe.filter(d.text)
-            if not d.text.strip():
-                continue
-            d.tokens = counter.count(d.text)
-            taken.append(d)
-            n += d.tokens
-        return taken, n
+        taken = corpus.take_fair(docs, budget, dedupe, counter)
+        return taken, sum(d.tokens for d in taken)
 
     prose_docs, n_prose = take(prose_files, "prose", a.max_prose_fraction * a.train_tokens)
     code_docs, n_code = take(code_files, "code", a.train_tokens - n_prose)
     if n_prose + n_code < a.train_tokens:
         _log(f"warning: only {(n_prose + n_code) / 1e6:.2f}M training tokens reachable (asked {a.train_tokens / 1e6:.2f}M)")
-    for d in prose_docs + code_docs:
-        sets.setdefault(corpus.half_of(d), []).append(d)
+    sets.update(corpus.split_halves(prose_docs + code_docs))
     info = {
         "built": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),

@@ -13,7 +13,7 @@ The rules that make "no text more than twice" hold:
 - every file is deduplicated by content hash, and every block (text between blank lines) of at least
   `MIN_BLOCK` characters by the hash of its words: a block seen earlier (held-out first, then training in a
   fixed order) is cut, so no such block appears twice in the training text, nor in training and held-out text;
-- train-a and train-b share nothing, and the recipe (recipes/linearize-qwen.yaml) reads train-a in its two
+- train-a and train-b share nothing (`split_halves`), and the recipe (recipes/linearize-qwen.yaml) reads train-a in its two
   transfer stages and train-b in its two LoRA stages, each stage less than one epoch of its folder: every
   token is drawn at most once a stage, so at most twice in all (`check_plan`).
 """
@@ -21,9 +21,10 @@ The rules that make "no text more than twice" hold:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -166,27 +167,43 @@ def long_documents(
     return docs
 
 
-def half_of(doc: Doc) -> str:
-    """train-a or train-b, by the document's hash (a fixed, content-only rule)."""
-    return "train-a" if int(doc.sha256[:8], 16) % 2 == 0 else "train-b"
+def split_halves(docs: Sequence[Doc]) -> dict[str, list[Doc]]:
+    """train-a and train-b: each kind's documents in hash order, each to the half holding fewer tokens of that
+    kind so far (train-a on ties), so both halves get the same mix and differ by less than one document."""
+    out: dict[str, list[Doc]] = {"train-a": [], "train-b": []}
+    for kind in sorted({d.kind for d in docs}):
+        n = {"train-a": 0, "train-b": 0}
+        for d in sorted((d for d in docs if d.kind == kind), key=lambda d: d.sha256):
+            half = "train-a" if n["train-a"] <= n["train-b"] else "train-b"
+            out[half].append(d)
+            n[half] += d.tokens
+    return out
 
 
-def round_robin(docs: Sequence[Doc]) -> list[Doc]:
-    """Documents interleaved across sources (each source's in hash order), so that a token budget cut anywhere
-    takes every source alike rather than the alphabetically first."""
+def take_fair(docs: Sequence[Doc], budget: float, dedupe: BlockDedupe, counter) -> list[Doc]:
+    """Documents up to `budget` tokens, shared fairly among sources: the next document always comes from the source
+    with the fewest tokens taken so far (ties by name), each source's in hash order. Each is deduplicated
+    (`dedupe.filter`) and counted as it is taken (the given documents are not changed), so small sources come
+    whole and large ones share the rest; the last document taken may pass the budget."""
     by_src: dict[str, list[Doc]] = {}
     for d in sorted(docs, key=lambda d: (d.source, d.sha256)):
         by_src.setdefault(d.source, []).append(d)
-    order: list[Doc] = []
-    queues = [by_src[s] for s in sorted(by_src)]
-    i = 0
-    while any(queues):
-        for q in queues:
-            if i < len(q):
-                order.append(q[i])
-        i += 1
-        queues = [q for q in queues if i < len(q)]
-    return order
+    heap = [(0, src, 0) for src in sorted(by_src)]
+    heapq.heapify(heap)
+    taken: list[Doc] = []
+    total = 0
+    while heap and total < budget:
+        n, src, i = heapq.heappop(heap)
+        d = by_src[src][i]
+        text = dedupe.filter(d.text)
+        if text.strip():
+            d = replace(d, text=text, tokens=counter.count(text))
+            taken.append(d)
+            total += d.tokens
+            n += d.tokens
+        if i + 1 < len(by_src[src]):
+            heapq.heappush(heap, (n, src, i + 1))
+    return taken
 
 
 # ----------------------------------------------------------------------------------------------- writing
