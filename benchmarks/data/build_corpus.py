@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import lzma
 import platform
@@ -95,7 +94,7 @@ def read_pack(path: Path, manifest: dict) -> list[dict]:
     raw = lzma.decompress(data)
     if hashlib.sha256(raw).hexdigest() != meta["content_sha256"]:
         raise ConfigError(f"{path}: the pack's content does not match sources.json (content_sha256); rebuild it with `pack`")
-    records = [json.loads(line) for line in io.BytesIO(raw).read().decode("utf-8").splitlines() if line]
+    records = [json.loads(line) for line in raw.decode("utf-8").splitlines() if line]
     by_src: dict[str, list[prose.TextFile]] = {}
     for r in records:
         by_src.setdefault(r["source"], []).append(prose.TextFile(r["source"], r["rel"], r["text"]))

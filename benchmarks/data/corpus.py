@@ -24,7 +24,7 @@ import hashlib
 import heapq
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -314,7 +314,3 @@ def check_plan(stages: Sequence[dict], set_tokens: dict[str, int], eval_fraction
     if over:
         raise ConfigError(f"{', '.join(over)} read by more than two stages: a text would be seen more than twice")
     return rows
-
-
-def doc_rows(docs: Sequence[Doc]) -> list[dict]:
-    return [{k: v for k, v in asdict(d).items() if k != "text"} for d in docs]

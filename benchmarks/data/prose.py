@@ -13,7 +13,7 @@ Every source's `content_sha256` is that of its selected files (path and normalis
 
 `format` says how a member becomes text: `files` (each member one file of text), `kjv-jsonl` (verse records
 `{"book", "chapter", "verse", "text"}` rendered as books with chapter headings) or `python` (environment sources).
-Files are grouped into documents by folder (`group_documents`), as the code is.
+The corpus groups the files into documents by folder (`corpus.group_by_folder`), as it does the code.
 """
 
 from __future__ import annotations

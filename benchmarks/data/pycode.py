@@ -14,9 +14,8 @@ Which files, deterministically (the same environment gives the same files, on an
 - each file's content is normalised (newlines to `\n`, trailing spaces cut) and hashed (sha256); a content seen
   before (in path order: stdlib first, then packages by name, files sorted) is a duplicate and dropped.
 
-Files are then grouped into documents by folder (one package directory's modules, sorted, each after a
-`# <package>/<path>` line), so that a long sequence holds related code rather than unrelated snippets; a folder
-larger than `max_doc_chars` is split at file boundaries.
+The corpus then groups the files into documents by folder (`corpus.group_by_folder`: one package directory's
+modules in path order), so that a long sequence holds related code rather than unrelated snippets.
 """
 
 from __future__ import annotations
@@ -176,27 +175,3 @@ def select_files(
                 files.append(SourceFile(name, rel, h, text))
                 per_pkg[name] = per_pkg.get(name, 0) + 1
     return Selection(files, skipped, dup, per_pkg)
-
-
-def group_documents(files: Sequence[SourceFile], max_doc_chars: int = 400_000) -> list[tuple[str, str, list[str]]]:
-    """(name, text, file hashes) per document: the files of one folder of one package, in path order, each after
-    a `# <package>/<path>` line; split at file boundaries past `max_doc_chars`."""
-    by_dir: dict[tuple[str, str], list[SourceFile]] = {}
-    for f in files:
-        d = f.rel.rsplit("/", 1)[0] if "/" in f.rel else ""
-        by_dir.setdefault((f.package, d), []).append(f)
-    docs = []
-    for (pkg, d), group in sorted(by_dir.items()):
-        group = sorted(group, key=lambda f: f.rel)
-        part, size, hashes, k = [], 0, [], 0
-        for f in group:
-            block = f"# {pkg}/{f.rel}\n{f.text}"
-            if part and size + len(block) > max_doc_chars:
-                docs.append((f"{pkg}/{d}#{k}", "\n".join(part), hashes))
-                part, size, hashes, k = [], 0, [], k + 1
-            part.append(block)
-            size += len(block)
-            hashes.append(f.sha256)
-        if part:
-            docs.append((f"{pkg}/{d}#{k}", "\n".join(part), hashes))
-    return docs
