@@ -395,3 +395,16 @@ def test_check_plan():
         corpus.check_plan([st("a", "train-a", 1), st("b", "train-a", 1), st("c", "train-a", 1)], sets, 0.02)
     with pytest.raises(ConfigError, match="does not have"):
         corpus.check_plan([st("a", "train-c", 1)], sets, 0.02)
+
+
+def test_the_qwen_recipe_fits_a_corpus_of_two_12m_halves():
+    stages, eval_fraction = build_corpus.recipe_stages(str(REPO / "recipes" / "linearize-qwen.yaml"),
+                                                       build_corpus.DEFAULT_PHASES)
+    assert [(s["name"], s["set"], s["seq_len"]) for s in stages] == [
+        ("transfer_4k", "train-a", 4096), ("transfer_16k", "train-a", 16384),
+        ("lora_4k", "train-b", 4096), ("lora_16k", "train-b", 16384)]
+    rows = corpus.check_plan(stages, {"train-a": 12_000_000, "train-b": 12_000_000}, eval_fraction)
+    assert sum(r["tokens"] for r in rows) >= 40_000_000
+    assert all(0.8 < r["epoch_fraction"] < 0.9 for r in rows)
+    with pytest.raises(ConfigError, match="repeat within the stage"):
+        corpus.check_plan(stages, {"train-a": 10_000_000, "train-b": 12_000_000}, eval_fraction)
