@@ -408,3 +408,19 @@ def test_the_qwen_recipe_fits_a_corpus_of_two_12m_halves():
     assert all(0.8 < r["epoch_fraction"] < 0.9 for r in rows)
     with pytest.raises(ConfigError, match="repeat within the stage"):
         corpus.check_plan(stages, {"train-a": 10_000_000, "train-b": 12_000_000}, eval_fraction)
+
+
+def test_heldout_only_build(tmp_path):
+    src, _ = build_small(tmp_path)
+    tok = tmp_path / "tok" / "tokenizer.json"
+    out = tmp_path / "heldout-only"
+    env = tmp_path / "env"
+    assert run_cli("--sources", src, "--tokenizer", tok, "build", "--pack", tmp_path / "pack", "--out", out,
+                   "--train-tokens", 0, "--heldout-min-tokens", 150, "--stdlib", env / "stdlib",
+                   "--site", env / "site") == 0
+    m = json.loads((out / "corpus.json").read_text())
+    assert m["sets"]["train-a"]["documents"] == [] and m["sets"]["train-b"]["documents"] == []
+    full = json.loads((tmp_path / "corpus" / "corpus.json").read_text())
+    for s in ("heldout/code", "heldout/prose"):  # the same held-out sets as the full build
+        assert m["sets"][s] == full["sets"][s]
+    corpus.check_corpus(out)
