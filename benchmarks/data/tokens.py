@@ -37,15 +37,28 @@ def save_tokenizer_from_gguf(gguf: Path, out: Path) -> Path:
 
 
 def cache_embedded_tokenizer(out: Path = DEFAULT_DIR, alias: str = QWEN_ALIAS) -> Path:
-    """The embedded model's tokenizer saved into `out` (the GGUF assembled from its installed parts, checked against
-    its sha256 and removed again)."""
+    """The embedded model's tokenizer saved into `out`: its installed parts (`longctx_patch.models`) concatenated
+    into a temporary GGUF, checked against the model's sha256, read, and removed again."""
+    import hashlib
+
     from longctx_patch import models
+    from longctx_patch.errors import ModelLoadError
 
     entry = models.ALIASES[alias]
     parts = models.embedded_parts(alias)  # ModelLoadError with the install command when a part is missing
     work = Path(tempfile.mkdtemp(prefix=".corpus-tokenizer."))
     try:
-        gguf = models._checked_gguf(entry, parts, work)
+        gguf = work / f"{entry.cache_name}.gguf"
+        h = hashlib.sha256()
+        with open(gguf, "wb") as dst:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while block := src.read(1 << 22):
+                        h.update(block)
+                        dst.write(block)
+        if h.hexdigest() != entry.sha256:
+            raise ModelLoadError(f"the parts of {alias!r} do not give the GGUF of sha256 {entry.sha256}; reinstall "
+                                 f"them: {entry.install.replace('--no-deps', '--no-deps --force-reinstall')}")
         return save_tokenizer_from_gguf(gguf, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
