@@ -1,6 +1,9 @@
-"""`generate()` speed of one method on a Llama-3.2-1B-shaped model (random weights, bf16): prefill, decode
-tokens/s and ms per step against the bytes floor, peak memory, at every batch x context; one method per process
-(benchmarks/generate/bench_generate.sh runs them all, so that one kernel crash does not end the others).
+"""`generate()` speed of one method on a Llama-3.2-1B-shaped model (random weights, bf16), as a user meets it: per
+batch x context, the prefill, then a 64- and a 256-token generate() call (`--calls`), each timed from its first decode
+step: tokens/s over the whole decode of the call, the ms per step of steps 1-16, 17-64, 65-128, 129-256, the steady
+state against the bytes floor, peak memory; with `--static` plain transformers and its compiled static cache in the
+same run. One method per process (benchmarks/generate/bench_generate.sh runs them all, so that one kernel crash does
+not end the others).
 
     python3 -m benchmarks.generate.bench_generate --method lola --batches 1,16 --contexts 16k,32k --out-dir $OUT
     python3 -m benchmarks.generate.bench_generate --method none --static ...   (plain transformers, and its static cache)
@@ -28,11 +31,9 @@ def main(argv=None):
     ap.add_argument("--contexts", default="16k,32k")
     ap.add_argument("--cells", default=None,
                     help="only these batch x context pairs, e.g. 16x32k,1x64k (instead of every --batches x --contexts)")
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--decode-base", type=int, default=1,
-                    help="decode is timed over steps base .. base + N - 1 inside one generate() call (CUDA events "
-                         "a logits processor records); past 1 + chunk it is the steady state of replayed decode "
-                         "graphs (their captures come before the base)")
+    ap.add_argument("--calls", default="64,256",
+                    help="one generate() call of N new tokens per entry, each timed from its first decode step "
+                         "(tokens/s over the whole decode, ms per step by range, peak memory)")
     ap.add_argument("--decode-graphs", choices=("on", "off"), default="on",
                     help="off: every decode step eager (LONGCTX_DECODE_GRAPHS=0); the file stem gets -eager")
     ap.add_argument("--repeats", type=int, default=1)
@@ -52,8 +53,8 @@ def main(argv=None):
         cells = [(int(b), parse_sizes(c)[0]) for b, c in (x.split("x") for x in args.cells.split(","))]
     model = llama_1b_shaped("cuda", torch.bfloat16)
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts),
-              batches=[int(b) for b in args.batches.split(",")], decode_tokens=args.decode_tokens,
-              decode_base=args.decode_base, cells=cells, prefill_chunk=args.prefill_chunk,
+              batches=[int(b) for b in args.batches.split(",")], calls=[int(n) for n in args.calls.split(",")],
+              cells=cells, prefill_chunk=args.prefill_chunk,
               repeats=args.repeats, static=args.static, out_dir=results_dir("speed", args.out_dir),
               name=args.name or (f"llama-3.2-1b-shaped-generate-{args.method}"
                                  f"{'-eager' if args.decode_graphs == 'off' else ''}-{device_token()}"),

@@ -25,8 +25,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="16k,64k")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=0,
-                    help="also time greedy decode over this many steps on the prefilled cache (tokens/s)")
+    ap.add_argument("--decode-tokens", type=int, default=2,
+                    help="the new tokens of the timed generate() call (at least 2: a prefill and a decode step)")
     ap.add_argument("--muse", default="{}", help="MuSe config as JSON (default: the package defaults)")
     ap.add_argument("--out-dir", default=None, help="folder (default benchmarks/results/speed)")
     ap.add_argument("--name", default=None, help="file stem (default llama-3.2-1b-shaped-muse-<gpu>)")
@@ -35,7 +35,7 @@ def main():
         sys.exit("needs a CUDA device (MuSe's Triton kernels; a 64k prefill of a 1B model)")
     model = llama_1b_shaped("cuda", torch.bfloat16)
     runs = [MethodRun("none"), MethodRun("muse", json.loads(args.muse))]
-    run_speed((model, None), runs, contexts=parse_sizes(args.contexts), decode_tokens=args.decode_tokens,
+    run_speed((model, None), runs, contexts=parse_sizes(args.contexts), calls=[args.decode_tokens],
               repeats=args.repeats,
               out_dir=results_dir("speed", args.out_dir), name=args.name or f"llama-3.2-1b-shaped-muse-{device_token()}",
               model_name="llama-3.2-1b-shaped-random",
