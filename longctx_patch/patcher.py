@@ -241,6 +241,9 @@ class PrepareCache:
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                 model_kwargs[key] = LongctxCache(self.model)
+        if getattr(generation_config, "prefill_chunk_size", 0) is None and any(
+                isinstance(model_kwargs.get(key), LongctxCache) for key in ("cache", "past_key_values")):
+            generation_config.prefill_chunk_size = prefill_chunk_of(self.model)  # a call's own value wins
         return out
 
 
@@ -360,7 +363,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
 
 
 def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | None = None,
-          fused_ops: bool | str | None = None, **config) -> nn.Module:
+          fused_ops: bool | str | None = None, prefill_chunk: int | str | None = "auto", **config) -> nn.Module:
     """Patch `model` in place with `method` on `layers` (None = all; '0-7,12' or a list), return it.
 
     Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
@@ -369,7 +372,11 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
     fused_ops: the model's RMSNorms, SiLU MLPs and the patched layers' rotary embedding as fused Triton kernels at
     inference (fused_ops.py; default: on for a model on CUDA with Triton, off elsewhere; `LONGCTX_FUSED_OPS=0`
     makes the default off; see `set_fused_ops`).
+    prefill_chunk: generate()'s prefill in chunks of this many tokens when a call does not set `prefill_chunk_size`
+    ("auto", the default: DEFAULT_PREFILL_CHUNK when every layer's method keeps a bounded state, so that a long
+    prompt's activations stay bounded too; None or 0: one pass; see `set_prefill_chunk`).
     """
+    _check_prefill_chunk(prefill_chunk)  # a bad value raises before anything changes
     if fused_ops is not None:
         from .fused_ops import parse_mode
 
@@ -384,6 +391,8 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
         decode_graphs = False  # tensor parallelism: collectives replayed from CUDA graphs are unverified
     if decode_graphs is not None:
         set_decode_graphs(model, decode_graphs)
+    if prefill_chunk != "auto":
+        set_prefill_chunk(model, prefill_chunk)
     try:
         if fused_ops is not None:
             set_fused_ops(model, fused_ops)
@@ -435,6 +444,38 @@ def set_decode_graphs(model: nn.Module, enabled: bool) -> nn.Module:
         return model
     st.decode_graphs.enabled = enabled
     return model
+
+
+DEFAULT_PREFILL_CHUNK = 4096  # H200, batch 16 x 32k, 1B-shaped model: peak 7-8 GiB for lola/lolcats/ovq (42.5 /
+# 36.8 / 37.8 in one pass; exact 52.6), lolcats' and ovq's prefill as fast as in one pass (docs/PERFORMANCE.md)
+
+
+def _check_prefill_chunk(value) -> None:
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise ConfigError(f"prefill_chunk must be 'auto', None or a number of tokens >= 0, not {value!r}")
+
+
+def set_prefill_chunk(model: nn.Module, tokens: int | str | None) -> nn.Module:
+    """How a patched model's generate() prefills a prompt when the call does not pass `prefill_chunk_size`: in
+    chunks of `tokens` (transformers' chunked prefill: the activations of one chunk at a time), in one pass (None
+    or 0), or "auto" (the default): chunks of DEFAULT_PREFILL_CHUNK tokens when every decoder layer is patched with a
+    method whose decode state is bounded (sliding-window, lolcats, lola, ovq), one pass otherwise (a full KV cache
+    grows with the prompt anyway)."""
+    _check_prefill_chunk(tokens)
+    state_of(model).prefill_chunk = tokens
+    return model
+
+
+def prefill_chunk_of(model: nn.Module) -> int | None:
+    """The prefill_chunk_size generate() takes for `model` when its call sets none (`set_prefill_chunk`)."""
+    st = state_of(model)
+    if st.prefill_chunk != "auto":
+        return st.prefill_chunk or None
+    n = len(get_adapter(model).decoder_layers(model))
+    bounded = {g.method for g in st.groups if get_method(g.method).bounded_state}
+    every = len(st.modules) == n and all(g.method in bounded for g in st.groups)
+    return DEFAULT_PREFILL_CHUNK if every else None
 
 
 def _undo_group(model: nn.Module, group: PatchGroup) -> None:

@@ -331,6 +331,10 @@ class Method:
     # check_layers refuses such layers
     keeps_model_window: ClassVar[bool] = False
     window_conflict: ClassVar[str] = "does not keep a layer's sliding window"
+    # its decode state does not grow with the context (a window, a linear state, dictionaries): a model patched with
+    # such methods on every layer prefills long prompts in chunks by default (patcher.set_prefill_chunk), so that the
+    # prefill's activations, not only the state, stay bounded
+    bounded_state: ClassVar[bool] = False
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)

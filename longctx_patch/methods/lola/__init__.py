@@ -27,6 +27,7 @@ class Lola(Method):
     config_cls = LolaConfig
     module_cls = LolaAttention
     window_conflict = "attends linearly (and through its sparse cache) to every token older than its own window"
+    bounded_state = True
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)

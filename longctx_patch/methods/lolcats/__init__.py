@@ -23,6 +23,7 @@ class Lolcats(Method):
     config_cls = LolcatsConfig
     module_cls = LolcatsAttention
     window_conflict = "attends linearly to every token older than its own window"
+    bounded_state = True
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)
