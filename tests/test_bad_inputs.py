@@ -343,3 +343,51 @@ def test_directory_arguments_that_are_not_paths(bad, tiny_llama):
     model = lp.patch(tiny_llama, "exact")
     with pytest.raises(ConfigError, match="save_patched: pass the directory"):
         lp.save_patched(model, bad)
+
+
+# ------------------------------------------------------------------------------------------- option values
+def _numeric_options():
+    """(method, key, kind) of every int and float option of every registered method."""
+    import dataclasses
+
+    from longctx_patch.methods import get_method, list_methods
+    from longctx_patch.methods.base import _base_type
+
+    return [(name, f.name, _base_type(f)) for name in list_methods()
+            for f in dataclasses.fields(get_method(name).config_cls) if _base_type(f) in (int, float)]
+
+
+@pytest.mark.parametrize("method,key,kind", _numeric_options())
+def test_non_finite_and_overflowing_option_values_are_refused(method, key, kind):
+    """Every numeric option of every method refuses NaN and the infinities (as floats and as the strings the CLI
+    passes), and an int option refuses a size past what the kernels' 32-bit offsets hold, naming the key, the allowed
+    range and the value."""
+    meth = lp.get_method(method)
+    bad = [float("nan"), float("inf"), float("-inf"), "nan", "inf", "-Infinity"]
+    if kind is int:
+        bad += [10**20, -10**20, 2**31, "1e30"]
+    for value in bad:
+        with pytest.raises(lp.ConfigError, match=rf"{key}\b.*allowed: {kind.__name__}") as e:
+            meth.parse_config({key: value})
+        assert "\n" not in str(e.value)
+        if isinstance(value, float) or value in ("nan", "inf"):
+            assert "nan" in str(e.value) or "inf" in str(e.value), str(e.value)
+
+
+def test_nan_beta_and_infinite_alpha_are_refused_by_patch(tiny_llama):
+    with pytest.raises(lp.ConfigError, match=r"OVQConfig: beta=nan is not a finite number; allowed: float >= 0.001"):
+        lp.patch(tiny_llama, "ovq", beta=float("nan"), qk_norm=True)
+    with pytest.raises(lp.ConfigError, match=r"lora_alpha=inf is not a finite number; allowed: float >= 0.0"):
+        lp.patch(tiny_llama, "lolcats", lora_alpha=float("inf"), checkpoint="none")
+    assert not lp.is_patched(tiny_llama)
+
+
+def test_a_window_past_the_kernels_offsets_is_refused_before_the_forward(tiny_llama):
+    with pytest.raises(lp.ConfigError, match=r"SlidingWindowConfig: window=100000000000000000000 is too large; allowed: "
+                                             r"int >= 1, at most 2147483647 \(2\*\*31 - 1"):
+        lp.patch(tiny_llama, "sliding-window", window=10**20)
+    assert not lp.is_patched(tiny_llama)
+    lp.patch(tiny_llama, "sliding-window", window=2**31 - 1)  # the largest allowed is a working window
+    with torch.no_grad():
+        out = tiny_llama(_ids(9)).logits
+    assert torch.isfinite(out).all()

@@ -197,6 +197,14 @@ def test_unpatched_unsupported_model_still_generates(gpt2_dir):
         (["eval", "ppl", "--dtype", "f8"], "unknown dtype 'f8'"),
         (["eval", "speed", "--device", "tpu"], "unknown device 'tpu'"),
         (["patch", "--method", "exact", "--dtype", "f8"], "unknown dtype 'f8'"),
+        # non-finite and overflowing option values (NaN passes a range check: refused by name)
+        (["patch", "--method", "ovq", "--set", "beta=nan", "--set", "qk_norm=true"],
+         "beta=nan is not a finite number; allowed: float >= 0.001"),
+        (["patch", "--method", "lolcats", "--set", "lora_alpha=inf"], "lora_alpha=inf is not a finite number"),
+        (["patch", "--method", "sliding-window", "--set", "window=100000000000000000000"],
+         "window=100000000000000000000 is too large; allowed: int >= 1, at most 2147483647"),
+        (["generate", "--method", "ovq(beta=-inf)", "--prompt", "hi"], "beta=-inf is not a finite number"),
+        (["eval", "ppl", "--method", "ovq", "--set", "ovq.beta=NaN"], "beta=nan is not a finite number"),
     ],
 )
 def test_rejected_before_the_model_loads(args, needle):
