@@ -206,6 +206,59 @@ def test_recipe_errors_name_the_key(override, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stages.0.lr=.nan", "stages.0.lr: nan is not a finite number; allowed: a number > 0"),
+        ("stages.0.lr=.inf", "stages.0.lr: inf is not a finite number; allowed: a number > 0"),
+        ("stages.0.lr=nan", "stages.0.lr: nan is not a finite number"),  # the string form too
+        ("stages.0.method_lr=-.inf", "stages.0.method_lr: -inf is not a finite number; allowed: a number > 0 or null"),
+        ("stages.0.weight_decay=.nan", "stages.0.weight_decay: nan is not a finite number; allowed: a number >= 0.0"),
+        ("stages.0.betas=[.nan, 0.999]", "stages.0.betas: nan is not a finite number; allowed: a number in 0.0..0.999999"),
+        ("stages.0.min_lr_ratio=.nan", "stages.0.min_lr_ratio: nan is not a finite number"),
+        ("stages.0.max_grad_norm=.inf", "stages.0.max_grad_norm: inf is not a finite number"),
+        ("stages.0.max_time_s=.inf", "stages.0.max_time_s: inf is not a finite number; allowed: a number >= 0.0 or null"),
+        ("stages.1.lora.alpha=.inf", "stages.1.lora.alpha: inf is not a finite number"),
+        ("stages.1.lora.dropout=.nan", "stages.1.lora.dropout: nan is not a finite number"),
+        ("data.eval_fraction=.nan", "data.eval_fraction: nan is not a finite number"),
+        ("stages.0.steps=.nan", "stages.0.steps: expected int, got nan"),
+        ("stages.0.steps=100000000000000000000", "stages.0.steps: 100000000000000000000 is too large; must be <= "
+                                                 "2147483647 (2**31 - 1)"),
+        ("stages.0.seq_len=1.0e+30", "stages.0.seq_len: 1e+30 is too large; must be <= 2147483647"),
+        ("stages.1.lora.r=4294967296", "stages.1.lora.r: 4294967296 is too large"),
+        ("seed=99999999999", "seed: 99999999999 is too large"),
+        ("data.max_tokens=100000000000000000000", "data.max_tokens: 100000000000000000000 is too large; must be <= "
+                                                  "9223372036854775807 (2**63 - 1"),
+        ("method_config.window=.nan", "method: LolcatsConfig: bad value nan for window"),
+        ("method_config.lora_alpha=.inf", "method: LolcatsConfig: lora_alpha=inf is not a finite number"),
+    ],
+)
+def test_recipe_refuses_non_finite_and_overflowing_values(override, message):
+    from longctx_patch.train import load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe(REPO / "recipes" / "linearize.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_nan_lr_fails_the_dry_run_and_the_run_before_any_model_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    raw = (REPO / "recipes" / "linearize.yaml").read_text()
+    assert "lr: 1.0e-2" in raw
+    rec = tmp_path / "nan.yaml"
+    rec.write_text(raw.replace("lr: 1.0e-2", "lr: .nan", 1))
+    plan = CliRunner().invoke(finetune_cmd, [str(rec), "--dry-run"])
+    assert plan.exit_code != 0 and "stages.0.lr: nan is not a finite number" in plan.output, plan.output
+    assert "# total tokens" not in plan.output
+    # a model that does not exist: the recipe is refused before the load is tried
+    run = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "o")])
+    assert run.exit_code != 0 and "stages.0.lr: nan is not a finite number" in run.output, run.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_recipe_missing_file_and_no_stages(tmp_path):
     from longctx_patch.train import load_recipe
 
