@@ -391,3 +391,62 @@ def test_a_window_past_the_kernels_offsets_is_refused_before_the_forward(tiny_ll
     with torch.no_grad():
         out = tiny_llama(_ids(9)).logits
     assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------- generate()'s prompt
+@pytest.fixture(scope="module")
+def tiny_and_tokenizer():
+    """A tiny llama with the embedded model's tokenizer (which has a chat template)."""
+    tok = lp.models.load_tokenizer("smollm2-135m")
+    return tiny_model("llama", vocab_size=len(tok)), tok
+
+
+ACCEPTED = "pass a string, or a non-empty list of strings \\(a left-padded batch\\)"
+
+
+@pytest.mark.parametrize("prompt,chat,phrase", [
+    ("", False, f"generate: the prompt is empty; {ACCEPTED}"),
+    ("", None, "generate: the prompt is empty"),
+    (None, None, f"generate: prompt: got None \\(NoneType\\); {ACCEPTED}"),
+    (123, None, f"generate: prompt: got 123 \\(int\\); {ACCEPTED}"),
+    (b"hello", None, "generate: prompt: got b'hello' \\(bytes\\)"),
+    ({"text": "hi"}, None, "got \\{'text': 'hi'\\} \\(dict\\)"),
+    ([], None, f"generate: prompt: got an empty list; {ACCEPTED}"),
+    (["hi", 3], None, f"generate: prompt 1 of the list is 3 \\(int\\), not a string; {ACCEPTED}"),
+    (["hi", None], False, "prompt 1 of the list is None \\(NoneType\\)"),
+    (["hi", ""], False, "generate: prompt 1 of the list is empty"),
+    ([["hi"]], None, "prompt 0 of the list is \\['hi'\\] \\(list\\)"),
+])
+@pytest.mark.parametrize("patched", [False, True])
+def test_generate_checks_its_prompt(tiny_and_tokenizer, prompt, chat, phrase, patched):
+    model, tok = tiny_and_tokenizer
+    if patched:
+        lp.patch(model, "sliding-window", window=8)
+    try:
+        with pytest.raises(lp.ConfigError, match=phrase) as e:
+            lp.generate(model, tok, prompt, chat=chat, max_new_tokens=2)
+        assert "\n" not in str(e.value)
+    finally:
+        if patched:
+            lp.unpatch(model)
+
+
+def test_generate_refusals_of_its_options_are_named(tiny_and_tokenizer):
+    from transformers import AutoTokenizer
+
+    model, tok = tiny_and_tokenizer
+    with pytest.raises(lp.ConfigError, match="stream=True takes a single prompt"):
+        lp.generate(model, tok, ["a", "b"], stream=True)
+    plain = AutoTokenizer.from_pretrained(lp.models._resolve_path("smollm2-135m"))
+    plain.chat_template = None
+    with pytest.raises(lp.ConfigError, match="chat=True but this tokenizer has no chat template"):
+        lp.generate(model, plain, "hi", chat=True)
+
+
+def test_generate_accepts_strings_and_lists_of_them(tiny_and_tokenizer):
+    model, tok = tiny_and_tokenizer
+    one = lp.generate(model, tok, "hi", chat=False, max_new_tokens=2)
+    batch = lp.generate(model, tok, ["hi", "a longer prompt here"], chat=False, max_new_tokens=2)
+    assert isinstance(one, str) and isinstance(batch, list) and len(batch) == 2 and batch[0] == one
+    assert lp.generate(model, tok, ("hi",), chat=False, max_new_tokens=2) == [one]  # a tuple is a list
+    assert isinstance(lp.generate(model, tok, " ", chat=False, max_new_tokens=2), str)  # a space is a prompt
