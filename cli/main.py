@@ -237,7 +237,15 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
 
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
+    if prompt is None:
+        from longctx_patch.errors import ConfigError
+        from longctx_patch.texts import read_text
+
+        try:
+            prompt_text = read_text(prompt_file, option="--prompt-file")
+        except ConfigError as e:  # a binary or unreadable file: a usage error, before anything loads
+            raise InputError(str(e)) from None
+    text = prompt if prompt is not None else prompt_text
     if not text.strip():
         source = "--prompt is empty" if prompt is not None else f"--prompt-file {prompt_file} holds no text"
         raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "

@@ -461,3 +461,53 @@ def test_closed_pipe_is_not_reported():
 
     r = CliRunner().invoke(verb, [])
     assert r.exit_code == 1 and "error" not in r.output.lower()
+
+
+# ------------------------------------------------------------------------------------------- binary text inputs
+@pytest.fixture
+def binary_files(tmp_path):
+    """A binary file without a text suffix, one with a text suffix, and a Latin-1 (not UTF-8) file."""
+    import random
+
+    rnd = random.Random(0)
+    data = bytes(rnd.randrange(256) for _ in range(6000))
+    (tmp_path / "x.bin").write_bytes(data)
+    (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + data)
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 cr\u00e8me, na\u00efve fa\u00e7ade. ".encode("latin-1") * 40)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,why", [("x.bin", "a NUL byte at offset"), ("image.txt", "a NUL byte at offset 8"),
+                                      ("latin1.txt", "bytes that are not UTF-8 at offset 3")])
+@pytest.mark.parametrize("verb", [
+    ["eval", "ppl", "--text"],
+    ["eval", "approx", "--text"],
+    ["eval", "niah", "--haystack"],
+    ["eval", "ruler", "--haystack"],
+    ["generate", "--prompt-file"],
+])
+def test_binary_text_inputs_are_refused_by_name(binary_files, name, why, verb):
+    f = binary_files / name
+    # a model that does not exist: the input is refused before the load is tried
+    r = CliRunner().invoke(main, verb + [str(f), "--model", str(binary_files / "no-model")])
+    assert r.exit_code != 0, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    assert f"{verb[-1]} {str(f)!r}: {f} is not text ({why}" in errors[0], r.output
+    assert "pass a UTF-8 text file" in errors[0]
+    assert "loading" not in r.output and "Traceback" not in r.output and "codec" not in r.output
+
+
+def test_a_folder_skips_binary_files_by_the_same_rule(binary_files):
+    from longctx_patch.errors import ConfigError
+    from longctx_patch.texts import read_text, text_files
+
+    (binary_files / "good.txt").write_text("plain text " * 30)
+    (binary_files / "long.txt").write_bytes(b"a" * 8191 + "\u00e9".encode() + b" tail")  # a UTF-8 character across the probe's end
+    assert [f.name for f in text_files(binary_files)] == ["good.txt", "long.txt"]
+    assert read_text(binary_files / "long.txt").endswith("\u00e9 tail")
+    for name in ("x.bin", "image.txt", "latin1.txt"):
+        with pytest.raises(ConfigError, match=f"--text .*{name}': .* is not text"):
+            text_files(binary_files / name)
+        with pytest.raises(ConfigError, match=f"--prompt-file .*{name}.* is not text"):
+            read_text(binary_files / name, option="--prompt-file")

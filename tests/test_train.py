@@ -309,6 +309,22 @@ def test_text_dir_reading_packing_and_order(tmp_path):
         text_files(tmp_path / "missing")
 
 
+def test_binary_training_text_is_refused_before_the_model_loads(tiny_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    binary = tmp_path / "x.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    d = recipe_dict(tmp_path / "no-model", tmp_path / "unused.txt", method=None)
+    d["stages"] = d["stages"][1:]  # a next-token LoRA stage of the unpatched model
+    rec = write_recipe(tmp_path / "r.yaml", d)
+    r = CliRunner().invoke(finetune_cmd, [str(rec), "--text", str(binary), "--output", str(tmp_path / "o")])
+    assert r.exit_code != 0
+    assert f"error: --text {str(binary)!r}: {binary} is not text (a NUL byte at offset 0)" in r.output, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "o").exists()
+
+
 def test_dataset_sources(tmp_path):
     import datasets
 

@@ -48,7 +48,7 @@ from torch import nn
 from ..errors import CheckpointError, ConfigError, LongctxError
 from ..evals.common import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
-from .data import PackedData, load_documents, make_packed, tokenize_documents
+from .data import PackedData, load_documents, make_packed, text_files, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR
 from .checkpointing import CheckpointMixin, _rng_state, _set_rng_state
@@ -403,6 +403,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     # ------------------------------------------------------------------------------------------- a stage
     def run(self) -> dict[str, Any]:
         r = self.recipe
+        if r.data.text:  # a missing or binary text source is refused before anything is written or loaded
+            text_files(r.data.text)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         self.accelerator.wait_for_everyone()
