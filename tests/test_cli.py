@@ -511,3 +511,37 @@ def test_a_folder_skips_binary_files_by_the_same_rule(binary_files):
             text_files(binary_files / name)
         with pytest.raises(ConfigError, match=f"--prompt-file .*{name}.* is not text"):
             read_text(binary_files / name, option="--prompt-file")
+
+
+# ------------------------------------------------------------------------------------------- a saved patched model
+@pytest.fixture(scope="module")
+def saved_patched(tiny_dir, tmp_path_factory):
+    """`longctx patch --output`: sliding-window on layers 0-1 of the 3-layer tiny llama."""
+    out = tmp_path_factory.mktemp("saved") / "sw"
+    r = run("patch", "--model", str(tiny_dir), "--method", "sliding-window", "--set", "window=16", "--layers", "0-1",
+            "--fidelity-tokens", "16", "--output", str(out), "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("args,advice", [
+    (["generate", "--method", "exact", "--prompt", "hi", "-n", "2"], "drop --method (and its --set/--layers) to run it "
+                                                                      "as saved"),
+    (["patch", "--method", "exact", "--fidelity-tokens", "16"], "longctx patch patches a model that is not patched yet"),
+    (["eval", "ppl", "--method", "exact", "--context", "32"], "--method none runs it as saved"),
+])
+def test_method_on_a_saved_patched_model_gets_command_line_advice(saved_patched, args, advice):
+    r = CliRunner().invoke(main, args + ["--model", str(saved_patched)])
+    assert r.exit_code != 0
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    msg = errors[0]
+    assert f"{saved_patched} was saved patched (layers 0-1 run sliding-window)" in msg, msg
+    assert advice in msg and "--model BASE" in msg and "--layers 2" in msg, msg
+    assert "unpatch(" not in msg and "longctx_patch." not in msg and "Traceback" not in r.output
+
+
+def test_other_layers_of_a_saved_patched_model_can_be_patched(saved_patched):
+    r = run("generate", "--model", str(saved_patched), "--method", "exact", "--layers", "2", "--prompt", "hi", "-n", "2",
+            "--no-chat")
+    assert r.exit_code == 0, r.output
