@@ -79,6 +79,8 @@ def register_temp_method() -> str:
     @dataclass
     class TempConfig(MethodConfig):
         init: float = base.option(0.5, "initial log inverse temperature")
+        noise: float = base.option(0.0, "training forwards scale the queries by 1 + noise * N(0, 1) (draws from the "
+                                        "RNG, as a dropout would)", min=0.0)
 
     class TempAttention(PatchedAttention):
         method_name = TEMP_METHOD
@@ -91,6 +93,8 @@ def register_temp_method() -> str:
             if cache_layer is not None:
                 k, v = cache_layer.update(k, v)
             q = q * self.log_t.exp().to(q.dtype)[None, :, None, None]
+            if self.training and self.method_config.noise:
+                q = q * (1 + self.method_config.noise * torch.randn_like(q))
             return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]))
 
     class TempMethod(Method):
