@@ -146,6 +146,10 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     from longctx_patch.patcher import patch_groups, patched_modules
 
     method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
+    if output:
+        from longctx_patch.checkpoint import check_replaceable
+
+        check_replaceable(output)  # a folder save_patched would refuse to replace: refused before the load too
     m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
     dev = next(m.parameters()).device
     ids = tok(sample_text(), return_tensors="pt").input_ids[:, :fidelity_tokens].to(dev)

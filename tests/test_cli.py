@@ -541,6 +541,14 @@ def test_method_on_a_saved_patched_model_gets_command_line_advice(saved_patched,
     assert "unpatch(" not in msg and "longctx_patch." not in msg and "Traceback" not in r.output
 
 
+def test_patch_output_into_a_folder_it_would_not_replace(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["patch", "--method", "exact", "--output", str(tmp_path), "--model",
+                                  str(tmp_path / "no-model")])
+    assert r.exit_code != 0 and "loading" not in r.output
+    assert f"save_patched: {tmp_path} holds files save_patched() did not write (notes.txt)" in r.output, r.output
+
+
 def test_other_layers_of_a_saved_patched_model_can_be_patched(saved_patched):
     r = run("generate", "--model", str(saved_patched), "--method", "exact", "--layers", "2", "--prompt", "hi", "-n", "2",
             "--no-chat")
