@@ -269,3 +269,22 @@ def test_non_finite_base_weights_of_a_saved_model_are_refused(tmp_path, value):
 
 def test_the_untouched_saved_model_loads(saved):
     assert lp.patched_layers(lp.load_patched(saved)) == {0: "ovq", 2: "ovq"}
+
+
+def test_an_asset_made_from_a_saved_folder_applies(tmp_path):
+    """The record of a saved folder lists its files; an asset holds only some of them, so its copy of the record
+    does not list them (a complete asset is not taken for a half-written folder)."""
+    from longctx_patch import assets
+    from longctx_patch.checkpoint import PATCH_JSON
+    from longctx_patch.train import apply_trained
+
+    model = tiny_model()
+    lp.patch(model, "lolcats", window=4, chunk=4, checkpoint="none")
+    lp.save_patched(model, tmp_path / "saved")
+    assert "model.safetensors" in json.loads((tmp_path / "saved" / PATCH_JSON).read_text())["files"]
+    out = assets.write_asset(tmp_path / "saved", tiny_model(), tmp_path / "asset", name="t", description="t",
+                             dtype=torch.float32)
+    assert "files" not in json.loads((out / PATCH_JSON).read_text())
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(apply_trained(tiny_model(), out)(ids).logits, model(ids).logits)
