@@ -12,9 +12,9 @@ patcher, the model loader, the lolcats checkpoint reader, the assets and train/ 
 reader.
 
 Writes are atomic (`replacing_folder`): a folder is written beside its place and renamed into it once its files are
-on disk, so an interrupted save leaves the previous folder whole. The record lists the size of every other file of
-the folder ("files"), written last: a folder that lost or cut a file (an interrupted copy) is refused by name
-(`check_saved_files`) before anything reads it.
+on disk, so an interrupted save leaves the previous folder whole. The record, written last, lists every other file
+of the folder with its size ("files"): a folder that lost a file or holds a cut weights file (an interrupted copy)
+is refused by name (`check_saved_files`) before anything reads it.
 """
 
 from __future__ import annotations
@@ -161,14 +161,16 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def check_saved_files(directory: str | os.PathLike) -> None:
-    """A CheckpointError when a file the record lists ("files", written by save_patched() since the key exists) is
-    missing from `directory` or has another size: the folder is half-written (an interrupted copy, or a save
-    interrupted before writes were atomic). The sizes of the files our checked readers read whole (the method weights,
-    an adapter's) are left to them, which say what is wrong inside. A record without the list is not checked."""
+    """A CheckpointError when the folder lacks a file its record lists ("files", written by save_patched() since the
+    key exists), or a listed weights file (.safetensors) is cut short or corrupt (its header, read without the
+    tensors): the folder is half-written, by an interrupted copy or a save from before writes were atomic. Other
+    files only need to be there (a config edited by hand is fine); the method and adapter weights are left to their
+    checked readers, which say what is wrong inside. A record without the list is not checked."""
+    from safetensors import SafetensorError, safe_open
+
     directory = os.fspath(directory)
-    path = os.path.join(directory, PATCH_JSON)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(directory, PATCH_JSON), encoding="utf-8") as f:
             rec = json.load(f)
     except (OSError, ValueError):
         return  # read_patch_record says what is wrong with the record itself
@@ -177,13 +179,20 @@ def check_saved_files(directory: str | os.PathLike) -> None:
         return
     wrong = []
     for name, size in files.items():
+        path = os.path.join(directory, *str(name).split("/"))
         try:
-            have = os.stat(os.path.join(directory, *str(name).split("/"))).st_size
+            have = os.stat(path).st_size
         except OSError:
             wrong.append(f"{name} is missing")
             continue
-        if have != size and name not in (PATCH_WEIGHTS, f"{ADAPTER_DIR}/adapter_model.safetensors"):
-            wrong.append(f"{name} has {have} bytes, not the {size} written")
+        if not str(name).endswith(".safetensors") or name in (PATCH_WEIGHTS, f"{ADAPTER_DIR}/adapter_model.safetensors"):
+            continue
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            wrong.append(f"{name} is cut short or corrupt ({first}; {have} bytes, {size} written)")
     if wrong:
         shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
         raise CheckpointError(f"{directory} is incomplete ({shown}): a copy or a save of it was interrupted; copy it "

@@ -338,7 +338,8 @@ def test_a_killed_first_save_leaves_no_folder(tmp_path):
 
 @pytest.mark.parametrize("damage", ["model.safetensors cut", "config.json missing", "tokenizer file missing"])
 def test_a_half_written_folder_is_refused_by_name(tmp_path, damage):
-    """A folder that lost or cut a file (an interrupted copy) is refused before transformers reads it."""
+    """A folder that lost a file or holds a cut weights file (an interrupted copy) is refused before transformers
+    reads it; a config edited by hand is not taken for damage."""
     from transformers import AutoTokenizer
 
     target = tmp_path / "saved"
@@ -347,7 +348,7 @@ def test_a_half_written_folder_is_refused_by_name(tmp_path, damage):
     if damage == "model.safetensors cut":
         data = (target / "model.safetensors").read_bytes()
         (target / "model.safetensors").write_bytes(data[: len(data) // 2])
-        phrase = r"model.safetensors has \d+ bytes, not the \d+ written"
+        phrase = r"model.safetensors is cut short or corrupt \(.*; \d+ bytes, \d+ written\)"
     elif damage == "config.json missing":
         (target / "config.json").unlink()
         phrase = "config.json is missing"
@@ -358,6 +359,17 @@ def test_a_half_written_folder_is_refused_by_name(tmp_path, damage):
         with pytest.raises(CheckpointError, match=rf"{target} is incomplete \({phrase}.*copy it again") as e:
             load(str(target))
         assert "\n" not in str(e.value)
+
+
+def test_a_config_edited_by_hand_still_loads(tmp_path):
+    import json
+
+    target = tmp_path / "saved"
+    lp.save_patched(_model(1), target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (target / "config.json").write_text(json.dumps(cfg, indent=4))
+    assert lp.load_patched(target).config.max_position_embeddings == 4096
 
 
 def test_save_patched_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
