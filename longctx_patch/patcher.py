@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
-from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
-                         modules_state_dict, read_method_weights, read_patch_record, write_patch)
+from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_saved_files, drop_gguf_quantization,
+                         load_modules_state_dict, modules_state_dict, read_method_weights, read_patch_record,
+                         replacing_folder, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .methods import get_method
 from .methods.base import PatchedAttention
@@ -528,6 +529,11 @@ def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source
 def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
     """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`.
 
+    Atomic: the folder is written beside `directory` and takes its place once every file is on disk
+    (checkpoint.replacing_folder), so an interrupted save leaves the previous one whole (or no folder). `directory`
+    must be new, empty, or a folder save_patched() wrote, which is replaced as a whole (files added to it are not
+    kept); a folder holding anything else is refused.
+
     A tensor-parallel model (tp_plan): call it on every rank (the weights are gathered across them); global rank 0
     writes the full, unsharded record."""
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
@@ -540,23 +546,25 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
                           f"({type(directory).__name__})")
     st = state_of(model)
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    check_replaceable(directory)
     groups = [g.to_record() for g in st.groups]
     weights = method_state_dict(model)
     decoder = get_adapter(model).decoder_layers(model)
-    # Save with the original modules in place so the checkpoint is a plain HF one.
-    for i, orig in st.originals.items():
-        decoder[i].self_attn = orig
-    try:
-        drop_gguf_quantization(model)
-        model.save_pretrained(directory)
-    finally:
-        for i, mod in st.modules.items():
-            decoder[i].self_attn = mod
-    if writes_files(st.modules.values()):
-        write_patch(directory, groups, weights)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
+    writes = writes_files(st.modules.values())
+    with replacing_folder(directory, writes=writes) as work:
+        # Save with the original modules in place so the checkpoint is a plain HF one.
+        for i, orig in st.originals.items():
+            decoder[i].self_attn = orig
+        try:
+            drop_gguf_quantization(model)
+            model.save_pretrained(work)
+        finally:
+            for i, mod in st.modules.items():
+                decoder[i].self_attn = mod
+        if writes:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(work)
+            write_patch(work, groups, weights)  # last: the record lists every other file
     return directory
 
 
@@ -565,6 +573,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     On any failure the patches applied here are undone and the model is left as it was."""
     groups = read_patch_record(directory)
     sd = read_method_weights(directory)
+    check_saved_files(directory)
     applied: list[PatchGroup] = []
     try:
         for n, g in enumerate(groups):
