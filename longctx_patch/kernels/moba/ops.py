@@ -2,7 +2,8 @@
 sequence through the block-list Triton kernels (MuSe's cells kernels without a far field,
 `kernels.muse.listed_blocks_triton`, taken through the muse package's interface), forward and backward; else the
 PyTorch reference (dense logits per chunk of queries under the MoBA mask: O(Sq * Sk) work, as exact attention).
-docs/moba.md.
+A decode step over a cache that keeps the block state incrementally (`moba_decode`) is gated from that state and
+attends to its `top_k` blocks only (`triton_decode.py` on CUDA). docs/moba.md.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ..backend import BACKENDS, resolve_backend
+from ..backend import BACKENDS, attention_kernel_missing, resolve_backend
 from ..muse import cells_supported, listed_blocks_triton
 from ..softmax import softmax_attention
-from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, key_positions, moba_reference, \
-    prefix_block_sums, query_positions
+from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, decode_gate, key_positions, \
+    moba_reference, prefix_block_sums, query_positions, ranges_attention_reference
 
 
 def moba_is_exact(Sk: int, *, block_size: int, top_k: int, min_seq_len: int) -> bool:
@@ -28,7 +29,8 @@ def moba_triton_missing(q: torch.Tensor, *, block_size: int, gating: str, whole:
     if gating != "block":
         return "gating='token' has no Triton kernel (each query picks its own blocks); use gating='block'"
     if not whole:
-        return "the Triton path computes whole sequences (decode steps and continued prefills take the reference)"
+        return ("the Triton path computes whole sequences (continued prefills take the reference; the decode steps of "
+                "a block-gated cache run `moba_decode`)")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype}: the kernels take fp16, bf16 or fp32"
     return cells_supported(q, block_size=block_size)
@@ -111,4 +113,33 @@ def moba_block_triton(q, k, v, *, scale: float, block_size: int, top_k: int, key
     return torch.where(valid[:, :, None, None], o, own.to(o.dtype))
 
 
-__all__ = ["BACKENDS", "moba_attention", "moba_block_triton", "moba_is_exact", "moba_triton_missing"]
+def moba_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, *,
+                slot: torch.Tensor, real: torch.Tensor | None, key_sums: torch.Tensor, block_start: torch.Tensor,
+                n_real: torch.Tensor, scale: float, block_size: int = 512, top_k: int = 3, min_seq_len: int = 0,
+                gating: str = "block", query_sum: torch.Tensor | None = None, backend: str = "auto",
+                splits: int | None = None) -> torch.Tensor:
+    """One decode step of MoBA over a preallocated buffer whose block state is kept incrementally (the step's key
+    already stored and counted): `reference.decode_gate` picks the blocks from the state (no pass over the keys),
+    then the query attends to those ranges of slots only: the Triton kernel on CUDA (`triton_decode.py`), else
+    `reference.ranges_attention_reference` (dense under the ranges: the same result). The arguments are those of
+    `decode_gate` (query_sum updated in place) and q `[B, Hq, 1, D]`, keys/values `[B, Hkv, cap, D]`, key_mask
+    `[B, cap]`. Device state only, shapes from the buffer's: a step replays from a CUDA graph. `splits`: pieces
+    per range (tests). Returns `[B, 1, Hq, D]`; equals `moba_reference` for the query after every stored key."""
+    starts, ends = decode_gate(q, key_sums, block_start, n_real, slot, real, block_size=block_size, top_k=top_k,
+                               min_seq_len=min_seq_len, gating=gating, query_sum=query_sum)
+    if resolve_backend(backend, q, keys, values, what="moba") == "triton":
+        why = attention_kernel_missing(q, keys, values)
+        if why is None:
+            from .triton_decode import ranges_attention
+
+            # the keys of a selected range: a block (one range: every earlier key, up to the buffer)
+            longest = keys.shape[2] if starts.shape[2] == 1 else block_size
+            return ranges_attention(q, keys, values, key_mask, starts, ends, slot, scale=scale, longest=longest,
+                                    splits=splits)
+        if backend == "triton":
+            raise ConfigError(f"moba backend='triton' cannot run this decode step: {why}; use backend='auto' or "
+                              "'torch'")
+    return ranges_attention_reference(q, keys, values, key_mask, starts, ends, slot, scale=scale)
+
+
+__all__ = ["BACKENDS", "moba_attention", "moba_block_triton", "moba_decode", "moba_is_exact", "moba_triton_missing"]

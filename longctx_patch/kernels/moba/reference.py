@@ -223,5 +223,86 @@ def moba_reference(q, k, v, *, scale: float, block_size: int, top_k: int, key_ma
     return o.transpose(1, 2).to(q.dtype)
 
 
-__all__ = ["GATINGS", "allowed_keys", "block_gate", "block_means", "block_query_sums", "carry_query_sum", "gate",
-           "key_positions", "moba_reference", "prefix_block_sums", "query_positions", "select"]
+# -- a decode step from the incremental block state (methods/moba/cache.py's MobaLayer keeps it) -----------------------
+def decode_gate(q: torch.Tensor, key_sums: torch.Tensor, block_start: torch.Tensor, n_real: torch.Tensor,
+                slot: torch.Tensor, real: torch.Tensor | None, *, block_size: int, top_k: int, min_seq_len: int = 0,
+                gating: str = "block", query_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a decode step attends, as `[start, end)` ranges of buffer slots, from the state a cache keeps
+    incrementally (no pass over the keys): the rule of `moba_reference` for one query after every stored key.
+
+    q `[B, Hq, 1, D]`; key_sums `[B, Hkv, nb, D]` (work dtype) the sum of each block's real keys (an earlier block is
+    complete: block_size keys, its mean key_sums / block_size); block_start `[B, nb]` the slot of each started
+    block's first real key; n_real `[B]` the real keys stored, this step's included when it is real; slot `[B]` the
+    step's own slot; real `[B]` bool whether the step's token is real (None: all are). Block gating: `query_sum`
+    `[B, Hq, D]` (the current block's earlier queries) gives the gate, the mean of the block's queries up to this
+    one, and is updated in place (zeroed when this query completes its block).
+
+    Returns (starts, ends) `[B, Hq, NL]` int32, NL = top_k (1 when every block is taken anyway): the `top_k - 1`
+    selected earlier blocks, then the own block up to the step's slot. A row that takes every earlier key (fewer
+    earlier blocks than top_k - 1, or below min_seq_len) has one range from its first real key on; a padded query
+    one range holding its own slot (it sees its own key only, as `allowed_keys`). Empty ranges have start = end."""
+    B, Hq, _, D = q.shape
+    Hkv, nb = key_sums.shape[1], key_sums.shape[2]
+    G = Hq // Hkv
+    wd = key_sums.dtype
+    q1 = q[:, :, 0].to(wd)
+    qpos = (n_real - 1).clamp(min=0)  # the query's position (a real query's key is counted)
+    own = qpos // block_size
+    if gating == "block":
+        g = q1 if query_sum is None else query_sum.to(wd) + q1
+        if query_sum is not None:  # the block's queries so far: zeroed once this one completes it
+            done = ((qpos + 1) % block_size == 0)[:, None, None]
+            new = torch.where(done, torch.zeros_like(g), g).to(query_sum.dtype)
+            query_sum.copy_(new if real is None else torch.where(real[:, None, None], new, query_sum))
+        g = g / (qpos % block_size + 1).to(wd)[:, None, None]
+        everything = own * block_size < min_seq_len
+    else:
+        g = q1
+        everything = qpos < min_seq_len
+    k_sel = top_k - 1 if top_k - 1 < nb else 0  # 0: every row has at most top_k - 1 earlier blocks
+    everything = everything | (own <= k_sel)
+    slot = slot.long()
+    own_start = torch.where(everything, block_start[:, 0], block_start.gather(1, own[:, None])[:, 0])
+    if real is not None:
+        own_start = torch.where(real, own_start, slot)
+    starts = own_start[:, None, None].expand(B, Hq, 1)
+    ends = (slot + 1)[:, None, None].expand(B, Hq, 1)
+    if k_sel > 0:
+        means = key_sums / block_size
+        scores = torch.matmul(g.reshape(B, Hkv, G, D), means.transpose(2, 3)).view(B, Hq, nb)
+        cand = torch.arange(nb, device=q.device)[None, :] < own[:, None]
+        scores = scores.masked_fill(~cand[:, None, :], float("-inf"))
+        idx = scores.topk(k_sel, dim=2).indices  # [B, Hq, k_sel]
+        at = block_start[:, None, :].expand(B, Hq, nb)
+        bs0, bs1 = at.gather(2, idx), at.gather(2, (idx + 1).clamp(max=nb - 1))
+        drop = everything if real is None else everything | ~real
+        bs0 = bs0.masked_fill(drop[:, None, None], 0)
+        bs1 = bs1.masked_fill(drop[:, None, None], 0)
+        starts, ends = torch.cat([bs0, starts], 2), torch.cat([bs1, ends], 2)
+    return starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
+
+
+def ranges_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
+                               starts: torch.Tensor, ends: torch.Tensor, slot: torch.Tensor, *,
+                               scale: float) -> torch.Tensor:
+    """One query per head over ranges of buffer slots (what `triton_decode.ranges_attention` computes): q
+    `[B, Hq, 1, D]`, keys/values `[B, Hkv, cap, D]`, key_mask `[B, cap]` (True = real), starts/ends `[B, Hq, NL]`
+    (disjoint ranges, as `decode_gate` gives: distinct blocks); a query sees the real keys of its ranges and its own slot `slot` `[B]` (real or not). Dense over the buffer in
+    the work dtype (fp32, float64 for float64); returns `[B, 1, Hq, D]` in q's dtype."""
+    B, Hq, _, D = q.shape
+    Hkv, cap = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    wd = _work_dtype(q)
+    s = torch.arange(cap, device=q.device)
+    inside = ((s >= starts[..., None]) & (s < ends[..., None])).any(2)  # [B, Hq, cap]
+    visible = key_mask.bool() | (s[None, :] == slot.long()[:, None])
+    ok = inside & visible[:, None, :]
+    logits = torch.matmul(q.to(wd).reshape(B, Hkv, G, D), keys.to(wd).transpose(2, 3)).view(B, Hq, cap) * scale
+    p = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1)
+    o = torch.matmul(p.view(B, Hkv, G, cap), values.to(wd)).view(B, Hq, D)
+    return o[:, None].to(q.dtype)
+
+
+__all__ = ["GATINGS", "allowed_keys", "block_gate", "block_means", "block_query_sums", "carry_query_sum",
+           "decode_gate", "gate", "key_positions", "moba_reference", "prefix_block_sums", "query_positions",
+           "ranges_attention_reference", "select"]
