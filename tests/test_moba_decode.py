@@ -13,7 +13,8 @@ import torch
 import longctx_patch as lp
 from longctx_patch import decode_graphs as dg
 from longctx_patch.kernels.moba import moba_attention, moba_decode, moba_reference
-from longctx_patch.kernels.moba.reference import key_positions, ranges_attention_reference
+from longctx_patch.kernels.moba.reference import key_positions
+from longctx_patch.kernels.moba.reference_decode import decode_gate, ranges_attention_reference
 from longctx_patch.kernels.softmax import softmax_attention
 from longctx_patch.methods.moba import MobaLayer
 
@@ -29,7 +30,7 @@ def qkv(B, Hq, Hkv, S, D, dtype, seed):
 def prefill_then_steps(q, k, v, km, P, kw, backend="torch", splits=None):
     """A prefill of P tokens through a MobaLayer (key mask km[:, :P]), then one step per token (km's last entry says
     whether it is real): the steps' outputs `[B, S - P, Hq, D]` and the layer."""
-    layer = MobaLayer(block_size=kw["block_size"])
+    layer = MobaLayer(block_size=kw["block_size"], backend=backend)
     qs = layer.query_sum_like(q)
     kv = layer.extend(k[:, :, :P], v[:, :, :P], km[:, :P])
     moba_attention(q[:, :, :P], kv.keys, kv.values, key_mask=kv.key_mask, q_offset=kv.q_offset, query_sum=qs, **kw)
@@ -122,6 +123,49 @@ def test_decode_kernel_equals_its_reference(dtype):
         assert o.dtype == dtype and o.shape == (B, 1, Hq, D)
         tol = dict(atol=2e-6, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(o.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("gating,top_k,min_seq_len", [("block", 3, 0), ("block", 4, 30), ("token", 2, 20),
+                                                      ("block", 40, 0)])
+def test_store_and_gate_kernels_equal_their_references(gating, top_k, min_seq_len):
+    """The store kernel leaves the state the reference store leaves, and the gate kernel gives the reference gate's
+    ranges and query sums (interpreter): GQA 7, left padding, a padded step, a row that takes every earlier key,
+    top_k past the number of blocks."""
+    from longctx_patch.kernels.moba.reference_decode import store_step_reference
+    from longctx_patch.kernels.moba.triton_decode import gate_ranges, store_step
+
+    B, Hq, Hkv, S, D, bs = 3, 7, 1, 84, 16, 6
+    q, k, v = qkv(B, Hq, Hkv, S + 1, D, torch.float32, seed=11)
+    km = torch.ones(B, S + 1, dtype=torch.bool)
+    km[1, :19], km[2, :72] = False, False  # row 2's step starts a block (position 12)
+    km[0, S] = False  # row 0's step is padding, at a block's first position (84)
+    layer = MobaLayer(block_size=bs)
+    layer.extend(k[:, :, :S], v[:, :, :S], km[:, :S])
+    layer._reserve(S + 1, k)
+    real = km[:, S]
+    states = []
+    for store in (store_step_reference, store_step):
+        st = {n: t.clone() for n, t in layer.state_tensors().items()}
+        slot = store(k[:, :, S:], v[:, :, S:], st["keys"], st["values"], st["mask"], st["pos"], st["key_sums"],
+                     st["block_start"], st["n_real"], real, block_size=bs)
+        states.append((slot, st))
+    (slot, want), (slot_t, got) = states
+    assert torch.equal(slot_t, slot) and torch.equal(slot, torch.full((B,), S))
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    qs = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)) if gating == "block" else None
+    kw = dict(block_size=bs, top_k=top_k, min_seq_len=min_seq_len, gating=gating)
+    ranges = []
+    for fn in (decode_gate, gate_ranges):
+        sums = None if qs is None else qs.clone()
+        ranges.append((*fn(q[:, :, S:], want["key_sums"], want["block_start"], want["n_real"], slot, real,
+                           query_sum=sums, **kw), sums))
+    (st, en, sums), (st_t, en_t, sums_t) = ranges
+    assert torch.equal(st_t, st) and torch.equal(en_t, en)
+    assert (en - st).sum() > 0 and (st.shape[2] == 1) == (top_k - 1 >= want["key_sums"].shape[2])
+    if qs is not None:
+        torch.testing.assert_close(sums_t, sums, atol=0, rtol=0)
+        assert not torch.equal(sums, qs)
 
 
 def test_decode_triton_backend_equals_torch():

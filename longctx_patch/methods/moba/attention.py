@@ -46,7 +46,7 @@ class MobaAttention(ExactAttention):
 
     def make_cache_layer(self):
         cfg = self.method_config
-        return MobaLayer(block_size=cfg.block_size) if cfg.gating == "block" else KVBufferLayer()
+        return MobaLayer(block_size=cfg.block_size, backend=cfg.backend) if cfg.gating == "block" else KVBufferLayer()
 
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         """The KV buffer and, for block gating, `MobaLayer`'s block state: the query sum, the key sums of

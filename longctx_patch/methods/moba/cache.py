@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...kernels.moba import add_block_keys, moba_store_step
 from ..kv_layer import KVBufferLayer, KVView
 
 CHUNK_ELEMS = 2**25  # a prefill adds its keys to the block sums this many elements (fp32) at a time
@@ -47,9 +48,10 @@ class MobaLayer(KVBufferLayer):
     state_names = KVBufferLayer.state_names + ("query_sum", "key_sums", "block_start", "n_real")
     is_croppable = False
 
-    def __init__(self, block_size: int = 512):
+    def __init__(self, block_size: int = 512, backend: str = "auto"):
         super().__init__()
         self.block_size = block_size
+        self.backend = backend  # of the step's store (kernels.moba.moba_store_step)
 
     def graph_key(self):
         # the step's launches are sized by the buffer's capacity (and the block state's, which follows it)
@@ -76,18 +78,9 @@ class MobaLayer(KVBufferLayer):
         return KVView(self.keys, self.values, km, self.capacity, None)
 
     def _write_step(self, k, v, padding) -> MobaStep:
-        B, H, _, D = k.shape
-        slot = self.pos.clone()
-        at = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
-        self.keys.scatter_(2, at, k.to(self.keys.dtype))
-        self.values.scatter_(2, at, v.to(self.values.dtype))
         real = None if padding is None else padding[:, -1].bool()
-        if real is None:
-            self.mask.scatter_(1, slot[:, None], True)
-        else:
-            self.mask.scatter_(1, slot[:, None], real[:, None])
-        self._add_keys(k, None if real is None else real[:, None], slot[:, None])
-        self.pos.add_(1)
+        slot = moba_store_step(k, v, self.keys, self.values, self.mask, self.pos, self.key_sums, self.block_start,
+                               self.n_real, real, block_size=self.block_size, backend=self.backend)
         self.seen += 1
         return MobaStep(self.keys, self.values, self.mask, slot, real, self.key_sums, self.block_start, self.n_real)
 
@@ -117,28 +110,8 @@ class MobaLayer(KVBufferLayer):
         step = max(1, CHUNK_ELEMS // max(1, k.shape[0] * k.shape[1] * k.shape[3]))
         for s in range(0, n, step):  # bounded fp32 transients for a long prefill
             e = min(n, s + step)
-            self._add_keys(k[:, :, s:e], None if valid is None else valid[:, s:e], slots[:, s:e])
-
-    def _add_keys(self, k: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor) -> None:
-        """Adds keys `[B, Hkv, n, D]` stored at `slots` `[B or 1, n]` (valid `[B, n]`, None: all real) to the block
-        state, in place and without a host sync: each real key to the sum of its block (its position's), a key at a
-        block's first position marks the block's first slot, and the real count moves on."""
-        B, H, n, D = k.shape
-        if valid is None:
-            pos = self.n_real[:, None] + torch.arange(n, device=k.device)[None]
-        else:
-            pos = self.n_real[:, None] + valid.long().cumsum(1) - 1
-        blk = pos.clamp(min=0) // self.block_size
-        src = k.detach().to(self.key_sums.dtype)
-        if valid is not None:
-            src = torch.where(valid[:, None, :, None], src, torch.zeros_like(src))
-        self.key_sums.scatter_add_(2, blk[:, None, :, None].expand(B, H, n, D), src)
-        first = pos % self.block_size == 0
-        if valid is not None:
-            first = first & valid
-        starts = torch.where(first, slots.expand(B, n), torch.zeros_like(blk))
-        self.block_start.scatter_reduce_(1, blk, starts, "amax")
-        self.n_real.add_(n if valid is None else valid.sum(1))
+            add_block_keys(self.key_sums, self.block_start, self.n_real, k[:, :, s:e],
+                           None if valid is None else valid[:, s:e], slots[:, s:e], block_size=self.block_size)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a moba cache with gating='block' cannot drop tokens (it holds the sum of the "
