@@ -35,7 +35,9 @@ from ..triton_lib import LOG2E
 BN = 64  # keys per tile
 
 
-@triton.jit
+# the block count grows with the buffer: not specialised (a regrown buffer whose count is a multiple of 16 would
+# otherwise compile another kernel on its first step)
+@triton.jit(do_not_specialize=["sbsb"])
 def _store_kernel(K, V, KB, VB, MASK, POS, KS, BST, NR, REAL, SLOT,
                   skb, skh, svb, svh, sbb, sbh, sbs, svbb, svbh, svbs, smb, sksb, sksh, sksn, sbsb, bsize,
                   HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, HAS_REAL: tl.constexpr):
@@ -63,7 +65,7 @@ def _store_kernel(K, V, KB, VB, MASK, POS, KS, BST, NR, REAL, SLOT,
     tl.store(POS + b, pos + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbsb", "nb"])
 def _gate_kernel(Q, QS, KS, BST, NR, REAL, SLOT, ST, EN,
                  sqb, sqh, sksb, sksh, sksn, sbsb, nb, bsize, min_seq_len,
                  HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KSEL: tl.constexpr, NL: tl.constexpr,
