@@ -36,7 +36,7 @@ KERNEL_TOP = {"backend.py", "triton_lib.py", "graphs.py"}
 KERNEL_FILES = {"__init__.py", "reference.py", "ops.py"}
 KERNEL_HELPERS = {"muse": {"plan.py", "support.py"},
                   "lola": {"training.py", "tuning.py", "state.py", "sparse_cache.py", "prefill.py", "padded.py"}}
-NO_TRITON_OF_THEIR_OWN = {"softmax", "moba"}  # the doc's "no Triton of its own"
+NO_TRITON_OF_THEIR_OWN = {"softmax"}  # the doc's "no Triton of its own"
 METHODS_TOP = {"__init__.py", "base.py", "cache_layer.py", "kv_layer.py", "padding.py"}
 METHOD_FILES = {"__init__.py", "config.py", "attention.py"}
 METHOD_HELPERS = {"lola": {"feature_map.py", "weights.py"}}
