@@ -36,19 +36,23 @@ _REWRITE = "write it again with save_patched()"
 
 
 # --------------------------------------------------------------------------------------------- the record
-def patch_record(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The object PATCH_JSON holds for `groups` ([{method, config, layers}], in patch order)."""
+def patch_record(groups: Sequence[Mapping[str, Any]], calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The object PATCH_JSON holds for `groups` ([{method, config, layers}], in patch order) and, when the groups
+    come from a calibration (longctx_patch/calibration.py), its record under "calibration" (readers that do not know
+    the key ignore it: the groups alone are the patch)."""
     groups = [{"method": g["method"], "config": dict(g["config"]), "layers": list(g["layers"])} for g in groups]
     rec: dict[str, Any] = {"format": FORMAT_VERSION, "version": __version__}
     if len(groups) == 1:
         rec.update(groups[0])
     else:
         rec["patches"] = groups
+    if calibration is not None:
+        rec["calibration"] = dict(calibration)
     return rec
 
 
 def write_patch(directory: str | os.PathLike, groups: Sequence[Mapping[str, Any]],
-                weights: Mapping[str, torch.Tensor]) -> None:
+                weights: Mapping[str, torch.Tensor], calibration: Mapping[str, Any] | None = None) -> None:
     """Writes PATCH_WEIGHTS (when there are weights) and PATCH_JSON into `directory`, which exists."""
     directory = os.fspath(directory)
     if weights:
@@ -57,7 +61,7 @@ def write_patch(directory: str | os.PathLike, groups: Sequence[Mapping[str, Any]
         save_file({k: v.to("cpu") for k, v in weights.items()}, os.path.join(directory, PATCH_WEIGHTS),
                   metadata={"format": "pt"})
     with open(os.path.join(directory, PATCH_JSON), "w") as f:
-        json.dump(patch_record(groups), f, indent=2)
+        json.dump(patch_record(groups, calibration), f, indent=2)
 
 
 def _version_key(v: str) -> tuple[int, ...] | None:
@@ -136,6 +140,18 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
                                   "{method, config, layers} objects; write it again with save_patched()")
         return [_check_group(path, f"patches[{n}]", g) for n, g in enumerate(patches)]
     return [_check_group(path, "the record", rec)]
+
+
+def read_calibration(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The "calibration" of the record in `directory` (read_patch_record's checks first), or None when it has none."""
+    read_patch_record(directory)
+    path = os.path.join(os.fspath(directory), PATCH_JSON)
+    with open(path, encoding="utf-8") as f:
+        cal = json.load(f).get("calibration")
+    if cal is not None and not (isinstance(cal, dict) and isinstance(cal.get("layers"), list)):
+        raise CheckpointError(f"{path}: \"calibration\" is {json.dumps(cal)[:40]}, not the object calibrate() keeps "
+                              "(with its \"layers\"); write it again with save_patched()")
+    return cal
 
 
 # --------------------------------------------------------------------------------------------- the weights
@@ -256,6 +272,7 @@ __all__ = [
     "modules_state_dict",
     "patch_record",
     "read_adapter_weights",
+    "read_calibration",
     "read_method_weights",
     "read_patch_record",
     "read_weights_file",

@@ -22,7 +22,7 @@ from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
 from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
-                         modules_state_dict, read_method_weights, read_patch_record, write_patch)
+                         modules_state_dict, read_calibration, read_method_weights, read_patch_record, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .methods import get_method
 from .methods.base import PatchedAttention
@@ -513,7 +513,7 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
         for i, mod in st.modules.items():
             decoder[i].self_attn = mod
     if writes_files(st.modules.values()):
-        write_patch(directory, groups, weights)
+        write_patch(directory, groups, weights, st.calibration)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
     return directory
@@ -523,6 +523,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step).
     On any failure the patches applied here are undone and the model is left as it was."""
     groups = read_patch_record(directory)
+    calibration = read_calibration(directory)
     sd = read_method_weights(directory)
     applied: list[PatchGroup] = []
     try:
@@ -534,6 +535,8 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
                 raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
             applied.append(group)
         load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
+        if calibration is not None:  # the calibration that chose these groups (longctx_patch/calibration.py)
+            state_of(model).calibration = calibration
         if applied:  # a runtime option, not in the record: the default (fused_ops.py)
             _default_fused_ops(model, patched_modules(model))
     except BaseException:

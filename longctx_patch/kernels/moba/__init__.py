@@ -5,6 +5,7 @@ the definition.
 """
 
 from .ops import BACKENDS, moba_attention, moba_block_triton, moba_is_exact
-from .reference import GATINGS, moba_reference
+from .reference import GATINGS, moba_attended_keys, moba_reference
 
-__all__ = ["BACKENDS", "GATINGS", "moba_attention", "moba_block_triton", "moba_is_exact", "moba_reference"]
+__all__ = ["BACKENDS", "GATINGS", "moba_attention", "moba_block_triton", "moba_attended_keys", "moba_is_exact",
+           "moba_reference"]
