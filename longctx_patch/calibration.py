@@ -41,10 +41,7 @@ import torch
 
 from .architectures import get_adapter, model_config
 from .errors import AlreadyPatchedError, ConfigError, DeviceError, LongctxWarning
-from .kernels.muse import muse_attention
-from .kernels.softmax import softmax_attention
 from .methods import get_method
-from .methods.muse.attention import with_exact_heads
 from .patch_state import find_state, patched_modules
 from .patcher import parse_layers, patch, unpatch
 
@@ -233,6 +230,10 @@ def _rel(sq: float, den: float) -> float:
 
 
 def _measure(meth, configs, cost: str, mod, q, k, v) -> _Stats:
+    from .kernels.muse import muse_attention  # the kernels load with the first calibration, not with the package
+    from .kernels.softmax import softmax_attention
+    from .methods.muse.attention import with_exact_heads
+
     scale, H, S = mod.scaling, q.shape[1], q.shape[2]
     ref = softmax_attention(q.float(), k.float(), v.float(), scale=scale)
     den = float(ref.double().pow(2).sum())
@@ -259,6 +260,10 @@ def _measure(meth, configs, cost: str, mod, q, k, v) -> _Stats:
 
 def _verify(config, mod, q, k, v) -> float:
     """The measured error of a layer's choice (None: exact) as the patched module computes it."""
+    from .kernels.muse import muse_attention
+    from .kernels.softmax import softmax_attention
+    from .methods.muse.attention import with_exact_heads
+
     scale = mod.scaling
     ref = softmax_attention(q.float(), k.float(), v.float(), scale=scale)
     if config is None:
