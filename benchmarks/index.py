@@ -29,7 +29,8 @@ KINDS = {
     "decode": ("attention", "profile", "anatomy", "fused-ops"),
     "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache"),
     "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks", "tilted-cells-speed", "tilt-span",
-             "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff"),
+             "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff",
+             "calibration", "calibrated", "muse-vs-moba"),
     "ovq": ("overlap", "profile", "speed", "train-speed"),
     "multigpu": ("linearize", "throughput"),
 }

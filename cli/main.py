@@ -23,6 +23,7 @@ def main(debug: bool) -> None:
       longctx patch --method sliding-window --set window=256
       longctx generate --method sliding-window --set window=256 --prompt "Tell me a story"
       longctx patch --model meta-llama/Llama-3.2-1B --method muse --output llama-muse/
+      longctx calibrate --method muse --text calib.txt --length 8192 --target-error 0.01 --output smollm2-muse/
     """
     # --debug is read back by friendly_errors from this command's params (no global state)
 
@@ -267,9 +268,11 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
 
 
 # --------------------------------------------------------------------------------------------- sub-verbs
+from .calibrate_cmd import calibrate_cmd  # noqa: E402
 from .eval_cmd import eval_group  # noqa: E402
 from .finetune_cmd import finetune_cmd  # noqa: E402
 
+main.add_command(calibrate_cmd)
 main.add_command(eval_group)
 main.add_command(finetune_cmd)
 

@@ -26,6 +26,7 @@ from .patcher import (is_patched, patch, patched_layers, save_patched, set_decod
                       set_prefill_chunk, unpatch)
 from .cache import LongctxCache  # noqa: E402
 from .convert import convert_to_lola  # noqa: E402
+from .calibration import calibrate  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -39,6 +40,7 @@ __all__ = [
     "load_model",
     "save_patched",
     "load_patched",
+    "calibrate",
     "generate",
     "get_method",
     "list_methods",

@@ -47,9 +47,12 @@ _REWRITE = "write it again with save_patched()"
 
 
 # --------------------------------------------------------------------------------------------- the record
-def patch_record(groups: Sequence[Mapping[str, Any]], files: Mapping[str, int] | None = None) -> dict[str, Any]:
+def patch_record(groups: Sequence[Mapping[str, Any]], files: Mapping[str, int] | None = None,
+                 calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The object PATCH_JSON holds for `groups` ([{method, config, layers}], in patch order); `files`: {path relative
-    to the folder: size in bytes} of the folder's other files."""
+    to the folder: size in bytes} of the folder's other files; `calibration`: when the groups come from a
+    calibration (longctx_patch/calibration.py), its record (readers that do not know the key ignore it: the groups
+    alone are the patch)."""
     groups = [{"method": g["method"], "config": dict(g["config"]), "layers": list(g["layers"])} for g in groups]
     rec: dict[str, Any] = {"format": FORMAT_VERSION, "version": __version__}
     if len(groups) == 1:
@@ -58,6 +61,8 @@ def patch_record(groups: Sequence[Mapping[str, Any]], files: Mapping[str, int] |
         rec["patches"] = groups
     if files is not None:
         rec["files"] = dict(sorted(files.items()))
+    if calibration is not None:
+        rec["calibration"] = dict(calibration)
     return rec
 
 
@@ -69,9 +74,9 @@ def folder_files(directory: str | os.PathLike) -> dict[str, int]:
 
 
 def write_patch(directory: str | os.PathLike, groups: Sequence[Mapping[str, Any]],
-                weights: Mapping[str, torch.Tensor]) -> None:
-    """Writes PATCH_WEIGHTS (when there are weights), then PATCH_JSON listing every file of `directory` (which exists):
-    call it once the folder's other files are written."""
+                weights: Mapping[str, torch.Tensor], calibration: Mapping[str, Any] | None = None) -> None:
+    """Writes PATCH_WEIGHTS (when there are weights), then PATCH_JSON listing every file of `directory` (which exists)
+    and the calibration record if any: call it once the folder's other files are written."""
     directory = os.fspath(directory)
     if weights:
         from safetensors.torch import save_file
@@ -79,7 +84,7 @@ def write_patch(directory: str | os.PathLike, groups: Sequence[Mapping[str, Any]
         save_file({k: v.to("cpu") for k, v in weights.items()}, os.path.join(directory, PATCH_WEIGHTS),
                   metadata={"format": "pt"})
     with open(os.path.join(directory, PATCH_JSON), "w") as f:
-        json.dump(patch_record(groups, folder_files(directory)), f, indent=2)
+        json.dump(patch_record(groups, folder_files(directory), calibration), f, indent=2)
 
 
 def _version_key(v: str) -> tuple[int, ...] | None:
@@ -339,6 +344,18 @@ def replacing_folder(target: str | os.PathLike, writes: bool = True) -> Iterator
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def read_calibration(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The "calibration" of the record in `directory` (read_patch_record's checks first), or None when it has none."""
+    read_patch_record(directory)
+    path = os.path.join(os.fspath(directory), PATCH_JSON)
+    with open(path, encoding="utf-8") as f:
+        cal = json.load(f).get("calibration")
+    if cal is not None and not (isinstance(cal, dict) and isinstance(cal.get("layers"), list)):
+        raise CheckpointError(f"{path}: \"calibration\" is {json.dumps(cal)[:40]}, not the object calibrate() keeps "
+                              "(with its \"layers\"); write it again with save_patched()")
+    return cal
+
+
 # --------------------------------------------------------------------------------------------- the weights
 def _unreadable_weights(path: str, e: Exception, rewrite: str, advice: str | None = None) -> CheckpointError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -532,6 +549,7 @@ __all__ = [
     "modules_state_dict",
     "patch_record",
     "read_adapter_weights",
+    "read_calibration",
     "read_method_weights",
     "read_patch_record",
     "read_weights_file",

@@ -68,6 +68,9 @@ class PatchState:
     fused: Any = None  # fused_ops.FusedOps: the fused norm / MLP forwards installed on the model (set_fused_ops)
     fused_decided: bool = False  # fused ops were set (by default or explicitly) since the first patch
     prefill_chunk: int | str | None = "auto"  # generate()'s default prefill_chunk_size (patcher.set_prefill_chunk)
+    # the calibration that chose the groups' settings (longctx_patch.calibration: Calibration.to_record()), saved
+    # with the patch record; None: not calibrated
+    calibration: dict[str, Any] | None = None
 
 
 def find_state(model: nn.Module) -> PatchState | None:

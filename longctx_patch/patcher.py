@@ -22,8 +22,8 @@ from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
 from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_saved_files, drop_gguf_quantization,
-                         load_modules_state_dict, modules_state_dict, read_method_weights, read_patch_record,
-                         replacing_folder, write_patch)
+                         load_modules_state_dict, modules_state_dict, read_calibration, read_method_weights,
+                         read_patch_record, replacing_folder, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .methods import get_method
 from .methods.base import PatchedAttention
@@ -564,7 +564,7 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
         if writes:
             if tokenizer is not None:
                 tokenizer.save_pretrained(work)
-            write_patch(work, groups, weights)  # last: the record lists every other file
+            write_patch(work, groups, weights, st.calibration)  # last: the record lists every other file
     return directory
 
 
@@ -572,6 +572,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     """Re-apply the patches recorded in `directory` and load their saved weights (no after_patch step).
     On any failure the patches applied here are undone and the model is left as it was."""
     groups = read_patch_record(directory)
+    calibration = read_calibration(directory)
     sd = read_method_weights(directory)
     check_saved_files(directory)
     applied: list[PatchGroup] = []
@@ -584,6 +585,8 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
                 raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
             applied.append(group)
         load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
+        if calibration is not None:  # the calibration that chose these groups (longctx_patch/calibration.py)
+            state_of(model).calibration = calibration
         if applied:  # a runtime option, not in the record: the default (fused_ops.py)
             _default_fused_ops(model, patched_modules(model))
     except BaseException:

@@ -42,7 +42,7 @@ def run(*args):
 
 
 def test_help_on_every_verb():
-    for verb in ([], ["info"], ["patch"], ["generate"]):
+    for verb in ([], ["info"], ["patch"], ["generate"], ["calibrate"]):
         r = run(*verb, "--help")
         assert r.exit_code == 0 and "Usage" in r.output
 
@@ -100,6 +100,34 @@ def test_bad_input_one_line_nonzero(args, needle):
     assert "Traceback" not in r.output
     errors = [line for line in r.output.splitlines() if line.startswith("error:") or line.startswith("Error:")]
     assert len(errors) == 1
+
+
+def test_calibrate_patches_summarises_and_saves(tiny_dir, tmp_path):
+    """`longctx calibrate` measures, prints its progress and the summary table, and saves a model that loads with its
+    calibration."""
+    import inspect
+    import textwrap
+
+    import longctx_patch as lp
+    from longctx_patch.calibration import calibration_record
+
+    text = tmp_path / "calib.txt"
+    text.write_text(inspect.getsource(textwrap))
+    out = tmp_path / "calibrated"
+    r = run("calibrate", "--model", str(tiny_dir), "--text", str(text), "--length", "200", "--target-error", "0.005",
+            "--set", "block_size=16", "--set", "k_clusters=2", "--set", "topk_blocks=0", "--set", "peak_blocks=0",
+            "--set", "min_seq_len=0", "--set", "backend=torch", "--ladder", "topk_blocks=1,peak_blocks=1",
+            "--no-per-head", "--output", str(out), "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "calibrating 3 layers on 200 tokens: 2 settings each" in r.output and "layer 2 (3/3)" in r.output
+    assert "target: every layer's error <= 0.5%: met" in r.output and "x exact attention" in r.output
+    assert f"saved to {out}" in r.output
+    rows = [line.split() for line in r.output.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert len(rows) == 3 and all(row[1] in ("muse", "exact") for row in rows)
+    loaded = lp.load_patched(out, device="cpu")
+    rec = calibration_record(loaded)
+    assert rec["target_error"] == 0.005 and rec["tokens"] == 200 and rec["per_head"] is False
+    assert lp.patched_layers(loaded) == {x["layer"]: x["method"] for x in rec["layers"]}
 
 
 def test_inline_method_config_patches(tiny_dir):
@@ -205,6 +233,10 @@ def test_unpatched_unsupported_model_still_generates(gpt2_dir):
          "window=100000000000000000000 is too large; allowed: int >= 1, at most 2147483647"),
         (["generate", "--method", "ovq(beta=-inf)", "--prompt", "hi"], "beta=-inf is not a finite number"),
         (["eval", "ppl", "--method", "ovq", "--set", "ovq.beta=NaN"], "beta=nan is not a finite number"),
+        (["calibrate", "--text", ".", "--target-error", "0"], "target_error=0.0"),
+        (["calibrate", "--text", ".", "--target-error", "1.5"], "a number between 0 and 1"),
+        (["calibrate", "--text", ".", "--method", "sliding-window"], "no budgets to calibrate"),
+        (["calibrate", "--text", ".", "--ladder", "topk_blocks=-1"], "topk_blocks"),
     ],
 )
 def test_rejected_before_the_model_loads(args, needle):

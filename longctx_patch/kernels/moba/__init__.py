@@ -7,8 +7,8 @@ docs/moba.md has the definition.
 """
 
 from .ops import BACKENDS, moba_attention, moba_block_triton, moba_decode, moba_is_exact, moba_store_step
-from .reference import GATINGS, moba_reference
+from .reference import GATINGS, moba_attended_keys, moba_reference
 from .reference_decode import add_block_keys
 
-__all__ = ["BACKENDS", "GATINGS", "add_block_keys", "moba_attention", "moba_block_triton", "moba_decode",
-           "moba_is_exact", "moba_reference", "moba_store_step"]
+__all__ = ["BACKENDS", "GATINGS", "add_block_keys", "moba_attended_keys", "moba_attention", "moba_block_triton",
+           "moba_decode", "moba_is_exact", "moba_reference", "moba_store_step"]

@@ -223,5 +223,17 @@ def moba_reference(q, k, v, *, scale: float, block_size: int, top_k: int, key_ma
     return o.transpose(1, 2).to(q.dtype)
 
 
+def moba_attended_keys(seq_len: int, *, block_size: int, top_k: int, **_) -> float:
+    """Exactly attended keys per query and head, averaged over the `seq_len` queries of one causal sequence without
+    padding, under block gating: query block n attends to its own block causally and to `min(top_k - 1, n)` earlier
+    blocks (all of them: exact attention, when n < top_k)."""
+    L, S = block_size, seq_len
+    total = 0.0
+    for n in range(-(-S // L)):
+        c = min(L, S - n * L)
+        total += c * (c + 1) / 2 + c * min(top_k - 1, n) * L
+    return total / S
+
+
 __all__ = ["GATINGS", "allowed_keys", "block_gate", "block_means", "block_query_sums", "carry_query_sum", "gate",
-           "key_positions", "moba_reference", "prefix_block_sums", "query_positions", "select"]
+           "key_positions", "moba_attended_keys", "moba_reference", "prefix_block_sums", "query_positions", "select"]

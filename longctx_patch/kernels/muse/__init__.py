@@ -9,9 +9,9 @@ kernels).
 
 from ..backend import BACKENDS  # noqa: F401  (the methods' `backend` option lists them)
 from .ops import FAR_FIELDS, listed_blocks_triton, muse_attention
-from .plan import MusePlan, lloyd, make_plan
+from .plan import MusePlan, attended_keys, lloyd, make_plan
 from .reference import muse_reference_planned
 from .support import cells_supported, triton_supported
 
-__all__ = ["cells_supported", "FAR_FIELDS", "MusePlan", "listed_blocks_triton", "make_plan", "lloyd", "muse_attention",
-           "muse_reference_planned", "triton_supported"]
+__all__ = ["attended_keys", "cells_supported", "FAR_FIELDS", "MusePlan", "listed_blocks_triton", "make_plan", "lloyd",
+           "muse_attention", "muse_reference_planned", "triton_supported"]

@@ -203,3 +203,34 @@ def make_plan(
                 ret_cell[:, h0 : h0 + G] = rc.view(sc.shape)
     ret_any = (ret_block | ret_cell.any(-1)).any(3)  # [B, Hq, n, m]
     return MusePlan(L, S, Sp, nb, q_centroids, q_assign, k_assign, key_valid, ret_block, ret_cell, ret_any)
+
+
+def attended_keys(seq_len: int, *, far_field: str = "cells", block_size: int, k_clusters: int, topk_blocks: int,
+                  peak_blocks: int = 0, local_blocks: int = 1, sink_blocks: int = 1, topk_clusters: int = 0,
+                  **_) -> tuple[float, float]:
+    """(exactly attended keys, super-keys) per query and head, averaged over the `seq_len` queries of one causal
+    sequence without padding: the plan's key lists counted from the settings (the extra keyword arguments of
+    `kernel_kwargs()`, such as q_clusters, are ignored). Query block n (of `block_size`) attends exactly to its own
+    block causally, to `min(local_blocks, n)` blocks before it and, of its `far = n - local_blocks` far blocks, to
+    `min(sink_blocks + topk_blocks + peak_blocks, far)` (cells, tilted-cells: the sinks, then the top-k by mass, then
+    by peak; each step takes what is left); each other far block enters as `k_clusters` super-keys (an empty cell
+    included: the kernels compute it too). `far_field="tilted"` retrieves per query cluster: `topk_blocks` blocks
+    and `topk_clusters` cells of `block_size / k_clusters` keys on average. Equal to the cells plan's
+    `retrieved.sum(-1)` (tests/test_muse_calibration.py)."""
+    L, S = block_size, seq_len
+    nb = max(1, math.ceil(S / L))
+    exact = sup = 0.0
+    for n in range(nb):
+        c = min(L, S - n * L)  # queries of block n
+        far = max(0, n - local_blocks)
+        exact += c * (c + 1) / 2 + c * min(local_blocks, n) * L
+        if far_field == "tilted":
+            blocks = min(topk_blocks, far)
+            cells = min(topk_clusters, (far - blocks) * k_clusters)
+            exact += c * (blocks * L + cells * L / k_clusters)
+            sup += c * ((far - blocks) * k_clusters - cells)
+        else:
+            ret = min(sink_blocks + topk_blocks + peak_blocks, far)
+            exact += c * ret * L
+            sup += c * (far - ret) * k_clusters
+    return exact / S, sup / S

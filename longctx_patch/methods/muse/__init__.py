@@ -7,11 +7,21 @@ prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tai
 projections are the original ones: no new parameters. docs/muse.md explains every option.
 """
 
+import math
 import warnings
 
+from ...errors import ConfigError
+from ...kernels.muse import attended_keys
 from ..base import Method, register_method
 from .attention import MuseAttention
-from .config import FAR_FIELD_DEFAULTS, Q_CLUSTERS, MuseConfig
+from .config import CROSSOVER, FAR_FIELD_DEFAULTS, Q_CLUSTERS, MuseConfig
+
+# the budgets a calibration tries per layer (longctx_patch.calibrate): retrieved blocks per score (topk_blocks =
+# peak_blocks = b for the cells plans; topk_blocks = b for the tilted design) and key cells (the config's k_clusters
+# and twice it); settings that retrieve every far block at the calibration's length are one setting (the cells no
+# longer matter there), the cheapest
+LADDER_BLOCKS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LADDER_CELLS = (1, 2)  # multiples of the config's k_clusters
 
 
 @register_method
@@ -23,6 +33,46 @@ class Muse(Method):
     module_cls = MuseAttention
     window_conflict = "approximates full causal attention (cluster summaries of every earlier block)"
 
+    def check_layers(self, specs, config) -> None:
+        super().check_layers(specs, config)
+        heads = config.exact_heads
+        few = [s for s in specs if heads and heads[-1] >= s.num_heads]
+        if few:
+            raise ConfigError(f"muse: exact_heads={heads} names query head {heads[-1]}, but layer {few[0].layer_idx} has "
+                              f"{few[0].num_heads} query heads (0-{few[0].num_heads - 1})")
+
+    def attended_keys(self, config: MuseConfig, seq_len: int) -> tuple[float, float]:
+        """(exactly attended keys, super-keys) per query and head of `config` over one sequence of `seq_len` tokens
+        (kernels.muse.attended_keys), the exact heads aside."""
+        return attended_keys(seq_len, **config.kernel_kwargs())
+
+    def calibration_ladder(self, config: MuseConfig, seq_len: int) -> list[dict]:
+        """The settings `longctx_patch.calibrate` measures on every layer, as overrides of `config`: budgets of
+        retrieved blocks (LADDER_BLOCKS) and key cells (LADDER_CELLS times its k_clusters, at most block_size),
+        cheapest first by attended keys at `seq_len`; the settings that retrieve every far block there count once."""
+        L, local = config.get("block_size"), config.local_blocks
+        far_max = max(0, math.ceil(seq_len / L) - 1 - local)
+        tilted = config.far_field == "tilted"
+        cells = sorted({min(L, m * config.get("k_clusters")) for m in LADDER_CELLS})
+        out, seen_all = [], False
+        for b in LADDER_BLOCKS:
+            blocks = b if tilted else config.sink_blocks + 2 * b
+            if blocks >= far_max:
+                if seen_all:
+                    continue
+                seen_all = True
+                over = dict(topk_blocks=b) if tilted else dict(topk_blocks=b, peak_blocks=b)
+                out.append(dict(over, k_clusters=cells[0]))
+                continue
+            for c in cells:
+                over = dict(topk_blocks=b) if tilted else dict(topk_blocks=b, peak_blocks=b)
+                out.append(dict(over, k_clusters=c))
+
+        def keys(over):
+            return sum(self.attended_keys(self.parse_config({**config.to_dict(), **over}), seq_len))
+
+        return sorted(out, key=keys)
+
     def after_patch(self, model, modules, config) -> None:
         dev = next((p.device for p in model.parameters()), None)
         if dev is not None and dev.type != "cuda" and config.backend != "torch":
@@ -33,4 +83,5 @@ class Muse(Method):
                 "prefills, or use the CPU for checks only. backend='torch' (CLI: --set backend=torch) silences this.", stacklevel=3)
 
 
-__all__ = ["FAR_FIELD_DEFAULTS", "Muse", "MuseAttention", "MuseConfig", "Q_CLUSTERS"]
+__all__ = ["CROSSOVER", "FAR_FIELD_DEFAULTS", "LADDER_BLOCKS", "LADDER_CELLS", "Muse", "MuseAttention", "MuseConfig",
+           "Q_CLUSTERS"]

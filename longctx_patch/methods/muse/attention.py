@@ -30,15 +30,31 @@ class MuseAttention(ExactAttention):
 
     method_name = "muse"
 
-    def uses_muse(self, q_len: int, past: int) -> bool:
+    def uses_muse(self, q_len: int, past: int, device=None) -> bool:
         c = self.method_config
-        return past == 0 and q_len > c.get("block_size") and q_len >= c.min_seq_len
+        return past == 0 and q_len > c.get("block_size") and q_len >= self.min_len(device)
+
+    def min_len(self, device=None) -> int:
+        """The shortest prefill that takes MuSe on `device` (default: this module's): `min_seq_len` when set, else
+        its default for the device and this layer's head dim (MuseConfig.min_len: the crossover on CUDA)."""
+        return self.method_config.min_len(_device_type(self) if device is None else torch.device(device).type,
+                                          self.head_dim)
 
     @classmethod
     def op(cls, q, k, v, *, scale, config):
-        """Op-level entry point (`longctx eval speed --op`): MuSe over one full causal sequence, clustering
-        included; q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` -> `[B, S, Hq, D]`."""
-        return muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+        """Op-level entry point (`longctx eval speed --op`): what a prefill of one full causal sequence runs, MuSe
+        (clustering included) from the config's min_len for this device and head dim, exact attention below it;
+        q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` -> `[B, S, Hq, D]`."""
+        S = q.shape[2]
+        if S <= config.get("block_size") or S < config.min_len(q.device.type, q.shape[-1]):
+            return softmax_attention(q, k, v, scale=scale)
+        o = muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+        return with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
+
+    def approximate(self, q, k, v, key_mask=None):
+        """This layer's MuSe output for one call whatever its length (`exact_heads` exact): what a prefill long
+        enough runs, as `longctx_patch.calibrate` measures it. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
+        return self._muse(q, k, v, key_mask)
 
     def attend(self, q, k, v, cache_layer, padding):
         past = _past_len(cache_layer)
@@ -65,7 +81,12 @@ class MuseAttention(ExactAttention):
         return o
 
     def _muse(self, q, k, v, km):
-        return muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
+        heads = self.method_config.exact_heads
+        if heads and self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
+            first = self.head_shard.rank * self.num_heads
+            heads = [h - first for h in heads if first <= h < first + self.num_heads]
+        return with_exact_heads(o, q, k, v, heads, scale=self.scaling, key_mask=km)
 
     def _muse_padded(self, q, k, v, km, padding):
         """A prefill of a padded batch, each row as that prompt alone (docs/muse.md, "Padded batches"): rows whose
@@ -73,7 +94,7 @@ class MuseAttention(ExactAttention):
         columns after the group's smallest padding (so every row of it is padded by whole blocks, which are neutral);
         the other rows take exact attention. None when no row takes MuSe."""
         c = self.method_config
-        groups = _row_groups(self._ctx, padding, km, c.get("block_size"), c.min_seq_len)
+        groups = _row_groups(self._ctx, padding, km, c.get("block_size"), self.min_len())
         if groups is None:  # one group: the whole batch, no columns to drop, the key mask as it is
             return self._muse(q, k, v, km)
         if not groups[0]:
@@ -95,6 +116,24 @@ class MuseAttention(ExactAttention):
             else:
                 o[rows, trim:] = part.to(o.dtype)
         return o
+
+
+def _device_type(mod) -> str:
+    p = next(mod.parameters(), None)
+    return "cpu" if p is None else p.device.type
+
+
+def with_exact_heads(o, q, k, v, heads, *, scale: float, key_mask=None):
+    """`o` [B, S, Hq, D] with the query heads `heads` replaced by exact causal attention (each query head with its kv
+    head, GQA); `o` itself when `heads` is empty. Out of place, so gradients flow through both parts."""
+    if not heads:
+        return o
+    G = q.shape[1] // k.shape[1]
+    idx = torch.tensor(heads, device=q.device)
+    kv = torch.div(idx, G, rounding_mode="floor")
+    exact = softmax_attention(q.index_select(1, idx), k.index_select(1, kv), v.index_select(1, kv), scale=scale,
+                              key_mask=key_mask)
+    return o.index_copy(2, idx, exact.to(o.dtype))
 
 
 def _row_groups(ctx, padding, km, block: int, min_len: int):
@@ -128,4 +167,4 @@ def _row_groups(ctx, padding, km, block: int, min_len: int):
     return res
 
 
-__all__ = ["MuseAttention"]
+__all__ = ["MuseAttention", "with_exact_heads"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ...errors import ConfigError
@@ -17,6 +18,47 @@ FAR_FIELD_DEFAULTS = {
 }
 FAR_FIELD_DEFAULTS["tilted-cells"] = FAR_FIELD_DEFAULTS["cells"]  # its exact part and cells are the cells plan's
 Q_CLUSTERS = {"cells": 1, "tilted": 16, "tilted-cells": 256}  # q_clusters' default (the cells have no query clusters)
+
+# min_seq_len's default on CUDA: the length from which each far field's defaults run faster than the exact attention
+# they replace (SDPA: cuDNN on the H200), by head dim (a head dim between two entries takes the larger one's; above
+# the last, the last's). Measured forward, plan included, bf16 (docs/PERFORMANCE.md "The cells far field", "MuSe at
+# 16k", "The tilted-cells far field"; benchmarks/results/muse/cells-speed-*.json): the cells defaults run 0.91x cuDNN
+# at 16k on Qwen2.5-Coder's 14 / 2 heads at D 64 and 32 / 8 heads at D 128 (1.16x at 32 / 8, D 64) and 1.8-2.1x at
+# 32k; tilted-cells 0.50-0.56x at 16k and 1.01-1.08x at 32k. The per-block tilted design is slower than exact
+# attention at every measured length (0.07x at 32k): it keeps the old default, 1024, as everywhere but CUDA.
+CROSSOVER = {
+    "cells": {64: 20480, 128: 24576},
+    "tilted-cells": {64: 32768, 128: 32768},
+}
+MIN_SEQ_LEN = 1024  # min_seq_len's default off CUDA (and for far_field='tilted'): only the shortest prefills are exact
+
+
+def crossover(far_field: str, head_dim: int) -> int | None:
+    """CROSSOVER's length for `far_field` at `head_dim` (None: no crossover measured for the far field)."""
+    table = CROSSOVER.get(far_field)
+    if not table:
+        return None
+    dims = sorted(table)
+    return table[next((d for d in dims if d >= head_dim), dims[-1])]
+
+
+def parse_heads(value) -> list[int]:
+    """exact_heads as given (a list of ints, or a string '0,3,5' / '0+3+5' / '' as --set and NAME(...) write it) ->
+    the sorted distinct head indices; ConfigError otherwise."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        parts = [p for p in re.split(r"[,+\s]+", value.strip().strip("[]")) if p]
+        try:
+            value = [int(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"MuseConfig: exact_heads={value!r} is not a list of query head indices such as "
+                              "'0,3' (or [0, 3])") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(h, int) and not isinstance(h, bool) for h in value):
+        raise ConfigError(f"MuseConfig: exact_heads={value!r} is not a list of query head indices such as [0, 3]")
+    if any(h < 0 for h in value):
+        raise ConfigError(f"MuseConfig: exact_heads={list(value)} holds a negative index; query heads count from 0")
+    return sorted(set(value))
 
 
 @dataclass
@@ -50,8 +92,14 @@ class MuseConfig(MethodConfig):
                               "(attention sinks: many heads put much of their weight on the first tokens)", min=0)
     dipole: bool = option(False, "tilted: first-order (dipole) correction of the super-keys' values; reference path "
                           "only")
-    min_seq_len: int = option(1024, "prefills shorter than this use exact attention (a row of a padded batch: "
-                              "its real tokens, as that prompt alone)", min=0)
+    min_seq_len: int | None = option(None, "prefills shorter than this use exact attention (a row of a padded "
+                                     "batch: its real tokens, as that prompt alone); default: on CUDA the measured "
+                                     "length from which the far field's defaults beat exact attention (cells: 20k at "
+                                     "head dim <= 64, 24k at 128; tilted-cells: 32k; CROSSOVER), elsewhere and for "
+                                     "tilted 1024", min=0)
+    exact_heads: list[int] = option([], "query heads (0-based) whose output is exact attention, over MuSe's: what a "
+                                    "calibration sets for the few heads MuSe approximates worst (longctx calibrate; "
+                                    "--set exact_heads=0,5)")
     exact_tail: int = option(128, "prefills that fill a KV cache in eval mode (generate): the last this-many "
                              "queries attend exactly to every key, recomputed after MuSe (the question at the end of "
                              "a prompt, and the positions the first generated token reads); 0: off. Training, "
@@ -66,7 +114,16 @@ class MuseConfig(MethodConfig):
             return Q_CLUSTERS[self.far_field] if name == "q_clusters" else FAR_FIELD_DEFAULTS[self.far_field][name]
         return v
 
+    def min_len(self, device_type: str, head_dim: int) -> int:
+        """The shortest prefill that takes MuSe on a `device_type` device ("cuda", "cpu" ...) at `head_dim`:
+        `min_seq_len` when set, else CROSSOVER's length for the far field on CUDA, else MIN_SEQ_LEN."""
+        if self.min_seq_len is not None:
+            return self.min_seq_len
+        cut = crossover(self.far_field, head_dim) if device_type == "cuda" else None
+        return MIN_SEQ_LEN if cut is None else cut
+
     def check(self) -> None:
+        self.exact_heads = parse_heads(self.exact_heads)
         L = self.get("block_size")
         if self.get("k_clusters") > L or (self.far_field == "tilted" and self.get("q_clusters") > L):
             raise ConfigError(
@@ -87,4 +144,4 @@ class MuseConfig(MethodConfig):
                     backend=self.backend, far_field=self.far_field)
 
 
-__all__ = ["FAR_FIELD_DEFAULTS", "MuseConfig", "Q_CLUSTERS"]
+__all__ = ["CROSSOVER", "FAR_FIELD_DEFAULTS", "MIN_SEQ_LEN", "MuseConfig", "Q_CLUSTERS", "crossover", "parse_heads"]
