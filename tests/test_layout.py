@@ -51,7 +51,8 @@ def _py(folder: Path) -> set[str]:
 
 
 def _folders(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    """The folders of `root` that hold Python files (a folder git left with only __pycache__ in it is none)."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.py")))
 
 
 def _section(title: str) -> str:
