@@ -3,9 +3,9 @@ every method, and each recipe's claims (a method folder written as the recipe sa
 keeps the contract; every model family is wired as the family recipe says; every op folder has its files and a
 test; every benchmark sits in a group and is listed), and no file of the product passes ~600 lines.
 
-Where another branch is still bringing its part of the layout (the lola / lolcats methods split on main, the
-benchmarks/ folder), the check is marked an expected failure only while that part is missing, and strictly: it runs
-in full, and must pass, the moment the part is there.
+Where a part of the layout is still to come (lola and lolcats in the method layout, the benchmarks/ folder), its
+check is marked an expected failure only while that part is missing, and strictly: it runs in full, and must pass,
+the moment the part is there.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ DOC = (REPO / "docs" / "ARCHITECTURE.md").read_text()
 
 KERNEL_TOP = {"backend.py", "triton_lib.py", "graphs.py"}
 KERNEL_FILES = {"__init__.py", "reference.py", "ops.py"}
-KERNEL_HELPERS = {"muse": {"plan.py", "support.py"},
+KERNEL_EXTRAS = {"muse": {"plan.py", "support.py"},
                   "lola": {"training.py", "tuning.py", "sparse_cache.py", "prefill.py"}}
 NO_TRITON_OF_THEIR_OWN = {"softmax", "moba"}  # the doc's "no Triton of its own"
 METHODS_TOP = {"__init__.py", "base.py", "cache_layer.py", "kv_layer.py", "padding.py"}
 METHOD_FILES = {"__init__.py", "config.py", "attention.py"}
-METHOD_HELPERS = {"lola": {"feature_map.py", "weights.py"}}
+METHOD_EXTRAS = {"lola": {"feature_map.py", "weights.py"}}
 BENCHMARK_GROUPS = {"ops", "generate", "train", "quality"}
 MAX_LINES = 650  # "no file over ~600 lines" (docs/ARCHITECTURE.md, issue 48)
 # files still over it, each being split elsewhere; an entry must go once its file is under the limit
@@ -94,7 +94,7 @@ def test_every_op_folder_has_its_files(op):
     files = _py(KERNELS / op)
     assert KERNEL_FILES <= files, f"kernels/{op}/ lacks {sorted(KERNEL_FILES - files)}"
     other = {f for f in files - KERNEL_FILES if not re.fullmatch(r"(triton|reference)_\w+\.py", f)}
-    assert other <= KERNEL_HELPERS.get(op, set()), f"kernels/{op}/: {sorted(other)} are no layout file or helper"
+    assert other <= KERNEL_EXTRAS.get(op, set()), f"kernels/{op}/: {sorted(other)} are neither layout files nor the op's named extras"
     own_triton = any(f.startswith("triton_") for f in files)
     assert own_triton == (op not in NO_TRITON_OF_THEIR_OWN), op
 
@@ -111,12 +111,12 @@ def test_the_methods_top_holds_only_shared_modules():
 
 
 def _pending(folder: str) -> bool:
-    """A method folder main is still splitting (lola, lolcats: its config.py is not there yet)."""
+    """A method folder still to be split into the method layout (lola, lolcats: no config.py yet)."""
     return folder in ("lola", "lolcats") and not (METHODS / folder / "config.py").is_file()
 
 
 @pytest.mark.parametrize("folder", [
-    pytest.param(f, marks=pytest.mark.xfail(_pending(f), strict=True, reason="split into the method layout on main"))
+    pytest.param(f, marks=pytest.mark.xfail(_pending(f), strict=True, reason="still to be split into the method layout"))
     for f in _folders(METHODS)])
 def test_every_method_folder_has_its_files(folder):
     from longctx_patch.methods import get_method
@@ -125,7 +125,7 @@ def test_every_method_folder_has_its_files(folder):
 
     files = _py(METHODS / folder)
     assert METHOD_FILES <= files, f"methods/{folder}/ lacks {sorted(METHOD_FILES - files)}"
-    assert files - METHOD_FILES - {"cache.py"} <= METHOD_HELPERS.get(folder, set()), sorted(files)
+    assert files - METHOD_FILES - {"cache.py"} <= METHOD_EXTRAS.get(folder, set()), sorted(files)
     pkg = f"longctx_patch.methods.{folder}"
     modules = {f[:-3]: importlib.import_module(pkg if f == "__init__.py" else f"{pkg}.{f[:-3]}") for f in files}
     where = {}
@@ -265,7 +265,7 @@ def test_every_family_is_wired_as_the_recipe_says(model_type, one_thread):
 
 # ------------------------------------------------------------------------------------------------ benchmarks
 @pytest.mark.xfail(not (BENCHMARKS / "README.md").is_file(), strict=True,
-                   reason="benchmarks/ replaces the top-level evals/ on another branch")
+                   reason="benchmarks/ is still to replace the top-level evals/")
 def test_every_benchmark_sits_in_a_group_and_is_listed():
     readme = (BENCHMARKS / "README.md").read_text()
     groups = [g for g in _folders(BENCHMARKS) if g != "results"]
