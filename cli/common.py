@@ -117,15 +117,49 @@ def check_architecture(model: str) -> None:
         return
 
 
-def check_patchable(model, layer_specs=(None,)) -> None:
-    """After loading, before any forward pass: the model's architecture has an adapter and every layer selection
-    fits its layer count (the errors patch() would raise later, after a reference pass or another method's run)."""
+def check_patchable(model, layer_specs=(None,), name: str | None = None) -> None:
+    """After loading, before any forward pass: the model's architecture has an adapter, every layer selection
+    fits its layer count and none selects a layer that a saved patched model (`name`) already patches (the errors
+    patch() would raise later, after a reference pass or another method's run; the last one in command-line terms)."""
     from longctx_patch.architectures import get_adapter
-    from longctx_patch.patcher import parse_layers
+    from longctx_patch.errors import AlreadyPatchedError
+    from longctx_patch.patcher import parse_layers, patched_layers
 
     n = len(get_adapter(model).decoder_layers(model))
+    wanted: set[int] = set()
     for spec in layer_specs:
-        parse_layers(spec, n)
+        wanted.update(parse_layers(spec, n))
+    have = patched_layers(model)
+    if wanted & set(have):
+        raise AlreadyPatchedError(_saved_patched_advice(name or "the model", have, n))
+
+
+def _ranges(idx) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the --layers syntax)."""
+    runs: list[list[int]] = []
+    for i in sorted(idx):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _saved_patched_advice(name: str, have: dict[int, str], n: int) -> str:
+    """What to do, on the command line, when --method would patch layers a saved patched model already patches."""
+    runs = "; ".join(f"layers {_ranges([i for i in have if have[i] == m])} run {m}" for m in sorted(set(have.values())))
+    ctx = click.get_current_context(silent=True)
+    verb = ctx.info_name if ctx is not None else ""
+    if verb == "generate":
+        use = "drop --method (and its --set/--layers) to run it as saved"
+    elif verb == "patch":
+        use = "longctx patch patches a model that is not patched yet"
+    else:
+        use = "--method none runs it as saved"
+    free = [i for i in range(n) if i not in have]
+    other = f"; or patch only the layers it leaves unpatched: --layers {_ranges(free)}" if free else ""
+    return (f"{name} was saved patched ({runs}), and --method would patch those layers again: {use}; to try "
+            f"another method, give the model it was made from (--model BASE){other}")
 
 
 def check_device_dtype(device, dtype) -> None:
@@ -147,7 +181,7 @@ def load(model: str, device, dtype, layer_specs=None):
     click.echo(f"loading {model} ...", err=True)
     pair = lp.load_model(model, dtype=dtype, device=device)
     if layer_specs is not None:
-        check_patchable(pair[0], layer_specs)
+        check_patchable(pair[0], layer_specs, name=model)
     return pair
 
 

@@ -164,8 +164,10 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
 @click.option("--context", "contexts", default="1k,4k", show_default=True, help="Model level: prompt lengths in tokens.")
 @click.option("--batch", "batches", default="1", show_default=True,
               help="Model level: batch sizes, comma-separated (e.g. 1,16,64): random prompts of the same length.")
-@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(0),
-              help="Model level: decode steps timed, as generate() with N+1 new tokens minus generate() with 1.")
+@click.option("--decode-tokens", "calls", default="32", show_default=True, metavar="N[,N...]",
+              help="Model level: one generate() call of N new tokens per entry (e.g. 64,256), each timed from its "
+                   "first decode step: tokens/s over the call's whole decode, the mean ms of steps 1-16, 17-64, "
+                   "65-128, 129-256, the steady state, peak memory.")
 @click.option("--static", is_flag=True,
               help="Model level: add plain transformers with its static cache (compiled by transformers on CUDA), "
                    "the fastest decode without this package.")
@@ -184,7 +186,7 @@ def approx_cmd(model, methods, sets, texts, dataset, split, field, max_docs, len
 @output_options
 @device_dtype_options
 @friendly_errors
-def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, repeats, prefill_chunk, baseline, op, lengths,
+def speed_cmd(model, methods, sets, contexts, batches, calls, static, repeats, prefill_chunk, baseline, op, lengths,
               heads, kv_heads, head_dim, modes, out_dir, name, device, dtype):
     """Prefill time, generate()'s decode tokens/s, the bytes floor of a step and memory vs context and batch (model
     level), or the attention op alone (--op, CUDA).
@@ -192,7 +194,8 @@ def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, re
     \b
     Examples:
       longctx eval speed --method sliding-window --set window=1024 --context 1k,4k,16k
-      longctx eval speed --method none --method lola --method ovq --static --batch 1,16 --context 16k,32k --device cuda
+      longctx eval speed --method none --method lola --method ovq --static --batch 1,16 --context 16k,32k \\
+          --decode-tokens 64,256 --device cuda
       longctx eval speed --method lola --batch 16 --context 16k,32k,64k,128k --prefill-chunk 8192 --device cuda
       longctx eval speed --op --method muse --lengths 4k,16k,64k,128k --heads 32 --kv-heads 8 --head-dim 128
     """
@@ -213,7 +216,12 @@ def speed_cmd(model, methods, sets, contexts, batches, decode_tokens, static, re
     except ValueError:
         raise click.BadParameter(f"{batches!r}: write batch sizes as integers, e.g. 1,16,64", param_hint="--batch")
     pair = load_for_runs(model, dtype, device, runs)
-    run_speed(pair, runs, contexts=ctx_list, batches=batch_list, decode_tokens=decode_tokens, static=static,
+    try:
+        call_list = [int(n) for n in calls.split(",") if n.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{calls!r}: write new-token counts as integers, e.g. 64,256",
+                                 param_hint="--decode-tokens")
+    run_speed(pair, runs, contexts=ctx_list, batches=batch_list, calls=call_list, static=static,
               repeats=repeats, prefill_chunk=prefill_chunk, out_dir=out_dir, name=name,
               model_name=model, command=effective_command(), echo=click.echo)
 

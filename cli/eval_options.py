@@ -46,7 +46,7 @@ def output_options(f):
                      help="Base name of the result files (default: TASK-MODEL-METHODS).")(f)
     f = click.option("--out-dir", default=None, type=click.Path(file_okay=False), callback=_default_out_dir,
                      help="Folder for NAME.json and NAME.png (default: $LONGCTX_RESULTS/TASK when set; inside a "
-                          "checkout of this repository its evals/results/TASK; else "
+                          "checkout of this repository its benchmarks/results/TASK; else "
                           "~/.local/share/longctx-patch/results/TASK).")(f)
     return f
 

@@ -33,7 +33,7 @@ from cli.common import check_architecture, friendly_errors
 @click.option("--stop-after", default=None, metavar="STAGE", help="End the run once stage STAGE (a name or index) is "
               "done and checkpointed; the same command with --resume continues with the next stage. For runs split "
               "over time-limited jobs.")
-@click.option("--results", default=None, metavar="NAME", help="Also write evals/results/NAME.json (device, date, commit, command, figures).")
+@click.option("--results", default=None, metavar="NAME", help="Also write benchmarks/results/NAME.json (device, date, commit, command, figures).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved recipe and the stage plan; train nothing.")
 @friendly_errors

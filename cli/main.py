@@ -146,6 +146,10 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     from longctx_patch.patcher import patch_groups, patched_modules
 
     method, config, layers = method_and_config(method, sets, layers)  # fails before the model loads
+    if output:
+        from longctx_patch.checkpoint import check_replaceable
+
+        check_replaceable(output)  # a folder save_patched would refuse to replace: refused before the load too
     m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
     dev = next(m.parameters()).device
     ids = tok(sample_text(), return_tensors="pt").input_ids[:, :fidelity_tokens].to(dev)
@@ -237,7 +241,15 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
 
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
+    if prompt is None:
+        from longctx_patch.errors import ConfigError
+        from longctx_patch.texts import read_text
+
+        try:
+            prompt_text = read_text(prompt_file, option="--prompt-file")
+        except ConfigError as e:  # a binary or unreadable file: a usage error, before anything loads
+            raise InputError(str(e)) from None
+    text = prompt if prompt is not None else prompt_text
     if not text.strip():
         source = "--prompt is empty" if prompt is not None else f"--prompt-file {prompt_file} holds no text"
         raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "

@@ -23,7 +23,7 @@ from .generation import generate  # noqa: E402
 from .models import load_model, load_patched  # noqa: E402
 from .methods import get_method, list_methods  # noqa: E402
 from .patcher import (is_patched, patch, patched_layers, save_patched, set_decode_graphs, set_fused_ops,  # noqa: E402
-                      unpatch)
+                      set_prefill_chunk, unpatch)
 from .cache import LongctxCache  # noqa: E402
 from .convert import convert_to_lola  # noqa: E402
 
@@ -35,6 +35,7 @@ __all__ = [
     "patched_layers",
     "set_decode_graphs",
     "set_fused_ops",
+    "set_prefill_chunk",
     "load_model",
     "save_patched",
     "load_patched",

@@ -5,11 +5,17 @@ for about 1 ms of GPU work at batch 16 (docs/PERFORMANCE.md, "Decode"). `patch()
 through `DecodeGraphs`: a one-token step (no gradients, no padding) continuing a `LongctxCache` whose every layer
 can be replayed (`LongctxLayer.graph_key()` is not None) runs the model's whole forward from a CUDA graph.
 
-Why graphs per key: a method's decode step is not the same launch every step. LoLA's window buffer holds `nb`
-tokens (a host integer that sizes the launch) and every `chunk`-th step evicts. Each layer says what its step
-depends on (`graph_key()`: e.g. `(nb, seen % chunk)`); the model's key is the tuple of its layers' keys plus the
-batch shape, so a LoLA model has `chunk` graphs and replays them cyclically. Everything else a step reads must be
-device state updated in place (a graph keeps the addresses it was captured with).
+Why graphs per key: a method's decode step is not always the same launch. A LoLA step reads its position in the
+window buffer from the device (one launch for every position), but every `chunk`-th step evicts, sized by the
+host. Each layer says what its step depends on (`graph_key()`); the model's key is the tuple of its layers' keys
+plus the batch shape, so a LoLA model has two graphs (a step, and the step that evicts). Everything else a step
+reads must be device state updated in place (a graph keeps the addresses it was captured with).
+
+Captured ahead: when `generate()`'s prefill ends (`PrefillThenCapture`, installed on the model as its `_prefill`),
+the first decode step's graph and those of the keys the layers will need later (`graph_variants()`, e.g. LoLA's
+evicting step) are captured at once, so that no decode step pays a capture. Only where a step of that shape and
+key ran in this process before (a capture cannot compile kernels); otherwise the first decode step runs eagerly
+and the next one captures, as for decode steps outside `generate()`.
 
 The host side of a replayed step: each layer's host fields (`host_fields`, e.g. `seen`, `nb`) are moved on as the
 captured step moved them (integers by the same difference, others to the value after the capture). State tensors
@@ -24,6 +30,7 @@ the tests check with it that the keys cover everything a step reads from the hos
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import weakref
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from transformers.cache_utils import Cache
 
 from .cache import cache_argument
 from .methods.cache_layer import LongctxLayer
@@ -85,6 +94,19 @@ def model_key(cache) -> tuple | None:
     return tuple(keys)
 
 
+@contextlib.contextmanager
+def _simulated_capture():
+    """What `kernels.graphs.capturing` reports inside the CPU stand-in's capture and replays (they re-run Python)."""
+    from .kernels import graphs
+
+    was = graphs.SIMULATED_CAPTURE
+    graphs.SIMULATED_CAPTURE = True
+    try:
+        yield
+    finally:
+        graphs.SIMULATED_CAPTURE = was
+
+
 def _advance(before: dict, after: dict, now: dict) -> dict:
     out = {}
     for f, a in after.items():
@@ -102,7 +124,8 @@ class _SimGraph:
     def replay(self):
         for layer, h in zip(self.layers, self.before):
             layer.set_host_state(dict(h))
-        self.out.logits.copy_(self.run().logits)
+        with _simulated_capture():
+            self.out.logits.copy_(self.run().logits)
 
 
 class DecodeGraphs:
@@ -118,6 +141,10 @@ class DecodeGraphs:
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
         self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
+        # (batch shape, logits_to_keep, model key, cache_position passed, device) of the decode steps that ran
+        # (eagerly or captured) in this process: their kernels are compiled, so a graph of them can be captured
+        # before any step runs (`after_prefill`)
+        self._warm: set = set()
 
     # -- eligibility ------------------------------------------------------------------------------------
     def _cache(self, args, kwargs):
@@ -168,11 +195,10 @@ class DecodeGraphs:
         if store is None or store.ids.shape != ids.shape or store.state_sig != _state_sig(cache):
             # first step of this cache (it compiles the step's kernels before any capture), or state replaced
             out = self.orig(**kwargs)
-            cpos = kwargs.get("cache_position")
-            cache._decode_graphs = _Store(ids=ids.clone(), pos=ids.clone(),
-                                          cpos=cpos.clone() if isinstance(cpos, torch.Tensor) else None,
-                                          state_sig=_state_sig(cache), eager_steps=1,
-                                          one_device=len({t.device for t in self.model.parameters()}) <= 1)
+            has_cpos = isinstance(kwargs.get("cache_position"), torch.Tensor)
+            cache._decode_graphs = self._new_store(cache, ids, has_cpos)
+            cache._decode_graphs.eager_steps = 1
+            self._warm.add((tuple(ids.shape), keep, key, has_cpos, str(ids.device)))
             return out
         if not store.one_device:
             store.eager_steps += 1
@@ -191,6 +217,7 @@ class DecodeGraphs:
                 return self.orig(**kwargs)
             store.graphs[full_key] = entry
             store.captures += 1
+            self._warm.add((*full_key, store.cpos is not None, str(ids.device)))
         else:
             self._load_inputs(store, cache, kwargs)
         now = [layer.host_state() for layer in cache.layers]
@@ -203,6 +230,68 @@ class DecodeGraphs:
         if entry.cache_field is not None:
             fields[entry.cache_field] = cache
         return type(out)(**fields)
+
+    def _new_store(self, cache, ids, cpos: bool) -> _Store:
+        return _Store(ids=ids.clone(), pos=ids.clone(), cpos=ids.new_zeros(1) if cpos else None,
+                      state_sig=_state_sig(cache),
+                      one_device=len({t.device for t in self.model.parameters()}) <= 1)
+
+    # -- captured ahead ------------------------------------------------------------------------------------
+    def after_prefill(self, cache, batch: int) -> None:
+        """After generate()'s prefill (its last chunk, with `prefill_chunk_size`): the next forwards are decode steps
+        of one token per row on `cache`. Capture their graphs now: the first step's, and those of the keys the layers
+        name in `graph_variants()` (LoLA's evicting step), where a step of that shape and key ran in this process
+        before (its kernels are compiled: a capture cannot compile them, nor tell which logits_to_keep generate()
+        passes)."""
+        from .cache import LongctxCache
+
+        if (not isinstance(cache, LongctxCache) or not self.enabled or self.model.training or torch.is_grad_enabled()
+                or cache.get_seq_length() == 0):
+            return
+        facts = cache.padding_facts
+        if facts is not None and facts[0]:
+            return  # padded rows: eager steps
+        store = getattr(cache, "_decode_graphs", None)
+        if store is not None and store.state_sig == _state_sig(cache):
+            return  # a continued cache whose graphs still hold
+        key = model_key(cache)
+        shape = (batch, 1)
+        warm = next((w for w in self._warm if w[0] == shape and w[2] == key), None)
+        if key is None or warm is None:
+            return
+        _, keep, _, has_cpos, device = warm
+        if not (torch.device(device).type == "cuda" or SIMULATE):
+            return
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        store = self._new_store(cache, torch.zeros(shape, dtype=torch.long, device=device), has_cpos)
+        if not store.one_device:
+            return
+        layers = cache.layers
+        now = [layer.host_state() for layer in layers]
+        variants = [layer.graph_variants() if isinstance(layer, LongctxLayer) else [] for layer in layers]
+        states = [now] + [[v[j] if j < len(v) else h for v, h in zip(variants, now)]
+                          for j in range(max((len(v) for v in variants), default=0))]
+        try:
+            for host in states:
+                for layer, h in zip(layers, host):
+                    layer.set_host_state(dict(h))
+                k = model_key(cache)
+                full_key = (shape, keep, k)
+                if k is None or full_key in store.graphs:
+                    continue
+                entry = self._capture(store, cache, keep)
+                if entry is None:
+                    store.failures[full_key] = store.failures.get(full_key, 0) + 1
+                    if host is now:  # the first step cannot be captured now: it runs eagerly, as without this
+                        return
+                    continue
+                store.graphs[full_key] = entry
+                store.captures += 1
+        finally:
+            for layer, h in zip(layers, now):
+                layer.set_host_state(dict(h))
+        cache._decode_graphs = store
 
     def _load_inputs(self, store: _Store, cache, kwargs) -> None:
         store.ids.copy_(kwargs["input_ids"])
@@ -239,7 +328,8 @@ class DecodeGraphs:
         graph = out = None
         try:
             if SIMULATE:
-                out = run()
+                with _simulated_capture():
+                    out = run()
             else:
                 from .kernels.graphs import capture_graph
 
@@ -276,3 +366,28 @@ def stats(cache) -> dict | None:
         return None
     return {"eager_steps": store.eager_steps, "captures": store.captures, "replays": store.replays,
             "graphs": len(store.graphs)}
+
+
+class PrefillThenCapture:
+    """generate()'s `_prefill`, installed on a patched model (patcher.py): the model's own prefill, then
+    `DecodeGraphs.after_prefill` on the cache it filled. An object holding its model, not a closure, so that deep
+    copies and pickles of the model carry it with their own model."""
+
+    def __init__(self, model, previous=None):
+        self.model = model
+        self.previous = previous  # an override the instance had before the patch (None: the class's method)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        if self.previous is not None:
+            out = self.previous(*args, **kwargs)
+        else:
+            out = type(model)._prefill(model, *args, **kwargs)
+        fwd = model.__dict__.get("forward")
+        fwd = getattr(fwd, "__func__", fwd)  # re-bound as a method (accelerate's unwrap_model)
+        if isinstance(fwd, DecodeGraphs):
+            cache = next((v for v in out.values() if isinstance(v, Cache)), None) if hasattr(out, "values") else None
+            logits = getattr(out, "logits", None)
+            if cache is not None and isinstance(logits, torch.Tensor):
+                fwd.after_prefill(cache, logits.shape[0])
+        return out

@@ -9,6 +9,8 @@ from typing import Iterator
 
 import torch
 
+from .errors import ConfigError
+
 PROGRESS_MIN_TOKENS = 1024  # prompts at least this long get a prefill progress bar when progress=True
 
 
@@ -16,13 +18,41 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+PROMPT_FORMS = "pass a string, or a non-empty list of strings (a left-padded batch)"
+
+
+def _shown(x) -> str:
+    text = repr(x)
+    return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(x).__name__})"
+
+
+def check_prompt(prompt) -> list[str]:
+    """The prompts of `prompt` (a string, or a list or tuple of strings) as a list; ConfigError saying what is
+    accepted for anything else: None, another type, an empty list, an item that is not a string, an empty string."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ConfigError(f"generate: the prompt is empty; {PROMPT_FORMS}")
+        return [prompt]
+    if not isinstance(prompt, (list, tuple)):
+        raise ConfigError(f"generate: prompt: got {_shown(prompt)}; {PROMPT_FORMS}")
+    if not prompt:
+        raise ConfigError(f"generate: prompt: got an empty {type(prompt).__name__}; {PROMPT_FORMS}")
+    for i, p in enumerate(prompt):
+        if not isinstance(p, str):
+            raise ConfigError(f"generate: prompt {i} of the {type(prompt).__name__} is {_shown(p)}, not a string; "
+                              f"{PROMPT_FORMS}")
+        if not p:
+            raise ConfigError(f"generate: prompt {i} of the {type(prompt).__name__} is empty; {PROMPT_FORMS}")
+    return list(prompt)
+
+
 def build_inputs(tokenizer, prompt: str | list[str], chat: bool | None = None, device=None) -> dict:
     """Tokenise one prompt or a batch (left padded), applying the chat template when `chat` (default: when
-    the tokenizer has one)."""
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    the tokenizer has one). A prompt `check_prompt` refuses, or one that gives no tokens, is a ConfigError."""
+    prompts = check_prompt(prompt)
     use_chat = has_chat_template(tokenizer) if chat is None else chat
     if use_chat and not has_chat_template(tokenizer):
-        raise ValueError("chat=True but this tokenizer has no chat template; use chat=False (or --no-chat)")
+        raise ConfigError("chat=True but this tokenizer has no chat template; use chat=False (or --no-chat)")
     if use_chat:
         texts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -37,6 +67,11 @@ def build_inputs(tokenizer, prompt: str | list[str], chat: bool | None = None, d
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special)
     finally:
         tokenizer.padding_side = side
+    lengths = enc["attention_mask"].sum(-1).tolist() if "attention_mask" in enc else [enc["input_ids"].shape[-1]]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        which = "the prompt gives" if isinstance(prompt, str) else f"prompt {empty[0]} of the list gives"
+        raise ConfigError(f"generate: {which} no tokens with this tokenizer; {PROMPT_FORMS} of text")
     if device is not None:
         enc = {k: v.to(device) for k, v in enc.items()}
     return dict(enc)
@@ -53,13 +88,17 @@ def generate(
     progress: bool = False,
     **generate_kwargs,
 ) -> str | list[str] | Iterator[str]:
-    """Generate a continuation of `prompt` (a string, or a list for a left-padded batch).
+    """Generate a continuation of `prompt` (a string, or a list for a left-padded batch; anything else, an empty
+    string or list, is a ConfigError saying what is accepted).
 
     Greedy unless sampling arguments are given. Returns the new text (a list for a batch), or with
     `stream=True` an iterator over text pieces as they are produced (single prompt only). `progress=True`
     shows on stderr how many decoder layers the prefill of a prompt of at least PROGRESS_MIN_TOKENS tokens has
     done (a long prefill on a CPU takes minutes); the computation is the same.
     """
+    check_prompt(prompt)  # before anything else: a bad prompt is refused by name
+    if stream and not isinstance(prompt, str):
+        raise ConfigError("stream=True takes a single prompt (a string); generate a batch without stream")
     device = next(model.parameters()).device
     enc = build_inputs(tokenizer, prompt, chat=chat, device=device)
     kw = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
@@ -69,8 +108,6 @@ def generate(
     n_in = enc["input_ids"].shape[1]
     show = progress and n_in >= PROGRESS_MIN_TOKENS
     if stream:
-        if not isinstance(prompt, str):
-            raise ValueError("stream=True takes a single prompt")
         return _stream(model, tokenizer, enc, kw, show)
     with torch.no_grad(), _prefill_progress(model, n_in, show):
         out = model.generate(**enc, **kw)

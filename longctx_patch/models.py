@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import PATCH_JSON, check_weights_header, drop_gguf_quantization, read_patch_record
-from .errors import ModelLoadError
+from .checkpoint import (PATCH_JSON, check_base_weights, check_saved_files, check_weights_header,
+                         drop_gguf_quantization, read_patch_record, staging_of)
+from .errors import CheckpointError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,8 @@ def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, 
     dt = resolve_dtype(dtype)
     dev = resolve_device(device)
     path = _resolve_path(name_or_path)
+    if os.path.isdir(path):
+        _check_saved_folder(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto")
     except OSError as e:
@@ -370,14 +373,34 @@ def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, 
         from .patcher import apply_patch_record
 
         if os.path.exists(os.path.join(path, PATCH_JSON)):
+            check_base_weights(model, path)  # a saved patched model: its base weights are ours to vouch for
             apply_patch_record(model, path)
     return model
+
+
+def _check_staging(path: str) -> None:
+    """A save's staging folder (what an interrupted save_patched() left) is a CheckpointError naming it."""
+    target = staging_of(path)
+    if target is not None:
+        raise CheckpointError(f"{path} is what an interrupted save_patched() of {target!r} beside it left (it never "
+                              f"completed); load {os.path.join(os.path.dirname(os.path.normpath(path)), target)} (the "
+                              "last completed save), or save the model again")
+
+
+def _check_saved_folder(path: str) -> None:
+    """Before transformers reads a folder: a save's staging folder, or a folder save_patched() wrote that lost or cut
+    a file, is a CheckpointError naming it."""
+    _check_staging(path)
+    if os.path.exists(os.path.join(path, PATCH_JSON)):
+        check_saved_files(path)
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
 
     path = _resolve_path(name_or_path)
+    if os.path.isdir(path):
+        _check_saved_folder(path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -405,6 +428,7 @@ def load_patched(directory: str | os.PathLike, dtype=None, device=None):
         raise ModelLoadError(f"load_patched: pass the directory save_patched() wrote (a str or Path), got "
                              f"{directory!r} ({type(directory).__name__})")
     # fail early, with a clear message, on a directory save_patched() did not write or a damaged one
+    _check_staging(os.fspath(directory))
     read_patch_record(directory)
     check_weights_header(directory)
     return load_model_only(directory, dtype=dtype, device=device)

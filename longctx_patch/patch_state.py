@@ -67,6 +67,7 @@ class PatchState:
     decode_graphs: Any = None  # the DecodeGraphs forward installed on generate_owner
     fused: Any = None  # fused_ops.FusedOps: the fused norm / MLP forwards installed on the model (set_fused_ops)
     fused_decided: bool = False  # fused ops were set (by default or explicitly) since the first patch
+    prefill_chunk: int | str | None = "auto"  # generate()'s default prefill_chunk_size (patcher.set_prefill_chunk)
 
 
 def find_state(model: nn.Module) -> PatchState | None:

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
-from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, drop_gguf_quantization, load_modules_state_dict,
-                         modules_state_dict, read_method_weights, read_patch_record, write_patch)
+from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_saved_files, drop_gguf_quantization,
+                         load_modules_state_dict, modules_state_dict, read_method_weights, read_patch_record,
+                         replacing_folder, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .methods import get_method
 from .methods.base import PatchedAttention
@@ -241,6 +242,9 @@ class PrepareCache:
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                 model_kwargs[key] = LongctxCache(self.model)
+        if getattr(generation_config, "prefill_chunk_size", 0) is None and any(
+                isinstance(model_kwargs.get(key), LongctxCache) for key in ("cache", "past_key_values")):
+            generation_config.prefill_chunk_size = prefill_chunk_of(self.model)  # a call's own value wins
         return out
 
 
@@ -254,10 +258,12 @@ def _install(model: nn.Module, base: nn.Module) -> PatchState:
         top._prepare_cache_for_generation = PrepareCache(top, top.__dict__.get("_prepare_cache_for_generation"))
         st.generate_owner = top
         # decode steps from CUDA graphs (decode_graphs.py): the top model's forward, routed through DecodeGraphs
-        from .decode_graphs import DecodeGraphs
+        from .decode_graphs import DecodeGraphs, PrefillThenCapture
 
         if not isinstance(top.__dict__.get("forward"), DecodeGraphs):
             top.forward = st.decode_graphs = DecodeGraphs(top, top.forward)
+        if hasattr(type(top), "_prefill"):  # generate()'s prefill: the decode graphs are captured when it ends
+            top._prefill = PrefillThenCapture(top, top.__dict__.get("_prefill"))
     from .fused_ops import FusedOps
 
     st.fused = FusedOps()
@@ -275,6 +281,11 @@ def _uninstall(model: nn.Module, base: nn.Module, st: PatchState) -> None:
         prepare = st.generate_owner.__dict__.pop("_prepare_cache_for_generation", None)
         if isinstance(prepare, PrepareCache) and prepare.previous is not None:
             st.generate_owner._prepare_cache_for_generation = prepare.previous
+        from .decode_graphs import PrefillThenCapture
+
+        prefill = st.generate_owner.__dict__.pop("_prefill", None)
+        if isinstance(prefill, PrefillThenCapture) and prefill.previous is not None:
+            st.generate_owner._prefill = prefill.previous
         fwd = st.generate_owner.__dict__.get("forward")
         # ours, or ours re-bound as a method (accelerate's unwrap_model: MethodType(forward, model))
         if st.decode_graphs is not None and (fwd is st.decode_graphs or getattr(fwd, "__func__", None) is st.decode_graphs):
@@ -353,7 +364,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
 
 
 def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | None = None,
-          fused_ops: bool | str | None = None, **config) -> nn.Module:
+          fused_ops: bool | str | None = None, prefill_chunk: int | str | None = "auto", **config) -> nn.Module:
     """Patch `model` in place with `method` on `layers` (None = all; '0-7,12' or a list), return it.
 
     Config keys are the method's (see `longctx info`); an unknown key or a bad value raises ConfigError.
@@ -362,7 +373,11 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
     fused_ops: the model's RMSNorms, SiLU MLPs and the patched layers' rotary embedding as fused Triton kernels at
     inference (fused_ops.py; default: on for a model on CUDA with Triton, off elsewhere; `LONGCTX_FUSED_OPS=0`
     makes the default off; see `set_fused_ops`).
+    prefill_chunk: generate()'s prefill in chunks of this many tokens when a call does not set `prefill_chunk_size`
+    ("auto", the default: DEFAULT_PREFILL_CHUNK when every layer's method keeps a bounded state, so that a long
+    prompt's activations stay bounded too; None or 0: one pass; see `set_prefill_chunk`).
     """
+    _check_prefill_chunk(prefill_chunk)  # a bad value raises before anything changes
     if fused_ops is not None:
         from .fused_ops import parse_mode
 
@@ -377,6 +392,8 @@ def patch(model: nn.Module, method: str, layers=None, *, decode_graphs: bool | N
         decode_graphs = False  # tensor parallelism: collectives replayed from CUDA graphs are unverified
     if decode_graphs is not None:
         set_decode_graphs(model, decode_graphs)
+    if prefill_chunk != "auto":
+        set_prefill_chunk(model, prefill_chunk)
     try:
         if fused_ops is not None:
             set_fused_ops(model, fused_ops)
@@ -430,6 +447,38 @@ def set_decode_graphs(model: nn.Module, enabled: bool) -> nn.Module:
     return model
 
 
+DEFAULT_PREFILL_CHUNK = 4096  # H200, batch 16 x 32k, 1B-shaped model: peak 7-8 GiB for lola/lolcats/ovq (42.5 /
+# 36.8 / 37.8 in one pass; exact 52.6), lolcats' and ovq's prefill as fast as in one pass (docs/PERFORMANCE.md)
+
+
+def _check_prefill_chunk(value) -> None:
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise ConfigError(f"prefill_chunk must be 'auto', None or a number of tokens >= 0, not {value!r}")
+
+
+def set_prefill_chunk(model: nn.Module, tokens: int | str | None) -> nn.Module:
+    """How a patched model's generate() prefills a prompt when the call does not pass `prefill_chunk_size`: in
+    chunks of `tokens` (transformers' chunked prefill: the activations of one chunk at a time), in one pass (None
+    or 0), or "auto" (the default): chunks of DEFAULT_PREFILL_CHUNK tokens when every decoder layer is patched with a
+    method whose decode state is bounded (sliding-window, lolcats, lola, ovq), one pass otherwise (a full KV cache
+    grows with the prompt anyway)."""
+    _check_prefill_chunk(tokens)
+    state_of(model).prefill_chunk = tokens
+    return model
+
+
+def prefill_chunk_of(model: nn.Module) -> int | None:
+    """The prefill_chunk_size generate() takes for `model` when its call sets none (`set_prefill_chunk`)."""
+    st = state_of(model)
+    if st.prefill_chunk != "auto":
+        return st.prefill_chunk or None
+    n = len(get_adapter(model).decoder_layers(model))
+    bounded = {g.method for g in st.groups if get_method(g.method).bounded_state}
+    every = len(st.modules) == n and all(g.method in bounded for g in st.groups)
+    return DEFAULT_PREFILL_CHUNK if every else None
+
+
 def _undo_group(model: nn.Module, group: PatchGroup) -> None:
     st = state_of(model)
     decoder = get_adapter(model).decoder_layers(model)
@@ -480,6 +529,11 @@ def load_method_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source
 def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> str:
     """Write the HF checkpoint (original modules), `longctx_patch.json` and `longctx_patch.safetensors`.
 
+    Atomic: the folder is written beside `directory` and takes its place once every file is on disk
+    (checkpoint.replacing_folder), so an interrupted save leaves the previous one whole (or no folder). `directory`
+    must be new, empty, or a folder save_patched() wrote, which is replaced as a whole (files added to it are not
+    kept); a folder holding anything else is refused.
+
     A tensor-parallel model (tp_plan): call it on every rank (the weights are gathered across them); global rank 0
     writes the full, unsharded record."""
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
@@ -492,23 +546,25 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
                           f"({type(directory).__name__})")
     st = state_of(model)
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    check_replaceable(directory)
     groups = [g.to_record() for g in st.groups]
     weights = method_state_dict(model)
     decoder = get_adapter(model).decoder_layers(model)
-    # Save with the original modules in place so the checkpoint is a plain HF one.
-    for i, orig in st.originals.items():
-        decoder[i].self_attn = orig
-    try:
-        drop_gguf_quantization(model)
-        model.save_pretrained(directory)
-    finally:
-        for i, mod in st.modules.items():
-            decoder[i].self_attn = mod
-    if writes_files(st.modules.values()):
-        write_patch(directory, groups, weights)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
+    writes = writes_files(st.modules.values())
+    with replacing_folder(directory, writes=writes) as work:
+        # Save with the original modules in place so the checkpoint is a plain HF one.
+        for i, orig in st.originals.items():
+            decoder[i].self_attn = orig
+        try:
+            drop_gguf_quantization(model)
+            model.save_pretrained(work)
+        finally:
+            for i, mod in st.modules.items():
+                decoder[i].self_attn = mod
+        if writes:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(work)
+            write_patch(work, groups, weights)  # last: the record lists every other file
     return directory
 
 
@@ -517,6 +573,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
     On any failure the patches applied here are undone and the model is left as it was."""
     groups = read_patch_record(directory)
     sd = read_method_weights(directory)
+    check_saved_files(directory)
     applied: list[PatchGroup] = []
     try:
         for n, g in enumerate(groups):

@@ -343,3 +343,110 @@ def test_directory_arguments_that_are_not_paths(bad, tiny_llama):
     model = lp.patch(tiny_llama, "exact")
     with pytest.raises(ConfigError, match="save_patched: pass the directory"):
         lp.save_patched(model, bad)
+
+
+# ------------------------------------------------------------------------------------------- option values
+def _numeric_options():
+    """(method, key, kind) of every int and float option of every registered method."""
+    import dataclasses
+
+    from longctx_patch.methods import get_method, list_methods
+    from longctx_patch.methods.base import _base_type
+
+    return [(name, f.name, _base_type(f)) for name in list_methods()
+            for f in dataclasses.fields(get_method(name).config_cls) if _base_type(f) in (int, float)]
+
+
+@pytest.mark.parametrize("method,key,kind", _numeric_options())
+def test_non_finite_and_overflowing_option_values_are_refused(method, key, kind):
+    """Every numeric option of every method refuses NaN and the infinities (as floats and as the strings the CLI
+    passes), and an int option refuses a size past what the kernels' 32-bit offsets hold, naming the key, the allowed
+    range and the value."""
+    meth = lp.get_method(method)
+    bad = [float("nan"), float("inf"), float("-inf"), "nan", "inf", "-Infinity"]
+    if kind is int:
+        bad += [10**20, -10**20, 2**31, "1e30"]
+    for value in bad:
+        with pytest.raises(lp.ConfigError, match=rf"{key}\b.*allowed: {kind.__name__}") as e:
+            meth.parse_config({key: value})
+        assert "\n" not in str(e.value)
+        if isinstance(value, float) or value in ("nan", "inf"):
+            assert "nan" in str(e.value) or "inf" in str(e.value), str(e.value)
+
+
+def test_nan_beta_and_infinite_alpha_are_refused_by_patch(tiny_llama):
+    with pytest.raises(lp.ConfigError, match=r"OVQConfig: beta=nan is not a finite number; allowed: float >= 0.001"):
+        lp.patch(tiny_llama, "ovq", beta=float("nan"), qk_norm=True)
+    with pytest.raises(lp.ConfigError, match=r"lora_alpha=inf is not a finite number; allowed: float >= 0.0"):
+        lp.patch(tiny_llama, "lolcats", lora_alpha=float("inf"), checkpoint="none")
+    assert not lp.is_patched(tiny_llama)
+
+
+def test_a_window_past_the_kernels_offsets_is_refused_before_the_forward(tiny_llama):
+    with pytest.raises(lp.ConfigError, match=r"SlidingWindowConfig: window=100000000000000000000 is too large; allowed: "
+                                             r"int >= 1, at most 2147483647 \(2\*\*31 - 1"):
+        lp.patch(tiny_llama, "sliding-window", window=10**20)
+    assert not lp.is_patched(tiny_llama)
+    lp.patch(tiny_llama, "sliding-window", window=2**31 - 1)  # the largest allowed is a working window
+    with torch.no_grad():
+        out = tiny_llama(_ids(9)).logits
+    assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------- generate()'s prompt
+@pytest.fixture(scope="module")
+def tiny_and_tokenizer():
+    """A tiny llama with the embedded model's tokenizer (which has a chat template)."""
+    tok = lp.models.load_tokenizer("smollm2-135m")
+    return tiny_model("llama", vocab_size=len(tok)), tok
+
+
+ACCEPTED = "pass a string, or a non-empty list of strings \\(a left-padded batch\\)"
+
+
+@pytest.mark.parametrize("prompt,chat,phrase", [
+    ("", False, f"generate: the prompt is empty; {ACCEPTED}"),
+    ("", None, "generate: the prompt is empty"),
+    (None, None, f"generate: prompt: got None \\(NoneType\\); {ACCEPTED}"),
+    (123, None, f"generate: prompt: got 123 \\(int\\); {ACCEPTED}"),
+    (b"hello", None, "generate: prompt: got b'hello' \\(bytes\\)"),
+    ({"text": "hi"}, None, "got \\{'text': 'hi'\\} \\(dict\\)"),
+    ([], None, f"generate: prompt: got an empty list; {ACCEPTED}"),
+    (["hi", 3], None, f"generate: prompt 1 of the list is 3 \\(int\\), not a string; {ACCEPTED}"),
+    (["hi", None], False, "prompt 1 of the list is None \\(NoneType\\)"),
+    (["hi", ""], False, "generate: prompt 1 of the list is empty"),
+    ([["hi"]], None, "prompt 0 of the list is \\['hi'\\] \\(list\\)"),
+])
+@pytest.mark.parametrize("patched", [False, True])
+def test_generate_checks_its_prompt(tiny_and_tokenizer, prompt, chat, phrase, patched):
+    model, tok = tiny_and_tokenizer
+    if patched:
+        lp.patch(model, "sliding-window", window=8)
+    try:
+        with pytest.raises(lp.ConfigError, match=phrase) as e:
+            lp.generate(model, tok, prompt, chat=chat, max_new_tokens=2)
+        assert "\n" not in str(e.value)
+    finally:
+        if patched:
+            lp.unpatch(model)
+
+
+def test_generate_refusals_of_its_options_are_named(tiny_and_tokenizer):
+    from transformers import AutoTokenizer
+
+    model, tok = tiny_and_tokenizer
+    with pytest.raises(lp.ConfigError, match="stream=True takes a single prompt"):
+        lp.generate(model, tok, ["a", "b"], stream=True)
+    plain = AutoTokenizer.from_pretrained(lp.models._resolve_path("smollm2-135m"))
+    plain.chat_template = None
+    with pytest.raises(lp.ConfigError, match="chat=True but this tokenizer has no chat template"):
+        lp.generate(model, plain, "hi", chat=True)
+
+
+def test_generate_accepts_strings_and_lists_of_them(tiny_and_tokenizer):
+    model, tok = tiny_and_tokenizer
+    one = lp.generate(model, tok, "hi", chat=False, max_new_tokens=2)
+    batch = lp.generate(model, tok, ["hi", "a longer prompt here"], chat=False, max_new_tokens=2)
+    assert isinstance(one, str) and isinstance(batch, list) and len(batch) == 2 and batch[0] == one
+    assert lp.generate(model, tok, ("hi",), chat=False, max_new_tokens=2) == [one]  # a tuple is a list
+    assert isinstance(lp.generate(model, tok, " ", chat=False, max_new_tokens=2), str)  # a space is a prompt

@@ -1,4 +1,4 @@
-"""evals/bench/bench_hybrid_bwd.py's sweep without a GPU: every setting applied in turn (the others at their
+"""benchmarks/ops/bench_hybrid_bwd.py's sweep without a GPU: every setting applied in turn (the others at their
 defaults), its gradients checked against the defaults', TUNE restored afterwards, the fastest valid row picked.
 The timer is replaced by one that reads the settings; the PyTorch path stands in for the kernels."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 def test_sweep_applies_each_setting_and_restores(monkeypatch):
     import triton.testing
 
-    from evals.bench import bench_hybrid_bwd as bench
+    from benchmarks.ops import bench_hybrid_bwd as bench
     from longctx_patch.kernels.lola import reference as ref
     from longctx_patch.kernels.lola.tuning import TUNE
 

@@ -197,6 +197,14 @@ def test_unpatched_unsupported_model_still_generates(gpt2_dir):
         (["eval", "ppl", "--dtype", "f8"], "unknown dtype 'f8'"),
         (["eval", "speed", "--device", "tpu"], "unknown device 'tpu'"),
         (["patch", "--method", "exact", "--dtype", "f8"], "unknown dtype 'f8'"),
+        # non-finite and overflowing option values (NaN passes a range check: refused by name)
+        (["patch", "--method", "ovq", "--set", "beta=nan", "--set", "qk_norm=true"],
+         "beta=nan is not a finite number; allowed: float >= 0.001"),
+        (["patch", "--method", "lolcats", "--set", "lora_alpha=inf"], "lora_alpha=inf is not a finite number"),
+        (["patch", "--method", "sliding-window", "--set", "window=100000000000000000000"],
+         "window=100000000000000000000 is too large; allowed: int >= 1, at most 2147483647"),
+        (["generate", "--method", "ovq(beta=-inf)", "--prompt", "hi"], "beta=-inf is not a finite number"),
+        (["eval", "ppl", "--method", "ovq", "--set", "ovq.beta=NaN"], "beta=nan is not a finite number"),
     ],
 )
 def test_rejected_before_the_model_loads(args, needle):
@@ -453,3 +461,95 @@ def test_closed_pipe_is_not_reported():
 
     r = CliRunner().invoke(verb, [])
     assert r.exit_code == 1 and "error" not in r.output.lower()
+
+
+# ------------------------------------------------------------------------------------------- binary text inputs
+@pytest.fixture
+def binary_files(tmp_path):
+    """A binary file without a text suffix, one with a text suffix, and a Latin-1 (not UTF-8) file."""
+    import random
+
+    rnd = random.Random(0)
+    data = bytes(rnd.randrange(256) for _ in range(6000))
+    (tmp_path / "x.bin").write_bytes(data)
+    (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + data)
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 cr\u00e8me, na\u00efve fa\u00e7ade. ".encode("latin-1") * 40)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,why", [("x.bin", "a NUL byte at offset"), ("image.txt", "a NUL byte at offset 8"),
+                                      ("latin1.txt", "bytes that are not UTF-8 at offset 3")])
+@pytest.mark.parametrize("verb", [
+    ["eval", "ppl", "--text"],
+    ["eval", "approx", "--text"],
+    ["eval", "niah", "--haystack"],
+    ["eval", "ruler", "--haystack"],
+    ["generate", "--prompt-file"],
+])
+def test_binary_text_inputs_are_refused_by_name(binary_files, name, why, verb):
+    f = binary_files / name
+    # a model that does not exist: the input is refused before the load is tried
+    r = CliRunner().invoke(main, verb + [str(f), "--model", str(binary_files / "no-model")])
+    assert r.exit_code != 0, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    assert f"{verb[-1]} {str(f)!r}: {f} is not text ({why}" in errors[0], r.output
+    assert "pass a UTF-8 text file" in errors[0]
+    assert "loading" not in r.output and "Traceback" not in r.output and "codec" not in r.output
+
+
+def test_a_folder_skips_binary_files_by_the_same_rule(binary_files):
+    from longctx_patch.errors import ConfigError
+    from longctx_patch.texts import read_text, text_files
+
+    (binary_files / "good.txt").write_text("plain text " * 30)
+    (binary_files / "long.txt").write_bytes(b"a" * 8191 + "\u00e9".encode() + b" tail")  # a UTF-8 character across the probe's end
+    assert [f.name for f in text_files(binary_files)] == ["good.txt", "long.txt"]
+    assert read_text(binary_files / "long.txt").endswith("\u00e9 tail")
+    for name in ("x.bin", "image.txt", "latin1.txt"):
+        with pytest.raises(ConfigError, match=f"--text .*{name}': .* is not text"):
+            text_files(binary_files / name)
+        with pytest.raises(ConfigError, match=f"--prompt-file .*{name}.* is not text"):
+            read_text(binary_files / name, option="--prompt-file")
+
+
+# ------------------------------------------------------------------------------------------- a saved patched model
+@pytest.fixture(scope="module")
+def saved_patched(tiny_dir, tmp_path_factory):
+    """`longctx patch --output`: sliding-window on layers 0-1 of the 3-layer tiny llama."""
+    out = tmp_path_factory.mktemp("saved") / "sw"
+    r = run("patch", "--model", str(tiny_dir), "--method", "sliding-window", "--set", "window=16", "--layers", "0-1",
+            "--fidelity-tokens", "16", "--output", str(out), "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("args,advice", [
+    (["generate", "--method", "exact", "--prompt", "hi", "-n", "2"], "drop --method (and its --set/--layers) to run it "
+                                                                      "as saved"),
+    (["patch", "--method", "exact", "--fidelity-tokens", "16"], "longctx patch patches a model that is not patched yet"),
+    (["eval", "ppl", "--method", "exact", "--context", "32"], "--method none runs it as saved"),
+])
+def test_method_on_a_saved_patched_model_gets_command_line_advice(saved_patched, args, advice):
+    r = CliRunner().invoke(main, args + ["--model", str(saved_patched)])
+    assert r.exit_code != 0
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    msg = errors[0]
+    assert f"{saved_patched} was saved patched (layers 0-1 run sliding-window)" in msg, msg
+    assert advice in msg and "--model BASE" in msg and "--layers 2" in msg, msg
+    assert "unpatch(" not in msg and "longctx_patch." not in msg and "Traceback" not in r.output
+
+
+def test_patch_output_into_a_folder_it_would_not_replace(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["patch", "--method", "exact", "--output", str(tmp_path), "--model",
+                                  str(tmp_path / "no-model")])
+    assert r.exit_code != 0 and "loading" not in r.output
+    assert f"save_patched: {tmp_path} holds files save_patched() did not write (notes.txt)" in r.output, r.output
+
+
+def test_other_layers_of_a_saved_patched_model_can_be_patched(saved_patched):
+    r = run("generate", "--model", str(saved_patched), "--method", "exact", "--layers", "2", "--prompt", "hi", "-n", "2",
+            "--no-chat")
+    assert r.exit_code == 0, r.output

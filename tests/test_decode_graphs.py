@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs (longctx_patch/decode_graphs.py), checked on the CPU with the simulated
 replay: a replay re-runs the step with the layers' host fields as they were at its capture, which is what a CUDA
 graph bakes in. A graph key that left out something a step reads from the host gives other logits than the eager
-decode, so these tests check the keys and the host bookkeeping; the GPU run (evals/bench/generate_speed.py
+decode, so these tests check the keys and the host bookkeeping; the GPU run (benchmarks/generate/bench_generate.py
 --decode-graphs both) checks the same equality with real graphs."""
 
 import pytest
@@ -28,8 +28,9 @@ def test_replayed_decode_equals_eager(simulate, method, config):
     lp.set_decode_graphs(model, True)
     seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 23)
     st = dg.stats(cache_g)
-    # 22 decode steps: the first eager, then one capture per key (chunk = 4 keys: nb and seen % chunk) and replays
-    assert st["eager_steps"] == 1 and st["graphs"] == st["captures"] == 4 and st["replays"] == 21, st
+    # 22 decode steps: the first eager, then one capture per key (two: a step inside a chunk, whatever its position,
+    # and the step that ends a chunk and evicts) and replays
+    assert st["eager_steps"] == 1 and st["graphs"] == st["captures"] == 2 and st["replays"] == 21, st
     assert torch.equal(seq_g, seq_e)
     torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
     assert cache_g.get_seq_length() == cache_e.get_seq_length() == 13 + 22
@@ -39,12 +40,57 @@ def test_replayed_decode_equals_eager(simulate, method, config):
             torch.testing.assert_close(lg.state_tensors()[n], t, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("method,config", [("lola", LOLA), ("lolcats", {k: v for k, v in LOLA.items()
+                                                                        if k != "sparse_cache"}),
+                                           ("exact", {}), ("ovq", {"chunk_size": 64, "max_centroids": 6})])
+def test_a_second_generate_captures_ahead(simulate, method, config):
+    """Once a decode step of a shape ran in this process, the next generate() of that shape captures its graphs right
+    after the prefill (the first step's, and LoLA's evicting step's): no decode step runs eagerly or captures, and
+    the tokens and scores are the eager decode's."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, method, **config)
+    ids = torch.randint(3, 100, (2, 13))
+    lp.set_decode_graphs(model, False)
+    seq_e, sc_e, _ = greedy_with_scores(model, ids, 23)
+    lp.set_decode_graphs(model, True)
+    greedy_with_scores(model, ids[:, :11], 5)  # a first call: its first step runs eagerly (its kernels compile)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 23)
+    st = dg.stats(cache_g)
+    keys = 2 if method in ("lola", "lolcats") else 1
+    assert st["eager_steps"] == 0 and st["graphs"] == st["captures"] == keys and st["replays"] == 22, st
+    assert torch.equal(seq_g, seq_e)
+    torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method,config", [("lola", LOLA), ("exact", {})])
+def test_graphs_are_captured_after_the_last_prefill_chunk(simulate, method, config):
+    """With `prefill_chunk_size` the prefill is several forwards: the graphs are captured once, when generate()'s
+    prefill has ended (a capture after an earlier chunk could hold tensors that a later chunk replaces, as a growing
+    KV buffer does)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    lp.patch(model, method, **config)
+    ids = torch.randint(3, 100, (2, 21))
+    lp.set_decode_graphs(model, False)
+    seq_e, sc_e, _ = greedy_with_scores(model, ids, 12, prefill_chunk_size=8)
+    lp.set_decode_graphs(model, True)
+    greedy_with_scores(model, ids[:, :9], 3, prefill_chunk_size=8)
+    seq_g, sc_g, cache_g = greedy_with_scores(model, ids, 12, prefill_chunk_size=8)
+    st = dg.stats(cache_g)
+    assert st["eager_steps"] == 0 and st["replays"] == 11 and st["captures"] == st["graphs"], st
+    assert torch.equal(seq_g, seq_e)
+    torch.testing.assert_close(sc_g, sc_e, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("method,config", [("exact", {}), ("sliding-window", {"window": 6}),
-                                           ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2})])
+                                           ("sliding-window", {"window": 40}), ("moba", {"block_size": 4, "top_k": 2}),
+                                           ("muse", {"block_size": 4, "k_clusters": 2, "topk_blocks": 1, "peak_blocks": 0,
+                                                     "min_seq_len": 0, "exact_tail": 2, "backend": "torch"})])
 def test_exact_and_window_decode_replayed_equals_eager(simulate, method, config):
-    """exact, sliding-window and moba (methods/kv_layer.py): one graph per buffer capacity; a window smaller than the
-    prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings); moba's step
-    gates the buffer's blocks from device state only."""
+    """exact, sliding-window, moba and muse (methods/kv_layer.py): one graph per buffer capacity; a window smaller
+    than the prompt (a full ring from the prefill on) and larger (the buffer grows up to the window, then rings);
+    moba's step gates the buffer's blocks from device state only; muse's prefill is MuSe, its decode exact's."""
     torch.manual_seed(0)
     model = tiny_model("llama").eval()
     lp.patch(model, method, **config)
@@ -88,21 +134,20 @@ def test_a_buffer_regrow_drops_the_graphs(simulate, monkeypatch):
 
 
 def test_a_key_missing_a_host_field_is_caught(simulate, monkeypatch):
-    """The check has teeth: a key that ignores the window's fill (`nb`, which sets where a step appends and whether
-    it evicts) replays one captured step for every position."""
-    from longctx_patch.methods.lolcats import LolaLayer
+    """The check has teeth: a key that leaves out the evicting step (the one step whose launches the host sizes)
+    replays a step that does not evict at the end of a chunk, so the buffered count outgrows the buffer."""
+    from longctx_patch.methods.lola import LolaLayer
 
-    monkeypatch.setattr(LolaLayer, "graph_key", lambda self: None if self.H is None else ())
+    monkeypatch.setattr(LolaLayer, "graph_key", lambda self: None if self.H is None else ("lola", 0))
     torch.manual_seed(0)
     model = tiny_model("llama").eval()
     lp.patch(model, "lola", **LOLA)
     ids = torch.randint(3, 100, (1, 13))
     lp.set_decode_graphs(model, False)
-    _, sc_e, _ = greedy_with_scores(model, ids, 15)
+    greedy_with_scores(model, ids, 15)
     lp.set_decode_graphs(model, True)
-    _, sc_g, _ = greedy_with_scores(model, ids, 15)
-    fin = sc_e.isfinite()
-    assert (sc_g - sc_e)[fin].abs().max() > 1e-3
+    with pytest.raises(IndexError, match="out of bounds"):
+        greedy_with_scores(model, ids, 15)
 
 
 def test_padded_batch_and_other_methods_stay_eager(simulate):

@@ -1,4 +1,4 @@
-"""The device machine's shell recipes (evals/device/*.sh): each parses, and the helpers they source are defined
+"""The device machine's shell recipes (benchmarks/<group>/*.sh): each parses, and the helpers they source are defined
 once, in train_text.sh (split_text, build_train_text, write_run_asset)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-DEVICE = Path(__file__).resolve().parents[1] / "evals" / "device"
-SCRIPTS = sorted(DEVICE.glob("*.sh"))
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = REPO / "benchmarks" / "train"  # train_text.sh and the recipes that source it
+SCRIPTS = sorted((REPO / "benchmarks").rglob("*.sh"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -51,7 +52,7 @@ def test_ovq_variants_as_recipe_options():
 
     root = DEVICE.parents[1]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # its python3
-    out = subprocess.run(["bash", "-c", '. evals/device/train_text.sh && printf "%s\\n" "${OVQ_HYBRID[@]}" '
+    out = subprocess.run(["bash", "-c", '. benchmarks/train/train_text.sh && printf "%s\\n" "${OVQ_HYBRID[@]}" '
                           '&& echo --set && lora_only_stage'], capture_output=True, text=True, cwd=root, env=env)
     assert out.returncode == 0, out.stderr
     args = out.stdout.splitlines()

@@ -366,7 +366,7 @@ def test_ppl_dataset_source(tmp_path):
 # ----------------------------------------------------------------------------------------------- speed
 def test_model_speed_fields(tiny, tmp_path):
     runs = parse_methods(["exact", "sliding-window"], ["window=16"])
-    res = speed.run_speed(tiny, runs, contexts=[16, 64], batches=[1, 3], decode_tokens=12, repeats=2, static=True,
+    res = speed.run_speed(tiny, runs, contexts=[16, 64], batches=[1, 3], calls=[6, 20], repeats=2, static=True,
                           out_dir=tmp_path, name="s", model_name="tiny", echo=lambda *_: None)
     fig = res["figures"]
     r = fig["results"]
@@ -375,15 +375,24 @@ def test_model_speed_fields(tiny, tmp_path):
         for b in ("b1", "b3"):
             for c in ("16", "64"):
                 cell = r[lab][b][c]
-                assert cell["decode_tok_s"] > 0 and cell["ms_per_step"] > 0 and cell["floor_ms"] > 0
-                assert cell["floor_ratio"] == pytest.approx(cell["ms_per_step"] / cell["floor_ms"], rel=1e-2)
+                assert set(cell["calls"]) == {"6", "20"}
+                for n, call in cell["calls"].items():
+                    # tokens/s over the call's whole decode: batch x (N - 1) tokens in (N - 1) steps
+                    want = int(b[1:]) * 1e3 / call["ms_per_step"]
+                    assert call["decode_tok_s"] == pytest.approx(want, rel=1e-2) and call["generate_s"] > 0
+                    assert set(call["step_ms"]) == ({"1-16"} if n == "6" else {"1-16", "17-64"})
+                # the longest call: its steps 17-19 are the steady state, steps 1-16 against them the warm-up
+                assert cell["decode_tok_s"] == cell["calls"]["20"]["decode_tok_s"]
+                assert cell["steady_ms"] == cell["step_ms"]["17-64"] and cell["floor_ms"] > 0
+                assert cell["warmup_ratio"] == pytest.approx(cell["step_ms"]["1-16"] / cell["steady_ms"], rel=1e-2)
+                assert cell["floor_ratio"] == pytest.approx(cell["steady_ms"] / cell["floor_ms"], rel=1e-2)
                 assert (cell["prefill_s"] is None) == (lab == speed_model.STATIC)
     from longctx_patch.methods.kv_layer import capacity_for
 
     cfg = tiny[0].config
     # the preallocated buffers (methods/kv_layer.py): K and V of the capacity, the validity mask, the write slot
     per_row = lambda cap: cfg.num_hidden_layers * (2 * cfg.num_key_value_heads * cap * 16 * 4 + cap + 8)  # noqa: E731
-    full = per_row(capacity_for(64 + 12))  # fp32
+    full = per_row(capacity_for(64 + 20))  # fp32
     assert r["exact"]["b1"]["64"]["state_bytes"] == full and r["exact"]["b3"]["64"]["state_bytes"] == 3 * full
     assert r["sliding-window(window=16)"]["b1"]["64"]["state_bytes"] == per_row(16)
     # the floor: (weights + state) read once at the measured copy bandwidth (which counts read + written bytes)
@@ -398,8 +407,8 @@ def test_model_speed_fields(tiny, tmp_path):
 
 
 def test_decode_time_is_marked_inside_one_generate(tiny, monkeypatch):
-    """The decode time is the span of steps base .. base+N-1 of one generate() call, marked after each step: N
-    forwards, not the prefill; the marks count every step."""
+    """Each forward of one generate() call is timed from the mark after the one before (the first from the call's
+    start): the prefill first, then every decode step; the marks count every step."""
     model = tiny[0]
     ids = torch.randint(100, model.config.vocab_size, (2, 24))
     calls = []
@@ -410,19 +419,21 @@ def test_decode_time_is_marked_inside_one_generate(tiny, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(model, "forward", counted)
-    total, decode = speed_model.timed_generate(model, ids, 9, {}, decode_base=3)
-    assert len(calls) == 9  # the prefill and 8 decode steps
-    assert 0 < decode < total
-    # steps 3 .. 8 began after the end of step 2, so the span covers their six forwards and no earlier one
+    total, steps = speed_model.timed_generate(model, ids, 9, {}, marked=True)
+    assert len(calls) == 9 and len(steps) == 9  # the prefill and 8 decode steps
+    assert 0 < sum(steps) / 1e3 <= total
+    decode = sum(steps[3:]) / 1e3
+    # steps 3 .. 8 began after the end of step 2, so their span covers their six forwards and no earlier one
     assert decode <= calls[-1] - calls[2] + (total - (calls[-1] - calls[0]))
     assert decode >= calls[-1] - calls[3]
+    assert speed_model.step_ranges([5.0] + [1.0] * 16 + [2.0] * 3) == {"1-16": 1.0, "17-64": 2.0}
 
 
 def test_model_speed_cells(tiny, tmp_path):
     """`cells` times only the (batch, context) pairs asked for, not the product of batches and contexts; with
     `prefill_chunk` the prompt goes through the cache in chunks (prefill and generate())."""
     runs = parse_methods(["exact"], [])
-    res = speed.run_speed(tiny, runs, cells=[(3, 16), (1, 64)], decode_tokens=16, repeats=2, out_dir=tmp_path,
+    res = speed.run_speed(tiny, runs, cells=[(3, 16), (1, 64)], calls=[16], repeats=2, out_dir=tmp_path,
                           name="c", model_name="tiny", prefill_chunk=24, echo=lambda *_: None)
     assert res["figures"]["prefill_chunk"] == 24
     r = res["figures"]["results"]["exact"]
@@ -445,7 +456,7 @@ def test_model_speed_keeps_finished_methods(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(speed_model, "time_cell", cell)
     with pytest.raises(RuntimeError, match="killed"):
-        speed.run_speed(tiny, runs, cells=[(1, 16)], decode_tokens=4, repeats=1, out_dir=tmp_path, name="p",
+        speed.run_speed(tiny, runs, cells=[(1, 16)], calls=[4], repeats=1, out_dir=tmp_path, name="p",
                         model_name="tiny", echo=lambda *_: None)
     rec = json.loads((tmp_path / "p.json").read_text())
     assert set(rec["results"]) == {"exact"} and rec["complete"] is False

@@ -367,7 +367,7 @@ def test_kernels_launch_on_the_layers_device(monkeypatch):
 
 def test_smollm2_greedy_tokens_equal_with_fused_ops(smollm2, monkeypatch):
     """The real model (SmolLM2-135M, fp32): greedy tokens and every step's scores with the fused kernels as with
-    transformers' own ops (the GPU check in evals/device/fused_ops_check.py runs random 1B-shaped weights)."""
+    transformers' own ops (the GPU check in benchmarks/generate/check_fused_ops.py runs random 1B-shaped weights)."""
     model, tok = smollm2
     ids = tok("Long contexts need cheap attention because", return_tensors="pt").input_ids
     calls = []

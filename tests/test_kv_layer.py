@@ -125,3 +125,59 @@ def test_chunks_after_decode_and_crop():
         cache = model(x[:, :20], use_cache=True).past_key_values
     with pytest.raises(NotImplementedError, match="cannot drop tokens"):
         cache.crop(-2)
+
+
+@pytest.mark.parametrize("method,config", [("sliding-window", {"window": 4}), ("sliding-window", {"window": 8}),
+                                           ("sliding-window", {"window": 40}), ("exact", {})])
+def test_assisted_generation_crops_a_full_ring(method, config, monkeypatch):
+    """Prompt-lookup assisted generation (transformers verifies 4 candidate tokens per forward, then crops the rejected
+    ones) gives the tokens and logits of plain greedy decoding, also once the ring is full and its candidates have
+    overwritten the oldest slots (window 4: a forward of 5 tokens overwrites the whole ring)."""
+    model = tiny_model("llama")
+    pattern = torch.randint(3, 128, (7,), generator=torch.Generator().manual_seed(0))
+    ids = pattern.repeat(5)[None]  # repeats: prompt lookup finds candidates, some accepted, some not
+    lp.patch(model, method, **config)
+    crops = []
+    crop = KVBufferLayer.crop
+
+    def spy(self, n):
+        crops.append((-n, self.ring and self.seen > self.capacity))
+        return crop(self, n)
+
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        plain = model.generate(ids, **kw)
+        monkeypatch.setattr(KVBufferLayer, "crop", spy)
+        assisted = model.generate(ids, prompt_lookup_num_tokens=4, **kw)
+    assert torch.equal(assisted.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(assisted.logits, 1), torch.stack(plain.logits, 1), atol=1e-5, rtol=1e-5)
+    dropped = [n for n, full in crops if n > 0]
+    assert dropped, "no candidate token was rejected: the test does not exercise crop"
+    if method == "sliding-window":
+        assert any(n > 0 and full for n, full in crops), "no crop of a full ring"
+
+
+def test_a_full_ring_drops_only_its_last_forward():
+    """With past recording on, a full ring takes back the tokens of its last forward (to a state equal to never having
+    seen them), not more; without it, none."""
+    model = tiny_model("llama")
+    x = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    lp.patch(model, "sliding-window", window=6)
+    with torch.no_grad():
+        whole = model(x, use_cache=False).logits
+        cache = model(x[:, :20], use_cache=True).past_key_values
+        cache.activate_past_recording()
+        model(x[:, 20:25], cache=cache, use_cache=True)  # 5 tokens over the full ring of 6
+        cache.crop(-3)  # back to 22 tokens
+        assert cache.get_seq_length() == 22
+        tail = [model(x[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(22, 25)]
+        tail.append(model(x[:, 25:], cache=cache, use_cache=True).logits)
+        torch.testing.assert_close(torch.cat(tail, 1), whole[:, 22:], atol=1e-5, rtol=1e-5)
+        with pytest.raises(NotImplementedError, match=r"cannot drop tokens once it is full .*: 6 asked, it can drop "
+                                                      "the 5 tokens of its last forward"):
+            cache.crop(-6)
+        plain = model(x[:, :20], use_cache=True).past_key_values
+        model(x[:, 20:25], cache=plain, use_cache=True)
+    with pytest.raises(NotImplementedError, match="once past recording is on"):
+        plain.crop(-1)

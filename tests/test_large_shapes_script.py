@@ -1,11 +1,11 @@
-"""evals/device/large_shapes.py without a GPU: its case list, argument parsing and how it reads a child process
+"""benchmarks/ops/check_large_shapes.py without a GPU: its case list, argument parsing and how it reads a child process
 (the kernels at those shapes run on the H200 only; `--smoke` runs every case tiny on the CPU, ~3 min, by hand)."""
 
 import json
 
 import pytest
 
-from evals.device import large_shapes as ls
+from benchmarks.ops import check_large_shapes as ls
 
 
 def test_every_case_has_a_function_and_a_timeout_under_ten_minutes_in_all():

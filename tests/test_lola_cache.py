@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola.ops import LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
 
 B, HQ, HKV, D, F = 2, 4, 2, 16, 8
 
@@ -200,11 +200,11 @@ def test_lolcats_parallel_prefill_with_padding_matches_torch():
 def test_parallel_prefill_equals_chunk_loop(S, window, chunk, lam, sparse_heads, dtype, monkeypatch):
     """A fresh Triton prefill of >= 2 chunks runs in two passes (all evictions, then all chunks at once);
     output, state and the decode steps after it equal the torch chunk loop, with left padding."""
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import prefill
 
     calls = []
-    real_parallel = lops._lola_parallel
-    monkeypatch.setattr(lops, "_lola_parallel", lambda *a, **kw: calls.append(1) or real_parallel(*a, **kw))
+    real_parallel = prefill.lola_parallel
+    monkeypatch.setattr(prefill, "lola_parallel", lambda *a, **kw: calls.append(1) or real_parallel(*a, **kw))
     seq = _seq(S + 3, seed=7, dtype=dtype)
     mask = torch.ones(B, S + 3, dtype=torch.bool)
     mask[1, :9] = False
@@ -299,11 +299,11 @@ def test_prefill_evictions_match_select_and_fold_with_ties(select_bits, monkeypa
 def test_decode_after_parallel_prefill_crosses_evictions_like_the_loop(monkeypatch):
     """The state the two-pass prefill leaves (sparse slots sorted by score, window buffer, (H, s)) carries on
     through decode steps and two more evictions exactly like the state of the chunk loop."""
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import prefill
 
     calls = []
-    real_parallel = lops._lola_parallel
-    monkeypatch.setattr(lops, "_lola_parallel", lambda *a, **kw: calls.append(1) or real_parallel(*a, **kw))
+    real_parallel = prefill.lola_parallel
+    monkeypatch.setattr(prefill, "lola_parallel", lambda *a, **kw: calls.append(1) or real_parallel(*a, **kw))
     S, steps = 80, 40  # prefill ends mid-chunk; decode crosses the evictions at 96 and 112
     seq = _seq(S + steps, seed=9)
     mask = torch.ones(B, S + steps, dtype=torch.bool)

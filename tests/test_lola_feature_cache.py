@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import longctx_patch as lp  # noqa: E402
 from longctx_patch import decode_graphs as dg  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola.ops import LolaState, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import LolaState, lola_process  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 

@@ -123,7 +123,7 @@ def test_hybrid_attention_under_grad_dispatches_to_the_triton_function():
 
 
 def test_training_settings_from_tune_reach_the_function(monkeypatch):
-    """TUNE's train_state_chunk / train_block_m / train_block_n (what evals.bench sweeps) set the training pass's
+    """TUNE's train_state_chunk / train_block_m / train_block_n (what benchmarks.ops.bench_hybrid_bwd sweeps) set the training pass's
     state chunk and tiles when the caller names no state_chunk; the gradients stay the reference's."""
     from longctx_patch.kernels.lola.tuning import TUNE
 

@@ -164,6 +164,42 @@ def test_decode_step_matches_reference(dtype, hs):
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,n_keys", [(torch.float32, 23), (torch.float32, 9), (torch.bfloat16, 17)])
+def test_decode_step_with_the_count_on_the_device_matches_reference(dtype, n_keys):
+    """`n_keys` (a decode step replayed from a graph): the buffer's first n_keys rows are the local keys, the rest are
+    garbage the step must not read; one launch for every count. Against the reference on the first n_keys rows
+    (7 query heads per kv head, a left-padded row, a sparse cache)."""
+    N, L, window = 30, 6, 7
+    gen = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D, F2 = 2, 7, 1, 16, 16
+    q = torch.randn(B, Hq, 1, D, generator=gen).to(DEV, dtype)
+    k = torch.randn(B, Hkv, N, D, generator=gen).to(DEV, dtype)
+    v = torch.randn(B, Hkv, N, D, generator=gen).to(DEV, dtype)
+    fq = torch.softmax(torch.randn(B, Hq, 1, F2, generator=gen), -1).to(DEV, dtype)
+    fk = torch.softmax(torch.randn(B, Hq, N - window, F2, generator=gen), -1).to(DEV, dtype)
+    g, lf = torch.rand(Hq, generator=gen).to(DEV), torch.rand(Hq, generator=gen).to(DEV)
+    spk = torch.randn(B, Hkv, L, D, generator=gen).to(DEV, dtype)
+    spv = torch.randn(B, Hkv, L, D, generator=gen).to(DEV, dtype)
+    score = torch.randn(B, Hkv, L, generator=gen).to(DEV).masked_fill(torch.rand(B, Hkv, L, generator=gen).to(DEV) > 0.6,
+                                                                       float("-inf"))
+    H = torch.rand(B, Hq, F2, D, generator=gen).to(DEV)
+    s = torch.rand(B, Hq, F2, generator=gen).to(DEV)
+    km = _left_pad_mask(B, N, [0, 2])
+    n = n_keys
+    want = ref.lola_attention(q, k[:, :, :n], v[:, :, :n], fq, fk[:, :, :max(n - window, 0)], g, lf, H, s,
+                              window=window, scale=0.25, key_mask=km[:, :n], sparse_k=spk, sparse_v=spv,
+                              sparse_valid=score.isfinite())
+    count = torch.full((B,), n, dtype=torch.long, device=DEV)
+    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=window, scale=0.25, key_mask=km, sparse_k=spk,
+                         sparse_v=spv, sparse_score=score, n_keys=count)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    # the reference's own device-count form (the torch backend's decode step) agrees
+    dev = ref.lola_attention(q, k, v, fq, torch.nn.functional.pad(fk, (0, 0, 0, window)), g, lf, H, s, window=window,
+                             scale=0.25, key_mask=km, sparse_k=spk, sparse_v=spv, sparse_valid=score.isfinite(),
+                             q_offset=count[:1] - 1)
+    torch.testing.assert_close(dev, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sre_score_and_fold_match_reference(dtype):
     gen = torch.Generator().manual_seed(4)

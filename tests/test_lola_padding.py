@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import longctx_patch as lp  # noqa: E402
-from longctx_patch.kernels.lola import ops as lops  # noqa: E402
+from longctx_patch.kernels.lola import padded, prefill, sparse_cache  # noqa: E402
+from longctx_patch.kernels.lola.state import LolaState  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 
 from conftest import assert_padded_batch_exact, padded_batch_gap, tiny_model  # noqa: E402
@@ -50,13 +51,13 @@ def _run(splits, seq, mask, rows=None, **kw):
         r, p = rows
         q, k, v, fq = (x[r:r + 1, :, p:] for x in (q, k, v, fq))
         mask = None
-    st = lops.LolaState.empty(q.shape[0], HQ, HKV, D, 2 * F, kw["lam"], q.dtype, q.device,
+    st = LolaState.empty(q.shape[0], HQ, HKV, D, 2 * F, kw["lam"], q.dtype, q.device,
                               capacity=kw["window"] + kw["chunk"])
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk)  # noqa: E731
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lops.lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
+        outs.append(sparse_cache.lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
                                       scale=D ** -0.5, key_mask_new=None if mask is None else mask[:, sl], **kw))
         i += n
     return torch.cat(outs, 1), st
@@ -64,7 +65,7 @@ def _run(splits, seq, mask, rows=None, **kw):
 
 @pytest.mark.parametrize("backend,window,chunk,S,splits", [
     ("torch", 6, 4, 45, "full,steps,mixed"),
-    ("triton", 16, 16, 44, "full"),  # _lola_parallel per phase group (the chunk loop: the model test's decode)
+    ("triton", 16, 16, 44, "full"),  # prefill.lola_parallel per phase group (the chunk loop: the model test's decode)
 ])
 def test_manager_rows_equal_their_prompts_alone(backend, window, chunk, S, splits):
     """Paddings 0, 3 (< chunk) and 13 (> chunk, no multiple) in one batch, the sequence in one call, token by
@@ -100,8 +101,8 @@ def test_no_padding_and_whole_chunk_padding_keep_the_plain_grid(monkeypatch):
         raise AssertionError("phase work without padding")
 
     with monkeypatch.context() as m:
-        m.setattr(lops, "left_padding_counts", refuse)
-        m.setattr(lops, "row_phases", refuse)
+        m.setattr(padded, "left_padding_counts", refuse)
+        m.setattr(padded, "row_phases", refuse)
         _, st = _run([S - 3, 1, 1, 1], seq, None, **kw)
     assert st.phases is None
     mask = torch.ones(B, S, dtype=torch.bool)
@@ -123,15 +124,15 @@ def test_padded_batch_equals_prompts_alone(family, pads):
 
 
 def test_padded_batch_equals_prompts_alone_triton():
-    """The Triton kernels under the interpreter: `_lola_parallel` per phase group (window and chunk multiples of
+    """The Triton kernels under the interpreter: `prefill.lola_parallel` per phase group (window and chunk multiples of
     16), then decode steps across evictions on two grids."""
     model = tiny_model("llama", num_hidden_layers=1)
     lp.patch(model, "lola", backend="triton", window=16, chunk=16, sparse_cache=8, feature_dim=8)
     calls = []
-    real = lops._lola_parallel
+    real = prefill.lola_parallel
     try:
-        lops._lola_parallel = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        # generate() only (its prefill is the cached one, through `_lola_parallel`): the interpreter is slow.
+        prefill.lola_parallel = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        # generate() only (its prefill is the cached one, through `prefill.lola_parallel`): the interpreter is slow.
         # prefill: evictions at 16, 32 (row 0) and 17, 33 (row 1, 1 of padding); decode: row 0 evicts at 48 (the
         # 3rd scores read its new state), row 1 at 49 (its 48th real token; the 4th scores)
         g = torch.Generator().manual_seed(4)
@@ -148,7 +149,7 @@ def test_padded_batch_equals_prompts_alone_triton():
                 for sb, so in zip(batch.scores, one.scores):
                     torch.testing.assert_close(sb[r], so[0], atol=1e-4, rtol=0)
     finally:
-        lops._lola_parallel = real
+        prefill.lola_parallel = real
     assert calls  # the two-pass prefill ran
 
 
@@ -178,7 +179,7 @@ def test_continued_cache_equals_prompts_alone():
 def test_training_path_padded_equals_rows_alone(monkeypatch):
     """Under gradients (use_cache=False) lola takes the sparse-sets path, once per phase group: the padded batch's
     logits and the feature maps' gradients equal those of the rows alone."""
-    from longctx_patch.methods import lolcats
+    from longctx_patch.methods.lola import attention as lolcats
 
     model = tiny_model("llama", num_hidden_layers=2)
     lp.patch(model, "lola", backend="torch", **SMALL)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import longctx_patch as lp
-import longctx_patch.methods.lolcats as lolcats_method
+import longctx_patch.methods.lola.attention as lolcats_method
 from longctx_patch.kernels.lola import reference as ref
-from longctx_patch.kernels.lola.ops import LolaState, lola_process
+from longctx_patch.kernels.lola import LolaState, lola_process
 from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
 
 from conftest import tiny_model

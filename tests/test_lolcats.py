@@ -8,7 +8,7 @@ import torch
 
 import longctx_patch as lp
 from longctx_patch.errors import CheckpointError, ConfigError, NotPatchedError
-from longctx_patch.methods.lolcats import LolaLayer, export_lolcats_checkpoint
+from longctx_patch.methods.lola import LolaLayer, export_lolcats_checkpoint
 
 from conftest import assert_left_padded_batch_matches_single, tiny_model
 
@@ -59,7 +59,7 @@ def test_gradients_flow_with_the_default_use_cache(method, extra):
     in the autograd graph there: same loss and gradients as use_cache=False, the cache it fills continues like
     a no-grad prefill's, and continuing a cached sequence with gradients gives the no-grad values and gradients
     for the new tokens."""
-    from longctx_patch.methods import lolcats as lolcats_module
+    from longctx_patch.methods.lola import attention as lolcats_module
 
     lolcats_module._WARNED_CACHE_IN_TRAINING.discard(method)  # warned once per process
     model = tiny_model("llama")
@@ -129,11 +129,11 @@ def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monk
     gradient; the layer must see that the maps do (it looked at q, k only: outputs without a gradient, and the
     transfer stopped with 'element 0 of tensors does not require grad'). The CUDA decision is made here on the
     CPU, where the interpreter runs the kernels."""
-    import longctx_patch.methods.lolcats as lolcats_method
+    import longctx_patch.methods.lola.attention as lolcats_method
     from longctx_patch.kernels.lola import ops
 
     monkeypatch.setattr(lolcats_method, "TRAIN_WITH_SETS", False)  # the chunk loop's own dispatch
-    real = ops._use_triton
+    real = ops.use_triton
 
     def as_on_cuda(backend, *tensors):
         if backend == "auto":
@@ -147,9 +147,9 @@ def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monk
         lp.patch(model, "lola", **{**KW, "backend": "auto"}, sparse_cache=3)
         _freeze_all_but_the_maps(model)
         if name == "cuda decision":
-            monkeypatch.setattr(ops, "_use_triton", as_on_cuda)
+            monkeypatch.setattr(ops, "use_triton", as_on_cuda)
         else:
-            monkeypatch.setattr(ops, "_use_triton", real)
+            monkeypatch.setattr(ops, "use_triton", real)
         model(x, labels=x, use_cache=False).loss.backward()
         attn = model.model.layers[1].self_attn
         grads[name] = [attn.feature_map_q.mlp.layer.grad, attn.feature_map_k.mlp.layer.grad, attn.window_factors.grad]
@@ -355,7 +355,7 @@ def test_export_then_load_lolcats_checkpoint(tmp_path):
 
 
 def test_export_and_load_of_a_hybrid_take_the_lolcats_layers_only(tmp_path):
-    from longctx_patch.methods.lolcats import load_lolcats_checkpoint
+    from longctx_patch.methods.lola import load_lolcats_checkpoint
 
     model = tiny_model("llama")
     lp.patch(model, "lolcats", layers="0-1", **KW)
@@ -487,15 +487,15 @@ def test_lola_triton_two_pass_prefill_equals_torch_backend_through_a_model(monke
     tokens, i.e. equal values, while its linear state is still 0, so equal SRE scores occur (lambda holds two
     evictions' pairs before the first fold); a difference in tie-breaking or a state that is not exactly 0
     there shows up in the logits (both happened: 4e-2 relative before the fix)."""
-    from longctx_patch.kernels.lola import ops as lops
+    from longctx_patch.kernels.lola import prefill
 
     ids = _ids(2, 240, seed=3)
     am = torch.ones_like(ids)
     am[1, :37] = 0
     cfg = dict(window=32, feature_dim=8, sparse_cache=32, chunk=16)
     calls = []
-    real = lops._lola_parallel
-    monkeypatch.setattr(lops, "_lola_parallel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = prefill.lola_parallel
+    monkeypatch.setattr(prefill, "lola_parallel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     logits = {}
     for backend in ("torch", "triton"):
         model = tiny_model("llama", num_hidden_layers=2)

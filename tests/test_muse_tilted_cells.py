@@ -179,20 +179,6 @@ def test_query_clusters_triton_equal_torch():
     torch.testing.assert_close(c1, c0, atol=1e-5, rtol=1e-5)
 
 
-def test_tilt_study_measures_the_far_field():
-    """evals/studies/muse_tilt_study.py: with one query per cluster the tilted far field is exact (error ~0) where the
-    cells' is not; the rows it reports are the ones asked for."""
-    from evals.studies.muse_tilt_study import layer_errors
-
-    q, k, v = qkv(1, 2, 1, 512, 16, seed=11)
-    tilts = [dict(name="one per query", q_span=4, q_clusters=512, group=0),
-             dict(name="balanced", q_span=4, q_clusters=4, group=128)]
-    errs = layer_errors(q, k, v, 0.25, dict(block_size=128, k_clusters=4, topk_blocks=0, peak_blocks=0), tilts,
-                        chunk=256)
-    assert set(errs) == {"cells", "wexact", "one per query", "balanced"}
-    assert errs["one per query"] < 1e-5 < errs["cells"]
-
-
 def test_triton_forward_in_head_chunks():
     """Summaries held for a few query heads at a time (a small memory budget): the same output as all at once."""
     q, k, v = qkv(2, 14, 2, 520, 16, seed=12)

@@ -1,4 +1,4 @@
-"""Where results go by default: $LONGCTX_RESULTS, else evals/results of the checkout the working directory is in,
+"""Where results go by default: $LONGCTX_RESULTS, else benchmarks/results of the checkout the working directory is in,
 else the user's data folder; an explicit --out-dir wins over all of them."""
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ def fake_checkout(root: Path, name: str = "longctx-patch") -> Path:
 
 def test_inside_this_checkout_results_go_to_its_evals_results(no_env, monkeypatch):
     assert common.repo_root(REPO) == REPO
-    assert common.default_results_dir(REPO) == REPO / "evals" / "results"
-    assert common.default_results_dir(REPO / "docs") == REPO / "evals" / "results"  # from a subfolder too
+    assert common.default_results_dir(REPO) == REPO / "benchmarks" / "results"
+    assert common.default_results_dir(REPO / "docs") == REPO / "benchmarks" / "results"  # from a subfolder too
     monkeypatch.chdir(REPO / "tests")
-    assert common.default_results_dir() == REPO / "evals" / "results"
-    assert common.DEFAULT_RESULTS_DIR == REPO / "evals" / "results"
+    assert common.default_results_dir() == REPO / "benchmarks" / "results"
+    assert common.DEFAULT_RESULTS_DIR == REPO / "benchmarks" / "results"
 
 
 def test_a_copy_of_the_tree_without_git_is_a_checkout(no_env, tmp_path):
     root = fake_checkout(tmp_path / "copy")
     assert not (root / ".git").exists()
-    assert common.default_results_dir(root / "longctx_patch") == root / "evals" / "results"
+    assert common.default_results_dir(root / "longctx_patch") == root / "benchmarks" / "results"
 
 
 def test_outside_a_checkout_results_go_to_the_user_data_folder(no_env, tmp_path, monkeypatch):
@@ -65,7 +65,7 @@ def test_the_environment_variable_wins_inside_and_outside_a_checkout(no_env, tmp
     monkeypatch.setenv(common.RESULTS_ENV, "~/res")
     assert common.default_results_dir(tmp_path) == tmp_path / "home" / "res"
     monkeypatch.setenv(common.RESULTS_ENV, "")  # empty: not set
-    assert common.default_results_dir(REPO) == REPO / "evals" / "results"
+    assert common.default_results_dir(REPO) == REPO / "benchmarks" / "results"
 
 
 def test_cli_out_dir_wins_over_the_default(no_env, tmp_path, monkeypatch):
@@ -82,7 +82,7 @@ def test_cli_out_dir_wins_over_the_default(no_env, tmp_path, monkeypatch):
                                   "--lengths", "16", "--out-dir", str(out), "--name", "a"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert (out / "a.json").is_file()
-    assert not (tmp_path / "default").exists() and not (tmp_path / "evals").exists()
+    assert not (tmp_path / "default").exists() and not (tmp_path / "benchmarks").exists()
 
 
 def test_cli_without_out_dir_writes_into_the_default_folders_task_subfolder(no_env, tmp_path, monkeypatch):
@@ -99,7 +99,7 @@ def test_cli_without_out_dir_writes_into_the_default_folders_task_subfolder(no_e
                                   "--lengths", "16", "--name", "a"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert (tmp_path / "default" / "approx" / "a.json").is_file()
-    assert not (tmp_path / "evals").exists()
+    assert not (tmp_path / "benchmarks").exists()
     summary = {"device": "cpu", "date": "d", "commit": "c", "command": "x"}
     assert write_results("run1", summary) == tmp_path / "default" / "finetune" / "run1.json"
     assert common.output_dir(None, "niah") is None  # None still means: write nothing

@@ -1,4 +1,4 @@
-"""evals/results/INDEX.md is what `python -m evals.index` writes from the result files (it cannot go stale), it
+"""benchmarks/results/INDEX.md is what `python -m benchmarks.index` writes from the result files (it cannot go stale), it
 lists every result JSON, every result says where, when and from what it came, and the files follow the layout."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from evals import index
+from benchmarks import index
 
-RESULTS = Path(__file__).resolve().parents[1] / "evals" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "ppl",
            "racecheck", "ruler", "speed", "speed-op", "synthetic"}
 # result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
@@ -28,7 +28,7 @@ def test_committed_index_is_what_the_results_give(tmp_path):
     out = tmp_path / "INDEX.md"
     assert index.main(["--results", str(RESULTS), "--out", str(out)]) == 0
     committed = (RESULTS / "INDEX.md").read_text()
-    assert out.read_text() == committed, "evals/results/INDEX.md is stale: run python -m evals.index"
+    assert out.read_text() == committed, "benchmarks/results/INDEX.md is stale: run python -m benchmarks.index"
     assert index.main(["--results", str(RESULTS), "--check"]) == 0
 
 
@@ -80,7 +80,7 @@ def test_files_are_laid_out_by_task():
             continue
         if rel.as_posix() == "INDEX.md":
             continue
-        assert len(rel.parts) == 2 and rel.parts[0] in FOLDERS, f"{rel}: results go in evals/results/<task>/"
+        assert len(rel.parts) == 2 and rel.parts[0] in FOLDERS, f"{rel}: results go in benchmarks/results/<task>/"
         assert p.suffix in (".json", ".png", ".log"), rel
         assert re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", rel.stem, re.IGNORECASE), rel
         if p.suffix == ".json":
@@ -104,3 +104,52 @@ def test_plots_and_logs_sit_beside_their_json(ext):
         beside = any(s == j or s.startswith(j + "-") for j in stems)  # <json-stem>[-<plot>]
         run_log = ext == ".log" and any(j.startswith(s + "-") for j in stems)  # a run's log: <device>-<run>.log
         assert beside or run_log, f"{p.relative_to(RESULTS)} has no JSON of its stem"
+
+
+REPO = RESULTS.parents[1]
+DOCS = ["README.md", "benchmarks/README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
+# a results path as the docs write it: benchmarks/results/<folder>/<file>, or <folder>/<file> with a folder of FOLDERS;
+# {a,b} and {1..8} alternatives and * globs allowed; placeholders (NAME, METHOD, <task>) are not paths
+CITED = re.compile(r"(?<![\w/.-])(?:benchmarks/results/)?(?:" + "|".join(sorted(FOLDERS, key=len, reverse=True))
+                   + r")/[\w.{},*+-]*\.(?:json|png|log)\b")
+
+
+def expand(path: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    alts = m.group(1).split(",")
+    if len(alts) == 1 and re.fullmatch(r"\d+\.\.\d+", alts[0]):
+        lo, hi = map(int, alts[0].split(".."))
+        alts = [str(i) for i in range(lo, hi + 1)]
+    return [x for alt in alts for x in expand(path[:m.start()] + alt + path[m.end():])]
+
+
+def cited_paths() -> list[tuple[str, str]]:
+    out = []
+    for doc in DOCS:
+        text = (REPO / doc).read_text()
+        for m in CITED.finditer(text):
+            path = m.group(0).removeprefix("benchmarks/results/")
+            if re.search(r"[A-Z]{3,}|<|\.\.\.", path) and not re.search(r"\{\d+\.\.\d+\}", path):
+                continue
+            out += [(doc, p) for p in expand(path)]
+    return out
+
+
+def test_every_results_file_the_docs_name_exists():
+    """README.md, benchmarks/README.md and docs/*.md name result files as benchmarks/results/<folder>/<file> or
+    <folder>/<file>; each one (each alternative of a {a,b} and at least one match of a glob) is in the tree."""
+    cited = cited_paths()
+    assert len(cited) > 150  # the pattern still finds the docs' citations
+    missing = sorted({f"{doc}: {p}" for doc, p in cited if not list(RESULTS.glob(p))})
+    assert not missing, "results named in the docs but not in benchmarks/results:\n" + "\n".join(missing)
+
+
+def test_the_citation_check_finds_what_it_should(tmp_path):
+    text = ("see `benchmarks/results/muse/a-{b,c}-h200.json`, `ppl/x-h200.json`, niah/y-{1..2}-h200.json, "
+            "`lola/*.json` and `benchmarks/results/TASK/NAME.json`, docs/PERFORMANCE.md")
+    found = [p for m in CITED.finditer(text) for p in expand(m.group(0).removeprefix("benchmarks/results/"))
+             if not re.search(r"[A-Z]{3,}", p)]
+    assert found == ["muse/a-b-h200.json", "muse/a-c-h200.json", "ppl/x-h200.json", "niah/y-1-h200.json",
+                     "niah/y-2-h200.json", "lola/*.json"]

@@ -79,6 +79,8 @@ def register_temp_method() -> str:
     @dataclass
     class TempConfig(MethodConfig):
         init: float = base.option(0.5, "initial log inverse temperature")
+        noise: float = base.option(0.0, "training forwards scale the queries by 1 + noise * N(0, 1) (draws from the "
+                                        "RNG, as a dropout would)", min=0.0)
 
     class TempAttention(PatchedAttention):
         method_name = TEMP_METHOD
@@ -91,6 +93,8 @@ def register_temp_method() -> str:
             if cache_layer is not None:
                 k, v = cache_layer.update(k, v)
             q = q * self.log_t.exp().to(q.dtype)[None, :, None, None]
+            if self.training and self.method_config.noise:
+                q = q * (1 + self.method_config.noise * torch.randn_like(q))
             return softmax_attention(q, k, v, scale=self.scaling, key_mask=key_mask_for(padding, k.shape[2]))
 
     class TempMethod(Method):
@@ -206,6 +210,59 @@ def test_recipe_errors_name_the_key(override, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stages.0.lr=.nan", "stages.0.lr: nan is not a finite number; allowed: a number > 0"),
+        ("stages.0.lr=.inf", "stages.0.lr: inf is not a finite number; allowed: a number > 0"),
+        ("stages.0.lr=nan", "stages.0.lr: nan is not a finite number"),  # the string form too
+        ("stages.0.method_lr=-.inf", "stages.0.method_lr: -inf is not a finite number; allowed: a number > 0 or null"),
+        ("stages.0.weight_decay=.nan", "stages.0.weight_decay: nan is not a finite number; allowed: a number >= 0.0"),
+        ("stages.0.betas=[.nan, 0.999]", "stages.0.betas: nan is not a finite number; allowed: a number in 0.0..0.999999"),
+        ("stages.0.min_lr_ratio=.nan", "stages.0.min_lr_ratio: nan is not a finite number"),
+        ("stages.0.max_grad_norm=.inf", "stages.0.max_grad_norm: inf is not a finite number"),
+        ("stages.0.max_time_s=.inf", "stages.0.max_time_s: inf is not a finite number; allowed: a number >= 0.0 or null"),
+        ("stages.1.lora.alpha=.inf", "stages.1.lora.alpha: inf is not a finite number"),
+        ("stages.1.lora.dropout=.nan", "stages.1.lora.dropout: nan is not a finite number"),
+        ("data.eval_fraction=.nan", "data.eval_fraction: nan is not a finite number"),
+        ("stages.0.steps=.nan", "stages.0.steps: expected int, got nan"),
+        ("stages.0.steps=100000000000000000000", "stages.0.steps: 100000000000000000000 is too large; must be <= "
+                                                 "2147483647 (2**31 - 1)"),
+        ("stages.0.seq_len=1.0e+30", "stages.0.seq_len: 1e+30 is too large; must be <= 2147483647"),
+        ("stages.1.lora.r=4294967296", "stages.1.lora.r: 4294967296 is too large"),
+        ("seed=99999999999", "seed: 99999999999 is too large"),
+        ("data.max_tokens=100000000000000000000", "data.max_tokens: 100000000000000000000 is too large; must be <= "
+                                                  "9223372036854775807 (2**63 - 1"),
+        ("method_config.window=.nan", "method: LolcatsConfig: bad value nan for window"),
+        ("method_config.lora_alpha=.inf", "method: LolcatsConfig: lora_alpha=inf is not a finite number"),
+    ],
+)
+def test_recipe_refuses_non_finite_and_overflowing_values(override, message):
+    from longctx_patch.train import load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe(REPO / "recipes" / "linearize.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_nan_lr_fails_the_dry_run_and_the_run_before_any_model_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    raw = (REPO / "recipes" / "linearize.yaml").read_text()
+    assert "lr: 1.0e-2" in raw
+    rec = tmp_path / "nan.yaml"
+    rec.write_text(raw.replace("lr: 1.0e-2", "lr: .nan", 1))
+    plan = CliRunner().invoke(finetune_cmd, [str(rec), "--dry-run"])
+    assert plan.exit_code != 0 and "stages.0.lr: nan is not a finite number" in plan.output, plan.output
+    assert "# total tokens" not in plan.output
+    # a model that does not exist: the recipe is refused before the load is tried
+    run = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "o")])
+    assert run.exit_code != 0 and "stages.0.lr: nan is not a finite number" in run.output, run.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_recipe_missing_file_and_no_stages(tmp_path):
     from longctx_patch.train import load_recipe
 
@@ -254,6 +311,22 @@ def test_text_dir_reading_packing_and_order(tmp_path):
         local_slice(b, 0, 3)
     with pytest.raises(ConfigError, match="no such file"):
         text_files(tmp_path / "missing")
+
+
+def test_binary_training_text_is_refused_before_the_model_loads(tiny_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    binary = tmp_path / "x.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    d = recipe_dict(tmp_path / "no-model", tmp_path / "unused.txt", method=None)
+    d["stages"] = d["stages"][1:]  # a next-token LoRA stage of the unpatched model
+    rec = write_recipe(tmp_path / "r.yaml", d)
+    r = CliRunner().invoke(finetune_cmd, [str(rec), "--text", str(binary), "--output", str(tmp_path / "o")])
+    assert r.exit_code != 0
+    assert f"error: --text {str(binary)!r}: {binary} is not text (a NUL byte at offset 0)" in r.output, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "o").exists()
 
 
 def test_dataset_sources(tmp_path):

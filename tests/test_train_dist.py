@@ -43,8 +43,11 @@ def hook(event, args):
         if isinstance(path, (str, bytes, os.PathLike)) and (flags or 0) & WRITE and under(path):
             events.append([event, os.fsdecode(path)])
     elif event in ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.replace", "shutil.copyfile"):
-        if args and isinstance(args[0], (str, bytes, os.PathLike)) and under(args[0]):
-            events.append([event, os.fsdecode(args[0])])
+        # a rename writes its destination too (folders are written beside their place, then renamed into it)
+        ends = args[:2] if event in ("os.rename", "os.replace") else args[:1]
+        for end in ends:
+            if isinstance(end, (str, bytes, os.PathLike)) and under(end):
+                events.append([event, os.fsdecode(end)])
 
 sys.path[:0] = [os.environ["AUDIT_REPO"], os.environ["AUDIT_TESTS"]]
 import test_train

@@ -1,4 +1,4 @@
-"""evals/bench/train_throughput.py in its CPU smoke mode: both stages through the runner's step, and a merged file."""
+"""benchmarks/train/bench_train_throughput.py in its CPU smoke mode: both stages through the runner's step, and a merged file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 
 def test_train_throughput_smoke(tmp_path):
-    from evals.bench import train_throughput
+    from benchmarks.train import bench_train_throughput as train_throughput
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -37,7 +37,7 @@ def test_train_throughput_smoke(tmp_path):
 def test_train_throughput_other_methods(tmp_path):
     """--method: the OVQ hybrid's two stages (OVQ on even layers, sliding window on the others) and the unpatched
     reference's LoRA stage alone (no method parameters trained)."""
-    from evals.bench import train_throughput
+    from benchmarks.train import bench_train_throughput as train_throughput
 
     common = ["--device", "cpu", "--seq", "64", "--batch", "1", "--layers", "2", "--vocab", "512", "--steps", "1",
               "--warmup", "0"]

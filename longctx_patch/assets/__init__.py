@@ -139,7 +139,9 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
         return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
     save_file(cast(read_method_weights(src)), str(out / PATCH_WEIGHTS))
-    shutil.copy(rec, out / PATCH_JSON)
+    record = json.loads(rec.read_text())
+    record.pop("files", None)  # the sizes of the run folder's files, which the asset does not hold all of
+    (out / PATCH_JSON).write_text(json.dumps(record, indent=2))
     adapter = src / ADAPTER_DIR
     if (adapter / "adapter_config.json").exists():
         (out / ADAPTER_DIR).mkdir(exist_ok=True)

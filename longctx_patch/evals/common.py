@@ -55,14 +55,14 @@ def user_results_dir() -> Path:
 
 def default_results_dir(cwd: str | os.PathLike | None = None) -> Path:
     """Where results go when no output folder is given: $LONGCTX_RESULTS when set; else, run from inside a checkout
-    of this repository (`cwd`, default the working directory), its evals/results; else `user_results_dir()`.
+    of this repository (`cwd`, default the working directory), its benchmarks/results; else `user_results_dir()`.
     An explicit folder (the CLI's --out-dir, a function's out_dir) always wins over this."""
     env = os.environ.get(RESULTS_ENV)
     if env:
         return Path(env).expanduser()
     root = repo_root(cwd)
     if root is not None:
-        return root / "evals" / "results"
+        return root / "benchmarks" / "results"
     return user_results_dir()
 
 

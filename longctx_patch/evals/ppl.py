@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from ..texts import text_files
+from ..texts import read_text, text_files
 from .common import RESULTS_DEFAULT, output_dir, MethodRun, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
 LOSS_CHUNK = 1024  # tokens per chunk of the output projection (keeps [chunk, vocab] logits small)
@@ -36,7 +36,7 @@ def load_texts(
     if text is not None:
         sources = [text] if isinstance(text, (str, Path)) else list(text)
         for src in sources:
-            docs += [f.read_text(encoding="utf-8", errors="replace") for f in text_files(src, option=option, skip_meta=True)]
+            docs += [read_text(f, option) for f in text_files(src, option=option, skip_meta=True)]
     else:
         docs = _dataset_texts(dataset, split, field, max_docs)
     docs = [d for d in docs if d.strip()]

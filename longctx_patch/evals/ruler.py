@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ConfigError
 from ..generation import has_chat_template
+from ..texts import binary_reason, read_text
 from . import niah
 from .common import RESULTS_DEFAULT, MethodRun, output_dir, applied, begin_run, default_name, format_table, load_model, pyplot, size_label, write_result
 
@@ -150,7 +151,9 @@ def python_source(root: str | Path | None = None, max_chars: int = STDLIB_CHARS)
     files.sort(key=lambda p: p.relative_to(root).parts)
     docs, n = [], 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace").strip()
+        if binary_reason(f) is not None:  # the one rule of text inputs (texts.py): a folder's binary files are skipped
+            continue
+        text = read_text(f).strip()
         if text:
             docs.append(text)
             n += len(text) + 2

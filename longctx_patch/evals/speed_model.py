@@ -106,29 +106,32 @@ class _StepMarks:
         return self.timer.span_ms(a + 1, b + 1) / 1e3
 
 
-def timed_generate(model, ids, new_tokens: int, extra: dict, decode_base: int | None = None):
-    """Seconds of one generate() call with `new_tokens` greedy tokens; with `decode_base`, also the seconds of its
-    decode steps decode_base .. new_tokens - 1 (from the end of step decode_base - 1 to the end of the last),
-    timed inside the same call: the prefill's jitter stays out of the decode time."""
+RANGES = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode steps whose mean ms a cell reports (1 = the first)
+
+
+def timed_generate(model, ids, new_tokens: int, extra: dict, marked: bool = False):
+    """One greedy generate() call of `new_tokens` tokens: its wall seconds; `marked`: also the milliseconds of each
+    forward (0: the prefill with the first token, then one per decode step), from CUDA events a logits processor
+    records after each step (no synchronisation: the steps run as they would unobserved)."""
     import torch
     from transformers import LogitsProcessorList
 
     device = ids.device
-    marks = _StepMarks(device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               attention_mask=torch.ones_like(ids), pad_token_id=0, **extra)
-    if decode_base is not None:
-        kw["logits_processor"] = LogitsProcessorList([marks])
     _sync(device)
+    marks = _StepMarks(device) if marked else None
+    if marks is not None:
+        kw["logits_processor"] = LogitsProcessorList([marks])
     t0 = time.perf_counter()
     model.generate(ids, **kw)
     _sync(device)
     total = time.perf_counter() - t0
-    if decode_base is None:
+    if marks is None:
         return total
     if marks.steps != new_tokens:
         raise RuntimeError(f"generate() ran {marks.steps} steps for {new_tokens} new tokens")
-    return total, marks.seconds(decode_base - 1, new_tokens - 1)
+    return total, [marks.timer.span_ms(i, i + 1) for i in range(new_tokens)]
 
 
 def _prefill(model, ids, chunk: int | None, last: dict) -> None:
@@ -144,14 +147,26 @@ def _prefill(model, ids, chunk: int | None, last: dict) -> None:
         cache = model(input_ids=ids[:, s:s + chunk], use_cache=True, **{name: cache}, **last).past_key_values
 
 
-def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: int, vocab: int, bandwidth: float,
-              weights: int, generate_kwargs: dict | None = None, seed: int = 0, decode_base: int = 1,
+def step_ranges(step_ms: list[float]) -> dict[str, float]:
+    """Mean milliseconds of the decode steps in each of RANGES that the call reached (step_ms[0] is the prefill)."""
+    out = {}
+    for a, b in RANGES:
+        part = step_ms[a:b + 1]
+        if part:
+            out[f"{a}-{b}"] = round(sum(part) / len(part), 4)
+    return out
+
+
+def time_cell(model, *, batch: int, context: int, calls: Sequence[int], repeats: int, vocab: int, bandwidth: float,
+              weights: int, generate_kwargs: dict | None = None, seed: int = 0,
               prefill_chunk: int | None = None) -> dict[str, Any]:
-    """One (batch, context) cell of one method: prefill, generate()'s decode, floor, memory. Decode time: the steps
-    decode_base .. decode_base + decode_tokens - 1 of one generate() call (a base past the first steps measures
-    the steady state, e.g. once decode graphs are captured). `prefill_chunk`: the prompt goes through the model in
-    chunks of that many tokens (generate()'s `prefill_chunk_size`), so that the prefill's activations, not only the
-    cache, stay bounded: what a constant-state method needs for constant memory."""
+    """One (batch, context) cell of one method, as a user meets it: the prefill (median of `repeats`), then one
+    generate() call per entry of `calls` (new tokens), in order, each timed whole and step by step from its first
+    decode step: tokens/s over the call's whole decode (steps 1 .. N-1: batch x (N-1) tokens), the mean ms of the
+    steps in each of RANGES, the steady state (the last range the longest call reached) and the warm-up ratio (steps
+    1-16 against it), peak memory of the call. A short call at this batch comes first (kernels compiled, decode
+    graphs of this batch shape known: what any earlier call at this batch leaves). `prefill_chunk`: the prompt goes
+    through the model in chunks of that many tokens (generate()'s `prefill_chunk_size`)."""
     import torch
 
     device = next(model.parameters()).device
@@ -161,11 +176,11 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
         extra["prefill_chunk_size"] = prefill_chunk
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(min(100, vocab - 1), vocab, (batch, context), generator=gen).to(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    cuda = device.type == "cuda"
     prefill = []
+    calls = sorted({int(n) for n in calls if int(n) >= 2})
+    row: dict[str, Any] = {"calls": {}}
     with torch.no_grad():
         if timed_prefill:
             for _ in range(repeats):
@@ -178,32 +193,40 @@ def time_cell(model, *, batch: int, context: int, decode_tokens: int, repeats: i
             # transformers compiles the static-cache decode step at the first generate() of a new cache length;
             # later calls of that length (and shorter ones: the cache keeps the longest length) reuse it, so one
             # untimed call keeps the compilation out of the times below
-            timed_generate(model, ids, decode_base + decode_tokens, extra)
-        one = None
-        decode_s = None
-        if decode_tokens:
-            runs = [timed_generate(model, ids, decode_base + decode_tokens, extra, decode_base) for _ in range(repeats)]
-            one = statistics.median(t for t, _ in runs)
-            decode_s = statistics.median(d for _, d in runs)
-        elif extra:
-            one = statistics.median(timed_generate(model, ids, decode_base, extra) for _ in range(repeats))
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    state = state_bytes(model, context + decode_tokens, batch)
+            timed_generate(model, ids, max(calls, default=2), extra)
+        else:
+            timed_generate(model, ids[:, :min(context, 2048)], 4, extra)  # the short call at this batch
+        steps = None
+        for n in calls:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            total, steps = timed_generate(model, ids, n, extra, marked=True)
+            decode_ms = sum(steps[1:])
+            row["calls"][str(n)] = {
+                "generate_s": round(total, 5), "prefill_s": round(steps[0] / 1e3, 5),
+                "decode_tok_s": round(batch * (n - 1) / (decode_ms / 1e3), 2),
+                "ms_per_step": round(decode_ms / (n - 1), 4), "step_ms": step_ranges(steps),
+                "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+    state = state_bytes(model, context + max(calls, default=0), batch)
     # read once, at the rate a device copy moves bytes (its reads plus its writes): a copy of the same bytes takes
     # twice as long, since it also writes them
     floor_ms = 1e3 * (weights + state) / bandwidth
-    row: dict[str, Any] = {
+    row.update({
         "prefill_s": round(statistics.median(prefill), 5) if prefill else None,
-        "generate_s": None if one is None else round(one, 5),
         "decode_tok_s": None, "ms_per_step": None,
         "floor_ms": round(floor_ms, 4),
-        "peak_mem_bytes": peak,
+        "peak_mem_bytes": max((c["peak_mem_bytes"] for c in row["calls"].values()
+                               if c["peak_mem_bytes"] is not None), default=None),
         "state_bytes": state,
-    }
-    if decode_s is not None:
-        step_ms = 1e3 * decode_s / decode_tokens
-        row.update(decode_tok_s=round(batch * decode_tokens / decode_s, 2), ms_per_step=round(step_ms, 4),
-                   floor_ratio=round(step_ms / floor_ms, 3))
+    })
+    if steps is not None:  # the longest call
+        longest = row["calls"][str(calls[-1])]
+        ranges = longest["step_ms"]
+        steady = ranges[list(ranges)[-1]]
+        row.update(decode_tok_s=longest["decode_tok_s"], ms_per_step=longest["ms_per_step"], step_ms=ranges,
+                   steady_ms=steady, warmup_ratio=round(ranges["1-16"] / steady, 3) if "1-16" in ranges else None,
+                   generate_s=longest["generate_s"], floor_ratio=round(steady / floor_ms, 3))
     return row
 
 
@@ -223,8 +246,7 @@ def run_model_speed(
     *,
     contexts: Sequence[int] = (1024, 4096),
     batches: Sequence[int] = (1,),
-    decode_tokens: int = 32,
-    decode_base: int = 1,
+    calls: Sequence[int] = (32,),
     repeats: int = 3,
     static: bool = False,
     cells: Sequence[tuple[int, int]] | None = None,
@@ -243,8 +265,10 @@ def run_model_speed(
         contexts = sorted({c for _, c in cells})
     else:
         cells = [(b, c) for b in batches for c in contexts]
-    if repeats < 1 or decode_tokens < 0 or decode_base < 1 or not batches or min(batches) < 1:
-        raise ConfigError("--repeats must be >= 1, --decode-tokens >= 0, --decode-base >= 1 and every --batch >= 1")
+    calls = [int(n) for n in calls]
+    if repeats < 1 or any(n < 2 for n in calls) or not batches or min(batches) < 1:
+        raise ConfigError("--repeats must be >= 1, every --decode-tokens call >= 2 new tokens (a prefill and a "
+                          "decode step) and every --batch >= 1")
     model_name = begin_run(model, model_name)
     mdl, _ = load_model(model)
     device = next(mdl.parameters()).device
@@ -263,12 +287,15 @@ def run_model_speed(
         done = [p[0] for p in plan if p[0] in rows]
         figures: dict[str, Any] = {
             "level": "model", "layout": "results[method][b<batch>][context]",
-            "contexts": list(contexts), "batches": list(batches), "decode_tokens": decode_tokens, "repeats": repeats,
-            "decode_timing": (f"one generate() call of B+N new tokens, N = decode_tokens, B = {decode_base}: the time "
-                              "from the end of step B-1 to the end of step B+N-1 (CUDA events recorded by a logits "
-                              "processor, no synchronisation), the median of `repeats` calls; generate_s: the "
-                              "whole call"),
-            "decode_base": decode_base, "prefill_chunk": prefill_chunk,
+            "contexts": list(contexts), "batches": list(batches), "calls": calls, "repeats": repeats,
+            "decode_timing": ("per cell, after one short generate() call at its batch (4 new tokens, at most 2048 "
+                              "prompt tokens), one greedy generate() call of N new tokens per entry of `calls`, in "
+                              "order, each timed from its first decode step: calls[N].decode_tok_s = batch x (N-1) "
+                              "/ the time of decode steps 1 .. N-1 (CUDA events a logits processor records after each "
+                              "step, no synchronisation); step_ms: the mean ms of the steps in each range (step 1 = "
+                              "the first decode step); steady_ms: the last range of the longest call; warmup_ratio: "
+                              "steps 1-16 against it; decode_tok_s / ms_per_step / generate_s: the longest call"),
+            "prefill_chunk": prefill_chunk, "max_batch": _max_batches(rows, device),
             "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
             "floor": "(weights_bytes + state_bytes) / copy_bandwidth_Bps: every byte read once at the copy's rate "
                      "of bytes moved (read + written)",
@@ -292,14 +319,12 @@ def run_model_speed(
         for label, run, extra in plan:
             rows[label] = {}
             with applied(mdl, run):
-                common = dict(decode_tokens=min(decode_tokens, 2), repeats=1, vocab=vocab, bandwidth=bw,
-                              weights=weights, generate_kwargs=extra)
+                common = dict(calls=(2,), repeats=1, vocab=vocab, bandwidth=bw, weights=weights, generate_kwargs=extra)
                 _cell_or_error(time_cell, model=mdl, batch=min(batches), context=min(contexts), **common)  # warm-up
                 for B, C in cells:
-                    cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, decode_tokens=decode_tokens,
+                    cell = _cell_or_error(time_cell, model=mdl, batch=B, context=C, calls=calls,
                                           repeats=repeats, vocab=vocab, bandwidth=bw, weights=weights,
-                                          generate_kwargs=extra, decode_base=decode_base,
-                                          prefill_chunk=prefill_chunk)
+                                          generate_kwargs=extra, prefill_chunk=prefill_chunk)
                     rows[label].setdefault(f"b{B}", {})[size_label(C)] = cell
                     echo(f"  {label} batch {B} @ {size_label(C)}: {cell}")
                 if extra:
@@ -312,10 +337,13 @@ def run_model_speed(
         mdl.train(was_training)
     labels = [p[0] for p in plan]
     figures = figures_of(rows)
-    header = ["method", "batch", "context", "prefill s", "decode tok/s", "ms/step", "floor ms", "peak MiB", "state MiB"]
-    table = [[lab, b[1:], c, r.get("prefill_s"), r.get("decode_tok_s"), r.get("ms_per_step"), r.get("floor_ms"),
-              None if r.get("peak_mem_bytes") is None else round(r["peak_mem_bytes"] / 2**20, 1),
-              None if "state_bytes" not in r else round(r["state_bytes"] / 2**20, 2)]
+    header = ["method", "batch", "context", "prefill s"] + [f"tok/s {n}" for n in calls] + \
+        ["steps 1-16 ms", "steady ms", "floor ms", "peak MiB", "state MiB"]
+    table = [[lab, b[1:], c, r.get("prefill_s")]
+             + [r.get("calls", {}).get(str(n), {}).get("decode_tok_s") for n in calls]
+             + [r.get("step_ms", {}).get("1-16"), r.get("steady_ms"), r.get("floor_ms"),
+                None if r.get("peak_mem_bytes") is None else round(r["peak_mem_bytes"] / 2**20, 1),
+                None if "state_bytes" not in r else round(r["state_bytes"] / 2**20, 2)]
              for lab in labels for b, per in rows[lab].items() for c, r in per.items()]
     echo(format_table(header, table))
     result = {"figures": figures}
@@ -325,6 +353,32 @@ def run_model_speed(
         echo(f"wrote {path} and {png}")
         result.update({"json": str(path), "png": str(png)})
     return result
+
+
+def _max_batches(rows, device) -> dict:
+    """Per method and context with cells at two or more batches: the largest batch whose generate() fits the device,
+    from the measured peaks (a peak is affine in the batch: weights and fixed buffers, plus per-row state and
+    activations; the two largest batches give the line). None where no device memory is known (the CPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    total = torch.cuda.get_device_properties(device).total_memory
+    out: dict = {}
+    for lab, per_b in rows.items():
+        by_ctx: dict = {}
+        for b, per in per_b.items():
+            for c, r in per.items():
+                if r.get("peak_mem_bytes"):
+                    by_ctx.setdefault(c, []).append((int(b[1:]), r["peak_mem_bytes"]))
+        for c, pts in by_ctx.items():
+            pts.sort()
+            if len(pts) >= 2 and pts[-1][0] > pts[-2][0]:
+                (b1, p1), (b2, p2) = pts[-2], pts[-1]
+                slope = (p2 - p1) / (b2 - b1)
+                if slope > 0:
+                    out.setdefault(lab, {})[c] = int((total - (p2 - slope * b2)) // slope)
+    return out
 
 
 def _speedups(rows, ref: str, labels) -> dict:

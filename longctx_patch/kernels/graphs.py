@@ -9,6 +9,18 @@ from __future__ import annotations
 import torch
 
 _CAPTURE_STREAMS: dict = {}
+# set while the CPU stand-in of a CUDA graph (decode_graphs.SIMULATE, tests) records or replays a step: what a step
+# skips under a real capture it skips then too (`capturing`)
+SIMULATED_CAPTURE = False
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the work now issued for `device` is being recorded into a CUDA graph (or its CPU stand-in): host
+    values read now would be baked into every replay, so code keeping a device copy of a host value in step skips
+    refreshing it then (the recorded step must move the device copy itself)."""
+    if SIMULATED_CAPTURE:
+        return True
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def capture_graph(fn, device: torch.device | int | None = None, pool=None):

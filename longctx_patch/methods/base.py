@@ -6,6 +6,7 @@ See docs/ARCHITECTURE.md ("The method contract").
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -22,8 +23,15 @@ from ..patch_state import PatchContext
 
 
 # ----------------------------------------------------------------------------------------------- config
+# The largest value of an int option without a `max` of its own: token counts, sizes and offsets reach the kernels as
+# 32-bit integers (and a Python int past 2**63 cannot become a tensor at all: window=10**20 overflowed at the forward).
+INT_OPTION_MAX = 2**31 - 1
+
+
 def option(default, help: str, choices=None, min=None, max=None, **kw):
-    """A config field with a help text and optional allowed values / range (checked by validate())."""
+    """A config field with a help text and optional allowed values / range (checked by validate()). Whatever the
+    range, a float option must be finite (NaN passes every comparison, so it is refused by name) and an int option
+    at most INT_OPTION_MAX in size."""
     meta = {"help": help, "choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
@@ -102,9 +110,20 @@ def _coerce(f: dataclasses.Field, value, cls_name: str):
             return float(value)
         if t is str:
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{cls_name}: bad value {value!r} for {f.name}; allowed: {_allowed(f)}") from None
     return value
+
+
+def _check_size(f: dataclasses.Field, v, cls_name: str) -> None:
+    """The rule of every numeric option, whatever its range: a float is finite, an int fits INT_OPTION_MAX."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{cls_name}: {f.name}={v!r} is not a finite number; allowed: {_allowed(f)}")
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_OPTION_MAX:
+        big = v > 0
+        raise ConfigError(f"{cls_name}: {f.name}={v} is too {'large' if big else 'small'}; allowed: {_allowed(f)}, "
+                          f"{'at most' if big else 'at least'} {'' if big else '-'}{INT_OPTION_MAX} (2**31 - 1: token "
+                          "counts and offsets reach the kernels as 32-bit integers)")
 
 
 @dataclass
@@ -135,6 +154,7 @@ class MethodConfig:
                     raise ConfigError(f"{type(self).__name__}: {f.name}=None is not allowed; allowed: {_allowed(f)}")
                 continue
             v = _coerce(f, v, type(self).__name__)
+            _check_size(f, v, type(self).__name__)
             setattr(self, f.name, v)
             bad = (
                 (m.get("choices") is not None and v not in m["choices"])
@@ -331,6 +351,10 @@ class Method:
     # check_layers refuses such layers
     keeps_model_window: ClassVar[bool] = False
     window_conflict: ClassVar[str] = "does not keep a layer's sliding window"
+    # its decode state does not grow with the context (a window, a linear state, dictionaries): a model patched with
+    # such methods on every layer prefills long prompts in chunks by default (patcher.set_prefill_chunk), so that the
+    # prefill's activations, not only the state, stay bounded
+    bounded_state: ClassVar[bool] = False
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)

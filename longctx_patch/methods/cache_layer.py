@@ -56,6 +56,12 @@ class LongctxLayer(CacheLayerMixin):
         layer's step cannot be replayed (the default: the state is replaced, not updated in place)."""
         return None
 
+    def graph_variants(self) -> list[dict]:
+        """Host states (values of `host_fields`) under which a later decode step of this cache will take another
+        `graph_key()` than the next one (e.g. the step that ends a chunk), so that its graph can be captured ahead
+        of the decode (decode_graphs.py); the default: none."""
+        return []
+
     def host_state(self) -> dict:
         return {f: getattr(self, f) for f in self.host_fields}
 

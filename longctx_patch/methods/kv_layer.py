@@ -20,6 +20,13 @@ Multi-token calls (a prefill, a chunk) attend with the causal and window rules o
 
 Gradients: keys are stored detached; a call with gradients attends over its own keys with their history, but not
 through the keys of earlier calls (training runs with `use_cache=False`).
+
+Cropping (transformers' assisted generation verifies several candidate tokens in one forward, then `crop`s the
+rejected ones): full attention drops the last tokens by their mask. A full ring has overwritten the oldest tokens
+with the candidates, so after `activate_past_recording()` (which transformers calls once the prefill is done) each
+forward over a full ring keeps what it attended to, the kept past and its new tokens in positional order (a view it
+computes anyway, held until the next forward), and `crop` rewrites the ring from it. Such forwards run eagerly
+(`graph_key` None), one-token ones through the multi-token path.
 """
 
 from __future__ import annotations
@@ -65,6 +72,17 @@ class KVView(NamedTuple):
     window: int | None
 
 
+class Undo(NamedTuple):
+    """What a forward over a full ring attended to (kept while past recording is on): `crop` rewinds the ring from
+    it to any length from `start` (the forward's first token) on."""
+
+    start: int
+    first: int  # the token of keys[:, :, 0]
+    keys: torch.Tensor  # [B, Hkv, L, D]: tokens first .. first + L - 1 in positional order
+    values: torch.Tensor
+    valid: torch.Tensor | None  # [B, L] (True = real token), None: every token real
+
+
 class KVBufferLayer(LongctxLayer):
     """Preallocated K/V of an exact layer (window None) or a windowed one (a ring of `window` slots once full)."""
 
@@ -75,6 +93,13 @@ class KVBufferLayer(LongctxLayer):
     def __init__(self, window: int | None = None):
         super().__init__()
         self.window = window
+        self.record_past = False  # transformers' flag: crop() must be able to take back the last forward's tokens
+        self._undo: Undo | None = None  # what the last forward over a full ring attended to, while recording
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers calls this before a generation that crops (assisted generation): from now on a forward over
+        a full ring keeps what `crop` needs to take its tokens back."""
+        self.record_past = True
 
     @property
     def capacity(self) -> int:
@@ -90,6 +115,8 @@ class KVBufferLayer(LongctxLayer):
         # a step's launches are sized by the capacity; a step that would overflow grows the buffer (eagerly)
         if self.keys is None or (not self.ring and self.seen + 1 > self.capacity):
             return None
+        if self.record_past and self.ring:  # the step keeps what crop needs: eagerly, through the multi-token path
+            return None
         return ("kv", self.capacity)
 
     # -- the attention module's entry point -----------------------------------------------------------------
@@ -98,8 +125,9 @@ class KVBufferLayer(LongctxLayer):
         and returns what the S queries attend to."""
         S = k.shape[2]
         grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        self._undo = None  # crop takes back the tokens of the last forward only
         self._reserve(self.seen + S, k)
-        if S == 1 and not grad:
+        if S == 1 and not grad and not (self.record_past and self.ring):
             return self._step(k, v, padding)
         start, end = self.seen, self.seen + S
         if end <= self.capacity:  # positional order: the buffer's first `end` slots
@@ -115,9 +143,12 @@ class KVBufferLayer(LongctxLayer):
         idx = (torch.arange(start - n_past, start) % self.capacity).to(k.device)
         keys = torch.cat([self.keys.index_select(2, idx), k], dim=2)
         values = torch.cat([self.values.index_select(2, idx), v], dim=2)
+        valid = key_mask_for(padding, n_past + S)
+        if self.record_past:
+            self._undo = Undo(start, start - n_past, keys.detach(), values.detach(), valid)
         m = min(S, self.capacity)
         self._write(k[:, :, S - m:], v[:, :, S - m:], padding, end - m)
-        return KVView(keys, values, key_mask_for(padding, n_past + S), None, self.window)
+        return KVView(keys, values, valid, None, self.window)
 
     # -- storage -----------------------------------------------------------------------------------------------
     def _reserve(self, tokens: int, like: torch.Tensor) -> None:
@@ -183,17 +214,47 @@ class KVBufferLayer(LongctxLayer):
 
     # -- what transformers asks ---------------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        """Drops the last `-tokens_to_remove` tokens (transformers' convention: a negative count), as DynamicLayer.
-        A ring cannot: the tokens before its window are gone."""
+        """Drops the last `-tokens_to_remove` tokens (transformers' convention: a negative count), as DynamicLayer. A
+        full ring can drop the tokens of its last forward when past recording is on (`activate_past_recording`,
+        which transformers' assisted generation calls); earlier tokens are gone from it."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        undo, self._undo = self._undo, None
         n = -tokens_to_remove
         if n == 0 or self.keys is None:
             return
-        if self.ring and self.seen > self.capacity:
-            raise NotImplementedError(f"{type(self).__name__} of a window of {self.window} tokens cannot drop tokens "
-                                      "once it is full (the tokens before its window are gone)")
         n = min(n, self.seen)
+        if self.ring and self.seen > self.capacity:  # slots were reused: the dropped tokens overwrote older ones
+            if undo is None or self.seen - n < undo.start:
+                why = (f"{n} asked, it can drop the {self.seen - undo.start} tokens of its last forward"
+                       if undo is not None else "it can drop the tokens of its last forward once past recording is on "
+                       "(cache.activate_past_recording(), as transformers' assisted generation does)")
+                raise NotImplementedError(f"{type(self).__name__} of a window of {self.window} tokens cannot drop tokens "
+                                          f"once it is full (the tokens before its window are gone): {why}")
+            self._rewind(undo, self.seen - n)
+            return
         self.mask[:, self.seen - n:self.seen] = False
         self.seen -= n
         self.pos.fill_(self.seen % self.capacity)
+
+    def _rewind(self, undo: "Undo", seen: int) -> None:
+        """The ring as it was after token `seen - 1` (at least the last forward's first token), from what that forward
+        attended to: its last `capacity - 1` tokens in their slots (the slot of the next token holds none of its
+        window; it is written before it is read)."""
+        cap = self.capacity
+        tokens = torch.arange(max(seen - cap + 1, 0), seen)
+        slots = (tokens % cap).to(self.keys.device)
+        src = (tokens - undo.first).to(self.keys.device)
+        self.keys.index_copy_(2, slots, undo.keys.index_select(2, src).to(self.keys.dtype))
+        self.values.index_copy_(2, slots, undo.values.index_select(2, src).to(self.values.dtype))
+        self.mask.fill_(False)
+        if undo.valid is None:
+            self.mask.index_fill_(1, slots, True)
+        else:
+            self.mask.index_copy_(1, slots, undo.valid.index_select(1, src).bool())
+        self.seen = seen
+        self.pos.fill_(seen % cap)
+
+    def reset(self) -> None:
+        super().reset()
+        self._undo = None

@@ -17,13 +17,13 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..texts import text_files
+from ..texts import read_text, text_files
 
 
 def read_text_documents(path: str | os.PathLike) -> list[str]:
     docs = []
     for f in text_files(path):
-        text = f.read_text(encoding="utf-8", errors="replace")
+        text = read_text(f)
         if text.strip():
             docs.append(text)
     if not docs:

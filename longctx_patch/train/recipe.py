@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,6 +37,11 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("auto", "keep")
 LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The largest int a recipe key takes unless it says otherwise (steps, sizes, seeds: 32-bit counts and seeds), and the
+# largest token count (data.max_tokens: an int64 index).
+INT_MAX = 2**31 - 1
+INDEX_MAX = 2**63 - 1
+_BOUND_NOTE = {INT_MAX: " (2**31 - 1)", INDEX_MAX: " (2**63 - 1, the largest int64 index)"}
 
 
 # ----------------------------------------------------------------------------------------------- schema
@@ -234,19 +240,43 @@ def _build(cls, raw: Any, where: str):
     return cls(**raw)
 
 
-def _check_type(where: str, value: Any, kind, *, optional: bool = False, minimum=None, maximum=None, choices=None):
+def _allowed(kind, optional: bool, minimum, maximum, above) -> str:
+    """What a numeric key accepts, in words: 'a number > 0', 'an integer >= 1', 'a number in 0.0..1.0 or null'."""
+    noun = "an integer" if kind is int else "a number"
+    if above is not None:
+        rng = f" > {above}"
+    elif minimum is not None and maximum is not None:
+        rng = f" in {minimum}..{maximum}"
+    elif minimum is not None:
+        rng = f" >= {minimum}"
+    elif maximum is not None:
+        rng = f" <= {maximum}"
+    else:
+        rng = ""
+    return noun + rng + (" or null" if optional else "")
+
+
+def _check_type(where: str, value: Any, kind, *, optional: bool = False, minimum=None, maximum=None, choices=None,
+                above=None):
+    """`value` as `kind`, or a ConfigError naming `where`, the value and what is allowed. Numbers: a float must be
+    finite (NaN passes every comparison: refused by name), an int at most `maximum` (default INT_MAX); `above`: a
+    strict lower bound."""
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{where} must be set (got null)")
+    shown = value
     if kind is float:
         value = _float_like(value)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        shown = value
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
         if not ok and isinstance(value, float) and value.is_integer():
             value, ok = int(value), True
+        if maximum is None:
+            maximum = INT_MAX
     elif kind is bool:
         ok = isinstance(value, bool)
     elif kind is str:
@@ -258,12 +288,17 @@ def _check_type(where: str, value: Any, kind, *, optional: bool = False, minimum
     if not ok:
         name = getattr(kind, "__name__", str(kind))
         raise ConfigError(f"{where}: expected {name}{' or null' if optional else ''}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: {value!r} is not a finite number; allowed: "
+                          f"{_allowed(kind, optional, minimum, maximum, above)}")
     if choices is not None and value not in choices:
         raise ConfigError(f"{where}: bad value {value!r}; allowed: {', '.join(repr(c) for c in choices)}")
+    if above is not None and value <= above:
+        raise ConfigError(f"{where}: {shown!r} is too small; must be > {above}")
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{where}: {value!r} is too small; must be >= {minimum}")
+        raise ConfigError(f"{where}: {shown!r} is too small; must be >= {minimum}")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{where}: {value!r} is too large; must be <= {maximum}")
+        raise ConfigError(f"{where}: {shown!r} is too large; must be <= {maximum}{_BOUND_NOTE.get(maximum, '')}")
     return value
 
 
@@ -310,12 +345,8 @@ def _validate_stage(s: Stage, where: str) -> None:
         s.lora = LoraSpec()
     if "full" in s.trainable and "lora" in s.trainable:
         raise ConfigError(f"{where}.trainable: 'full' and 'lora' exclude each other; pick one")
-    s.lr = _check_type(f"{where}.lr", s.lr, float, minimum=0.0)
-    if s.lr <= 0:
-        raise ConfigError(f"{where}.lr: must be > 0, got {s.lr}")
-    s.method_lr = _check_type(f"{where}.method_lr", s.method_lr, float, optional=True, minimum=0.0)
-    if s.method_lr is not None and s.method_lr <= 0:
-        raise ConfigError(f"{where}.method_lr: must be > 0 or null, got {s.method_lr}")
+    s.lr = _check_type(f"{where}.lr", s.lr, float, above=0)
+    s.method_lr = _check_type(f"{where}.method_lr", s.method_lr, float, optional=True, above=0)
     s.weight_decay = _check_type(f"{where}.weight_decay", s.weight_decay, float, minimum=0.0)
     if not isinstance(s.betas, (list, tuple)) or len(s.betas) != 2:
         raise ConfigError(f"{where}.betas: expected two numbers such as [0.9, 0.999], got {s.betas!r}")
@@ -394,7 +425,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     d.split = _check_type("data.split", d.split, str)
     d.field = _check_type("data.field", d.field, str)
     d.eval_fraction = _check_type("data.eval_fraction", d.eval_fraction, float, minimum=0.0, maximum=0.5)
-    d.max_tokens = _check_type("data.max_tokens", d.max_tokens, int, optional=True, minimum=1)
+    d.max_tokens = _check_type("data.max_tokens", d.max_tokens, int, optional=True, minimum=1, maximum=INDEX_MAX)
     d.add_eos = _check_type("data.add_eos", d.add_eos, bool)
     r.output.dir = _check_type("output.dir", r.output.dir, str, optional=True)
     r.output.lolcats_export = _check_type("output.lolcats_export", r.output.lolcats_export, bool)

@@ -45,10 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import write_text
 from ..errors import CheckpointError, ConfigError, LongctxError
 from ..provenance import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
-from .data import PackedData, load_documents, make_packed, tokenize_documents
+from .data import PackedData, load_documents, make_packed, text_files, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR
 from .resume import CheckpointMixin, _rng_state, _set_rng_state
@@ -403,17 +404,20 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     # ------------------------------------------------------------------------------------------- a stage
     def run(self) -> dict[str, Any]:
         r = self.recipe
+        if r.data.text:  # a missing or binary text source is refused before anything is written or loaded
+            text_files(r.data.text)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         self.accelerator.wait_for_everyone()
-        ckpt, state = None, None
+        ckpt, state, saved_logs = None, None, []
         if self.resume:
             ckpt = self.latest_checkpoint()
             if ckpt is None:
                 self._log(f"--resume: no checkpoint under {self._ckpt_root()}; starting from the beginning")
             else:
                 state = self.read_checkpoint(ckpt)
-                self._log(f"resuming from {ckpt} (stage {state['stage_name']}, step {state['step']})")
+                saved_logs = self._saved_logs(ckpt, state)
+                self._log(f"resuming from {ckpt} (stage {r.stages[state['stage']].name}, step {state['step']})")
         elif self._ckpt_root().exists() and any(self._ckpt_root().iterdir()):  # every process stops
             raise CheckpointError(
                 f"{self._ckpt_root()} already holds checkpoints; pass --resume to continue that run, "
@@ -430,15 +434,17 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             )
             start, this_ckpt = 0, None
             if state is not None and si <= state["stage"]:
-                saved = state["logs"][si] if si < len(state["logs"]) else None
-                if saved is not None:
-                    log = StageLog(**saved)
+                if si < len(saved_logs):
+                    log = saved_logs[si]
                 if si < state["stage"] or state["completed"]:
                     # finished before the interruption: redo its structural changes (LoRA) only
                     self.setup_stage(stage)
                     self.stage_logs.append(log)
                     if si == state["stage"]:
                         self.load_trained_state(ckpt)
+                        # the RNG as the stage left it: what the next stage's set-up (LoRA's initialisation) draws
+                        # from in a run that was not interrupted
+                        self.load_rng_state(ckpt)
                     continue
                 start, this_ckpt = state["step"], ckpt
                 log.resumed_from_step = start
@@ -455,11 +461,23 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         if self.is_main:
             if not stopped:
                 self.save_outputs()
-            (self.out / LOG_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            write_text(self.out / LOG_FILE, json.dumps(summary, indent=1) + "\n")
             if self.results:
                 write_results(self.results, summary)
         self.accelerator.wait_for_everyone()
         return summary
+
+    def _saved_logs(self, ckpt: Path, state: dict[str, Any]) -> list[StageLog]:
+        """The stage logs of a checkpoint's state; an entry that is not a stage log is a CheckpointError."""
+        from .resume import STATE_FILE, redo
+
+        logs = []
+        for i, entry in enumerate(state["logs"]):
+            try:
+                logs.append(StageLog(**entry))
+            except TypeError as e:
+                raise CheckpointError(f"{ckpt / STATE_FILE}: \"logs\"[{i}] is not a stage log ({e}); {redo(ckpt)}") from None
+        return logs
 
     def summary(self) -> dict[str, Any]:
         r = self.recipe
@@ -487,26 +505,27 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     def export_lolcats(self, path: Path) -> Path:
         """The LoLCATs `model.pt` layout (feature maps, window factors, PEFT LoRA A/B unmerged). Reload with
         `patch(model, "lolcats", checkpoint=PATH, lora_alpha=ALPHA)`."""
-        from ..methods.lolcats import export_lolcats_checkpoint
+        from ..methods.lola.weights import export_lolcats_checkpoint
 
         return Path(export_lolcats_checkpoint(self.model, str(path)))
 
     def save_outputs(self) -> None:
-        """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged)."""
+        """trainable/ (method weights + adapter), recipe.yaml, and model/ (save_patched, LoRA merged). Each folder is
+        written beside its place and renamed into it when complete (checkpoint.replacing_folder): a run killed here
+        leaves the previous folders whole, and --resume writes them again."""
         import yaml
 
-        from ..checkpoint import ADAPTER_DIR, write_patch
+        from ..checkpoint import ADAPTER_DIR, replacing_folder, write_patch
         from ..patcher import is_patched, method_state_dict, patch_groups, save_patched
 
-        (self.out / "recipe.yaml").write_text(yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
-        tdir = self.out / TRAINABLE_DIR
-        tdir.mkdir(parents=True, exist_ok=True)
-        if is_patched(self.model):
-            write_patch(tdir, [g.to_record() for g in patch_groups(self.model)], method_state_dict(self.model))
-        if self._is_peft():
-            self.root.save_pretrained(str(tdir / ADAPTER_DIR))
-        if self.recipe.output.lolcats_export:
-            self.export_lolcats(tdir / "lolcats" / "model.pt")
+        write_text(self.out / "recipe.yaml", yaml.safe_dump(self.recipe.to_dict(), sort_keys=False))
+        with replacing_folder(self.out / TRAINABLE_DIR) as tdir:
+            if self._is_peft():
+                self.root.save_pretrained(str(tdir / ADAPTER_DIR))
+            if self.recipe.output.lolcats_export:
+                self.export_lolcats(tdir / "lolcats" / "model.pt")
+            if is_patched(self.model):  # last: the record lists the folder's other files
+                write_patch(tdir, [g.to_record() for g in patch_groups(self.model)], method_state_dict(self.model))
         if self.recipe.output.save_model:
             if self._is_peft():
                 self.root = self.root.merge_and_unload()
@@ -515,8 +534,9 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             if is_patched(self.model):
                 save_patched(self.model, mdir, tokenizer=self.tokenizer)
             else:
-                self.model.save_pretrained(str(mdir))
-                self.tokenizer.save_pretrained(str(mdir))
+                with replacing_folder(mdir) as work:
+                    self.model.save_pretrained(str(work))
+                    self.tokenizer.save_pretrained(str(work))
 
 
 def write_results(name: str, summary: dict[str, Any]) -> Path:

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from torch import nn
 
-from ..checkpoint import ADAPTER_DIR, PATCH_JSON, TRAINABLE_DIR
+from ..checkpoint import ADAPTER_DIR, PATCH_JSON, TRAINABLE_DIR, read_adapter_weights
 from ..errors import CheckpointError
 
 
 def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = True) -> nn.Module:
     """Re-applies the patches and method weights of a run's `trainable/` folder (or the run's output folder)
     to `model` (the unpatched base model the run started from), then adds its LoRA adapter, merged into the
-    projections when `merge` (the default; otherwise the peft wrapper is returned). Returns the model."""
+    projections when `merge` (the default; otherwise the peft wrapper is returned). Returns the model. A damaged
+    file, or an adapter saved as a pickle (refused unread), is a CheckpointError naming it."""
     from ..patcher import apply_patch_record
 
     d = Path(directory)
@@ -31,6 +32,8 @@ def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = 
         apply_patch_record(model, d)
     if has_adapter:
         from peft import PeftModel
+
+        read_adapter_weights(d)  # a pickled, damaged or non-finite adapter is refused by name, before peft reads it
 
         wrapped = PeftModel.from_pretrained(model, str(d / ADAPTER_DIR))
         model = wrapped.merge_and_unload() if merge else wrapped

@@ -40,7 +40,7 @@ from .registry import MixerConfig, register_mixer
 KV_BYTES = 2  # decode-time keys / values / features counted in bf16; accumulators and dictionaries in fp32
 # initial inverse temperature of the unit-normalised q.k logits (softmax, sliding, vq, ovq). From scratch, 4 learned
 # ICR much faster than 12 (the ovq method's default for patching pretrained models) for softmax and ovq alike:
-# evals/results/synthetic-cpu-ovq-ablation.json
+# benchmarks/results/synthetic/cpu-ovq-ablation-icr-basic.json
 BETA0 = 4.0
 
 

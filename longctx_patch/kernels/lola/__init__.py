@@ -1,11 +1,15 @@
-"""LoLCATs hybrid attention and the LoLA sparse-cache manager: PyTorch references, Triton kernels, dispatchers.
+"""LoLCATs hybrid attention and the LoLA sparse cache: PyTorch references, Triton kernels, dispatchers.
 
 See docs/lola.md. `reference` holds the differentiable PyTorch paths, `triton_hybrid` / `triton_state` /
 `triton_evict` the kernels that must match them (`triton_kernels`: their entry points in one namespace), `ops` the
-dispatchers and the cache manager (`LolaState`, `lola_process`), `tuning` the kernels' launch settings.
+dispatchers of the feature map and the whole-sequence hybrid, `state` the decode state (`LolaState`) and its
+operations, `sparse_cache` the state machine that sequences them (`lola_process`), `prefill` the parallel
+prefills, `padded` the eviction grids of left-padded rows, `tuning` the kernels' launch settings.
 """
 
-from .ops import LolaState, hybrid_attention, lola_evict, lola_process
+from .ops import hybrid_attention
 from .reference import hedgehog_feature_map
+from .sparse_cache import lola_process
+from .state import LolaState, lola_evict
 
 __all__ = ["LolaState", "hedgehog_feature_map", "hybrid_attention", "lola_evict", "lola_process"]

@@ -47,11 +47,12 @@ def feature_rows(fk: torch.Tensor, q_offset: int, S: int, window: int) -> int:
     return NF
 
 
-def pad_features(fk: torch.Tensor, N: int, q_offset: int, S: int, window: int) -> torch.Tensor:
-    """fk [B, H, NF, F2] -> [B, H, N, F2] with zero rows after NF (checked by `feature_rows`)."""
-    NF = feature_rows(fk, q_offset, S, window)
-    if NF >= N:
+def pad_features(fk: torch.Tensor, N: int, q_offset, S: int, window: int) -> torch.Tensor:
+    """fk [B, H, NF, F2] -> [B, H, N, F2] with zero rows after NF (checked by `feature_rows` when q_offset is a host
+    integer; a device q_offset (a decode step on device state) takes features of every row)."""
+    if fk.shape[2] >= N:
         return fk
+    NF = feature_rows(fk, q_offset, S, window)
     return torch.nn.functional.pad(fk, (0, 0, 0, N - NF))
 
 
@@ -193,7 +194,8 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
     cache of exact keys (softmax, weight g) and a linear state (H, s). One normaliser; the running max m is
     taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
 
-    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], query i at local key index q_offset + i.
+    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], query i at local key index q_offset + i; q_offset may be a tensor of
+    one element (a decode step whose buffered count is device state: keys past the query are then out of its reach).
     fk [B, Hq, NF, F2]: features of the first NF local keys; NF may be below N but must cover every key that
     some query attends linearly (index < q_offset + S - window), see `linear_rows`.
     sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] bool (empty slots are False); query head h reads

@@ -2,7 +2,7 @@
 
 The chunk loop (`ops.lola_process` on the PyTorch backend) is differentiable but slow to train through: a
 step of 2 x 4096 tokens on a SmolLM2-shaped model took 15.5 s on the H200 against 1.15 s for `lolcats`
-(64-token chunks; evals/results/lola-train-step-h200.json). Its selection is discrete, so no gradient flows
+(64-token chunks; benchmarks/results/lola/train-step-h200.json). Its selection is discrete, so no gradient flows
 through it anyway. Here the selection runs first, without gradients, as the chunk loop makes it
 (`sparse_positions`: which token positions each chunk's queries see in the sparse cache); then the output is one
 masked hybrid attention per block of queries (`lola_attention_sets`): for query i of chunk c, the keys of its

@@ -337,7 +337,7 @@ class PrefillEvictions:
         self.PS = torch.zeros(B, Hq, F2, device=dev, dtype=torch.float32)
         self.NFOLD = torch.zeros(B, sparse_heads, device=dev, dtype=torch.int32)  # pairs folded so far
         # SRE fp32-accurate: bf16 features as three bf16 tensor-core dots ("bf16x3"), else fp32 FMA ("ieee");
-        # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (evals/results/lola-prefill-profile-tune.json)
+        # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (benchmarks/results/lola/prefill-profile-tune-h200.json)
         self.score_prec = TUNE["score_prec"] or _score_prec(fk)
         self._evicted_range_sums()
 
@@ -362,7 +362,7 @@ class PrefillEvictions:
         spi = self._common()
         ha = (self.H_all.stride(0), self.H_all.stride(1), self.H_all.stride(2), self.H_all.stride(3))
         sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
-        # tiles from the sweep at 32k, D = 64 (evals/results/lola-prefill-profile-tune.json): 128 candidates per
+        # tiles from the sweep at 32k, D = 64 (benchmarks/results/lola/prefill-profile-tune-h200.json): 128 candidates per
         # score program, a 8-warp select above 1024 candidates (16 and 4 were slower there), 4 warps below
         BN = min(TUNE["ev_score_bn"] or 128, np2(NC))
         _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](

@@ -239,7 +239,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
 # ------------------------------------------------------------------------------------------- decode
 @triton.jit
 def _decode_kernel(
-    Q, K, V, FQ, FK, KM, GW, LFW, H, S, SPK, SPV, SPM, O,
+    Q, K, V, FQ, FK, KM, GW, LFW, H, S, SPK, SPV, SPM, O, NK,
     N, NF, L, D, F2, G, GS, window, scale_log2,
     s_q_b, s_q_h,
     s_k_b, s_k_h, s_k_n,
@@ -254,9 +254,11 @@ def _decode_kernel(
     s_spm_b, s_spm_h,
     s_o_b, s_o_h,
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr, SP_SCORE: tl.constexpr,
+    HAS_KM: tl.constexpr, HAS_SP: tl.constexpr, SP_SCORE: tl.constexpr, DEV_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
+    if DEV_N:  # the buffered keys' count from the device (a decode step replayed from a graph): N is the capacity
+        N = tl.load(NK).to(tl.int32)
     b = pid // HQ
     h = pid % HQ
     hk = h // G
@@ -333,12 +335,14 @@ def _decode_kernel(
 
 
 def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
-                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None):
+                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None, n_keys=None):
     """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
     the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
     attended linearly); state H/s; optional sparse cache [B, Hs, L, *] whose valid slots are given by
     `sparse_valid` (bool) or, read in the kernel, by `sparse_score` (float32: valid where > -inf; no
-    conversion launched per step). Returns [B, 1, Hq, D]."""
+    conversion launched per step). `n_keys` (a device int64 tensor, its first element read in the kernel): the local
+    keys are the first n_keys rows of k/v, the new token last, and fk must cover the first N - window rows (N =
+    k.shape[2], the buffer's capacity): the launch is then the same whatever the count. Returns [B, 1, Hq, D]."""
     B, Hq, _, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
@@ -360,6 +364,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
     _decode_kernel[(B * Hq,)](
         q, k, v, fq, fk, km if km is not None else dummy, g.float().contiguous(), lf.float().contiguous(), H, s,
         sparse_k if has_sp else dummy, sparse_v if has_sp else dummy, spm if has_sp else dummy, out,
+        n_keys if n_keys is not None else dummy,
         N, NF, L, D, F2, G, GS, window, scale * LOG2E,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
@@ -374,7 +379,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(2),
         HQ=Hq, BN=min(TUNE["decode_bn"] or 64, np2(max(N, L))), BD=np2(D), BK=min(TUNE["decode_bk"] or 64, np2(F2)),
-        HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None,
+        HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None, DEV_N=n_keys is not None,
         num_warps=TUNE["decode_warps"] or 2,  # H200, batch 16: 22.7 us against 42.2 with 4 (bench_lola_decode_step)
     )
     return out
@@ -421,7 +426,7 @@ def _feature_map_kernel(
 def fmap_precision(w) -> str:
     """The feature map's projection precision: for fp32 weights TUNE["fmap_prec"] when set, else "tf32x3" (three
     tf32 tensor-core products at fp32's accuracy: H200, the trainer's step 1.7% (transfer) / 3.6% (LoRA) faster
-    than "ieee", evals/results/finetune/train-throughput-fmap-prec-h200.json) on a GPU with tf32 (compute
+    than "ieee", benchmarks/results/finetune/train-throughput-fmap-prec-h200.json) on a GPU with tf32 (compute
     capability 8+) and "ieee" elsewhere (the interpreter, older GPUs); for other weights "tf32" (which bf16
     operands ignore). The forward and the backward's recomputation take the same."""
     if w.dtype != torch.float32:

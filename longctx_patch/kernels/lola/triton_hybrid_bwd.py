@@ -367,7 +367,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         ph, ps = Hs, Ss  # nothing is written
     BD, BF = np2(D), np2(F2)
     prec = dot_precision(q, k, fq)
-    # H200 sweep at D = 64, F2 = 128 (evals/results/lola/train-hybrid-bwd-sweep-h200.json): 4 warps in both
+    # H200 sweep at D = 64, F2 = 128 (benchmarks/results/lola/train-hybrid-bwd-sweep-h200.json): 4 warps in both
     # kernels and one stage, 3.07 ms against 4.07 ms with 8 warps and 2 stages, the earlier untimed guess. Wider
     # heads (D = 128: [64, 128] accumulators for dq, dk, dv next to dfq/dfk) keep that guess, not measured
     warps, stages = (4, 1) if BD <= 64 else (8, 2)

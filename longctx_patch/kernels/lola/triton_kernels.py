@@ -1,5 +1,5 @@
 """The entry points of the LoLCATs / LoLA Triton kernels, one namespace for `ops.py` and the benchmarks
-(evals/bench_lola.py), by family:
+(benchmarks/ops/bench_lola.py), by family:
 
   triton_hybrid.py      hybrid_fwd, decode_step, feature_map  (the attention, forward)
   triton_hybrid_bwd.py  hybrid_bwd  (the backward of the whole-sequence hybrid: `ops.HybridAttentionFn`)

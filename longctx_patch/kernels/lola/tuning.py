@@ -1,4 +1,4 @@
-"""Launch settings of the LoLA Triton kernels that benchmarks override (evals/bench_lola.py); None: the defaults
+"""Launch settings of the LoLA Triton kernels that benchmarks override (benchmarks/ops/bench_lola.py); None: the defaults
 written in the wrappers. No Triton import: `ops.py` reads `piece_block_m` on any install."""
 
 TUNE = {"hybrid_num_warps": None, "hybrid_num_stages": None, "fold_block": None, "piece_block_m": None,

@@ -2,7 +2,8 @@
 sequence through the block-list Triton kernels (MuSe's cells kernels without a far field,
 `kernels.muse.listed_blocks_triton`, taken through the muse package's interface), forward and backward; else the
 PyTorch reference (dense logits per chunk of queries under the MoBA mask: O(Sq * Sk) work, as exact attention).
-docs/moba.md.
+A decode step over a cache that keeps the block state incrementally (`moba_decode`) is gated from that state and
+attends to its `top_k` blocks only (`triton_decode.py` on CUDA). docs/moba.md.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ..backend import BACKENDS, resolve_backend
+from ..backend import BACKENDS, attention_kernel_missing, resolve_backend
 from ..muse import cells_supported, listed_blocks_triton
 from ..softmax import softmax_attention
 from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, key_positions, moba_reference, \
     prefix_block_sums, query_positions
+from .reference_decode import decode_gate, ranges_attention_reference, store_step_reference
 
 
 def moba_is_exact(Sk: int, *, block_size: int, top_k: int, min_seq_len: int) -> bool:
@@ -28,7 +30,8 @@ def moba_triton_missing(q: torch.Tensor, *, block_size: int, gating: str, whole:
     if gating != "block":
         return "gating='token' has no Triton kernel (each query picks its own blocks); use gating='block'"
     if not whole:
-        return "the Triton path computes whole sequences (decode steps and continued prefills take the reference)"
+        return ("the Triton path computes whole sequences (continued prefills take the reference; the decode steps of "
+                "a block-gated cache run `moba_decode`)")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype}: the kernels take fp16, bf16 or fp32"
     return cells_supported(q, block_size=block_size)
@@ -111,4 +114,58 @@ def moba_block_triton(q, k, v, *, scale: float, block_size: int, top_k: int, key
     return torch.where(valid[:, :, None, None], o, own.to(o.dtype))
 
 
-__all__ = ["BACKENDS", "moba_attention", "moba_block_triton", "moba_is_exact", "moba_triton_missing"]
+def decode_kernels_missing(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_sums: torch.Tensor,
+                           backend: str) -> str | None:
+    """None when the decode step's Triton kernels run (`triton_decode.py`), else why not (the PyTorch reference of
+    `reference_decode.py` runs it then, the same step)."""
+    if resolve_backend(backend, q, keys, values, what="moba") != "triton":
+        return "backend 'torch', or tensors that are not on CUDA"
+    why = attention_kernel_missing(q, keys, values)
+    if why is None and key_sums.dtype != torch.float32:
+        why = f"block state in {key_sums.dtype}: the kernels keep it in fp32"
+    if why is not None and backend == "triton":
+        raise ConfigError(f"moba backend='triton' cannot run this decode step: {why}; use backend='auto' or 'torch'")
+    return why
+
+
+def moba_store_step(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    pos: torch.Tensor, key_sums: torch.Tensor, block_start: torch.Tensor, n_real: torch.Tensor,
+                    real: torch.Tensor | None, *, block_size: int, backend: str = "auto") -> torch.Tensor:
+    """A decode step's token into the buffer and the block state, in place (`reference_decode.store_step_reference`:
+    its arguments; one launch on CUDA); returns the token's slot `[B]`."""
+    if decode_kernels_missing(k, keys, values, key_sums, backend) is None:
+        from .triton_decode import store_step
+
+        return store_step(k, v, keys, values, mask, pos, key_sums, block_start, n_real, real, block_size=block_size)
+    return store_step_reference(k, v, keys, values, mask, pos, key_sums, block_start, n_real, real,
+                                block_size=block_size)
+
+
+def moba_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, *,
+                slot: torch.Tensor, real: torch.Tensor | None, key_sums: torch.Tensor, block_start: torch.Tensor,
+                n_real: torch.Tensor, scale: float, block_size: int = 512, top_k: int = 3, min_seq_len: int = 0,
+                gating: str = "block", query_sum: torch.Tensor | None = None, backend: str = "auto",
+                splits: int | None = None) -> torch.Tensor:
+    """One decode step of MoBA over a preallocated buffer whose block state is kept incrementally (the step's token
+    stored and counted by `moba_store_step`): the gate from that state (`reference_decode.decode_gate`: no pass over
+    the keys), then the query attends to the selected ranges of slots only. On CUDA the kernels of
+    `triton_decode.py` (three launches), elsewhere the PyTorch reference (dense under the ranges: the same result).
+    The arguments are `decode_gate`'s (query_sum updated in place) and q `[B, Hq, 1, D]`, keys/values
+    `[B, Hkv, cap, D]`, key_mask `[B, cap]`. Device state only, launches sized by the buffer's shapes: a step
+    replays from a CUDA graph. `splits`: pieces per range (tests). Returns `[B, 1, Hq, D]`: `moba_reference`'s
+    output for the query after every stored key."""
+    gate_kw = dict(block_size=block_size, top_k=top_k, min_seq_len=min_seq_len, gating=gating, query_sum=query_sum)
+    if decode_kernels_missing(q, keys, values, key_sums, backend) is None:
+        from .triton_decode import gate_ranges, ranges_attention
+
+        starts, ends = gate_ranges(q, key_sums, block_start, n_real, slot, real, **gate_kw)
+        # the keys of a selected range: a block (one range: every earlier key, up to the buffer)
+        longest = keys.shape[2] if starts.shape[2] == 1 else block_size
+        return ranges_attention(q, keys, values, key_mask, starts, ends, slot, scale=scale, longest=longest,
+                                splits=splits)
+    starts, ends = decode_gate(q, key_sums, block_start, n_real, slot, real, **gate_kw)
+    return ranges_attention_reference(q, keys, values, key_mask, starts, ends, slot, scale=scale)
+
+
+__all__ = ["BACKENDS", "decode_kernels_missing", "moba_attention", "moba_block_triton", "moba_decode", "moba_is_exact",
+           "moba_store_step", "moba_triton_missing"]

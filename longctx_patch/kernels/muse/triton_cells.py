@@ -291,7 +291,7 @@ DKDV_TILES: dict = {}
 def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
     """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages), bwd (BM, BN, warps,
     query tile of the dcells kernel) and dkdv (key tile, query tile, warps, stages of the dK/dV kernel). bf16/fp16:
-    the fastest forward and dK/dV of H200 sweeps (evals/bench_muse_cells.py `tune`, `dkdv`: at 64k the dK/dV kernel
+    the fastest forward and dK/dV of H200 sweeps (benchmarks/ops/bench_muse_cells.py `tune`, `dkdv`: at 64k the dK/dV kernel
     took 17.9 ms with 64 x 64 tiles, 4 warps and 3 stages against 29.1 ms with 64 x 128, 8 warps, 1 stage), and dq /
     dcells tiles that compile without register spills for sm_90 (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that
     fit sm_90's shared memory with the fewest spills (cuobjdump of the sm_90 build). Tiles divide block_size L (a

@@ -311,7 +311,7 @@ MEMBER_TILES: dict = {}
 
 def member_tiles(D: int, C: int) -> tuple[int, int, int, int, int]:
     """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages and the most token chunks per head
-    (each a program writing partial sums): the fastest of an H200 sweep at 64k (evals/bench/bench_muse_tilted.py
+    (each a program writing partial sums): the fastest of an H200 sweep at 64k (benchmarks/ops/bench_muse_tilted.py
     `cluster_tune`: 0.33 ms a round with 256 centroids at D 64, 0.93 with the first one-hot kernel)."""
     CA, BM, warps, stages, chunks = MEMBER_TILES.get(D, (64, 64, 4, 3, 16))
     return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages, chunks

@@ -164,7 +164,7 @@ SUMM_TILES: dict = {}
 
 def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
     """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
-    # bf16 / fp16: the fastest of H200 sweeps at 64k (evals/bench/bench_muse_tilted.py `far_tune`: the forward
+    # bf16 / fp16: the fastest of H200 sweeps at 64k (benchmarks/ops/bench_muse_tilted.py `far_tune`: the forward
     # without its plan took 15.4 / 26.2 ms at D 64 / 128 with these against 19.2 / 37.3 with the earlier 128 x 64
     # (D 64) or 64 x 64 (D 128) far tiles at 8 warps and 8-warp summaries at D 128); fp32 (tf32x3 dots) keeps tiles
     # that fit sm_90's shared memory

@@ -35,7 +35,10 @@ GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured 
 MEAN_FORM = True  # runs of chunks with bf16 assignment read row means kept beside the sums (see ovq_forward_fast)
 
 
-@triton.jit
+# the dictionary's size and the splits over it change with the context (n_dict grows until max_centroids): not
+# specialised, so that a decode at another length reuses the compiled kernel (a 16-divisible n_dict compiled a second
+# variant at the first step of a 32k decode after a 2k one: 0.6 s, benchmarks/results/speed/*-ovq-calls-h200.json)
+@triton.jit(do_not_specialize=["n_dict", "NSPLIT"])
 def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
                    sqb, sqh, sqm, sdb, sdh, sdn, svdb, svdh, svdn, scb, sch,
                    skb, skh, skn, svb, svh, svn, sxb,
@@ -127,7 +130,7 @@ def _ovq_fwd_split(Q, KS, VS, CNT, KC, VC, VALID, PACC, PM, PL, TPTR, NACT,
     tl.store(PACC + row[:, None] * DV + offs_dv[None, :], acc, mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def _ovq_combine(PACC, PM, PL, O, TPTR, sob, soh, som, M, HQ, NSPLIT, DV: tl.constexpr, BM: tl.constexpr,
                  DEV_T: tl.constexpr):
     """Merges the NSPLIT partial softmaxes of ``_ovq_fwd_split`` into O (DEV_T: chunk ``*TPTR`` of the run)."""

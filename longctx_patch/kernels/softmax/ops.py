@@ -76,7 +76,7 @@ def softmax_attention(
         # and a decode step is always a new length. Measured against SDPA's own GQA (`enable_gqa`) and the repeated
         # cache, with and without cuDNN, on a growing cache: the fastest with padding, and without padding level
         # with `enable_gqa` (0.07-0.14 ms host-bound calls at 16k-64k) and 2-11x faster than the repeated cache
-        # (evals/bench_decode_attention.py, PERFORMANCE.md "Exact attention with few queries").
+        # (benchmarks/ops/bench_decode_attention.py, PERFORMANCE.md "Exact attention with few queries").
         mask = None
         if not (simple and Sq == 1):
             mask = attention_mask(Sq, Sk, device=q.device, key_mask=key_mask, q_offset=q_offset, window=window)

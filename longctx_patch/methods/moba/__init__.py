@@ -4,8 +4,9 @@ Every query attends exactly to its own block (causally) and to the `top_k - 1` e
 scores highest against its gate: per query block (`gating="block"`, the default: the block's mean query; the
 block-list Triton kernels on CUDA) or per query token (`gating="token"`, MoBA's reference rule; PyTorch only)
 (kernels/moba; docs/moba.md). The cache is a preallocated full KV cache (`KVBufferLayer`, as `exact`); with block
-gating it also holds the sum of the current block's queries (`MobaLayer`), so that a decode step is gated by the
-mean of its block's queries up to itself, as a prefill ending at that token gates it. A left-padded row has the
+gating it also holds the block state (`MobaLayer`: the sum of the current block's queries, each block's key sum and
+first slot), so that a decode step is gated by the mean of its block's queries up to itself, as a prefill ending at
+that token gates it, without a pass over the keys, and reads only its selected blocks. A left-padded row has the
 blocks of its prompt alone: block boundaries are counted in each row's real positions. No new parameters.
 """
 

@@ -21,8 +21,8 @@ class MobaConfig(MethodConfig):
                          "queries attend the same blocks (the Triton path); token: each query is gated by itself "
                          "(MoBA's reference rule, PyTorch only)", choices=list(GATINGS))
     backend: str = option("auto", "auto (Triton on CUDA where it runs: block gating over a whole sequence, "
-                          "block_size a multiple of 128, head_dim <= 128; else PyTorch), torch, or triton",
-                          choices=list(BACKENDS))
+                          "block_size a multiple of 128, head_dim <= 128; block gating's decode steps, head_dim a "
+                          "power of two in 16..256; else PyTorch), torch, or triton", choices=list(BACKENDS))
 
     def check(self) -> None:
         if self.block_size < 1 or self.top_k < 1:

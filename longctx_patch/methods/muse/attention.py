@@ -1,4 +1,6 @@
-"""`muse`'s module: MuSe for a prefill without a past, exact softmax attention over a full KV cache otherwise."""
+"""`muse`'s module: MuSe for a prefill without a past, exact softmax attention over a full KV cache otherwise:
+`exact`'s module and its preallocated cache (`KVBufferLayer`), so decode steps take exact's path (its split-key
+kernel, its CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -6,18 +8,26 @@ import torch
 
 from ...kernels.muse import muse_attention
 from ...kernels.softmax import key_mask_for, softmax_attention
-from ..base import PatchedAttention
+from ..cache_layer import LongctxLayer
+from ..exact.attention import ExactAttention
+from ..kv_layer import KVBufferLayer
 from ..padding import PhaseGroup, left_padding
 
 
 def _past_len(cache_layer) -> int:
     if cache_layer is None or not getattr(cache_layer, "is_initialized", False):
         return 0
+    if isinstance(cache_layer, LongctxLayer):
+        return cache_layer.seen
     keys = getattr(cache_layer, "keys", None)
     return 0 if keys is None else int(keys.shape[-2])
 
 
-class MuseAttention(PatchedAttention):
+class MuseAttention(ExactAttention):
+    """MuSe for a prefill without a past (longer than a block and `min_seq_len`); everything else, decode steps
+    included, is `ExactAttention.attend` over the same cache. MuSe refuses windowed layers (`Muse.window_conflict`),
+    so no window reaches it."""
+
     method_name = "muse"
 
     def uses_muse(self, q_len: int, past: int) -> bool:
@@ -33,11 +43,13 @@ class MuseAttention(PatchedAttention):
     def attend(self, q, k, v, cache_layer, padding):
         past = _past_len(cache_layer)
         S = q.shape[2]
-        if cache_layer is not None:
+        if not self.uses_muse(S, past):  # decode, continued prefill, short calls: exact, as `exact` runs them
+            return super().attend(q, k, v, cache_layer, padding)
+        if isinstance(cache_layer, KVBufferLayer):
+            cache_layer.extend(k, v, padding)  # the prompt's keys for the decode steps (a fresh buffer: these are k, v)
+        elif cache_layer is not None:
             k, v = cache_layer.update(k, v)
         km = key_mask_for(padding, k.shape[2])
-        if not self.uses_muse(S, past):  # no row of the batch is longer than the call: every row exact
-            return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
         if km is None:
             o = self._muse(q, k, v, None)
         else:

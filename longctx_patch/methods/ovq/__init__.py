@@ -21,6 +21,7 @@ class OVQ(Method):
     config_cls = OVQConfig
     module_cls = OVQAttention
     window_conflict = "attends to a dictionary of every earlier chunk"
+    bounded_state = True
 
 
 __all__ = ["OVQ", "OVQAttention", "OVQConfig", "OVQLayer", "row_phases"]

@@ -17,6 +17,7 @@ class SlidingWindow(Method):
     config_cls = SlidingWindowConfig
     module_cls = SlidingWindowAttention
     keeps_model_window = True  # the smaller of the two windows (SlidingWindowAttention.window)
+    bounded_state = True
 
 
 __all__ = ["KVBufferLayer", "SlidingWindow", "SlidingWindowAttention", "SlidingWindowConfig"]

@@ -1,1 +1,0 @@
-"""Speed benchmarks (CUDA unless a script says otherwise): `python -m evals.bench.NAME --help`."""

@@ -1,1 +1,0 @@
-"""Checks that need a CUDA GPU (`python -m evals.device.NAME`) and the device machine's shell recipes (*.sh)."""

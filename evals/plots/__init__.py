@@ -1,1 +1,0 @@
-"""Figures drawn from result files, no GPU needed: `python -m evals.plots.NAME --help`."""

@@ -1,0 +1,60 @@
+"""Options of the LoLCATs hybrid (`HybridConfig`, shared with `lolcats`) and of LoLA's sparse cache (`LolaConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ...errors import ConfigError
+from ..base import MethodConfig, option
+
+LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
+DEFAULT_INIT_WINDOW_FACTOR = 2.0  # sigmoid = 0.88: an untrained patch stays much closer to the original (docs/lola.md)
+
+
+@dataclass
+class HybridConfig(MethodConfig):
+    """The options of the LoLCATs hybrid, shared by `lolcats` and `lola`."""
+
+    window: int = option(64, "tokens (the current one included) attended with exact softmax; older ones linearly",
+                         min=1)
+    feature_dim: int = option(64, "feature map width F per head (phi has 2F features)", min=1)
+    checkpoint: Optional[str] = option("auto", "weights to load: auto (the packaged linearized weights when the model "
+                                               "is one we ship them for, else fresh feature maps), none (fresh), a "
+                                               "LoLCATs model.pt (comma-separate several, e.g. distill,ft-lora), our "
+                                               "longctx_patch.safetensors, or a linearize run's trainable/ folder")
+    lora_alpha: float = option(16.0, "LoRA alpha of a LoLCATs checkpoint's q/k/v/o adapters (merged as alpha/r * B A)",
+                               min=0.0)
+    feature_init: str = option("softmax-rf", "fresh feature maps: softmax-rf (random features of exp(q.k/sqrt(d))) "
+                                             "or kaiming (the LoLCATs code's default)",
+                               choices=("softmax-rf", "kaiming"))
+    init_window_factor: float = option(DEFAULT_INIT_WINDOW_FACTOR, "initial window factor of fresh layers (g = sigmoid "
+                                       "of it; LoLCATs' recipes start at -2.197, g = 0.1)")
+    affine_factors: bool = option(False, "weight the linear term by 1 - g instead of 1 (LoLCATs affine_attention_factors)")
+    linear_scale: float = option(1.0, "multiplies the linear term's weight (numerator and normaliser); below 1 the exact "
+                                      "window and sparse pairs weigh more against the far past (docs/lola.md, "
+                                      "'Weighing the linear term down'); 1 = as trained", min=0.0)
+    chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
+    feature_cache: bool = option(False, "keep phi(k) of the buffered keys older than the window in the cache (chunk "
+                                        "rows of 2F per query head) instead of recomputing it every decode step; "
+                                        "opt-in until its decode speed is measured on a GPU (docs/lola.md, "
+                                        "'Feature cache')")
+    seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
+    backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
+                          choices=("auto", "triton", "torch"))
+
+    def check(self) -> None:
+        if not math.isfinite(self.init_window_factor):
+            raise ConfigError(f"{type(self).__name__}: init_window_factor must be finite, got {self.init_window_factor}")
+        if not math.isfinite(self.linear_scale):
+            raise ConfigError(f"{type(self).__name__}: linear_scale must be a finite number >= 0, got {self.linear_scale}")
+
+
+@dataclass
+class LolaConfig(HybridConfig):
+    sparse_cache: int = option(256, "lambda: exact key/value pairs kept per sparse head, chosen by self-recall error",
+                               min=0)
+    sparse_heads: str = option("kv", "one sparse cache per kv head, shared by its query heads and scored by the sum "
+                                     "of their errors (kv), or one per query head (query: Hq/Hkv times the memory)",
+                               choices=("kv", "query"))
