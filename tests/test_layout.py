@@ -2,10 +2,6 @@
 every method, and each recipe's claims (a method folder written as the recipe says is found by the registry and
 keeps the contract; every model family is wired as the family recipe says; every op folder has its files and a
 test; every benchmark sits in a group and is listed), and no file of the product passes ~600 lines.
-
-Where a part of the layout is still to come (lola and lolcats in the method layout, the benchmarks/ folder), its
-check is marked an expected failure only while that part is missing, and strictly: it runs in full, and must pass,
-the moment the part is there.
 """
 
 from __future__ import annotations
@@ -112,14 +108,7 @@ def test_the_methods_top_holds_only_shared_modules():
     assert _py(METHODS) == METHODS_TOP
 
 
-def _pending(folder: str) -> bool:
-    """A method folder still to be split into the method layout (lola, lolcats: no config.py yet)."""
-    return folder in ("lola", "lolcats") and not (METHODS / folder / "config.py").is_file()
-
-
-@pytest.mark.parametrize("folder", [
-    pytest.param(f, marks=pytest.mark.xfail(_pending(f), strict=True, reason="still to be split into the method layout"))
-    for f in _folders(METHODS)])
+@pytest.mark.parametrize("folder", _folders(METHODS))
 def test_every_method_folder_has_its_files(folder):
     from longctx_patch.methods import get_method
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention
