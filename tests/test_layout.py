@@ -2,10 +2,6 @@
 every method, and each recipe's claims (a method folder written as the recipe says is found by the registry and
 keeps the contract; every model family is wired as the family recipe says; every op folder has its files and a
 test; every benchmark sits in a group and is listed), and no file of the product passes ~600 lines.
-
-Where another branch is still bringing its part of the layout (the lola / lolcats methods split on main, the
-benchmarks/ folder), the check is marked an expected failure only while that part is missing, and strictly: it runs
-in full, and must pass, the moment the part is there.
 """
 
 from __future__ import annotations
@@ -34,12 +30,12 @@ DOC = (REPO / "docs" / "ARCHITECTURE.md").read_text()
 
 KERNEL_TOP = {"backend.py", "triton_lib.py", "graphs.py"}
 KERNEL_FILES = {"__init__.py", "reference.py", "ops.py"}
-KERNEL_HELPERS = {"muse": {"plan.py", "support.py"},
+KERNEL_EXTRAS = {"muse": {"plan.py", "support.py"},
                   "lola": {"training.py", "tuning.py", "state.py", "sparse_cache.py", "prefill.py", "padded.py"}}
 NO_TRITON_OF_THEIR_OWN = {"softmax"}  # the doc's "no Triton of its own"
 METHODS_TOP = {"__init__.py", "base.py", "cache_layer.py", "kv_layer.py", "padding.py"}
 METHOD_FILES = {"__init__.py", "config.py", "attention.py"}
-METHOD_HELPERS = {"lola": {"feature_map.py", "weights.py"}}
+METHOD_EXTRAS = {"lola": {"feature_map.py", "weights.py"}}
 BENCHMARK_GROUPS = {"ops", "generate", "train", "quality", "data"}
 BENCHMARK_PREFIXES = ("bench_", "check_", "plot_", "build_")
 MAX_LINES = 650  # "no file over ~600 lines" (docs/ARCHITECTURE.md, issue 48)
@@ -52,7 +48,8 @@ def _py(folder: Path) -> set[str]:
 
 
 def _folders(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    """The folders of `root` that hold Python files (a folder git left with only __pycache__ in it is none)."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.py")))
 
 
 def _section(title: str) -> str:
@@ -94,7 +91,8 @@ def test_every_op_folder_has_its_files(op):
     files = _py(KERNELS / op)
     assert KERNEL_FILES <= files, f"kernels/{op}/ lacks {sorted(KERNEL_FILES - files)}"
     other = {f for f in files - KERNEL_FILES if not re.fullmatch(r"(triton|reference)_\w+\.py", f)}
-    assert other <= KERNEL_HELPERS.get(op, set()), f"kernels/{op}/: {sorted(other)} are no layout file or helper"
+    assert other <= KERNEL_EXTRAS.get(op, set()), \
+        f"kernels/{op}/: {sorted(other)} are neither layout files nor the op's named extras"
     own_triton = any(f.startswith("triton_") for f in files)
     assert own_triton == (op not in NO_TRITON_OF_THEIR_OWN), op
 
@@ -110,14 +108,7 @@ def test_the_methods_top_holds_only_shared_modules():
     assert _py(METHODS) == METHODS_TOP
 
 
-def _pending(folder: str) -> bool:
-    """A method folder main is still splitting (lola, lolcats: its config.py is not there yet)."""
-    return folder in ("lola", "lolcats") and not (METHODS / folder / "config.py").is_file()
-
-
-@pytest.mark.parametrize("folder", [
-    pytest.param(f, marks=pytest.mark.xfail(_pending(f), strict=True, reason="split into the method layout on main"))
-    for f in _folders(METHODS)])
+@pytest.mark.parametrize("folder", _folders(METHODS))
 def test_every_method_folder_has_its_files(folder):
     from longctx_patch.methods import get_method
     from longctx_patch.methods.base import Method, MethodConfig, PatchedAttention
@@ -125,7 +116,7 @@ def test_every_method_folder_has_its_files(folder):
 
     files = _py(METHODS / folder)
     assert METHOD_FILES <= files, f"methods/{folder}/ lacks {sorted(METHOD_FILES - files)}"
-    assert files - METHOD_FILES - {"cache.py"} <= METHOD_HELPERS.get(folder, set()), sorted(files)
+    assert files - METHOD_FILES - {"cache.py"} <= METHOD_EXTRAS.get(folder, set()), sorted(files)
     pkg = f"longctx_patch.methods.{folder}"
     modules = {f[:-3]: importlib.import_module(pkg if f == "__init__.py" else f"{pkg}.{f[:-3]}") for f in files}
     where = {}
@@ -276,10 +267,10 @@ def test_every_benchmark_sits_in_a_group_and_is_listed():
         imported = " ".join(p.read_text() for p in entries)
         for p in files:
             # bench_: measures; check_: a correctness check on a GPU; plot_: draws result files; build_: makes data;
-            # any other module is a helper of its group's scripts (imported by one of them)
+            # any other module serves its group's scripts (one of them imports it)
             assert p in entries or re.search(rf"from \.{p.stem} import|\bimport\b[^\n]*\b{p.stem}\b", imported), \
                 f"benchmarks/{g}/{p.name}: name benchmarks bench_<name>.py (check_ / plot_ / build_ for checks, " \
-                "plots and data), or import it from one as a helper"
+                "plots and data), or import it from one of those"
         scripts += entries
     assert scripts
     for p in scripts:
