@@ -26,7 +26,8 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
 
     phi_k: the layer's key feature map, keys [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on
     buffered keys and eviction candidates. key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
-    With Triton, a fresh prefill of at least two chunks runs in two passes (`prefill.lola_parallel`, same result).
+    With Triton, a prefill of at least two chunks runs in two passes (`prefill.lola_parallel`, same result): a fresh
+    one, or one that continues an in-place state whose rows share one eviction grid (`prefill.parallel_ok`).
     Otherwise the tokens go through the chunk loop; on CUDA a loop of at least 4 chunks captures the work of
     one full chunk (append, attend, score, select, fold) in a CUDA graph and replays it for every later full
     chunk: same kernels, same order, same result, without the per-chunk launch overhead.

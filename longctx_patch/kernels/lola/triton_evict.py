@@ -17,7 +17,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import dot, dot_bf16x3, dot_precision, np2
-from .triton_state import _range_sums
+from .triton_state import _range_sums, fold_into_state
 from .tuning import TUNE
 
 
@@ -119,7 +119,7 @@ def _score_prec(fk, precise: bool = True) -> str:
 
 
 # ------------------------------------------------------------------------------------------- prefill evictions
-# The evictions of a whole LoLA prefill (ops._lola_parallel, pass 1): eviction c (at the end of chunk c)
+# The evictions of a whole LoLA prefill (prefill.lola_parallel, pass 1): eviction c (at the end of chunk c)
 # scores the sparse slots of slot c and the pairs at positions c*C - W .. (c+1)*C - W - 1 (those >= 0 and
 # not padding) against the state H_all[c], keeps the lam best per sparse head (SPIDX[c + 1]) and folds the
 # others into H_all[c + 1]. The fold does not add the folded pairs one eviction at a time: the state after
@@ -312,10 +312,13 @@ class PrefillEvictions:
     fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; n_ev evictions
     at the ends of chunks 0 .. n_ev - 1. After `run()`: H_all [n_ev + 1, B, Hq, F2, D], s_all, and the sparse
     slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions, -1 = empty) that chunk c attends in slot c.
+
+    first > 0 (a continued prefill): the evictions before chunk `first` are done; `start` puts the state they left
+    in slot `first` and `run()` runs evictions first .. n_ev - 1 only (slots before `first` stay unused).
     """
 
     def __init__(self, fk, v, key_mask, *, n_ev: int, lam: int, chunk: int, window: int, sparse_heads: int,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, first: int = 0):
         B, Hq, S, F2 = fk.shape
         D = v.shape[-1]
         dev = fk.device
@@ -324,13 +327,16 @@ class PrefillEvictions:
         self.B, self.Hq, self.Hs, self.F2, self.D = B, Hq, sparse_heads, F2, D
         self.G, self.GS = Hq // v.shape[1], Hq // sparse_heads
         self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, window, eps
+        if not 0 <= first <= n_ev:
+            raise ValueError(f"first eviction {first} outside 0 .. {n_ev}")
+        self.first = first
         self.NC = lam + chunk
         self.H_all = torch.zeros(n_ev + 1, B, Hq, F2, D, device=dev, dtype=torch.float32)
         self.s_all = torch.zeros(n_ev + 1, B, Hq, F2, device=dev, dtype=torch.float32)
         self.SPIDX = torch.full((n_ev + 1, B, sparse_heads, lam), -1, device=dev, dtype=torch.int32)
         self.SPSC = torch.full((n_ev + 1, B, sparse_heads, lam), float("-inf"), device=dev, dtype=torch.float32)
         self.SC = torch.empty(B, Hq, self.NC, device=dev, dtype=torch.float32)
-        self.cnt = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.cnt = torch.full((1,), first, device=dev, dtype=torch.int32)
         # the running sum of the evicted pairs (the fold kernel adds eviction c's range sum, then subtracts the
         # sparse set: the state after eviction c is every evicted pair not kept exact)
         self.PH = torch.zeros(B, Hq, F2, D, device=dev, dtype=torch.float32)
@@ -343,12 +349,38 @@ class PrefillEvictions:
 
     def _evicted_range_sums(self) -> None:
         """H_all[c + 1] / s_all[c + 1] = the sums over the pairs eviction c takes out of the window (positions
-        c*C - W .. (c+1)*C - W - 1, those >= 0 and not padding), all evictions in one parallel launch."""
-        if self.n_ev == 0:
+        c*C - W .. (c+1)*C - W - 1, those >= 0 and not padding), all evictions from `first` on in one parallel
+        launch (on the slots from `first`: slot c + 1 - first of that view, keys offset by first * C)."""
+        n = self.n_ev - self.first
+        if n == 0:
             return
-        H, S = self.H_all, self.s_all
-        _range_sums(self.fk, self.v, self.km, H, S, self.n_ev, self.C, self.W,
+        H, S = self.H_all[self.first:], self.s_all[self.first:]
+        _range_sums(self.fk, self.v, self.km, H, S, n, self.C, self.W - self.first * self.C,
                     (H.stride(1), H.stride(2), H.stride(0), H.stride(3)), (S.stride(1), S.stride(2), S.stride(0)))
+
+    def start(self, H, s, sp_idx, sp_score) -> None:
+        """The state the evictions before chunk `first` left (a continued prefill): (H, s) [B, Hq, F2, D] /
+        [B, Hq, F2] fp32, the sparse slots sp_idx [B, Hs, lam] (rows of fk / v, -1 = empty) and their scores
+        sp_score. The running sum of the evicted pairs starts at (H, s) plus the slots' pairs (every pair evicted so
+        far is folded or in the sparse set: the fold keeps H = that sum minus the sparse set), and a sparse head
+        counts as having folded pairs when its state is not 0 (until then its state stays exactly 0)."""
+        f = self.first
+        idx = sp_idx.to(torch.int32)
+        self.H_all[f].copy_(H)
+        self.s_all[f].copy_(s)
+        self.SPIDX[f].copy_(idx)
+        self.SPSC[f].copy_(torch.where(idx >= 0, sp_score.float(), float("-inf")))
+        B, Hq, Hs, lam, F2, D = self.B, self.Hq, self.Hs, self.lam, self.F2, self.D
+        ok = idx >= 0
+        il = idx.long().clamp_min(0)
+        # phi(k) of each query head's sparse pairs, the values of each sparse head's pairs (kv head hs * Hkv // Hs)
+        fks = torch.gather(self.fk, 2, il.repeat_interleave(self.GS, 1)[..., None].expand(B, Hq, lam, F2))
+        hk = (torch.arange(Hs, device=idx.device) * self.v.shape[1] // Hs).view(1, Hs, 1)
+        vs = self.v[torch.arange(B, device=idx.device).view(B, 1, 1), hk, il]  # [B, Hs, lam, D]
+        self.PH.copy_(H)
+        self.PS.copy_(s)
+        fold_into_state(fks, vs, ok.float(), self.PH, self.PS)
+        self.NFOLD.copy_((s != 0).view(B, Hs, self.GS, F2).flatten(2).any(-1).to(torch.int32))
 
     def _common(self):
         km = self.km
@@ -407,7 +439,7 @@ class PrefillEvictions:
         eagerly before the capture (that compiles the kernels), later times the capture comes first, while
         the GPU still works on what was queued before. Elsewhere, or if the capture fails: eagerly."""
         key = self._key() if graph and self.fk.is_cuda else None
-        self.graph = run_steps(self.step, self.n_ev, self.fk.device, graph=graph,
+        self.graph = run_steps(self.step, self.n_ev - self.first, self.fk.device, graph=graph,
                                eager_first=key not in _WARM_EVICTIONS)
         if self.graph is not None:  # kept for the benchmark (replay cost alone)
             _WARM_EVICTIONS.add(key)
