@@ -203,7 +203,7 @@ def test_parse_mixers():
     ("sliding(window=0)", "bad value 0 for window; allowed: int >= 1"),
     ("softmax(qknorm=maybe)", "bad value 'maybe' for qknorm; allowed: bool"),
     ("vq(commit=-1)", "bad value -1.0 for commit; allowed: float >= 0.0"),
-    ("ovq(growth=inf)", "growth must be finite"),
+    ("ovq(growth=inf)", "growth=inf is not a finite number"),
     ("ovq(max_centroids=128", r"bad mixer .*write NAME or NAME\(KEY=VALUE,...\)"),
     ("ovq(chunk)", r"bad mixer .*write NAME or NAME\(KEY=VALUE,...\)"),
 ])

@@ -110,10 +110,6 @@ class OVQMixerConfig(MixerConfig):
     beta: float = _beta()
     backend: str = _backend()
 
-    def check(self) -> None:
-        if not math.isfinite(self.growth):
-            raise ConfigError(f"OVQMixerConfig: growth must be finite, got {self.growth}")
-
 
 @dataclass
 class LolcatsMixerConfig(MixerConfig):

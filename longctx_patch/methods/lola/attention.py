@@ -179,7 +179,7 @@ class HybridAttention(PatchedAttention):
     def state_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of `LolaLayer` after a prefill of `context_len` tokens (no padding): the window buffer's keys,
         values, the feature cache (`feature_cache`: phi(k) of `chunk` keys, 2F per query head), the sparse cache
-        and the linear state, whatever the length. The buffer's padding mask
+        and the linear state, whatever the length, and the buffered count on the device (nb_t). The buffer's padding mask
         (`batch * (window + chunk)` bools) is created only once a batch has left padding and is not counted."""
         cfg = self.method_config
         elt = torch.tensor([], dtype=dtype).element_size()
@@ -190,7 +190,8 @@ class HybridAttention(PatchedAttention):
         lam = self.sparse_cache
         sparse = batch * sparse_head_count(self.sparse_heads, Hq, Hkv) * lam * (2 * D * elt + 4)
         state = batch * Hq * F2 * (D + 1) * 4
-        return window + features + sparse + state
+        count = batch * 8  # nb_t: the buffered count on the device (int64 per row)
+        return window + features + sparse + state + count
 
 
 class LolaAttention(HybridAttention):

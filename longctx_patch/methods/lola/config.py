@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ...errors import ConfigError
 from ..base import MethodConfig, option
 
 LOLCATS_INIT_WINDOW_FACTOR = -2.1972245773362196  # sigmoid = 0.1, the value of the released LoLCATs recipes
@@ -43,12 +41,6 @@ class HybridConfig(MethodConfig):
     seed: int = option(0, "seed of the fresh feature-map initialisation (layer i uses seed + i)", min=0)
     backend: str = option("auto", "kernels: auto (Triton on CUDA without grad), triton, or torch (reference)",
                           choices=("auto", "triton", "torch"))
-
-    def check(self) -> None:
-        if not math.isfinite(self.init_window_factor):
-            raise ConfigError(f"{type(self).__name__}: init_window_factor must be finite, got {self.init_window_factor}")
-        if not math.isfinite(self.linear_scale):
-            raise ConfigError(f"{type(self).__name__}: linear_scale must be a finite number >= 0, got {self.linear_scale}")
 
 
 @dataclass

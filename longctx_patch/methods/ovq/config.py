@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ...errors import ConfigError
 from ..base import MethodConfig, option
 
 
@@ -31,10 +29,6 @@ class OVQConfig(MethodConfig):
     train_path: str = option("auto", "training forward: parallel (every chunk's dictionary at once, 8-12x faster on "
                              "an H200, ~3x the memory), loop (chunk by chunk), or auto (parallel on CUDA, loop on CPU); "
                              "both give the same result", choices=("auto", "parallel", "loop"))
-
-    def check(self) -> None:
-        if not math.isfinite(self.growth):
-            raise ConfigError(f"OVQConfig: growth must be finite, got {self.growth}")
 
 
 __all__ = ["OVQConfig"]
