@@ -43,6 +43,21 @@ def make_optimizer(groups: list[dict[str, Any]], stage: Stage, fused: bool) -> t
     return torch.optim.AdamW(groups, lr=stage.lr, betas=tuple(stage.betas), **({"fused": True} if fused else {}))
 
 
+def activation_checkpointing(model, enable: bool) -> None:
+    """transformers' recomputation of the decoder layers in the backward, on or off, under the name the installed
+    version has: `activation_checkpointing_enable/_disable` (newer 5.x, where `gradient_checkpointing_*` are deprecated
+    aliases), else `gradient_checkpointing_enable/_disable`. Non-reentrant checkpoints."""
+    if enable:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @dataclass
 class StageLog:
     name: str
@@ -250,7 +265,7 @@ class StageLoopMixin:
     def enter_stage_modes(self, stage: Stage) -> None:
         """Gradient checkpointing of the decoder layers and their compilation (`compile`), for this stage."""
         if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing(self.root, True)
             if hasattr(self.root, "enable_input_require_grads"):
                 self.root.enable_input_require_grads()
         if stage.compile:
@@ -259,7 +274,7 @@ class StageLoopMixin:
 
     def leave_stage_modes(self, stage: Stage) -> None:
         if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_disable()
+            activation_checkpointing(self.root, False)
         if stage.compile:
             for layer in self._decoder_layers():
                 layer._compiled_call_impl = None  # what nn.Module.compile set: calls go to forward again
