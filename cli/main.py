@@ -246,10 +246,15 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
              dtype) -> None:
     """Generate text from a prompt with an (optionally patched) model. Greedy decoding.
 
+    A patched model answers from what its method keeps: sliding-window, the last `window` tokens only. In the
+    example's 5k-token prompt dedent is defined 620 tokens before the question: exact attention answers, a 256-token
+    window cannot see it (nor the prompt's start) and the model loops on the file's last lines.
+
     \b
     Examples:
       longctx generate --prompt "What is the capital of France?"
       python -c "import inspect, textwrap; print(inspect.getsource(textwrap), 'What does dedent do?')" > prompt.txt
+      longctx generate --method exact --prompt-file prompt.txt --stream
       longctx generate --method sliding-window --set window=256 --prompt-file prompt.txt --stream
     """
     import longctx_patch as lp
