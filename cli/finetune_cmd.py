@@ -38,7 +38,7 @@ from cli.common import check_architecture, friendly_errors
 @click.option("--results", default=None, metavar="NAME", help="Also write the training log as finetune/NAME.json of the results folder ($LONGCTX_RESULTS, "
               "else longctx-results/ in the working directory), or to NAME itself when it ends in .json.")
 @click.option("--quick", is_flag=True, help="A short run of the recipe's stages that finishes in minutes on a "
-              "laptop-class CPU: at most 8 steps of 2 x 256 tokens per stage, one held-out batch, a loss line every "
+              "laptop-class CPU: at most 5 steps of 2 x 256 tokens per stage, one held-out batch, a loss line every "
               "step, output folder OUTPUT-quick. Checks the set-up end to end; the full recipe is a GPU run.")
 @click.option("--skip-memory-check", is_flag=True, help="Run even when the estimated peak memory exceeds the memory "
               "available here (the estimate is printed before the run either way).")

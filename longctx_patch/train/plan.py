@@ -38,7 +38,7 @@ GPU_EFFICIENCY = 0.2  # element-wise work, Python) / on a GPU (launch-bound at s
 # caching: 1.1x
 CPU_ALLOCATOR = 2.0
 CUDA_ALLOCATOR = 1.1
-QUICK_STEPS = 8
+QUICK_STEPS = 5
 QUICK_SEQ_LEN = 256
 QUICK_BATCH = 2
 
