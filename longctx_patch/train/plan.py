@@ -9,7 +9,8 @@ stage trains: attention transfer keeps only each patched attention's inputs and 
 layer's, gradient checkpointing only each layer's input); the largest transient (one layer's attention working set,
 the loss's logits chunk); and, on a CPU, the process itself. The attention's working set depends on the method and
 on whether its Triton kernels or its PyTorch reference run (`_attention_profile`). It was checked against measured
-peaks on the CPU (tests/test_train_plan.py: within a factor of 2 on a tiny model; docs in recipes/README.md).
+peaks on the CPU (tests/test_train_plan.py: within a factor of 2 on a tiny model; SmolLM2's linearization stages
+within 25% on a CPU, and against the H200 figures of docs/PERFORMANCE.md within 20%: recipes/README.md).
 The time is rougher: floating-point operations of the matrix products and the attention, at a rate measured here
 with a short matrix product and a fixed efficiency; the run's own ETA replaces it once steps have been timed.
 """
@@ -116,9 +117,9 @@ def peek_config(model: str | None):
 # ----------------------------------------------------------------------------------------------- attention
 def _attention_profile(method: str | None, config: dict[str, Any], shape: ModelShape, S: int, kernels: bool
                        ) -> tuple[float, float]:
-    """(keys each query attends, for the FLOPs; float32 elements one query token holds per head while the
-    attention runs, kept for the backward unless the attention is recomputed). `kernels`: the method's Triton
-    kernels run (CUDA), else its PyTorch reference."""
+    """(keys each query attends, for the FLOPs; elements one query token holds per head while the attention runs,
+    kept for the backward unless the attention is recomputed: float32 in the PyTorch references, the compute dtype in
+    the kernels). `kernels`: the method's Triton kernels run (CUDA), else its PyTorch reference."""
     D = shape.head_dim
     name = (method or "exact").lower()
     if name in ("exact", "none", "sliding-window"):
@@ -267,7 +268,8 @@ def plan_stage(recipe: Recipe, stage: Stage, shape: ModelShape, *, device_type: 
     trained = _trained_params(stage, shape, method_params)
     q, kv = Hq * D, Hkv * D
     attn_in = q + 2 * kv  # what a recomputed attention keeps: q, k, v
-    kept = 0 if recompute else Hq * held  # fp32 elements per token of an attention's working set kept
+    kept = 0 if recompute else Hq * held  # elements per token of an attention's working set kept
+    held_bytes = e if kernels else 4  # the kernels run in autocast's dtype, the PyTorch references in fp32
     transfer = stage.objective == "attention_transfer"
     if transfer and stage.teacher_forcing and set(stage.trainable or ["method"]) == {"method"}:
         # each patched layer: its attention's inputs (or working set) and its output and the teacher's (the MSE)
@@ -282,10 +284,10 @@ def plan_stage(recipe: Recipe, stage: Stage, shape: ModelShape, *, device_type: 
         fused = stage.fused_loss and "full" not in (stage.trainable or [])
         loss = 0 if transfer else (min(n_tok * V * 4, 1 << 30) * 2 + 2 * n_tok * H * 4 if fused else 3 * n_tok * V * 4)
     alloc = CUDA_ALLOCATOR if kernels else CPU_ALLOCATOR
-    activations = int(per_token * n_tok * e * alloc + per_token_kept * n_tok * 4)
+    activations = int(per_token * n_tok * e * alloc + per_token_kept * n_tok * held_bytes)
     # one layer's attention working set: its recompute and its gradients in the backward (recomputed), or the
     # gradients of the kept one
-    attention_ws = int(n_tok * Hq * held * 4 * (2.0 if recompute else 0.5))
+    attention_ws = int(n_tok * Hq * held * held_bytes * (2.0 if recompute else 0.5))
     teacher = int(n_tok * 2 * q * e) if transfer else 0
     parts = {
         "weights": shape.params * w_bytes,
