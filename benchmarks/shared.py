@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from longctx_patch.errors import LongctxError
-from longctx_patch.evals.common import default_results_dir, slug
+from longctx_patch.evals import common
+from longctx_patch.evals.common import slug
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"  # the results committed with the checkout (results/INDEX.md)
@@ -60,8 +61,10 @@ def device_token(name: str | None = None) -> str:
 def results_dir(task: str, out: str | os.PathLike | None = None) -> Path:
     """The folder a script writes its result files to, made if missing: `out` when given (its --out, or $OUT on
     the device machine, whose files come back from there), else the task's folder of the default results folder:
-    <checkout>/benchmarks/results/<task>, or $LONGCTX_RESULTS/<task> (`common.default_results_dir`)."""
-    d = Path(out) if out else default_results_dir() / task
+    $LONGCTX_RESULTS/<task> when set, else this checkout's benchmarks/results/<task> (the benchmarks' results are
+    the project's record; `longctx eval` writes elsewhere by default, `common.default_results_dir`)."""
+    env = os.environ.get(common.RESULTS_ENV)
+    d = Path(out) if out else (Path(env).expanduser() if env else RESULTS) / task
     d.mkdir(parents=True, exist_ok=True)
     return d
 

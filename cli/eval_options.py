@@ -45,9 +45,8 @@ def output_options(f):
     f = click.option("--name", default=None, metavar="NAME",
                      help="Base name of the result files (default: TASK-MODEL-METHODS).")(f)
     f = click.option("--out-dir", default=None, type=click.Path(file_okay=False), callback=_default_out_dir,
-                     help="Folder for NAME.json and NAME.png (default: $LONGCTX_RESULTS/TASK when set; inside a "
-                          "checkout of this repository its benchmarks/results/TASK; else "
-                          "~/.local/share/longctx-patch/results/TASK).")(f)
+                     help="Folder for NAME.json and NAME.png (default: $LONGCTX_RESULTS/TASK when set, else "
+                          "longctx-results/TASK in the working directory).")(f)
     return f
 
 

@@ -2,8 +2,8 @@
 
 Every selected sequence mixer is trained in the same small model with the same budget (steps, learning
 rates, seeds, tokens per step), evaluated at every length, and compared on accuracy (ICR) or regression
-error (ICL) against its decode-state size. Results: benchmarks/results/NAME.json + NAME-length.png +
-NAME-state.png.
+error (ICL) against its decode-state size. Results: NAME.json + NAME-length.png + NAME-state.png in the results
+folder's synthetic/ (`longctx-results/` of the working directory, or $LONGCTX_RESULTS) or --out-dir.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _add_training_options(f, steps, curriculum, tokens_per_step):
         click.option("--name", default=None, metavar="NAME", help="Base name of the result files (default: the task and variant)."),
         click.option("--out-dir", default=None, type=click.Path(file_okay=False),
                      help="Folder for NAME.json and the plots (default: the results folder's synthetic/, as for "
-                          "'longctx eval': $LONGCTX_RESULTS, a checkout's benchmarks/results, or "
-                          "~/.local/share/longctx-patch/results)."),
+                          "'longctx eval': $LONGCTX_RESULTS when set, else longctx-results/ in the working "
+                          "directory)."),
         click.option("--no-plots", is_flag=True, help="Write the JSON only."),
         click.option("--quiet", "-q", is_flag=True, help="No progress bars."),
     ]

@@ -16,9 +16,11 @@ from cli.common import check_architecture, friendly_errors
 @click.command(
     "finetune",
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog="\b\nRecipe format: recipes/README.md. Example:\n"
+    epilog="\b\nRecipe format: recipes/README.md. Examples:\n"
     "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
-    "      --text longctx_patch/evals/data/shakespeare.txt --set stages.transfer.steps=50 --output runs/linearize\n"
+    "      --text longctx_patch/evals/data/shakespeare.txt --quick          # minutes on a CPU\n"
+    "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
+    "      --text longctx_patch/evals/data/shakespeare.txt --dry-run        # the plan and its estimate only\n"
     "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
@@ -33,13 +35,28 @@ from cli.common import check_architecture, friendly_errors
 @click.option("--stop-after", default=None, metavar="STAGE", help="End the run once stage STAGE (a name or index) is "
               "done and checkpointed; the same command with --resume continues with the next stage. For runs split "
               "over time-limited jobs.")
-@click.option("--results", default=None, metavar="NAME", help="Also write benchmarks/results/NAME.json (device, date, commit, command, figures).")
+@click.option("--results", default=None, metavar="NAME", help="Also write the training log as finetune/NAME.json of the results folder ($LONGCTX_RESULTS, "
+              "else longctx-results/ in the working directory), or to NAME itself when it ends in .json.")
+@click.option("--quick", is_flag=True, help="A short run of the recipe's stages that finishes in minutes on a "
+              "laptop-class CPU: at most 5 steps of 2 x 256 tokens per stage, one held-out batch, a loss line every "
+              "step, output folder OUTPUT-quick. Checks the set-up end to end; the full recipe is a GPU run.")
+@click.option("--skip-memory-check", is_flag=True, help="Run even when the estimated peak memory exceeds the memory "
+              "available here (the estimate is printed before the run either way).")
+@click.option("--log-seconds", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Without a terminal (a log file): a progress line (step, loss, tokens/s, ETA) at least this often, "
+                   "besides one every log_every steps.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved recipe and the stage plan; train nothing.")
 @friendly_errors
-def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, stop_after, results, quiet, dry_run):
-    """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA)."""
+def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resume, stop_after, results, quick,
+                 skip_memory_check, log_seconds, quiet, dry_run):
+    """Fine-tune a patched model with a RECIPE (attention transfer and/or next-token stages, optional LoRA).
+
+    Before it trains it prints its plan: tokens and steps per stage, the estimated peak memory and a rough time on
+    this device; a run whose estimate exceeds the memory available stops there, before the model loads, with the
+    settings that shrink it (--quick, a stage's batch_size or seq_len, attention or gradient checkpointing)."""
     from longctx_patch.train import load_recipe, run_finetune
+    from longctx_patch.train.plan import quick_overrides
 
     overrides = list(sets)
     # explicit options win over --set, which wins over the file
@@ -56,12 +73,15 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     if text is not None and dataset is not None:
         raise click.UsageError("give one text source: --text or --dataset")
     r = load_recipe(recipe, _quote(overrides))  # errors: one `error: ...` line from friendly_errors, like every verb
+    if quick:  # the recipe's stages made short; the --set items given still win
+        r = load_recipe(recipe, quick_overrides(r) + _quote(overrides))
     if r.method not in (None, "none") and r.model:
         check_architecture(r.model)  # an unsupported architecture fails now, not after the model loads
     if dry_run:
         _print_plan(r, output)
         return
-    log = run_finetune(r, output, resume=resume, results=results, progress=not quiet, stop_after=stop_after)
+    log = run_finetune(r, output, resume=resume, results=results, progress=not quiet, stop_after=stop_after,
+                       memory_check=not skip_memory_check, log_seconds=log_seconds)
     if not quiet:
         lines = [f"{s['name']}: {s['steps_done']} steps, {s['tokens']} tokens, {s['time_s']:.1f} s, loss "
                  f"{_fmt(s['first_loss'])} -> {_fmt(s['final_loss'])}"
@@ -86,6 +106,16 @@ def _print_plan(r, output) -> None:
         total += n
         click.echo(f"# {s.name:<14} {s.objective:<20} {','.join(s.trainable):<14} {s.steps:>5}  {s.tokens_per_step:>11}  {n}")
     click.echo(f"# total tokens: {total}")
+    from longctx_patch.train.plan import peek_config, plan_run
+
+    config = peek_config(r.model)
+    if config is None:
+        click.echo("# estimate: the model's config cannot be read without loading it; the run prints it after the load")
+        return
+    from longctx_patch.models import resolve_device
+
+    for line in plan_run(r, config, device=resolve_device(None)).lines():
+        click.echo(f"# {line}")
 
 
 def _fmt(x) -> str:

@@ -177,6 +177,8 @@ class DecodeGraphs:
             # re-bound as a method of the model: accelerate's `unwrap_model` (after its mixed-precision wrapper)
             # sets `model.forward = MethodType(<the forward it found>, model)`, which passes the model first
             args = args[1:]
+        if self._cache_arg != "past_key_values" and "past_key_values" in kwargs and self._cache_arg not in kwargs:
+            kwargs[self._cache_arg] = kwargs.pop("past_key_values")  # the name this transformers takes (5.24+: `cache`)
         cache = self._cache(args, kwargs)
         if cache is None:
             return self.orig(*args, **kwargs)

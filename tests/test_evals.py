@@ -254,6 +254,24 @@ def test_niah_paired_counts_and_mcnemar():
     assert niah.mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)
     assert niah.paired(records, ["exact"], ["s-niah-2"], [100]) == {}
     assert "2 samples only exact answers, 1 only m" in niah.paired_lines({"paired": p})
+    assert "(McNemar p = 1)" in niah.paired_lines({"paired": p})
+
+
+def test_p_values_print_as_a_bound_below_one_in_a_million():
+    """One formatter prints every p-value: three significant digits, `p < 1e-6` where an exact tail is smaller (never
+    `p = 0`); the JSON keeps the exact value."""
+    from longctx_patch.evals.common import format_p
+
+    assert format_p(1.0) == "p = 1" and format_p(0.03125) == "p = 0.0312" and format_p(2.4e-6) == "p = 2.4e-06"
+    assert format_p(0.0) == "p < 1e-6" and format_p(9.3e-10) == "p < 1e-6"
+
+    def rec(method, i, ok):
+        return dict(method=method, task="s-niah-2", length=100, depth=0.5, index=i, correct=ok)
+
+    records = [rec("exact", i, True) for i in range(40)] + [rec("m", i, False) for i in range(40)]
+    p = niah.paired(records, ["exact", "m"], ["s-niah-2"], [100])
+    assert p["m"]["all"]["mcnemar_p"] == pytest.approx(2 / 2**40)  # not rounded to 0
+    assert "(McNemar p < 1e-6)" in niah.paired_lines({"paired": p}) and "p = 0" not in niah.paired_lines({"paired": p})
 
 
 def test_smollm2_finds_needle_in_essays(smollm2, essays):

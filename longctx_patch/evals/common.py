@@ -46,24 +46,18 @@ def repo_root(start: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
-def user_results_dir() -> Path:
-    """Results outside a checkout: $XDG_DATA_HOME/longctx-patch/results (default ~/.local/share/...): results
-    are kept, unlike the model cache under ~/.cache/longctx-patch."""
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "longctx-patch" / "results"
+RESULTS_FOLDER = "longctx-results"
 
 
 def default_results_dir(cwd: str | os.PathLike | None = None) -> Path:
-    """Where results go when no output folder is given: $LONGCTX_RESULTS when set; else, run from inside a checkout
-    of this repository (`cwd`, default the working directory), its benchmarks/results; else `user_results_dir()`.
-    An explicit folder (the CLI's --out-dir, a function's out_dir) always wins over this."""
+    """Where results go when no output folder is given: $LONGCTX_RESULTS when set (set it once, e.g. in your shell's
+    profile, to keep every result in one place), else `longctx-results/` in the working directory (`cwd`): never
+    inside the tracked files of a checkout of this repository (its .gitignore lists `longctx-results/`). An explicit
+    folder (the CLI's --out-dir, a function's out_dir) always wins over this."""
     env = os.environ.get(RESULTS_ENV)
     if env:
         return Path(env).expanduser()
-    root = repo_root(cwd)
-    if root is not None:
-        return root / "benchmarks" / "results"
-    return user_results_dir()
+    return Path(cwd if cwd is not None else Path.cwd()) / RESULTS_FOLDER
 
 
 class _DefaultFolder:
@@ -278,6 +272,15 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+P_FLOOR = 1e-6
+
+
+def format_p(p: float) -> str:
+    """A p-value as printed everywhere: `p = 0.031` (three significant digits), `p < 1e-6` below one in a million
+    (an exact test's tail can be far smaller; no `p = 0`)."""
+    return "p < 1e-6" if p < P_FLOOR else f"p = {p:.3g}"
+
+
 def size_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
@@ -421,8 +424,9 @@ __all__ = [
     "output_dir",
     "RESULTS_DEFAULT",
     "repo_root",
-    "user_results_dir",
     "RESULTS_ENV",
+    "RESULTS_FOLDER",
+    "format_p",
     "default_name",
     "begin_run",
     "format_table",

@@ -36,6 +36,7 @@ from .common import (
     applied,
     begin_run,
     default_name,
+    format_p,
     format_table,
     load_model,
     pyplot,
@@ -528,7 +529,7 @@ def paired(records, labels, tasks, lengths) -> dict[str, Any]:
             m = got[_sample_key(r)]
             n[(0 if m else 1) if r["correct"] else (2 if m else 3)] += 1
         return {"both": n[0], "only_reference": n[1], "only_method": n[2], "neither": n[3],
-                "mcnemar_p": round(mcnemar_p(n[1], n[2]), 4)}
+                "mcnemar_p": mcnemar_p(n[1], n[2])}
 
     ref = [r for r in records if r["method"] == labels[0]]
     out: dict[str, Any] = {"reference": labels[0]}
@@ -552,7 +553,7 @@ def paired_lines(figures) -> str:
         a = cells["all"]
         lines.append(f"{lab} vs {p['reference']}: {a['only_reference']} samples only {p['reference']} answers, "
                      f"{a['only_method']} only {lab}, {a['both']} both, {a['neither']} neither "
-                     f"(McNemar p = {a['mcnemar_p']:.3g})")
+                     f"(McNemar {format_p(a['mcnemar_p'])})")
     return "\n".join(lines)
 
 

@@ -78,7 +78,8 @@ class Stage:
     save_every: int = 0  # 0: only at the end of the stage
     gradient_checkpointing: bool = False
     teacher_forcing: bool = True  # attention_transfer: pass the exact attention output on to the next layer
-    attention_checkpointing: bool = True  # recompute each patched attention in the backward (same values, less memory)
+    # recompute each patched attention in the backward (same values, less memory); auto: off on CUDA, on elsewhere
+    attention_checkpointing: bool | str = True
     fused_loss: bool = True  # next_token: chunked cross-entropy, never the whole batch's fp32 logits (same value)
     compile: bool = False  # torch.compile each decoder layer for the stage (fixed shapes)
     max_time_s: float | None = None  # end the stage after this much wall time (the schedule still assumes `steps`)
@@ -365,7 +366,8 @@ def _validate_stage(s: Stage, where: str) -> None:
     s.save_every = _check_type(f"{where}.save_every", s.save_every, int, minimum=0)
     s.gradient_checkpointing = _check_type(f"{where}.gradient_checkpointing", s.gradient_checkpointing, bool)
     s.teacher_forcing = _check_type(f"{where}.teacher_forcing", s.teacher_forcing, bool)
-    s.attention_checkpointing = _check_type(f"{where}.attention_checkpointing", s.attention_checkpointing, bool)
+    if s.attention_checkpointing != "auto":
+        s.attention_checkpointing = _check_type(f"{where}.attention_checkpointing", s.attention_checkpointing, bool)
     s.fused_loss = _check_type(f"{where}.fused_loss", s.fused_loss, bool)
     s.compile = _check_type(f"{where}.compile", s.compile, bool)
     s.max_time_s = _check_type(f"{where}.max_time_s", s.max_time_s, float, optional=True, minimum=0.0)

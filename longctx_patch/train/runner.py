@@ -55,6 +55,7 @@ from .trained import TRAINABLE_DIR
 from .resume import CheckpointMixin, _rng_state, _set_rng_state
 from .distributed import DistributedMixin, _env_flag, _env_set
 from .params import method_parameters
+from .plan import attention_recomputed, check_memory, peek_config, plan_run
 from .stage_loop import StageLog, StageLoopMixin
 
 
@@ -121,6 +122,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         model=None,
         tokenizer=None,
         stop_after: str | None = None,
+        memory_check: bool = True,
+        log_seconds: float = 30.0,
     ):
         from accelerate import Accelerator
 
@@ -131,6 +134,9 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         self.results = results
         self.command = command if command is not None else command_line()
         self.progress = progress
+        self.memory_check = memory_check  # refuse a run whose estimated peak exceeds the memory available (plan.py)
+        self.log_seconds = log_seconds  # without a terminal: a progress line at least this often
+        self.plan = None  # plan.RunPlan: the estimate printed before the run
         mp = recipe.mixed_precision
         if mp == "auto":
             mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -164,6 +170,15 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     def _log(self, msg: str) -> None:
         if self.is_main and self.progress:
             print(msg, file=sys.stderr, flush=True)
+
+    def make_plan(self, config) -> None:
+        """Estimate every stage (tokens, steps, peak memory, time), print it, and refuse (MemoryBudgetError) when the
+        estimated peak exceeds the memory available, unless `memory_check` is off."""
+        self.plan = plan_run(self.recipe, config, device=self.accelerator.device, world=self.world)
+        for line in self.plan.lines():
+            self._log(line)
+        if self.memory_check:
+            check_memory(self.plan)  # every process raises: none waits for another
 
     def load(self) -> None:
         from accelerate.utils import set_seed
@@ -363,7 +378,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
 
         ctx = patch_context(self.model) if is_patched(self.model) else None
         if ctx is not None:  # whole layers recomputed (gradient_checkpointing) recompute their attention anyway
-            ctx.recompute = stage.attention_checkpointing and not stage.gradient_checkpointing
+            ctx.recompute = attention_recomputed(stage, self.accelerator.device.type) and not stage.gradient_checkpointing
         try:
             if stage.objective != "attention_transfer":
                 yield None
@@ -423,7 +438,13 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
                 f"{self._ckpt_root()} already holds checkpoints; pass --resume to continue that run, "
                 "or choose another --output directory"
             )
+        given = self._given_model[0]
+        config = getattr(given, "config", None) if given is not None else peek_config(r.model)
+        if config is not None:
+            self.make_plan(config)  # before the load: a run too large for this machine stops here
         self.load()
+        if self.plan is None:
+            self.make_plan(self.model.config)
         self.load_data()
         for si, stage in enumerate(r.stages):
             if self.stop_after is not None and si > self.stop_after:
@@ -566,16 +587,21 @@ def run_finetune(
     model=None,
     tokenizer=None,
     stop_after: str | None = None,
+    memory_check: bool = True,
+    log_seconds: float = 30.0,
 ) -> dict[str, Any]:
     """Runs every stage of `recipe` and writes the outputs; returns the training log (also in train_log.json).
     `stop_after` (a stage's name or index) ends the run once that stage is done and checkpointed, before the outputs
-    are written: the same call with `resume=True` continues with the next stage."""
+    are written: the same call with `resume=True` continues with the next stage. Before anything loads where the model's
+    config can be read without it, the run's estimate is printed (`plan.py`) and a run whose estimated peak memory
+    exceeds what the device has available raises MemoryBudgetError (`memory_check=False`: run anyway). Without a
+    terminal, progress is a line per log point and at least every `log_seconds`, with the stage's and the run's ETA."""
     out = output_dir or recipe.output.dir
     if not out:
         raise ConfigError("no output directory; pass --output DIR (or set output.dir in the recipe)")
     return Finetuner(
         recipe, out, resume=resume, results=results, command=command, progress=progress, model=model,
-        tokenizer=tokenizer, stop_after=stop_after,
+        tokenizer=tokenizer, stop_after=stop_after, memory_check=memory_check, log_seconds=log_seconds,
     ).run()
 
 

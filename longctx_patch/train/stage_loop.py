@@ -16,6 +16,7 @@ from ..errors import ConfigError, LongctxError
 from .data import BatchOrder, local_slice
 from .recipe import Stage
 from .resume import _full
+from .plan import GIB, format_duration, peak_memory, peak_memory_reset
 from ..timing import StepTimer
 
 
@@ -43,6 +44,21 @@ def make_optimizer(groups: list[dict[str, Any]], stage: Stage, fused: bool) -> t
     return torch.optim.AdamW(groups, lr=stage.lr, betas=tuple(stage.betas), **({"fused": True} if fused else {}))
 
 
+def activation_checkpointing(model, enable: bool) -> None:
+    """transformers' recomputation of the decoder layers in the backward, on or off, under the name the installed
+    version has: `activation_checkpointing_enable/_disable` (newer 5.x, where `gradient_checkpointing_*` are deprecated
+    aliases), else `gradient_checkpointing_enable/_disable`. Non-reentrant checkpoints."""
+    if enable:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @dataclass
 class StageLog:
     name: str
@@ -62,7 +78,9 @@ class StageLog:
     eval_time_s: float = 0.0
     tokens_per_s: float = 0.0
     steady_tokens_per_s: float | None = None  # tokens/s after the first log point (no compile or autotune)
-    peak_memory_gib: float | None = None  # CUDA only: peak allocated memory of this process during the stage
+    # peak memory of this process during the stage: CUDA, its allocated device memory; CPU (Linux), its resident memory
+    peak_memory_gib: float | None = None
+    estimated_peak_gib: float | None = None  # what the plan before the run estimated for the stage (plan.py)
     loss: list[list[float]] = field(default_factory=list)  # [step, mean loss since the last entry]
     eval_loss: list[list[float]] = field(default_factory=list)  # [step, held-out loss]
     lr_curve: list[list[float]] = field(default_factory=list)
@@ -119,10 +137,14 @@ class StageLoopMixin:
         cuda = acc.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(acc.device)
+        cpu_peak = not cuda and peak_memory_reset()
+        planned = self.plan.stages[si] if getattr(self, "plan", None) is not None else None
+        if planned is not None:
+            log.estimated_peak_gib = planned.peak / GIB
         t0 = time.time()
         self._eval_time = 0.0
         show = self.is_main and self.progress
-        bar = show and sys.stderr.isatty()  # logs (no terminal) get one plain line per log_every steps
+        bar = show and sys.stderr.isatty()  # logs (no terminal): a plain line per log_every steps and every log_seconds
         pbar = tqdm(
             total=stage.steps, initial=start_step, desc=f"{stage.name}", disable=not bar, dynamic_ncols=True,
             file=sys.stderr,
@@ -134,6 +156,8 @@ class StageLoopMixin:
         window: list[float] = []
         gn = lr_now = float("nan")
         steady: list[float] | None = None  # [tokens, training time] at the first log point
+        eta = _Eta(stage.steps, start_step, self.plan, si)
+        last_line = time.time()
 
         def flush() -> None:
             nonlocal gn
@@ -165,17 +189,25 @@ class StageLoopMixin:
                 lr_now = optimizer.param_groups[0]["lr"]
                 local, g = self.train_step(model, optimizer, scheduler, batches, stage, transfer, trainable)
                 done = step + 1
+                eta.step_done(done)
                 pending.append((done, local, g, lr_now))
                 log.tokens += stage.tokens_per_step
                 tok_run += stage.tokens_per_step
                 log.steps_done = done
                 at_log = done % stage.log_every == 0 or done == stage.steps
-                if at_log or bar:  # a progress bar shows every step's loss (and so waits for it)
+                # without a terminal: a line at every log point and at least every log_seconds in between
+                at_line = show and not bar and (at_log or time.time() - last_line >= self.log_seconds)
+                if at_log or bar or at_line:  # a progress bar shows every step's loss (and so waits for it)
                     flush()
                 tps = tok_run / max(time.time() - t_run, 1e-9)
                 pbar.update(1)
                 if window:
                     pbar.set_postfix(loss=f"{window[-1]:.4g}", lr=f"{lr_now:.2e}", tok_s=f"{tps:.0f}")
+                if at_line:
+                    mean = sum(window) / len(window)
+                    print(f"{stage.name} step {done}/{stage.steps}: loss {mean:.4g}, {tps:.0f} tok/s, lr {lr_now:.2e}, "
+                          f"grad-norm {gn:.3g}, {eta.words(done)}", file=sys.stderr, flush=True)
+                    last_line = time.time()
                 if at_log:
                     if steady is None:
                         steady = [log.tokens, log.time_s + time.time() - t0 - self._eval_time]
@@ -184,9 +216,6 @@ class StageLoopMixin:
                     log.lr_curve.append([done, lr_now])
                     log.grad_norm.append([done, gn])
                     window = []
-                    if show and not bar:
-                        print(f"{stage.name} step {done}/{stage.steps}: loss {mean:.4g} lr {lr_now:.2e} "
-                              f"grad-norm {gn:.3g} {tps:.0f} tok/s", file=sys.stderr, flush=True)
                 if stage.eval_every and done % stage.eval_every == 0 and done != stage.steps:
                     ev = self.evaluate(model, data, stage, transfer)
                     if ev is not None:
@@ -224,6 +253,8 @@ class StageLoopMixin:
         log.tokens_per_s = log.tokens / max(log.time_s, 1e-9)
         if cuda:  # this process's peak, training and evaluation of the stage
             log.peak_memory_gib = torch.cuda.max_memory_allocated(acc.device) / 2**30
+        elif cpu_peak:
+            log.peak_memory_gib = peak_memory() / GIB
         if steady is not None and log.tokens > steady[0]:
             # after the first log point: compilation and autotuning of the first steps left out
             log.steady_tokens_per_s = (log.tokens - steady[0]) / max(log.time_s - steady[1], 1e-9)
@@ -245,12 +276,15 @@ class StageLoopMixin:
             f"loss {log.first_loss if log.first_loss is None else round(log.first_loss, 4)} -> "
             f"{log.final_loss if log.final_loss is None else round(log.final_loss, 4)}"
             + (f", eval {log.final_eval_loss:.4f}" if log.final_eval_loss is not None else "")
+            + (f", peak memory {log.peak_memory_gib:.1f} GiB" if log.peak_memory_gib is not None else "")
+            + (f" (estimated {log.estimated_peak_gib:.1f})" if log.estimated_peak_gib is not None and
+               log.peak_memory_gib is not None else "")
         )
 
     def enter_stage_modes(self, stage: Stage) -> None:
         """Gradient checkpointing of the decoder layers and their compilation (`compile`), for this stage."""
         if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing(self.root, True)
             if hasattr(self.root, "enable_input_require_grads"):
                 self.root.enable_input_require_grads()
         if stage.compile:
@@ -259,7 +293,7 @@ class StageLoopMixin:
 
     def leave_stage_modes(self, stage: Stage) -> None:
         if stage.gradient_checkpointing:
-            self.root.gradient_checkpointing_disable()
+            activation_checkpointing(self.root, False)
         if stage.compile:
             for layer in self._decoder_layers():
                 layer._compiled_call_impl = None  # what nn.Module.compile set: calls go to forward again
@@ -309,3 +343,39 @@ class StageLoopMixin:
         return local, g
 
     # ------------------------------------------------------------------------------------------- the run
+
+
+class _Eta:
+    """The remaining time of a stage from its measured steps (the first one, which compiles and warms up, left out
+    once there are others), and of the run: the later stages' planned times scaled by how this stage's measured time
+    compares with its own plan."""
+
+    def __init__(self, steps: int, start: int, plan, si: int):
+        self.steps, self.start, self.plan, self.si = steps, start, plan, si
+        self.t_start = time.time()
+        self.t_first: float | None = None  # when the first step of this run ended
+
+    def step_done(self, done: int) -> None:
+        if self.t_first is None:
+            self.t_first = time.time()
+            self.first = done
+
+    def stage_seconds(self, done: int) -> float:
+        now = time.time()
+        if self.t_first is not None and done > self.first:
+            per = (now - self.t_first) / (done - self.first)
+        else:
+            per = (now - self.t_start) / max(done - self.start, 1)
+        self.per_step = per
+        return per * (self.steps - done)
+
+    def words(self, done: int) -> str:
+        left = self.stage_seconds(done)
+        text = f"ETA stage {format_duration(left)}"
+        if self.plan is not None and self.si + 1 < len(self.plan.stages):
+            mine = self.plan.stages[self.si]
+            scale = self.per_step / (mine.seconds / max(mine.steps, 1)) if mine.seconds > 0 else 1.0
+            later = sum(s.seconds for s in self.plan.stages[self.si + 1:]) * scale
+            text += f", run {format_duration(left + later)}"
+        return text
+

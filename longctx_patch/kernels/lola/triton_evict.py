@@ -370,7 +370,7 @@ class PrefillEvictions:
         self.s_all[f].copy_(s)
         self.SPIDX[f].copy_(idx)
         self.SPSC[f].copy_(torch.where(idx >= 0, sp_score.float(), float("-inf")))
-        B, Hq, Hs, lam, F2, D = self.B, self.Hq, self.Hs, self.lam, self.F2, self.D
+        B, Hq, Hs, lam, F2 = self.B, self.Hq, self.Hs, self.lam, self.F2
         ok = idx >= 0
         il = idx.long().clamp_min(0)
         # phi(k) of each query head's sparse pairs, the values of each sparse head's pairs (kv head hs * Hkv // Hs)
