@@ -18,10 +18,12 @@ CPU_MAX_TOKENS = 4096  # the longest automatic check on a CPU (the PyTorch refer
 GPU_MAX_TOKENS = 32768  # about 3 min for SmolLM2 on 2 cores); on a GPU
 
 
-def approximation_start(method: str, config) -> tuple[int | None, int | None, str]:
+def approximation_start(method: str, config, device_type: str = "cpu", head_dim: int = 64
+                        ) -> tuple[int | None, int | None, str]:
     """(the shortest sequence in which some query of `method` with `config` (its parsed config) is not attended
-    exactly, or None when it never is or this check does not know the method; the first position approximated in
-    such a sequence; a few words on why)."""
+    exactly on a `device_type` device at `head_dim` (muse's default min_seq_len depends on both), or None when it
+    never is or this check does not know the method; the first position approximated in such a sequence; a few words
+    on why)."""
     name = method
     if name == "exact":
         return None, None, "exact attention"
@@ -46,11 +48,11 @@ def approximation_start(method: str, config) -> tuple[int | None, int | None, st
             what = (f"sink_blocks={config.sink_blocks} + local_blocks={config.local_blocks} + "
                     f"topk_blocks={config.get('topk_blocks')} + peak_blocks={config.get('peak_blocks')}")
         first = (exact + 1) * L
-        return (max(int(config.min_seq_len), first + 1), first,
+        min_len = config.min_len(device_type, head_dim)
+        return (max(min_len, first + 1), first,
                 f"each query block attends {what} = {exact} earlier blocks of block_size={L} exactly, so the far field "
                 f"starts at block {exact + 1} (token {first})"
-                + (f" in prefills of min_seq_len={config.min_seq_len} tokens or more" if config.min_seq_len > first
-                   else ""))
+                + (f" in prefills of min_seq_len={min_len} tokens or more" if min_len > first else ""))
     if name == "ovq":
         c = int(config.chunk_size)
         return c + 1, c, f"keys of earlier chunks (chunk_size={c}) are read through the dictionary"

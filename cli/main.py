@@ -169,9 +169,11 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
         from longctx_patch.checkpoint import check_replaceable
 
         check_replaceable(output)  # a folder save_patched would refuse to replace: refused before the load too
-    start, first, why = approximation_start(lp.get_method(method).name, lp.get_method(method).parse_config(dict(config)))
+    parsed = lp.get_method(method).parse_config(dict(config))
     m, tok = load(model, device, dtype, layer_specs=[layers])  # an unsupported model fails before the reference pass
     dev = next(m.parameters()).device
+    head_dim = getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads
+    start, first, why = approximation_start(lp.get_method(method).name, parsed, dev.type, head_dim)
     all_ids = tok(sample_text(), return_tensors="pt").input_ids
     limit = min(all_ids.shape[1], int(getattr(m.config, "max_position_embeddings", None) or all_ids.shape[1]))
     if fidelity_tokens is None:
