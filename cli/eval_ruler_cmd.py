@@ -26,11 +26,18 @@ TASKS_HELP = (
               help="Text of the essay tasks (niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery): the "
                    "packaged Shakespeare, the Python standard library's source (suits code models), a text file, a "
                    "folder of .txt files (e.g. Paul Graham's essays, RULER's own) or a folder of Python source.")
+@click.option("--export-samples", "export_path", default=None, type=click.Path(dir_okay=False), metavar="PATH",
+              help="Write the prompts (token ids, the context / question split, answers) to a JSONL file for another "
+                   "program and stop; only the tokenizer is loaded (docs/peers.md).")
+@click.option("--samples-file", default=None, type=click.Path(exists=True, dir_okay=False), metavar="PATH",
+              help="Answer the prompts of a file --export-samples wrote (its tasks, lengths, samples and seed replace "
+                   "those options).")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")
 @output_options
 @device_dtype_options
 @friendly_errors
-def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, progress, out_dir, name, device, dtype):
+def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, export_path, samples_file, progress, out_dir,
+              name, device, dtype):
     """RULER's synthetic tasks, generated offline from --seed; greedy decoding, RULER's string_match_all score.
 
     Prints the score (%) of each method by task x length and the average over tasks, and writes a task x length
@@ -55,9 +62,18 @@ def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, pro
         raise ConfigError(f"unknown ruler task(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
     length_list = parse_sizes(lengths)
     load_ruler_haystack(haystack)  # fail on a bad path before loading the model
+    if export_path is not None:
+        from longctx_patch.evals.ruler_export import export_samples
+        from longctx_patch.models import load_tokenizer
+
+        path = export_samples(export_path, load_tokenizer(model), model=model, tasks=task_list, lengths=length_list,
+                              samples=samples, seed=seed, haystack=haystack)
+        click.echo(f"wrote {len(task_list) * len(length_list) * samples} samples to {path}")
+        return
     pair = load_for_runs(model, dtype, device, runs)
     run_ruler(pair, runs, tasks=task_list, lengths=length_list, samples=samples, seed=seed, haystack=haystack,
-              out_dir=out_dir, name=name, model_name=model, command=effective_command(), progress=progress, echo=click.echo)
+              out_dir=out_dir, name=name, model_name=model, command=effective_command(), progress=progress, echo=click.echo,
+              samples_file=samples_file)
 
 
 __all__ = ["ruler_cmd"]

@@ -131,6 +131,9 @@ class RulerSample:
     units: int  # haystack units in the prompt (essay tokens, filler or needle lines, list words, coded words)
     input_ids: list[int] = field(repr=False)
     depths: list[float] = field(default_factory=list)  # of the needles / chain lines, as fractions of the haystack
+    # prompt tokens up to the end of the haystack: what a KV-cache compression method compresses; the rest is the
+    # question, the end of the user turn and the answer prefix (kvpress's context / question split)
+    context_tokens: int = 0
 
     def record(self) -> dict[str, Any]:
         d = asdict(self)
@@ -198,6 +201,7 @@ class _Prompt:
     query: str
     depths: list[float]
     shots: list[tuple[str, str]] = field(default_factory=list)  # earlier (user, assistant) turns
+    question: str = ""  # the user text after the haystack (the template's part after {context})
 
 
 def _render(tokenizer, p: _Prompt, chat: bool) -> str:
@@ -208,6 +212,19 @@ def _render(tokenizer, p: _Prompt, chat: bool) -> str:
         msgs.append({"role": "user", "content": p.user})
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + p.prefix
     return "".join(u + a + "\n" for u, a in p.shots) + p.user + p.prefix
+
+
+def _tail(template: str, **kw) -> str:
+    """The part of a task template after its {context}, filled in."""
+    return template.split("{context}", 1)[1].format(**kw)
+
+
+def _context_tokens(tokenizer, text: str, cut: int, chat: bool) -> int:
+    """Tokens of the encoded `text` that start before character `cut` (a token across the cut is context)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+        return sum(1 for a, _ in enc["offset_mapping"] if a < cut)
+    return len(niah._encode_prompt(tokenizer, text[:cut], chat))
 
 
 def _singular(text: str) -> str:
@@ -285,7 +302,8 @@ def _niah_builder(tokenizer, task: str, rng_seed: str, haystack: str | None) -> 
         if cfg.num_q * cfg.num_v == 1:
             template, prefix, type_v = _singular(template), _singular(prefix), v_kind[:-1]
         return _Prompt(template.format(type_needle_v=type_v, context=context, query=query),
-                       prefix.format(type_needle_v=type_v, query=query), answers, query, depths)
+                       prefix.format(type_needle_v=type_v, query=query), answers, query, depths,
+                       question=_tail(template, type_needle_v=type_v, query=query))
 
     return build, (64 if cfg.haystack == "essay" else 4)
 
@@ -318,7 +336,8 @@ def _vt_builder(tokenizer, task: str, rng_seed: str, haystack: str | None) -> tu
     def build(n: int) -> _Prompt:
         context, value, names, depths = _vt_context(random.Random(rng_seed), n, 5)
         user = example + "\n" + VT_TEMPLATE.format(context=context, query=value)
-        return _Prompt(user, VT_PREFIX.format(num_v=VT_HOPS + 1, query=value), names, value, depths)
+        return _Prompt(user, VT_PREFIX.format(num_v=VT_HOPS + 1, query=value), names, value, depths,
+                       question=_tail(VT_TEMPLATE, query=value))
 
     return build, 4
 
@@ -342,7 +361,8 @@ def _cwe_builder(tokenizer, task: str, rng_seed: str, haystack: str | None, leng
         shot = (CWE_TEMPLATE.format(context=ex_context),
                 CWE_PREFIX + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_answer)))
         context, answer = _cwe_list(rng, words, CWE_COMMON + n, *main_rep)
-        return _Prompt(CWE_TEMPLATE.format(context=context), CWE_PREFIX, answer, "", [], shots=[shot])
+        return _Prompt(CWE_TEMPLATE.format(context=context), CWE_PREFIX, answer, "", [], shots=[shot],
+                       question=_tail(CWE_TEMPLATE))
 
     return build, 16
 
@@ -371,7 +391,8 @@ def _fwe_builder(tokenizer, task: str, rng_seed: str, haystack: str | None, leng
         counts = [int(n * k ** -FWE_ALPHA / z) for k in range(1, vocab_size + 1)]
         text = [w for w, c in zip(ranked, counts) for _ in range(c)]
         rng.shuffle(text)
-        return _Prompt(FWE_TEMPLATE.format(context=" ".join(text)), FWE_PREFIX, ranked[1:4], "", [])
+        return _Prompt(FWE_TEMPLATE.format(context=" ".join(text)), FWE_PREFIX, ranked[1:4], "", [],
+                       question=_tail(FWE_TEMPLATE))
 
     return build, 64
 
@@ -449,9 +470,12 @@ def build_sample(tokenizer, task: str, length: int, *, seed: int = 0, index: int
         raise ConfigError(f"cwe at length {length} needs more than the {len(cwe_words())} distinct words of its list; "
                           "use a shorter length")
     p = build(n)
-    ids = encode(n)
+    text = _render(tokenizer, p, chat)
+    ids = niah._encode_prompt(tokenizer, text, chat)
+    context = _context_tokens(tokenizer, text, text.rindex(p.question), chat)
     return RulerSample(task=task, length=length, index=index, answers=list(p.answers), prompt_tokens=len(ids),
-                       max_new_tokens=gen, query=p.query, units=n, input_ids=ids, depths=p.depths)
+                       max_new_tokens=gen, query=p.query, units=n, input_ids=ids, depths=p.depths,
+                       context_tokens=context)
 
 
 def make_samples(tokenizer, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0,
@@ -513,24 +537,36 @@ def run_ruler(
     command: str | None = None,
     progress: bool = True,
     echo=print,
+    samples_file: str | Path | None = None,
 ) -> dict[str, Any]:
     """Runs every task at every length for each method on the same samples; writes `<name>.json` + `<name>.png`.
 
     `model` is a name/path for `longctx_patch.load_model` or a loaded `(model, tokenizer)` pair; `haystack`:
-    'shakespeare' (default), 'stdlib', or a path (see `load_ruler_haystack`). Returns the result record.
+    'shakespeare' (default), 'stdlib', or a path (see `load_ruler_haystack`). `samples_file`: the samples of a
+    file `ruler_export.write_samples` wrote (its tasks, lengths, samples and seed replace the arguments). Each
+    sample's record has the method's decode-state fraction at its prompt (`ruler_export.state_fraction`).
+    Returns the result record.
     """
     from tqdm.auto import tqdm
+
+    from .ruler_export import read_samples, state_fraction
 
     tasks = list(tasks)
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ConfigError(f"unknown ruler task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
     model_name = begin_run(model, model_name)
-    uses_essay = any(t in NIAH and NIAH[t].haystack == "essay" for t in tasks)
-    hay_text, hay_name = load_ruler_haystack(haystack) if uses_essay else (None, "none (no essay task)")
-    mdl, tok = load_model(model)
-    chat = has_chat_template(tok)
-    prompts = make_samples(tok, tasks, lengths, samples, seed=seed, haystack=hay_text, chat=chat)
+    if samples_file is not None:
+        mdl, tok = load_model(model)
+        header, prompts = read_samples(samples_file, tokenizer=tok)
+        tasks, lengths, samples, seed = header["tasks"], header["lengths"], header["samples_per_cell"], header["seed"]
+        hay_name, chat = f"{header['haystack']} (samples from {samples_file})", header["chat_template"]
+    else:
+        uses_essay = any(t in NIAH and NIAH[t].haystack == "essay" for t in tasks)
+        hay_text, hay_name = load_ruler_haystack(haystack) if uses_essay else (None, "none (no essay task)")
+        mdl, tok = load_model(model)
+        chat = has_chat_template(tok)
+        prompts = make_samples(tok, tasks, lengths, samples, seed=seed, haystack=hay_text, chat=chat)
 
     records: list[dict[str, Any]] = []
     was_training = mdl.training
@@ -543,7 +579,8 @@ def run_ruler(
                     answer = niah.generate_answer(mdl, tok, s.input_ids, s.max_new_tokens)
                     sc = score(answer, s.answers)
                     records.append({"method": run.label, **s.record(), "answer": answer, "score": round(sc, 4),
-                                    "correct": sc == 1.0})
+                                    "correct": sc == 1.0,
+                                    "state_fraction": round(state_fraction(mdl, s.prompt_tokens), 6)})
     finally:
         mdl.train(was_training)
 
