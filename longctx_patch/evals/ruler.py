@@ -219,14 +219,6 @@ def _tail(template: str, **kw) -> str:
     return template.split("{context}", 1)[1].format(**kw)
 
 
-def _context_tokens(tokenizer, text: str, cut: int, chat: bool) -> int:
-    """Tokens of the encoded `text` that start before character `cut` (a token across the cut is context)."""
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
-        return sum(1 for a, _ in enc["offset_mapping"] if a < cut)
-    return len(niah._encode_prompt(tokenizer, text[:cut], chat))
-
-
 def _singular(text: str) -> str:
     """RULER's rewording of the niah template when one value is asked ('Some ... are' -> 'A ... is')."""
     for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
@@ -472,7 +464,9 @@ def build_sample(tokenizer, task: str, length: int, *, seed: int = 0, index: int
     p = build(n)
     text = _render(tokenizer, p, chat)
     ids = niah._encode_prompt(tokenizer, text, chat)
-    context = _context_tokens(tokenizer, text, text.rindex(p.question), chat)
+    from .ruler_export import context_tokens
+
+    context = context_tokens(tokenizer, text, text.rindex(p.question), chat)
     return RulerSample(task=task, length=length, index=index, answers=list(p.answers), prompt_tokens=len(ids),
                        max_new_tokens=gen, query=p.query, units=n, input_ids=ids, depths=p.depths,
                        context_tokens=context)

@@ -32,6 +32,17 @@ _SAMPLE_FIELDS = ("task", "length", "index", "answers", "prompt_tokens", "max_ne
 _PREDICTION_FIELDS = ("method", "task", "length", "index", "answer")
 
 
+def context_tokens(tokenizer, text: str, cut: int, chat: bool) -> int:
+    """Tokens of the encoded prompt `text` that start before its character `cut` (a token across the cut is
+    context): `RulerSample.context_tokens`, with `cut` where the question starts."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+        return sum(1 for a, _ in enc["offset_mapping"] if a < cut)
+    from .niah import _encode_prompt
+
+    return len(_encode_prompt(tokenizer, text[:cut], chat))
+
+
 def write_samples(path: str | Path, samples: Sequence[RulerSample], *, model: str, vocab_size: int, seed: int,
                   haystack: str, chat_template: bool) -> Path:
     """Writes `samples` (from `ruler.make_samples`) as a samples file; returns its path."""
@@ -159,5 +170,5 @@ def state_fraction(model, tokens: int) -> float:
     return state_bytes(model, tokens) / full_kv_bytes(model, tokens)
 
 
-__all__ = ["PREDICTIONS_KIND", "SAMPLES_KIND", "export_samples", "full_kv_bytes", "read_predictions", "read_samples",
+__all__ = ["PREDICTIONS_KIND", "SAMPLES_KIND", "context_tokens", "export_samples", "full_kv_bytes", "read_predictions", "read_samples",
            "score_predictions", "state_fraction", "write_samples"]
