@@ -161,3 +161,28 @@ def test_cli_exports_samples_and_answers_them_from_the_file(tiny, tmp_path, one_
         P = row["prompt_tokens"]
         layer = kv_buffer_bytes(P, 1, hkv, hd, torch.float32, window=None if row["method"] == "exact" else 16)
         assert row["state_fraction"] == round(layer / (2 * hkv * P * hd * 4), 6)
+
+
+def test_the_kvpress_runner_scores_and_matches_fractions_as_the_project_does():
+    """benchmarks/quality/peers_kvpress.py runs in kvpress's environment with its own copy of RULER's scorer (it
+    imports nothing of longctx_patch; its module level is the standard library only): the copy must agree."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "peers_kvpress.py"
+    spec = importlib.util.spec_from_file_location("peers_kvpress", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    import re
+
+    assert not re.search(r"^\s*(import|from)\s+(longctx_patch|cli|benchmarks)\b", path.read_text(), re.M)
+    cases = [(" 1234567.", ["1234567"]), ("\x07 ABC-def\n", ["abc-DEF", "x"]), ("", ["1"]), ("a b c", ["a", "b", "c"]),
+             ("\tVAR QQ = 1\x1f", ["qq", "var", "2"])]
+    for answer, refs in cases:
+        assert runner.score(answer, refs) == ruler.score(answer, refs)
+        assert runner.postprocess(answer) == ruler.postprocess(answer)
+    for frac, prompt, context in [(0.1, 4000, 3950), (0.25, 16000, 15900), (0.5, 900, 860)]:
+        r = runner.ratio_for(frac, prompt, context)
+        assert (1 - r) * context + (prompt - context) == pytest.approx(frac * prompt)
+    assert runner.ratio_for(0.01, 1000, 900) == 0.999  # the question alone is over 1%: as much as kvpress allows
+    assert runner.ratio_for(1.0, 1000, 900) == 0.0
