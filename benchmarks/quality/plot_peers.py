@@ -71,12 +71,14 @@ def plot(pts: dict, title: str, png: Path) -> Path:
     import matplotlib.pyplot as plt
 
     lengths = sorted(pts)
+    fams = sorted({family(m) for L in lengths for m in pts[L]} - set(FULL), key=lambda f: (not f.startswith("kvpress-"), f))
+    color = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(fams)}  # one colour a method in every panel
     fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False, sharey=True)
     for ax, L in zip(axes[0], lengths):
         curves: dict = defaultdict(list)
         for m, p in pts[L].items():
             curves[family(m)].append((p["fraction"], p["score"]))
-        for fam in sorted(curves):
+        for fam in sorted(curves, key=lambda f: (f in FULL, not f.startswith("kvpress-"), f)):
             xy = sorted(curves[fam])
             if fam in FULL:
                 for x, y in xy:
@@ -85,6 +87,7 @@ def plot(pts: dict, title: str, png: Path) -> Path:
                 continue
             kv = fam.startswith("kvpress-")
             ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o" if kv else "s", ls="-" if kv else "-.",
+                    color=color[fam],
                     label=fam.replace("kvpress-", "kvpress ") if kv else f"longctx {fam}")
         ax.set_title(f"{L // 1024}k tokens" if L % 1024 == 0 else f"{L} tokens")
         ax.set_xlabel("decode-state fraction (of the exact K/V cache at the end of the prompt)")
@@ -92,7 +95,7 @@ def plot(pts: dict, title: str, png: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("RULER score (%)")
-    axes[0][0].set_ylim(0, 100)
+    axes[0][0].set_ylim(-2, 102)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
