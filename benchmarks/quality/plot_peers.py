@@ -17,7 +17,7 @@ import datetime
 import glob
 import hashlib
 import json
-import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     png = plot(pts, title, out.with_suffix(".png"))
     rec = {"task": "peers", "device": device_description(), "date": datetime.datetime.now(datetime.timezone.utc)
            .strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(), "command": "python3 -m benchmarks.quality.plot_peers "
-           + " ".join(argv if argv is not None else os.sys.argv[1:]), "samples": [{**h, "file": f, "sha256": k} for k, (f, h, _) in files.items()],
+           + " ".join(argv if argv is not None else sys.argv[1:]), "samples": [{**h, "file": f, "sha256": k} for k, (f, h, _) in files.items()],
            "sources": sources, "points": {str(L): v for L, v in sorted(pts.items())}}
     out.with_suffix(".json").write_text(json.dumps(rec, indent=1))
     for L in sorted(pts):
