@@ -17,6 +17,7 @@
 # sha256 check); PART=setup dequantises it once to /tmp/qwen (longctx_patch.models.dequantise_gguf, tied embedding).
 # /tmp lasts only while the machine stays warm: when it was handed back, PART=setup (and the pieces) again.
 #
+# Wheels: `bash benchmarks/quality/peers_wheels.sh` fills .peers-whl (on a machine with PyPI access).
 # Environments: ours is the image's python3 (torch 2.11, transformers 5.17) with the repository on PYTHONPATH and
 # gguf from .peers-whl. kvpress 0.5.5 pins transformers < 5.3 (on 5.17 every press fails: KeyError
 # 'cache_position'), so it runs with PYTHONPATH=/tmp/kvp: the wheels of .peers-whl (kvpress, transformers 5.2.0,
