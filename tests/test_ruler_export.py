@@ -1,4 +1,4 @@
-"""RULER samples for another program (the kvpress peers, benchmarks/quality/peers_kvpress.py): the samples file, the
+"""RULER samples for another program (the kvpress peers, benchmarks/quality/bench_peers_kvpress.py): the samples file, the
 context / question split, scoring another program's predictions, a method's decode-state fraction, and
 `longctx eval ruler --export-samples / --samples-file`."""
 
@@ -164,13 +164,13 @@ def test_cli_exports_samples_and_answers_them_from_the_file(tiny, tmp_path, one_
 
 
 def test_the_kvpress_runner_scores_and_matches_fractions_as_the_project_does():
-    """benchmarks/quality/peers_kvpress.py runs in kvpress's environment with its own copy of RULER's scorer (it
+    """benchmarks/quality/bench_peers_kvpress.py runs in kvpress's environment with its own copy of RULER's scorer (it
     imports nothing of longctx_patch; its module level is the standard library only): the copy must agree."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "peers_kvpress.py"
-    spec = importlib.util.spec_from_file_location("peers_kvpress", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "bench_peers_kvpress.py"
+    spec = importlib.util.spec_from_file_location("bench_peers_kvpress", path)
     runner = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(runner)
     import re

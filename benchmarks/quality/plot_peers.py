@@ -1,5 +1,5 @@
 """RULER score against decode-state fraction, one curve per method, one panel per length (kvpress's plots: score
-against compression): kvpress's presses (predictions from benchmarks/quality/peers_kvpress.py, rescored here with
+against compression): kvpress's presses (predictions from benchmarks/quality/bench_peers_kvpress.py, rescored here with
 longctx_patch.evals.ruler's scorer) beside this project's methods (`longctx eval ruler --samples-file` results) on
 the same samples file. The decode-state fraction of a point is the mean over its samples of the state kept at the end
 of the prompt over the exact K/V cache's (kvpress: measured in the compressed cache; ours: `state_bytes`); its score
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", action="append", required=True,
                     help="a samples file both programs answered (repeatable: one a length)")
-    ap.add_argument("--kvpress", action="append", default=[], help="peers_kvpress.py predictions (repeatable, globs)")
+    ap.add_argument("--kvpress", action="append", default=[], help="bench_peers_kvpress.py predictions (repeatable, globs)")
     ap.add_argument("--ours", action="append", default=[], help="`longctx eval ruler` result JSONs (repeatable, globs)")
     ap.add_argument("--out", required=True, help="base name of OUT.json and OUT.png")
     ap.add_argument("--title", default=None)

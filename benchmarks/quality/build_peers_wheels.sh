@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Fetches into .peers-whl/ (git-ignored) the wheels that benchmarks/quality/peers_kvpress.sh installs on the GPU
+# Fetches into .peers-whl/ (git-ignored) the wheels that benchmarks/quality/bench_peers_kvpress.sh installs on the GPU
 # machine (Python 3.12, x86-64; it has no internet): kvpress 0.5.5 and the transformers it supports (5.2.0) with what
 # they import that the GPU image lacks, and gguf for reading the model there. Run it on a machine with PyPI access,
 # in the repository's root, then name .peers-whl in the device call's carry list (about 15 MiB).
 #
-#   bash benchmarks/quality/peers_wheels.sh
+#   bash benchmarks/quality/build_peers_wheels.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.peers-whl/' "$(git rev-parse --git-common-dir)/info/exclude" 2>/dev/null \

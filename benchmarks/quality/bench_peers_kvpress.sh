@@ -2,10 +2,10 @@
 # kvpress's presses beside this project's constant-memory methods on the same RULER samples (docs/peers.md):
 # Qwen2.5-Coder-0.5B-Instruct, bf16, one GPU, 4k and 16k, matched decode-state fractions.
 #
-#   PART=setup   bash benchmarks/quality/peers_kvpress.sh GGUF OUT   # model, samples, kvpress env, self-check (~3 min)
-#   PART=kvpress bash benchmarks/quality/peers_kvpress.sh GGUF OUT   # presses; exit 3 = more left: call again
-#   PART=ours    bash benchmarks/quality/peers_kvpress.sh GGUF OUT   # our methods; exit 3 = more left: call again
-#   PART=plot    bash benchmarks/quality/peers_kvpress.sh GGUF OUT   # OUT/peers-qwen2.5-coder-0.5b.{json,png}
+#   PART=setup   bash benchmarks/quality/bench_peers_kvpress.sh GGUF OUT   # model, samples, kvpress env, self-check (~3 min)
+#   PART=kvpress bash benchmarks/quality/bench_peers_kvpress.sh GGUF OUT   # presses; exit 3 = more left: call again
+#   PART=ours    bash benchmarks/quality/bench_peers_kvpress.sh GGUF OUT   # our methods; exit 3 = more left: call again
+#   PART=plot    bash benchmarks/quality/bench_peers_kvpress.sh GGUF OUT   # OUT/peers-qwen2.5-coder-0.5b.{json,png}
 #
 # Each call stops starting work after BUDGET_S seconds (default 480) so that no command passes 10 minutes; a call
 # again goes on where the last one stopped (finished cells are skipped). OUT must come back between calls (keep it
@@ -17,7 +17,7 @@
 # sha256 check); PART=setup dequantises it once to /tmp/qwen (longctx_patch.models.dequantise_gguf, tied embedding).
 # /tmp lasts only while the machine stays warm: when it was handed back, PART=setup (and the pieces) again.
 #
-# Wheels: `bash benchmarks/quality/peers_wheels.sh` fills .peers-whl (on a machine with PyPI access).
+# Wheels: `bash benchmarks/quality/build_peers_wheels.sh` fills .peers-whl (on a machine with PyPI access).
 # Environments: ours is the image's python3 (torch 2.11, transformers 5.17) with the repository on PYTHONPATH and
 # gguf from .peers-whl. kvpress 0.5.5 pins transformers < 5.3 (on 5.17 every press fails: KeyError
 # 'cache_position'), so it runs with PYTHONPATH=/tmp/kvp: the wheels of .peers-whl (kvpress, transformers 5.2.0,
@@ -61,14 +61,14 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     [ -f "$out/samples-$L.jsonl" ] || ours_py -m cli.main eval ruler --model "$model" --haystack stdlib \
         --tasks "$tasks" --lengths "$L" --samples "$samples" --seed 0 --export-samples "$out/samples-$L.jsonl"
   done
-  kvp_py benchmarks/quality/peers_kvpress.py --self-check --device cuda
+  kvp_py benchmarks/quality/bench_peers_kvpress.py --self-check --device cuda
   ;;
 kvpress)
   rc=0
   for L in "${lengths[@]}"; do
     rest=$(( budget - ($(date +%s) - start) ))
     [ "$rest" -gt 30 ] || { rc=3; break; }
-    kvp_py benchmarks/quality/peers_kvpress.py --model "$model" --samples "$out/samples-$L.jsonl" \
+    kvp_py benchmarks/quality/bench_peers_kvpress.py --model "$model" --samples "$out/samples-$L.jsonl" \
         --out "$out/kvpress-$L.jsonl" --presses "$presses" --fractions "$fractions" --baseline \
         --device cuda --dtype bfloat16 --max-seconds "$rest" || { r=$?; [ $r = 3 ] && rc=3 || exit $r; }
   done

@@ -20,8 +20,8 @@ rerun appends only the predictions missing from OUT, so a run cut by --max-secon
 it stopped. Scores are RULER's string_match_all, as longctx_patch.evals.ruler scores (`plot_peers.py` rescores
 with the project's own code).
 
-    python benchmarks/quality/peers_kvpress.py --self-check
-    python benchmarks/quality/peers_kvpress.py --model /tmp/qwen --samples S.jsonl --out P.jsonl \\
+    python benchmarks/quality/bench_peers_kvpress.py --self-check
+    python benchmarks/quality/bench_peers_kvpress.py --model /tmp/qwen --samples S.jsonl --out P.jsonl \\
         --presses streaming_llm,snapkv,expected_attention,kvzip,knorm --fractions 0.05,0.1,0.15,0.25,0.5
 """
 
