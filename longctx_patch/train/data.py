@@ -98,6 +98,17 @@ def tokenize_documents(
     return ids[:max_tokens] if max_tokens is not None else ids
 
 
+def text_record(ids: torch.Tensor, source: str | None, documents: int) -> dict:
+    """What a stage read, for its log and for --resume's check: the text source as given, its documents, tokens and
+    the sha256 of the token stream (int64, native byte order). Two runs that read the same text with the same
+    tokenizer give the same record; another folder, another tokenizer or changed files give another sha256."""
+    import hashlib
+
+    flat = ids.detach().to("cpu", torch.int64).contiguous()
+    return {"source": source, "documents": int(documents), "tokens": int(flat.numel()),
+            "sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+
+
 def pack(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[N, seq_len] chunks of a 1-D token stream; the incomplete tail is dropped."""
     n = ids.numel() // seq_len
@@ -197,5 +208,6 @@ __all__: Sequence[str] = [
     "read_text_documents",
     "split_chunks",
     "text_files",
+    "text_record",
     "tokenize_documents",
 ]
