@@ -297,6 +297,11 @@ def test_text_dir_reading_packing_and_order(tmp_path):
     assert data.eval.shape[0] == round(n * 0.2)
     assert torch.equal(torch.cat([data.train, data.eval]).flatten(), ids[: n * 32])
     assert tokenize_documents(docs, tok, max_tokens=100).numel() == 100
+    # documents are tokenised in batches: the same stream as one at a time, across batch boundaries and with a stop
+    many = [f"doc {i} " * (1 + i % 7) for i in range(150)]
+    one_by_one = torch.cat([torch.tensor(tok(d)["input_ids"] + [tok.eos_token_id]) for d in many])
+    assert torch.equal(tokenize_documents(many, tok), one_by_one)
+    assert torch.equal(tokenize_documents(iter(many), tok, max_tokens=2000), one_by_one[:2000])
     with pytest.raises(ConfigError, match="seq_len"):
         make_packed(ids, 10_000, 0.0)
 
