@@ -34,10 +34,12 @@ MODEL=${MODEL:-/tmp/qwen-hf}        # the GGUF dequantised, embedding tied: what
 CORPUS=${CORPUS:-/tmp/corpus}
 RUN=${RUN:-/tmp/runs/qwen-lin}
 RECIPE=${RECIPE:-recipes/linearize-qwen.yaml}
+SITE=${SITE:-/tmp/site} PACK=${PACK:-/tmp/pack} TOK=${TOK:-/tmp/tok}  # the wheels installed, the pack, the tokenizer
+BUILD_ARGS=${BUILD_ARGS:-}           # more options of build_corpus build (a dry run: --train-tokens 2e6)
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 LONGCTX_RESULTS=${LONGCTX_RESULTS:-$OUT}
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 
@@ -72,17 +74,17 @@ case $STEP in
     n=${2:?prepare NN (the last piece)}
     cat ".device-model/qwen/$n/piece" >> "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    mkdir -p /tmp/pack /tmp/tok && cp .device-data/prose/* /tmp/pack/ && cp .device-data/qwen-tokenizer/* /tmp/tok/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
     [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
 dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
     echo "dequantised after $(( $(date +%s) - T0 )) s"
     T0=$T0 exec bash "$0" corpus;;
   corpus)  # the corpus from the carried pack and this machine's own Python sources
     rm -rf "$CORPUS"
-    timeout "$(left)" python3 -m benchmarks.data.build_corpus --tokenizer /tmp/tok build --pack /tmp/pack \
-      --out "$CORPUS" 2>&1 | tail -n 12
+    timeout "$(left)" python3 -m benchmarks.data.build_corpus --tokenizer "$TOK" build --pack "$PACK" \
+      --out "$CORPUS" $BUILD_ARGS 2>&1 | tail -n 12 || { echo "the corpus build did not finish: run '$0 corpus' next (no carry)"; exit 124; }
     python3 -m benchmarks.data.build_corpus check --out "$CORPUS" --recipe "$RECIPE" | tail -n 8
     cp "$CORPUS/corpus.json" "$OUT/"
     echo "corpus after $(( $(date +%s) - T0 )) s";;
