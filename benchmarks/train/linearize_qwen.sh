@@ -10,7 +10,7 @@
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (46 MiB pieces: the tracked tree is ~14 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (46 MiB pieces: the tracked tree is ~13 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
 #
 # Device calls (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh):
 #   1-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 09, ~20 s each
