@@ -297,6 +297,11 @@ def test_text_dir_reading_packing_and_order(tmp_path):
     assert data.eval.shape[0] == round(n * 0.2)
     assert torch.equal(torch.cat([data.train, data.eval]).flatten(), ids[: n * 32])
     assert tokenize_documents(docs, tok, max_tokens=100).numel() == 100
+    # documents are tokenised in batches: the same stream as one at a time, across batch boundaries and with a stop
+    many = [f"doc {i} " * (1 + i % 7) for i in range(150)]
+    one_by_one = torch.cat([torch.tensor(tok(d)["input_ids"] + [tok.eos_token_id]) for d in many])
+    assert torch.equal(tokenize_documents(many, tok), one_by_one)
+    assert torch.equal(tokenize_documents(iter(many), tok, max_tokens=2000), one_by_one[:2000])
     with pytest.raises(ConfigError, match="seq_len"):
         make_packed(ids, 10_000, 0.0)
 
@@ -484,6 +489,51 @@ def test_stop_after_then_resume_equals_one_run(tiny_dir, text_file, temp_method,
         assert torch.equal(p, ref_sd[n]), n
     with pytest.raises(ConfigError, match="no such stage.*transfer, lora"):
         Finetuner(recipe_from_dict(d), tmp_path / "x", progress=False, stop_after="warmup")
+
+
+def test_each_stage_records_its_text_and_a_mid_stage_resume_refuses_other_text(tiny_dir, text_file, temp_method,
+                                                                                 tmp_path):
+    """Two texts in one run (stop after the first stage, resume with the second, as recipes/linearize-qwen.yaml is
+    run): each stage's log keeps the text it read and the commands that ran it; a run stopped inside a stage and
+    resumed with other text is refused, naming both texts."""
+    from longctx_patch.train import Finetuner, recipe_from_dict, run_finetune
+    from longctx_patch.train import runner as runner_mod
+
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT[::-1] * 12)
+    d = recipe_dict(tiny_dir, text_file, transfer={"save_every": 2})
+    d["output"]["save_model"] = False
+    out = tmp_path / "two-texts"
+    run_finetune(recipe_from_dict(d), out, progress=False, stop_after="transfer", command="first")
+    d_b = {**d, "data": {**d["data"], "text": str(other)}}
+    log = run_finetune(recipe_from_dict(d_b), out, resume=True, progress=False, command="second")
+    a, b = log["stages"]
+    assert a["text"]["source"] == str(text_file) and b["text"]["source"] == str(other)
+    assert a["text"]["sha256"] != b["text"]["sha256"] and a["text"]["documents"] == b["text"]["documents"] == 1
+    assert a["text"]["tokens"] > 3000 and a["commands"] == ["first"] and b["commands"] == ["second"]
+
+    class Interrupt(Exception):
+        pass
+
+    orig = runner_mod.Finetuner.save_checkpoint
+
+    def save_then_stop(self, si, step, *args, **kw):
+        orig(self, si, step, *args, **kw)
+        if (si, step) == (0, 2):
+            raise Interrupt
+
+    out = tmp_path / "cut"
+    runner_mod.Finetuner.save_checkpoint = save_then_stop
+    try:
+        with pytest.raises(Interrupt):
+            run_finetune(recipe_from_dict(d), out, progress=False)
+    finally:
+        runner_mod.Finetuner.save_checkpoint = orig
+    with pytest.raises(CheckpointError, match=r"middle of stage 'transfer', which read .*book.txt.*this run reads "
+                                              r".*other.txt.*resume with the text the stage started with"):
+        Finetuner(recipe_from_dict(d_b), out, resume=True, progress=False).run()
+    log = run_finetune(recipe_from_dict(d), out, resume=True, progress=False, command="again")
+    assert log["stages"][0]["resumed_from_step"] == 2 and len(log["stages"][0]["commands"]) == 2
 
 
 def test_rng_state_survives_json():

@@ -93,20 +93,57 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return float(torch.nn.functional.cosine_similarity(ta, tb, dim=0))
 
 
+def mismatch(asset: Asset, model) -> str | None:
+    """Why `asset` was not trained for `model` (another shape; the same shape with other weights: the embedding
+    fingerprint's cosine similarity below MIN_COSINE; no embedding to compare), or None when it was."""
+    shape, want = model_shape(model), asset.info.get("model_shape") or {}
+    diff = [f"{k} {want.get(k)!r} (this model: {shape.get(k)!r})" for k in SHAPE_KEYS if want.get(k) != shape.get(k)]
+    if diff:
+        return "it was trained for a model with " + ", ".join(diff)
+    fp = fingerprint(model)
+    if fp is None:
+        return "this model's input embedding cannot be read (not materialised), so it cannot be matched"
+    cos = _cosine(fp, asset.info.get("fingerprint") or [])
+    if cos < MIN_COSINE:
+        return (f"it was trained for a model of this shape with other weights (embedding fingerprint cosine "
+                f"{cos:.3f}, below {MIN_COSINE})")
+    return None
+
+
 def find_asset(model, method_config, kind: str = "lolcats") -> Asset | None:
     """The first asset of `kind` trained for `model` (same shape, embedding fingerprint with cosine similarity
     >= MIN_COSINE) with the same feature_dim as `method_config`; None when there is none."""
-    shape, fp = model_shape(model), None
+    shape = model_shape(model)
     for a in iter_assets():
         want = a.info.get("method_config", {})
         if a.info.get("kind") != kind or a.info.get("model_shape") != shape:
             continue
         if "feature_dim" in want and getattr(method_config, "feature_dim", None) != want["feature_dim"]:
             continue
-        fp = fingerprint(model) if fp is None else fp
-        if fp is not None and _cosine(fp, a.info.get("fingerprint", [])) >= MIN_COSINE:
+        if mismatch(a, model) is None:
             return a
     return None
+
+
+def check_asset_for(path: str | os.PathLike, model) -> None:
+    """`checkpoint=PATH` naming an asset folder (one holding asset.json): a CheckpointError when it was trained for
+    another model (`mismatch`), before any of its weights is loaded. Other paths are left to the checkpoint reader."""
+    p = Path(path)
+    meta = p / ASSET_JSON
+    if not meta.is_file():
+        return
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta} cannot be read ({type(e).__name__}); copy the asset folder again") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{meta} is not an asset description (an object); copy the asset folder again")
+    why = mismatch(Asset(p, info), model)
+    if why is not None:
+        raise CheckpointError(f"{p} is the asset {info.get('name', p.name)!r}, not for this model: {why}. Load it "
+                              "into the model it was trained for, pass checkpoint='auto' (an asset trained for this "
+                              "model, else fresh feature maps) or checkpoint='none', or train this model's weights "
+                              "(longctx finetune recipes/linearize.yaml)")
 
 
 def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *, name: str,
@@ -163,4 +200,5 @@ def write_asset(trainable_dir: str | os.PathLike, model, out_dir: str | os.PathL
     return out
 
 
-__all__ = ["Asset", "find_asset", "fingerprint", "iter_assets", "search_dirs", "write_asset"]
+__all__ = ["Asset", "check_asset_for", "find_asset", "fingerprint", "iter_assets", "mismatch", "search_dirs",
+           "write_asset"]

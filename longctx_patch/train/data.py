@@ -9,6 +9,7 @@ every process (each process takes its own slice of the global batch).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 
 from ..errors import ConfigError
 from ..texts import read_text, text_files
+
+TOKENIZE_BATCH = 64  # documents per tokenizer call (tokenize_documents)
 
 
 def read_text_documents(path: str | os.PathLike) -> list[str]:
@@ -70,7 +73,9 @@ def read_dataset_documents(name: str, split: str = "train", field: str = "text")
 def tokenize_documents(
     docs: Iterable[str], tokenizer, *, add_eos: bool = True, max_tokens: int | None = None
 ) -> torch.Tensor:
-    """Concatenated token ids of all documents, 1-D int64. Stops once `max_tokens` are collected."""
+    """Concatenated token ids of all documents, 1-D int64. Stops once `max_tokens` are collected. Documents are
+    tokenised `TOKENIZE_BATCH` at a time: a fast tokenizer encodes a batch on all cores (the same ids as one document
+    at a time; 12M tokens of code and prose take seconds on a 16-core host instead of minutes)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if add_eos and eos is None:
         raise ConfigError("the tokenizer has no EOS token; set data.add_eos=false")
@@ -80,15 +85,19 @@ def tokenize_documents(
     try:
         if old_max is not None:
             tokenizer.model_max_length = int(1e30)  # documents longer than the model's context are fine here
-        for doc in docs:
-            ids = tokenizer(doc, add_special_tokens=True)["input_ids"]
-            if add_eos and (not ids or ids[-1] != eos):
-                ids = list(ids) + [eos]
-            t = torch.tensor(ids, dtype=torch.long)
-            parts.append(t)
-            total += t.numel()
-            if max_tokens is not None and total >= max_tokens:
+        it = iter(docs)
+        while max_tokens is None or total < max_tokens:
+            batch = list(itertools.islice(it, TOKENIZE_BATCH))
+            if not batch:
                 break
+            for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]:
+                if add_eos and (not ids or ids[-1] != eos):
+                    ids = list(ids) + [eos]
+                t = torch.tensor(ids, dtype=torch.long)
+                parts.append(t)
+                total += t.numel()
+                if max_tokens is not None and total >= max_tokens:
+                    break
     finally:
         if old_max is not None:
             tokenizer.model_max_length = old_max
@@ -96,6 +105,17 @@ def tokenize_documents(
         return torch.zeros(0, dtype=torch.long)
     ids = torch.cat(parts)
     return ids[:max_tokens] if max_tokens is not None else ids
+
+
+def text_record(ids: torch.Tensor, source: str | None, documents: int) -> dict:
+    """What a stage read, for its log and for --resume's check: the text source as given, its documents, tokens and
+    the sha256 of the token stream (int64, native byte order). Two runs that read the same text with the same
+    tokenizer give the same record; another folder, another tokenizer or changed files give another sha256."""
+    import hashlib
+
+    flat = ids.detach().to("cpu", torch.int64).contiguous()
+    return {"source": source, "documents": int(documents), "tokens": int(flat.numel()),
+            "sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
 
 
 def pack(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -197,5 +217,6 @@ __all__: Sequence[str] = [
     "read_text_documents",
     "split_chunks",
     "text_files",
+    "text_record",
     "tokenize_documents",
 ]

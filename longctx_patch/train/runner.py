@@ -49,7 +49,7 @@ from ..checkpoint import write_text
 from ..errors import CheckpointError, ConfigError, LongctxError
 from ..provenance import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
-from .data import PackedData, load_documents, make_packed, text_files, tokenize_documents
+from .data import PackedData, load_documents, make_packed, text_files, text_record, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR
 from .resume import CheckpointMixin, _rng_state, _set_rng_state
@@ -257,6 +257,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         d = self.recipe.data
         docs = load_documents(d.text, d.dataset, d.split, d.field)
         self.ids = tokenize_documents(docs, self.tokenizer, add_eos=d.add_eos, max_tokens=d.max_tokens)
+        self.text = text_record(self.ids, d.text or d.dataset, len(docs))  # each stage's log keeps what it read
         self._log(f"data: {len(docs)} documents, {self.ids.numel()} tokens")
 
     def packed(self, stage: Stage) -> PackedData:

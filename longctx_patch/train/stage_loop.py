@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError, LongctxError
+from ..errors import CheckpointError, ConfigError, LongctxError
 from .data import BatchOrder, local_slice
 from .recipe import Stage
 from .resume import _full
@@ -90,6 +90,8 @@ class StageLog:
     final_eval_loss: float | None = None
     resumed_from_step: int | None = None
     stopped_early: str | None = None  # why the stage ended before `steps` (max_time_s)
+    text: dict[str, Any] | None = None  # what the stage read: source, documents, tokens, sha256 (data.text_record)
+    commands: list[str] = field(default_factory=list)  # the command lines that ran its steps, in order
 
 
 class StageLoopMixin:
@@ -100,6 +102,7 @@ class StageLoopMixin:
         from tqdm.auto import tqdm
 
         acc = self.accelerator
+        self._note_text(stage, ckpt, log)
         params = self.setup_stage(stage)
         if ckpt is not None:
             self.read_checkpoint(ckpt)
@@ -280,6 +283,22 @@ class StageLoopMixin:
             + (f" (estimated {log.estimated_peak_gib:.1f})" if log.estimated_peak_gib is not None and
                log.peak_memory_gib is not None else "")
         )
+
+    def _note_text(self, stage: Stage, ckpt: Path | None, log: StageLog) -> None:
+        """Records the text this run reads and its command in the stage's log; a stage resumed from a checkpoint
+        taken in its middle must read the text it started with (the batches an uninterrupted run draws), else a
+        CheckpointError names both. At a stage boundary the next stage may read other text."""
+        text = getattr(self, "text", None)
+        was = log.text
+        if ckpt is not None and was and text and was.get("sha256") != text["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is in the middle of stage {stage.name!r}, which read {was.get('source')!r} "
+                f"({was.get('tokens')} tokens, sha256 {str(was.get('sha256'))[:12]}); this run reads "
+                f"{text['source']!r} ({text['tokens']} tokens, sha256 {text['sha256'][:12]}): resume with the "
+                "text the stage started with (the same --text and tokenizer), or start again in another --output")
+        log.text = text if text is not None else was
+        if self.command and (not log.commands or log.commands[-1] != self.command):
+            log.commands.append(self.command)
 
     def enter_stage_modes(self, stage: Stage) -> None:
         """Gradient checkpointing of the decoder layers and their compilation (`compile`), for this stage."""

@@ -263,6 +263,10 @@ def load_method_weights(model, modules, config: HybridConfig) -> str:
             load_lolcats_checkpoint(model, str(asset.path), modules=modules, skip_unpatched_layers=True)
             source = f"packaged asset {asset.name} ({asset.path})"
     elif ck:
+        from ...assets import check_asset_for
+
+        for part in str(ck).split(","):  # an asset folder trained for another model is refused by name
+            check_asset_for(part.strip(), model)
         load_lolcats_checkpoint(model, ck, modules=modules, lora_alpha=config.lora_alpha)
         source = f"checkpoint {ck}"
     else:

