@@ -234,14 +234,15 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
 
 
 def sre_scores(fk, v, H, s, eps: float = EPS_SRE):
-    """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v ||^2 per pair.
+    """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v || per pair (the norm, as LoLA's authors score it:
+    per query head only the order matters, but one sparse cache per kv head sums it over its query heads).
 
     fk [B, Hq, N, F2], v [B, Hv, N, D] (Hq % Hv == 0), H [B, Hq, F2, D], s [B, Hq, F2] -> [B, Hq, N] fp32.
     """
     fk = fk.float()
     v = expand_kv(v, fk.shape[1])
     pred = (fk @ H.float()) / ((fk * s.float()[:, :, None, :]).sum(-1, keepdim=True) + eps)
-    return ((v.float() - pred) ** 2).sum(-1)
+    return ((v.float() - pred) ** 2).sum(-1).sqrt()
 
 
 def fold(fk, v, w, H, s):
