@@ -97,14 +97,14 @@ def _inputs(S, seed=0):
     return q, k, v, fq, fk, gate, wk, kx, vx
 
 
-def _ours(q, k, v, fq, gate, wk, *, C, G, lf, sparse_heads=HQ, splits=None):
+def _ours(q, k, v, fq, gate, wk, *, C, G, lf, sparse_heads=HQ, splits=None, combine="shifted"):
     st = LolaState.empty(1, HQ, HKV, D, 2 * F, G, torch.float32, q.device, sparse_heads=sparse_heads)
     phi_k = lambda x: ref.hedgehog_feature_map(x, wk)  # noqa: E731
     outs, i = [], 0
     for n in splits or [q.shape[2]]:
         sl = slice(i, i + n)
         outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], gate, lf, phi_k=phi_k,
-                                 window=C, chunk=C, lam=G, scale=D ** -0.5, backend="torch"))
+                                 window=C, chunk=C, lam=G, scale=D ** -0.5, backend="torch", combine=combine))
         i += n
     return torch.cat(outs, 1)[0].transpose(0, 1), st  # [HQ, S, D]
 
@@ -179,6 +179,26 @@ def test_unshifted_exact_term_is_the_linear_term_weighed_down_by_exp_of_minus_th
     rescaled = authors_rule(*args, C=C, G=G, window="sliding", shift=True, lin=lin, eps_out=0.0)[0]
     assert c >= 2 and m > 1
     torch.testing.assert_close(rescaled[h, i], unshifted[h, i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_combine_unshifted_is_the_authors_exact_term(affine):
+    """`combine="unshifted"` switches point (d)'s exact term to theirs: with the sliding window and no 1e-6, ours
+    equals the authors' rule with no max subtracted, for the linear weight 1 (as trained) and theirs, 1 - g
+    (`affine_factors=true`). Prefill and token-by-token decode alike; the default stays the shifted rule."""
+    C, G, S = 8, 6, 40
+    q, k, v, fq, fk, gate, wk, kx, vx = _inputs(S, seed=5)
+    q = q * 3  # m of several units: the two combinations far apart
+    lin = 1 - gate if affine else torch.ones(HQ)
+    args = (q[0], kx[0], vx[0], fq[0], fk[0], gate)
+    theirs = authors_rule(*args, C=C, G=G, window="sliding", shift=False, lin=lin, eps_out=0.0)[0]
+    for splits in (None, [13] + [1] * (S - 13)):
+        ours, _ = _ours(q, k, v, fq, gate, wk, C=C, G=G, lf=lin, splits=splits, combine="unshifted")
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    shifted, _ = _ours(q, k, v, fq, gate, wk, C=C, G=G, lf=lin)
+    torch.testing.assert_close(shifted, authors_rule(*args, C=C, G=G, window="sliding", shift=True, lin=lin,
+                                                     eps_out=0.0)[0], atol=1e-5, rtol=1e-5)
+    assert (shifted - theirs).abs().max() > 0.1
 
 
 def test_a_prompt_cut_off_the_chunk_grid_pads_the_authors_window():
