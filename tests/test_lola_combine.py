@@ -307,3 +307,24 @@ def test_the_option_is_checked_where_every_option_is():
             cls.from_dict({"combine": "max"})
     with pytest.raises(ValueError, match="combine"):
         ref.lola_attention(*_seq(3)[:7], *_state(), window=2, combine="max")
+
+
+@pytest.mark.parametrize("method,extra", [("lolcats", {}), ("lola", {"sparse_cache": 3})])
+def test_a_patched_model_passes_the_option_to_every_path(method, extra):
+    """On a tiny model: the full forward (lolcats' whole-sequence hybrid, lola's chunk loop) and cached generation
+    (prefill then decode steps) agree under combine=unshifted, and differ from the default."""
+    import longctx_patch as lp
+    from conftest import tiny_model
+
+    kw = dict(window=5, feature_dim=8, chunk=4, backend="torch", **extra)
+    a, b = tiny_model("llama"), tiny_model("llama")
+    lp.patch(a, method, combine="unshifted", **kw)
+    lp.patch(b, method, **kw)
+    x = torch.randint(3, 128, (1, 18), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (a(x, use_cache=False).logits - b(x, use_cache=False).logits).abs().max() > 1e-3
+        got = a.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        seq = x
+        for _ in range(8):
+            seq = torch.cat([seq, a(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(got, seq)
