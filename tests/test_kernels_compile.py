@@ -20,7 +20,8 @@ import torch
 SM90_SMEM = 232448  # bytes of shared memory one block may use on an H100/H200
 SCRIPT = Path(__file__).with_name("compile_sm90.py")
 NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_stats_D64", "hybrid_bwd_dq_D64",
-         "hybrid_bwd_state_D64", "hybrid_bwd_dkv_D64", "hybrid_bwd_dq_fp32", "hybrid_bwd_dkv_fp32", "sre", "sre_bf16x3", "fold", "decode", "decode_device_count", "feature_map", "feature_map_fp32w_tf32x3", "feature_map_bwd",
+         "hybrid_bwd_state_D64", "hybrid_bwd_dkv_D64", "hybrid_bwd_dq_fp32", "hybrid_bwd_dkv_fp32", "sre", "sre_bf16x3", "fold", "decode", "decode_device_count",
+         "hybrid_fwd_lola_D128_unshifted", "decode_device_count_unshifted", "feature_map", "feature_map_fp32w_tf32x3", "feature_map_bwd",
          "feature_map_bwd_tf32x3", "feature_map_bwd_fp32",
          "ev_score", "ev_score_fp32", "ev_select", "ev_select_4bit", "ev_fold", "local_states",
          "muse_fwd_L128_D64", "muse_fwd_L128_D128", "muse_bwd_dq_L128_D64", "muse_bwd_dkdv_L128_D64",

@@ -135,18 +135,34 @@ def hybrid_attention_triton(q, k, v, fq, fk, g, lf, *, window: int, scale: float
                                    int(block_m), int(block_n))
 
 
+def refuse_unshifted_triton_backward(backend: str, combine: str) -> bool:
+    """Whether the Triton backward of the whole-sequence hybrid can run: not with combine="unshifted" (it
+    differentiates LoLCATs' combination only). backend="triton" is then refused (ConfigError); "auto" takes the
+    differentiable PyTorch path."""
+    if not ref.check_combine(combine):
+        return True
+    if backend == "triton":
+        raise ConfigError("combine='unshifted' under gradients has no Triton backward (the LoLCATs hybrid's backward "
+                          "differentiates combine='shifted' only); train with backend='auto' or backend='torch' (the "
+                          "PyTorch path, which differentiates either), or with combine='shifted'")
+    return False
+
+
 def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
-                     backend: str = "auto", state_chunk: int | None = None):
+                     backend: str = "auto", state_chunk: int | None = None, combine: str = "shifted"):
     """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
 
     Returns [B, S, Hq, D] in q.dtype. Differentiable on both backends: under grad the Triton backend runs
     `HybridAttentionFn` (Triton forward and backward), the torch backend `reference.hybrid_attention_chunked`.
+    combine: "shifted" (LoLCATs) or "unshifted" (the LoLA authors'; `reference._finish`); under grad "unshifted"
+    takes the PyTorch path with backend="auto" and is refused with "triton" (`refuse_unshifted_triton_backward`).
     """
     cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
     tensors = (q, k, v, fq, fk, g, lf)
     if needs_grad(*tensors):
         check_backend(backend, "lola/lolcats")
-        if window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton":
+        if (window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton"
+                and refuse_unshifted_triton_backward(backend, combine)):
             # one dtype for the kernels: autocast's where it is on (a trainer's fp32 weights under bf16 autocast
             # hand over fp32 q/k after the rotary's fp32 cos/sin and bf16 v: the kernels would run fp32 "ieee"
             # products, far slower than bf16 ones), else q's
@@ -160,7 +176,7 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
         tk = triton_ops()
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
         return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
-                             key_mask=key_mask, state_chunk=cs)
+                             key_mask=key_mask, state_chunk=cs, combine=combine)
     o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, scale=scale, key_mask=key_mask,
-                                     chunk=chunk)
+                                     chunk=chunk, combine=combine)
     return o.transpose(1, 2).to(q.dtype)

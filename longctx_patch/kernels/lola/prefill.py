@@ -14,7 +14,7 @@ from . import reference as ref
 from .state import LolaState, append_window, ensure_mask, phi_into
 
 
-def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_new, phi_k):
+def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_new, phi_k, combine="shifted"):
     """lam == 0, many new tokens, Triton: one parallel pass over [window buffer, new tokens] started
     from (H, s), then fold what the sequential manager would have folded by now."""
     tk = ops.triton_ops()
@@ -30,7 +30,7 @@ def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_n
     cs = ops.STATE_CHUNK
     Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
     o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=nb - S, key_mask=lm,
-                      state_chunk=cs)
+                      state_chunk=cs, combine=combine)
     del Hs, Ss
     st.pos += S
     start_pos = max((st.pos // chunk) * chunk - window, 0)  # first position the buffer keeps
@@ -177,7 +177,8 @@ def _extend(st: LolaState, q, k, v, fq, key_mask_new, *, chunk: int, phi_k):
     return kx, vx, fkx, km, sp_idx, first, n_real, q, fq
 
 
-def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask_new, phi_k, graph: bool = True):
+def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask_new, phi_k, graph: bool = True,
+                  combine: str = "shifted"):
     """A LoLA prefill (lam > 0, Triton) in two passes, same result as the chunk loop.
 
     The output of chunk c depends on the stream only through the state left by eviction c - 1: (H, s) and the
@@ -231,7 +232,7 @@ def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask
     M = q.shape[2]  # the new tokens' queries (after q_pad zero rows when continuing) sit at X's last M rows
     o = tk.hybrid_fwd(q, kr, vr, fq, fkr, g, lf, Hs_eff, Ss_eff, window=W, scale=scale, q_offset=n_real - M,
                       key_mask=kmr, state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
-                      block_m=_block_m(C), block_n=min(64, cs))  # query blocks never straddle a chunk
+                      block_m=_block_m(C), block_n=min(64, cs), combine=combine)  # query blocks never straddle a chunk
     del Hs_eff, Ss_eff, spk, spv
     if M > S:
         o = o[:, M - S:]

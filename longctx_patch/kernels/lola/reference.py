@@ -77,24 +77,55 @@ def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-
     return phi.to(out_dtype or x.dtype)
 
 
-def _finish(num_e, den_e, num_l, den_l, g, lf):
-    """(g num_e + lf num_l) / (g den_e + lf den_l); rows with a zero normaliser (padding) give 0."""
+COMBINES = ("shifted", "unshifted")
+
+
+def row_max(sc, combine: str = "shifted"):
+    """The row maximum m of the exact scores sc [..., N] (0 for a row without an exact key), [..., 1]. With
+    combine="unshifted" the output does not depend on m (it only keeps exp finite): m is detached, so no gradient
+    flows through it; with "shifted" (LoLCATs) the output depends on m and the gradient does."""
+    m = sc.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m.detach() if combine == "unshifted" else m
+
+
+def _finish(num_e, den_e, num_l, den_l, g, lf, m=None):
+    """(g num_e + lf num_l) / (g den_e + lf den_l); rows with a zero normaliser (padding) give 0.
+
+    num_e / den_e are the exact sums with the row max m subtracted (exp(s - m)). m None: combined as they are
+    (`combine="shifted"`, LoLCATs' convention). m given [.., 1] (`combine="unshifted"`, the LoLA authors'): the exact
+    term is exp(s) as is, i.e. the linear term weighs exp(-m) of the shifted one; computed as exact weight
+    exp(min(m, 0)) and linear weight exp(-max(m, 0)) (their ratio is exp(m), neither overflows)."""
     g = g.float().view(1, -1, 1, 1)
     lf = lf.float().view(1, -1, 1, 1)
+    if m is not None:
+        m = m.float()
+        g = g * torch.exp(m.clamp_max(0.0))
+        lf = lf * torch.exp(-m.clamp_min(0.0))
     num = g * num_e + lf * num_l
     den = g * den_e + lf * den_l
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
+def check_combine(combine: str) -> bool:
+    """Whether `combine` is "unshifted" (the LoLA authors' combination); ValueError for an unknown one."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, not {combine!r}")
+    return combine == "unshifted"
+
+
 def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                               key_mask=None, q_offset: int | None = None, H0=None, s0=None):
+                               key_mask=None, q_offset: int | None = None, H0=None, s0=None,
+                               combine: str = "shifted"):
     """Ground truth of the LoLCATs hybrid, O(S * N) memory; returns [B, Hq, S, D] fp32.
 
     Query i sits at key index `q_offset + i` (default N - S). Key j is in the softmax window of query i
     when 0 <= i' - j < window (i' = q_offset + i), in the linear part when i' - j >= window.
     The exact term uses exp(score - m) with m the row maximum over the window keys (LoLCATs'
     convention: the linear term is *not* rescaled by m). H0/s0: a linear state of tokens before key 0.
+    combine="unshifted": the exact term is exp(score) as is (the LoLA authors' code), `_finish`.
     """
+    unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -111,8 +142,7 @@ def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: fl
         win, lin = win & km, lin & km
     sc = torch.einsum("bhsd,bhnd->bhsn", q.float(), k) * scale
     sc = sc.masked_fill(~win, float("-inf"))
-    m = sc.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = row_max(sc, combine)
     p = torch.exp(sc - m)
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
     num_e, den_e = p @ v, p.sum(-1, keepdim=True)
@@ -120,17 +150,18 @@ def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: fl
     if H0 is not None:
         num_l = num_l + fq.float() @ H0.float()
         den_l = den_l + (fq.float() * s0.float()[:, :, None, :]).sum(-1, keepdim=True)
-    return _finish(num_e, den_e, num_l, den_l, g, lf)
+    return _finish(num_e, den_e, num_l, den_l, g, lf, m if unshifted else None)
 
 
 def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                             key_mask=None, chunk: int = 64):
+                             key_mask=None, chunk: int = 64, combine: str = "shifted"):
     """Same result as `hybrid_attention_quadratic` (S == N, no state) in O(S * (window + chunk)) memory.
 
     Queries are cut into blocks of `chunk`; block n reads a prefix state (sum of phi(k) v^T over keys
     before (n - P) * chunk, P = ceil(window / chunk)) and the P + 1 key blocks n-P..n explicitly.
     Differentiable: this is the training / CPU path of `lolcats`. Returns [B, Hq, S, D] fp32.
     """
+    unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     F2 = fq.shape[-1]
     scale = D ** -0.5 if scale is None else scale
@@ -176,20 +207,21 @@ def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: floa
     lin = (diff >= window)[None, None, None] & kml[:, None, :, None, :]
     sc = torch.einsum("bhncd,bhnkd->bhnck", qb, kl) * scale
     sc = sc.masked_fill(~win, float("-inf"))
-    m = sc.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = row_max(sc, combine)
     p = torch.exp(sc - m)
     a = torch.einsum("bhncf,bhnkf->bhnck", fqb, fkl) * lin
     num_e, den_e = p @ vl, p.sum(-1, keepdim=True)
     num_l = a @ vl + fqb @ Hn
     den_l = a.sum(-1, keepdim=True) + (fqb * sn[:, :, :, None, :]).sum(-1, keepdim=True)
-    o = _finish(num_e.flatten(2, 3), den_e.flatten(2, 3), num_l.flatten(2, 3), den_l.flatten(2, 3), g, lf)
+    o = _finish(num_e.flatten(2, 3), den_e.flatten(2, 3), num_l.flatten(2, 3), den_l.flatten(2, 3), g, lf,
+                m.flatten(2, 3) if unshifted else None)
     return o[:, :, :S]
 
 
 # ----------------------------------------------------------------------------------------------- LoLA pieces
 def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | None = None, key_mask=None,
-                   q_offset: int | None = None, sparse_k=None, sparse_v=None, sparse_valid=None):
+                   q_offset: int | None = None, sparse_k=None, sparse_v=None, sparse_valid=None,
+                   combine: str = "shifted"):
     """Hybrid attention of queries against: local keys (window softmax / linear by distance), a sparse
     cache of exact keys (softmax, weight g) and a linear state (H, s). One normaliser; the running max m is
     taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
@@ -199,8 +231,10 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
     fk [B, Hq, NF, F2]: features of the first NF local keys; NF may be below N but must cover every key that
     some query attends linearly (index < q_offset + S - window), see `linear_rows`.
     sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] bool (empty slots are False); query head h reads
-    sparse head h // (Hq // Hs).
+    sparse head h // (Hq // Hs). combine: "shifted" (LoLCATs: the linear term against exp(s - m)) or "unshifted"
+    (the LoLA authors': against exp(s); `_finish`).
     """
+    unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -223,25 +257,25 @@ def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | 
         ss = ss.masked_fill(~expand_kv(sparse_valid.bool(), Hq)[:, :, None, :], float("-inf"))
         sc = torch.cat([ss, sc], dim=-1)
         vals = torch.cat([expand_kv(sparse_v, Hq).float(), vx], dim=2)
-    m = sc.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = row_max(sc, combine)
     p = torch.exp(sc - m)
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
     num_e, den_e = p @ vals, p.sum(-1, keepdim=True)
     num_l = a @ vx + fq.float() @ H.float()
     den_l = a.sum(-1, keepdim=True) + (fq.float() * s.float()[:, :, None, :]).sum(-1, keepdim=True)
-    return _finish(num_e, den_e, num_l, den_l, g, lf)
+    return _finish(num_e, den_e, num_l, den_l, g, lf, m if unshifted else None)
 
 
 def sre_scores(fk, v, H, s, eps: float = EPS_SRE):
-    """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v ||^2 per pair.
+    """Self-recall error || phi(k)^T H / (phi(k)^T s + eps) - v || per pair (the norm, as LoLA's authors score it:
+    per query head only the order matters, but one sparse cache per kv head sums it over its query heads).
 
     fk [B, Hq, N, F2], v [B, Hv, N, D] (Hq % Hv == 0), H [B, Hq, F2, D], s [B, Hq, F2] -> [B, Hq, N] fp32.
     """
     fk = fk.float()
     v = expand_kv(v, fk.shape[1])
     pred = (fk @ H.float()) / ((fk * s.float()[:, :, None, :]).sum(-1, keepdim=True) + eps)
-    return ((v.float() - pred) ** 2).sum(-1)
+    return ((v.float() - pred) ** 2).sum(-1).sqrt()
 
 
 def fold(fk, v, w, H, s):

@@ -21,7 +21,7 @@ GRAPH_PREFILL = True  # replay full chunks of a long Triton prefill from one cap
 
 
 def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
-                 scale: float, key_mask_new=None, backend: str = "auto"):
+                 scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted"):
     """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]) and update `st` in place.
 
     phi_k: the layer's key feature map, keys [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on
@@ -40,29 +40,32 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
 
     One new token on an in-place state whose rows share one grid takes `decode_step` (device state only: what a
     CUDA graph of a decode step replays). After every call made outside a capture `st.nb_t` equals `st.nb`.
+
+    combine: how the exact and linear terms meet in every attention (`reference._finish`): "shifted" (LoLCATs, as
+    trained) or "unshifted" (the LoLA authors'). The state (evictions, folds) does not depend on it.
     """
     o = _dispatch(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                  key_mask_new=key_mask_new, backend=backend)
+                  key_mask_new=key_mask_new, backend=backend, combine=combine)
     if st.inplace and st.nb_t is not None and not capturing(q.device):
         st.nb_t.fill_(st.nb)
     return o
 
 
 def _dispatch(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int, scale: float,
-              key_mask_new, backend: str):
+              key_mask_new, backend: str, combine: str):
     if lam > 0:
         S = q.shape[2]
         if key_mask_new is not None and st.pos == 0 and st.nb == 0 and st.phases is None:
             return process_padded_fresh(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam,
-                                        scale=scale, key_mask_new=key_mask_new, backend=backend)
+                                        scale=scale, key_mask_new=key_mask_new, backend=backend, combine=combine)
         if st.phases is not None and st.phases.pending:
             padded.resolve_pending(st, key_mask_new, S, chunk)
     return _process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                    key_mask_new=key_mask_new, backend=backend)
+                    key_mask_new=key_mask_new, backend=backend, combine=combine)
 
 
 def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
-             scale: float, key_mask_new=None, backend: str = "auto"):
+             scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted"):
     """`lola_process` once the rows' phases are known (`st.phases`)."""
     S = q.shape[2]
     cap = window + chunk
@@ -74,14 +77,14 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
         backend = "torch"
     if lam == 0 and S > 1 and tri:
         return prefill.lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
-                                        key_mask_new=key_mask_new, phi_k=phi_k)
+                                        key_mask_new=key_mask_new, phi_k=phi_k, combine=combine)
     if tri and prefill.parallel_ok(st, q, k, window=window, chunk=chunk, lam=lam):
         return prefill.lola_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, lam=lam, scale=scale,
-                                     key_mask_new=key_mask_new, phi_k=phi_k, graph=GRAPH_PREFILL)
+                                     key_mask_new=key_mask_new, phi_k=phi_k, graph=GRAPH_PREFILL, combine=combine)
     phased = st.phases is not None  # rows out of phase: each evicts on its own grid (no graph replay)
     if S == 1 and st.inplace and not phased and st.nb_t is not None and st.win_k.shape[2] == cap:
         return decode_step(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                           key_mask_new=key_mask_new, backend=backend)
+                           key_mask_new=key_mask_new, backend=backend, combine=combine)
     use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk and not phased
                  and not torch.cuda.is_current_stream_capturing())
     outs = []
@@ -98,7 +101,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
             if graph is None:
                 try:
                     graph = capture_piece(st, q, k, v, fq, mnew, sl, g, lf, window=window, scale=scale,
-                                          lam=lam, backend=backend, phi_k=phi_k)
+                                          lam=lam, backend=backend, phi_k=phi_k, combine=combine)
                 except Exception:  # noqa: BLE001 - capture is an optimisation; fall back to eager chunks
                     use_graph = False
                     graph = None
@@ -116,7 +119,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
                 continue
         append_window(st, k[:, :, sl], v[:, :, sl], mnew, phi_k, window)
         outs.append(attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend,
-                                 phi_k=phi_k))
+                                 phi_k=phi_k, combine=combine))
         st.pos += n
         if phased:
             padded.phased_step_end(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
@@ -128,7 +131,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
 
 
 def decode_step(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int, scale: float,
-                key_mask_new, backend: str):
+                key_mask_new, backend: str, combine: str = "shifted"):
     """One new token (S = 1) on device state: the write row and the attention's length come from `st.nb_t`, not from
     the host's `st.nb`, so one CUDA graph serves every position inside a chunk (decode_graphs.py); only the eviction
     at the end of a chunk reads host sizes (its step has a graph of its own: `LolaLayer.graph_key`). Same result as
@@ -149,14 +152,14 @@ def decode_step(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, 
         st.win_fk.index_copy_(2, out_row, phi_k(st.win_k.index_select(2, out_row)).to(st.win_fk.dtype))
     st.nb_t.add_(1)
     st.nb += 1
-    o = attend_step(st, q, fq, g, lf, window=window, scale=scale, backend=backend, phi_k=phi_k)
+    o = attend_step(st, q, fq, g, lf, window=window, scale=scale, backend=backend, phi_k=phi_k, combine=combine)
     st.pos += 1
     if st.pos % chunk == 0:
         lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
     return o
 
 
-def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backend, phi_k):
+def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backend, phi_k, combine="shifted"):
     """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph."""
     static = [x[:, :, sl].clone() for x in (q, k, v, fq)]
     if mnew is not None:
@@ -167,7 +170,7 @@ def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backe
     def piece():
         append_window(st, static[1], static[2], static[4] if mnew is not None else None, phi_k, window)
         o = attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
-                         phi_k=phi_k)
+                         phi_k=phi_k, combine=combine)
         lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
         return o
 

@@ -279,7 +279,7 @@ def repack(st: LolaState, cap: int) -> None:
         setattr(st, name, buf)
 
 
-def attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
+def attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK, combine: str = "shifted"):
     """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) of the buffered
     keys that some of these queries attend linearly (at most chunk - 1 + S of them): read from the feature cache
     (in-place states), else computed."""
@@ -298,18 +298,19 @@ def attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK):
         if S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches per step)
             sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
             return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
-                                  scale=scale, key_mask=st.wmask, **sp)
+                                  scale=scale, key_mask=st.wmask, combine=combine, **sp)
         sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
         return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                              q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
-                             block_m=TUNE["piece_block_m"] or 64, **sp)
+                             block_m=TUNE["piece_block_m"] or 64, combine=combine, **sp)
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                           key_mask=st.wmask, q_offset=nb - S, **sp)
+                           key_mask=st.wmask, q_offset=nb - S, combine=combine, **sp)
     return o.transpose(1, 2).to(q.dtype)
 
 
-def attend_step(st: LolaState, q, fq, g, lf, *, window: int, scale: float, backend: str, phi_k: PhiK):
+def attend_step(st: LolaState, q, fq, g, lf, *, window: int, scale: float, backend: str, phi_k: PhiK,
+                combine: str = "shifted"):
     """Attention of one new token (q [B, Hq, 1, D], already appended) over the whole window buffer, its length read
     from the device (`st.nb_t`): the same launches at every position (`sparse_cache.decode_step`). phi(k) covers the
     buffer rows that can ever be older than the window (the first cap - window): the feature cache, else computed."""
@@ -319,10 +320,11 @@ def attend_step(st: LolaState, q, fq, g, lf, *, window: int, scale: float, backe
     if ops.use_triton(backend, q, st.win_k, st.H):
         sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
         return ops.triton_ops().decode_step(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window,
-                                            scale=scale, key_mask=st.win_mask, n_keys=st.nb_t, **sp)
+                                            scale=scale, key_mask=st.win_mask, n_keys=st.nb_t, combine=combine,
+                                            **sp)
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     fk = torch.nn.functional.pad(fk, (0, 0, 0, cap - fk.shape[2]))  # rows past cap - window: never linear
     o = ref.lola_attention(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                           key_mask=st.win_mask, q_offset=st.nb_t[:1] - 1, **sp)
+                           key_mask=st.win_mask, q_offset=st.nb_t[:1] - 1, combine=combine, **sp)
     return o.transpose(1, 2).to(q.dtype)
 

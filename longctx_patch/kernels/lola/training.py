@@ -59,7 +59,8 @@ def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, spar
     return torch.stack(out)
 
 
-def _block(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chunk: int, scale: float):
+def _block(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chunk: int, scale: float,
+           combine: str = "shifted"):
     """Output rows q0 .. q0 + q.shape[2] - 1 (whole chunks) against keys 0 .. N - 1 (N = q0 + rows)."""
     B, Hq, M, D = q.shape
     N = k.shape[2]
@@ -82,19 +83,20 @@ def _block(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chun
     kx, vx = ref.expand_kv(k, Hq).float(), ref.expand_kv(v, Hq).float()
     sc = torch.einsum("bhsd,bhnd->bhsn", q.float(), kx) * scale
     sc = sc.masked_fill(~soft, float("-inf"))
-    m = sc.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = ref.row_max(sc, combine)
     p = torch.exp(sc - m)
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
-    return ref._finish(p @ vx, p.sum(-1, keepdim=True), a @ vx, a.sum(-1, keepdim=True), g, lf)
+    return ref._finish(p @ vx, p.sum(-1, keepdim=True), a @ vx, a.sum(-1, keepdim=True), g, lf,
+                       m if ref.check_combine(combine) else None)
 
 
 def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int, scale: float, key_mask=None,
-                        block: int = 1024) -> torch.Tensor:
+                        block: int = 1024, combine: str = "shifted") -> torch.Tensor:
     """The hybrid output of a fresh LoLA prefill given its sparse sets (`sparse_positions`), differentiable.
 
     q/fq [B, Hq, S, D/F2], k/v [B, Hkv, S, D], fk [B, Hq, S, F2], sets [n_chunks, B, Hs, lam]. Queries go in
     blocks of about `block` tokens (whole chunks), each recomputed in the backward when gradients are needed.
+    combine: how the exact and linear terms meet (`reference._finish`).
     Returns [B, S, Hq, D] in q.dtype."""
     S = q.shape[2]
     rows = max(chunk, (block // chunk) * chunk)
@@ -103,7 +105,7 @@ def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int
         q1 = min(S, q0 + rows)
         args = (q[:, :, q0:q1], k[:, :, :q1], v[:, :, :q1], fq[:, :, q0:q1], fk[:, :, :q1], g, lf, sets,
                 key_mask, q0)
-        kw = dict(window=window, chunk=chunk, scale=scale)
+        kw = dict(window=window, chunk=chunk, scale=scale, combine=combine)
         if torch.is_grad_enabled():
             outs.append(checkpoint(_block, *args, use_reentrant=False, **kw))
         else:

@@ -25,7 +25,7 @@ from .tuning import TUNE
 @triton.jit
 def _sre_rows(FKB, rows, ok, s_fk_n, HB, s_h_f, SB, vv, F2, D, eps,
               BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """|| phi(k)^T H / (phi(k)^T s + eps) - v ||^2 of BN pairs: phi(k) of row rows[i] at FKB + rows[i] * s_fk_n
+    """|| phi(k)^T H / (phi(k)^T s + eps) - v || of BN pairs: phi(k) of row rows[i] at FKB + rows[i] * s_fk_n
     (rows with ok False read as 0), H at HB (row stride s_h_f), s at SB, vv [BN, BD] fp32 values."""
     offs_d = tl.arange(0, BD)
     md = offs_d < D
@@ -45,7 +45,7 @@ def _sre_rows(FKB, rows, ok, s_fk_n, HB, s_h_f, SB, vv, F2, D, eps,
         den += tl.sum(fk.to(tl.float32) * ss[None, :], 1)
     err = vv - num / (den[:, None] + eps)
     err = tl.where(md[None, :], err, 0.0)
-    return tl.sum(err * err, 1)
+    return tl.sqrt(tl.sum(err * err, 1))
 
 
 @triton.jit

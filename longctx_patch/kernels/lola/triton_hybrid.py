@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax_row, online_softmax_step
-from .reference import feature_rows
+from .reference import check_combine, feature_rows
 from .tuning import TUNE
 
 
@@ -42,7 +42,8 @@ def _hybrid_fwd_kernel(
     s_o_b, s_o_m, s_o_h,
     HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BKS: tl.constexpr,
     CS: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_KM: tl.constexpr, HAS_SP: tl.constexpr,
-    PREC: tl.constexpr, STATS: tl.constexpr = False, UPCAST: tl.constexpr = INTERPRET,
+    PREC: tl.constexpr, STATS: tl.constexpr = False, UNSHIFTED: tl.constexpr = False,
+    UPCAST: tl.constexpr = INTERPRET,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
@@ -142,8 +143,14 @@ def _hybrid_fwd_kernel(
 
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
-    num = gw * acc_e + lw * acc_l
-    den = gw * l_e + lw * l_l
+    if UNSHIFTED:  # the exact term exp(s) as is: weights exp(min(m, 0)) and exp(-max(m, 0)) (m_i in log2 units)
+        we = gw * tl.exp2(tl.minimum(m_i, 0.0))
+        wl = lw * tl.exp2(-tl.maximum(m_i, 0.0))
+        num = we[:, None] * acc_e + wl[:, None] * acc_l
+        den = we * l_e + wl * l_l
+    else:
+        num = gw * acc_e + lw * acc_l
+        den = gw * l_e + lw * l_l
     if STATS:  # the backward's row statistics [B, Hq, M]: max (log2 units), 1 / den (0 for den <= 0), argmax
         row = pid_bh * M + offs_m
         tl.store(MST + row, m_i, mask=mm)
@@ -157,7 +164,8 @@ def _hybrid_fwd_kernel(
 
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
                key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
-               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None, stats: bool = False):
+               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None, stats: bool = False,
+               combine: str = "shifted"):
     """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`); with `stats` (the
     training forward of `triton_hybrid_bwd`: no sparse cache) (o, (m, r, am)), the per-row statistics
     [B, Hq, S] of the backward: the window max in log2 units (fp32), 1 / normaliser (fp32, 0 where it is <= 0)
@@ -170,7 +178,10 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0; with
     sparse_chunk > 0 one sparse set per chunk instead, sparse_k/v [B, Hs, NC, L, D], sparse_valid [B, Hs, NC, L]:
     the block of queries starting at key index a reads set a // sparse_chunk (block_m must divide sparse_chunk).
+    combine: "shifted" (LoLCATs) or "unshifted" (the LoLA authors': the linear term against exp(s), weighed down by
+    exp(-m) at the row's end; `reference._finish`). The backward has no "unshifted" (`stats` refuses it).
     """
+    unshifted = check_combine(combine)
     B, Hq, M, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
@@ -203,6 +214,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     dummy = q
     if stats:
         assert not has_sp, "the backward's statistics are those of the training case (no sparse cache)"
+        assert not unshifted, "the backward is LoLCATs' combination only (ops.hybrid_attention routes the other)"
         st_m = torch.empty(B, Hq, M, device=q.device, dtype=torch.float32)
         st_r = torch.empty(B, Hq, M, device=q.device, dtype=torch.float32)
         st_a = torch.empty(B, Hq, M, device=q.device, dtype=torch.int32)
@@ -227,7 +239,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0, cst(spm, 2),
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
-        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq), STATS=stats,
+        HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq), STATS=stats, UNSHIFTED=unshifted,
         num_warps=TUNE["hybrid_num_warps"] or 4,
         num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
     )
@@ -255,6 +267,7 @@ def _decode_kernel(
     s_o_b, s_o_h,
     HQ: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_KM: tl.constexpr, HAS_SP: tl.constexpr, SP_SCORE: tl.constexpr, DEV_N: tl.constexpr,
+    UNSHIFTED: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)  # 64-bit base offsets (docs/PERFORMANCE.md, "Large shapes")
     if DEV_N:  # the buffered keys' count from the device (a decode step replayed from a graph): N is the capacity
@@ -327,6 +340,9 @@ def _decode_kernel(
         l_l += tl.sum(a, 0)
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
+    if UNSHIFTED:  # as in the hybrid kernel: the linear term against exp(s), m_i in log2 units
+        gw = gw * tl.exp2(tl.minimum(m_i, 0.0))
+        lw = lw * tl.exp2(-tl.maximum(m_i, 0.0))
     num = gw * acc_e + lw * acc_l
     den = gw * l_e + lw * l_l
     den = tl.where(den > 0, den, 1.0)
@@ -335,14 +351,17 @@ def _decode_kernel(
 
 
 def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
-                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None, n_keys=None):
+                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None, n_keys=None,
+                combine: str = "shifted"):
     """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
     the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
     attended linearly); state H/s; optional sparse cache [B, Hs, L, *] whose valid slots are given by
     `sparse_valid` (bool) or, read in the kernel, by `sparse_score` (float32: valid where > -inf; no
     conversion launched per step). `n_keys` (a device int64 tensor, its first element read in the kernel): the local
     keys are the first n_keys rows of k/v, the new token last, and fk must cover the first N - window rows (N =
-    k.shape[2], the buffer's capacity): the launch is then the same whatever the count. Returns [B, 1, Hq, D]."""
+    k.shape[2], the buffer's capacity): the launch is then the same whatever the count. combine: as `hybrid_fwd`.
+    Returns [B, 1, Hq, D]."""
+    unshifted = check_combine(combine)
     B, Hq, _, D = q.shape
     N = k.shape[2]
     F2 = fq.shape[-1]
@@ -380,6 +399,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         out.stride(0), out.stride(2),
         HQ=Hq, BN=min(TUNE["decode_bn"] or 64, np2(max(N, L))), BD=np2(D), BK=min(TUNE["decode_bk"] or 64, np2(F2)),
         HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None, DEV_N=n_keys is not None,
+        UNSHIFTED=unshifted,
         num_warps=TUNE["decode_warps"] or 2,  # H200, batch 16: 22.7 us against 42.2 with 4 (bench_lola_decode_step)
     )
     return out

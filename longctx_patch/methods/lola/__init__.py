@@ -3,7 +3,7 @@
 Training-free on top of a `lolcats` model: same parameters (feature maps, window factors; load them with
 `checkpoint=PATH`), plus `sparse_cache` (lambda) exact pairs per kv head (`sparse_heads=kv`, the default) or
 per query head. Pairs leaving the window and pairs already in the sparse cache are scored by
-SRE(k, v) = ||phi(k)^T H / (phi(k)^T s) - v||^2 against the current linear state every `chunk` tokens (summed
+SRE(k, v) = ||phi(k)^T H / (phi(k)^T s + 1e-6) - v|| against the current linear state every `chunk` tokens (summed
 over the query heads sharing a kv head); the lambda highest stay exact, the rest are folded into (H, s).
 `sparse_cache = 0` is `lolcats` exactly. This folder holds the hybrid for both methods: config.py (the options),
 attention.py (the module), cache.py (`LolaLayer`, the decode state), feature_map.py (phi), weights.py (LoLCATs

@@ -118,7 +118,7 @@ class HybridAttention(PatchedAttention):
         phi_k.writes_out = True
 
         return dict(window=cfg.window, scale=self.scaling, backend=cfg.backend, phi_k=phi_k, chunk=cfg.chunk,
-                    lam=self.sparse_cache, key_mask_new=new_mask)
+                    lam=self.sparse_cache, key_mask_new=new_mask, combine=cfg.combine)
 
     def _attend_fresh(self, q, k, v, fq, g, lf, new_mask):
         """A sequence from its start, no cache kept: lolcats' parallel hybrid; lola's training path under
@@ -128,7 +128,7 @@ class HybridAttention(PatchedAttention):
         if lam == 0:
             fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
             return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, window=cfg.window,
-                                    scale=self.scaling, backend=cfg.backend)
+                                    scale=self.scaling, backend=cfg.backend, combine=cfg.combine)
         kw = self._process_kw(q, new_mask)
         Hq, Hkv = q.shape[1], k.shape[1]
         hs = sparse_head_count(self.sparse_heads, Hq, Hkv)
@@ -164,7 +164,7 @@ class HybridAttention(PatchedAttention):
         sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
                                 lam=self.sparse_cache, sparse_heads=hs)
         return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
-                                   scale=self.scaling, key_mask=new_mask)
+                                   scale=self.scaling, key_mask=new_mask, combine=cfg.combine)
 
     def _needs_grad(self, *tensors) -> bool:
         if not torch.is_grad_enabled():

@@ -33,6 +33,12 @@ class HybridConfig(MethodConfig):
     linear_scale: float = option(1.0, "multiplies the linear term's weight (numerator and normaliser); below 1 the exact "
                                       "window and sparse pairs weigh more against the far past (docs/lola.md, "
                                       "'Weighing the linear term down'); 1 = as trained", min=0.0)
+    combine: str = option("shifted", "how the exact (window and sparse) and linear terms meet under the one "
+                                     "normaliser: shifted (LoLCATs, as its checkpoints and ours were trained: exact "
+                                     "term exp(s - m) with m the query's max exact score, linear term as is) or "
+                                     "unshifted (the LoLA authors' code: exact term exp(s), i.e. the linear term "
+                                     "weighed down by exp(-m) per query; docs/lola.md, 'Against the authors' code')",
+                          choices=("shifted", "unshifted"))
     chunk: int = option(64, "cache granularity: pairs leaving the window are folded every `chunk` tokens", min=1)
     feature_cache: bool = option(False, "keep phi(k) of the buffered keys older than the window in the cache (chunk "
                                         "rows of 2F per query head) instead of recomputing it every decode step; "
