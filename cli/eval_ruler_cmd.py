@@ -52,7 +52,8 @@ def ruler_cmd(model, methods, sets, tasks, lengths, samples, seed, haystack, exp
     """
     from longctx_patch.errors import ConfigError
     from longctx_patch.evals.common import parse_sizes
-    from longctx_patch.evals.ruler import TASKS, load_ruler_haystack, run_ruler
+    from longctx_patch.evals.ruler import TASKS, load_ruler_haystack
+    from longctx_patch.evals.ruler_run import run_ruler
 
     check_device_dtype(device, dtype)
     runs = method_runs(methods, sets)

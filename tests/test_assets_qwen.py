@@ -161,3 +161,20 @@ def test_package_refuses_an_unfinished_run(tmp_path):
     (run / "train_log.json").write_text(json.dumps(log))
     with pytest.raises(lp.CheckpointError, match="read train-b with different contents"):
         package_run(run, tiny_qwen(), tmp_path / "a", name=NAME, description="x", corpus=_corpus(tmp_path))
+
+
+def test_the_package_command_writes_the_asset_and_checkpoint_auto_loads_it(tmp_path, monkeypatch, capsys):
+    """`python -m longctx_patch.train.package RUN --model M --out DIR --check`: the asset under its embedded name, then
+    loaded back by checkpoint=auto (its weights the run's)."""
+    from longctx_patch.assets import ENV_PATH
+    from longctx_patch.train import package
+
+    monkeypatch.delenv(ENV_PATH, raising=False)
+    run, _ = _run_folder(tmp_path, torch.randint(3, 300, (1, 9)))
+    base = tmp_path / "qwen-hf"
+    tiny_qwen().save_pretrained(str(base))
+    out = tmp_path / "out"
+    assert package.main([str(run), "--model", str(base), "--out", str(out), "--corpus", str(_corpus(tmp_path)),
+                         "--check"]) == 0
+    said = capsys.readouterr().out
+    assert (out / NAME / "asset.json").is_file() and f"packaged asset {NAME} " in said

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from conftest import tiny_model
 
 from longctx_patch.errors import ConfigError
-from longctx_patch.evals import niah, ruler
+from longctx_patch.evals import niah, ruler, ruler_run
 from longctx_patch.evals.common import MethodRun
 
 RESULT_FIELDS = {"device", "date", "commit", "command", "model", "method", "config"}
@@ -243,7 +243,7 @@ def test_run_ruler_writes_json_and_png_with_paired_samples(tiny, tmp_path, one_t
     for fam in ("niah", "fwe"):  # a random model never stops: short answers keep the test fast
         monkeypatch.setitem(ruler.TOKENS_TO_GENERATE, fam, 6)
     runs = [MethodRun("exact"), MethodRun("sliding-window", {"window": 32})]
-    res = ruler.run_ruler(tiny, runs, tasks=["niah_single_1", "fwe"], lengths=[400], samples=2, seed=1,
+    res = ruler_run.run_ruler(tiny, runs, tasks=["niah_single_1", "fwe"], lengths=[400], samples=2, seed=1,
                           out_dir=tmp_path, name="r", model_name="tiny", command="test", progress=False,
                           echo=lambda *_: None)
     rec = json.loads((tmp_path / "r.json").read_text())

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from conftest import tiny_model
 
 from longctx_patch.errors import ConfigError
-from longctx_patch.evals import ruler, ruler_export
+from longctx_patch.evals import ruler, ruler_export, ruler_report
 from longctx_patch.evals.common import MethodRun, applied
 
 
@@ -97,7 +97,7 @@ def test_predictions_of_another_program_are_scored_as_run_ruler_scores(tok, tmp_
         assert r["score"] == round(ruler.score(p["answer"], s.answers), 4)
         assert r["answers"] == s.answers and r["prompt_tokens"] == s.prompt_tokens and r["method"] == p["method"]
     assert recs[0]["state_fraction"] == 0.1 and "state_fraction" not in recs[2]
-    figures = ruler.summarize(recs, ["press(0.1)"], ["niah_multivalue", "vt"], [900])
+    figures = ruler_report.summarize(recs, ["press(0.1)"], ["niah_multivalue", "vt"], [900])
     assert figures["score"]["press(0.1)"]["niah_multivalue"]["900"] == 75.0
     assert figures["average"]["press(0.1)"]["900"] == 87.5
     with pytest.raises(ConfigError, match="has no sample"):

@@ -101,7 +101,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
   eval)  # held-out perplexity at 4k and 16k, unpatched and linearized (checkpoint=auto finds the new asset), then
          # the asset with its training record as $OUT/asset.tar
     A=/tmp/assets
-    python3 -m longctx_patch.assets.training "$RUN" --model "$MODEL" --out "$A" --corpus "$CORPUS/corpus.json" \
+    python3 -m longctx_patch.train.package "$RUN" --model "$MODEL" --out "$A" --corpus "$CORPUS/corpus.json" \
       --recipe "$RECIPE" --check
     export LONGCTX_ASSET_PATH=$A
     (cd "$A" && tar cf "$OUT/asset.tar" .)

@@ -50,8 +50,6 @@ from ..errors import ConfigError
 from ..generation import has_chat_template
 from ..texts import binary_reason, read_text
 from . import niah
-from .common import RESULTS_DEFAULT, MethodRun, output_dir, applied, begin_run, default_name, load_model, write_result
-from .ruler_report import plot_scores, score_table, summarize
 
 TASKS = (
     "niah_single_1", "niah_single_2", "niah_single_3",
@@ -427,6 +425,15 @@ def _fit(size: Callable[[int], float], budget: int, probe: int, limit: int | Non
     return lo
 
 
+def context_tokens(tokenizer, text: str, cut: int, chat: bool) -> int:
+    """Tokens of the encoded prompt `text` that start before its character `cut` (a token across the cut is
+    context): `RulerSample.context_tokens`, with `cut` where the question starts."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+        return sum(1 for a, _ in enc["offset_mapping"] if a < cut)
+    return len(niah._encode_prompt(tokenizer, text[:cut], chat))
+
+
 def build_sample(tokenizer, task: str, length: int, *, seed: int = 0, index: int = 0, haystack: str | None = None,
                  chat: bool | None = None) -> RulerSample:
     """One RULER prompt of `task` whose tokens plus the task's generation budget are at most `length` (as close to
@@ -464,8 +471,6 @@ def build_sample(tokenizer, task: str, length: int, *, seed: int = 0, index: int
     p = build(n)
     text = _render(tokenizer, p, chat)
     ids = niah._encode_prompt(tokenizer, text, chat)
-    from .ruler_export import context_tokens
-
     context = context_tokens(tokenizer, text, text.rindex(p.question), chat)
     return RulerSample(task=task, length=length, index=index, answers=list(p.answers), prompt_tokens=len(ids),
                        max_new_tokens=gen, query=p.query, units=n, input_ids=ids, depths=p.depths,
@@ -515,96 +520,6 @@ def score(answer: str, answers: Sequence[str]) -> float:
     return match_all(postprocess(answer), answers)
 
 
-# ----------------------------------------------------------------------------------------------- run
-def run_ruler(
-    model,
-    methods: Sequence[MethodRun],
-    *,
-    tasks: Sequence[str] = TASKS,
-    lengths: Sequence[int] = (4096, 8192),
-    samples: int = 1,
-    seed: int = 0,
-    haystack: str | Path | None = None,
-    out_dir=RESULTS_DEFAULT,
-    name: str | None = None,
-    model_name: str | None = None,
-    command: str | None = None,
-    progress: bool = True,
-    echo=print,
-    samples_file: str | Path | None = None,
-) -> dict[str, Any]:
-    """Runs every task at every length for each method on the same samples; writes `<name>.json` + `<name>.png`.
-
-    `model` is a name/path for `longctx_patch.load_model` or a loaded `(model, tokenizer)` pair; `haystack`:
-    'shakespeare' (default), 'stdlib', or a path (see `load_ruler_haystack`). `samples_file`: the samples of a
-    file `ruler_export.write_samples` wrote (its tasks, lengths, samples and seed replace the arguments). Each
-    sample's record has the method's decode-state fraction at its prompt (`ruler_export.state_fraction`).
-    Returns the result record.
-    """
-    from tqdm.auto import tqdm
-
-    from .ruler_export import read_samples, state_fraction
-
-    tasks = list(tasks)
-    bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        raise ConfigError(f"unknown ruler task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
-    model_name = begin_run(model, model_name)
-    if samples_file is not None:
-        mdl, tok = load_model(model)
-        header, prompts = read_samples(samples_file, tokenizer=tok)
-        tasks, lengths, samples, seed = header["tasks"], header["lengths"], header["samples_per_cell"], header["seed"]
-        hay_name, chat = f"{header['haystack']} (samples from {samples_file})", header["chat_template"]
-    else:
-        uses_essay = any(t in NIAH and NIAH[t].haystack == "essay" for t in tasks)
-        hay_text, hay_name = load_ruler_haystack(haystack) if uses_essay else (None, "none (no essay task)")
-        mdl, tok = load_model(model)
-        chat = has_chat_template(tok)
-        prompts = make_samples(tok, tasks, lengths, samples, seed=seed, haystack=hay_text, chat=chat)
-
-    records: list[dict[str, Any]] = []
-    was_training = mdl.training
-    mdl.eval()
-    try:
-        for run in methods:
-            with applied(mdl, run):
-                bar = tqdm(prompts, desc=f"ruler {run.label}", disable=not progress, leave=False)
-                for s in bar:
-                    answer = niah.generate_answer(mdl, tok, s.input_ids, s.max_new_tokens)
-                    sc = score(answer, s.answers)
-                    records.append({"method": run.label, **s.record(), "answer": answer, "score": round(sc, 4),
-                                    "correct": sc == 1.0,
-                                    "state_fraction": round(state_fraction(mdl, s.prompt_tokens), 6)})
-    finally:
-        mdl.train(was_training)
-
-    labels = [r.label for r in methods]
-    figures = summarize(records, labels, tasks, lengths)
-    figures.update({
-        "tasks": tasks,
-        "lengths": list(lengths),
-        "samples_per_cell": samples,
-        "seed": seed,
-        "haystack": hay_name,
-        "chat_template": chat,
-        "length_accounting": "prompt tokens + the task's generation budget <= length (RULER's)",
-        "samples": records,
-    })
-    echo(score_table(figures, labels, tasks, lengths))
-    if figures["paired"]:
-        echo(niah.paired_lines(figures))
-    result = {"figures": figures}
-    out_dir = output_dir(out_dir, "ruler")
-    if out_dir is not None:
-        stem = name or default_name("ruler", model_name, methods)
-        path = write_result(Path(out_dir) / f"{stem}.json", task="ruler", model=model_name, runs=methods,
-                            figures=figures, command=command)
-        png = plot_scores(figures, labels, tasks, lengths, Path(out_dir) / f"{stem}.png")
-        echo(f"wrote {path} and {png}")
-        result.update({"json": str(path), "png": str(png)})
-    return result
-
-
 __all__ = [
     "TASKS",
     "NIAH",
@@ -617,5 +532,5 @@ __all__ = [
     "string_match_all",
     "string_match_part",
     "score",
-    "run_ruler",
+    "context_tokens",
 ]

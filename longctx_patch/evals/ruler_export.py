@@ -12,7 +12,7 @@ the user turn, the assistant header and the answer prefix. Generation is greedy,
 Predictions file (`read_predictions`): line 1 a header ``{"kind": "longctx-ruler-predictions", ...}`` with
 whatever describes the run (device, date, commit, command, versions); then one prediction a line with at least
 "method", "task", "length", "index" and "answer" (the decoded continuation); other fields (e.g. "state_fraction")
-are kept. `score_predictions` scores them as `run_ruler` scores its own answers (`ruler.score`).
+are kept. `score_predictions` scores them as `ruler_run.run_ruler` scores its own answers (`ruler.score`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import ConfigError
-from .ruler import RulerSample, score
+from .ruler import RulerSample, context_tokens, score
 
 SAMPLES_KIND = "longctx-ruler-samples"
 PREDICTIONS_KIND = "longctx-ruler-predictions"
@@ -30,17 +30,6 @@ VERSION = 1
 _SAMPLE_FIELDS = ("task", "length", "index", "answers", "prompt_tokens", "max_new_tokens", "query", "units",
                   "input_ids", "depths", "context_tokens")
 _PREDICTION_FIELDS = ("method", "task", "length", "index", "answer")
-
-
-def context_tokens(tokenizer, text: str, cut: int, chat: bool) -> int:
-    """Tokens of the encoded prompt `text` that start before its character `cut` (a token across the cut is
-    context): `RulerSample.context_tokens`, with `cut` where the question starts."""
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
-        return sum(1 for a, _ in enc["offset_mapping"] if a < cut)
-    from .niah import _encode_prompt
-
-    return len(_encode_prompt(tokenizer, text[:cut], chat))
 
 
 def write_samples(path: str | Path, samples: Sequence[RulerSample], *, model: str, vocab_size: int, seed: int,
@@ -64,7 +53,7 @@ def write_samples(path: str | Path, samples: Sequence[RulerSample], *, model: st
 
 def export_samples(path: str | Path, tokenizer, *, model: str, tasks: Sequence[str], lengths: Sequence[int],
                    samples: int, seed: int = 0, haystack: str | Path | None = None) -> Path:
-    """Builds the samples `run_ruler` would (same arguments, same prompts) and writes them as a samples file."""
+    """Builds the samples `ruler_run.run_ruler` would (same arguments, same prompts) and writes them as a samples file."""
     from ..generation import has_chat_template
     from .ruler import NIAH, TASKS, load_ruler_haystack, make_samples
 
@@ -126,7 +115,7 @@ def read_predictions(path: str | Path) -> tuple[dict[str, Any], list[dict[str, A
 
 
 def score_predictions(samples: Iterable[RulerSample], predictions: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-sample records as `run_ruler` writes them (method, the sample's record, answer, score, correct) for
+    """Per-sample records as `ruler_run.run_ruler` writes them (method, the sample's record, answer, score, correct) for
     predictions made by another program on `samples`; the predictions' other fields are kept. A prediction for a
     sample not in `samples`, or two for one sample and method, is an error."""
     by_key = {(s.task, s.length, s.index): s for s in samples}

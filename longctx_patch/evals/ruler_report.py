@@ -1,4 +1,4 @@
-"""RULER's report: the scores per method, task and length, their table and their heatmaps (`ruler.run_ruler` writes
+"""RULER's report: the scores per method, task and length, their table and their heatmaps (`ruler_run.run_ruler` writes
 them)."""
 
 from __future__ import annotations
