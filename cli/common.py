@@ -134,20 +134,12 @@ def check_patchable(model, layer_specs=(None,), name: str | None = None) -> None
         raise AlreadyPatchedError(_saved_patched_advice(name or "the model", have, n))
 
 
-def _ranges(idx) -> str:
-    """[0, 1, 2, 5] -> '0-2,5' (the --layers syntax)."""
-    runs: list[list[int]] = []
-    for i in sorted(idx):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def _saved_patched_advice(name: str, have: dict[int, str], n: int) -> str:
     """What to do, on the command line, when --method would patch layers a saved patched model already patches."""
-    runs = "; ".join(f"layers {_ranges([i for i in have if have[i] == m])} run {m}" for m in sorted(set(have.values())))
+    from longctx_patch.methods.base import format_layers
+
+    runs = "; ".join(f"layers {format_layers([i for i in have if have[i] == m])} run {m}"
+                     for m in sorted(set(have.values())))
     ctx = click.get_current_context(silent=True)
     verb = ctx.info_name if ctx is not None else ""
     if verb == "generate":
@@ -157,7 +149,7 @@ def _saved_patched_advice(name: str, have: dict[int, str], n: int) -> str:
     else:
         use = "--method none runs it as saved"
     free = [i for i in range(n) if i not in have]
-    other = f"; or patch only the layers it leaves unpatched: --layers {_ranges(free)}" if free else ""
+    other = f"; or patch only the layers it leaves unpatched: --layers {format_layers(free)}" if free else ""
     return (f"{name} was saved patched ({runs}), and --method would patch those layers again: {use}; to try "
             f"another method, give the model it was made from (--model BASE){other}")
 

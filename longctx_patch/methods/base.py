@@ -367,9 +367,9 @@ class Method:
         windowed = [s for s in specs if s.sliding_window is not None]
         if not windowed:
             return
-        layers = _ranges([s.layer_idx for s in windowed])
+        layers = format_layers([s.layer_idx for s in windowed])
         sizes = sorted({s.sliding_window for s in windowed})
-        others = _ranges([s.layer_idx for s in specs if s.sliding_window is None])
+        others = format_layers([s.layer_idx for s in specs if s.sliding_window is None])
         todo = (f"patch only layers='{others}' with {self.name}" if others
                 else "patch the windowed layers with exact or sliding-window instead")
         raise ConfigError(
@@ -387,8 +387,8 @@ class Method:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
 
 
-def _ranges(idx: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5' (the `layers=` syntax)."""
+def format_layers(idx) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the `layers=` / --layers syntax; `patcher.parse_layers` reads it back)."""
     runs: list[list[int]] = []
     for i in sorted(idx):
         if runs and i == runs[-1][1] + 1:
