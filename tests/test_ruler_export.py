@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from conftest import tiny_model
 
 from longctx_patch.errors import ConfigError
-from longctx_patch.evals import ruler, ruler_export, ruler_report
+from longctx_patch.evals import ruler, ruler_export, ruler_report, speed_model
 from longctx_patch.evals.common import MethodRun, applied
 
 
@@ -115,7 +115,7 @@ def test_state_fraction_is_state_bytes_over_the_exact_kv_cache(tiny):
     cfg = model.config
     hd = cfg.hidden_size // cfg.num_attention_heads
     hkv = cfg.num_key_value_heads
-    full = ruler_export.full_kv_bytes(model, 1000)
+    full = speed_model.full_kv_bytes(model, 1000)
     assert full == 2 * hkv * 1000 * hd * 4 * cfg.num_hidden_layers  # float32
     assert ruler_export.state_fraction(model, 1000) == 1.0  # unpatched: the exact K/V cache
     with applied(model, MethodRun("sliding-window", {"window": 100})):

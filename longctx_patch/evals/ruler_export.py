@@ -138,26 +138,13 @@ def score_predictions(samples: Iterable[RulerSample], predictions: Iterable[dict
 
 
 # ----------------------------------------------------------------------------------------------- state fraction
-def full_kv_bytes(model, tokens: int, batch: int = 1) -> int:
-    """Bytes of the unpatched model's K/V cache after `tokens` tokens, in the model's dtype (every layer)."""
-    import torch
-
-    from ..architectures import model_config
-
-    cfg = model_config(model)
-    elt = torch.tensor([], dtype=next(model.parameters()).dtype).element_size()
-    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * batch * hkv * tokens * hd * elt * cfg.num_hidden_layers
-
-
 def state_fraction(model, tokens: int) -> float:
     """Decode-state bytes of `model` as patched now (`speed_model.state_bytes`: each patched layer's
     `state_bytes`, full K/V for the others) over the exact K/V cache's, after a prompt of `tokens` tokens."""
-    from .speed_model import state_bytes
+    from .speed_model import full_kv_bytes, state_bytes
 
     return state_bytes(model, tokens) / full_kv_bytes(model, tokens)
 
 
-__all__ = ["PREDICTIONS_KIND", "SAMPLES_KIND", "context_tokens", "export_samples", "full_kv_bytes", "read_predictions", "read_samples",
+__all__ = ["PREDICTIONS_KIND", "SAMPLES_KIND", "context_tokens", "export_samples", "read_predictions", "read_samples",
            "score_predictions", "state_fraction", "write_samples"]

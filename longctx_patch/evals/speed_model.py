@@ -67,21 +67,29 @@ def weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-def state_bytes(model, context: int, batch: int = 1) -> int:
-    """Decode-time attention state of the whole model at `context` tokens (full K/V for unpatched layers)."""
+def full_kv_bytes(model, context: int, batch: int = 1) -> int:
+    """Bytes of the unpatched model's K/V cache after `context` tokens, in the model's dtype (every layer)."""
     import torch
 
     from ..architectures import model_config
-    from ..patcher import is_patched, patched_modules
 
     cfg = model_config(model)
-    dtype = next(model.parameters()).dtype
-    elt = torch.tensor([], dtype=dtype).element_size()
+    elt = torch.tensor([], dtype=next(model.parameters()).dtype).element_size()
     hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * batch * hkv * context * hd * elt * cfg.num_hidden_layers
+
+
+def state_bytes(model, context: int, batch: int = 1) -> int:
+    """Decode-time attention state of the whole model at `context` tokens (full K/V for unpatched layers)."""
+    from ..architectures import model_config
+    from ..patcher import is_patched, patched_modules
+
+    n = model_config(model).num_hidden_layers
+    dtype = next(model.parameters()).dtype
+    full_layer = full_kv_bytes(model, context, batch) // n
     mods = patched_modules(model) if is_patched(model) else {}
-    return int(sum(mods[i].state_bytes(context, batch, dtype) if i in mods else 2 * batch * hkv * context * hd * elt
-                   for i in range(cfg.num_hidden_layers)))
+    return int(sum(mods[i].state_bytes(context, batch, dtype) if i in mods else full_layer for i in range(n)))
 
 
 class _StepMarks:
