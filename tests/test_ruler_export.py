@@ -186,3 +186,47 @@ def test_the_kvpress_runner_scores_and_matches_fractions_as_the_project_does():
         assert (1 - r) * context + (prompt - context) == pytest.approx(frac * prompt)
     assert runner.ratio_for(0.01, 1000, 900) == 0.999  # the question alone is over 1%: as much as kvpress allows
     assert runner.ratio_for(1.0, 1000, 900) == 0.0
+
+
+def test_peer_points_average_tasks_and_fractions_and_the_index_heads_them():
+    from benchmarks import index
+    from benchmarks.quality import plot_peers
+
+    recs = [{"method": "kvpress-snapkv(0.1)", "task": "niah_single_1", "length": 4096, "score": s, "state_fraction": f}
+            for s, f in ((1.0, 0.09), (0.0, 0.11), (1.0, 0.10), (1.0, 0.10))]
+    recs += [{"method": "kvpress-snapkv(0.1)", "task": "niah_single_2", "length": 4096, "score": 0.5, "state_fraction": 0.1}]
+    recs += [{"method": "none", "task": t, "length": 4096, "score": 1.0} for t in ("niah_single_1", "niah_single_2")]
+    pts = plot_peers.points(recs)
+    p = pts[4096]["kvpress-snapkv(0.1)"]
+    assert p["by_task"] == {"niah_single_1": 75.0, "niah_single_2": 50.0}
+    assert p["score"] == 62.5 and p["samples"] == 5 and p["fraction"] == 0.1  # mean of the tasks, not of the samples
+    assert pts[4096]["none"] == {"fraction": 1.0, "score": 100.0, "by_task": {"niah_single_1": 100.0, "niah_single_2": 100.0},
+                                 "tasks": ["niah_single_1", "niah_single_2"], "samples": 2}
+    head = index.headline("peers", {"points": {"4096": pts[4096]}})
+    assert head == "RULER @4096: full 100.0, best <=15% kvpress-snapkv(0.1) 62.5 (0.10)"
+
+
+def test_the_peer_plot_keeps_its_dotted_name_and_leaves_out_unfinished_cells(tok, tmp_path, capsys):
+    import hashlib
+
+    from benchmarks.quality import plot_peers
+
+    samples = ruler.make_samples(tok, ["niah_single_1"], [800], 2, seed=3)
+    spath = ruler_export.write_samples(tmp_path / "s.jsonl", samples, model="smol", vocab_size=len(tok), seed=3,
+                                       haystack="none", chat_template=True)
+    sha = hashlib.sha256(spath.read_bytes()).hexdigest()
+    head = {"kind": ruler_export.PREDICTIONS_KIND, "version": 1, "device": "cpu", "date": "2026-12-05",
+            "commit": "abcdef0", "command": "x", "samples_sha256": sha}
+    rows = [{"method": "kvpress-knorm(0.1)", "task": "niah_single_1", "length": 800, "index": i,
+             "answer": samples[i].answers[0], "state_fraction": 0.1} for i in (0, 1)]
+    rows += [{"method": "kvpress-knorm(0.5)", "task": "niah_single_1", "length": 800, "index": 0, "answer": "no",
+              "state_fraction": 0.5}]
+    ppath = tmp_path / "p.jsonl"
+    ppath.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+    out = tmp_path / "peers-smol-0.5b-cpu"
+    assert plot_peers.main(["--samples", str(spath), "--kvpress", str(ppath), "--out", str(out)]) == 0
+    rec = json.loads((tmp_path / "peers-smol-0.5b-cpu.json").read_text())
+    assert (tmp_path / "peers-smol-0.5b-cpu.png").stat().st_size > 0
+    assert list(rec["points"]["800"]) == ["kvpress-knorm(0.1)"]
+    assert rec["points"]["800"]["kvpress-knorm(0.1)"]["score"] == 100.0
+    assert "kvpress-knorm(0.5) at 800: 1 of 2 samples answered" in capsys.readouterr().err

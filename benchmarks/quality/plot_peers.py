@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,8 +50,8 @@ def ours_records(path: Path, samples) -> list[dict]:
 
 
 def points(records: list[dict]) -> dict[int, dict[str, dict]]:
-    """{length: {method: {fraction, score, tasks, samples}}}: the RULER average (mean over tasks of the mean
-    sample score, %) and the mean decode-state fraction of each method at each length."""
+    """{length: {method: {fraction, score, by_task, tasks, samples}}}: the RULER average (mean over tasks of the mean
+    sample score, %), each task's mean score (%) and the mean decode-state fraction of each method at each length."""
     cells: dict = defaultdict(lambda: defaultdict(list))
     fr: dict = defaultdict(list)
     for r in records:
@@ -58,8 +59,10 @@ def points(records: list[dict]) -> dict[int, dict[str, dict]]:
         fr[r["length"], r["method"]].append(r.get("state_fraction", 1.0))
     out: dict = defaultdict(dict)
     for (L, m), tasks in cells.items():
-        avg = sum(100 * sum(v) / len(v) for v in tasks.values()) / len(tasks)
-        out[L][m] = {"fraction": round(sum(fr[L, m]) / len(fr[L, m]), 5), "score": round(avg, 2),
+        by_task = {t: 100 * sum(v) / len(v) for t, v in sorted(tasks.items())}
+        out[L][m] = {"fraction": round(sum(fr[L, m]) / len(fr[L, m]), 5),
+                     "score": round(sum(by_task.values()) / len(by_task), 2),
+                     "by_task": {t: round(x, 2) for t, x in by_task.items()},
                      "tasks": sorted(tasks), "samples": sum(len(v) for v in tasks.values())}
     return out
 
@@ -93,10 +96,10 @@ def plot(pts: dict, title: str, png: Path) -> Path:
         ax.set_xlabel("decode-state fraction (of the exact K/V cache at the end of the prompt)")
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="best")
     axes[0][0].set_ylabel("RULER score (%)")
     axes[0][0].set_ylim(-2, 102)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 75 * len(lengths))), fontsize=10)  # one line a panel's width
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -111,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", action="append", default=[], help="`longctx eval ruler` result JSONs (repeatable, globs)")
     ap.add_argument("--out", required=True, help="base name of OUT.json and OUT.png")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--model", default=None, help="the model's name in the record (default: the samples file's)")
     a = ap.parse_args(argv)
     expand = lambda pats: sorted({p for pat in pats for p in glob.glob(pat)})  # noqa: E731
     files = {}  # sha256 -> (path, header, samples)
@@ -137,21 +141,28 @@ def main(argv=None) -> int:
     if not records:
         raise ConfigError("no results: give --kvpress and/or --ours files")
     pts = points(records)
-    out = Path(a.out)
+    for L, methods in pts.items():  # a cell a run left unfinished is not a point (its rerun completes it)
+        want = sum(1 for s in every if s.length == L)
+        for m in [m for m, p in methods.items() if p["samples"] < want]:
+            print(f"[peers] {m} at {L}: {methods.pop(m)['samples']} of {want} samples answered; left out until its run "
+                  "is finished", file=sys.stderr)
+    out = Path(a.out)  # a base name: OUT.json and OUT.png (its dots kept: peers-qwen2.5-coder-0.5b)
     out.parent.mkdir(parents=True, exist_ok=True)
+    js, png_path = out.parent / (out.name + ".json"), out.parent / (out.name + ".png")
     header = next(iter(files.values()))[1]
     title = a.title or (f"{header['model']}: RULER ({', '.join(header['tasks'])}; {header['samples_per_cell']} samples "
                         "a cell) against decode-state fraction")
-    png = plot(pts, title, out.with_suffix(".png"))
-    rec = {"task": "peers", "device": device_description(), "date": datetime.datetime.now(datetime.timezone.utc)
+    png = plot(pts, title, png_path)
+    rec = {"task": "peers", "model": a.model or header["model"], "device": device_description(), "date": datetime.datetime.now(datetime.timezone.utc)
            .strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(), "command": "python3 -m benchmarks.quality.plot_peers "
            + " ".join(argv if argv is not None else sys.argv[1:]), "samples": [{**h, "file": f, "sha256": k} for k, (f, h, _) in files.items()],
            "sources": sources, "points": {str(L): v for L, v in sorted(pts.items())}}
-    out.with_suffix(".json").write_text(json.dumps(rec, indent=1))
+    js.write_text(json.dumps(rec, indent=1))
     for L in sorted(pts):
         for m, p in sorted(pts[L].items(), key=lambda t: (family(t[0]), t[1]["fraction"])):
-            print(f"{L:>6}  {m:<40} fraction {p['fraction']:.4f}  score {p['score']:6.2f}  ({p['samples']} samples)")
-    print(f"wrote {out.with_suffix('.json')} and {png}")
+            tasks = "  ".join(f"{t} {x:.1f}" for t, x in p["by_task"].items())
+            print(f"{L:>6}  {m:<40} fraction {p['fraction']:.4f}  score {p['score']:6.2f}  ({p['samples']} samples: {tasks})")
+    print(f"wrote {js} and {png}")
     return 0
 
 
