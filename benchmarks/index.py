@@ -97,6 +97,19 @@ def h_ruler(d):
     return f"RULER average @{ctx}: " + per_label({k: v.get(ctx) for k, v in d["average"].items()}, lambda v: f"{v:.1f}")
 
 
+def h_peers(d):
+    """Per length: the full cache's score and the best point at a decode-state fraction of at most 15%."""
+    parts = []
+    for L, pts in d["points"].items():
+        full = [p["score"] for m, p in pts.items() if m in ("none", "exact", "kvpress-none")]
+        small = {m: p for m, p in pts.items() if p["fraction"] <= 0.15}
+        best = max(small, key=lambda m: small[m]["score"]) if small else None
+        parts.append(f"@{L}: full {max(full):.1f}" if full else f"@{L}:")
+        if best:
+            parts[-1] += f", best <=15% {short(best, 36)} {small[best]['score']:.1f} ({small[best]['fraction']:.2f})"
+    return "RULER " + "; ".join(parts)
+
+
 def h_ppl(d):
     ctx = longest(next(iter(d["ppl"].values())))
     return f"ppl@{ctx}: " + per_label({k: v.get(ctx) for k, v in d["ppl"].items()}, lambda v: f"{v:.2f}")
@@ -229,7 +242,7 @@ RULES: dict[str, Callable[[dict], str]] = {
     "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,
     "muse-farfield-study": h_fidelity, "muse-fast-study": h_fidelity, "muse-retrieval-study": h_retrieval,
     "lola-speed": h_lola_speed, "racecheck": h_racecheck, "decode-attention": h_decode_attention,
-    "muse-error-anatomy": h_error_anatomy,
+    "muse-error-anatomy": h_error_anatomy, "peers": h_peers,
 }
 # the fallback: (key pattern, how to sum the values found under it, wording)
 FALLBACK = (

@@ -12,8 +12,8 @@ import pytest
 from benchmarks import index
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "ppl",
-           "racecheck", "ruler", "speed", "speed-op", "synthetic"}
+FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "peers",
+           "ppl", "racecheck", "ruler", "speed", "speed-op", "synthetic"}
 # result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
 LACKING: dict[str, tuple[str, ...]] = {}
 # figures and logs that belong to several runs (no JSON of their own stem)

@@ -8,9 +8,12 @@
 #   PART=plot    bash benchmarks/quality/bench_peers_kvpress.sh GGUF OUT   # OUT/peers-qwen2.5-coder-0.5b.{json,png}
 #
 # Each call stops starting work after BUDGET_S seconds (default 480) so that no command passes 10 minutes; a call
-# again goes on where the last one stopped (finished cells are skipped). OUT must come back between calls (keep it
-# inside the repository, e.g. benchmarks/results/peers, so that it travels with the working tree, and copy it to $OUT
-# at the end of each call).
+# again goes on where the last one stopped (finished cells are skipped). OUT must come back between calls: keep it in
+# the git-ignored .device-data/peers (name it in `carry`) and send it back at the end of each call as one file
+# (`tar czf $OUT/peers.tgz -C .device-data peers`: $OUT returns 8 files at most). The samples at
+# 4k and the presses already answered there on a CPU (docs/peers.md, "Measured") are in that folder on the machine
+# that ran them: a call with them skips those cells and answers the same prompts. The plot (PART=plot) is committed
+# as benchmarks/results/peers/peers-qwen2.5-coder-0.5b-<device>.{json,png}; the raw files stay out of the repository.
 #
 # The model: the GGUF (491 MB) travels as numbered pieces cut by ../shared/tools/qwen-coder-parts.sh on the CPU
 # machine (see its header: one piece a device call, `cat .device-model/qwen/NN/piece >> /tmp/qwen.gguf`, then the
@@ -100,7 +103,8 @@ ours)
 plot)
   args=()
   for L in "${lengths[@]}"; do args+=(--samples "$out/samples-$L.jsonl" --kvpress "$out/kvpress-$L.jsonl"); done
-  ours_py -m benchmarks.quality.plot_peers "${args[@]}" --ours "$out/ours-*.json" --out "$out/peers-qwen2.5-coder-0.5b"
+  ours_py -m benchmarks.quality.plot_peers "${args[@]}" --ours "$out/ours-*.json" --out "$out/peers-qwen2.5-coder-0.5b" \
+      --model qwen2.5-coder-0.5b-instruct
   ;;
 *) echo "PART=setup|kvpress|ours|plot" >&2; exit 2 ;;
 esac
