@@ -153,9 +153,11 @@ def main(argv=None) -> int:
     title = a.title or (f"{header['model']}: RULER ({', '.join(header['tasks'])}; {header['samples_per_cell']} samples "
                         "a cell) against decode-state fraction")
     png = plot(pts, title, png_path)
-    rec = {"task": "peers", "model": a.model or header["model"], "device": device_description(), "date": datetime.datetime.now(datetime.timezone.utc)
-           .strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(), "command": "python3 -m benchmarks.quality.plot_peers "
-           + " ".join(argv if argv is not None else sys.argv[1:]), "samples": [{**h, "file": f, "sha256": k} for k, (f, h, _) in files.items()],
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    command = "python3 -m benchmarks.quality.plot_peers " + " ".join(argv if argv is not None else sys.argv[1:])
+    rec = {"task": "peers", "model": a.model or header["model"], "device": device_description(), "date": now,
+           "commit": git_commit(), "command": command,
+           "samples": [{**h, "file": f, "sha256": k} for k, (f, h, _) in files.items()],
            "sources": sources, "points": {str(L): v for L, v in sorted(pts.items())}}
     js.write_text(json.dumps(rec, indent=1))
     for L in sorted(pts):
