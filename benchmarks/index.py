@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.shared import RESULTS
+from benchmarks.shared import FULL_CACHE_METHODS, RESULTS
 
 REQUIRED = ("device", "date", "commit", "command")  # every result file should say these
 # folders that hold several kinds of benchmark or study: a file's name starts with its kind
@@ -101,7 +101,7 @@ def h_peers(d):
     """Per length: the full cache's score and the best point at a decode-state fraction of at most 15%."""
     parts = []
     for L, pts in d["points"].items():
-        full = [p["score"] for m, p in pts.items() if m in ("none", "exact", "kvpress-none")]
+        full = [p["score"] for m, p in pts.items() if m in FULL_CACHE_METHODS]
         small = {m: p for m, p in pts.items() if p["fraction"] <= 0.15}
         best = max(small, key=lambda m: small[m]["score"]) if small else None
         parts.append(f"@{L}: full {max(full):.1f}" if full else f"@{L}:")

@@ -22,6 +22,8 @@ from longctx_patch.evals.common import slug
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"  # the results committed with the checkout (results/INDEX.md)
+# the method labels of a RULER comparison that keep the whole K/V cache (plot_peers' full-cache line, the index's headline)
+FULL_CACHE_METHODS = ("none", "exact", "kvpress-none")
 DATA_ENV = "LONGCTX_DATA"  # the folder of texts a benchmark reads (pg_essays/ ...), when no --data is given
 
 

@@ -22,11 +22,11 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.shared import FULL_CACHE_METHODS as FULL
 from longctx_patch.errors import ConfigError
 from longctx_patch.evals.common import device_description, git_commit
 from longctx_patch.evals.ruler_export import read_predictions, read_samples, score_predictions
 
-FULL = ("none", "exact", "kvpress-none")
 
 
 def family(method: str) -> str:
@@ -144,8 +144,9 @@ def main(argv=None) -> int:
     for L, methods in pts.items():  # a cell a run left unfinished is not a point (its rerun completes it)
         want = sum(1 for s in every if s.length == L)
         for m in [m for m, p in methods.items() if p["samples"] < want]:
-            print(f"[peers] {m} at {L}: {methods.pop(m)['samples']} of {want} samples answered; left out until its run "
+            print(f"[peers] {m} at {L}: {methods[m]['samples']} of {want} samples answered; left out until its run "
                   "is finished", file=sys.stderr)
+            del methods[m]
     out = Path(a.out)  # a base name: OUT.json and OUT.png (its dots kept: peers-qwen2.5-coder-0.5b)
     out.parent.mkdir(parents=True, exist_ok=True)
     js, png_path = out.parent / (out.name + ".json"), out.parent / (out.name + ".png")
