@@ -28,7 +28,6 @@ from longctx_patch.evals.common import device_description, git_commit
 from longctx_patch.evals.ruler_export import read_predictions, read_samples, score_predictions
 
 
-
 def family(method: str) -> str:
     """The curve a method label belongs to: 'sliding-window(window=205)' -> 'sliding-window'."""
     return method.split("(")[0]
