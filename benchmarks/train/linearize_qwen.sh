@@ -18,9 +18,11 @@
 #                                                            $C bash $B prepare 10        ~4-6 min
 #         (if its corpus build ran out of time: $C bash $B corpus, no carry)
 #   12    no carry                                           $C bash $B transfer          ~3 min (pessimistic 5)
-#   13    no carry                                           $C bash $B lora              ~6-8 min; again until it
+#   13    no carry                                           $C bash $B lora [--set K=V]  ~6-8 min; again until it
 #                                                                                         prints "saved to" (at most 2)
 #   14    no carry                                           $C bash $B eval              ~3 min: perplexity + asset
+# transfer and lora pass further options to `longctx finetune` (on an 80 GiB card:
+#   lora --set stages.2.gradient_checkpointing=true --set stages.3.gradient_checkpointing=true).
 # Every training call ends by putting the newest checkpoint, the log and trainable/ into $OUT (state.tar.NN pieces
 # of 15 MiB); keep them: after a lost machine, ship the model again (calls 1-11), put the pieces into
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before the next
@@ -89,13 +91,13 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     cp "$CORPUS/corpus.json" "$OUT/"
     echo "corpus after $(( $(date +%s) - T0 )) s";;
   transfer)  # both attention-transfer stages on train-a; stops at the stage boundary
-    train "$CORPUS/train-a" --stop-after transfer_16k;;
+    train "$CORPUS/train-a" --stop-after transfer_16k "${@:2}";;
   lora)  # the LoRA stages on train-b (refused by the trainer inside a transfer stage begun on train-a)
     if ! grep -q '"stopped_after": "transfer_16k"' "$RUN/train_log.json" 2>/dev/null &&
        ! ls "$RUN"/checkpoints/stage[23]-step* > /dev/null 2>&1; then
       echo "the transfer stages are not finished: run '$0 transfer' until it prints 'stopped after transfer_16k'"; exit 1
     fi
-    train "$CORPUS/train-b";;
+    train "$CORPUS/train-b" "${@:2}";;
   restore)  # the state pieces a lost machine returned, carried in .device-state/qwen-lin
     mkdir -p "$RUN" && cat .device-state/qwen-lin/state.tar.* | tar xf - -C "$RUN" && ls -R "$RUN" | head -20;;
   eval)  # held-out perplexity at 4k and 16k, unpatched and linearized (checkpoint=auto finds the new asset), then
