@@ -164,11 +164,11 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     T0=$T0 exec bash "$0" poll "${POLL_S:-240}";;
   chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
     export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    while [ ! -f /tmp/corpus.done ]; do sleep 5; done
-    [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
     [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
 dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
     echo "dequantised after $(( $(date +%s) - T0 )) s"
+    while [ ! -f /tmp/corpus.done ]; do sleep 5; done
+    [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
     bash "$0" transfer
     # shellcheck disable=SC2086
     bash "$0" lora $LORA_ARGS
