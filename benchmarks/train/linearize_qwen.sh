@@ -21,7 +21,7 @@
 #   2-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 07
 #  (  -   carry [".device-state/qwen-lin"]                  $C bash $B restore           only to continue a run)
 #   11    carry [".device-model/qwen/08"]                   $C [LORA_ARGS=...] bash $B go 08 09   starts the chain,
-#                                                                                        polls for POLL_S (240) s
+#                                                                                        polls for POLL_S (120) s
 #   12..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
 # The older plan, one step a call in the foreground (each at most 10 minutes):
@@ -169,7 +169,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     rm -f /tmp/chain.done; mkdir -p /tmp/bgout; repo=$(snapshot)
     (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
       touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
-    T0=$T0 exec bash "$0" poll "${POLL_S:-240}";;
+    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
   chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
     export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
     [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
