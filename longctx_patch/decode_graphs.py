@@ -258,7 +258,8 @@ class DecodeGraphs:
             return  # a continued cache whose graphs still hold
         key = model_key(cache)
         shape = (batch, 1)
-        warm = next((w for w in self._warm if w[0] == shape and w[2] == key), None)
+        # a copy: another thread's generate() may add to the set meanwhile
+        warm = next((w for w in tuple(self._warm) if w[0] == shape and w[2] == key), None)
         if key is None or warm is None:
             return
         _, keep, _, has_cpos, device = warm

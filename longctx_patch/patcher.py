@@ -27,8 +27,8 @@ from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_sav
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .methods import get_method
 from .methods.base import PatchedAttention
-from .patch_state import (STATE_ATTR, PatchGroup, PatchState, is_patched, keep_original_weight, keep_original_weights,
-                          patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
+from .patch_state import (CALL_ARG, STATE_ATTR, CallState, PatchGroup, PatchState, is_patched, keep_original_weight,
+                          keep_original_weights, patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
 from .tensor_parallel import build_sharded, head_shard, writes_files
 
 
@@ -177,10 +177,12 @@ def _padding_facts(am: torch.Tensor, cache, args: tuple, kwargs: dict) -> tuple[
 
 
 def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """The forward pre-hook of a patched model's decoder stack (`module`): reads the batch's padding into the patch's
-    PatchContext (left padding: position ids from the mask), warns past the trained context, and hands the stack a
-    LongctxCache where it would build another. A module-level function that finds the patch on the module it runs
-    on (patch_state.py), so that a deep copy or a pickle of the model runs its own state."""
+    """The forward pre-hook of a patched model's decoder stack (`module`): reads the batch's padding into the call's
+    own CallState (patch_state.py), handed to the decoder layers as the keyword argument CALL_ARG (left padding:
+    position ids from the mask), warns past the trained context, and hands the stack a LongctxCache where it would
+    build another. Nothing of the call is written on the model: calls running at once in several threads each see
+    their own padding. A module-level function that finds the patch on the module it runs on (patch_state.py), so
+    that a deep copy or a pickle of the model runs its own state."""
     from .cache import LongctxCache
 
     st = state_of(module)
@@ -189,23 +191,23 @@ def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("cache", None)
     if cache is None:
         cache = kwargs.get("past_key_values", None)
-    changed = False
     facts = None
-    st.ctx.key_mask = None
+    key_mask = None
     if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
         facts = _padding_facts(am, cache if isinstance(cache, LongctxCache) else None, args, kwargs)
         padded, left = facts
         if padded:
-            st.ctx.key_mask = am.bool()
+            key_mask = am.bool()
             if left:
-                args, kwargs, changed = _left_padded_positions(am, args, kwargs)
+                args, kwargs, _ = _left_padded_positions(am, args, kwargs)
+    kwargs = {**kwargs, CALL_ARG: CallState(key_mask)}
     if not st.context_warned:
         _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
     use_cache = kwargs.get("use_cache", None)
     if use_cache is None:
         use_cache = getattr(cfg, "use_cache", False)
     if isinstance(cache, LongctxCache) or (cache is None and not use_cache):
-        return (args, kwargs) if changed else None
+        return args, kwargs
     if cache is not None and cache.get_seq_length() > 0:
         raise ConfigError(
             f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "

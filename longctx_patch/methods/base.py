@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
 from ..errors import ConfigError
 from ..kernels.backend import on_device
-from ..patch_state import PatchContext
+from ..patch_state import CALL_ARG, CallState, PatchContext
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -230,6 +230,12 @@ class PatchedAttention(nn.Module):
     def attend(self, q, k, v, cache_layer, padding):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def attend_call(self, q, k, v, cache_layer, call: CallState | None):
+        """`attend` for one forward call, whose state (`call`: its padding, its memo; None outside a patched model's
+        forward) the decoder layers pass on. A method that computes something once per call for all its layers
+        overrides this to reach `call.memo` (muse's row groups)."""
+        return self.attend(q, k, v, cache_layer, call.key_mask if call is not None else None)
+
     def make_cache_layer(self):
         """The transformers cache layer this module decodes with. Default: a full KV cache."""
         from transformers.cache_utils import DynamicLayer
@@ -287,14 +293,15 @@ class PatchedAttention(nn.Module):
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
+        call = kwargs.get(CALL_ARG)  # this forward call's own state (patch_state.CallState), never the model's
         with on_device(hidden_states):  # the kernels launch on this layer's GPU in a model split over several
             q, k, v = self.project(hidden_states, position_embeddings)
             layer = cache.layers[self.layer_idx] if cache is not None else None
-            padding = self._ctx.key_mask if self._ctx is not None else None
+            padding = call.key_mask if call is not None else None
             if layer is None and self._ctx is not None and self._ctx.recompute and torch.is_grad_enabled():
-                o = checkpoint(self.attend, q, k, v, None, padding, use_reentrant=False)
+                o = checkpoint(self.attend_call, q, k, v, None, call, use_reentrant=False)
             else:
-                o = self.attend(q, k, v, layer, padding)
+                o = self.attend_call(q, k, v, layer, call)
             transfer = self._ctx.transfer if self._ctx is not None else None
             if transfer is not None:
                 o = transfer.record(self, q, k, v, padding, o)
