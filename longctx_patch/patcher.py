@@ -25,6 +25,7 @@ from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_sav
                          load_modules_state_dict, modules_state_dict, read_calibration, read_method_weights,
                          read_patch_record, replacing_folder, write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
+from .memory import available_memory
 from .methods import get_method
 from .methods.base import PatchedAttention
 from .patch_state import (CALL_ARG, STATE_ATTR, CallState, PatchGroup, PatchState, is_patched, keep_original_weight,
@@ -309,6 +310,16 @@ def _check_materialised(mod: PatchedAttention, layer: int) -> None:
         )
 
 
+def _check_state_memory(m, cfg, new: list[PatchedAttention], st: PatchState | None, base: nn.Module) -> None:
+    """The decode state one sequence allocates from its first token (new layers and those patched before) must fit
+    the memory left on the model's device (Method.check_state_memory): refused by name before anything changes."""
+    p = next((q for q in base.parameters() if q.is_floating_point() and not q.is_meta), None)
+    if p is None:
+        return
+    others = sum(mod.state_bytes(1, batch=1, dtype=p.dtype) for mod in st.modules.values()) if st is not None else 0
+    m.check_state_memory(new, cfg, p.dtype, available_memory(p.device), str(p.device), others)
+
+
 def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
     if not isinstance(method, str):
         from .methods import list_methods
@@ -349,6 +360,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
             mod.to(device=p.device)
         _check_materialised(mod, i)
         built[i] = (orig, mod)
+    _check_state_memory(m, cfg, [mod for _, mod in built.values()], st, base)
     if st is None:
         st = _install(model, base)
     new: dict[int, PatchedAttention] = {}

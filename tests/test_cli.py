@@ -285,7 +285,7 @@ def test_unpatched_unsupported_model_still_generates(gpt2_dir):
         (["patch", "--method", "exact", "--dtype", "f8"], "unknown dtype 'f8'"),
         # non-finite and overflowing option values (NaN passes a range check: refused by name)
         (["patch", "--method", "ovq", "--set", "beta=nan", "--set", "qk_norm=true"],
-         "beta=nan is not a finite number; allowed: float >= 0.001"),
+         "beta=nan is not a finite number; allowed: float in 0.001..10000.0"),
         (["patch", "--method", "lolcats", "--set", "lora_alpha=inf"], "lora_alpha=inf is not a finite number"),
         (["patch", "--method", "sliding-window", "--set", "window=100000000000000000000"],
          "window=100000000000000000000 is too large; allowed: int >= 1, at most 2147483647"),

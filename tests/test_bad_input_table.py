@@ -1,0 +1,159 @@
+"""The bad inputs of issue 61, one row each, and the named error each gets (the class and what its message says).
+
+Each input was once accepted and then broke (NaN logits and an empty answer, a raw allocator or overflow error, a
+hang), or failed with a raw error naming neither the input nor what to do. Tiny random models; every row runs in well
+under a second.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import longctx_patch as lp
+from longctx_patch.errors import MemoryBudgetError, NumericalError
+
+BIG = 2**31 - 1  # the largest int an option takes (methods.base.INT_OPTION_MAX)
+FRESH = {"checkpoint": "none"}  # lolcats / lola without the packaged weights (a tiny model has none)
+
+
+def _patch(method, **config):
+    return lambda tmp_path: lp.patch(tiny_model(), method, **config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return lp.models.load_tokenizer("smollm2-135m")
+
+
+# ------------------------------------------------------------------------------------- options that passed, then broke
+OPTIONS = [
+    # (id, call, error, what the message says)
+    ("lolcats linear_scale=1e300", _patch("lolcats", linear_scale=1e300, **FRESH), lp.ConfigError,
+     r"LolcatsConfig: bad value 1e\+300 for linear_scale; allowed: float in 0.0..1000000.0"),
+    ("lola linear_scale=1e300", _patch("lola", linear_scale=1e300, **FRESH), lp.ConfigError,
+     r"LolaConfig: bad value 1e\+300 for linear_scale; allowed: float in 0.0..1000000.0"),
+    ("ovq beta=1e39 qk_norm", _patch("ovq", beta=1e39, qk_norm=True), lp.ConfigError,
+     r"OVQConfig: bad value 1e\+39 for beta; allowed: float in 0.001..10000.0"),
+    ("lolcats init_window_factor=1e39", _patch("lolcats", init_window_factor=1e39, **FRESH), lp.ConfigError,
+     r"bad value 1e\+39 for init_window_factor; allowed: float in -100.0..100.0"),
+    ("lola init_window_factor=-1e39", _patch("lola", init_window_factor=-1e39, **FRESH), lp.ConfigError,
+     r"bad value -1e\+39 for init_window_factor; allowed: float in -100.0..100.0"),
+    ("lolcats feature_dim=100000", _patch("lolcats", feature_dim=100000, **FRESH), lp.ConfigError,
+     r"bad value 100000 for feature_dim; allowed: int in 1..1024"),
+    ("lolcats lora_alpha=1e300", _patch("lolcats", lora_alpha=1e300, **FRESH), lp.ConfigError,
+     r"bad value 1e\+300 for lora_alpha; allowed: float in 0.0..10000.0"),
+    ("lola window=2**31-1", _patch("lola", window=BIG, **FRESH), MemoryBudgetError,
+     r"lola: the decode state of one sequence, allocated from its first token, would take [\d.]+ GiB over 3 layers, "
+     r"more than the [\d.]+ [GM]iB available on cpu; at most window=\d+ \(now 2147483647\)"),
+    ("lolcats window=2**31-1", _patch("lolcats", window=BIG, **FRESH), MemoryBudgetError, r"at most window=\d+"),
+    ("lola chunk=2**31-1", _patch("lola", chunk=BIG, **FRESH), MemoryBudgetError, r"at most chunk=\d+"),
+    ("lolcats chunk=2**31-1", _patch("lolcats", chunk=BIG, **FRESH), MemoryBudgetError, r"at most chunk=\d+"),
+    ("lola sparse_cache=2**31-1", _patch("lola", sparse_cache=BIG, **FRESH), MemoryBudgetError,
+     r"at most .*sparse_cache=\d+ \(now 2147483647\)"),
+    ("ovq chunk_size=2**31-1", _patch("ovq", chunk_size=BIG), MemoryBudgetError, r"ovq: .*at most .*chunk_size=\d+"),
+    ("ovq max_centroids=2**31-1", _patch("ovq", max_centroids=BIG), MemoryBudgetError,
+     r"ovq: .*at most max_centroids=\d+ \(now 2147483647\)"),
+    ("sliding-window window=b'7'", _patch("sliding-window", window=b"7"), lp.ConfigError,
+     r"SlidingWindowConfig: window=b'7' is bytes, not a value; allowed: int >= 1"),
+    ("lola window=bytearray", _patch("lola", window=bytearray(b"7"), **FRESH), lp.ConfigError, r"window=b'7' is bytes"),
+    ("ovq backend=b'torch'", _patch("ovq", backend=b"torch"), lp.ConfigError, r"backend=b'torch' is bytes"),
+]
+
+
+@pytest.mark.parametrize("call,error,phrase", [c[1:] for c in OPTIONS], ids=[c[0] for c in OPTIONS])
+def test_option_values_that_cannot_work_are_refused_by_name(call, error, phrase, tmp_path):
+    with pytest.raises(error, match=phrase) as e:
+        call(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_refused_state_leaves_the_model_unpatched():
+    model = tiny_model()
+    with pytest.raises(MemoryBudgetError):
+        lp.patch(model, "ovq", max_centroids=BIG)
+    assert not lp.is_patched(model)
+    lp.patch(model, "exact", layers=[0])  # and onto a model patched elsewhere: the other layers count too
+    with pytest.raises(MemoryBudgetError):
+        lp.patch(model, "lola", layers=[1, 2], window=BIG, **FRESH)
+    assert lp.patched_layers(model) == {0: "exact"}
+
+
+@pytest.mark.parametrize("method,key,config", [
+    ("lola", "window", dict(chunk=8, sparse_cache=4, **FRESH)),
+    ("lola", "sparse_cache", dict(window=8, chunk=8, **FRESH)),
+    ("ovq", "max_centroids", dict(chunk_size=16)),
+])
+def test_the_value_said_to_fit_fits(method, key, config, monkeypatch):
+    """The refusal's "at most KEY=N fits" is exact: N patches on a device with that much memory, N + 1 does not."""
+    from longctx_patch import patcher
+
+    monkeypatch.setattr(patcher, "available_memory", lambda device: 8 * 2**20)  # 8 MiB left on the device
+    with pytest.raises(MemoryBudgetError, match=rf"more than the 8.0 MiB available on cpu; at most .*{key}=(\d+)") as e:
+        lp.patch(tiny_model(), method, **{key: BIG}, **config)
+    n = int(re.search(rf"{key}=(\d+) \(now", str(e.value)).group(1))
+    assert n > 1000
+    lp.patch(tiny_model(), method, **{key: n}, **config)
+    with pytest.raises(MemoryBudgetError):
+        lp.patch(tiny_model(), method, **{key: n + 1}, **config)
+
+
+def test_more_query_clusters_than_queries_run_as_one_per_query():
+    """muse's q_clusters=2**31-1 (tilted-cells) once allocated 16 GiB at 20 tokens: clusters beyond the number of
+    queries only repeat queries, which never win a member, so they are left out, and the output is that of as many
+    clusters as queries."""
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    kw = dict(far_field="tilted-cells", block_size=8, k_clusters=2, min_seq_len=16, backend="torch")
+    out = {}
+    for qc in (40, BIG):
+        model = lp.patch(tiny_model(), "muse", q_clusters=qc, **kw)
+        with torch.no_grad():
+            out[qc] = model(ids).logits
+    assert torch.equal(out[BIG], out[40])
+
+
+# ------------------------------------------------------------------------------------- generate()'s own arguments
+GENERATE = [
+    ("max_new_tokens=nan", dict(max_new_tokens=float("nan")), r"max_new_tokens=nan \(float\) is not a whole number"),
+    ("max_new_tokens=0", dict(max_new_tokens=0), r"max_new_tokens=0 is out of range; pass an int in 1..2147483647"),
+    ("max_new_tokens=-1", dict(max_new_tokens=-1), r"max_new_tokens=-1 is out of range"),
+    ("max_new_tokens='5'", dict(max_new_tokens="5"), r"max_new_tokens='5' \(str\) is not a whole number"),
+    ("max_new_tokens=True", dict(max_new_tokens=True), r"max_new_tokens=True \(bool\) is not a whole number"),
+    ("max_new_tokens=2**40", dict(max_new_tokens=2**40), r"max_new_tokens=1099511627776 is out of range"),
+    ("temperature=-1", dict(temperature=-1.0, do_sample=True), r"temperature=-1.0 \(float\) is not allowed; pass a "
+                                                               r"finite number > 0"),
+    ("top_p=nan", dict(top_p=float("nan"), do_sample=True), r"top_p=nan \(float\) is not allowed; pass a number in "
+                                                            r"\(0, 1\]"),
+    ("num_beams=0", dict(num_beams=0), r"num_beams=0 is out of range"),
+    ("do_sample='yes'", dict(do_sample="yes"), r"do_sample='yes' \(str\) is not True or False"),
+    ("stream=1", dict(stream=1), r"stream=1 \(int\) is not True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs,phrase", [c[1:] for c in GENERATE], ids=[c[0] for c in GENERATE])
+def test_generate_refuses_its_bad_arguments_by_name(kwargs, phrase, tokenizer):
+    model = lp.patch(tiny_model(vocab_size=len(tokenizer)), "sliding-window", window=8)
+    with pytest.raises(lp.ConfigError, match=rf"^generate: {phrase}"):
+        lp.generate(model, tokenizer, "hi", chat=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- a NaN after the prefill
+@pytest.mark.parametrize("method,config,poison", [
+    ("lolcats", dict(window=8, chunk=8, **FRESH), "window_factors"),
+    ("ovq", dict(chunk_size=16, max_centroids=16, qk_norm=True), "ovq_log_beta"),
+])
+def test_non_finite_logits_after_the_prefill_raise_a_named_error(method, config, poison, tokenizer):
+    """A patch whose numbers go wrong (here a parameter holding NaN, as a damaged or foreign checkpoint might) once
+    answered with an empty string and exit code 0; now generate() says so, naming the method."""
+    model = lp.patch(tiny_model(vocab_size=len(tokenizer)), method, **config)
+    with torch.no_grad():
+        getattr(model.model.layers[1].self_attn, poison).fill_(float("nan"))
+    with pytest.raises(NumericalError, match=rf"generate: the logits after the prefill hold NaN or inf \(row 0 of the "
+                                             rf"batch\).*patch: {method} on layers 0-2"):
+        lp.generate(model, tokenizer, "hi", chat=False, max_new_tokens=3)
+    ids = torch.randint(3, 128, (2, 12))
+    with pytest.raises(NumericalError, match=r"rows 0, 1 of the batch"), torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
