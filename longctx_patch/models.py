@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (PATCH_JSON, check_base_weights, check_saved_files, check_weights_header,
-                         drop_gguf_quantization, read_patch_record, staging_of)
-from .errors import CheckpointError, ModelLoadError
+from .checkpoint import PATCH_JSON, drop_gguf_quantization, read_patch_record, staging_of
+from .errors import CheckpointError, LongctxError, ModelLoadError
+from .saved_files import check_base_weights, check_saved_files, check_weights_header, safetensors_problem
 
 
 @dataclass(frozen=True)
@@ -365,6 +365,11 @@ def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto")
     except OSError as e:
         raise _offline_hint(path, e) from None
+    except LongctxError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. safetensors' or transformers' own errors: named, with the path
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(f"could not load the model in {path}: {type(e).__name__}: {first}") from e
     if dt is None and model.dtype == torch.float16 and dev.type == "cpu":
         model = model.float()
     model = model.to(dev)
@@ -389,10 +394,16 @@ def _check_staging(path: str) -> None:
 
 def _check_saved_folder(path: str) -> None:
     """Before transformers reads a folder: a save's staging folder, or a folder save_patched() wrote that lost or cut
-    a file, is a CheckpointError naming it."""
+    a file, is a CheckpointError naming it; a plain checkpoint folder whose safetensors file is cut short or corrupt
+    (by its header: saved_files.safetensors_problem) is a ModelLoadError naming the file."""
     _check_staging(path)
     if os.path.exists(os.path.join(path, PATCH_JSON)):
         check_saved_files(path)
+        return
+    for f in sorted(Path(path).glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem is not None:
+            raise ModelLoadError(f"{f} is cut short or corrupt ({problem}): copy it again, or save the model again")
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):

@@ -21,15 +21,16 @@ import torch
 from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
-from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_saved_files, drop_gguf_quantization,
-                         load_modules_state_dict, modules_state_dict, read_calibration, read_method_weights,
-                         read_patch_record, replacing_folder, write_patch)
+from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, drop_gguf_quantization, load_modules_state_dict,
+                         modules_state_dict, read_calibration, read_method_weights, read_patch_record, replacing_folder,
+                         write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
 from .memory import available_memory
 from .methods import get_method
 from .methods.base import PatchedAttention
 from .patch_state import (CALL_ARG, STATE_ATTR, CallState, PatchGroup, PatchState, is_patched, keep_original_weight,
                           keep_original_weights, patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
+from .saved_files import check_saved_files, check_weights_record
 from .tensor_parallel import build_sharded, head_shard, writes_files
 
 
@@ -598,6 +599,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
                 where = f" (patch {n + 1} of {len(groups)})" if len(groups) > 1 else ""
                 raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
             applied.append(group)
+        check_weights_record(directory, groups)  # the groups fit the methods and the model: do they fit the weights?
         load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
         if calibration is not None:  # the calibration that chose these groups (longctx_patch/calibration.py)
             state_of(model).calibration = calibration

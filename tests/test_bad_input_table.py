@@ -157,3 +157,106 @@ def test_non_finite_logits_after_the_prefill_raise_a_named_error(method, config,
     ids = torch.randint(3, 128, (2, 12))
     with pytest.raises(NumericalError, match=r"rows 0, 1 of the batch"), torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------------- records and their weights
+@pytest.fixture(scope="module")
+def saved_lola(tmp_path_factory, tokenizer):
+    """A folder save_patched() wrote: lola (feature maps and window factors, the keys and shapes of lolcats')."""
+    d = tmp_path_factory.mktemp("saved") / "lola"
+    lp.save_patched(lp.patch(tiny_model(), "lola", window=8, chunk=8, sparse_cache=4, **FRESH), d, tokenizer=tokenizer)
+    return d
+
+
+def _edit_json(path, change):
+    import json
+
+    rec = json.loads(path.read_text())
+    change(rec)
+    path.write_text(json.dumps(rec))
+
+
+def _renamed(d):  # lola -> lolcats, the lola-only options dropped: a record lolcats reads without complaint
+    def change(rec):
+        rec["method"] = "lolcats"
+        rec["config"].pop("sparse_cache")
+        rec["config"].pop("sparse_heads")
+    _edit_json(d / "longctx_patch.json", change)
+
+
+def _moved(d):  # the same method on other layers
+    _edit_json(d / "longctx_patch.json", lambda rec: rec.update(layers=[0, 1]))
+
+
+def _cut_without_files(d):
+    _edit_json(d / "longctx_patch.json", lambda rec: rec.pop("files"))
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-1000])
+
+
+def _grown(d):  # a whole header, its tensors whole, bytes added: only the recorded size tells
+    with open(d / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+
+
+def _garbage_weights_without_files(d):
+    _edit_json(d / "longctx_patch.json", lambda rec: rec.pop("files"))
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+
+
+RECORDS = [
+    ("method renamed lola -> lolcats", _renamed, lp.CheckpointError,
+     r"lola/longctx_patch.json says lolcats on layers 0-2, but \S+lola/longctx_patch.safetensors holds the weights of "
+     r"lola on layers 0-2: the record was edited"),
+    ("layers moved", _moved, lp.CheckpointError, r"says lola on layers 0-1, but .* holds the weights of lola on "
+                                                 r"layers 0-2"),
+    ("no files list, model.safetensors cut", _cut_without_files, lp.CheckpointError,
+     r"lola is incomplete \(model.safetensors is cut short or corrupt \(\d+ bytes where its header says \d+\)\)"),
+    ("recorded size differs", _grown, lp.CheckpointError,
+     r"lola is incomplete \(model.safetensors is cut short or changed \(\d+ bytes, \d+ written\)\)"),
+    ("no files list, model.safetensors garbage", _garbage_weights_without_files, lp.CheckpointError,
+     r"model.safetensors is cut short or corrupt \(its header is not a safetensors header"),
+]
+
+
+@pytest.mark.parametrize("damage,error,phrase", [c[1:] for c in RECORDS], ids=[c[0] for c in RECORDS])
+def test_a_record_that_does_not_match_its_files_is_refused_naming_them(saved_lola, damage, error, phrase, tmp_path):
+    import shutil
+
+    d = tmp_path / "lola"
+    shutil.copytree(saved_lola, d)
+    damage(d)
+    for load in (lp.load_patched, lambda d: lp.load_model(str(d))):
+        with pytest.raises(error, match=phrase) as e:
+            load(d)
+        assert "\n" not in str(e.value)
+
+
+def test_a_plain_folder_with_a_cut_weights_file_names_it(saved_lola, tmp_path):
+    import shutil
+
+    d = tmp_path / "plain"
+    shutil.copytree(saved_lola, d)
+    (d / "longctx_patch.json").unlink()
+    (d / "longctx_patch.safetensors").unlink()
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-1000])
+    with pytest.raises(lp.ModelLoadError, match=rf"{d}/model.safetensors is cut short or corrupt \(\d+ bytes where "
+                                                r"its header says \d+\)"):
+        lp.load_model(str(d))
+
+
+def test_records_edited_within_their_method_and_weights_without_the_method_still_load(saved_lola, tmp_path):
+    """What the check leaves alone: a training-free option changed by hand (lola's sparse cache), and weights
+    written without the metadata that says their method (before it existed)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "lola"
+    shutil.copytree(saved_lola, d)
+    _edit_json(d / "longctx_patch.json", lambda rec: rec["config"].update(sparse_cache=6))
+    assert lp.load_patched(d).model.layers[0].self_attn.sparse_cache == 6
+    save_file(load_file(str(d / "longctx_patch.safetensors")), str(d / "longctx_patch.safetensors"))
+    _edit_json(d / "longctx_patch.json", lambda rec: rec.pop("files"))  # the weights file has another size now
+    assert lp.patched_layers(lp.load_patched(d)) == {0: "lola", 1: "lola", 2: "lola"}

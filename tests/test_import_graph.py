@@ -42,6 +42,7 @@ LAYERS = (
     (f"{ROOT}.errors", 0),
     (f"{ROOT}.architectures", 1),  # shared by the methods and the API: model families, the checkpoint format,
     (f"{ROOT}.checkpoint", 1),  # packaged method weights, the tensor-parallel split of method tensors
+    (f"{ROOT}.saved_files", 1),  # a saved folder checked against its record (the loader and the patcher)
     (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
