@@ -266,11 +266,19 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def check_replaceable(directory: str | os.PathLike) -> None:
-    """save_patched() replaces its folder as a whole: a ConfigError for a file, or a non-empty folder it did not write
-    (whose files the replacement would remove)."""
+    """save_patched() replaces its folder as a whole: a ConfigError for a file, a path under a file or under a folder
+    this process cannot write, or a non-empty folder it did not write (whose files the replacement would remove)."""
     directory = os.fspath(directory)
     if os.path.isfile(directory):
         raise ConfigError(f"save_patched: {directory} is a file; pass a directory to write")
+    target = Path(os.path.abspath(directory))
+    above = next(p for p in target.parents if p.exists())  # the nearest existing folder the save is written under
+    if not above.is_dir():
+        raise ConfigError(f"save_patched: {directory} lies under {above}, which is a file, not a folder; pass a "
+                          "directory whose parents are folders (or new)")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"save_patched: cannot write {directory}: {above} is not writable (permission denied); "
+                          "pass a directory under a folder you can write to")
     if os.path.isdir(directory) and not os.path.exists(os.path.join(directory, PATCH_JSON)):
         entries = sorted(os.listdir(directory))
         if entries:

@@ -224,7 +224,8 @@ def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
 
 class PrepareCache:
     """generate()'s `_prepare_cache_for_generation`, installed on a patched model: the model's own, then its default
-    DynamicCache replaced by a LongctxCache (the pre-hook would replace an empty DynamicCache anyway; doing it here
+    DynamicCache replaced by a LongctxCache (for assisted decoding, one whose layers can take tokens back:
+    cache.check_croppable) (the pre-hook would replace an empty DynamicCache anyway; doing it here
     keeps generate's own bookkeeping on the object it returns). An object holding its model, not a closure, so that
     deep copies and pickles of the model carry it with their own model."""
 
@@ -235,17 +236,21 @@ class PrepareCache:
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         from transformers.cache_utils import DynamicCache
 
-        from .cache import LongctxCache
+        from .cache import LongctxCache, check_croppable
 
         if self.previous is not None:
             out = self.previous(generation_config, model_kwargs, *args, **kwargs)
         else:
             out = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
                                                                  **kwargs)
+        mode = args[0] if args else kwargs.get("generation_mode")
+        assisted = str(getattr(mode, "value", mode)) == "assisted_generation"
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                 model_kwargs[key] = LongctxCache(self.model)
+            if assisted and isinstance(model_kwargs.get(key), LongctxCache):
+                check_croppable(self.model, model_kwargs[key])  # a named refusal before the prefill
         if getattr(generation_config, "prefill_chunk_size", 0) is None and any(
                 isinstance(model_kwargs.get(key), LongctxCache) for key in ("cache", "past_key_values")):
             generation_config.prefill_chunk_size = prefill_chunk_of(self.model)  # a call's own value wins
@@ -562,6 +567,16 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     st = state_of(model)
     directory = os.fspath(directory)
     check_replaceable(directory)
+    existed = os.path.isdir(directory)
+    try:
+        _write_patched(model, st, directory, tokenizer)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile ...: the user's path, not the staging one's
+        kept = f"the previous {directory} is kept as it was" if existed else f"no {directory} was made"
+        raise CheckpointError(f"save_patched: could not write {directory} ({e.strerror or e}); {kept}") from e
+    return directory
+
+
+def _write_patched(model: nn.Module, st: PatchState, directory: str, tokenizer) -> None:
     groups = [g.to_record() for g in st.groups]
     weights = method_state_dict(model)
     decoder = get_adapter(model).decoder_layers(model)
@@ -580,7 +595,6 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(work)
             write_patch(work, groups, weights, st.calibration)  # last: the record lists every other file
-    return directory
 
 
 def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:

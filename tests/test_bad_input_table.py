@@ -260,3 +260,164 @@ def test_records_edited_within_their_method_and_weights_without_the_method_still
     save_file(load_file(str(d / "longctx_patch.safetensors")), str(d / "longctx_patch.safetensors"))
     _edit_json(d / "longctx_patch.json", lambda rec: rec.pop("files"))  # the weights file has another size now
     assert lp.patched_layers(lp.load_patched(d)) == {0: "lola", 1: "lola", 2: "lola"}
+
+
+# ------------------------------------------------------------------------------------- model files, recipes, saves
+@pytest.mark.parametrize("content,phrase", [
+    (b"hello", r"is not a GGUF model file \(5 bytes\)"),
+    (b"\x81\x00" * 64, r"is not a GGUF model file \(it begins with b'\\x81\\x00\\x81\\x00', not b'GGUF'\)"),
+    (b"GGUF\x03\x00\x00\x00" + b"\xff" * 16 + b"junk" * 10, r"cannot be read as a GGUF model \(error: unpack_from"),
+], ids=["5 bytes", "not GGUF", "a GGUF header, then garbage"])
+def test_a_garbage_gguf_is_named_and_leaves_no_lock(content, phrase, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LONGCTX_CACHE", str(cache))
+    f = tmp_path / "x.gguf"
+    f.write_bytes(content)
+    with pytest.raises(lp.ModelLoadError, match=rf"^{re.escape(str(f))} {phrase}"):
+        lp.load_model(str(f))
+    assert not cache.exists() or list(cache.iterdir()) == []  # no lock, no half-made folder
+
+
+def test_a_binary_recipe_is_named(tmp_path):
+    from longctx_patch.train import load_recipe
+
+    f = tmp_path / "r.yaml"
+    f.write_bytes(b"stages:\n  - \x81\x82 binary")
+    with pytest.raises(lp.ConfigError, match=rf"recipe '{re.escape(str(f))}' is not text \(bytes that are not UTF-8 at "
+                                             r"offset 12\); pass a YAML recipe"):
+        load_recipe(f)
+
+
+def test_save_patched_under_a_file_or_where_it_cannot_write_names_the_path(tmp_path, monkeypatch):
+    from longctx_patch import checkpoint
+
+    model = lp.patch(tiny_model(), "exact")
+    (tmp_path / "notes.txt").write_text("x")
+    target = tmp_path / "notes.txt" / "out"
+    with pytest.raises(lp.ConfigError, match=rf"save_patched: {re.escape(str(target))} lies under "
+                                             rf"{re.escape(str(tmp_path / 'notes.txt'))}, which is a file, not a folder"):
+        lp.save_patched(model, target)
+
+    def denied(*args, **kwargs):  # what a read-only folder answers (the tests may run as root, whom chmod lets by)
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", denied)
+    with pytest.raises(lp.CheckpointError, match=rf"save_patched: could not write {re.escape(str(tmp_path / 'out'))} "
+                                                 r"\(Permission denied\); no \S+ was made$") as e:
+        lp.save_patched(model, tmp_path / "out")
+    assert ".partial-" not in str(e.value)  # the user's path, not the staging folder's
+    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: False)
+    with pytest.raises(lp.ConfigError, match=rf"cannot write {re.escape(str(tmp_path / 'out'))}: {re.escape(str(tmp_path))} "
+                                             r"is not writable \(permission denied\)"):
+        lp.save_patched(model, tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------- assisted decoding
+@pytest.mark.parametrize("method,config,why", [
+    ("lola", dict(window=8, chunk=8, sparse_cache=4, **FRESH), "its linear state sums every token older than the "
+                                                               "window"),
+    ("lolcats", dict(window=8, chunk=8, **FRESH), "its linear state sums"),
+    ("ovq", dict(chunk_size=16, max_centroids=16), "its dictionaries absorb every chunk"),
+    ("moba", dict(block_size=8, top_k=2, gating="block"), "with gating='block' it holds the sum of the current "
+                                                          "block's queries"),
+])
+@pytest.mark.parametrize("how", ["prompt lookup", "assistant model"])
+def test_assisted_decoding_with_a_cache_that_cannot_crop_names_the_method(method, config, why, how):
+    model = lp.patch(tiny_model(), method, **config)
+    kw = dict(prompt_lookup_num_tokens=3) if how == "prompt lookup" else dict(assistant_model=tiny_model(seed=1))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(lp.ConfigError, match=rf"generate: assisted decoding .* takes drafted tokens back out of the "
+                                             rf"cache, which this patch's cache cannot do \({method} on layers 0-2: "
+                                             rf"{re.escape(why)}"), torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("method,config", [("sliding-window", dict(window=8)), ("exact", {}),
+                                           ("moba", dict(block_size=8, top_k=2, gating="token"))])
+def test_assisted_decoding_where_the_cache_can_crop_gives_the_greedy_tokens(method, config):
+    """The K/V buffers (a window's ring included) take drafted tokens back: assisted decoding runs, and greedy
+    decoding's tokens come out."""
+    model = lp.patch(tiny_model(), method, **config)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **gen), model.generate(ids, **gen))
+
+
+# ------------------------------------------------------------------------------------- the command line's exit codes
+def _binary(path):
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(range(256)) * 4)
+    return str(path)
+
+
+def _under_a_file(path):
+    (path / "notes.txt").write_text("x")
+    return str(path / "notes.txt" / "out")
+
+
+EXITS = [
+    # (id, argv given tmp_path, exit code, what the one error line says): 2 = the command line is wrong (found
+    # before any model loads or any training starts), 1 = the run failed (README.md, "Command line")
+    ("generate, binary --prompt-file", lambda t: ["generate", "--prompt-file", _binary(t / "p.txt")], 2, "is not text"),
+    ("eval ppl, binary --text", lambda t: ["eval", "ppl", "--text", _binary(t / "p.txt")], 2, "is not text"),
+    ("eval niah, binary --haystack", lambda t: ["eval", "niah", "--haystack", _binary(t / "p.txt")], 2, "is not text"),
+    ("finetune, binary --text", lambda t: ["finetune", "recipes/linearize.yaml", "--text", _binary(t / "p.txt")], 2,
+     "--text .* is not text"),
+    ("calibrate, binary --text", lambda t: ["calibrate", "--text", _binary(t / "p.txt")], 2, "is not text"),
+    ("eval ppl, missing --text", lambda t: ["eval", "ppl", "--text", str(t / "none.txt")], 2,
+     "no such file or directory"),
+    ("finetune, missing --text", lambda t: ["finetune", "recipes/linearize.yaml", "--text", str(t / "none.txt")], 2,
+     "does not exist"),
+    ("calibrate, missing --text", lambda t: ["calibrate", "--text", str(t / "none.txt")], 2, "does not exist"),
+    ("generate, missing --prompt-file", lambda t: ["generate", "--prompt-file", str(t / "none.txt")], 2,
+     "does not exist"),
+    ("finetune, binary recipe", lambda t: ["finetune", _binary(t / "r.yaml")], 2, "recipe .* is not text"),
+    ("finetune, missing recipe", lambda t: ["finetune", str(t / "r.yaml")], 2, "recipe file .* not found"),
+    ("generate, unknown method", lambda t: ["generate", "--method", "nope", "--prompt", "hi"], 2,
+     "unknown method 'nope'"),
+    ("patch, bad --set value", lambda t: ["patch", "--method", "sliding-window", "--set", "window=b7"], 2,
+     "bad value 'b7' for window"),
+    ("patch, option past its range", lambda t: ["patch", "--method", "lolcats", "--set", "linear_scale=1e300"], 2,
+     "allowed: float in 0.0..1000000.0"),
+    ("patch, --output under a file", lambda t: ["patch", "--method", "exact", "--output", _under_a_file(t)], 2,
+     "which is a file, not a folder"),
+    ("generate, garbage .gguf", lambda t: ["generate", "--model", _binary(t / "m.gguf"), "--prompt", "hi"], 1,
+     r"m.gguf is not a GGUF model file"),
+    ("generate, a missing model", lambda t: ["generate", "--model", str(t / "none"), "--prompt", "hi"], 1,
+     "no such directory or file"),
+]
+
+
+@pytest.mark.parametrize("argv,code,phrase", [c[1:] for c in EXITS], ids=[c[0] for c in EXITS])
+def test_the_command_line_exit_codes(argv, code, phrase, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
+    args = argv(tmp_path)
+    if "--model" not in args:  # a model that does not exist: a command-line fault is found before it would load
+        args += ["--model", str(tmp_path / "no-model")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == code, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith(("error:", "Error:"))]
+    assert len(errors) == 1 and re.search(phrase, errors[0]), r.output
+    assert "Traceback" not in r.output
+    if code == 2:
+        assert "loading" not in r.output, r.output
+
+
+def test_a_record_that_does_not_match_its_weights_fails_the_run(saved_lola, tmp_path):
+    """A saved model is loaded before its record is checked against the weights: the run's failure, exit 1."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    d = tmp_path / "lola"
+    shutil.copytree(saved_lola, d)
+    _renamed(d)
+    r = CliRunner().invoke(main, ["generate", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and f"{d}/longctx_patch.json says lolcats on layers 0-2" in r.output, r.output
