@@ -10,12 +10,13 @@ import torch
 
 
 def available_memory(device: torch.device | str) -> int | None:
-    """Bytes a run may still take: free memory of a CUDA device, else the host's available memory (MemAvailable),
-    capped by this process's cgroup limit where one is set; None where neither can be read (or for another device,
-    e.g. `meta`)."""
+    """Bytes a run may still take: free memory of a CUDA device (what the driver has free, plus what PyTorch's caching
+    allocator holds unused), else the host's available memory (MemAvailable), capped by this process's cgroup limit
+    where one is set; None where neither can be read (or for another device, e.g. `meta`)."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(torch.cuda.mem_get_info(dev)[0]) + max(0, int(cached))
     if dev.type != "cpu":
         return None
     avail = None

@@ -10,7 +10,9 @@ different shapes at once on one model, each giving what it gives alone (bit for 
 
 The default tests run a few rounds under a short thread switch interval (so that the threads interleave inside each
 forward: on the code that kept the mask on the model every method failed in the first rounds); the `stress` test runs
-100 rounds of each (not in the default suite: `python -m pytest -m stress tests/test_concurrency.py`).
+100 rounds of each (not in the default suite: `python -m pytest -m stress tests/test_concurrency.py`). On a GPU, where
+the Triton kernels, generate()'s decode graphs and the prefills' graph captures run too (each thread captures on a side
+stream of its own, kernels/graphs.py): `python3 -m benchmarks.generate.check_threads`.
 """
 
 from __future__ import annotations
