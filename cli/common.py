@@ -205,6 +205,27 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
     click.echo(f"warning: {text}", err=True)
 
 
+@contextlib.contextmanager
+def library_bars_off_in_logs():
+    """Without a terminal on stderr (a log file, CI), transformers' own progress bars (`Loading weights`), redrawn
+    with carriage returns into one unreadable line, are off while a verb runs; our own steps print progress lines
+    there (longctx_patch.progress)."""
+    from longctx_patch.progress import stderr_is_terminal
+
+    if stderr_is_terminal():
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def friendly_errors(f):
     """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback.
     Warnings raised while the verb runs print as one `warning: ...` line (--debug: Python's format)."""
@@ -215,7 +236,8 @@ def friendly_errors(f):
             if not _debug():
                 warnings.showwarning = show_warning
             try:
-                return f(*args, **kwargs)
+                with library_bars_off_in_logs():
+                    return f(*args, **kwargs)
             except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
                 raise
             except BrokenPipeError:  # the reader went away (`longctx info | head`): nothing to report

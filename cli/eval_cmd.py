@@ -45,7 +45,8 @@ def eval_group() -> None:
 @click.option("--haystack", default=None, type=click.Path(), metavar="FILE|DIR",
               help="Essay text: a .txt file or a folder of .txt files (e.g. Paul Graham's essays). "
                    "Default: the packaged Shakespeare text.")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress on stderr: a bar on a terminal, else a line every 10 s (a log file, CI).")
 @output_options
 @device_dtype_options
 @friendly_errors
@@ -91,7 +92,8 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
 @click.option("--buckets", default=8, show_default=True, type=click.IntRange(1), help="Position buckets per window.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Add 'exact' as the reference when neither exact nor none is among the methods.")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress on stderr: a bar on a terminal, else a line every 10 s (a log file, CI).")
 @output_options
 @device_dtype_options
 @friendly_errors

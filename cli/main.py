@@ -244,9 +244,9 @@ def _ranges(idx: list[int]) -> str:
 @click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1),
               help="How many tokens to generate at most (fewer if the model ends its answer).")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is generated.")
-@click.option("--progress/--no-progress", default=None,
-              help="Show the progress of a long prompt's prefill (decoder layers done) on stderr "
-                   "(default: when stderr is a terminal).")
+@click.option("--progress/--no-progress", default=True,
+              help="Show the progress of a long prompt's prefill (decoder layers done) on stderr: a bar on a "
+                   "terminal, else a line every 10 s (a log file, CI).  [default: on]")
 @device_dtype_options
 @friendly_errors
 def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, progress, device,
@@ -282,8 +282,6 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
         raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "
                          f"France?\", or a file of text with --prompt-file FILE")
     m, tok = _load_and_patch(model, method, sets, layers, device, dtype)
-    if progress is None:
-        progress = sys.stderr.isatty()
     kw = dict(chat=chat, max_new_tokens=max_new_tokens, progress=progress)
     if stream:
         for piece in lp.generate(m, tok, text, stream=True, **kw):

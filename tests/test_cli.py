@@ -438,15 +438,19 @@ def test_prefill_progress_keeps_the_greedy_tokens(tiny_dir, long_prompt, method,
 
 
 def test_generate_progress_flag(tiny_dir, long_prompt, tmp_path, one_thread):
-    """--progress shows the bar on stderr with the same answer; by default it is off when stderr is not a
-    terminal (as under CliRunner)."""
+    """The prefill's progress is on by default: without a terminal (as under CliRunner, or a log file) as plain
+    lines, the first at the start and the last when every layer is done; --no-progress prints none. The answer is
+    the same."""
     f = tmp_path / "long.txt"
     f.write_text(long_prompt)
     base = ["generate", "--model", str(tiny_dir), "--prompt-file", str(f), "-n", "4", "--no-chat"]
-    default, shown = run(*base), run(*base, "--progress")
-    assert default.exit_code == 0 and shown.exit_code == 0, shown.output
-    assert "prefill" not in default.stderr and "prefill" in shown.stderr
-    assert shown.stdout == default.stdout and default.stdout.strip()
+    shown, quiet = run(*base), run(*base, "--no-progress")
+    assert quiet.exit_code == 0 and shown.exit_code == 0, shown.output
+    lines = [line for line in shown.stderr.splitlines() if line.startswith("prefill ")]
+    assert lines[0].startswith("prefill 1,0") and lines[0].endswith(": 0/3 layers (0 s)"), shown.stderr
+    assert lines[-1].split(" (")[0].endswith(": 3/3 layers") and "\r" not in shown.stderr
+    assert "prefill" not in quiet.stderr
+    assert shown.stdout == quiet.stdout and quiet.stdout.strip()
 
 
 def test_info_method_lists_its_options():

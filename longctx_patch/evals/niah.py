@@ -420,7 +420,7 @@ def run_niah(
     `model` is a name/path for `longctx_patch.load_model` or a loaded `(model, tokenizer)` pair.
     Returns the result record (also written to disk when `out_dir` is not None).
     """
-    from tqdm.auto import tqdm
+    from ..progress import progress_iter
 
     tasks = list(tasks)
     bad = [t for t in tasks if t not in TASKS]
@@ -438,7 +438,7 @@ def run_niah(
     try:
         for run in methods:
             with applied(mdl, run):
-                bar = tqdm(prompts, desc=f"niah {run.label}", disable=not progress, leave=False)
+                bar = progress_iter(prompts, f"niah {run.label}", enabled=progress, unit="prompts")
                 for s in bar:
                     answer = generate_answer(mdl, tok, s.input_ids, _max_new_tokens(s.task))
                     records.append({"method": run.label, **s.record(), "answer": answer, "correct": score(answer, s.value)})
