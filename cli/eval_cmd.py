@@ -53,9 +53,10 @@ def eval_group() -> None:
 def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haystack, progress, out_dir, name, device, dtype):
     """Needle-in-a-haystack retrieval (RULER-style), greedy decoding, exact-match scoring.
 
-    Prints accuracy by task x length for each method and writes a depth x length heatmap. With several methods,
-    each is compared with the first on the same prompts: how many only one of them answers, and the exact McNemar
-    p-value of that difference (the JSON's "paired"); put the unpatched model first (--method exact).
+    Prints accuracy by task, needle depth and length for each method and writes a depth x length heatmap. With
+    several methods, each is compared with the first on the same prompts: how many only one of them answers, and
+    the exact McNemar p-value of that difference (the JSON's "paired"); put the unpatched model first (--method
+    exact).
 
     \b
     Examples:
