@@ -185,10 +185,16 @@ def device_dtype_options(f):
     return f
 
 
+# The embedded models' aliases (longctx_patch.models.EMBEDDED; written here so that --help imports no torch)
+EMBEDDED_ALIASES = ("smollm2-135m", "qwen2.5-coder-0.5b")
+MODEL_HELP = (f"Alias '{EMBEDDED_ALIASES[0]}' or '{EMBEDDED_ALIASES[1]}' (embedded, offline; see 'longctx info'), "
+              "a local directory (plain or saved by 'longctx patch --output'), a .gguf file, or a hub id in the "
+              "local HF cache.")
+
+
 def model_option(f):
-    return click.option("--model", "-m", default="smollm2-135m", show_default=True, metavar="MODEL",
-                        help="Alias 'smollm2-135m' (embedded, offline), a local directory (plain or saved by "
-                             "'longctx patch --output'), a .gguf file, or a hub id in the local HF cache.")(f)
+    return click.option("--model", "-m", default=EMBEDDED_ALIASES[0], show_default=True, metavar="MODEL",
+                        help=MODEL_HELP)(f)
 
 
 def _debug() -> bool:

@@ -15,8 +15,9 @@ from .eval_synthetic_cmd import icl_cmd, icr_cmd
 
 @click.group("eval", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def eval_group() -> None:
-    """Evaluate methods: retrieval (niah), perplexity (ppl), attention fidelity (approx), speed; and train
-    small models from scratch on synthetic recall (icr) and regression (icl) with every sequence mixer.
+    """Evaluate methods: retrieval (niah), RULER's synthetic tasks (ruler), perplexity (ppl), attention fidelity
+    (approx), speed and memory (speed); and train small models from scratch on synthetic recall (icr) and
+    regression (icl) with every sequence mixer.
 
     Every task compares the methods given with --method on the same inputs, prints a table and writes
     OUT_DIR/NAME.json (device, date, commit, command, model, method, config + figures) and a PNG plot.

@@ -41,10 +41,40 @@ def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
+def _commands(cmd=main, path=()):
+    """(path, command) of the root and every verb and sub-verb, however deep."""
+    import click
+
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, (*path, name))
+
+
 def test_help_on_every_verb():
-    for verb in ([], ["info"], ["patch"], ["generate"], ["calibrate"]):
-        r = run(*verb, "--help")
-        assert r.exit_code == 0 and "Usage" in r.output
+    """Every --help runs; every verb that takes --model, the root and `info` name both embedded models' aliases;
+    every group's description names each of its sub-verbs (`longctx eval --help` says what ruler is)."""
+    import click
+
+    from cli.common import EMBEDDED_ALIASES
+    from longctx_patch.models import EMBEDDED
+
+    assert EMBEDDED_ALIASES == tuple(m.name for m in EMBEDDED)
+    seen = set()
+    for path, cmd in _commands():
+        r = run(*path, "--help")
+        assert r.exit_code == 0 and "Usage" in r.output, path
+        text = " ".join(r.output.split())
+        if not path or path == ("info",) or any(p.name == "model" for p in cmd.params):
+            for alias in EMBEDDED_ALIASES:
+                assert alias in text, (path, alias)
+            seen.add(path)
+        if isinstance(cmd, click.Group):
+            described = " ".join((cmd.help or "").split())
+            for name in cmd.commands:
+                assert f"({name})" in described or f"longctx {' '.join((*path, name))}" in described, (path, name)
+    assert {(), ("info",), ("patch",), ("generate",), ("calibrate",), ("finetune",), ("eval", "niah"),
+            ("eval", "ruler")} <= seen
 
 
 def test_info_lists_methods_and_options():
