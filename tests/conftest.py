@@ -59,6 +59,17 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
     return model.eval()
 
 
+def get_peft_model(model, config):
+    """peft.get_peft_model as the fine-tune runner calls it: inside `peft_wrapping`, which keeps peft's read of
+    transformers' deprecated `is_gradient_checkpointing` from warning (pyproject.toml makes that warning an error)."""
+    from peft import get_peft_model as wrap
+
+    from longctx_patch.train.trained import peft_wrapping
+
+    with peft_wrapping():
+        return wrap(model, config)
+
+
 @pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
