@@ -179,7 +179,8 @@ def load(model: str, device, dtype, layer_specs=None):
 
 def device_dtype_options(f):
     f = click.option("--dtype", default=None, metavar="DTYPE",
-                     help="float32 | bfloat16 | float16 (default: the checkpoint's; float32 for GGUF/the embedded model).")(f)
+                     help="float32 | bfloat16 | float16 (default: the checkpoint's; float32 for GGUF/the embedded "
+                          "models). On a CPU use float32: bfloat16 runs slower there (2.3x on Qwen2.5-Coder-0.5B).")(f)
     f = click.option("--device", default=None, metavar="DEVICE",
                      help="cpu | cuda | cuda:N (default: cuda when available, else cpu).")(f)
     return f
