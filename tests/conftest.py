@@ -11,7 +11,19 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist each worker gets its share of the cores (2 workers on 2 cores: one thread each), so that the
+# workers do not oversubscribe the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+
+
+
+def pytest_collection_modifyitems(config, items):
+    # the sm_90 compile (one subprocess, minutes, tests/test_kernels_compile.py) first: under pytest-xdist its
+    # group goes to one worker at the start while the other runs the rest, instead of ending the run alone
+    first = [i for i in items if i.path.name == "test_kernels_compile.py"]
+    if first:
+        items[:] = first + [i for i in items if i.path.name != "test_kernels_compile.py"]
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)

@@ -51,10 +51,17 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
 CANARIES = ["canary_i32_base", "canary_i64_base", "canary_widened_late"]
 
 
+# Under pytest-xdist (--dist loadgroup) every test here runs on one worker, so that the compile, minutes on a CPU, runs
+# once; tests/conftest.py puts them first.
+pytestmark = pytest.mark.xdist_group("compile_sm90")
+
+
 @pytest.fixture(scope="module")
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1200)
+    jobs = min(2, os.cpu_count() or 1)  # two processes: the compile is the run's longest single step
+    r = subprocess.run([sys.executable, str(SCRIPT), "--jobs", str(jobs)], capture_output=True, text=True, env=env,
+                       timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
