@@ -16,6 +16,10 @@ import torch  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
+# the interpreter without its repeated patching of triton.language at every jit helper's call (same semantics)
+from triton_interpreter import skip_repeated_language_patch  # noqa: E402
+
+skip_repeated_language_patch()  # nothing where triton is not installed
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
     first = [i for i in items if i.path.name == "test_kernels_compile.py"]
     if first:
         items[:] = first + [i for i in items if i.path.name != "test_kernels_compile.py"]
+
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)
