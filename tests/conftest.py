@@ -21,13 +21,16 @@ from triton_interpreter import skip_repeated_language_patch  # noqa: E402
 
 skip_repeated_language_patch()  # nothing where triton is not installed
 
+# the sm_90 compile in the background from the start of the run (tests/compile_background.py): its hooks
+import compile_background  # noqa: E402
+from compile_background import pytest_collection_finish, pytest_configure, pytest_unconfigure  # noqa: E402, F401
+
 
 def pytest_collection_modifyitems(config, items):
-    # the sm_90 compile (one subprocess, minutes, tests/test_kernels_compile.py) first: under pytest-xdist its
-    # group goes to one worker at the start while the other runs the rest, instead of ending the run alone
-    first = [i for i in items if i.path.name == "test_kernels_compile.py"]
-    if first:
-        items[:] = first + [i for i in items if i.path.name != "test_kernels_compile.py"]
+    # the tests reading the sm_90 compile last: it runs in the background beside the others until then
+    last = [i for i in items if i.path.name == compile_background.MODULE]
+    if last:
+        items[:] = [i for i in items if i.path.name != compile_background.MODULE] + last
 
 
 REPO = Path(__file__).resolve().parent.parent
