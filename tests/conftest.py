@@ -21,12 +21,21 @@ from triton_interpreter import skip_repeated_language_patch  # noqa: E402
 
 skip_repeated_language_patch()  # nothing where triton is not installed
 
-# the sm_90 compile in the background from the start of the run (tests/compile_background.py): its hooks
+# the sm_90 compile in the background from the start of the run (tests/compile_background.py), and the time budget
+# of each test (tests/time_budget.py): their hooks, called from this conftest's
 import compile_background  # noqa: E402
-from compile_background import pytest_collection_finish, pytest_configure, pytest_unconfigure  # noqa: E402, F401
+import time_budget  # noqa: E402
+from compile_background import pytest_collection_finish, pytest_unconfigure  # noqa: E402, F401
+from time_budget import pytest_runtest_call  # noqa: E402, F401
+
+
+def pytest_configure(config):
+    compile_background.pytest_configure(config)
+    time_budget.pytest_configure(config)
 
 
 def pytest_collection_modifyitems(config, items):
+    time_budget.pytest_collection_modifyitems(items)
     # the tests reading the sm_90 compile last: it runs in the background beside the others until then
     last = [i for i in items if i.path.name == compile_background.MODULE]
     if last:
