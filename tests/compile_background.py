@@ -39,7 +39,10 @@ def start(jobs: int | None = None) -> None:
     except FileExistsError:
         return
     os.close(fd)
-    jobs = jobs or min(2, os.cpu_count() or 1)  # two processes: the compile is the run's longest single step
+    if jobs is None:  # two processes where there are two CPUs: the compile is the run's longest single step
+        from conftest import available_cpus
+
+        jobs = min(2, available_cpus())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     # the script's output goes to files; rc is written last (its presence says the compile has ended)
     wrapper = (

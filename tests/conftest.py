@@ -11,10 +11,45 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Under pytest-xdist each worker gets its share of the cores (2 workers on 2 cores: one thread each), so that the
-# workers do not oversubscribe the machine.
+MAX_WORKERS = 4  # pytest-xdist workers at most (each loads its own copy of the models: memory)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a cpuset), within a cgroup's CPU quota (a container's
+    --cpus) when one is set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    for path, split in (("/sys/fs/cgroup/cpu.max", lambda t: t.split()),
+                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", None)):
+        try:
+            text = Path(path).read_text().strip()
+            if split is not None:
+                quota, period = split(text)
+            else:
+                quota, period = text, Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+            if quota not in ("max", "-1") and int(period) > 0:
+                n = min(n, max(1, -(-int(quota) // int(period))))
+            break
+        except (OSError, ValueError):
+            continue
+    return max(1, n)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): one worker per available CPU, at most MAX_WORKERS
+    ($PYTEST_XDIST_AUTO_NUM_WORKERS wins)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return min(MAX_WORKERS, available_cpus())
+
+
+# Under pytest-xdist each worker gets its share of the CPUs (2 workers on 2 cores: one torch thread each), so that
+# the workers do not oversubscribe the machine; without it, 2 threads.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+torch.set_num_threads(max(1, min(2, available_cpus() // _WORKERS)))
 
 # the interpreter without its repeated patching of triton.language at every jit helper's call (same semantics)
 from triton_interpreter import skip_repeated_language_patch  # noqa: E402
