@@ -16,8 +16,9 @@ from .eval_synthetic_cmd import icl_cmd, icr_cmd
 
 @click.group("eval", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def eval_group() -> None:
-    """Evaluate methods: retrieval (niah), perplexity (ppl), attention fidelity (approx), speed; and train
-    small models from scratch on synthetic recall (icr) and regression (icl) with every sequence mixer.
+    """Evaluate methods: retrieval (niah), RULER's synthetic tasks (ruler), perplexity (ppl), attention fidelity
+    (approx), speed and memory (speed); and train small models from scratch on synthetic recall (icr) and
+    regression (icl) with every sequence mixer.
 
     Every task compares the methods given with --method on the same inputs, prints a table and writes
     OUT_DIR/NAME.json (device, date, commit, command, model, method, config + figures) and a PNG plot.
@@ -46,16 +47,18 @@ def eval_group() -> None:
 @click.option("--haystack", default=None, type=click.Path(), metavar="FILE|DIR",
               help="Essay text: a .txt file or a folder of .txt files (e.g. Paul Graham's essays). "
                    "Default: the packaged Shakespeare text.")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress on stderr: a bar on a terminal, else a line every 10 s (a log file, CI).")
 @output_options
 @device_dtype_options
 @friendly_errors
 def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haystack, progress, out_dir, name, device, dtype):
     """Needle-in-a-haystack retrieval (RULER-style), greedy decoding, exact-match scoring.
 
-    Prints accuracy by task x length for each method and writes a depth x length heatmap. With several methods,
-    each is compared with the first on the same prompts: how many only one of them answers, and the exact McNemar
-    p-value of that difference (the JSON's "paired"); put the unpatched model first (--method exact).
+    Prints accuracy by task, needle depth and length for each method and writes a depth x length heatmap. With
+    several methods, each is compared with the first on the same prompts: how many only one of them answers, and
+    the exact McNemar p-value of that difference (the JSON's "paired"); put the unpatched model first (--method
+    exact).
 
     \b
     Examples:
@@ -92,7 +95,8 @@ def niah_cmd(model, methods, sets, tasks, lengths, depths, samples, seed, haysta
 @click.option("--buckets", default=8, show_default=True, type=click.IntRange(1), help="Position buckets per window.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Add 'exact' as the reference when neither exact nor none is among the methods.")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress on stderr: a bar on a terminal, else a line every 10 s (a log file, CI).")
 @output_options
 @device_dtype_options
 @friendly_errors

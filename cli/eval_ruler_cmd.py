@@ -32,7 +32,8 @@ TASKS_HELP = (
 @click.option("--samples-file", default=None, type=click.Path(exists=True, dir_okay=False), metavar="PATH",
               help="Answer the prompts of a file --export-samples wrote (its tasks, lengths, samples and seed replace "
                    "those options).")
-@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress on stderr: a bar on a terminal, else a line every 10 s (a log file, CI).")
 @output_options
 @device_dtype_options
 @friendly_errors

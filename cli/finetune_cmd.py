@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import check_architecture, friendly_errors, work_started
+from cli.common import MODEL_HELP, check_architecture, friendly_errors, work_started
 
 
 @click.command(
@@ -24,7 +24,7 @@ from cli.common import check_architecture, friendly_errors, work_started
     "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--model", "-m", "model", default=None, metavar="MODEL", help="Model to train: hub id, local dir, .gguf file or alias (overrides the recipe's `model`).")
+@click.option("--model", "-m", "model", default=None, metavar="MODEL", help="Model to train (overrides the recipe's `model`). " + MODEL_HELP)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key by dotted path, e.g. stages.0.lr=1e-3, stages.lora.steps=50, method_config.window=128. Repeatable.")
 @click.option("--text", default=None, type=click.Path(exists=True), help="Training text: a file or a folder of text files.")
 @click.option("--dataset", default=None, help="Training text from a local Hugging Face dataset (save_to_disk folder, .jsonl/.csv/.parquet file, or a cached name).")

@@ -15,13 +15,19 @@ from .common import InputError, device_dtype_options, friendly_errors, load, met
 def main(debug: bool) -> None:
     """Patch a Hugging Face causal LM's attention in place for cheap long contexts.
 
+    Embedded models (--model, offline): smollm2-135m (the default) and qwen2.5-coder-0.5b (its install command:
+    longctx info); any llama, mistral, qwen2 or qwen3 checkpoint too.
+
     \b
     Examples:
       longctx info
       longctx patch --method sliding-window --set window=256
       longctx generate --method sliding-window --set window=256 --prompt "Tell me a story"
+      longctx generate --model qwen2.5-coder-0.5b --prompt "Write a Python function that reverses a list"
       longctx patch --model meta-llama/Llama-3.2-1B --method muse --output llama-muse/
       longctx calibrate --method muse --text calib.txt --length 8192 --target-error 0.01 --output smollm2-muse/
+      longctx eval niah --method exact --method sliding-window --set sliding-window.window=256 --lengths 1k,2k
+      longctx finetune recipes/linearize.yaml --text longctx_patch/evals/data/shakespeare.txt --quick
     """
     # --debug is read back by friendly_errors from this command's params (no global state)
 
@@ -31,8 +37,9 @@ def main(debug: bool) -> None:
 @click.argument("methods", nargs=-1, metavar="[METHOD]...")
 @friendly_errors
 def info(methods) -> None:
-    """List methods (with their config fields and defaults), supported architectures, and whether Triton and
-    CUDA are available here. With METHOD names: only those methods and their options.
+    """List methods (with their config fields and defaults), supported architectures, the embedded models
+    (smollm2-135m, qwen2.5-coder-0.5b) with their install commands, and whether Triton and CUDA are available here.
+    With METHOD names: only those methods and their options.
 
     \b
     Examples:
@@ -244,9 +251,9 @@ def _ranges(idx: list[int]) -> str:
 @click.option("--max-new-tokens", "-n", default=128, show_default=True, type=click.IntRange(1),
               help="How many tokens to generate at most (fewer if the model ends its answer).")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is generated.")
-@click.option("--progress/--no-progress", default=None,
-              help="Show the progress of a long prompt's prefill (decoder layers done) on stderr "
-                   "(default: when stderr is a terminal).")
+@click.option("--progress/--no-progress", default=True,
+              help="Show the progress of a long prompt's prefill (decoder layers done) on stderr: a bar on a "
+                   "terminal, else a line every 10 s (a log file, CI).  [default: on]")
 @device_dtype_options
 @friendly_errors
 def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tokens, stream, progress, device,
@@ -282,8 +289,6 @@ def generate(model, method, sets, layers, prompt, prompt_file, chat, max_new_tok
         raise InputError(f"{source}; give the text to continue or answer, e.g. --prompt \"What is the capital of "
                          f"France?\", or a file of text with --prompt-file FILE")
     m, tok = _load_and_patch(model, method, sets, layers, device, dtype)
-    if progress is None:
-        progress = sys.stderr.isatty()
     kw = dict(chat=chat, max_new_tokens=max_new_tokens, progress=progress)
     if stream:
         for piece in lp.generate(m, tok, text, stream=True, **kw):

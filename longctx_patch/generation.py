@@ -172,7 +172,8 @@ def generate(
     Greedy unless sampling arguments are given. Returns the new text (a list for a batch), or with
     `stream=True` an iterator over text pieces as they are produced (single prompt only). `progress=True`
     shows on stderr how many decoder layers the prefill of a prompt of at least PROGRESS_MIN_TOKENS tokens has
-    done (a long prefill on a CPU takes minutes); the computation is the same.
+    done (a long prefill on a CPU takes minutes): a bar on a terminal, else a line at the start, every 10 s and
+    at the end; the computation is the same.
     """
     check_prompt(prompt)  # before anything else: a bad prompt is refused by name
     check_generate_options(chat, max_new_tokens, stream, progress, generate_kwargs)
@@ -196,8 +197,9 @@ def generate(
 
 @contextlib.contextmanager
 def _prefill_progress(model, n_tokens: int, enabled: bool):
-    """A bar of the decoder layers done by the next forward pass (generate's prefill), from forward hooks on
-    the layers; the hooks go once every layer has run (the decode steps run without them) or on exit."""
+    """The decoder layers done by the next forward pass (generate's prefill), from forward hooks on the layers: a
+    bar on a terminal, plain lines otherwise (`progress.Progress`); the hooks go once every layer has run (the
+    decode steps run without them) or on exit."""
     layers = None
     if enabled:
         from .architectures import base_model
@@ -207,10 +209,9 @@ def _prefill_progress(model, n_tokens: int, enabled: bool):
     if not layers:
         yield
         return
-    from tqdm import tqdm
+    from .progress import Progress
 
-    bar = tqdm(total=len(layers), desc=f"prefill {n_tokens:,} tokens", unit="layer", file=sys.stderr, leave=False,
-               mininterval=0)  # one refresh per layer: every layer shown
+    bar = Progress(len(layers), f"prefill {n_tokens:,} tokens", unit="layers")
     handles: list = []
 
     def remove():

@@ -1,6 +1,6 @@
 """Compile the LoLA, MuSe, OVQ, decode and sliding-window Triton kernels for sm_90 without a GPU; run as a script (the interpreter must be off).
 
-    python tests/compile_sm90.py        # prints one JSON object: kernel case -> {"shared": bytes} or {"error": ...}
+    python tests/compile_sm90.py [--jobs N]   # prints one JSON object: kernel case -> {"shared": bytes} or {"error": ...}
 
 Used by tests/test_kernels_compile.py, which runs it in a subprocess because the test session itself runs
 Triton through the interpreter (TRITON_INTERPRET=1 is read when triton is imported).
@@ -526,17 +526,36 @@ CASES["canary_widened_late"] = (_canary_widened_late, dict(HQ=32, BM=64), f32("X
 CASES["canary_i64_base"] = (_canary_i64_base, dict(HQ=32, BM=64), f32("X", "O"), {})
 
 
-def main():
-    out = {}
-    for name, (kernel, consts, ptrs, options) in CASES.items():
-        try:
-            k = compile_kernel(kernel, consts, ptrs, options)
-            out[name] = {"shared": int(k.metadata.shared), "cubin_bytes": len(k.asm.get("cubin", b"")),
-                         "branch_converts": branch_converts(k.asm["ttgir"]),
-                         "i32_offsets": [list(x) for x in i32_offset_products(k.asm["ttir"])]}
-        except Exception as e:  # noqa: BLE001 - reported per kernel
-            out[name] = {"error": f"{type(e).__name__}: {e}"[-3000:], "trace": traceback.format_exc()[-2000:]}
-    print(json.dumps(out))
+def compile_case(name: str) -> tuple[str, dict]:
+    """One case of CASES compiled: its shared memory, cubin size and the checks' findings, or its error."""
+    kernel, consts, ptrs, options = CASES[name]
+    try:
+        k = compile_kernel(kernel, consts, ptrs, options)
+        return name, {"shared": int(k.metadata.shared), "cubin_bytes": len(k.asm.get("cubin", b"")),
+                      "branch_converts": branch_converts(k.asm["ttgir"]),
+                      "i32_offsets": [list(x) for x in i32_offset_products(k.asm["ttir"])]}
+    except Exception as e:  # noqa: BLE001 - reported per kernel
+        return name, {"error": f"{type(e).__name__}: {e}"[-3000:], "trace": traceback.format_exc()[-2000:]}
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile the cases in this many processes (forked; each case is compiled the same way)")
+    jobs = ap.parse_args(argv).jobs
+    names = list(CASES)
+    if jobs > 1:
+        import multiprocessing as mp
+
+        # the costliest cases (fp32 tiles: minutes each) first, so that the processes finish together
+        order = sorted(names, key=lambda n: ("fp32" not in n and "ieee" not in n, names.index(n)))
+        with mp.get_context("fork").Pool(jobs) as pool:
+            found = dict(pool.imap_unordered(compile_case, order, chunksize=1))
+    else:
+        found = dict(map(compile_case, names))
+    print(json.dumps({n: found[n] for n in names}))
 
 
 if __name__ == "__main__":

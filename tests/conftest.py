@@ -11,7 +11,71 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+MAX_WORKERS = 4  # pytest-xdist workers at most (each loads its own copy of the models: memory)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a cpuset), within a cgroup's CPU quota (a container's
+    --cpus) when one is set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    for path, split in (("/sys/fs/cgroup/cpu.max", lambda t: t.split()),
+                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", None)):
+        try:
+            text = Path(path).read_text().strip()
+            if split is not None:
+                quota, period = split(text)
+            else:
+                quota, period = text, Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+            if quota not in ("max", "-1") and int(period) > 0:
+                n = min(n, max(1, -(-int(quota) // int(period))))
+            break
+        except (OSError, ValueError):
+            continue
+    return max(1, n)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): one worker per available CPU, at most MAX_WORKERS
+    ($PYTEST_XDIST_AUTO_NUM_WORKERS wins)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return min(MAX_WORKERS, available_cpus())
+
+
+# Under pytest-xdist each worker gets its share of the CPUs (2 workers on 2 cores: one torch thread each), so that
+# the workers do not oversubscribe the machine; without it, 2 threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+torch.set_num_threads(max(1, min(2, available_cpus() // _WORKERS)))
+
+# the interpreter without its repeated patching of triton.language at every jit helper's call (same semantics)
+from triton_interpreter import skip_repeated_language_patch  # noqa: E402
+
+skip_repeated_language_patch()  # nothing where triton is not installed
+
+# the sm_90 compile in the background from the start of the run (tests/compile_background.py), and the time budget
+# of each test (tests/time_budget.py): their hooks, called from this conftest's
+import compile_background  # noqa: E402
+import time_budget  # noqa: E402
+from compile_background import pytest_collection_finish, pytest_unconfigure  # noqa: E402, F401
+from time_budget import pytest_runtest_call  # noqa: E402, F401
+
+
+def pytest_configure(config):
+    compile_background.pytest_configure(config)
+    time_budget.pytest_configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    time_budget.pytest_collection_modifyitems(items)
+    # the tests reading the sm_90 compile last: it runs in the background beside the others until then
+    last = [i for i in items if i.path.name == compile_background.MODULE]
+    if last:
+        items[:] = [i for i in items if i.path.name != compile_background.MODULE] + last
+
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = Path(__file__).resolve().parent / "data"  # shipped with the repository (tests/data/README.md)
@@ -57,6 +121,17 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
     return model.eval()
+
+
+def get_peft_model(model, config):
+    """peft.get_peft_model as the fine-tune runner calls it: inside `peft_wrapping`, which keeps peft's read of
+    transformers' deprecated `is_gradient_checkpointing` from warning (pyproject.toml makes that warning an error)."""
+    from peft import get_peft_model as wrap
+
+    from longctx_patch.train.trained import peft_wrapping
+
+    with peft_wrapping():
+        return wrap(model, config)
 
 
 @pytest.fixture

@@ -24,7 +24,9 @@ def _trained_run_dir(tmp_path, ids, seed=0):
     """A `trainable/` folder as `longctx finetune` writes it, from a tiny model: lolcats weights (perturbed
     away from the fresh init so that loading is visible) + a PEFT LoRA adapter with non-zero B.
     Returns (folder, the trained model's logits on `ids`)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from conftest import get_peft_model
     from safetensors.torch import save_file
 
     model = tiny_model()

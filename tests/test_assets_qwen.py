@@ -48,7 +48,9 @@ def _run_folder(tmp_path, ids):
     """A finished run's folder: trainable/ (method weights perturbed away from the fresh ones, a LoRA adapter with
     non-zero B) and train_log.json with the four stages of recipes/linearize-qwen.yaml over train-a then train-b.
     Returns (folder, the run's logits on `ids`)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from conftest import get_peft_model
 
     model = tiny_qwen()
     assert model.model.layers[0].self_attn.q_proj.bias is not None

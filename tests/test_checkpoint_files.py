@@ -172,7 +172,9 @@ def test_the_cli_prints_one_line_naming_the_file(run_folder, tmp_path):
 @pytest.fixture
 def trainable_with_adapter(tmp_path):
     """A run's trainable/ folder holding only a LoRA adapter, saved by PEFT as safetensors: (base model, folder)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from conftest import get_peft_model
 
     base = tiny_model("llama")
     wrapped = get_peft_model(tiny_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))

@@ -41,10 +41,40 @@ def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
+def _commands(cmd=main, path=()):
+    """(path, command) of the root and every verb and sub-verb, however deep."""
+    import click
+
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, (*path, name))
+
+
 def test_help_on_every_verb():
-    for verb in ([], ["info"], ["patch"], ["generate"], ["calibrate"]):
-        r = run(*verb, "--help")
-        assert r.exit_code == 0 and "Usage" in r.output
+    """Every --help runs; every verb that takes --model, the root and `info` name both embedded models' aliases;
+    every group's description names each of its sub-verbs (`longctx eval --help` says what ruler is)."""
+    import click
+
+    from cli.common import EMBEDDED_ALIASES
+    from longctx_patch.models import EMBEDDED
+
+    assert EMBEDDED_ALIASES == tuple(m.name for m in EMBEDDED)
+    seen = set()
+    for path, cmd in _commands():
+        r = run(*path, "--help")
+        assert r.exit_code == 0 and "Usage" in r.output, path
+        text = " ".join(r.output.split())
+        if not path or path == ("info",) or any(p.name == "model" for p in cmd.params):
+            for alias in EMBEDDED_ALIASES:
+                assert alias in text, (path, alias)
+            seen.add(path)
+        if isinstance(cmd, click.Group):
+            described = " ".join((cmd.help or "").split())
+            for name in cmd.commands:
+                assert f"({name})" in described or f"longctx {' '.join((*path, name))}" in described, (path, name)
+    assert {(), ("info",), ("patch",), ("generate",), ("calibrate",), ("finetune",), ("eval", "niah"),
+            ("eval", "ruler")} <= seen
 
 
 def test_info_lists_methods_and_options():
@@ -438,15 +468,19 @@ def test_prefill_progress_keeps_the_greedy_tokens(tiny_dir, long_prompt, method,
 
 
 def test_generate_progress_flag(tiny_dir, long_prompt, tmp_path, one_thread):
-    """--progress shows the bar on stderr with the same answer; by default it is off when stderr is not a
-    terminal (as under CliRunner)."""
+    """The prefill's progress is on by default: without a terminal (as under CliRunner, or a log file) as plain
+    lines, the first at the start and the last when every layer is done; --no-progress prints none. The answer is
+    the same."""
     f = tmp_path / "long.txt"
     f.write_text(long_prompt)
     base = ["generate", "--model", str(tiny_dir), "--prompt-file", str(f), "-n", "4", "--no-chat"]
-    default, shown = run(*base), run(*base, "--progress")
-    assert default.exit_code == 0 and shown.exit_code == 0, shown.output
-    assert "prefill" not in default.stderr and "prefill" in shown.stderr
-    assert shown.stdout == default.stdout and default.stdout.strip()
+    shown, quiet = run(*base), run(*base, "--no-progress")
+    assert quiet.exit_code == 0 and shown.exit_code == 0, shown.output
+    lines = [line for line in shown.stderr.splitlines() if line.startswith("prefill ")]
+    assert lines[0].startswith("prefill 1,0") and lines[0].endswith(": 0/3 layers (0 s)"), shown.stderr
+    assert lines[-1].split(" (")[0].endswith(": 3/3 layers") and "\r" not in shown.stderr
+    assert "prefill" not in quiet.stderr
+    assert shown.stdout == quiet.stdout and quiet.stdout.strip()
 
 
 def test_info_method_lists_its_options():

@@ -236,6 +236,24 @@ def test_run_niah_writes_json_and_heatmap(tiny, tmp_path):
     assert pa["all"]["both"] + pa["all"]["only_reference"] + pa["all"]["only_method"] + pa["all"]["neither"] == 2
 
 
+def test_niah_table_shows_depth_and_length():
+    """The terminal table splits each task by needle depth as well as length (the heatmap's cells), with a row over
+    every depth per task and one over every sample per method."""
+    def rec(i, length, depth, ok):
+        return dict(method="exact", task="s-niah-1", length=length, depth=depth, index=i, correct=ok)
+
+    # depth 0.5 found at 1k only, depth 0.9 at both lengths
+    records = [rec(0, 1024, 0.5, True), rec(0, 2048, 0.5, False), rec(0, 1024, 0.9, True), rec(0, 2048, 0.9, True)]
+    figures = niah.summarize(records, ["exact"], ["s-niah-1"], [1024, 2048], [0.5, 0.9])
+    lines = niah.accuracy_table(figures, ["exact"], ["s-niah-1"], [1024, 2048], [0.5, 0.9]).splitlines()
+    assert lines[0].split() == ["method", "task", "depth", "1k", "2k", "mean"]
+    rows = [line.split() for line in lines[2:]]
+    assert rows == [["exact", "s-niah-1", "0.5", "1", "0", "0.5"],
+                    ["exact", "s-niah-1", "0.9", "1", "1", "1"],
+                    ["exact", "s-niah-1", "all", "1", "0.5", "0.75"],
+                    ["exact", "all", "all", "0.75"]]
+
+
 def test_niah_paired_counts_and_mcnemar():
     """The paired comparison matches samples by (task, length, depth, index) across methods, whatever their order
     in the records; the McNemar p-value is the exact binomial tail."""

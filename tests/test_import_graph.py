@@ -47,6 +47,7 @@ LAYERS = (
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
     (f"{ROOT}.timing", 1),  # StepTimer (train and evals)
+    (f"{ROOT}.progress", 1),  # progress lines or bars on stderr (generate and evals)
     (f"{ROOT}.provenance", 1),  # git_commit (train, evals and the scripts)
     (f"{ROOT}.memory", 1),  # available_memory (the methods' state check, train's plan)
     (f"{ROOT}.patch_state", 1),  # the patch kept on the model, read by the methods, the cache and the API

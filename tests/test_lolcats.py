@@ -10,7 +10,7 @@ import longctx_patch as lp
 from longctx_patch.errors import CheckpointError, ConfigError, NotPatchedError
 from longctx_patch.methods.lola import LolaLayer, export_lolcats_checkpoint
 
-from conftest import assert_left_padded_batch_matches_single, tiny_model
+from conftest import assert_left_padded_batch_matches_single, get_peft_model, tiny_model
 
 KW = dict(window=5, feature_dim=8, chunk=4, backend="torch")
 
@@ -376,7 +376,7 @@ def test_export_writes_peft_lora_layout(tmp_path):
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")
     lp.patch(model, "lolcats", **KW)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    pm = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     path = export_lolcats_checkpoint(pm, str(tmp_path / "ft.pt"))
     sd = torch.load(path, weights_only=True)
     assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.default.weight" in sd
@@ -441,7 +441,7 @@ def test_damaged_or_diverged_safetensors_checkpoints_are_refused(tmp_path):
     lp.unpatch(fresh)
     # a diverged PEFT adapter beside the weights is refused too (its LoRA would be merged into the projections)
     peft = pytest.importorskip("peft")
-    pm = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    pm = get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
     pm.save_pretrained(str(tmp_path / "saved" / "adapter"))
     adapter = tmp_path / "saved" / "adapter" / "adapter_model.safetensors"
     sd = load_file(str(adapter))

@@ -317,7 +317,9 @@ def test_cache_is_created_for_plain_forward_and_generate(tiny_llama):
 
 
 def test_peft_lora_on_patched_model_and_unpatch_keeps_adapters():
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from conftest import get_peft_model
 
     model = tiny_model("llama")
     lp.patch(model, "sliding-window", window=8)
@@ -354,7 +356,9 @@ def test_op_level_entry_point_of_every_method():
 
 def test_save_patched_refuses_a_peft_model(tmp_path, tiny_llama):
     """PeftModel.save_pretrained writes only the adapter, so the directory could not be loaded back."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from conftest import get_peft_model
 
     lp.patch(tiny_llama, "sliding-window", window=4)
     pm = get_peft_model(tiny_llama, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))

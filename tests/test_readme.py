@@ -84,3 +84,18 @@ def test_ci_blocks_are_in_place(marker):
     after = text.split(f"<!-- {marker} -->\n", 1)[1]
     block = re.match(r"```\n(.*?)\n```", after, flags=re.S)
     assert block and "\n" not in block.group(1) and block.group(1).startswith("python3 -m venv .venv")
+
+
+def test_models_doc_says_which_dtype_on_a_cpu():
+    """docs/models.md's Python example loads in fp32 (bf16 is 2.3x slower on a CPU) and says which dtype to use
+    where; --dtype's help says it too."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    text = (REPO / "docs" / "models.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert code and not any("bfloat16" in c or "float16" in c for c in code), code
+    assert "on a CPU keep fp32" in " ".join(text.split())
+    help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
+    assert "On a CPU use float32" in help_text

@@ -19,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def no_env(monkeypatch, tmp_path):
+    from longctx_patch.models import cache_dir
+
     monkeypatch.delenv(common.RESULTS_ENV, raising=False)
+    # the embedded model's dequantised copy stays where it is (under a new HOME its first load would make it again)
+    monkeypatch.setenv("LONGCTX_CACHE", str(cache_dir()))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 

@@ -703,6 +703,22 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     assert sw.exit_code != 0 and "has none" in sw.output
 
 
+def test_lora_finetune_through_the_cli_prints_no_deprecation(tiny_dir, text_file, tmp_path):
+    """A LoRA stage with gradient checkpointing through `longctx finetune`: nothing on its output says deprecated
+    (peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps the model; pyproject.toml makes
+    that warning an error in the suite)."""
+    from click.testing import CliRunner
+
+    from cli.finetune_cmd import finetune_cmd
+
+    d = recipe_dict(tiny_dir, text_file, method=None, lora=dict(steps=2, gradient_checkpointing=True))
+    d["stages"] = [d["stages"][1]]
+    rec = write_recipe(tmp_path / "lora.yaml", d)
+    res = CliRunner().invoke(finetune_cmd, [str(rec), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert "lora: 2 steps" in res.output and "deprecat" not in res.output.lower(), res.output
+
+
 def test_muse_adapt_recipe_on_tiny_llama(tiny_dir, text_file, tmp_path):
     """recipes/muse-adapt.yaml on a tiny random Llama (CPU: the reference's backward), with blocks of 128 so that
     sequences of 640 tokens have cells: LoRA trains, the loss falls, and the saved model reloads patched with MuSe

@@ -420,7 +420,7 @@ def run_niah(
     `model` is a name/path for `longctx_patch.load_model` or a loaded `(model, tokenizer)` pair.
     Returns the result record (also written to disk when `out_dir` is not None).
     """
-    from tqdm.auto import tqdm
+    from ..progress import progress_iter
 
     tasks = list(tasks)
     bad = [t for t in tasks if t not in TASKS]
@@ -438,7 +438,7 @@ def run_niah(
     try:
         for run in methods:
             with applied(mdl, run):
-                bar = tqdm(prompts, desc=f"niah {run.label}", disable=not progress, leave=False)
+                bar = progress_iter(prompts, f"niah {run.label}", enabled=progress, unit="prompts")
                 for s in bar:
                     answer = generate_answer(mdl, tok, s.input_ids, _max_new_tokens(s.task))
                     records.append({"method": run.label, **s.record(), "answer": answer, "correct": score(answer, s.value)})
@@ -458,7 +458,7 @@ def run_niah(
             "samples": records,
         }
     )
-    echo(accuracy_table(figures, [r.label for r in methods], tasks, lengths))
+    echo(accuracy_table(figures, [r.label for r in methods], tasks, lengths, depths))
     if figures["paired"]:
         echo(paired_lines(figures))
     result = {"figures": figures}
@@ -557,14 +557,26 @@ def paired_lines(figures) -> str:
     return "\n".join(lines)
 
 
-def accuracy_table(figures, labels, tasks, lengths) -> str:
-    header = ["method", "task"] + [size_label(L) for L in lengths] + ["mean"]
+def accuracy_table(figures, labels, tasks, lengths, depths=None) -> str:
+    """Accuracy by method, task, needle depth (one row per depth given) and length, with the mean over the lengths;
+    a row `all` per task (every depth) and per method (every sample)."""
+    depths = list(figures.get("depths", []) if depths is None else depths)
+    header = ["method", "task", "depth"] + [size_label(L) for L in lengths] + ["mean"]
+
+    def mean(accs):
+        known = [a for a in accs if a is not None]
+        return sum(known) / len(known) if known else None
+
     rows = []
     for lab in labels:
         for t in tasks:
+            by_depth = figures["accuracy_by_depth"][lab][t]
+            for d in depths:
+                accs = [by_depth[size_label(L)][f"{d:g}"] for L in lengths]
+                rows.append([lab, t, f"{d:g}"] + accs + [mean(accs)])
             accs = [figures["accuracy"][lab][t][size_label(L)] for L in lengths]
-            rows.append([lab, t] + accs + [sum(accs) / len(accs)])
-        rows.append([lab, "all"] + [""] * len(lengths) + [figures["overall"][lab]])
+            rows.append([lab, t, "all"] + accs + [mean(accs)])
+        rows.append([lab, "all", "all"] + [""] * len(lengths) + [figures["overall"][lab]])
     return format_table(header, rows)
 
 

@@ -134,7 +134,7 @@ def run_ppl(
 ) -> dict[str, Any]:
     """Perplexity and loss by position for every method at every context; writes `<name>.json` + `.png`."""
     import torch
-    from tqdm.auto import tqdm
+    from ..progress import progress_iter
 
     if buckets < 1:
         raise ConfigError(f"--buckets must be >= 1 (got {buckets})")
@@ -165,7 +165,7 @@ def run_ppl(
                     sums = torch.zeros(buckets, dtype=torch.float64)
                     counts = torch.zeros(buckets, dtype=torch.float64)
                     bucket_of = torch.bucketize(torch.arange(1, C), torch.tensor(edges[1:-1]), right=True)
-                    for w in tqdm(wins, desc=f"ppl {run.label} {size_label(C)}", disable=not progress, leave=False):
+                    for w in progress_iter(wins, f"ppl {run.label} {size_label(C)}", enabled=progress, unit="windows"):
                         losses = token_losses(mdl, torch.tensor([w], device=device)).double().cpu()
                         sums.index_add_(0, bucket_of, losses)
                         counts.index_add_(0, bucket_of, torch.ones_like(losses))

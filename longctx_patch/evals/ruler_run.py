@@ -41,7 +41,7 @@ def run_ruler(
     sample's record has the method's decode-state fraction at its prompt (`ruler_export.state_fraction`).
     Returns the result record.
     """
-    from tqdm.auto import tqdm
+    from ..progress import progress_iter
 
     tasks = list(tasks)
     bad = [t for t in tasks if t not in TASKS]
@@ -66,7 +66,7 @@ def run_ruler(
     try:
         for run in methods:
             with applied(mdl, run):
-                bar = tqdm(prompts, desc=f"ruler {run.label}", disable=not progress, leave=False)
+                bar = progress_iter(prompts, f"ruler {run.label}", enabled=progress, unit="prompts")
                 for s in bar:
                     answer = niah.generate_answer(mdl, tok, s.input_ids, s.max_new_tokens)
                     sc = score(answer, s.answers)

@@ -51,7 +51,7 @@ from ..provenance import git_commit
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
 from .data import PackedData, load_documents, make_packed, text_files, text_record, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
-from .trained import TRAINABLE_DIR
+from .trained import TRAINABLE_DIR, peft_wrapping
 from .resume import CheckpointMixin, _rng_state, _set_rng_state
 from .distributed import DistributedMixin, _env_flag, _env_set
 from .params import method_parameters
@@ -282,7 +282,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             task_type="CAUSAL_LM",
         )
         try:
-            self.root = get_peft_model(self.root, cfg)
+            with peft_wrapping():
+                self.root = get_peft_model(self.root, cfg)
         except ValueError as e:
             raise ConfigError(f"LoRA targets {spec.targets} do not match the model's modules: {e}") from None
         self.root.to(self.accelerator.device)

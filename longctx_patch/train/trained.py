@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 from torch import nn
 
 from ..checkpoint import ADAPTER_DIR, PATCH_JSON, TRAINABLE_DIR, read_adapter_weights
 from ..errors import CheckpointError
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around peft's wrapping of a model (get_peft_model, PeftModel.from_pretrained): peft reads the model's
+    `is_gradient_checkpointing`, which transformers (5.x) deprecates for `is_activation_checkpointing` with a
+    FutureWarning at every read. The call is peft's, not ours, and the value read is the same: that warning alone
+    is not shown (any other warning is)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = True) -> nn.Module:
@@ -35,6 +48,7 @@ def apply_trained(model: nn.Module, directory: str | os.PathLike, merge: bool = 
 
         read_adapter_weights(d)  # a pickled, damaged or non-finite adapter is refused by name, before peft reads it
 
-        wrapped = PeftModel.from_pretrained(model, str(d / ADAPTER_DIR))
+        with peft_wrapping():
+            wrapped = PeftModel.from_pretrained(model, str(d / ADAPTER_DIR))
         model = wrapped.merge_and_unload() if merge else wrapped
     return model

@@ -124,9 +124,9 @@ def train_one(task, spec: MixerSpec, lengths: Sequence[int], mcfg: ModelConfig, 
     losses: list[tuple[int, float]] = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from ...progress import Progress
 
-        bar = tqdm(total=tcfg.steps, desc=f"{task.name} {spec.label} lr={lr:g} seed={seed}", leave=False, dynamic_ncols=True)
+        bar = Progress(tcfg.steps, f"{task.name} {spec.label} lr={lr:g} seed={seed}", unit="steps")
     t0 = time.perf_counter()
     diverged = False
     running = None
@@ -203,10 +203,9 @@ def run_sweep(task, specs: Sequence[MixerSpec], lengths: Sequence[int], mcfg: Mo
             for s in specs for lr in tcfg.lrs for seed in tcfg.seeds]
     records: list[dict] = []
     if workers <= 1:
-        from tqdm.auto import tqdm
+        from ...progress import progress_iter
 
-        outer = tqdm(jobs, desc=f"{task.name} runs", disable=not progress, dynamic_ncols=True)
-        for j in outer:
+        for j in progress_iter(jobs, f"{task.name} runs", enabled=progress, unit="runs"):
             try:
                 rec = train_one(*j[:7], progress=progress, eval_lengths=j[7])
             except (ConfigError, KeyboardInterrupt):
@@ -220,16 +219,17 @@ def run_sweep(task, specs: Sequence[MixerSpec], lengths: Sequence[int], mcfg: Mo
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    from tqdm.auto import tqdm
+    from ...progress import Progress
 
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex, \
+            Progress(len(jobs), f"{task.name} runs", unit="runs", enabled=progress) as bar:
         futs = [ex.submit(_job, j) for j in jobs]
-        for f in tqdm(cf.as_completed(futs), total=len(futs), desc=f"{task.name} runs", disable=not progress,
-                      dynamic_ncols=True):
+        for f in cf.as_completed(futs):
             rec = f.result()
             records.append(rec)
             if on_result:
                 on_result(rec)
+            bar.update(1)
     return records
 
 
