@@ -12,6 +12,7 @@ from ..cache_layer import LongctxLayer
 from ..exact.attention import ExactAttention
 from ..kv_layer import KVBufferLayer
 from ..padding import PhaseGroup, left_padding
+from .guard import guard
 
 
 def _past_len(cache_layer) -> int:
@@ -49,11 +50,12 @@ class MuseAttention(ExactAttention):
         if S <= config.get("block_size") or S < config.min_len(q.device.type, q.shape[-1]):
             return softmax_attention(q, k, v, scale=scale)
         o = muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
-        return with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
+        o = with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
+        return guard(o, q, k, v, None, config=config, scale=scale, skip=config.exact_heads)
 
     def approximate(self, q, k, v, key_mask=None):
-        """This layer's MuSe output for one call whatever its length (`exact_heads` exact): what a prefill long
-        enough runs, as `longctx_patch.calibrate` measures it. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
+        """This layer's MuSe output for one call whatever its length (`exact_heads` exact, then the guard): what a
+        prefill long enough runs. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
         return self._muse(q, k, v, key_mask)
 
     def attend(self, q, k, v, cache_layer, padding):
@@ -80,13 +82,18 @@ class MuseAttention(ExactAttention):
             o[:, S - t:] = tail
         return o
 
-    def _muse(self, q, k, v, km):
-        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
-        heads = self.method_config.exact_heads
-        if heads and self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
+    def _muse(self, q, k, v, km, rows=None):
+        """MuSe over one call (`rows`: its rows in the forward's batch, None: all), the `exact_heads` exact, then
+        the guard (guard.py): the heads it measures over `guard_error` exact for this call."""
+        c = self.method_config
+        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **c.kernel_kwargs())
+        heads, first = c.exact_heads, 0
+        if self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
             first = self.head_shard.rank * self.num_heads
             heads = [h - first for h in heads if first <= h < first + self.num_heads]
-        return with_exact_heads(o, q, k, v, heads, scale=self.scaling, key_mask=km)
+        o = with_exact_heads(o, q, k, v, heads, scale=self.scaling, key_mask=km)
+        return guard(o, q, k, v, km, config=c, scale=self.scaling, skip=heads, layer=self.layer_idx, rows=rows,
+                     head_offset=first)
 
     def _muse_padded(self, q, k, v, km, padding):
         """A prefill of a padded batch, each row as that prompt alone (docs/muse.md, "Padded batches"): rows whose
@@ -104,7 +111,7 @@ class MuseAttention(ExactAttention):
         for rows, trim, masked in groups[0]:
             g = PhaseGroup(rows, trim)
             parts.append((rows, trim, self._muse(g.take(q, 2), g.take(k, 2), g.take(v, 2),
-                                                 g.take(km, 1) if masked else None)))
+                                                 g.take(km, 1) if masked else None, rows=rows)))
         if groups[1] is not None:
             g = PhaseGroup(groups[1], 0)
             parts.append((groups[1], 0, softmax_attention(g.take(q, 2), g.take(k, 2), g.take(v, 2),

@@ -1,0 +1,295 @@
+"""MuSe's run-time guard: each long prefill measures its own error per head and runs the heads over budget exactly.
+
+MuSe's error is not spread evenly: on Qwen2.5-Coder-0.5B at 32k the cells defaults err 1-3% in most layers and
+15-35% in a few, from a few heads whose far attention needs individual keys (docs/muse.md, sections 7 and 9). A
+fixed budget cannot know which heads those are on a given text and length, so the guard measures them in the call:
+
+1. *Sample.* In each batch row, among the rows MuSe approximates (queries whose earlier keys are not all attended
+   exactly: from `first_approximated(config)` tokens after the row's first real token on), `guard_rows` query rows,
+   one per stratum of equal width over those positions, at a fixed low-discrepancy offset inside its stratum (the
+   golden-ratio sequence: every position in a block is hit over the strata). The positions count the row's real
+   tokens only, so a padded row samples what the prompt alone samples; nothing random is drawn (torch's RNG state
+   is untouched) and the same call samples the same rows.
+2. *Measure.* Exact causal attention for those rows against all their keys, in fp32 on the call's own q, k, v
+   (`guard_rows` x S per head: a sliver of MuSe's own work), compared with MuSe's output for the same rows. A head's
+   estimated error is the stratified ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)`, `w_i` the width
+   of row i's stratum: the relative L2 error of the head's output over the approximated rows (its whole-call error,
+   which the early exact rows dilute, is at most this).
+3. *Act.* Every (batch row, head) whose estimate exceeds `guard_error` gets exact attention for this call
+   (`with_exact_heads`, the machinery of a calibration's `exact_heads`); the other heads keep MuSe's output
+   untouched. Heads already exact (`exact_heads`) are not measured.
+
+Nothing is kept on the module or the model: a call's decisions live in the call. `guard_log()` records what the
+guard did in the current thread (or asyncio task) as `GuardCall`s, for a user who wants to see it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+GUARD_ERROR = 0.05  # guard_error's default (docs/muse.md, "The guard": why)
+GUARD_ROWS = 64  # guard_rows' default
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the offsets' low-discrepancy step
+# the fp32 logits of the sampled rows are computed in chunks of at most this many elements (256 MB)
+CHUNK_ELEMENTS = 1 << 26
+
+
+# --------------------------------------------------------------------------------------------- what is sampled
+def first_approximated(config) -> int:
+    """The first token (counted from a row's first real token) whose query MuSe does not attend exactly to every
+    earlier key under `config` (a MuseConfig): a query of block n attends its own block and `local_blocks` before it
+    exactly, and the cells plans also the `sink_blocks` first ones and `topk_blocks + peak_blocks` retrieved ones
+    (the tilted design `topk_blocks` per query cluster), so block n approximates once it has more earlier blocks
+    than those."""
+    L = config.get("block_size")
+    if config.far_field == "tilted":
+        exact = config.local_blocks + config.get("topk_blocks")
+    else:
+        exact = config.sink_blocks + config.local_blocks + config.get("topk_blocks") + config.get("peak_blocks")
+    return (exact + 1) * L
+
+
+def sample_ranks(n_real: int, first: int, rows: int) -> tuple[list[int], list[int]]:
+    """(ranks, weights): the query rows the guard samples in a row of `n_real` real tokens, as ranks among them
+    (0 = the first real token), and each one's stratum width. The approximated ranks [first, n_real) are cut into
+    `rows` strata of equal width (to one token); stratum i is sampled at the fraction frac(0.5 + i * 0.618...) of
+    its width. Fewer approximated ranks than `rows`: every one, weight 1. None: ([], [])."""
+    a = n_real - first
+    if a <= 0 or rows <= 0:
+        return [], []
+    if a <= rows:
+        return list(range(first, n_real)), [1] * a
+    ranks, weights = [], []
+    for i in range(rows):
+        lo, hi = first + (i * a) // rows, first + ((i + 1) * a) // rows
+        u = (0.5 + i * _GOLDEN) % 1.0
+        ranks.append(lo + min(int(u * (hi - lo)), hi - lo - 1))
+        weights.append(hi - lo)
+    return ranks, weights
+
+
+# --------------------------------------------------------------------------------------------- the record
+@dataclass
+class GuardCall:
+    """What the guard did in one MuSe call (one layer, one group of batch rows).
+
+    layer: the module's layer index (None at the op level); rows: the batch rows of the call (in the forward's
+    batch); tokens: the call's length; budget: guard_error; sampled: per row, the query rows measured (0 where the
+    row has none approximated); errors: per row, the estimated error of each query head (None for a head not
+    measured: exact already, or nothing approximated); exact: the (batch row, head) pairs given exact attention."""
+
+    layer: int | None
+    rows: list[int]
+    tokens: int
+    budget: float
+    sampled: list[int]
+    errors: list[list[float | None]]
+    exact: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def heads(self) -> int:
+        return len(self.errors[0]) if self.errors else 0
+
+
+@dataclass
+class GuardLog:
+    """The GuardCalls of the MuSe calls run inside `guard_log()`, in order."""
+
+    calls: list[GuardCall] = field(default_factory=list)
+
+    def exact_heads(self) -> dict[int | None, list[int]]:
+        """{layer: the heads given exact attention in some row}, layers with none left out."""
+        out: dict[int | None, set[int]] = {}
+        for c in self.calls:
+            for _, h in c.exact:
+                out.setdefault(c.layer, set()).add(h)
+        return {layer: sorted(h) for layer, h in out.items()}
+
+    def measured(self) -> int:
+        """The (call, row, head) estimates taken."""
+        return sum(e is not None for c in self.calls for row in c.errors for e in row)
+
+    def worst(self) -> tuple[float, int | None, int] | None:
+        """(the largest estimated error, its layer, its head), or None when nothing was measured."""
+        best = None
+        for c in self.calls:
+            for row in c.errors:
+                for h, e in enumerate(row):
+                    if e is not None and (best is None or e > best[0]):
+                        best = (e, c.layer, h)
+        return best
+
+    def summary(self) -> str:
+        """One line: how many head estimates, how many over the budget made exact and where, the worst estimate."""
+        if not self.calls:
+            return "muse guard: no MuSe call (every layer ran exact attention: the prefill is too short)"
+        n = self.measured()
+        if n == 0:
+            return (f"muse guard: {len(self.calls)} MuSe calls, nothing measured (no query row past the exact "
+                    "blocks, or the guard is off)")
+        exact = sum(len(c.exact) for c in self.calls)
+        budget = self.calls[0].budget
+        w = self.worst()
+        where = "; ".join(f"layer {layer}: heads {','.join(map(str, h))}" for layer, h in sorted(
+            self.exact_heads().items(), key=lambda x: -1 if x[0] is None else x[0]))
+        return (f"muse guard: {exact} of {n} head estimates over {100 * budget:g}% made exact"
+                + (f" ({where})" if where else "") + f"; worst estimate {100 * w[0]:.1f}% (layer {w[1]}, head {w[2]})")
+
+    def table(self) -> str:
+        """Per call: layer, rows, tokens, rows sampled, mean and worst head estimate, heads made exact."""
+        head = ["layer", "rows", "tokens", "sampled", "mean", "worst", "exact (row:head)"]
+        lines = []
+        for c in self.calls:
+            es = [e for row in c.errors for e in row if e is not None]
+            lines.append([str(c.layer), ",".join(map(str, c.rows)), str(c.tokens), ",".join(map(str, c.sampled)),
+                          f"{100 * sum(es) / len(es):.2f}%" if es else "-", f"{100 * max(es):.2f}%" if es else "-",
+                          " ".join(f"{r}:{h}" for r, h in c.exact) or "-"])
+        widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+        return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [head, *lines])
+
+
+_LOG: ContextVar[GuardLog | None] = ContextVar("longctx_patch_muse_guard_log", default=None)
+
+
+@contextmanager
+def guard_log():
+    """Record what MuSe's guard does in the calls made inside the block, in this thread or asyncio task only
+    (a ContextVar: other threads serving the same model record nothing here). Yields the GuardLog.
+
+        with guard_log() as log:
+            model(ids)
+        print(log.summary())
+    """
+    log = GuardLog()
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+# --------------------------------------------------------------------------------------------- the guard
+def _real_counts(km, B: int, S: int) -> list[int]:
+    return [S] * B if km is None else km.sum(1).tolist()
+
+
+def sampled_rows(km, B: int, S: int, first: int, rows: int, device):
+    """The sample of a call: (positions [B, m] long, weights [B, m] float (0 for filler), per-row counts), m the
+    most rows any batch row samples. Positions are the columns of the ranks `sample_ranks` gives for each row's
+    real tokens (key_mask True; all S without one)."""
+    n_real = _real_counts(km, B, S)
+    per_row = [sample_ranks(n, first, rows) for n in n_real]
+    m = max((len(r) for r, _ in per_row), default=0)
+    if m == 0:
+        return None, None, [0] * B
+    ranks = torch.tensor([r + [r[0] if r else 0] * (m - len(r)) for r, _ in per_row], dtype=torch.long)
+    weights = torch.tensor([w + [0] * (m - len(w)) for _, w in per_row], dtype=torch.float32)
+    ranks, weights = ranks.to(device), weights.to(device)
+    if km is None:
+        pos = ranks
+    else:  # the column of the (rank + 1)-th real token
+        pos = torch.searchsorted(km.to(torch.int32).cumsum(1), (ranks + 1).to(torch.int32))
+        pos = pos.clamp_(max=S - 1)
+    return pos, weights, [len(r) for r, _ in per_row]
+
+
+def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
+    """Exact causal attention in fp32 of the query rows `pos` [B, m] (columns of q) against their keys: key j
+    for row t when j <= t (and key_mask[b, j]). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D] fp32. The
+    kv group's query heads share one product ([G m, D] x [D, S]); chunked over batch rows and kv heads so that
+    the logits stay under CHUNK_ELEMENTS."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G, m = Hq // Hkv, pos.shape[1]
+    qs = q.gather(2, pos[:, None, :, None].expand(B, Hq, m, D)).float()  # [B, Hq, m, D]
+    qs = qs.view(B, Hkv, G * m, D)
+    keys = torch.arange(S, device=q.device)
+    allowed = keys[None, None, :] <= pos[:, :, None]  # [B, m, S]
+    if km is not None:
+        allowed = allowed & km[:, None, :]
+    out = torch.empty(B, Hkv, G * m, D, dtype=torch.float32, device=q.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, G * m * S))
+    for b in range(B):
+        mask = allowed[b].repeat(G, 1)  # [G m, S], rows in (group head, row) order
+        for h in range(0, Hkv, step):
+            kk, vv = k[b, h:h + step].float(), v[b, h:h + step].float()
+            logits = torch.matmul(qs[b, h:h + step], kk.transpose(-1, -2)) * scale
+            logits = logits.masked_fill(~mask, float("-inf"))
+            out[b, h:h + step] = torch.matmul(torch.softmax(logits, -1).nan_to_num_(0.0), vv)
+    return out.view(B, Hq, m, D)
+
+
+def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
+    """The guard's estimates for one call: (errors [B, Hq] fp32 (NaN where a row samples nothing), per-row sampled
+    counts). o [B, S, Hq, D] is MuSe's output; `heads` the query heads to measure (default all; others NaN)."""
+    B, Hq, S, D = q.shape
+    with torch.no_grad():
+        pos, w, counts = sampled_rows(km, B, S, first, rows, q.device)
+        err = torch.full((B, Hq), float("nan"), device=q.device)
+        if pos is None:
+            return err, counts
+        hs = list(range(Hq)) if heads is None else list(heads)
+        if not hs:
+            return err, counts
+        ref = exact_rows(q, k, v, pos, km, scale=scale)  # [B, Hq, m, D]
+        got = o.detach().gather(1, pos[:, :, None, None].expand(B, pos.shape[1], Hq, D)).float().transpose(1, 2)
+        num = ((got - ref).pow(2).sum(-1) * w[:, None, :]).sum(-1)  # [B, Hq]
+        den = (ref.pow(2).sum(-1) * w[:, None, :]).sum(-1)
+        e = torch.where(den > 0, (num / den.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(),
+                        torch.where(num > 0, torch.full_like(num, float("inf")), torch.zeros_like(num)))
+        sel = torch.tensor(hs, device=q.device)
+        err[:, sel] = e[:, sel]
+        none = torch.tensor([c == 0 for c in counts], device=q.device)
+        err[none] = float("nan")
+    return err, counts
+
+
+def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=None, head_offset: int = 0):
+    """MuSe's output `o` [B, S, Hq, D] of one call with every (batch row, query head) whose estimated error exceeds
+    `config.guard_error` replaced by exact attention (`with_exact_heads`); `o` itself when the guard is off, nothing
+    is approximated or no head is over budget. q [B, Hq, S, D], k/v [B, Hkv, S, D], km the call's key mask [B, S]
+    or None; skip: the query heads already exact (not measured); layer, rows (the call's rows in the forward's
+    batch), head_offset (this rank's first global head): for the record only."""
+    from .attention import with_exact_heads
+
+    budget = config.guard_error
+    if not budget:
+        return o
+    B, Hq, S, _ = q.shape
+    heads = [h for h in range(Hq) if h not in set(skip)]
+    err, counts = estimate_errors(o, q, k, v, km, scale=scale, first=first_approximated(config),
+                                  rows=config.guard_rows, heads=heads)
+    errs = err.tolist()  # the one host read of the decision
+    bad: dict[tuple[int, ...], list[int]] = {}
+    for b in range(B):
+        hs = tuple(h for h in heads if errs[b][h] == errs[b][h] and errs[b][h] > budget)  # NaN: not measured
+        if hs:
+            bad.setdefault(hs, []).append(b)
+    log = _LOG.get()
+    if log is not None:
+        batch = list(range(B)) if rows is None else [int(r) for r in rows]
+        log.calls.append(GuardCall(
+            layer, batch, S, float(budget), counts,
+            [[None if e != e else float(e) for e in row] for row in errs],
+            sorted((batch[b], head_offset + h) for hs, bs in bad.items() for b in bs for h in hs)))
+    if not bad:
+        return o
+    for hs, bs in bad.items():
+        if len(bs) == B:
+            o = with_exact_heads(o, q, k, v, list(hs), scale=scale, key_mask=km)
+            continue
+        idx = torch.tensor(bs, device=o.device)
+        part = with_exact_heads(o.index_select(0, idx), q.index_select(0, idx), k.index_select(0, idx),
+                                v.index_select(0, idx), list(hs), scale=scale,
+                                key_mask=None if km is None else km.index_select(0, idx))
+        o = o.index_copy(0, idx, part)
+    return o
+
+
+__all__ = ["CHUNK_ELEMENTS", "GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows",
+           "first_approximated", "guard", "guard_log", "sample_ranks", "sampled_rows"]
