@@ -10,8 +10,9 @@ fixed budget cannot know which heads those are on a given text and length, so th
    golden-ratio sequence: every position in a block is hit over the strata). The positions count the row's real
    tokens only, so a padded row samples what the prompt alone samples; nothing random is drawn (torch's RNG state
    is untouched) and the same call samples the same rows.
-2. *Measure.* Exact causal attention for those rows against all their keys, in fp32 on the call's own q, k, v
-   (`guard_rows` x S per head: a sliver of MuSe's own work), compared with MuSe's output for the same rows. A head's
+2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (SDPA in the
+   call's dtype, fp32 softmax: what the head made exact would compute; `guard_rows` x S per head, a sliver of
+   MuSe's own work), compared with MuSe's output for the same rows. A head's
    estimated error is the stratified ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)`, `w_i` the width
    of row i's stratum: the relative L2 error of the head's output over the approximated rows (its whole-call error,
    which the early exact rows dilute, is at most this).
@@ -35,8 +36,6 @@ import torch
 GUARD_ERROR = 0.05  # guard_error's default (docs/muse.md, "The guard": why)
 GUARD_ROWS = 64  # guard_rows' default
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the offsets' low-discrepancy step
-# the fp32 logits of the sampled rows are computed in chunks of at most this many elements (256 MB)
-CHUNK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------------------------- what is sampled
@@ -199,29 +198,26 @@ def sampled_rows(km, B: int, S: int, first: int, rows: int, device):
 
 
 def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
-    """Exact causal attention in fp32 of the query rows `pos` [B, m] (columns of q) against their keys: key j
-    for row t when j <= t (and key_mask[b, j]). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D] fp32. The
-    kv group's query heads share one product ([G m, D] x [D, S]); chunked over batch rows and kv heads so that
-    the logits stay under CHUNK_ELEMENTS."""
+    """Exact causal attention of the query rows `pos` [B, m] (columns of q) against their keys: key j for row t when
+    j <= t (and key_mask[b, j]), through SDPA in the inputs' dtype (fp32 softmax and accumulation: what a head made
+    exact computes). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D] fp32. A kv group's query heads are one
+    query block of G m rows over the kv head's keys (no repeated keys); one batch row at a time."""
+    import torch.nn.functional as F
+
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G, m = Hq // Hkv, pos.shape[1]
-    qs = q.gather(2, pos[:, None, :, None].expand(B, Hq, m, D)).float()  # [B, Hq, m, D]
-    qs = qs.view(B, Hkv, G * m, D)
+    qs = q.gather(2, pos[:, None, :, None].expand(B, Hq, m, D)).reshape(B, Hkv, G * m, D)
     keys = torch.arange(S, device=q.device)
-    allowed = keys[None, None, :] <= pos[:, :, None]  # [B, m, S]
-    if km is not None:
-        allowed = allowed & km[:, None, :]
-    out = torch.empty(B, Hkv, G * m, D, dtype=torch.float32, device=q.device)
-    step = max(1, CHUNK_ELEMENTS // max(1, G * m * S))
+    out = torch.empty(B, Hkv, G * m, D, dtype=q.dtype, device=q.device)
     for b in range(B):
-        mask = allowed[b].repeat(G, 1)  # [G m, S], rows in (group head, row) order
-        for h in range(0, Hkv, step):
-            kk, vv = k[b, h:h + step].float(), v[b, h:h + step].float()
-            logits = torch.matmul(qs[b, h:h + step], kk.transpose(-1, -2)) * scale
-            logits = logits.masked_fill(~mask, float("-inf"))
-            out[b, h:h + step] = torch.matmul(torch.softmax(logits, -1).nan_to_num_(0.0), vv)
-    return out.view(B, Hq, m, D)
+        allowed = keys[None, :] <= pos[b, :, None]  # [m, S]
+        if km is not None:
+            allowed = allowed & km[b, None, :]
+        mask = allowed[None].expand(G, m, S).reshape(1, 1, G * m, S)  # rows in (group head, row) order
+        out[b] = F.scaled_dot_product_attention(qs[b:b + 1], k[b:b + 1].to(q.dtype), v[b:b + 1].to(q.dtype),
+                                                attn_mask=mask, scale=scale)[0]
+    return out.view(B, Hq, m, D).float()
 
 
 def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
@@ -291,5 +287,5 @@ def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=Non
     return o
 
 
-__all__ = ["CHUNK_ELEMENTS", "GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows",
+__all__ = ["GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows",
            "first_approximated", "guard", "guard_log", "sample_ranks", "sampled_rows"]
