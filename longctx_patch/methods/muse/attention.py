@@ -13,6 +13,7 @@ from ..exact.attention import ExactAttention
 from ..kv_layer import KVBufferLayer
 from ..padding import PhaseGroup, left_padding
 from .guard import guard
+from .heads import with_exact_heads
 
 
 def _past_len(cache_layer) -> int:
@@ -128,19 +129,6 @@ class MuseAttention(ExactAttention):
 def _device_type(mod) -> str:
     p = next(mod.parameters(), None)
     return "cpu" if p is None else p.device.type
-
-
-def with_exact_heads(o, q, k, v, heads, *, scale: float, key_mask=None):
-    """`o` [B, S, Hq, D] with the query heads `heads` replaced by exact causal attention (each query head with its kv
-    head, GQA); `o` itself when `heads` is empty. Out of place, so gradients flow through both parts."""
-    if not heads:
-        return o
-    G = q.shape[1] // k.shape[1]
-    idx = torch.tensor(heads, device=q.device)
-    kv = torch.div(idx, G, rounding_mode="floor")
-    exact = softmax_attention(q.index_select(1, idx), k.index_select(1, kv), v.index_select(1, kv), scale=scale,
-                              key_mask=key_mask)
-    return o.index_copy(2, idx, exact.to(o.dtype))
 
 
 def _row_groups(ctx, padding, km, block: int, min_len: int):

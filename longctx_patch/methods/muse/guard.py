@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .heads import with_exact_heads
+
 GUARD_ERROR = 0.05  # guard_error's default (docs/muse.md, "The guard": why)
 GUARD_ROWS = 64  # guard_rows' default
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the offsets' low-discrepancy step
@@ -251,8 +253,6 @@ def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=Non
     is approximated or no head is over budget. q [B, Hq, S, D], k/v [B, Hkv, S, D], km the call's key mask [B, S]
     or None; skip: the query heads already exact (not measured); layer, rows (the call's rows in the forward's
     batch), head_offset (this rank's first global head): for the record only."""
-    from .attention import with_exact_heads
-
     budget = config.guard_error
     if not budget:
         return o
