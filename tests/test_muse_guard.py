@@ -86,18 +86,32 @@ def test_the_sample_is_stratified_over_the_approximated_rows():
     assert len({r % 16 for r in ranks}) >= 10  # offsets spread over the positions in a block (not all at one)
     assert sample_ranks(90, 80, 16) == (list(range(80, 90)), [1] * 10)  # fewer than 16: all, weight 1
     assert sample_ranks(80, 80, 16) == ([], [])
-    # a left-padded row samples the columns of its real tokens: the prompt's ranks, shifted by its padding
+    # per head: the rows of largest MuSe output among the approximated ones (a quarter: 4 of 16), then 12 stratified
+    # ones standing for the rest; a left-padded row samples the columns of its real tokens (the prompt's ranks)
+    o = 0.1 * torch.randn(2, 400, 2, 4, generator=torch.Generator().manual_seed(0))
+    o[:, 300, 0] = 5.0  # head 0's largest output
+    o[:, 50, 1] = 9.0  # before token 80: attended exactly, never sampled
     km = torch.ones(2, 400, dtype=torch.bool)
     km[1, :37] = False
-    pos, w, counts = sampled_rows(km, 2, 400, 80, 16, "cpu")
-    assert counts == [16, 16]
-    assert pos[0].tolist() == ranks and (pos[1] - 37).tolist() == sample_ranks(363, 80, 16)[0]
-    assert w[1].sum().item() == 363 - 80
+    o[1, :37] = 50.0  # padding: never sampled
+    pos, w, counts = sampled_rows(o, km, 80, 16)
+    assert counts == [16, 16] and pos.shape == w.shape == (2, 2, 16)
+    strat = sample_ranks(400, 80, 12)[0]
+    assert pos[0, :, :12].tolist() == [strat, strat] and (pos[1, :, :12] - 37).tolist() == [sample_ranks(363, 80, 12)[0]] * 2
+    assert 300 in pos[0, 0, 12:].tolist() and (w[:, :, 12:] == 1).all()
+    assert (pos[0] >= 80).all() and (pos[1] >= 37 + 80).all()
+    torch.testing.assert_close(w.sum(-1), torch.tensor([[320.0, 320.0], [283.0, 283.0]]))  # the approximated rows
+    # a stratified row that is also a top row counts once: it is dropped from the stratified part
+    o2 = o.clone()
+    o2[0, strat[3], 1] = 7.0
+    pos2, w2, _ = sampled_rows(o2, None, 80, 16)
+    assert w2[0, 1, 3] == 0 and strat[3] in pos2[0, 1, 12:].tolist()
+    torch.testing.assert_close(w2[0].sum(-1), torch.tensor([320.0, 320.0]))
 
 
 @pytest.mark.parametrize("inputs", ["random", "structured"])
 def test_the_estimate_tracks_each_heads_true_error(inputs):
-    """64 sampled rows estimate every head's error over the approximated rows within 25% (measured: 5-15%), over
+    """64 sampled rows estimate every head's error over the approximated rows within 25% (measured: up to 24%), over
     errors from 3% to 78%; with every approximated row sampled the estimate is the true error."""
     cfg = config()
     first = first_approximated(cfg)
@@ -281,13 +295,13 @@ def test_a_calibrated_patch_keeps_its_choices_and_the_guard_only_adds():
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     model = tiny_model("llama")
     base = dict(block_size=16, k_clusters=2, topk_blocks=0, peak_blocks=0, min_seq_len=0, backend="torch")
-    cal = lp.calibrate(model, "muse", ids, target_error=0.0036, ladder=[], **base, guard_error=0.0055)
+    cal = lp.calibrate(model, "muse", ids, target_error=0.0036, ladder=[], **base, guard_error=0.0051)
     assert [(x.method, x.overrides) for x in cal.layers] == [("exact", {}), ("exact", {}), ("muse", {"exact_heads": [0]})]
     with guard_log() as log:
         logits(model, ids)
     assert [c.layer for c in log.calls] == [2]
     assert log.calls[0].errors[0][0] is None and all(e is not None for e in log.calls[0].errors[0][1:])
-    # its heads 1-3 err 0.50%, 0.59%, 0.48% on the approximated rows: the guard adds head 2
+    # its heads 1-3 are estimated at 0.49%, 0.52%, 0.49% on the approximated rows: a 0.51% budget adds head 2
     assert log.calls[0].exact == [(0, 2)]
 
 
