@@ -109,6 +109,30 @@ def test_the_sample_is_stratified_over_the_approximated_rows():
     torch.testing.assert_close(w2[0].sum(-1), torch.tensor([320.0, 320.0]))
 
 
+def test_a_batch_of_a_long_and_a_short_row_samples_each_as_alone():
+    """Rows of 320 and 96 real tokens (left padding 224, whole blocks: MuSe's output is the prompt's alone): the long
+    one samples 16 of its 240 approximated rows (4 top, 12 stratified), the short one all of its 16; each row's
+    estimate is what it gets alone (the filler columns weigh nothing)."""
+    cfg = config()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, 320, D, generator=g) * 0.5 for h in (4, 2, 2))
+    km = torch.ones(2, 320, dtype=torch.bool)
+    km[1, :224] = False
+    o = muse_attention(q, k, v, scale=SCALE, key_mask=km, **cfg.kernel_kwargs())
+    pos, w, counts = sampled_rows(o, km, 80, 16)
+    assert counts == [16, 16] and pos.shape[-1] == 20
+    torch.testing.assert_close(w.sum(-1), torch.tensor([[240.0] * 4, [16.0] * 4]))
+    assert (w[1, :, 16:] == 0).all() and (w[1, :, :16] == 1).all() and (pos[1, :, :16] == torch.arange(304, 320)).all()
+    est, _ = estimate_errors(o, q, k, v, km, scale=SCALE, first=80, rows=16)
+    assert torch.isfinite(est).all()
+    for r, cols in ((0, slice(None)), (1, slice(224, None))):
+        o1 = muse_attention(q[r:r + 1, :, cols], k[r:r + 1, :, cols], v[r:r + 1, :, cols], scale=SCALE,
+                            **cfg.kernel_kwargs())
+        alone, _ = estimate_errors(o1, q[r:r + 1, :, cols], k[r:r + 1, :, cols], v[r:r + 1, :, cols], None,
+                                   scale=SCALE, first=80, rows=16)
+        torch.testing.assert_close(est[r], alone[0], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("inputs", ["random", "structured"])
 def test_the_estimate_tracks_each_heads_true_error(inputs):
     """64 sampled rows estimate every head's error over the approximated rows within 25% (measured: up to 24%), over

@@ -1,21 +1,24 @@
 """MuSe's run-time guard: each long prefill measures its own error per head and runs the heads over budget exactly.
 
-MuSe's error is not spread evenly: on Qwen2.5-Coder-0.5B at 32k the cells defaults err 1-3% in most layers and
+MuSe's error is not spread evenly: on Qwen2.5-Coder-0.5B at 32k the cells defaults err 1-4% in most layers and
 15-35% in a few, from a few heads whose far attention needs individual keys (docs/muse.md, sections 7 and 9). A
-fixed budget cannot know which heads those are on a given text and length, so the guard measures them in the call:
+fixed budget cannot know which heads those are on a given text and length, so the guard measures them in the call
+(docs/muse.md, section 10):
 
-1. *Sample.* In each batch row, among the rows MuSe approximates (queries whose earlier keys are not all attended
-   exactly: from `first_approximated(config)` tokens after the row's first real token on), `guard_rows` query rows,
-   one per stratum of equal width over those positions, at a fixed low-discrepancy offset inside its stratum (the
-   golden-ratio sequence: every position in a block is hit over the strata). The positions count the row's real
-   tokens only, so a padded row samples what the prompt alone samples; nothing random is drawn (torch's RNG state
-   is untouched) and the same call samples the same rows.
+1. *Sample.* In each batch row, among the A rows MuSe approximates (queries whose earlier keys are not all attended
+   exactly: from `first_approximated(config)` tokens after the row's first real token on), `guard_rows` query rows:
+   per head the quarter with the largest MuSe output (a take-all stratum: a head's error sits mostly in a few rows of
+   large output), and the rest stratified over the A rows, one per stratum of equal width at a fixed low-discrepancy
+   offset (the golden-ratio sequence: the positions inside a block vary), standing for the head's other rows
+   (`sampled_rows`). A <= guard_rows: every row. Positions count the row's real tokens only, so a padded row samples
+   what the prompt alone samples; nothing random is drawn (torch's RNG state is untouched) and the same call samples
+   the same rows.
 2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (SDPA in the
-   call's dtype, fp32 softmax: what the head made exact would compute; `guard_rows` x S per head, a sliver of
-   MuSe's own work), compared with MuSe's output for the same rows. A head's
-   estimated error is the stratified ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)`, `w_i` the width
-   of row i's stratum: the relative L2 error of the head's output over the approximated rows (its whole-call error,
-   which the early exact rows dilute, is at most this).
+   call's dtype, fp32 softmax: what the head made exact would compute; `guard_rows` x S per head, about 1% of
+   MuSe's key work at 32k), compared with MuSe's output for the same rows. A head's estimated error is the weighted
+   ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)` (w_i: 1 for a top row, else the rows its stratum
+   stands for): the relative L2 error of the head's output over the approximated rows (its whole-call error, which
+   the early exact rows dilute, is at most this).
 3. *Act.* Every (batch row, head) whose estimate exceeds `guard_error` gets exact attention for this call
    (`with_exact_heads`, the machinery of a calibration's `exact_heads`); the other heads keep MuSe's output
    untouched. Heads already exact (`exact_heads`) are not measured.
