@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text", default=None, help="held-out text: a file or folder (default: tests/data/pg_essays)")
     ap.add_argument("--lengths", default="32768,65536", help="window lengths (default 32k, 64k)")
     ap.add_argument("--windows", type=int, default=4, help="perplexity windows per length (default 4)")
-    ap.add_argument("--budgets", default="0.02,0.05,0.1", help="guard_error values (default 2%%, 5%%, 10%%)")
+    ap.add_argument("--budgets", default="0.05,0.1,0.2", help="guard_error values (default 5%%, 10%%, 20%%)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)} (default all)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a muse option of every variant, repeatable")
