@@ -14,12 +14,36 @@ import click
 
 DEBUG_ENV = "LONGCTX_DEBUG"
 
+# The exit codes of every verb (README.md, "Command line"):
+EXIT_FAILED = 1  # the run failed: a model or checkpoint that cannot be loaded, a device, memory, NaN ..., or a
+#                  ConfigError that only shows once the work has begun (e.g. layers past the loaded model's count)
+EXIT_USAGE = 2  # the command line is wrong: click's usage errors, an InputError, or a ConfigError raised before the
+#                 verb's work begins (work_started): a bad option value, an unknown method, an input file named on the
+#                 command line that is missing or not text, a recipe that is not text or not valid
+WORK_STARTED = "longctx.work_started"  # click's ctx.meta key set by work_started()
+
+
+def work_started() -> None:
+    """Marks where a verb's work begins (a model loads, a training starts): a ConfigError raised before this point
+    is the command line's (exit EXIT_USAGE), after it the run's (EXIT_FAILED)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[WORK_STARTED] = True
+
+
+def _exit_code(e: Exception) -> int:
+    from longctx_patch.errors import ConfigError
+
+    ctx = click.get_current_context(silent=True)
+    started = ctx is None or ctx.meta.get(WORK_STARTED, False)
+    return EXIT_USAGE if isinstance(e, ConfigError) and not started else EXIT_FAILED
+
 
 class InputError(click.ClickException):
-    """Bad command-line input, found before anything is loaded: one `error: ...` line, exit code 2 (as click's
-    usage errors)."""
+    """Bad command-line input, found before anything is loaded: one `error: ...` line, exit code 2 (EXIT_USAGE, as
+    click's usage errors)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
     def show(self, file=None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
@@ -171,6 +195,7 @@ def load(model: str, device, dtype, layer_specs=None):
     if layer_specs is not None:
         check_architecture(model)
     click.echo(f"loading {model} ...", err=True)
+    work_started()
     pair = lp.load_model(model, dtype=dtype, device=device)
     if layer_specs is not None:
         check_patchable(pair[0], layer_specs, name=model)
@@ -206,7 +231,8 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def friendly_errors(f):
-    """Print one readable line for expected failures (exit 1); --debug or LONGCTX_DEBUG=1 shows the traceback.
+    """Print one readable line for expected failures, exit code EXIT_USAGE (2) for a ConfigError raised before the
+    verb's work began (work_started), EXIT_FAILED (1) otherwise; --debug or LONGCTX_DEBUG=1 shows the traceback.
     Warnings raised while the verb runs print as one `warning: ...` line (--debug: Python's format)."""
 
     @functools.wraps(f)
@@ -229,6 +255,6 @@ def friendly_errors(f):
                 else:
                     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     click.echo(f"error: {msg}  (for the traceback: longctx --debug VERB ..., or LONGCTX_DEBUG=1)", err=True)
-                sys.exit(1)
+                sys.exit(_exit_code(e))
 
     return wrapper

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from .common import check_device_dtype, check_layers_spec, device_dtype_options, friendly_errors, model_option
+from .common import (check_device_dtype, check_layers_spec, device_dtype_options, friendly_errors, model_option,
+                     work_started)
 from .eval_options import (effective_command, eval_docs, load_for_runs, method_options, method_runs, output_options,
                            text_options)
 from .eval_ruler_cmd import ruler_cmd
@@ -204,6 +205,7 @@ def speed_cmd(model, methods, sets, contexts, batches, calls, static, repeats, p
 
     if op:
         runs = method_runs(methods, sets)
+        work_started()
         run_op_speed(runs, lengths=parse_sizes(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype or "bfloat16", modes=[m.strip() for m in modes.split(",") if m.strip()],
                      out_dir=out_dir, name=name, command=effective_command(), echo=click.echo)

@@ -12,7 +12,7 @@ import warnings
 
 import click
 
-from .common import friendly_errors
+from .common import friendly_errors, work_started
 from .eval_options import effective_command
 
 MIXER_HELP = ("Mixers to train, comma-separated or repeated; NAME or NAME(KEY=VALUE,...), as --method takes "
@@ -112,6 +112,7 @@ def _run(task, specs, lengths, mcfg, tcfg, *, workers, out_dir, name, label, plo
 
     from longctx_patch.evals.synthetic import run_sweep, write_report
 
+    work_started()
     records = run_sweep(task, specs, lengths, mcfg, tcfg, workers=workers, progress=not quiet)
     from longctx_patch.evals.common import default_results_dir
 

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import check_architecture, friendly_errors
+from cli.common import check_architecture, friendly_errors, work_started
 
 
 @click.command(
@@ -77,9 +77,14 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
         r = load_recipe(recipe, quick_overrides(r) + _quote(overrides))
     if r.method not in (None, "none") and r.model:
         check_architecture(r.model)  # an unsupported architecture fails now, not after the model loads
+    if r.data.text:  # the text named on the command line (or in the recipe) is refused now, not after the load
+        from longctx_patch.texts import text_files
+
+        text_files(r.data.text, option="--text" if text is not None else "data.text")
     if dry_run:
         _print_plan(r, output)
         return
+    work_started()
     log = run_finetune(r, output, resume=resume, results=results, progress=not quiet, stop_after=stop_after,
                        memory_check=not skip_memory_check, log_seconds=log_seconds)
     if not quiet:

@@ -15,8 +15,10 @@ from .errors import (  # noqa: E402
     DeviceError,
     LongctxError,
     LongctxWarning,
+    MemoryBudgetError,
     ModelLoadError,
     NotPatchedError,
+    NumericalError,
     UnsupportedModelError,
 )
 from .generation import generate  # noqa: E402
@@ -54,5 +56,7 @@ __all__ = [
     "ModelLoadError",
     "CheckpointError",
     "DeviceError",
+    "MemoryBudgetError",
+    "NumericalError",
     "LongctxWarning",
 ]

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from .methods.cache_layer import LongctxLayer
 from .patch_state import patched_modules
 
-__all__ = ["LongctxCache", "LongctxLayer", "cache_argument"]
+__all__ = ["LongctxCache", "LongctxLayer", "cache_argument", "check_croppable"]
 
 
 def cache_argument(forward) -> str:
@@ -68,3 +68,25 @@ class LongctxCache(DynamicCache):
                     if isinstance(t, torch.Tensor):
                         total += t.numel() * t.element_size()
         return total
+
+
+def check_croppable(model, cache) -> None:
+    """Assisted decoding (an `assistant_model`, or `prompt_lookup_num_tokens`) drafts tokens and takes the rejected
+    ones back out of the cache (`crop`): a ConfigError naming the methods whose cache layers cannot (their
+    `crop_refusal`), before the prefill, instead of transformers' error after it. Layers that keep their tokens (the
+    K/V buffers of exact, sliding-window, muse, token-gated moba; transformers' own) can."""
+    from .errors import ConfigError
+    from .methods.base import format_layers
+
+    mods = patched_modules(model)
+    refused: dict[tuple[str, str], list[int]] = {}
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        if not getattr(layer, "is_croppable", True) and i in mods:
+            why = getattr(layer, "crop_refusal", "its state is not a list of tokens")
+            refused.setdefault((mods[i].method_name, why), []).append(i)
+    if refused:
+        which = "; ".join(f"{m} on layers {format_layers(idx)}: {why}" for (m, why), idx in refused.items())
+        raise ConfigError(
+            f"generate: assisted decoding (assistant_model=, prompt_lookup_num_tokens=) takes drafted tokens back out of "
+            f"the cache, which this patch's cache cannot do ({which}); generate without an assistant, or patch with a "
+            "method that keeps a K/V cache (exact, sliding-window, muse, moba with gating='token')")

@@ -13,8 +13,11 @@ reader.
 
 Writes are atomic (`replacing_folder`): a folder is written beside its place and renamed into it once its files are
 on disk, so an interrupted save leaves the previous folder whole. The record, written last, lists every other file
-of the folder with its size ("files"): a folder that lost a file or holds a cut weights file (an interrupted copy)
-is refused by name (`check_saved_files`) before anything reads it.
+of the folder with its size ("files"): a folder that lost a file or holds a cut weights file (an interrupted copy,
+by the recorded size or, listed or not, by the file's own header) is refused by name (`check_saved_files`) before
+anything reads it. The method weights say in their metadata which method each layer's weights belong to
+(WEIGHTS_LAYERS): a record edited to another method of the same keys and shapes (lola -> lolcats) is refused by
+name (`check_weights_record`). Those checks of a saved folder against its record are saved_files.py's.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ PATCH_WEIGHTS = "longctx_patch.safetensors"
 ADAPTER_DIR = "adapter"  # a PEFT adapter saved beside our weights (a fine-tune run's trainable/, an asset)
 TRAINABLE_DIR = "trainable"
 FORMAT_VERSION = 1
-_REWRITE = "write it again with save_patched()"
+REWRITE = "write it again with save_patched()"
 
 
 # --------------------------------------------------------------------------------------------- the record
@@ -73,16 +76,25 @@ def folder_files(directory: str | os.PathLike) -> dict[str, int]:
             if f.is_file() and f.relative_to(root).as_posix() != PATCH_JSON}
 
 
+WEIGHTS_LAYERS = "longctx_patch.layers"  # PATCH_WEIGHTS' metadata: {layer: method} its weights were written for
+
+
+def layer_methods(groups: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    return {int(i): g["method"] for g in groups for i in g["layers"]}
+
+
 def write_patch(directory: str | os.PathLike, groups: Sequence[Mapping[str, Any]],
                 weights: Mapping[str, torch.Tensor], calibration: Mapping[str, Any] | None = None) -> None:
-    """Writes PATCH_WEIGHTS (when there are weights), then PATCH_JSON listing every file of `directory` (which exists)
-    and the calibration record if any: call it once the folder's other files are written."""
+    """Writes PATCH_WEIGHTS (when there are weights; its metadata says which method each layer's weights belong to,
+    WEIGHTS_LAYERS), then PATCH_JSON listing every file of `directory` (which exists) and the calibration record if
+    any: call it once the folder's other files are written."""
     directory = os.fspath(directory)
     if weights:
         from safetensors.torch import save_file
 
+        layers = json.dumps({str(i): m for i, m in sorted(layer_methods(groups).items())})
         save_file({k: v.to("cpu") for k, v in weights.items()}, os.path.join(directory, PATCH_WEIGHTS),
-                  metadata={"format": "pt"})
+                  metadata={"format": "pt", WEIGHTS_LAYERS: layers})
     with open(os.path.join(directory, PATCH_JSON), "w") as f:
         json.dump(patch_record(groups, folder_files(directory), calibration), f, indent=2)
 
@@ -163,45 +175,6 @@ def read_patch_record(directory: str | os.PathLike) -> list[dict[str, Any]]:
                                   "{method, config, layers} objects; write it again with save_patched()")
         return [_check_group(path, f"patches[{n}]", g) for n, g in enumerate(patches)]
     return [_check_group(path, "the record", rec)]
-
-
-def check_saved_files(directory: str | os.PathLike) -> None:
-    """A CheckpointError when the folder lacks a file its record lists ("files", written by save_patched() since the
-    key exists), or a listed weights file (.safetensors) is cut short or corrupt (its header, read without the
-    tensors): the folder is half-written, by an interrupted copy or a save from before writes were atomic. Other
-    files only need to be there (a config edited by hand is fine); the method and adapter weights are left to their
-    checked readers, which say what is wrong inside. A record without the list is not checked."""
-    from safetensors import SafetensorError, safe_open
-
-    directory = os.fspath(directory)
-    try:
-        with open(os.path.join(directory, PATCH_JSON), encoding="utf-8") as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
-        return  # read_patch_record says what is wrong with the record itself
-    files = rec.get("files") if isinstance(rec, dict) else None
-    if not isinstance(files, dict):
-        return
-    wrong = []
-    for name, size in files.items():
-        path = os.path.join(directory, *str(name).split("/"))
-        try:
-            have = os.stat(path).st_size
-        except OSError:
-            wrong.append(f"{name} is missing")
-            continue
-        if not str(name).endswith(".safetensors") or name in (PATCH_WEIGHTS, f"{ADAPTER_DIR}/adapter_model.safetensors"):
-            continue
-        try:
-            with safe_open(path, framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            wrong.append(f"{name} is cut short or corrupt ({first}; {have} bytes, {size} written)")
-    if wrong:
-        shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
-        raise CheckpointError(f"{directory} is incomplete ({shown}): a copy or a save of it was interrupted; copy it "
-                              "again from where it was saved, or save the model again with save_patched()")
 
 
 # --------------------------------------------------------------------------------------------- atomic folders
@@ -293,11 +266,19 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def check_replaceable(directory: str | os.PathLike) -> None:
-    """save_patched() replaces its folder as a whole: a ConfigError for a file, or a non-empty folder it did not write
-    (whose files the replacement would remove)."""
+    """save_patched() replaces its folder as a whole: a ConfigError for a file, a path under a file or under a folder
+    this process cannot write, or a non-empty folder it did not write (whose files the replacement would remove)."""
     directory = os.fspath(directory)
     if os.path.isfile(directory):
         raise ConfigError(f"save_patched: {directory} is a file; pass a directory to write")
+    target = Path(os.path.abspath(directory))
+    above = next(p for p in target.parents if p.exists())  # the nearest existing folder the save is written under
+    if not above.is_dir():
+        raise ConfigError(f"save_patched: {directory} lies under {above}, which is a file, not a folder; pass a "
+                          "directory whose parents are folders (or new)")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"save_patched: cannot write {directory}: {above} is not writable (permission denied); "
+                          "pass a directory under a folder you can write to")
     if os.path.isdir(directory) and not os.path.exists(os.path.join(directory, PATCH_JSON)):
         entries = sorted(os.listdir(directory))
         if entries:
@@ -357,13 +338,13 @@ def read_calibration(directory: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------------------------- the weights
-def _unreadable_weights(path: str, e: Exception, rewrite: str, advice: str | None = None) -> CheckpointError:
+def unreadable_weights(path: str, e: Exception, rewrite: str, advice: str | None = None) -> CheckpointError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return CheckpointError(f"{path} cannot be read as safetensors ({first}): the file is truncated or corrupt; "
                            f"{advice or f'copy it again, or {rewrite}'}")
 
 
-def _shown(names: list[str]) -> str:
+def shown_keys(names: list[str]) -> str:
     return str(names) if len(names) <= 8 else f"{names[:8]} and {len(names) - 8} more"
 
 
@@ -375,7 +356,7 @@ def finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def read_weights_file(path: str | os.PathLike, rewrite: str = _REWRITE, advice: str | None = None) -> dict[str, torch.Tensor]:
+def read_weights_file(path: str | os.PathLike, rewrite: str = REWRITE, advice: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file. A missing or unreadable file or non-finite values raise CheckpointError
     naming the file (`rewrite`: how to write the file again, for the message; `advice`: what to do instead of copying
     or rewriting it, e.g. for a run's checkpoint)."""
@@ -388,10 +369,10 @@ def read_weights_file(path: str | os.PathLike, rewrite: str = _REWRITE, advice: 
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found{'; ' + advice if advice else ''}") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _unreadable_weights(path, e, rewrite, advice) from None
+        raise unreadable_weights(path, e, rewrite, advice) from None
     bad = sorted(k for k, v in sd.items() if v.is_floating_point() and not finite(v))
     if bad:
-        raise CheckpointError(f"{path}: {_shown(bad)} hold NaN or inf values (the run that wrote them diverged); "
+        raise CheckpointError(f"{path}: {shown_keys(bad)} hold NaN or inf values (the run that wrote them diverged); "
                               + (advice or "use an earlier checkpoint of the run, or train again with a lower "
                                            "learning rate"))
     return sd
@@ -435,20 +416,6 @@ def read_adapter_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor
     return read_weights_file(path, rewrite="save the adapter again (PeftModel.save_pretrained)")
 
 
-def check_weights_header(directory: str | os.PathLike) -> None:
-    """Opens the weights file's header only (cheap): a truncated or garbage file fails before a model is loaded."""
-    from safetensors import SafetensorError, safe_open
-
-    path = os.path.join(os.fspath(directory), PATCH_WEIGHTS)
-    if not os.path.exists(path):
-        return
-    try:
-        with safe_open(path, framework="pt"):
-            pass
-    except (SafetensorError, OSError) as e:
-        raise _unreadable_weights(path, e, _REWRITE) from None
-
-
 def modules_state_dict(modules: Mapping[int, nn.Module]) -> dict[str, torch.Tensor]:
     """The method-owned parameters/buffers (`method_parameters()`) of patched modules {layer: module}, keyed
     `layers.{i}.{name}`: what PATCH_WEIGHTS holds."""
@@ -472,7 +439,7 @@ def load_modules_state_dict(modules: Mapping[int, nn.Module], sd: Mapping[str, t
     kinds = sorted(k for k in set(own) & set(sd) if not same_kind(sd[k], tensors[k]))
     if kinds:  # e.g. an int64 tensor where a float32 parameter is: a cast would load it silently
         k = kinds[0]
-        more = f" (and {len(kinds) - 1} more: {_shown(kinds[1:])})" if len(kinds) > 1 else ""
+        more = f" (and {len(kinds) - 1} more: {shown_keys(kinds[1:])})" if len(kinds) > 1 else ""
         raise CheckpointError(f"{source}: holds {k} as {dtype_name(sd[k].dtype)} where the patched model has "
                               f"{dtype_name(tensors[k].dtype)}{more}; write it again with save_patched()")
     if missing or unexpected or shapes:
@@ -493,30 +460,6 @@ def load_modules_state_dict(modules: Mapping[int, nn.Module], sd: Mapping[str, t
 
 
 # --------------------------------------------------------------------------------------------- the base model
-def check_base_weights(model: nn.Module, directory: str | os.PathLike) -> None:
-    """A CheckpointError naming the weights file(s) of `directory` (a folder save_patched() wrote) when parameters of
-    the loaded `model` hold NaN or inf. One pass over every parameter (`finite`: ~0.1 s for SmolLM2-135M's 135M fp32
-    parameters on one busy CPU core, 4% of its load; a GPU's bandwidth makes it milliseconds for billions), so the
-    whole model is checked, not a sample. Buffers are not checked (they are computed, e.g. rotary frequencies)."""
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not p.is_meta and not finite(p)]
-    if not bad:
-        return
-    directory = os.fspath(directory)
-    index = os.path.join(directory, "model.safetensors.index.json")
-    files = ["model.safetensors"]
-    if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted({weight_map[n] for n in bad if n in weight_map}) or files
-        except (OSError, ValueError, AttributeError):
-            pass
-    where = ", ".join(os.path.join(directory, f) for f in files)
-    raise CheckpointError(f"{where}: {_shown(bad)} hold NaN or inf values (the model was saved after a run diverged, "
-                          "or the file was damaged); save it again from a model without them, e.g. an earlier "
-                          "checkpoint of the run")
-
-
 def drop_gguf_quantization(model) -> None:
     """A GGUF checkpoint is dequantised on load; forget its quantization record so it saves as plain weights."""
     qc = getattr(model.config, "quantization_config", None)
@@ -535,13 +478,13 @@ __all__ = [
     "PATCH_JSON",
     "PATCH_WEIGHTS",
     "TRAINABLE_DIR",
-    "check_base_weights",
+    "REWRITE",
+    "WEIGHTS_LAYERS",
     "check_replaceable",
-    "check_saved_files",
-    "check_weights_header",
     "dtype_name",
     "finite",
     "folder_files",
+    "layer_methods",
     "fsync_path",
     "fsync_tree",
     "drop_gguf_quantization",
@@ -555,7 +498,9 @@ __all__ = [
     "read_weights_file",
     "replacing_folder",
     "same_kind",
+    "shown_keys",
     "staging_of",
+    "unreadable_weights",
     "write_patch",
     "write_text",
 ]

@@ -258,7 +258,8 @@ class DecodeGraphs:
             return  # a continued cache whose graphs still hold
         key = model_key(cache)
         shape = (batch, 1)
-        warm = next((w for w in self._warm if w[0] == shape and w[2] == key), None)
+        # a copy: another thread's generate() may add to the set meanwhile
+        warm = next((w for w in tuple(self._warm) if w[0] == shape and w[2] == key), None)
         if key is None or warm is None:
             return
         _, keep, _, has_cpos, device = warm
@@ -371,8 +372,9 @@ def stats(cache) -> dict | None:
 
 
 class PrefillThenCapture:
-    """generate()'s `_prefill`, installed on a patched model (patcher.py): the model's own prefill, then
-    `DecodeGraphs.after_prefill` on the cache it filled. An object holding its model, not a closure, so that deep
+    """generate()'s `_prefill`, installed on a patched model (patcher.py): the model's own prefill, a check that its
+    last logits are finite (generation.check_prefill_logits: NaN or inf is a NumericalError, not an empty answer),
+    then `DecodeGraphs.after_prefill` on the cache it filled. An object holding its model, not a closure, so that deep
     copies and pickles of the model carry it with their own model."""
 
     def __init__(self, model, previous=None):
@@ -385,11 +387,15 @@ class PrefillThenCapture:
             out = self.previous(*args, **kwargs)
         else:
             out = type(model)._prefill(model, *args, **kwargs)
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor):  # NaN or inf logits: a named error, not an empty answer
+            from .generation import check_prefill_logits
+
+            check_prefill_logits(model, logits)
         fwd = model.__dict__.get("forward")
         fwd = getattr(fwd, "__func__", fwd)  # re-bound as a method (accelerate's unwrap_model)
         if isinstance(fwd, DecodeGraphs):
             cache = next((v for v in out.values() if isinstance(v, Cache)), None) if hasattr(out, "values") else None
-            logits = getattr(out, "logits", None)
             if cache is not None and isinstance(logits, torch.Tensor):
                 fwd.after_prefill(cache, logits.shape[0])
         return out

@@ -26,7 +26,8 @@ class ModelLoadError(LongctxError):
 
 
 class CheckpointError(LongctxError):
-    """A checkpoint has missing, unexpected or mis-shaped keys, or cannot be read."""
+    """A checkpoint has missing, unexpected or mis-shaped keys, does not match its record, or cannot be read or
+    written; the message names the file (or the folder being written)."""
 
 
 class DeviceError(LongctxError):
@@ -35,8 +36,15 @@ class DeviceError(LongctxError):
 
 
 class MemoryBudgetError(LongctxError, MemoryError):
-    """A fine-tune's estimated peak memory exceeds the memory available on its device (raised before the model loads
-    where its config can be read without it); the message names the settings that shrink the run."""
+    """What was asked cannot fit the memory available on its device, found before anything allocates it: a
+    fine-tune's estimated peak (raised before the model loads where its config can be read without it), or the decode
+    state a patch's options make one sequence allocate from its first token (raised by patch()); the message names
+    the settings that shrink it."""
+
+
+class NumericalError(LongctxError, FloatingPointError):
+    """A patched model computed NaN or inf where the answer needs numbers (the logits after generate()'s prefill):
+    the message names the methods and what to check, instead of an empty or garbled answer."""
 
 
 class LongctxWarning(UserWarning):
@@ -53,5 +61,6 @@ __all__ = [
     "CheckpointError",
     "DeviceError",
     "MemoryBudgetError",
+    "NumericalError",
     "LongctxWarning",
 ]

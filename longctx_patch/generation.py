@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import sys
 import threading
 from typing import Iterator
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, NumericalError
 
 PROGRESS_MIN_TOKENS = 1024  # prompts at least this long get a prefill progress bar when progress=True
 
@@ -44,6 +46,82 @@ def check_prompt(prompt) -> list[str]:
         if not p:
             raise ConfigError(f"generate: prompt {i} of the {type(prompt).__name__} is empty; {PROMPT_FORMS}")
     return list(prompt)
+
+
+MAX_NEW_TOKENS = 2**31 - 1  # generate()'s max_new_tokens at most (as the methods' int options: 32-bit positions)
+
+
+def _whole(name: str, value, low: int) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ConfigError(f"generate: {name}={_shown(value)} is not a whole number; pass an int in "
+                          f"{low}..{MAX_NEW_TOKENS}")
+    if not low <= int(value) <= MAX_NEW_TOKENS:
+        raise ConfigError(f"generate: {name}={int(value)} is out of range; pass an int in {low}..{MAX_NEW_TOKENS}")
+    return int(value)
+
+
+def _number(name: str, value, ok, allowed: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(float(value)) \
+            or not ok(float(value)):
+        raise ConfigError(f"generate: {name}={_shown(value)} is not allowed; pass {allowed}")
+    return float(value)
+
+
+def _flag(name: str, value, none_ok: bool = False) -> None:
+    if not (isinstance(value, bool) or (none_ok and value is None)):
+        raise ConfigError(f"generate: {name}={_shown(value)} is not True or False"
+                          + (" (or None)" if none_ok else ""))
+
+
+def check_generate_options(chat, max_new_tokens, stream, progress, generate_kwargs: dict) -> None:
+    """generate()'s own arguments, and the decoding options most often passed through to transformers' generate(),
+    checked by name (a ConfigError saying what is allowed) before the model runs: transformers lets a NaN
+    max_new_tokens loop for ever and answers 0, -1 or '5' with errors naming none of this."""
+    _flag("chat", chat, none_ok=True)
+    _flag("stream", stream)
+    _flag("progress", progress)
+    _whole("max_new_tokens", max_new_tokens, 1)
+    kw = generate_kwargs
+    if kw.get("min_new_tokens") is not None:
+        _whole("min_new_tokens", kw["min_new_tokens"], 0)
+    if kw.get("num_beams") is not None:
+        _whole("num_beams", kw["num_beams"], 1)
+    if kw.get("top_k") is not None:
+        _whole("top_k", kw["top_k"], 0)
+    if kw.get("do_sample") is not None:
+        _flag("do_sample", kw["do_sample"])
+    if kw.get("temperature") is not None:
+        _number("temperature", kw["temperature"], lambda t: t > 0, "a finite number > 0")
+    if kw.get("top_p") is not None:
+        _number("top_p", kw["top_p"], lambda p: 0 < p <= 1, "a number in (0, 1]")
+    if kw.get("repetition_penalty") is not None:
+        _number("repetition_penalty", kw["repetition_penalty"], lambda r: r > 0, "a finite number > 0")
+
+
+def check_prefill_logits(model, logits: torch.Tensor) -> None:
+    """NumericalError when the logits generate()'s prefill gives a patched model for its last position hold NaN or
+    inf: every next token would be garbage (an empty or garbled answer). One host read per generate() call; called
+    by the prefill installed on a patched model (decode_graphs.PrefillThenCapture)."""
+    if logits.numel() == 0 or bool(torch.isfinite(logits[:, -1]).all()):
+        return
+    from .patch_state import find_state
+
+    st = find_state(model)
+    rows = (~torch.isfinite(logits[:, -1])).any(-1).nonzero().flatten().tolist()
+    which = "; ".join(f"{g.method} on layers {_layers(g.layers)}" for g in st.groups) if st is not None else "none"
+    raise NumericalError(
+        f"generate: the logits after the prefill hold NaN or inf (row{'s' if len(rows) > 1 else ''} "
+        f"{', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''} of the batch), so the answer would be empty "
+        f"or garbled; patch: {which}. Check the method's options and the weights it loaded (a checkpoint of another "
+        "model, or one holding huge values), or a half-precision dtype that overflows (try float32); the unpatched "
+        "model on the same prompt tells whether the patch is the cause"
+    )
+
+
+def _layers(idx) -> str:
+    from .methods.base import format_layers
+
+    return format_layers(idx)
 
 
 def build_inputs(tokenizer, prompt: str | list[str], chat: bool | None = None, device=None) -> dict:
@@ -97,6 +175,7 @@ def generate(
     done (a long prefill on a CPU takes minutes); the computation is the same.
     """
     check_prompt(prompt)  # before anything else: a bad prompt is refused by name
+    check_generate_options(chat, max_new_tokens, stream, progress, generate_kwargs)
     if stream and not isinstance(prompt, str):
         raise ConfigError("stream=True takes a single prompt (a string); generate a batch without stream")
     device = next(model.parameters()).device

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (PATCH_JSON, check_base_weights, check_saved_files, check_weights_header,
-                         drop_gguf_quantization, read_patch_record, staging_of)
-from .errors import CheckpointError, ModelLoadError
+from .checkpoint import PATCH_JSON, drop_gguf_quantization, read_patch_record, staging_of
+from .errors import CheckpointError, LongctxError, ModelLoadError
+from .saved_files import check_base_weights, check_saved_files, check_weights_header, safetensors_problem
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,13 @@ def dequantise_gguf(gguf_path: Path, out_dir: Path, tie_embeddings: bool = False
 
     print(f"[longctx] dequantising {gguf_path.name} once into {out_dir} (it is cached there)", file=sys.stderr)
     d, f = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    except Exception as e:  # noqa: BLE001 - the gguf reader's and transformers' own errors: named, with the file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(f"{gguf_path} cannot be read as a GGUF model ({type(e).__name__}: {first}); pass a "
+                             "whole .gguf model file of a supported architecture") from e
     drop_gguf_quantization(model)
     if tie_embeddings:
         with torch.no_grad():
@@ -243,15 +248,39 @@ def _made_once(name: str, make) -> Path:
     out = cache_dir() / name
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(out.parent / f".{name}.lock"):
+        lock = out.parent / f".{name}.lock"
+        with _exclusive(lock):
             if not (out / "config.json").exists():  # another process may have made it while we waited
-                make(out)
+                try:
+                    make(out)
+                except BaseException:  # nothing made: leave no lock file behind for it either (a waiting process
+                    with contextlib.suppress(OSError):  # still holds its lock and tries again: it fails the same way)
+                        lock.unlink()
+                    raise
     return out
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _check_gguf_header(path: Path) -> None:
+    """A file that does not begin with a GGUF header (the magic, a version, the tensor and key counts: 24 bytes) is a
+    ModelLoadError naming it, before anything is cached or locked for it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path} ({e.strerror or e})") from None
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        what = f"{len(head)} bytes" if len(head) < 24 else f"it begins with {head[:4]!r}, not {GGUF_MAGIC!r}"
+        raise ModelLoadError(f"{path} is not a GGUF model file ({what}); pass a .gguf model file, a model directory, "
+                             f"the alias {DEFAULT_MODEL} or a hub id")
 
 
 def cached_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
     """A plain HF directory for a GGUF file, made once under cache_dir() (see `_made_once`)."""
     gguf_path = Path(gguf_path).resolve()
+    _check_gguf_header(gguf_path)
     st = gguf_path.stat()
     name = name or f"{gguf_path.stem}-{st.st_size:x}"
     return _made_once(name, lambda out: dequantise_gguf(gguf_path, out))
@@ -365,6 +394,11 @@ def load_model_only(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None, 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto")
     except OSError as e:
         raise _offline_hint(path, e) from None
+    except LongctxError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. safetensors' or transformers' own errors: named, with the path
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(f"could not load the model in {path}: {type(e).__name__}: {first}") from e
     if dt is None and model.dtype == torch.float16 and dev.type == "cpu":
         model = model.float()
     model = model.to(dev)
@@ -389,10 +423,16 @@ def _check_staging(path: str) -> None:
 
 def _check_saved_folder(path: str) -> None:
     """Before transformers reads a folder: a save's staging folder, or a folder save_patched() wrote that lost or cut
-    a file, is a CheckpointError naming it."""
+    a file, is a CheckpointError naming it; a plain checkpoint folder whose safetensors file is cut short or corrupt
+    (by its header: saved_files.safetensors_problem) is a ModelLoadError naming the file."""
     _check_staging(path)
     if os.path.exists(os.path.join(path, PATCH_JSON)):
         check_saved_files(path)
+        return
+    for f in sorted(Path(path).glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem is not None:
+            raise ModelLoadError(f"{f} is cut short or corrupt ({problem}): copy it again, or save the model again")
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL):

@@ -24,11 +24,28 @@ from .errors import NotPatchedError
 STATE_ATTR = "_longctx_patch_state"  # the attribute of the decoder stack that holds its PatchState
 
 
+CALL_ARG = "longctx_call"  # the keyword argument of the decoder layers that carries a forward's CallState
+
+
+class CallState:
+    """What one forward call of a patched model tells its patched layers: its batch's padding, and what a method
+    computes once per call for all its layers. The decoder stack's forward pre-hook (patcher.py) makes one per call
+    and hands it to the decoder layers as the keyword argument CALL_ARG, which they pass on to their attention
+    module (and keep for a recomputation under gradient checkpointing). Nothing of it is kept on the model, so
+    calls running at once on one model (a server's request threads) are as independent as on an unpatched one."""
+
+    __slots__ = ("key_mask", "memo")
+
+    def __init__(self, key_mask: torch.Tensor | None = None) -> None:
+        self.key_mask = key_mask  # [B, L_past + S] bool, True = real token; None = no padding
+        self.memo: dict[str, Any] = {}  # per-call results a method shares between its layers (muse's row groups)
+
+
 class PatchContext:
-    """Per-model state shared by its patched modules for the current forward call (`PatchedAttention._ctx`)."""
+    """Per-model settings its patched modules share (`PatchedAttention._ctx`): the same for every call. What differs
+    from one call to the next is the call's own (CallState)."""
 
     def __init__(self) -> None:
-        self.key_mask: torch.Tensor | None = None  # [B, L_past + S] bool, True = real token; None = no padding
         self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
         # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
         # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
@@ -104,8 +121,8 @@ def patched_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def patch_context(model: nn.Module) -> PatchContext:
-    """The PatchContext the patched modules of `model` share (the padding of the current batch, the hook of
-    train/transfer.py); NotPatchedError when unpatched."""
+    """The PatchContext the patched modules of `model` share (the hook of train/transfer.py, the recomputation, the
+    fused-ops mode); NotPatchedError when unpatched."""
     return state_of(model).ctx
 
 
@@ -141,6 +158,6 @@ def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.T
     state_of(model).saved_weights.update(saved)
 
 
-__all__ = ["PatchContext", "PatchGroup", "PatchState", "STATE_ATTR", "find_state", "is_patched", "keep_original_weight",
-           "keep_original_weights", "patch_context", "patch_groups", "patched_layers", "patched_modules", "state_of",
+__all__ = ["CALL_ARG", "CallState", "PatchContext", "PatchGroup", "PatchState", "STATE_ATTR", "find_state", "is_patched",
+           "keep_original_weight", "keep_original_weights", "patch_context", "patch_groups", "patched_layers", "patched_modules", "state_of",
            "take_original_weights"]

@@ -21,14 +21,16 @@ import torch
 from torch import nn
 
 from .architectures import base_model, get_adapter, model_config, shared_weight
-from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, check_saved_files, drop_gguf_quantization,
-                         load_modules_state_dict, modules_state_dict, read_calibration, read_method_weights,
-                         read_patch_record, replacing_folder, write_patch)
+from .checkpoint import (PATCH_JSON, PATCH_WEIGHTS, check_replaceable, drop_gguf_quantization, load_modules_state_dict,
+                         modules_state_dict, read_calibration, read_method_weights, read_patch_record, replacing_folder,
+                         write_patch)
 from .errors import AlreadyPatchedError, CheckpointError, ConfigError, DeviceError, LongctxWarning
+from .memory import available_memory
 from .methods import get_method
 from .methods.base import PatchedAttention
-from .patch_state import (STATE_ATTR, PatchGroup, PatchState, is_patched, keep_original_weight, keep_original_weights,
-                          patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
+from .patch_state import (CALL_ARG, STATE_ATTR, CallState, PatchGroup, PatchState, is_patched, keep_original_weight,
+                          keep_original_weights, patch_context, patch_groups, patched_layers, patched_modules, state_of, take_original_weights)
+from .saved_files import check_saved_files, check_weights_record
 from .tensor_parallel import build_sharded, head_shard, writes_files
 
 
@@ -177,10 +179,12 @@ def _padding_facts(am: torch.Tensor, cache, args: tuple, kwargs: dict) -> tuple[
 
 
 def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """The forward pre-hook of a patched model's decoder stack (`module`): reads the batch's padding into the patch's
-    PatchContext (left padding: position ids from the mask), warns past the trained context, and hands the stack a
-    LongctxCache where it would build another. A module-level function that finds the patch on the module it runs
-    on (patch_state.py), so that a deep copy or a pickle of the model runs its own state."""
+    """The forward pre-hook of a patched model's decoder stack (`module`): reads the batch's padding into the call's
+    own CallState (patch_state.py), handed to the decoder layers as the keyword argument CALL_ARG (left padding:
+    position ids from the mask), warns past the trained context, and hands the stack a LongctxCache where it would
+    build another. Nothing of the call is written on the model: calls running at once in several threads each see
+    their own padding. A module-level function that finds the patch on the module it runs on (patch_state.py), so
+    that a deep copy or a pickle of the model runs its own state."""
     from .cache import LongctxCache
 
     st = state_of(module)
@@ -189,23 +193,23 @@ def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("cache", None)
     if cache is None:
         cache = kwargs.get("past_key_values", None)
-    changed = False
     facts = None
-    st.ctx.key_mask = None
+    key_mask = None
     if isinstance(am, torch.Tensor) and am.dim() == 2 and am.numel():
         facts = _padding_facts(am, cache if isinstance(cache, LongctxCache) else None, args, kwargs)
         padded, left = facts
         if padded:
-            st.ctx.key_mask = am.bool()
+            key_mask = am.bool()
             if left:
-                args, kwargs, changed = _left_padded_positions(am, args, kwargs)
+                args, kwargs, _ = _left_padded_positions(am, args, kwargs)
+    kwargs = {**kwargs, CALL_ARG: CallState(key_mask)}
     if not st.context_warned:
         _warn_past_trained_context(st, cfg, args, kwargs, cache if isinstance(cache, LongctxCache) else None)
     use_cache = kwargs.get("use_cache", None)
     if use_cache is None:
         use_cache = getattr(cfg, "use_cache", False)
     if isinstance(cache, LongctxCache) or (cache is None and not use_cache):
-        return (args, kwargs) if changed else None
+        return args, kwargs
     if cache is not None and cache.get_seq_length() > 0:
         raise ConfigError(
             f"a {type(cache).__name__} with {cache.get_seq_length()} cached tokens was passed to a patched model; "
@@ -220,7 +224,8 @@ def _forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
 
 class PrepareCache:
     """generate()'s `_prepare_cache_for_generation`, installed on a patched model: the model's own, then its default
-    DynamicCache replaced by a LongctxCache (the pre-hook would replace an empty DynamicCache anyway; doing it here
+    DynamicCache replaced by a LongctxCache (for assisted decoding, one whose layers can take tokens back:
+    cache.check_croppable) (the pre-hook would replace an empty DynamicCache anyway; doing it here
     keeps generate's own bookkeeping on the object it returns). An object holding its model, not a closure, so that
     deep copies and pickles of the model carry it with their own model."""
 
@@ -231,17 +236,21 @@ class PrepareCache:
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         from transformers.cache_utils import DynamicCache
 
-        from .cache import LongctxCache
+        from .cache import LongctxCache, check_croppable
 
         if self.previous is not None:
             out = self.previous(generation_config, model_kwargs, *args, **kwargs)
         else:
             out = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
                                                                  **kwargs)
+        mode = args[0] if args else kwargs.get("generation_mode")
+        assisted = str(getattr(mode, "value", mode)) == "assisted_generation"
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                 model_kwargs[key] = LongctxCache(self.model)
+            if assisted and isinstance(model_kwargs.get(key), LongctxCache):
+                check_croppable(self.model, model_kwargs[key])  # a named refusal before the prefill
         if getattr(generation_config, "prefill_chunk_size", 0) is None and any(
                 isinstance(model_kwargs.get(key), LongctxCache) for key in ("cache", "past_key_values")):
             generation_config.prefill_chunk_size = prefill_chunk_of(self.model)  # a call's own value wins
@@ -307,6 +316,16 @@ def _check_materialised(mod: PatchedAttention, layer: int) -> None:
         )
 
 
+def _check_state_memory(m, cfg, new: list[PatchedAttention], st: PatchState | None, base: nn.Module) -> None:
+    """The decode state one sequence allocates from its first token (new layers and those patched before) must fit
+    the memory left on the model's device (Method.check_state_memory): refused by name before anything changes."""
+    p = next((q for q in base.parameters() if q.is_floating_point() and not q.is_meta), None)
+    if p is None:
+        return
+    others = sum(mod.state_bytes(1, batch=1, dtype=p.dtype) for mod in st.modules.values()) if st is not None else 0
+    m.check_state_memory(new, cfg, p.dtype, available_memory(p.device), str(p.device), others)
+
+
 def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tuple[PatchGroup, dict[int, PatchedAttention]]:
     if not isinstance(method, str):
         from .methods import list_methods
@@ -347,6 +366,7 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
             mod.to(device=p.device)
         _check_materialised(mod, i)
         built[i] = (orig, mod)
+    _check_state_memory(m, cfg, [mod for _, mod in built.values()], st, base)
     if st is None:
         st = _install(model, base)
     new: dict[int, PatchedAttention] = {}
@@ -547,6 +567,16 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
     st = state_of(model)
     directory = os.fspath(directory)
     check_replaceable(directory)
+    existed = os.path.isdir(directory)
+    try:
+        _write_patched(model, st, directory, tokenizer)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile ...: the user's path, not the staging one's
+        kept = f"the previous {directory} is kept as it was" if existed else f"no {directory} was made"
+        raise CheckpointError(f"save_patched: could not write {directory} ({e.strerror or e}); {kept}") from e
+    return directory
+
+
+def _write_patched(model: nn.Module, st: PatchState, directory: str, tokenizer) -> None:
     groups = [g.to_record() for g in st.groups]
     weights = method_state_dict(model)
     decoder = get_adapter(model).decoder_layers(model)
@@ -565,7 +595,6 @@ def save_patched(model: nn.Module, directory: str | os.PathLike, tokenizer=None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(work)
             write_patch(work, groups, weights, st.calibration)  # last: the record lists every other file
-    return directory
 
 
 def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
@@ -584,6 +613,7 @@ def apply_patch_record(model: nn.Module, directory: str | os.PathLike) -> nn.Mod
                 where = f" (patch {n + 1} of {len(groups)})" if len(groups) > 1 else ""
                 raise CheckpointError(f"{os.path.join(os.fspath(directory), PATCH_JSON)}{where}: {e}") from e
             applied.append(group)
+        check_weights_record(directory, groups)  # the groups fit the methods and the model: do they fit the weights?
         load_method_state_dict(model, sd, source=os.path.join(os.fspath(directory), PATCH_WEIGHTS))
         if calibration is not None:  # the calibration that chose these groups (longctx_patch/calibration.py)
             state_of(model).calibration = calibration

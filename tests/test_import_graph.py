@@ -42,11 +42,13 @@ LAYERS = (
     (f"{ROOT}.errors", 0),
     (f"{ROOT}.architectures", 1),  # shared by the methods and the API: model families, the checkpoint format,
     (f"{ROOT}.checkpoint", 1),  # packaged method weights, the tensor-parallel split of method tensors
+    (f"{ROOT}.saved_files", 1),  # a saved folder checked against its record (the loader and the patcher)
     (f"{ROOT}.tensor_parallel", 1),
     (f"{ROOT}.assets", 1),
     (f"{ROOT}.texts", 1),  # which files of a --text folder are read (train and evals)
     (f"{ROOT}.timing", 1),  # StepTimer (train and evals)
     (f"{ROOT}.provenance", 1),  # git_commit (train, evals and the scripts)
+    (f"{ROOT}.memory", 1),  # available_memory (the methods' state check, train's plan)
     (f"{ROOT}.patch_state", 1),  # the patch kept on the model, read by the methods, the cache and the API
     (f"{ROOT}.methods", 2),
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert

@@ -25,7 +25,8 @@ For each method:
    and context are its own, and unpatching it gives back the unpatched model bit for bit and leaves the original
    patched and unchanged;
 7. two patched models generating in two threads of one process give the tokens each gives alone (left-padded
-   batches of different shapes, so that each model's padding state is exercised).
+   batches of different shapes, so that each model's padding state is exercised); one patched model shared by
+   several threads: tests/test_concurrency.py (which takes its settings from SETTINGS here).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import longctx_patch as lp
 from longctx_patch.kernels.ovq import OpenChunk, OVQState, ovq_attention, ovq_attention_phased, phase_open_len
 
-from conftest import assert_padded_batch_exact, padded_batch_gap, tiny_model
+from conftest import assert_padded_batch_exact, left_padded_prompts, padded_batch_gap, tiny_model
 from test_qwen2_gqa import qwen_tiny
 
 C = 8
@@ -134,8 +134,8 @@ def test_padded_batch_exact_triton_interpreter():
 
 
 def test_padded_batch_exact_under_inference_mode():
-    """Under torch.inference_mode (masks without a version counter: the phases are not memoised) a padded batch
-    is still exact, without a cache and through generate()."""
+    """Under torch.inference_mode (masks without a version counter) a padded batch is still exact, without a cache
+    and through generate()."""
     model = tiny_model("llama", num_hidden_layers=2)
     lp.patch(model, "ovq", backend="torch", **CFG)
     model.generation_config.eos_token_id = None
@@ -278,3 +278,22 @@ def test_smollm2_padded_batch(smollm2):
         lp.unpatch(model)
         model.generation_config.eos_token_id = eos
     assert same and gap <= 1e-4, gap
+
+
+def test_phases_read_once_per_call_for_every_layer(monkeypatch):
+    """The rows' phases are read from the device once per forward call, kept in the call's own memo
+    (patch_state.CallState): the layers of one call share it, and nothing of it is left on the model or the module
+    for the next call."""
+    from longctx_patch.methods.ovq import attention as ovq_attention
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    lp.patch(model, "ovq", backend="torch", **CFG)
+    reads = []
+    orig = ovq_attention.left_padding
+    monkeypatch.setattr(ovq_attention, "left_padding", lambda km: reads.append(1) or orig(km))
+    _, ids, am = left_padded_prompts([14, 11, 5])
+    with torch.no_grad():
+        model(ids, attention_mask=am, use_cache=False)
+        assert len(reads) == 1
+        model(ids, attention_mask=am, use_cache=False)
+    assert len(reads) == 2

@@ -48,11 +48,11 @@ def test_icl_command_and_errors(tmp_path):
     assert data["summary"]["softmax"]["eval"]["64"]["mse_by_shots"]
     assert data["train_config"]["curriculum_length"] == 32 and data["train_config"]["curriculum_fraction"] == 0.5
     bad = CliRunner().invoke(icr_cmd, ["--curriculum", "64", "--out-dir", str(tmp_path), *TINY])
-    assert bad.exit_code == 1 and "LENGTH:FRACTION" in bad.output
+    assert bad.exit_code == 2 and "LENGTH:FRACTION" in bad.output
     bad = CliRunner().invoke(icr_cmd, ["--mixers", "mamba", "--out-dir", str(tmp_path), *TINY])
-    assert bad.exit_code == 1 and "unknown mixer" in bad.output
+    assert bad.exit_code == 2 and "unknown mixer" in bad.output
     bad = CliRunner().invoke(icr_cmd, ["--mixers", "softmax,ovq(window=3)", "--out-dir", str(tmp_path), *TINY])
-    assert bad.exit_code == 1 and "allowed keys: max_centroids, growth, chunk, beta, backend" in bad.output
+    assert bad.exit_code == 2 and "allowed keys: max_centroids, growth, chunk, beta, backend" in bad.output
     bad = CliRunner().invoke(icr_cmd, ["--lengths", "8k", "--num-keys", "16", "--mixers", "softmax",
                                        "--out-dir", str(tmp_path), *TINY])
     assert bad.exit_code == 1 and "num_keys" in bad.output

@@ -692,7 +692,7 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
 
     # user errors become one-line messages, not tracebacks
     bad = CliRunner().invoke(finetune_cmd, [str(rec), "--model", str(tiny_dir), "--set", "stages.0.lr=-2"])
-    assert bad.exit_code == 1 and bad.output.startswith("error: stages.0.lr: -2.0 is too small") \
+    assert bad.exit_code == 2 and bad.output.startswith("error: stages.0.lr: -2.0 is too small") \
         and "Traceback" not in bad.output  # the one-line style of every other verb
     nodata = CliRunner().invoke(finetune_cmd, [str(rec), "--set", "data.text=null", "--output", str(tmp_path / "x")])
     assert nodata.exit_code != 0 and "--text" in nodata.output

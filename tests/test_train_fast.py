@@ -99,9 +99,15 @@ def _grads(model, loss):
     return torch.autograd.grad(loss, params)
 
 
-def test_recomputed_attention_gives_the_same_gradients():
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("how", ["attention", "whole layers"])
+def test_recomputed_attention_gives_the_same_gradients(how, padded):
+    """The patched attentions recomputed in the backward (`attention_checkpointing`), or whole decoder layers
+    (transformers' gradient checkpointing, which replays a layer with the keyword arguments of its call: the call's
+    padding, patch_state.CallState, among them), give the gradients of the plain backward, padded rows included."""
     from longctx_patch.patcher import patch_context
     from longctx_patch.train.params import method_parameters
+    from longctx_patch.train.stage_loop import activation_checkpointing
 
     model = _patched_tiny()
     for p in model.parameters():
@@ -110,15 +116,25 @@ def test_recomputed_attention_gives_the_same_gradients():
         p.requires_grad_(True)
     model.model.embed_tokens.weight.requires_grad_(True)  # gradients also cross the layers
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    kw = dict(input_ids=ids, labels=ids, use_cache=False)
+    if padded:  # a left-padded row: its real tokens would see the padding's keys were the mask lost
+        am = torch.ones_like(ids)
+        am[1, :5] = 0
+        kw.update(attention_mask=am, labels=ids.masked_fill(am == 0, -100))
     ctx = patch_context(model)
-    plain = model(input_ids=ids, labels=ids, use_cache=False).loss
+    plain = model(**kw).loss
     g_plain = _grads(model, plain)
-    ctx.recompute = True
+    if how == "attention":
+        ctx.recompute = True
+    else:
+        activation_checkpointing(model, True)
     try:
-        again = model(input_ids=ids, labels=ids, use_cache=False).loss
+        again = model(**kw).loss
         g_again = _grads(model, again)
     finally:
         ctx.recompute = False
+        if how != "attention":
+            activation_checkpointing(model, False)
     _close(again, plain)
     assert len(g_plain) > 3
     for a, b in zip(g_again, g_plain):

@@ -6,9 +6,13 @@ GPU work, so one step is captured once and replayed.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-_CAPTURE_STREAMS: dict = {}
+# the side stream each thread captures on, per device: two threads capturing at once on one stream would record
+# each other's work (a server's request threads sharing a patched model)
+_CAPTURE_STREAMS = threading.local()
 # set while the CPU stand-in of a CUDA graph (decode_graphs.SIMULATE, tests) records or replays a step: what a step
 # skips under a real capture it skips then too (`capturing`)
 SIMULATED_CAPTURE = False
@@ -30,17 +34,20 @@ def capture_graph(fn, device: torch.device | int | None = None, pool=None):
     side stream that first waits for the current one; the current stream then waits for it. Allocations
     inside fn come from the graph's private pool, as with the context. ``device``: the CUDA device of the
     work (default: the current one). ``pool``: a `torch.cuda.graph_pool_handle()` shared with other graphs
-    replayed one at a time (decode_graphs.py), else a private pool."""
+    replayed one at a time (decode_graphs.py), else a private pool. Each thread captures on a side stream of its
+    own, in the "thread_local" error mode: another thread's work meanwhile neither enters the graph nor fails
+    because of it."""
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         dev = torch.cuda.current_device()
-        side = _CAPTURE_STREAMS.get(dev)
+        streams = _CAPTURE_STREAMS.__dict__.setdefault("by_device", {})
+        side = streams.get(dev)
         if side is None:
-            side = _CAPTURE_STREAMS[dev] = torch.cuda.Stream(dev)
+            side = streams[dev] = torch.cuda.Stream(dev)
         cur = torch.cuda.current_stream(dev)
         side.wait_stream(cur)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            g.capture_begin(pool=pool) if pool is not None else g.capture_begin()
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 out = fn()
             finally:

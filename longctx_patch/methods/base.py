@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, MemoryBudgetError
 from ..kernels.backend import on_device
-from ..patch_state import PatchContext
+from ..patch_state import CALL_ARG, CallState, PatchContext
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -76,6 +76,9 @@ def _base_type(f):
 
 
 def _coerce(f: dataclasses.Field, value, cls_name: str):
+    if isinstance(value, (bytes, bytearray, memoryview)):  # int(b"7") would read it: a number or a name is text
+        raise ConfigError(f"{cls_name}: {f.name}={bytes(value)!r} is bytes, not a value; allowed: {_allowed(f)} "
+                          "(decode bytes first: value.decode())")
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and _optional(f)):
         if _optional(f):
             return None
@@ -230,6 +233,12 @@ class PatchedAttention(nn.Module):
     def attend(self, q, k, v, cache_layer, padding):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def attend_call(self, q, k, v, cache_layer, call: CallState | None):
+        """`attend` for one forward call, whose state (`call`: its padding, its memo; None outside a patched model's
+        forward) the decoder layers pass on. A method that computes something once per call for all its layers
+        overrides this to reach `call.memo` (muse's row groups)."""
+        return self.attend(q, k, v, cache_layer, call.key_mask if call is not None else None)
+
     def make_cache_layer(self):
         """The transformers cache layer this module decodes with. Default: a full KV cache."""
         from transformers.cache_utils import DynamicLayer
@@ -287,14 +296,15 @@ class PatchedAttention(nn.Module):
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
+        call = kwargs.get(CALL_ARG)  # this forward call's own state (patch_state.CallState), never the model's
         with on_device(hidden_states):  # the kernels launch on this layer's GPU in a model split over several
             q, k, v = self.project(hidden_states, position_embeddings)
             layer = cache.layers[self.layer_idx] if cache is not None else None
-            padding = self._ctx.key_mask if self._ctx is not None else None
+            padding = call.key_mask if call is not None else None
             if layer is None and self._ctx is not None and self._ctx.recompute and torch.is_grad_enabled():
-                o = checkpoint(self.attend, q, k, v, None, padding, use_reentrant=False)
+                o = checkpoint(self.attend_call, q, k, v, None, call, use_reentrant=False)
             else:
-                o = self.attend(q, k, v, layer, padding)
+                o = self.attend_call(q, k, v, layer, call)
             transfer = self._ctx.transfer if self._ctx is not None else None
             if transfer is not None:
                 o = transfer.record(self, q, k, v, padding, o)
@@ -355,6 +365,10 @@ class Method:
     # such methods on every layer prefills long prompts in chunks by default (patcher.set_prefill_chunk), so that the
     # prefill's activations, not only the state, stay bounded
     bounded_state: ClassVar[bool] = False
+    # the options that size the decode state its cache layers allocate from the first token (a window buffer, a
+    # dictionary): patch() checks that one sequence's state fits the device's memory (check_state_memory), and the
+    # refusal names these with the largest value of each that fits
+    state_options: ClassVar[tuple[str, ...]] = ()
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)
@@ -385,6 +399,60 @@ class Method:
 
     def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
+
+    def check_state_memory(self, modules: list[PatchedAttention], config: MethodConfig, dtype: torch.dtype,
+                           available: int | None, device: str, others: int = 0) -> None:
+        """Runs before any layer is swapped: MemoryBudgetError when the decode state one sequence allocates from its
+        first token (`state_bytes(1)` of `modules`: a window buffer, a dictionary, a sparse cache ... sized by
+        options, not by the context), plus `others` bytes of the model's other patched layers, exceeds `available`
+        bytes of `device`. A state that does not fit now would fail at the first forward (or be killed once filled).
+        The message names the options in `state_options` and the largest value of each that fits, the others as
+        they are. `available` None (unknown, e.g. the meta device): no check."""
+        if available is None or not modules:
+            return
+        need = _state_at(modules, config, dtype)
+        if need + others <= available:
+            return
+        from ..memory import gib
+
+        fits = []
+        for key in self.state_options:
+            now = getattr(config, key)
+            if not isinstance(now, int) or isinstance(now, bool):
+                continue
+            f = next(f for f in fields(config) if f.name == key)
+            lo = f.metadata.get("min") or 0
+            if _state_at(modules, dataclasses.replace(config, **{key: lo}), dtype) + others > available:
+                continue  # no value of this one alone fits
+            hi = now  # the largest value that fits lies in [lo, now)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if _state_at(modules, dataclasses.replace(config, **{key: mid}), dtype) + others <= available:
+                    lo = mid
+                else:
+                    hi = mid
+            fits.append(f"{key}={lo} (now {now})")
+        where = f" besides the {gib(others)} of the other patched layers" if others else ""
+        todo = ("at most " + ", or ".join(fits) + " fits, the other options as they are" if fits else
+                "no smaller " + "/".join(self.state_options) + " alone makes it fit" if self.state_options else
+                "patch fewer layers")
+        raise MemoryBudgetError(
+            f"{self.name}: the decode state of one sequence, allocated from its first token, would take {gib(need)} "
+            f"over {len(modules)} layer{'s' if len(modules) > 1 else ''}{where}, more than the {gib(available)} "
+            f"available on {device}; {todo}"
+        )
+
+
+def _state_at(modules: list[PatchedAttention], config: MethodConfig, dtype: torch.dtype) -> int:
+    """The decode state of one sequence after one token over `modules`, were their config `config`."""
+    kept = [m.method_config for m in modules]
+    try:
+        for m in modules:
+            m.method_config = config
+        return sum(m.state_bytes(1, batch=1, dtype=dtype) for m in modules)
+    finally:
+        for m, c in zip(modules, kept):
+            m.method_config = c
 
 
 def format_layers(idx) -> str:

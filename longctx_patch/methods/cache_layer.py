@@ -15,6 +15,8 @@ class LongctxLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    # why a layer that is not croppable cannot take tokens back (assisted decoding's refusal names it: cache.py)
+    crop_refusal = "its state is not a list of tokens"
     state_names: tuple[str, ...] = ()
     # host-side fields a decode step moves on (decode_graphs.py replays a step and moves them as it did)
     host_fields: tuple[str, ...] = ("seen",)

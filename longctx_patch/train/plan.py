@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import MemoryBudgetError
+from ..memory import available_memory
 from .recipe import Recipe, Stage
 
 GIB = 2**30
@@ -368,34 +369,6 @@ def process_memory() -> int:
         return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
     except (OSError, AttributeError):
         return 0
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes a run may still take: free memory of a CUDA device, else the host's available memory (MemAvailable),
-    capped by this process's cgroup limit where one is set; None where neither can be read."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
-    if dev.type != "cpu":
-        return None
-    avail = None
-    try:
-        m = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
-        avail = int(m.group(1)) * 1024 if m else None
-    except OSError:
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            if limit != "max" and int(limit) < 1 << 60:
-                free = int(limit) - int(Path(usage_file).read_text().strip())
-                avail = free if avail is None else min(avail, free)
-            break
-        except (OSError, ValueError):
-            continue
-    return avail
 
 
 def peak_memory_reset() -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import yaml
 
 from ..errors import ConfigError
+from ..texts import binary_reason
 
 OBJECTIVES = ("attention_transfer", "next_token")
 TRAINABLE = ("method", "lora", "full")
@@ -465,7 +466,17 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         if not p.is_file():
             raise ConfigError(f"recipe file {str(p)!r} not found; pass the path of a YAML recipe such as recipes/linearize.yaml")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            reason = binary_reason(p)
+            text = p.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise ConfigError(f"recipe {str(p)!r} cannot be read ({e.strerror or e}); pass a readable YAML recipe") from None
+        except UnicodeDecodeError as e:  # past the probe of binary_reason
+            reason = f"bytes that are not UTF-8 at offset {e.start}"
+        if reason is not None:
+            raise ConfigError(f"recipe {str(p)!r} is not text ({reason}); pass a YAML recipe such as "
+                              "recipes/linearize.yaml")
+        try:
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {str(p)!r} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -112,6 +112,10 @@ def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: i
     qp = q if Sp == S else torch.nn.functional.pad(q, (0, 0, 0, Sp - S))  # (a zero pad would copy)
     use_triton = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
                   and resolve_backend(backend, q, what="muse plan") == "triton")
+    # more clusters than queries: the evenly spaced initial centroids repeat queries, and a repeat never wins a
+    # member (ties go to the lowest cluster), so the clusters are those of one per query; without the repeats,
+    # whose centroids and summaries would be allocated for nothing (q_clusters=2**31-1 asked for 16 GiB at 20 tokens)
+    q_clusters = min(q_clusters, Sp)
     cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton)
     key = assign * Sp + torch.arange(Sp, device=q.device)
     key = torch.where(valid[:, None, :], key, q_clusters * Sp + torch.arange(Sp, device=q.device))  # padding last

@@ -28,6 +28,7 @@ class Lola(Method):
     module_cls = LolaAttention
     window_conflict = "attends linearly (and through its sparse cache) to every token older than its own window"
     bounded_state = True
+    state_options = ("window", "chunk", "sparse_cache", "feature_dim")
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)

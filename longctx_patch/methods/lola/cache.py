@@ -23,7 +23,7 @@ class LolaLayer(LongctxLayer):
     the buffered keys older than the window (computed once per key; kernels/lola/state.py), nb_t [B] int64: the
     buffered count on the device (what a replayed decode step reads). Nothing grows with the context.
     """
-
+    crop_refusal = "its linear state sums every token older than the window, and a sum cannot give one back"
     state_names = ("win_k", "win_v", "win_mask", "sp_k", "sp_v", "sp_score", "H", "s", "win_fk", "nb_t")
     host_fields = ("seen", "nb")
 

@@ -24,6 +24,7 @@ class Lolcats(Method):
     module_cls = LolcatsAttention
     window_conflict = "attends linearly to every token older than its own window"
     bounded_state = True
+    state_options = ("window", "chunk", "feature_dim")
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)

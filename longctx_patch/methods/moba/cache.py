@@ -44,7 +44,8 @@ class MobaLayer(KVBufferLayer):
 
     fp32 (float64 for a float64 model), as `moba_reference` computes the gate. Not croppable: the queries of dropped
     tokens cannot be taken out of the sum."""
-
+    crop_refusal = ("with gating='block' it holds the sum of the current block's queries, which cannot give one back "
+                    "(gating='token' can)")
     state_names = KVBufferLayer.state_names + ("query_sum", "key_sums", "block_start", "n_real")
     is_croppable = False
 

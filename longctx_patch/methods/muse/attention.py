@@ -59,7 +59,13 @@ class MuseAttention(ExactAttention):
         prefill long enough runs. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
         return self._muse(q, k, v, key_mask)
 
-    def attend(self, q, k, v, cache_layer, padding):
+    def attend_call(self, q, k, v, cache_layer, call):
+        """`attend` with the call's memo, where the row groups of a padded prefill are kept once for every layer."""
+        if call is None:
+            return self.attend(q, k, v, cache_layer, None)
+        return self.attend(q, k, v, cache_layer, call.key_mask, memo=call.memo)
+
+    def attend(self, q, k, v, cache_layer, padding, memo: dict | None = None):
         past = _past_len(cache_layer)
         S = q.shape[2]
         if not self.uses_muse(S, past):  # decode, continued prefill, short calls: exact, as `exact` runs them
@@ -72,7 +78,7 @@ class MuseAttention(ExactAttention):
         if km is None:
             o = self._muse(q, k, v, None)
         else:
-            o = self._muse_padded(q, k, v, km, padding)
+            o = self._muse_padded(q, k, v, km, padding, memo)
             if o is None:  # every row alone would be shorter than min_seq_len / block_size: exact
                 return softmax_attention(q, k, v, scale=self.scaling, key_mask=km)
         t = min(self.method_config.exact_tail, S)
@@ -96,13 +102,13 @@ class MuseAttention(ExactAttention):
         return guard(o, q, k, v, km, config=c, scale=self.scaling, skip=heads, layer=self.layer_idx, rows=rows,
                      head_offset=first)
 
-    def _muse_padded(self, q, k, v, km, padding):
+    def _muse_padded(self, q, k, v, km, padding, memo: dict | None = None):
         """A prefill of a padded batch, each row as that prompt alone (docs/muse.md, "Padded batches"): rows whose
         real length takes MuSe, grouped by their left padding modulo block_size, run one MuSe call per group on the
         columns after the group's smallest padding (so every row of it is padded by whole blocks, which are neutral);
         the other rows take exact attention. None when no row takes MuSe."""
         c = self.method_config
-        groups = _row_groups(self._ctx, padding, km, c.get("block_size"), self.min_len())
+        groups = _row_groups(memo, padding, km, c.get("block_size"), self.min_len())
         if groups is None:  # one group: the whole batch, no columns to drop, the key mask as it is
             return self._muse(q, k, v, km)
         if not groups[0]:
@@ -131,15 +137,15 @@ def _device_type(mod) -> str:
     return "cpu" if p is None else p.device.type
 
 
-def _row_groups(ctx, padding, km, block: int, min_len: int):
+def _row_groups(memo: dict | None, padding, km, block: int, min_len: int):
     """The rows of a padded prefill as MuSe runs them (see MuseAttention._muse_padded), computed once per forward
-    (every layer sees the same mask object: one host read, cached on the PatchContext). None when the whole batch is
+    (one host read, kept in the call's memo, `CallState.memo`, for the next layers). None when the whole batch is
     one group with no column to drop; else ([(rows or None, trim, masked)] of the MuSe groups, the rows of exact
     attention or None). A row's real length (its True entries) decides between MuSe (longer than `block` and at
     least `min_len`) and exact attention, as it would alone; `masked`: some row of the group keeps padding after the
     trim (else its MuSe call takes no key mask, as the prompts alone do)."""
     key = (block, min_len, tuple(km.shape), padding._version)  # _version: a mask changed in place is read again
-    cached = getattr(ctx, "_muse_rows", None)
+    cached = memo.get("muse_rows") if memo is not None else None
     if cached is not None and cached[0] is padding and cached[1] == key:
         return cached[2]
     B, S = km.shape
@@ -157,8 +163,8 @@ def _row_groups(ctx, padding, km, block: int, min_len: int):
     exact = [r for r in range(B) if not takes_muse[r]]
     res = None if len(groups) == 1 and groups[0][0] is None and groups[0][1] == 0 else \
         (groups, torch.tensor(exact, device=km.device) if exact else None)
-    if ctx is not None:
-        ctx._muse_rows = (padding, key, res)
+    if memo is not None:
+        memo["muse_rows"] = (padding, key, res)
     return res
 
 

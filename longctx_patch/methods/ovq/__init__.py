@@ -22,6 +22,7 @@ class OVQ(Method):
     module_cls = OVQAttention
     window_conflict = "attends to a dictionary of every earlier chunk"
     bounded_state = True
+    state_options = ("max_centroids", "chunk_size")
 
 
 __all__ = ["OVQ", "OVQAttention", "OVQConfig", "OVQLayer", "row_phases"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +36,13 @@ class OVQAttention(PatchedAttention):
         beta = self.ovq_log_beta.exp()
         return (q.float() * beta[None, :, None, None]).to(q.dtype), k
 
-    def attend(self, q, k, v, cache_layer, padding):
+    def attend_call(self, q, k, v, cache_layer, call):
+        """`attend` with the call's memo, where each row's chunk phase is kept once for every layer."""
+        if call is None:
+            return self.attend(q, k, v, cache_layer, None)
+        return self.attend(q, k, v, cache_layer, call.key_mask, memo=call.memo)
+
+    def attend(self, q, k, v, cache_layer, padding, memo: dict | None = None):
         cfg: OVQConfig = self.method_config
         S = q.shape[2]
         qs, ks = self._scaled(q, k)
@@ -46,7 +51,7 @@ class OVQAttention(PatchedAttention):
                   backend=cfg.backend, exact_assign=cfg.exact_assign,
                   parallel={"auto": None, "parallel": True, "loop": False}[cfg.train_path])
         if cache_layer is None:
-            phases = row_phases(padding, cfg.chunk_size)
+            phases = row_phases(padding, cfg.chunk_size, memo)
             if phases is not None:
                 o, _, _ = ovq_attention_phased(qs, ks, v, None, None, valid, phases, padding.shape[1] - S,
                                                keep_state=False, **kw)
@@ -57,7 +62,7 @@ class OVQAttention(PatchedAttention):
             raise TypeError(f"layer {self.layer_idx} is patched with ovq but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
         if cache_layer.seen == 0:  # the first forward fixes each row's chunk grid
-            cache_layer.phases = row_phases(padding, cfg.chunk_size)
+            cache_layer.phases = row_phases(padding, cfg.chunk_size, memo)
         if cache_layer.phases is not None:
             state, op, _ = cache_layer.get_state()
             o, state, op = ovq_attention_phased(qs, ks, v, state, op, valid, cache_layer.phases, cache_layer.seen,
@@ -91,25 +96,22 @@ class OVQAttention(PatchedAttention):
         return dictionary + open_chunk
 
 
-_PHASES: list = [None]  # (weakref to the last key mask, its version, chunk, phases): one forward's layers share it
-
-
-def row_phases(padding: torch.Tensor | None, chunk: int) -> tuple[int, ...] | None:
+def row_phases(padding: torch.Tensor | None, chunk: int, memo: dict | None = None) -> tuple[int, ...] | None:
     """Each row's left padding modulo `chunk` (host ints: one host sync per forward with padding), or None when
     there is no padding or every row's padding is whole chunks (those rows are in phase: the plain path).
 
-    Memoised on the mask object and its version counter, which the layers of one forward share. An inference
-    tensor (torch.inference_mode) has no version counter: it is not memoised (one sync per layer, and only in
-    the first forward of a cache, or in every forward without one)."""
+    Kept in `memo` (the forward call's `CallState.memo`, which the layers of one call share, each reading the same
+    mask object): one host read per call, however many layers."""
     if padding is None:
         return None
-    version = None if padding.is_inference() else padding._version
-    memo = _PHASES[0]
-    if version is not None and memo is not None and memo[0]() is padding and memo[1:3] == (version, chunk):
-        return memo[3]
+    key = ("ovq_phases", chunk)
+    cached = memo.get(key) if memo is not None else None
+    if cached is not None and cached[0] is padding:
+        return cached[1]
     ph = (left_padding(padding) % chunk).tolist()
     out = tuple(int(p) for p in ph) if any(ph) else None
-    _PHASES[0] = (weakref.ref(padding), version, chunk, out) if version is not None else None
+    if memo is not None:
+        memo[key] = (padding, out)
     return out
 
 

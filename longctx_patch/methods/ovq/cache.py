@@ -24,7 +24,7 @@ class OVQLayer(LongctxLayer):
     computes what it computes alone (``kernels.ovq.ovq_attention_phased``). The open chunk then holds each row's
     own open tokens right-aligned, as wide as the longest (``open_len``; columns left of a row's part are masked).
     """
-
+    crop_refusal = "its dictionaries absorb every chunk, and cannot give a token back"
     state_names = ("key_sums", "value_sums", "counts", "n_active", "absorbed", "open_keys", "open_values", "open_valid",
                    "open_pos")
     host_fields = ("seen", "open_len")

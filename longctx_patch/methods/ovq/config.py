@@ -18,7 +18,9 @@ class OVQConfig(MethodConfig):
         min=0.0,
     )
     beta: float = option(12.0, "initial inverse temperature of the unit-normalised q.k logits (qk_norm=true; "
-                         "with qk_norm=false the temperature starts at the model's own 1/sqrt(head_dim))", min=1e-3)
+                         "with qk_norm=false the temperature starts at the model's own 1/sqrt(head_dim)); at most "
+                         "10000: the logits lie in [-beta, beta], attention is one-hot long before, and a half-precision "
+                         "model's logits overflow at 65504", min=1e-3, max=1e4)
     learn_beta: bool = option(True, "learn the inverse temperature (one per query head) during fine-tuning")
     qk_norm: bool = option(False, "unit-normalise q and k as in the OVQ paper (needs a fine-tune); false keeps the "
                            "model's raw post-rotary q/k, so the patched model works before any training")
