@@ -30,7 +30,7 @@ KINDS = {
     "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache"),
     "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks", "tilted-cells-speed", "tilt-span",
              "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff",
-             "calibration", "calibrated", "muse-vs-moba"),
+             "calibration", "calibrated", "muse-vs-moba", "guard"),
     "ovq": ("overlap", "profile", "speed", "train-speed"),
     "multigpu": ("linearize", "throughput"),
 }
@@ -231,6 +231,21 @@ def h_error_anatomy(d):
     return f"rel. error, mean of {len(layers)} layers: " + per_label(mean, lambda v: f"{v:.3g}")
 
 
+def h_guard(d):
+    """bench_muse_guard: per length, perplexity against unpatched and the heads made exact of each variant."""
+    parts = []
+    for L, row in d["lengths"].items():
+        ppl, err = row.get("ppl", {}), row.get("errors", {}).get("summary", {})
+        for label in ppl or err:
+            if label == "unpatched" or label == "exact":
+                continue
+            p = ppl.get(label, {}).get("vs_unpatched")
+            e = err.get(label, {})
+            parts.append(f"{L} {label}: " + (f"ppl {100 * p:+.2f}%" if p is not None else "")
+                         + (f", {e['heads_exact']}/{e['heads']} heads exact" if "heads_exact" in e else ""))
+    return "; ".join(parts)
+
+
 def h_retrieval(d):
     return "mean rel. error: " + per_label(d["mean"], lambda v: f"{v:.3g}")
 
@@ -242,7 +257,7 @@ RULES: dict[str, Callable[[dict], str]] = {
     "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,
     "muse-farfield-study": h_fidelity, "muse-fast-study": h_fidelity, "muse-retrieval-study": h_retrieval,
     "lola-speed": h_lola_speed, "racecheck": h_racecheck, "decode-attention": h_decode_attention,
-    "muse-error-anatomy": h_error_anatomy, "peers": h_peers,
+    "muse-error-anatomy": h_error_anatomy, "peers": h_peers, "muse-guard": h_guard,
 }
 # the fallback: (key pattern, how to sum the values found under it, wording)
 FALLBACK = (

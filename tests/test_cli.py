@@ -1,6 +1,7 @@
 """CLI verbs run, and bad input exits non-zero with one readable line."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -138,12 +139,15 @@ def test_patch_fidelity_says_when_muse_ran_exactly(tiny_dir, one_thread):
     assert "fidelity on 1024 tokens" in r.output
     assert "the check ran exactly: at 1024 tokens every query of muse attends its keys exactly" in r.output, r.output
     assert "far field starts at block 23 (token 5888)" in r.output and "--fidelity-tokens 7680" in r.output
+    assert "muse guard: 3 MuSe calls, nothing measured" in r.output, r.output  # nothing approximated to measure
     r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "block_size=32", "--set", "k_clusters=4",
             "--set", "min_seq_len=256", "--set", "topk_blocks=2", "--set", "peak_blocks=1", "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert "fidelity on 1024 tokens" in r.output and "positions 192..1023" in r.output, r.output
     worst, _ = _past_start(r.output)
     assert worst > 1e-3 and "ran exactly" not in r.output, r.output
+    # the guard measured 3 layers x 4 heads in the check's forward, and says what it did
+    assert re.search(r"muse guard: \d+ of 12 head estimates over [\d.]+% made exact", r.output), r.output
 
 
 def test_patch_fidelity_of_exact_and_a_short_check(tiny_dir):

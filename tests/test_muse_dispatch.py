@@ -115,7 +115,8 @@ def test_the_op_runs_what_the_layer_runs():
     """`op` (longctx eval speed --op) takes the same decision: exact attention below min_len, MuSe from it."""
     m = get_method("muse")
     q, k, v = rand_qkv(1, 4, 2, 200, 16)
-    default, forced = m.parse_config(SMALL), m.parse_config({**SMALL, "min_seq_len": 0})
+    # the guard off: on random Q/K/V it makes every head exact (MuSe errs ~60% there; tests/test_muse_guard.py)
+    default, forced = m.parse_config(SMALL), m.parse_config({**SMALL, "min_seq_len": 0, "guard_error": None})
     assert torch.equal(m.module_cls.op(q, k, v, scale=0.25, config=default), softmax_attention(q, k, v, scale=0.25))
     o = m.module_cls.op(q, k, v, scale=0.25, config=forced)
     assert (o - softmax_attention(q, k, v, scale=0.25)).abs().max() > 1e-4

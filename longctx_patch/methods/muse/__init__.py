@@ -3,7 +3,8 @@
 The softmax kernel of each patched layer is replaced by MuSe (longctx_patch.kernels.muse) for prefill
 without a past (q_len == k_len > block_size and >= min_seq_len); decode steps, continued prefill and
 short sequences take exact softmax attention over a full KV cache, so `generate()` is exact after the
-prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tail` queries exactly. The
+prompt; a prefill that fills a cache in eval mode recomputes its last `exact_tail` queries exactly. Each MuSe call
+measures its heads' error on a few sampled query rows and runs those over `guard_error` exactly (guard.py). The
 projections are the original ones: no new parameters. docs/muse.md explains every option.
 """
 
@@ -15,6 +16,7 @@ from ...kernels.muse import attended_keys
 from ..base import Method, register_method
 from .attention import MuseAttention
 from .config import CROSSOVER, FAR_FIELD_DEFAULTS, Q_CLUSTERS, MuseConfig
+from .guard import GuardCall, GuardLog, guard_log
 
 # the budgets a calibration tries per layer (longctx_patch.calibrate): retrieved blocks per score (topk_blocks =
 # peak_blocks = b for the cells plans; topk_blocks = b for the tilted design) and key cells (the config's k_clusters
@@ -83,5 +85,5 @@ class Muse(Method):
                 "prefills, or use the CPU for checks only. backend='torch' (CLI: --set backend=torch) silences this.", stacklevel=3)
 
 
-__all__ = ["CROSSOVER", "FAR_FIELD_DEFAULTS", "LADDER_BLOCKS", "LADDER_CELLS", "Muse", "MuseAttention", "MuseConfig",
-           "Q_CLUSTERS"]
+__all__ = ["CROSSOVER", "FAR_FIELD_DEFAULTS", "GuardCall", "GuardLog", "LADDER_BLOCKS", "LADDER_CELLS", "Muse",
+           "MuseAttention", "MuseConfig", "Q_CLUSTERS", "guard_log"]

@@ -12,6 +12,8 @@ from ..cache_layer import LongctxLayer
 from ..exact.attention import ExactAttention
 from ..kv_layer import KVBufferLayer
 from ..padding import PhaseGroup, left_padding
+from .guard import guard
+from .heads import with_exact_heads
 
 
 def _past_len(cache_layer) -> int:
@@ -49,11 +51,12 @@ class MuseAttention(ExactAttention):
         if S <= config.get("block_size") or S < config.min_len(q.device.type, q.shape[-1]):
             return softmax_attention(q, k, v, scale=scale)
         o = muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
-        return with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
+        o = with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
+        return guard(o, q, k, v, None, config=config, scale=scale, skip=config.exact_heads)
 
     def approximate(self, q, k, v, key_mask=None):
-        """This layer's MuSe output for one call whatever its length (`exact_heads` exact): what a prefill long
-        enough runs, as `longctx_patch.calibrate` measures it. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
+        """This layer's MuSe output for one call whatever its length (`exact_heads` exact, then the guard): what a
+        prefill long enough runs. q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]`."""
         return self._muse(q, k, v, key_mask)
 
     def attend_call(self, q, k, v, cache_layer, call):
@@ -86,13 +89,18 @@ class MuseAttention(ExactAttention):
             o[:, S - t:] = tail
         return o
 
-    def _muse(self, q, k, v, km):
-        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **self.method_config.kernel_kwargs())
-        heads = self.method_config.exact_heads
-        if heads and self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
+    def _muse(self, q, k, v, km, rows=None):
+        """MuSe over one call (`rows`: its rows in the forward's batch, None: all), the `exact_heads` exact, then
+        the guard (guard.py): the heads it measures over `guard_error` exact for this call."""
+        c = self.method_config
+        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **c.kernel_kwargs())
+        heads, first = c.exact_heads, 0
+        if self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
             first = self.head_shard.rank * self.num_heads
             heads = [h - first for h in heads if first <= h < first + self.num_heads]
-        return with_exact_heads(o, q, k, v, heads, scale=self.scaling, key_mask=km)
+        o = with_exact_heads(o, q, k, v, heads, scale=self.scaling, key_mask=km)
+        return guard(o, q, k, v, km, config=c, scale=self.scaling, skip=heads, layer=self.layer_idx, rows=rows,
+                     head_offset=first)
 
     def _muse_padded(self, q, k, v, km, padding, memo: dict | None = None):
         """A prefill of a padded batch, each row as that prompt alone (docs/muse.md, "Padded batches"): rows whose
@@ -110,7 +118,7 @@ class MuseAttention(ExactAttention):
         for rows, trim, masked in groups[0]:
             g = PhaseGroup(rows, trim)
             parts.append((rows, trim, self._muse(g.take(q, 2), g.take(k, 2), g.take(v, 2),
-                                                 g.take(km, 1) if masked else None)))
+                                                 g.take(km, 1) if masked else None, rows=rows)))
         if groups[1] is not None:
             g = PhaseGroup(groups[1], 0)
             parts.append((groups[1], 0, softmax_attention(g.take(q, 2), g.take(k, 2), g.take(v, 2),
@@ -127,19 +135,6 @@ class MuseAttention(ExactAttention):
 def _device_type(mod) -> str:
     p = next(mod.parameters(), None)
     return "cpu" if p is None else p.device.type
-
-
-def with_exact_heads(o, q, k, v, heads, *, scale: float, key_mask=None):
-    """`o` [B, S, Hq, D] with the query heads `heads` replaced by exact causal attention (each query head with its kv
-    head, GQA); `o` itself when `heads` is empty. Out of place, so gradients flow through both parts."""
-    if not heads:
-        return o
-    G = q.shape[1] // k.shape[1]
-    idx = torch.tensor(heads, device=q.device)
-    kv = torch.div(idx, G, rounding_mode="floor")
-    exact = softmax_attention(q.index_select(1, idx), k.index_select(1, kv), v.index_select(1, kv), scale=scale,
-                              key_mask=key_mask)
-    return o.index_copy(2, idx, exact.to(o.dtype))
 
 
 def _row_groups(memo: dict | None, padding, km, block: int, min_len: int):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ...errors import ConfigError
 from ...kernels.muse import BACKENDS, FAR_FIELDS
 from ..base import MethodConfig, option
+from .guard import GUARD_ERROR, GUARD_ROWS
 
 
 # defaults of the options whose best value depends on the far field (measured: docs/PERFORMANCE.md, "The cells far
@@ -104,6 +105,12 @@ class MuseConfig(MethodConfig):
                              "queries attend exactly to every key, recomputed after MuSe (the question at the end of "
                              "a prompt, and the positions the first generated token reads); 0: off. Training, "
                              "perplexity without a cache and the op-level kernel are unaffected", min=0)
+    guard_error: float | None = option(GUARD_ERROR, "the run-time guard: every long prefill measures each head's "
+                                       "error on guard_rows sampled query rows against exact attention (relative L2 "
+                                       "over the rows MuSe approximates) and runs the heads above this budget "
+                                       "exactly for that call; None or 0: off (docs/muse.md, 'The guard')", min=0.0)
+    guard_rows: int = option(GUARD_ROWS, "query rows per batch row and head that the guard measures, stratified "
+                             "over the approximated positions", min=1, max=4096)
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
 
@@ -124,6 +131,10 @@ class MuseConfig(MethodConfig):
 
     def check(self) -> None:
         self.exact_heads = parse_heads(self.exact_heads)
+        if self.guard_error is not None and not self.guard_error < 1:
+            raise ConfigError(f"MuseConfig: guard_error={self.guard_error!r}: give the relative error a head's "
+                              "attention output may have against exact attention before the guard makes it exact, a "
+                              "number in [0, 1) (0.05 for 5%), or None / 0 to switch the guard off")
         L = self.get("block_size")
         if self.get("k_clusters") > L or (self.far_field == "tilted" and self.get("q_clusters") > L):
             raise ConfigError(

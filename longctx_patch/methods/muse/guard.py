@@ -1,0 +1,320 @@
+"""MuSe's run-time guard: each long prefill measures its own error per head and runs the heads over budget exactly.
+
+MuSe's error is not spread evenly: on Qwen2.5-Coder-0.5B at 32k the cells defaults err 1-4% in most layers and
+15-35% in a few, from a few heads whose far attention needs individual keys (docs/muse.md, sections 7 and 9). A
+fixed budget cannot know which heads those are on a given text and length, so the guard measures them in the call
+(docs/muse.md, section 10):
+
+1. *Sample.* In each batch row, among the A rows MuSe approximates (queries whose earlier keys are not all attended
+   exactly: from `first_approximated(config)` tokens after the row's first real token on), `guard_rows` query rows:
+   per head the quarter with the largest MuSe output (a take-all stratum: a head's error sits mostly in a few rows of
+   large output), and the rest stratified over the A rows, one per stratum of equal width at a fixed low-discrepancy
+   offset (the golden-ratio sequence: the positions inside a block vary), standing for the head's other rows
+   (`sampled_rows`). A <= guard_rows: every row. Positions count the row's real tokens only, so a padded row samples
+   what the prompt alone samples; nothing random is drawn (torch's RNG state is untouched) and the same call samples
+   the same rows.
+2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (SDPA in the
+   call's dtype, fp32 softmax: what the head made exact would compute; `guard_rows` x S per head, about 1% of
+   MuSe's key work at 32k), compared with MuSe's output for the same rows. A head's estimated error is the weighted
+   ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)` (w_i: 1 for a top row, else the rows its stratum
+   stands for): the relative L2 error of the head's output over the approximated rows (its whole-call error, which
+   the early exact rows dilute, is at most this).
+3. *Act.* Every (batch row, head) whose estimate exceeds `guard_error` gets exact attention for this call
+   (`with_exact_heads`, the machinery of a calibration's `exact_heads`); the other heads keep MuSe's output
+   untouched. Heads already exact (`exact_heads`) are not measured.
+
+Nothing is kept on the module or the model: a call's decisions live in the call. `guard_log()` records what the
+guard did in the current thread (or asyncio task) as `GuardCall`s, for a user who wants to see it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from .heads import with_exact_heads
+
+GUARD_ERROR = 0.1  # guard_error's default (docs/muse.md, section 10: why)
+GUARD_ROWS = 64  # guard_rows' default
+TOP_SHARE = 4  # a quarter of the sampled rows are each head's rows of largest MuSe output (sampled_rows)
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the offsets' low-discrepancy step
+
+
+# --------------------------------------------------------------------------------------------- what is sampled
+def first_approximated(config) -> int:
+    """The first token (counted from a row's first real token) whose query MuSe does not attend exactly to every
+    earlier key under `config` (a MuseConfig): a query of block n attends its own block and `local_blocks` before it
+    exactly, and the cells plans also the `sink_blocks` first ones and `topk_blocks + peak_blocks` retrieved ones
+    (the tilted design `topk_blocks` per query cluster), so block n approximates once it has more earlier blocks
+    than those."""
+    L = config.get("block_size")
+    if config.far_field == "tilted":
+        exact = config.local_blocks + config.get("topk_blocks")
+    else:
+        exact = config.sink_blocks + config.local_blocks + config.get("topk_blocks") + config.get("peak_blocks")
+    return (exact + 1) * L
+
+
+def sample_ranks(n_real: int, first: int, rows: int) -> tuple[list[int], list[int]]:
+    """(ranks, weights): the query rows the guard samples in a row of `n_real` real tokens, as ranks among them
+    (0 = the first real token), and each one's stratum width. The approximated ranks [first, n_real) are cut into
+    `rows` strata of equal width (to one token); stratum i is sampled at the fraction frac(0.5 + i * 0.618...) of
+    its width. Fewer approximated ranks than `rows`: every one, weight 1. None: ([], [])."""
+    a = n_real - first
+    if a <= 0 or rows <= 0:
+        return [], []
+    if a <= rows:
+        return list(range(first, n_real)), [1] * a
+    ranks, weights = [], []
+    for i in range(rows):
+        lo, hi = first + (i * a) // rows, first + ((i + 1) * a) // rows
+        u = (0.5 + i * _GOLDEN) % 1.0
+        ranks.append(lo + min(int(u * (hi - lo)), hi - lo - 1))
+        weights.append(hi - lo)
+    return ranks, weights
+
+
+# --------------------------------------------------------------------------------------------- the record
+@dataclass
+class GuardCall:
+    """What the guard did in one MuSe call (one layer, one group of batch rows).
+
+    layer: the module's layer index (None at the op level); rows: the batch rows of the call (in the forward's
+    batch); tokens: the call's length; budget: guard_error; sampled: per row, the query rows measured (0 where the
+    row has none approximated); errors: per row, the estimated error of each query head (None for a head not
+    measured: exact already, or nothing approximated); exact: the (batch row, head) pairs given exact attention."""
+
+    layer: int | None
+    rows: list[int]
+    tokens: int
+    budget: float
+    sampled: list[int]
+    errors: list[list[float | None]]
+    exact: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def heads(self) -> int:
+        return len(self.errors[0]) if self.errors else 0
+
+
+@dataclass
+class GuardLog:
+    """The GuardCalls of the MuSe calls run inside `guard_log()`, in order."""
+
+    calls: list[GuardCall] = field(default_factory=list)
+
+    def exact_heads(self) -> dict[int | None, list[int]]:
+        """{layer: the heads given exact attention in some row}, layers with none left out."""
+        out: dict[int | None, set[int]] = {}
+        for c in self.calls:
+            for _, h in c.exact:
+                out.setdefault(c.layer, set()).add(h)
+        return {layer: sorted(h) for layer, h in out.items()}
+
+    def measured(self) -> int:
+        """The (call, row, head) estimates taken."""
+        return sum(e is not None for c in self.calls for row in c.errors for e in row)
+
+    def worst(self) -> tuple[float, int | None, int] | None:
+        """(the largest estimated error, its layer, its head), or None when nothing was measured."""
+        best = None
+        for c in self.calls:
+            for row in c.errors:
+                for h, e in enumerate(row):
+                    if e is not None and (best is None or e > best[0]):
+                        best = (e, c.layer, h)
+        return best
+
+    def summary(self) -> str:
+        """One line: how many head estimates, how many over the budget made exact and where, the worst estimate."""
+        if not self.calls:
+            return "muse guard: no MuSe call (every layer ran exact attention: the prefill is too short)"
+        n = self.measured()
+        if n == 0:
+            return (f"muse guard: {len(self.calls)} MuSe calls, nothing measured (no query row past the exact "
+                    "blocks, or the guard is off)")
+        exact = sum(len(c.exact) for c in self.calls)
+        budget = self.calls[0].budget
+        w = self.worst()
+        where = "; ".join(f"layer {layer}: heads {','.join(map(str, h))}" for layer, h in sorted(
+            self.exact_heads().items(), key=lambda x: -1 if x[0] is None else x[0]))
+        return (f"muse guard: {exact} of {n} head estimates over {100 * budget:g}% made exact"
+                + (f" ({where})" if where else "") + f"; worst estimate {100 * w[0]:.1f}% (layer {w[1]}, head {w[2]})")
+
+    def table(self) -> str:
+        """Per call: layer, rows, tokens, rows sampled, mean and worst head estimate, heads made exact."""
+        head = ["layer", "rows", "tokens", "sampled", "mean", "worst", "exact (row:head)"]
+        lines = []
+        for c in self.calls:
+            es = [e for row in c.errors for e in row if e is not None]
+            lines.append([str(c.layer), ",".join(map(str, c.rows)), str(c.tokens), ",".join(map(str, c.sampled)),
+                          f"{100 * sum(es) / len(es):.2f}%" if es else "-", f"{100 * max(es):.2f}%" if es else "-",
+                          " ".join(f"{r}:{h}" for r, h in c.exact) or "-"])
+        widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+        return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [head, *lines])
+
+
+_LOG: ContextVar[GuardLog | None] = ContextVar("longctx_patch_muse_guard_log", default=None)
+
+
+@contextmanager
+def guard_log():
+    """Record what MuSe's guard does in the calls made inside the block, in this thread or asyncio task only
+    (a ContextVar: other threads serving the same model record nothing here). Yields the GuardLog.
+
+        with guard_log() as log:
+            model(ids)
+        print(log.summary())
+    """
+    log = GuardLog()
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+# --------------------------------------------------------------------------------------------- the guard
+def _real_counts(km, B: int, S: int) -> list[int]:
+    return [S] * B if km is None else km.sum(1).tolist()
+
+
+def top_rows(rows: int) -> int:
+    """Of `rows` sampled rows, how many are each head's approximated rows of largest MuSe output norm (the rest
+    stratified)."""
+    return rows // TOP_SHARE
+
+
+def sampled_rows(o, km, first: int, rows: int):
+    """The sample of a call: (positions [B, Hq, m] long, weights [B, Hq, m] fp32, per-row counts), m the most rows a
+    batch row samples, or (None, None, counts) when no row has an approximated row. o [B, S, Hq, D] is MuSe's output.
+
+    Per batch row, among its approximated rows (ranks >= first among its real tokens: key_mask True, all S without
+    one), of A rows: all of them (weight 1) when A <= rows; else, per head, the `top_rows(rows)` rows of largest
+    |o_t| (weight 1: a take-all stratum, since a few rows of large output carry much of a head's error and of its
+    norm), and `rows - top_rows(rows)` rows stratified over all A (`sample_ranks`, shared by the heads) standing for
+    the other rows: a stratified row that is one of the head's top rows is dropped and the rest scaled to count
+    A - top rows. Padding's weight is 0."""
+    B, S, Hq, D = o.shape
+    dev = o.device
+    n_real = _real_counts(km, B, S)
+    A = [max(0, n - first) for n in n_real]
+    if max(A, default=0) == 0:
+        return None, None, [0] * B
+    top = top_rows(rows)
+    tops = [0 if a <= rows else top for a in A]
+    per_row = [sample_ranks(n, first, rows if t == 0 else rows - t) for n, t in zip(n_real, tops)]
+    ms, k = max(len(r) for r, _ in per_row), max(tops)
+    ranks = torch.tensor([r + [first] * (ms - len(r)) for r, _ in per_row], dtype=torch.long, device=dev)
+    w = torch.tensor([w + [0] * (ms - len(w)) for _, w in per_row], dtype=torch.float32, device=dev)
+    cum = None if km is None else km.to(torch.int32).cumsum(1)
+    pos = ranks if cum is None else torch.searchsorted(cum, (ranks + 1).to(torch.int32)).clamp_(max=S - 1)
+    pos, w = pos[:, None, :].expand(B, Hq, ms), w[:, None, :].expand(B, Hq, ms)
+    if k:
+        rank = torch.arange(S, device=dev).expand(B, S) if cum is None else cum - 1
+        approx = rank >= first if km is None else (rank >= first) & km
+        norms = o.detach().float().pow(2).sum(-1).masked_fill(~approx[:, :, None], -1.0)  # [B, S, Hq]
+        best = norms.topk(k, dim=1).indices.transpose(1, 2)  # [B, Hq, k]
+        has = torch.tensor([t > 0 for t in tops], device=dev)[:, None, None]
+        taken = (pos[..., None] == best[:, :, None, :]).any(-1) & has  # a stratified row among the top rows
+        w = w.masked_fill(taken, 0.0)
+        rest = torch.tensor([a - t for a, t in zip(A, tops)], dtype=torch.float32, device=dev)[:, None]
+        w = w * torch.where(has[..., 0], rest / w.sum(-1).clamp_min(1.0), 1.0)[..., None]
+        pos = torch.cat([pos, best], -1)
+        w = torch.cat([w, has.float().expand(B, Hq, k)], -1)
+    return pos, w, [len(r) + t for (r, _), t in zip(per_row, tops)]
+
+
+def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
+    """Exact causal attention of the query rows `pos` [B, Hq, m] (columns of q, per query head) against their keys:
+    key j for row t when j <= t (and key_mask[b, j]), through SDPA in the inputs' dtype (fp32 softmax and
+    accumulation: what a head made exact computes). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D] fp32 (a row
+    with no key: 0). A kv group's query heads are one query block of G m rows over the kv head's keys (no repeated
+    keys); one batch row at a time."""
+    import torch.nn.functional as F
+
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G, m = Hq // Hkv, pos.shape[2]
+    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B, Hkv, G * m, D)
+    keys = torch.arange(S, device=q.device)
+    out = torch.empty(B, Hkv, G * m, D, dtype=q.dtype, device=q.device)
+    for b in range(B):
+        allowed = keys <= pos[b, :, :, None]  # [Hq, m, S]
+        if km is not None:
+            allowed = allowed & km[b]
+        mask = allowed.reshape(1, Hkv, G * m, S)  # rows in (group head, row) order
+        out[b] = F.scaled_dot_product_attention(qs[b:b + 1], k[b:b + 1].to(q.dtype), v[b:b + 1].to(q.dtype),
+                                                attn_mask=mask, scale=scale)[0]
+    return out.view(B, Hq, m, D).float().nan_to_num_(0.0)
+
+
+def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
+    """The guard's estimates for one call: (errors [B, Hq] fp32 (NaN where a row samples nothing), per-row sampled
+    counts). o [B, S, Hq, D] is MuSe's output; `heads` the query heads to measure (default all; others NaN)."""
+    B, Hq, S, D = q.shape
+    with torch.no_grad():
+        err = torch.full((B, Hq), float("nan"), device=q.device)
+        hs = list(range(Hq)) if heads is None else list(heads)
+        pos, w, counts = sampled_rows(o, km, first, rows) if hs else (None, None, [0] * B)
+        if pos is None:
+            return err, counts
+        ref = exact_rows(q, k, v, pos, km, scale=scale)  # [B, Hq, m, D]
+        got = o.detach().transpose(1, 2).gather(2, pos[..., None].expand(B, Hq, pos.shape[2], D)).float()
+        num = torch.where(w > 0, (got - ref).pow(2).sum(-1) * w, 0.0).sum(-1)  # [B, Hq]
+        den = torch.where(w > 0, ref.pow(2).sum(-1) * w, 0.0).sum(-1)
+        e = torch.where(den > 0, (num / den.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(),
+                        torch.where(num > 0, torch.full_like(num, float("inf")), torch.zeros_like(num)))
+        sel = torch.tensor(hs, device=q.device)
+        err[:, sel] = e[:, sel]
+        none = torch.tensor([c == 0 for c in counts], device=q.device)
+        err[none] = float("nan")
+    return err, counts
+
+
+def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=None, head_offset: int = 0):
+    """MuSe's output `o` [B, S, Hq, D] of one call with every (batch row, query head) whose estimated error exceeds
+    `config.guard_error` replaced by exact attention (`with_exact_heads`); `o` itself when the guard is off, nothing
+    is approximated or no head is over budget. q [B, Hq, S, D], k/v [B, Hkv, S, D], km the call's key mask [B, S]
+    or None; skip: the query heads already exact (not measured); layer, rows (the call's rows in the forward's
+    batch), head_offset (this rank's first global head): for the record only."""
+    budget = config.guard_error
+    if not budget:
+        return o
+    B, Hq, S, _ = q.shape
+    heads = [h for h in range(Hq) if h not in set(skip)]
+    err, counts = estimate_errors(o, q, k, v, km, scale=scale, first=first_approximated(config),
+                                  rows=config.guard_rows, heads=heads)
+    errs = err.tolist()  # the one host read of the decision
+    bad: dict[tuple[int, ...], list[int]] = {}
+    for b in range(B):
+        hs = tuple(h for h in heads if errs[b][h] == errs[b][h] and errs[b][h] > budget)  # NaN: not measured
+        if hs:
+            bad.setdefault(hs, []).append(b)
+    log = _LOG.get()
+    if log is not None:
+        batch = list(range(B)) if rows is None else [int(r) for r in rows]
+        log.calls.append(GuardCall(
+            layer, batch, S, float(budget), counts,
+            [[None if e != e else float(e) for e in row] for row in errs],
+            sorted((batch[b], head_offset + h) for hs, bs in bad.items() for b in bs for h in hs)))
+    if not bad:
+        return o
+    for hs, bs in bad.items():
+        if len(bs) == B:
+            o = with_exact_heads(o, q, k, v, list(hs), scale=scale, key_mask=km)
+            continue
+        idx = torch.tensor(bs, device=o.device)
+        part = with_exact_heads(o.index_select(0, idx), q.index_select(0, idx), k.index_select(0, idx),
+                                v.index_select(0, idx), list(hs), scale=scale,
+                                key_mask=None if km is None else km.index_select(0, idx))
+        o = o.index_copy(0, idx, part)
+    return o
+
+
+__all__ = ["GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows",
+           "first_approximated", "guard", "guard_log", "sample_ranks", "sampled_rows", "top_rows"]
