@@ -87,7 +87,7 @@ def test_files_are_laid_out_by_task():
             kinds = index.KINDS.get(rel.parts[0])
             if kinds:
                 assert index.kind_of(rel) is not None, f"{rel}: names in {rel.parts[0]}/ start with one of {kinds}"
-            device = r"(cpu|h200|h200x2)"
+            device = r"(cpu|h100|h200)(x[0-9]+)?"
             if rel.parts[0] == "synthetic":
                 assert re.match(device + "-", rel.stem), f"{rel}: synthetic/<device>-<run>-<task>.json"
             else:
