@@ -334,7 +334,8 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
                           f"{', '.join(list_methods())}")
     adapter = get_adapter(model)
     m = get_method(method)
-    cfg = m.parse_config(config)
+    m.parse_config(config)  # a bad option is refused before the model is read for defaults
+    cfg = m.parse_config({**m.model_defaults(model, dict(config)), **config})
     base = base_model(model)
     decoder = adapter.decoder_layers(model)
     idx = parse_layers(layers, len(decoder))

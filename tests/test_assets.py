@@ -111,6 +111,79 @@ def test_auto_picks_an_asset_only_for_its_model(tmp_path, monkeypatch):
     assert patched_modules(some)[1].weights_source.startswith("packaged asset tiny")
 
 
+def test_an_assets_measured_lola_defaults_apply_where_the_caller_sets_none(tmp_path, monkeypatch):
+    """asset.json `method_defaults.lola` (what the asset's measurements chose, e.g. Qwen2.5-Coder's window, sparse cache
+    and combination) are lola's options for the model the asset was trained for, under the caller's own; they reach
+    the saved record; another checkpoint, another model and lolcats take none; a malformed entry is refused by name."""
+    ids = torch.randint(3, 128, (1, 21))
+    d, _ = _trained_run_dir(tmp_path, ids)
+    out = assets.write_asset(d, tiny_model(), tmp_path / "assets" / "tiny", name="tiny", description="test",
+                             dtype=torch.float32)
+    info = json.loads((out / "asset.json").read_text())
+    info["method_defaults"] = {"lola": {"window": 6, "sparse_cache": 5, "combine": "unshifted"}}
+    (out / "asset.json").write_text(json.dumps(info))
+    monkeypatch.setenv(assets.ENV_PATH, str(tmp_path / "assets"))
+
+    def cfg(model, layer=0):
+        c = patched_modules(model)[layer].method_config
+        return c.window, c.sparse_cache, c.combine
+
+    m = tiny_model()
+    lp.patch(m, "lola", chunk=4)
+    assert cfg(m) == (6, 5, "unshifted")
+    assert "measured lola defaults window=6, sparse_cache=5, combine=unshifted" in patched_modules(m)[0].weights_source
+    with torch.no_grad():
+        got = m(ids).logits
+    want_cfg = dict(window=6, sparse_cache=5, combine="unshifted", chunk=4)
+    assert _record(m)["config"] | want_cfg == _record(m)["config"]  # what save_patched writes
+    lp.unpatch(m)
+    lp.patch(m, "lola", checkpoint=str(out), **want_cfg)  # the same weights with the options spelt out
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, got, rtol=0, atol=0)
+    lp.unpatch(m)
+
+    lp.patch(m, "lola", chunk=4, window=3, combine="shifted")  # the caller's own options win, one by one
+    assert cfg(m) == (3, 5, "shifted")
+    lp.unpatch(m)
+    lp.patch(m, "lola", chunk=4, checkpoint="none")  # another checkpoint: the config's own defaults
+    assert cfg(m) == (64, 256, "shifted")
+    lp.unpatch(m)
+    lp.patch(m, "lolcats", chunk=4)  # the defaults are lola's alone
+    assert patched_modules(m)[0].method_config.window == 64
+    lp.unpatch(m)
+    other = tiny_model(seed=1)  # a model the asset was not trained for
+    lp.patch(other, "lola", chunk=4)
+    assert cfg(other) == (64, 256, "shifted")
+
+    info["method_defaults"] = {"lola": {"window": 0}}  # out of range: the option's own error
+    (out / "asset.json").write_text(json.dumps(info))
+    with pytest.raises(lp.ConfigError, match="window"):
+        lp.patch(tiny_model(), "lola", chunk=4)
+    info["method_defaults"] = {"lola": ["window", 6]}
+    (out / "asset.json").write_text(json.dumps(info))
+    with pytest.raises(lp.CheckpointError, match="method_defaults.lola"):
+        lp.patch(tiny_model(), "lola", chunk=4)
+
+
+def test_the_packaged_qwen_asset_records_its_training_and_measured_lola_defaults():
+    """The shipped Qwen2.5-Coder-0.5B linearization: its record (tokens, corpus mix, steps, commit) and lola's measured
+    defaults, each a valid option, with the results they were chosen on committed."""
+    from longctx_patch.methods.lola import LolaConfig
+
+    info = json.loads((REPO / "longctx_patch" / "assets" / "qwen2.5-coder-0.5b-instruct-lolcats" / "asset.json").read_text())
+    assert info["model_shape"]["model_type"] == "qwen2" and info["model_shape"]["num_hidden_layers"] == 24
+    t = info["training"]
+    assert t["tokens"] >= 40_000_000 and t["steps"] == 612 and t["commit"] and t["date"].startswith("2026")
+    kinds = t["text"]["sets"]["train-a"]["kinds"]
+    assert kinds["code"] > 0 and kinds["prose"] > 0
+    cfg = LolaConfig.from_dict(info["method_defaults"]["lola"])
+    assert (cfg.window, cfg.sparse_cache, cfg.combine) == (1024, 1024, "unshifted")
+    assert (REPO / t["result"]).is_file()
+    for f in ("ppl/qwen2.5-coder-0.5b-linearized-lola-sweep2-prose-h100.json",
+              "niah/qwen2.5-coder-0.5b-linearized-lola-sweep2-niah-h100.json"):
+        assert (REPO / "benchmarks" / "results" / f).is_file()
+
+
 def test_write_asset_of_a_two_group_hybrid(tmp_path, monkeypatch):
     """A run patched in two groups (lolcats on layer 0, lola on layers 1-2) writes a multi-patch record; its weights
     make an asset that checkpoint=auto loads for every layer."""

@@ -16,7 +16,7 @@ from ..base import Method, register_method
 from .attention import HybridAttention, LolaAttention
 from .cache import LolaLayer
 from .config import HybridConfig, LolaConfig
-from .weights import export_lolcats_checkpoint, load_lolcats_checkpoint, load_method_weights
+from .weights import asset_defaults, export_lolcats_checkpoint, load_lolcats_checkpoint, load_method_weights
 
 
 @register_method
@@ -30,8 +30,18 @@ class Lola(Method):
     bounded_state = True
     state_options = ("window", "chunk", "sparse_cache", "feature_dim")
 
+    def model_defaults(self, model, values) -> dict:
+        """The asset's measured lola options (window, sparse cache, combination) for the model it was trained for,
+        where the caller set none: `patch(qwen, "lola")` runs what the asset's measurements chose."""
+        return asset_defaults(model, self.name, self.parse_config(values), values)
+
     def after_patch(self, model, modules, config) -> None:
-        load_method_weights(model, modules, config)
+        source = load_method_weights(model, modules, config)
+        chosen = asset_defaults(model, self.name, config, {})
+        if chosen:
+            opts = ", ".join(f"{k}={v}" for k, v in chosen.items())
+            for m in modules.values():
+                m.weights_source = f"{source}; its measured lola defaults {opts} (options passed take precedence)"
 
 
 __all__ = ["HybridAttention", "HybridConfig", "LolaAttention", "LolaConfig", "LolaLayer", "export_lolcats_checkpoint",

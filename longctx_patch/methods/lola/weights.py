@@ -249,6 +249,23 @@ def export_lolcats_checkpoint(model, path: str, modules=None) -> str:
     return path
 
 
+def asset_defaults(model, method: str, config: HybridConfig, given: dict) -> dict:
+    """The options of `method` that the packaged asset `checkpoint=auto` finds for `model` names as its measured
+    defaults (asset.json `method_defaults`, e.g. Qwen2.5-Coder's lola window and sparse cache: docs/lola.md), less
+    those in `given` (what the caller passed); {} with another checkpoint or without such an asset."""
+    ck = config.checkpoint
+    if ck is None or str(ck).strip().lower() != "auto":
+        return {}
+    from ...assets import find_asset
+
+    asset = find_asset(model, config)
+    chosen = ((asset.info.get("method_defaults") or {}).get(method) or {}) if asset is not None else {}
+    if not isinstance(chosen, dict):
+        raise CheckpointError(f"{asset.path}/asset.json: method_defaults.{method} is not an object of options; copy "
+                              "the asset folder again")
+    return {k: v for k, v in chosen.items() if k not in given}
+
+
 def load_method_weights(model, modules, config: HybridConfig) -> str:
     """`after_patch` of lolcats/lola: loads `config.checkpoint` (resolving `auto`) into `modules` and records
     where the weights came from on each module (`weights_source`, shown by `longctx patch`). Returns it."""
