@@ -21,7 +21,10 @@ class HybridConfig(MethodConfig):
                                   "hold head_dim x F weights per head, query and key, and the linear state 2F x head_dim "
                                   "per head, of every patched layer)", min=1, max=1024)
     checkpoint: Optional[str] = option("auto", "weights to load: auto (the packaged linearized weights when the model "
-                                               "is one we ship them for, else fresh feature maps), none (fresh), a "
+                                               "is one we ship them for, else fresh feature maps; lola then also "
+                                               "takes the options the asset's measurements chose, e.g. window, "
+                                               "sparse_cache and combine for Qwen2.5-Coder, where none is given), "
+                                               "none (fresh), a "
                                                "LoLCATs model.pt (comma-separate several, e.g. distill,ft-lora), our "
                                                "longctx_patch.safetensors, or a linearize run's trainable/ folder")
     lora_alpha: float = option(16.0, "LoRA alpha of a LoLCATs checkpoint's q/k/v/o adapters (merged as alpha/r * B A; "
