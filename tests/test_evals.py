@@ -369,6 +369,12 @@ def test_run_ppl_buckets_and_reference(tiny, tmp_path):
     assert abs(sw[0] - d["loss"][0]) < 1e-4 and abs(sw[3] - d["loss"][3]) > 1e-4
     data = json.loads((tmp_path / "p.json").read_text())
     assert RESULT_FIELDS <= set(data) and data["ppl"]["none"]["64"] > 1 and (tmp_path / "p.png").exists()
+    # every option as the patch ran it, beside the ones given: the config's defaults (or an asset's) are on record
+    eff = data["effective_config"]
+    assert set(eff) == {"exact", "sliding-window(window=16)"} and eff["sliding-window(window=16)"]["window"] == 16
+    from longctx_patch.methods import get_method
+
+    assert eff["exact"] == get_method("exact").parse_config({}).to_dict()
 
 
 def test_ppl_text_sources(tmp_path):

@@ -94,6 +94,9 @@ class MethodRun:
     name: str  # registered method name, or "none" for the unpatched model
     config: dict[str, Any] = field(default_factory=dict)
     layers: str | None = None  # decoder layers to patch, `lp.patch`'s syntax ('0-3,26-29'); None: every layer
+    # every option as the patch ran it (set by `applied`): the config's defaults and any an asset chose for the
+    # model (e.g. lola's window on the linearized Qwen) besides `config`, so a result says what ran
+    effective: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def patched(self) -> bool:
@@ -215,6 +218,9 @@ def applied(model, run: MethodRun, layers=None) -> Iterator[Any]:
         yield model
         return
     lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, **run.config)
+    from ..patcher import patch_groups
+
+    run.effective = patch_groups(model)[-1].config.to_dict()
     try:
         yield model
     finally:
@@ -349,6 +355,8 @@ def write_result(
         "method": [r.label for r in runs],
         "config": {r.label: dict(r.config) for r in runs},
     }
+    if any(r.effective is not None for r in runs):
+        record["effective_config"] = {r.label: r.effective for r in runs if r.effective is not None}
     if any(r.layers is not None for r in runs):
         record["layers"] = {r.label: r.layers for r in runs if r.layers is not None}
     clash = set(record) & set(figures)
