@@ -68,7 +68,7 @@ def test_the_layer_table_is_the_import_graph_tests():
         for name in re.findall(r"`([^`]+)`", cells):
             stem = name.removesuffix("/*").removesuffix("/").removesuffix(".py")
             module = "longctx_patch" if stem == "__init__" else (
-                stem.replace("/", ".") if stem.split("/")[0] in ("cli", "benchmarks") else f"longctx_patch.{stem}")
+                stem.replace("/", ".") if stem.split("/")[0] == "benchmarks" else f"longctx_patch.{stem}")
             assert layer(module) == rank, (name, module, layer(module), rank)
 
 
@@ -279,7 +279,7 @@ def test_every_benchmark_sits_in_a_group_and_is_listed():
 
 # ------------------------------------------------------------------------------------------------ file sizes
 def test_no_file_of_the_product_passes_about_600_lines():
-    roots = [PKG, REPO / "cli"] + ([BENCHMARKS] if BENCHMARKS.is_dir() else [])
+    roots = [PKG] + ([BENCHMARKS] if BENCHMARKS.is_dir() else [])
     over = {}
     for root in roots:
         for p in root.rglob("*.py"):

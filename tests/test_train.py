@@ -248,7 +248,7 @@ def test_recipe_refuses_non_finite_and_overflowing_values(override, message):
 def test_nan_lr_fails_the_dry_run_and_the_run_before_any_model_loads(tmp_path):
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     raw = (REPO / "recipes" / "linearize.yaml").read_text()
     assert "lr: 1.0e-2" in raw
@@ -321,7 +321,7 @@ def test_text_dir_reading_packing_and_order(tmp_path):
 def test_binary_training_text_is_refused_before_the_model_loads(tiny_dir, tmp_path):
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     binary = tmp_path / "x.bin"
     binary.write_bytes(bytes(range(256)) * 8)
@@ -658,7 +658,7 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     """Full fine-tune of the unpatched model through the click command."""
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     d = recipe_dict(tiny_dir, text_file, method=None)
     d["stages"] = [d["stages"][1]]
@@ -709,7 +709,7 @@ def test_lora_finetune_through_the_cli_prints_no_deprecation(tiny_dir, text_file
     that warning an error in the suite)."""
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     d = recipe_dict(tiny_dir, text_file, method=None, lora=dict(steps=2, gradient_checkpointing=True))
     d["stages"] = [d["stages"][1]]

@@ -76,7 +76,7 @@ train() {  # train TEXT [finetune options]: the recipe, resumed from the newest 
   local t; t=$(left)
   echo "training for at most $t s"
   rc=0
-  timeout --signal=TERM "$t" python3 -m cli.main finetune "$RECIPE" --model "$MODEL" --output "$RUN" --resume \
+  timeout --signal=TERM "$t" python3 -m longctx_patch.cli.main finetune "$RECIPE" --model "$MODEL" --output "$RUN" --resume \
     --text "$text" --log-seconds 30 "$@" 2>&1 | tee "$OUT/$STEP.log" || rc=$?
   send_state
   if [ "$rc" = 124 ]; then echo "stopped at the call's limit: run the same call again (it resumes)"; fi
@@ -124,7 +124,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     export LONGCTX_ASSET_PATH=$A
     (cd "$A" && tar cf "$OUT/asset.tar" .)
     for kind in code prose; do
-      timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
         --method none --method lolcats --method 'lola(window=256,sparse_cache=256)' --text "$CORPUS/heldout/$kind" \
         --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-$GPU" \
         2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
@@ -132,7 +132,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     ls -l "$OUT";;
   niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both ways
     export LONGCTX_ASSET_PATH=/tmp/assets
-    timeout "$(left)" python3 -m cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+    timeout "$(left)" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
       --method lolcats --method 'lola(window=256,sparse_cache=256)' \
       --method 'lola(window=256,sparse_cache=256,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" \
       --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT" \
