@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.shared import result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.lola import ops
 from longctx_patch.kernels.lola import reference as ref
 
@@ -132,7 +132,7 @@ def main():
     Hq, Hkv = (int(x) for x in args.heads.split(","))
     B, S, D, F, W = args.batch, args.seq, 64, 64, args.window
     scale = D ** -0.5
-    rec = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    rec = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "python3 -m benchmarks.ops.bench_hybrid_bwd " + shlex.join(sys.argv[1:]),
            "shape": {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "F2": 2 * F, "window": W}}
     # correctness: fp32 Triton vs fp32 PyTorch; bf16 Triton vs fp32 PyTorch (a left-padded row in both)

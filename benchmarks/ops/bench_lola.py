@@ -26,7 +26,7 @@ import traceback
 import torch
 
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script only
 if SMOKE:
@@ -35,7 +35,7 @@ T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
 OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if SMOKE else None)  # None: the results' lola/ folder
 RES: dict = {
-    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
+    "device": device_description(),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))
                + " python3 -m benchmarks.ops.bench_lola",

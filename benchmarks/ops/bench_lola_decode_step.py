@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.evals.speed_model import copy_bandwidth
 
 
@@ -107,9 +107,9 @@ def main(argv=None):
                   + 2 * q.numel() * 2 + fq.numel() * 2)
         sweep(f"decode_step (N={n}, lambda={L})", step, grid, nbytes)
     res.update({
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)",
+        "device": device_description(dev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("LONGCTX_COMMIT") or git_commit(),
+        "commit": git_commit(),
         "command": "python3 -m benchmarks.ops.bench_lola_decode_step " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "shape": {"batch": B, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "feature_dim": F, "sparse_cache": L,
                   "window": W, "dtype": str(dt)},

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.kernels.muse.plan import block_view
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.muse import triton_cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan
@@ -375,7 +375,7 @@ def dkdv(S=65536):
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    RES["device"] = torch.cuda.get_device_name(0)
+    RES["device"] = device_description("cuda")
     parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
     for part in (checks, fp32, profile, peaks, tune, dkdv, speed, fwd):
         if part.__name__ in parts:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.shared import device_token, result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 
 def _cudnn_ms(q, k, v) -> float:
@@ -87,7 +87,7 @@ def main() -> None:
     from longctx_patch.kernels.ovq import ovq_attention
 
     dev = "cuda"
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    res = {"device": device_description("cuda"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": git_commit(), "command": "python3 -m benchmarks.ops.bench_ovq_profile "
            + " ".join(sys.argv[1:]), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
     res["checks"] = _checks()

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared import REPO_ROOT, device_token, kernel_kind, lora_stage_only, result_file
-from longctx_patch.evals.common import device_description, git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -74,7 +74,7 @@ done
 
 python3 - "$RUN" "$SUMMARY" "$NAME" $SUMMARY_MODES <<'PY'
 import json, os, sys
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import git_commit
 run, summary, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 res = {"task": "multigpu-linearize", "commit": git_commit(), "command": "benchmarks/train/multigpu_linearize.sh (" +
        " ".join(f"{k}={os.environ[k]}" for k in ("NPROC", "TRANSFER_STEPS", "LORA_STEPS", "SEQ", "BATCH", "MODES", "EVAL")
@@ -84,7 +84,8 @@ for m in modes:
     evaluated = os.path.exists(f"{run}/{name}-{m}-niah.json")
     ppl = json.load(open(f"{run}/{name}-{m}-ppl.json")) if evaluated else {"ppl": None}
     niah = json.load(open(f"{run}/{name}-{m}-niah.json")) if evaluated else {"accuracy": None}
-    res.setdefault("device", f"{tr['device']} x{os.environ.get('NPROC', '2')} (one host)")
+    # the host's GPUs in provenance.device_description's spelling ("2 x NVIDIA H200"); a run's own says "N x" or not
+    res.setdefault("device", f"{os.environ.get('NPROC', '2')} x {tr['device'].split(' x ', 1)[-1]}")
     res.setdefault("date", tr["date"])
     res["runs"][m] = {
         "world_size": tr.get("world_size"), "parallel": tr.get("parallel"),
