@@ -15,6 +15,7 @@ from .errors import (
     LongctxError,
     LongctxWarning,
     MemoryBudgetError,
+    MissingHookError,
     ModelLoadError,
     NotPatchedError,
     NumericalError,
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "DeviceError",
     "MemoryBudgetError",
+    "MissingHookError",
     "NumericalError",
     "LongctxWarning",
 ]
