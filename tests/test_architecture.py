@@ -176,7 +176,8 @@ def test_the_methods_with_a_kv_buffer_are_the_docs():
 
     entry = _layout_entry("kv_layer.py")
     doc = set(re.search(r"cache of ([\w, -]+?) \(", entry).group(1).replace(" and ", ", ").split(", "))
-    settings = {"muse": dict(block_size=8), "moba": dict(block_size=8, top_k=2), "lolcats": dict(window=8, chunk=8),
+    settings = {"muse": dict(block_size=8, backend="torch"), "moba": dict(block_size=8, top_k=2),
+                "lolcats": dict(window=8, chunk=8),
                 "lola": dict(window=8, chunk=8, sparse_cache=4), "ovq": dict(chunk_size=16, max_centroids=16),
                 "sliding-window": dict(window=8)}
     users = set()
