@@ -309,7 +309,8 @@ class Row:
 
 
 def describe_device(dev: Any) -> str:
-    return re.sub(r"^cuda:\s*", "", str(dev)) if dev else UNKNOWN
+    """The device as the file spells it: one spelling for every result (longctx_patch.provenance.DEVICE_SPELLING)."""
+    return str(dev) if dev else UNKNOWN
 
 
 def describe_method(m: Any) -> str:

@@ -6,9 +6,8 @@
     longctx_patch.unpatch(model)
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .errors import (
     AlreadyPatchedError,
     CheckpointError,
     ConfigError,
@@ -16,19 +15,20 @@ from .errors import (  # noqa: E402
     LongctxError,
     LongctxWarning,
     MemoryBudgetError,
+    MissingHookError,
     ModelLoadError,
     NotPatchedError,
     NumericalError,
     UnsupportedModelError,
 )
-from .generation import generate  # noqa: E402
-from .models import load_model, load_patched  # noqa: E402
-from .methods import get_method, list_methods  # noqa: E402
-from .patcher import (is_patched, patch, patched_layers, save_patched, set_decode_graphs, set_fused_ops,  # noqa: E402
+from .generation import generate
+from .models import load_model, load_patched
+from .methods import get_method, list_methods
+from .patcher import (is_patched, patch, patched_layers, save_patched, set_decode_graphs, set_fused_ops,
                       set_prefill_chunk, unpatch)
-from .cache import LongctxCache  # noqa: E402
-from .convert import convert_to_lola  # noqa: E402
-from .calibration import calibrate  # noqa: E402
+from .cache import LongctxCache
+from .convert import convert_to_lola
+from .calibration import calibrate
 
 __all__ = [
     "__version__",
@@ -57,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "DeviceError",
     "MemoryBudgetError",
+    "MissingHookError",
     "NumericalError",
     "LongctxWarning",
 ]

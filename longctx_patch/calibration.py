@@ -4,8 +4,9 @@ Patches `model` with, per layer, the cheapest setting of the method whose attent
 and returns the `Calibration` (what each layer runs, its measured error and cost). docs/muse.md, "Calibration":
 
 1. Measure. One forward over the text with the selected layers `exact` (the model's own attention), so each layer
-   sees the post-rotary q, k, v of the unpatched model. On them, every setting of the method's ladder
-   (`Method.calibration_ladder`, plus the config given) runs, and its error is kept per query head: the squared
+   sees the post-rotary q, k, v of the unpatched model (handed over by the patch's recorder, `PatchContext.recorder`).
+   On them, every setting of the method's ladder (its `Method.calibration()`: a `MethodCalibration`, whose `ladder`,
+   plus the config given) runs, and its error is kept per query head: the squared
    difference from exact attention computed in fp32 on the same inputs. So are the error of exact attention in the
    model's dtype (the floor: rounding) and each setting's cost.
 2. Choose. A layer's options: every setting, each also with its worst heads exact (`exact_heads`: the heads whose
@@ -21,7 +22,7 @@ and returns the `Calibration` (what each layer runs, its measured error and cost
    ("calibration"), `load_patched` reads it back (`calibration_record(model)`).
 
 Costs (`cost=`): "keys": the keys a query attends in the layer, summed over its heads (exactly attended keys and
-super-keys, counted from the settings: `Method.attended_keys`; an exact head adds a causal row's (S + 1) / 2 keys on
+super-keys, counted from the settings: `MethodCalibration.attended_keys`; an exact head adds a causal row's (S + 1) / 2 keys on
 average to the method's, which still runs for it; an exact layer costs (S + 1) / 2 a head): deterministic and the same
 on every machine. "time": the layer's op time on the captured inputs (CUDA events, median of 10), for the device it
 runs on. "auto": time on CUDA, keys elsewhere.
@@ -33,16 +34,15 @@ import json
 import math
 import numbers
 import statistics
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .architectures import get_adapter, model_config
-from .errors import AlreadyPatchedError, ConfigError, DeviceError, LongctxWarning
+from .errors import AlreadyPatchedError, ConfigError, DeviceError
 from .methods import get_method
-from .patch_state import find_state, patched_modules
+from .patch_state import find_state, patch_context
 from .patcher import parse_layers, patch, unpatch
 
 OBJECTIVES = ("layer", "mean")
@@ -229,10 +229,9 @@ def _rel(sq: float, den: float) -> float:
     return math.sqrt(max(sq, 0.0) / den)
 
 
-def _measure(meth, configs, cost: str, mod, q, k, v) -> _Stats:
-    from .kernels.muse import muse_attention  # the kernels load with the first calibration, not with the package
-    from .kernels.softmax import softmax_attention
-    from .methods.muse.attention import with_exact_heads
+def _measure(cal, configs, cost: str, mod, q, k, v) -> _Stats:
+    """One layer's measurements of every setting `configs` through the method's calibration `cal`."""
+    from .kernels.softmax import softmax_attention  # the kernels load with the first calibration, not with the package
 
     scale, H, S = mod.scaling, q.shape[1], q.shape[2]
     ref = softmax_attention(q.float(), k.float(), v.float(), scale=scale)
@@ -240,17 +239,17 @@ def _measure(meth, configs, cost: str, mod, q, k, v) -> _Stats:
     sq, costs, keys = [], [], []
     o = None
     for cfg in configs:
-        run = (lambda cfg=cfg: muse_attention(q, k, v, scale=scale, **cfg.kernel_kwargs()))
+        run = (lambda cfg=cfg: cal.attend(q, k, v, scale=scale, config=cfg))
         o = run()
         sq.append(_head_sq(o, ref))
-        keys.append(H * sum(meth.attended_keys(cfg, S)))
+        keys.append(H * sum(cal.attended_keys(cfg, S)))
         costs.append(_time_ms(run) if cost == "time" else keys[-1])
     every = list(range(H))
-    exact_heads = with_exact_heads(torch.empty_like(o), q, k, v, every, scale=scale)
+    exact_heads = cal.with_exact_heads(torch.empty_like(o), q, k, v, every, scale=scale)
     exact = softmax_attention(q, k, v, scale=scale)
     row = (S + 1) / 2
     if cost == "time":
-        head_cost = _time_ms(lambda: with_exact_heads(o, q, k, v, [0], scale=scale))
+        head_cost = _time_ms(lambda: cal.with_exact_heads(o, q, k, v, [0], scale=scale))
         exact_cost = _time_ms(lambda: softmax_attention(q, k, v, scale=scale))
     else:
         head_cost, exact_cost = row, H * row
@@ -258,47 +257,49 @@ def _measure(meth, configs, cost: str, mod, q, k, v) -> _Stats:
                   exact_cost, S)
 
 
-def _verify(config, mod, q, k, v) -> float:
+def _verify(cal, config, mod, q, k, v) -> float:
     """The measured error of a layer's choice (None: exact) as the patched module computes it."""
-    from .kernels.muse import muse_attention
     from .kernels.softmax import softmax_attention
-    from .methods.muse.attention import with_exact_heads
 
     scale = mod.scaling
     ref = softmax_attention(q.float(), k.float(), v.float(), scale=scale)
     if config is None:
         o = softmax_attention(q, k, v, scale=scale)
     else:
-        o = with_exact_heads(muse_attention(q, k, v, scale=scale, **config.kernel_kwargs()), q, k, v,
-                             config.exact_heads, scale=scale)
+        o = cal.with_exact_heads(cal.attend(q, k, v, scale=scale, config=config), q, k, v, config.exact_heads,
+                                 scale=scale)
     return _rel(float((o.float() - ref).double().pow(2).sum()), float(ref.double().pow(2).sum()))
+
+
+class _LayerRecorder:
+    """The patch's recorder (`PatchContext.recorder`) during an exact pass: each exact layer hands it its q, k, v;
+    `per_layer(layer, module, q, k, v)` runs on them and the layer's output goes on unchanged."""
+
+    def __init__(self, per_layer: Callable, progress) -> None:
+        self.per_layer, self.progress = per_layer, progress
+        self.out: dict[int, Any] = {}
+
+    def record(self, module, q, k, v, padding, o):
+        idx = module.layer_idx
+        self.out[idx] = self.per_layer(idx, module, q, k, v)
+        if self.progress is not None:
+            self.progress(idx, self.out[idx])
+        return o
 
 
 def _exact_pass(model, ids, layers, per_layer: Callable, progress) -> dict[int, Any]:
     """One forward of `ids` with `layers` exact; per_layer(layer, module, q, k, v) runs on each layer's inputs, in
     order, and its results are returned by layer. The layers pass the exact output on, so every layer sees the
     unpatched model's inputs."""
-    out: dict[int, Any] = {}
     patch(model, "exact", layers=layers)
-    mods = patched_modules(model)
+    rec = _LayerRecorder(per_layer, progress)
+    patch_context(model).recorder = rec
     try:
-        for idx, mod in mods.items():
-            orig = mod.attend
-
-            def attend(q, k, v, cache_layer, padding, _orig=orig, _idx=idx, _mod=mod):
-                out[_idx] = per_layer(_idx, _mod, q, k, v)
-                if progress is not None:
-                    progress(_idx, out[_idx])
-                return _orig(q, k, v, cache_layer, padding)
-
-            mod.attend = attend
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     finally:
-        for mod in mods.values():
-            mod.__dict__.pop("attend", None)
         unpatch(model)
-    return out
+    return rec.out
 
 
 # --------------------------------------------------------------------------------------------- choosing
@@ -399,8 +400,7 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
     if not isinstance(per_head, bool):
         raise ConfigError(f"per_head={per_head!r}; pass True or False")
     meth = get_method(method)
-    if not hasattr(meth, "calibration_ladder"):
-        raise ConfigError(f"method {meth.name!r} has no budgets to calibrate; calibrate takes 'muse'")
+    cal = meth.calibration()  # MissingHookError (a ConfigError) for a method without budgets to calibrate
     if "exact_heads" in config:
         raise ConfigError("exact_heads is what calibrate chooses per layer; leave it out of the config")
     base = meth.parse_config(config)
@@ -419,29 +419,19 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
         raise DeviceError(f"cost='time' measures op times on CUDA; the model is on {dev.type}: use cost='keys'")
     ids = _token_ids(text, tokenizer, length, dev)
     S = ids.shape[1]
-    L, local = base.get("block_size"), base.local_blocks
-    if S <= (local + 1) * L:
-        raise ConfigError(f"the calibration text has {S} tokens; {meth.name} approximates only past (local_blocks + 1)"
-                          f" x block_size = {(local + 1) * L} tokens, exact before: give a longer text (the length "
-                          "the model will run: the error grows with it)")
-    least = min(base.min_len(dev.type, s.head_dim) for s in specs)
-    if S < least:
-        warnings.warn(f"calibrating on {S} tokens, but the patched layers run {meth.name} from {least} tokens on "
-                      f"{dev.type} (min_seq_len): the errors measured here are those of shorter prefills than it "
-                      "approximates; calibrate on a text of the length the model will run", LongctxWarning,
-                      stacklevel=2)
+    cal.check_text(base, S, specs, dev.type)
     overrides, configs, seen = [], [], {}
-    for over in [*(ladder if ladder is not None else meth.calibration_ladder(base, S)), {}]:
+    for over in [*(ladder if ladder is not None else cal.ladder(base, S)), {}]:
         if not isinstance(over, dict) or "exact_heads" in over:
             raise ConfigError(f"ladder: {over!r} is not a dict of {meth.name} options (exact_heads aside), such as "
                               "{'topk_blocks': 4, 'peak_blocks': 4}")
         cfg = meth.parse_config({**config, **over})
-        key = json.dumps(cfg.kernel_kwargs(), sort_keys=True)
+        key = cal.key(cfg)
         if key not in seen:
             seen[key] = len(configs)
             overrides.append(dict(over))
             configs.append(cfg)
-    given = seen[json.dumps(base.kernel_kwargs(), sort_keys=True)]  # the config as given: a setting too
+    given = seen[cal.key(base)]  # the config as given: a setting too
     say = progress or (lambda line: None)
     say(f"calibrating {len(idx)} layers on {S} tokens: {len(configs)} settings each, target {100 * target:g}% "
         f"({objective}), cost: {cost}")
@@ -456,7 +446,7 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
     was_training = model.training
     model.eval()
     try:
-        stats = _exact_pass(model, ids, idx, lambda i, mod, q, k, v: _measure(meth, configs, cost, mod, q, k, v),
+        stats = _exact_pass(model, ids, idx, lambda i, mod, q, k, v: _measure(cal, configs, cost, mod, q, k, v),
                             lambda i, st: measured(i, st))
         options = {i: _options(stats[i], per_head) for i in idx}
         chosen = _choose_mean(options, target) if objective == "mean" else {
@@ -466,7 +456,8 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
             todo = {i: (None if o.setting is None else
                         meth.parse_config({**config, **overrides[o.setting], "exact_heads": list(o.heads)}))
                     for i, o in chosen.items()}
-            measured_err = _exact_pass(model, ids, idx, lambda i, mod, q, k, v: _verify(todo[i], mod, q, k, v), None)
+            measured_err = _exact_pass(model, ids, idx, lambda i, mod, q, k, v: _verify(cal, todo[i], mod, q, k, v),
+                                       None)
             missed = [i for i in idx if measured_err[i] > chosen[i].error and (
                 measured_err[i] > target if objective == "layer" else sum(measured_err.values()) / len(idx) > target)]
             say(f"verified the choices (round {rnd + 1}): {len(missed)} layers measured above their prediction")

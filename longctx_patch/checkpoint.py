@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__
+from ._version import __version__
 from .errors import CheckpointError, ConfigError
 from .tensor_parallel import full_shape, full_tensor, local_part
 

@@ -22,15 +22,14 @@ captured step moved them (integers by the same difference, others to the value a
 replaced outside a step (beam reordering, `batch_select_indices`) drop every graph of that cache.
 
 The default: on for CUDA (`patch(..., decode_graphs=False)`, `set_decode_graphs(model, False)` or the environment's
-`LONGCTX_DECODE_GRAPHS=0` at patch time turn it off); a
-capture that fails runs the step eagerly (twice for one key, then that key stays eager). `SIMULATE` replays on
-the CPU by re-running the step with the layers' host fields as they were at the capture (what a graph bakes in):
-the tests check with it that the keys cover everything a step reads from the host.
+`LONGCTX_DECODE_GRAPHS=0` at patch time turn it off); a capture that fails runs the step eagerly (twice for one key,
+then that key stays eager). `LONGCTX_DECODE_GRAPHS=simulate` at patch time (the tests' `simulate` fixture;
+`DecodeGraphs.simulate`) replays on the CPU by re-running the step with the layers' host fields as they were at the
+capture (what a graph bakes in): the tests check with it that the keys cover everything a step reads from the host.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import weakref
@@ -42,9 +41,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import cache_argument
+from .kernels.graphs import simulated_capture
 from .methods.cache_layer import LongctxLayer
 
-SIMULATE = False  # CPU replay by re-execution with capture-time host fields (tests); never on in use
 MAX_GRAPHS = 512  # per cache: a model whose keys never repeat stops capturing here
 MAX_FAILURES = 2  # failed captures of one key before that key stays eager
 _PASSED = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache", "use_cache",
@@ -94,19 +93,6 @@ def model_key(cache) -> tuple | None:
     return tuple(keys)
 
 
-@contextlib.contextmanager
-def _simulated_capture():
-    """What `kernels.graphs.capturing` reports inside the CPU stand-in's capture and replays (they re-run Python)."""
-    from .kernels import graphs
-
-    was = graphs.SIMULATED_CAPTURE
-    graphs.SIMULATED_CAPTURE = True
-    try:
-        yield
-    finally:
-        graphs.SIMULATED_CAPTURE = was
-
-
 def _advance(before: dict, after: dict, now: dict) -> dict:
     out = {}
     for f, a in after.items():
@@ -124,7 +110,7 @@ class _SimGraph:
     def replay(self):
         for layer, h in zip(self.layers, self.before):
             layer.set_host_state(dict(h))
-        with _simulated_capture():
+        with simulated_capture():
             self.out.logits.copy_(self.run().logits)
 
 
@@ -140,7 +126,10 @@ class DecodeGraphs:
         self._cache_arg = cache_argument(orig_forward)
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
-        self.enabled = os.environ.get("LONGCTX_DECODE_GRAPHS", "1") != "0"
+        mode = os.environ.get("LONGCTX_DECODE_GRAPHS", "1")
+        self.enabled = mode != "0"
+        # "simulate" (tests): CPU replay by re-execution with capture-time host fields (`_SimGraph`); never on in use
+        self.simulate = mode == "simulate"
         # (batch shape, logits_to_keep, model key, cache_position passed, device) of the decode steps that ran
         # (eagerly or captured) in this process: their kernels are compiled, so a graph of them can be captured
         # before any step runs (`after_prefill`)
@@ -155,7 +144,7 @@ class DecodeGraphs:
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
             return None
-        if not (ids.is_cuda or SIMULATE) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not (ids.is_cuda or self.simulate) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         if any(v is not None and v is not False for k, v in kwargs.items() if k not in _PASSED):
             return None
@@ -263,7 +252,7 @@ class DecodeGraphs:
         if key is None or warm is None:
             return
         _, keep, _, has_cpos, device = warm
-        if not (torch.device(device).type == "cuda" or SIMULATE):
+        if not (torch.device(device).type == "cuda" or self.simulate):
             return
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
@@ -327,11 +316,11 @@ class DecodeGraphs:
         before = [layer.host_state() for layer in layers]
         sig = _state_sig(cache)
         attrs = [dict(layer.state_tensors()) for layer in layers]
-        saved = [{n: t.clone() for n, t in a.items()} for a in attrs] if SIMULATE else None
+        saved = [{n: t.clone() for n, t in a.items()} for a in attrs] if self.simulate else None
         graph = out = None
         try:
-            if SIMULATE:
-                with _simulated_capture():
+            if self.simulate:
+                with simulated_capture():
                     out = run()
             else:
                 from .kernels.graphs import capture_graph
@@ -354,7 +343,7 @@ class DecodeGraphs:
                     t.copy_(s[n])
         if out is None or not same or getattr(out, "logits", None) is None:
             return None
-        if SIMULATE:
+        if self.simulate:
             graph = _SimGraph(run, layers, before, out)
         field_name = next((k for k, v in out.items() if v is cache), None)
         if field_name is not None:

@@ -9,6 +9,12 @@ class ConfigError(LongctxError, ValueError):
     """A method config key is unknown or has a bad value."""
 
 
+class MissingHookError(ConfigError, NotImplementedError):
+    """A method lacks a hook of `methods.base.Method` that the feature asked for needs (the fidelity check's
+    `approximation_start`, the training plan's `attention_profile`, calibration's `calibration`): the message names
+    the method, the hook and what a method implements there, instead of a guess."""
+
+
 class UnsupportedModelError(LongctxError):
     """The model's architecture has no adapter."""
 
@@ -54,6 +60,7 @@ class LongctxWarning(UserWarning):
 __all__ = [
     "LongctxError",
     "ConfigError",
+    "MissingHookError",
     "UnsupportedModelError",
     "AlreadyPatchedError",
     "NotPatchedError",

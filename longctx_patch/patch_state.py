@@ -46,7 +46,10 @@ class PatchContext:
     from one call to the next is the call's own (CallState)."""
 
     def __init__(self) -> None:
-        self.transfer = None  # the attention-transfer hook of train/transfer.py: .record(module, q, k, v, padding, o)
+        # what each patched module hands its attention's q, k, v (post-rotary), padding and output to: an object whose
+        # .record(module, q, k, v, padding, o) returns the output the layer passes on (train/transfer.py's
+        # objective, calibration.py's measurements); None: nothing records
+        self.recorder = None
         # recompute each patched attention in the backward instead of keeping its intermediates (forwards with
         # gradients and no cache; set by the fine-tune runner, `attention_checkpointing`)
         self.recompute = False
@@ -121,8 +124,8 @@ def patched_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def patch_context(model: nn.Module) -> PatchContext:
-    """The PatchContext the patched modules of `model` share (the hook of train/transfer.py, the recomputation, the
-    fused-ops mode); NotPatchedError when unpatched."""
+    """The PatchContext the patched modules of `model` share (the recorder of train/transfer.py and calibration.py,
+    the recomputation, the fused-ops mode); NotPatchedError when unpatched."""
     return state_of(model).ctx
 
 

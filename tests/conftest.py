@@ -141,11 +141,10 @@ def tiny_llama():
 
 @pytest.fixture
 def simulate(monkeypatch):
-    """Decode steps replayed from CUDA graphs on the CPU (decode_graphs.SIMULATE: a replay re-runs the step with the
-    host fields of its capture, which is what a CUDA graph bakes in)."""
-    from longctx_patch import decode_graphs
-
-    monkeypatch.setattr(decode_graphs, "SIMULATE", True)
+    """Decode steps replayed from CUDA graphs on the CPU for the models patched in the test (LONGCTX_DECODE_GRAPHS=
+    simulate at patch time, decode_graphs.DecodeGraphs.simulate: a replay re-runs the step with the host fields of its
+    capture, which is what a CUDA graph bakes in)."""
+    monkeypatch.setenv("LONGCTX_DECODE_GRAPHS", "simulate")
 
 
 def greedy_with_scores(model, ids, n, **kw):

@@ -270,7 +270,7 @@ def test_packaged_asset_is_found_for_the_embedded_model_and_is_trained(smollm2):
 def test_generate_cli_runs_lola_on_the_embedded_model(tmp_path):
     from click.testing import CliRunner
 
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     prompt = tmp_path / "essay.txt"
     prompt.write_text((TEST_DATA / "pg_essays" / "avg.txt").read_text()[:3000] + "\n\nSummarise the essay in one sentence.")

@@ -393,7 +393,7 @@ EXITS = [
 def test_the_command_line_exit_codes(argv, code, phrase, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
     args = argv(tmp_path)
@@ -414,7 +414,7 @@ def test_a_record_that_does_not_match_its_weights_fails_the_run(saved_lola, tmp_
 
     from click.testing import CliRunner
 
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     d = tmp_path / "lola"
     shutil.copytree(saved_lola, d)

@@ -1,6 +1,6 @@
-"""benchmarks/ops/bench_hybrid_bwd.py's sweep without a GPU: every setting applied in turn (the others at their
-defaults), its gradients checked against the defaults', TUNE restored afterwards, the fastest valid row picked.
-The timer is replaced by one that reads the settings; the PyTorch path stands in for the kernels."""
+"""benchmarks/ops/bench_hybrid_bwd.py's sweep without a GPU: every setting passed in turn (the others at their
+defaults), its gradients checked against the defaults', the defaults left as they are, the fastest valid row picked.
+The timer is replaced by one that reads the settings the kernels were given; the PyTorch path stands in for them."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ def test_sweep_applies_each_setting_and_restores(monkeypatch):
 
     from benchmarks.ops import bench_hybrid_bwd as bench
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola.tuning import TUNE
+    from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 
-    before = dict(TUNE)
+    given = []  # the tuning of each hybrid_attention call
+    real = bench.ops.hybrid_attention
+    monkeypatch.setattr(bench.ops, "hybrid_attention", lambda *a, **kw: given.append(kw["tuning"]) or real(*a, **kw))
     seen = []
+    keys = ("train_block_m", "train_block_n", "hybrid_num_warps", "hybrid_num_stages")
 
-    def fake_bench(fn):  # "time" = a function of the settings in force, so the sweep's choice is known
+    def fake_bench(fn):  # "time" = a function of the settings passed, so the sweep's choice is known
         fn()
-        seen.append({k: TUNE[k] for k in ("train_block_m", "train_block_n", "hybrid_num_warps", "hybrid_num_stages")})
-        return float(TUNE["train_block_m"] + TUNE["train_block_n"] + TUNE["hybrid_num_warps"] - TUNE["hybrid_num_stages"])
+        t = given[-1]
+        seen.append({k: getattr(t, k) for k in keys})
+        return float(t.train_block_m + t.train_block_n + t.hybrid_num_warps - t.hybrid_num_stages)
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     g = torch.Generator().manual_seed(0)
@@ -41,6 +45,6 @@ def test_sweep_applies_each_setting_and_restores(monkeypatch):
     assert seen[0] == bench.SWEEP_FWD[0] and len(seen) == 32  # forward alone, then forward + backward, per setting
     assert best == min(rows, key=lambda r: r["fwd_bwd_ms"])
     assert (best["train_block_m"], best["train_block_n"], best["hybrid_num_warps"], best["hybrid_num_stages"]) == (64, 32, 4, 2)
-    assert TUNE == before
+    assert given[0] == DEFAULT_TUNING == LolaTuning()  # the reference run: the defaults, which nothing changed
     rows, _ = bench.sweep(xs, do, 8, D ** -0.5)  # the backward's grid: no forward timing
-    assert len(rows) == 36 and not any("fwd_ms" in r for r in rows) and TUNE == before
+    assert len(rows) == 36 and not any("fwd_ms" in r for r in rows) and DEFAULT_TUNING == LolaTuning()

@@ -27,10 +27,12 @@ def test_each_method_takes_the_setting_nearest_the_budget(method, S, keys):
 
 @pytest.mark.slow
 def test_the_smoke_run_writes_its_result_and_plot(tmp_path):
+    from longctx_patch.provenance import device_description
+
     assert bench.main(["--smoke", "--layers", "15", "--out", str(tmp_path)]) == 0
     path = tmp_path / "muse-vs-moba-smollm2-135m-smoke-cpu.json"
     res = json.loads(path.read_text())
-    assert {"device", "date", "commit", "command"} <= set(res) and res["device"] == "cpu"
+    assert {"device", "date", "commit", "command"} <= set(res) and res["device"] == device_description("cpu")
     assert res["layers"] == [15] and res["seqs"] == [1024] and not res["skipped"]
     assert sorted({r["method"] for r in res["rows"]}) == sorted(bench.METHODS)
     for r in res["rows"]:

@@ -155,7 +155,7 @@ def test_the_cli_prints_one_line_naming_the_file(run_folder, tmp_path):
     import yaml
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     d, out, ckpt = run_folder
     _garbage_header(ckpt / "trained.safetensors")

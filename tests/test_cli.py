@@ -6,7 +6,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from longctx_patch.cli.main import main
 
 from conftest import tiny_model
 
@@ -57,7 +57,7 @@ def test_help_on_every_verb():
     every group's description names each of its sub-verbs (`longctx eval --help` says what ruler is)."""
     import click
 
-    from cli.common import EMBEDDED_ALIASES
+    from longctx_patch.cli.common import EMBEDDED_ALIASES
     from longctx_patch.models import EMBEDDED
 
     assert EMBEDDED_ALIASES == tuple(m.name for m in EMBEDDED)
@@ -282,7 +282,7 @@ def test_unsupported_architecture_after_load_is_patchs_error(gpt2_dir):
     forward pass, with the same message."""
     from transformers import AutoModelForCausalLM
 
-    from cli.common import check_patchable
+    from longctx_patch.cli.common import check_patchable
     from longctx_patch.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=UNSUPPORTED):
@@ -430,7 +430,7 @@ def test_warnings_print_as_one_line_naming_the_cli_option(tiny_dir):
     assert "UserWarning" not in r.output and "warnings.warn" not in r.output
     import warnings
 
-    from cli.common import show_warning
+    from longctx_patch.cli.common import show_warning
 
     assert warnings.showwarning is not show_warning  # Python's own again once the verb returns
     r = run("patch", "--model", str(tiny_dir), "--method", "muse", "--set", "backend=torch", "--fidelity-tokens", "16")
@@ -580,7 +580,7 @@ def test_closed_pipe_is_not_reported():
     """`longctx info | head -1`: the reader closing the pipe is not an error to report."""
     import click
 
-    from cli.common import friendly_errors
+    from longctx_patch.cli.common import friendly_errors
 
     @click.command()
     @friendly_errors

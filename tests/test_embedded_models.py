@@ -265,7 +265,7 @@ def test_a_removed_part_file_says_reinstall(monkeypatch, tmp_path, tiny_gguf):
 def test_info_lists_the_embedded_models_and_their_install_commands():
     from click.testing import CliRunner
 
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     r = CliRunner().invoke(main, ["info"], catch_exceptions=False)
     assert r.exit_code == 0

@@ -506,7 +506,7 @@ def test_model_speed_keeps_finished_methods(tiny, tmp_path, monkeypatch):
 
 
 def test_cli_speed_refuses_a_bad_batch_before_loading(tmp_path):
-    from cli.eval_cmd import eval_group
+    from longctx_patch.cli.eval_cmd import eval_group
 
     out = CliRunner().invoke(eval_group, ["speed", "--model", str(tmp_path / "nothing"), "--batch", "1,x"])
     assert out.exit_code != 0 and "--batch" in out.output and "integers" in out.output
@@ -564,7 +564,7 @@ def test_method_ops_match_reference():
 
 # ----------------------------------------------------------------------------------------------- CLI
 def _cli(args):
-    from cli.eval_cmd import eval_group
+    from longctx_patch.cli.eval_cmd import eval_group
 
     return CliRunner().invoke(eval_group, args, catch_exceptions=False)
 
@@ -606,7 +606,7 @@ def test_cli_approx_and_ppl_run(tiny_dir, tmp_path):
 def test_cli_bad_input_one_line(args, words):
     if "--op" in args and torch.cuda.is_available():
         pytest.skip("the op-level refusal only happens without CUDA")
-    r = CliRunner().invoke(__import__("cli.eval_cmd", fromlist=["eval_group"]).eval_group, args)
+    r = CliRunner().invoke(__import__("longctx_patch.cli.eval_cmd", fromlist=["eval_group"]).eval_group, args)
     assert r.exit_code != 0
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.output

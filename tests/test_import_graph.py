@@ -1,4 +1,4 @@
-"""The import graph of the whole tree (longctx_patch/ with its train/ and evals/, cli/, and the benchmark scripts of
+"""The import graph of the whole tree (longctx_patch/ with its train/, evals/ and cli/, and the benchmark scripts of
 benchmarks/ or evals/) keeps the layering of docs/ARCHITECTURE.md.
 
 Every module is parsed with `ast`; every import counts, at any depth (module level, inside functions, methods,
@@ -7,9 +7,8 @@ try/except), relative ones resolved against the importing module. `from P import
 first), which counts as an arrow too unless that package encloses the importer.
 
 (a) no import cycle among the tree's modules (cli/ and the scripts included): a lazy (function-level) import is
-    still an arrow. The only arrows left out are imports under `if TYPE_CHECKING:` (never executed) and
-    `from longctx_patch import __version__` (the one upward import allowed: the root package defines it before
-    importing anything).
+    still an arrow. The only arrows left out are imports under `if TYPE_CHECKING:` (never executed); there is no
+    allowed exception (`__version__` lives in the leaf module `_version.py`, which the root and checkpoint.py import).
     Nor between folders: with each folder's modules taken as one (a module directly in longctx_patch/ as its own),
     the arrows still make no cycle, so that e.g. train/ and evals/ or two kernel op folders import each other one
     way only.
@@ -34,12 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 ROOT = "longctx_patch"
 # the scripts' folder: benchmarks/ (evals/ before it took that name); whichever the tree has
 SCRIPTS = tuple(name for name in ("benchmarks", "evals") if (REPO / name / "__init__.py").is_file())
-PACKAGES = (ROOT, "cli", *SCRIPTS)
+PACKAGES = (ROOT, *SCRIPTS)
 
 # (module prefix, layer): a module is in the layer of its longest matching prefix; arrows may not go up
 LAYERS = (
     (f"{ROOT}.kernels", 0),  # plain tensors in and out
     (f"{ROOT}.errors", 0),
+    (f"{ROOT}._version", 0),  # __version__ (a leaf: the root and the saved format read it)
     (f"{ROOT}.architectures", 1),  # shared by the methods and the API: model families, the checkpoint format,
     (f"{ROOT}.checkpoint", 1),  # packaged method weights, the tensor-parallel split of method tensors
     (f"{ROOT}.saved_files", 1),  # a saved folder checked against its record (the loader and the patcher)
@@ -55,12 +55,11 @@ LAYERS = (
     (ROOT, 3),  # the API: the package root, patcher, cache, models, generation, convert
     (f"{ROOT}.train", 4),
     (f"{ROOT}.evals", 4),
-    ("cli", 5),
+    (f"{ROOT}.cli", 5),  # the click front end (the `longctx` command)
     ("benchmarks", 6),  # scripts: anything below them
     ("evals", 6),
 )
 LAYER_NAMES = {0: "kernels", 1: "shared", 2: "methods", 3: "API", 4: "train/evals", 5: "cli", 6: "scripts"}
-ALLOWED_UPWARD = {(ROOT, "__version__")}
 
 
 @dataclass(frozen=True)
@@ -173,11 +172,11 @@ def _is_private(name: str) -> bool:
 
 
 def cycle_arrows(arrows: list[Arrow]) -> dict[str, dict[str, Arrow]]:
-    """The arrows between two modules of the tree (all_arrows only makes those), type-only ones and the allowed
-    `__version__` import left out, by source and destination."""
+    """The arrows between two modules of the tree (all_arrows only makes those), type-only ones left out, by source
+    and destination."""
     graph: dict[str, dict[str, Arrow]] = {}
     for a in arrows:
-        if a.type_only or (a.dst, a.name) in ALLOWED_UPWARD:
+        if a.type_only:
             continue
         if a.src != a.dst:
             graph.setdefault(a.src, {}).setdefault(a.dst, a)
@@ -280,8 +279,6 @@ def _where(a: Arrow) -> str:
 def upward(arrows: list[Arrow]) -> list[str]:
     bad = []
     for a in arrows:
-        if (a.dst, a.name) in ALLOWED_UPWARD:
-            continue
         s, d = layer(a.src), layer(a.dst)
         if s is not None and d is not None and d > s:
             bad.append(f"{_where(a)}: {LAYER_NAMES[s]} -> {LAYER_NAMES[d]}")
@@ -335,7 +332,8 @@ def test_every_module_has_a_layer(graph):
     assert [m for m in modules if layer(m) is None] == []
     # and the walk saw the whole tree
     assert {"longctx_patch.patcher", "longctx_patch.kernels.softmax.ops", "longctx_patch.checkpoint",
-            "longctx_patch.train.runner", "longctx_patch.evals.common", "cli.main", "cli.eval_cmd"} <= set(modules)
+            "longctx_patch.train.runner", "longctx_patch.evals.common", "longctx_patch.cli.main",
+            "longctx_patch.cli.eval_cmd"} <= set(modules)
     assert SCRIPTS and any(m.startswith(SCRIPTS[0] + ".") for m in modules)
 
 
@@ -359,16 +357,16 @@ def test_checker_finds_cycles_outside_the_package(tmp_path):
         "longctx_patch/evals/__init__.py": "",
         "longctx_patch/evals/common.py": "def git_commit(): pass\n",
         "longctx_patch/evals/speed.py": "def f():\n    from ..train.runner import x\n",
-        "cli/__init__.py": "",
-        "cli/eval_cmd.py": "from . import eval_ruler_cmd\n",
-        "cli/eval_ruler_cmd.py": "from .eval_cmd import _load\n",
+        "longctx_patch/cli/__init__.py": "",
+        "longctx_patch/cli/eval_cmd.py": "from . import eval_ruler_cmd\n",
+        "longctx_patch/cli/eval_ruler_cmd.py": "from .eval_cmd import _load\n",
         "benchmarks/__init__.py": "",
         "benchmarks/ops/__init__.py": "",
-        "benchmarks/ops/bench_x.py": "from longctx_patch.evals.common import git_commit\nimport cli.eval_cmd\n",
-    }, packages=(ROOT, "cli", "benchmarks"))
+        "benchmarks/ops/bench_x.py": "from longctx_patch.evals.common import git_commit\nimport longctx_patch.cli.eval_cmd\n",
+    }, packages=(ROOT, "benchmarks"))
     cycles = find_cycles(cycle_arrows(arrows))
     assert sorted(sorted({a.src for a in c}) for c in cycles) == [
-        ["cli.eval_cmd", "cli.eval_ruler_cmd"],
+        ["longctx_patch.cli.eval_cmd", "longctx_patch.cli.eval_ruler_cmd"],
         ["longctx_patch.evals.speed", "longctx_patch.train.runner"],
     ]
     assert upward(arrows) == []
@@ -392,8 +390,10 @@ def test_checker_finds_folders_importing_each_other(tmp_path):
 
 def test_checker_resolves_lazy_relative_imports_and_finds_their_cycle(tmp_path):
     modules, arrows = _fake(tmp_path, {
-        "longctx_patch/__init__.py": "__version__ = '0'\nfrom .patcher import patch\n",
-        "longctx_patch/patcher.py": "from . import __version__\nfrom .methods.base import Base\ndef patch(): pass\n",
+        "longctx_patch/__init__.py": "from ._version import __version__\nfrom .patcher import patch\n",
+        "longctx_patch/_version.py": "__version__ = '0'\n",
+        "longctx_patch/patcher.py": "from ._version import __version__\nfrom .methods.base import Base\n"
+                                    "def patch(): pass\n",
         "longctx_patch/methods/__init__.py": "",
         "longctx_patch/methods/base.py": "class Base:\n    def f(self):\n        try:\n"
                                          "            from ..patcher import patch\n        except ImportError:\n"
@@ -406,11 +406,22 @@ def test_checker_resolves_lazy_relative_imports_and_finds_their_cycle(tmp_path):
     assert Arrow("longctx_patch.methods.typed", "longctx_patch.patcher", "patch", 3, type_only=True) in arrows
     cycles = find_cycles(cycle_arrows(arrows))
     assert [sorted({a.src for a in c}) for c in cycles] == [["longctx_patch.methods.base", "longctx_patch.patcher"]]
-    # the root <-> patcher loop of __version__ is not a cycle; both methods modules import upward
+    # __version__ from the leaf module makes no cycle; both methods modules import upward
     assert upward(arrows) == [
         "longctx_patch.methods.base:4 imports patch from longctx_patch.patcher: methods -> API",
         "longctx_patch.methods.typed:3 imports patch from longctx_patch.patcher: methods -> API",
     ]
+
+
+def test_checker_counts_version_from_the_root_as_a_cycle(tmp_path):
+    """No import is exempt: `from . import __version__` in a module the root imports is a cycle (the one the package
+    had before `_version.py`)."""
+    modules, arrows = _fake(tmp_path, {
+        "longctx_patch/__init__.py": "__version__ = '0'\nfrom .checkpoint import write\n",
+        "longctx_patch/checkpoint.py": "from . import __version__\ndef write(): pass\n",
+    })
+    cycles = find_cycles(cycle_arrows(arrows))
+    assert [sorted({a.src for a in c}) for c in cycles] == [["longctx_patch", "longctx_patch.checkpoint"]]
 
 
 def test_checker_finds_private_names_across_package_folders(tmp_path):

@@ -33,7 +33,7 @@ from conftest import tiny_model
 from test_train import TEXT, byte_tokenizer, recipe_dict, register_temp_method, write_recipe
 
 CTX = multiprocessing.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "transformers", "peft", "accelerate", "longctx_patch.train", "cli.finetune_cmd"])
+CTX.set_forkserver_preload(["torch", "transformers", "peft", "accelerate", "longctx_patch.train", "longctx_patch.cli.finetune_cmd"])
 
 
 # ----------------------------------------------------------------------------------------------- in the child
@@ -177,7 +177,7 @@ def _child(log: str, kill: tuple | None, job: str, *args) -> None:
         _arm(kill)
     if job == "finetune":
         register_temp_method()
-        from cli.finetune_cmd import finetune_cmd
+        from longctx_patch.cli.finetune_cmd import finetune_cmd
 
         finetune_cmd.main(args=list(args), prog_name="longctx finetune", standalone_mode=False)
     else:

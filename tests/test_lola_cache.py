@@ -248,13 +248,13 @@ def test_parallel_prefill_equals_chunk_loop_with_tied_scores():
 
 
 @pytest.mark.parametrize("select_bits", [8, 4])
-def test_prefill_evictions_match_select_and_fold_with_ties(select_bits, monkeypatch):
+def test_prefill_evictions_match_select_and_fold_with_ties(select_bits):
     """The eviction kernels of the two-pass prefill (score, radix top-lambda with 8- and 4-bit digits, fold),
     eviction by eviction, against `reference.select_and_fold` on the same candidates, with duplicated pairs
     (exactly equal scores at the threshold) and a first eviction with fewer valid pairs than slots."""
     from longctx_patch.kernels.lola import triton_kernels as tk
 
-    monkeypatch.setitem(tk.TUNE, "ev_select_bits", select_bits)
+    from longctx_patch.kernels.lola.tuning import LolaTuning
 
     g = torch.Generator().manual_seed(5)
     S, W, C, lam = 96, 16, 32, 12
@@ -265,7 +265,8 @@ def test_prefill_evictions_match_select_and_fold_with_ties(select_bits, monkeypa
     fk = ref.hedgehog_feature_map(k, Wk)
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[0, :5] = False
-    ev = tk.PrefillEvictions(fk, v, mask, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=HKV)
+    ev = tk.PrefillEvictions(fk, v, mask, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=HKV,
+                             tuning=LolaTuning(ev_select_bits=select_bits))
     ev.run()
     H, s = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
     sp_idx = torch.full((B, HKV, lam), -1)

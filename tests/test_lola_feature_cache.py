@@ -106,7 +106,7 @@ def test_generate_with_feature_cache_equals_without(method, config, backend, pad
     """generate(): feature cache on (replayed with the simulated graphs, no padding; eager, left padding) equals
     the recomputation, GQA 14 / 2 heads. Under the interpreter one decoder layer (every layer runs the same
     kernels on its own cache) and 10 new tokens."""
-    monkeypatch.setattr(dg, "SIMULATE", True)
+    monkeypatch.setenv("LONGCTX_DECODE_GRAPHS", "simulate")  # the models patched below replay on the CPU
     torch.manual_seed(0)
     model = tiny_model("llama", num_attention_heads=14, num_key_value_heads=2, hidden_size=224,
                        num_hidden_layers=3 if backend == "torch" else 1).eval()

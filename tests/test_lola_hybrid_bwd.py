@@ -123,9 +123,9 @@ def test_hybrid_attention_under_grad_dispatches_to_the_triton_function():
 
 
 def test_training_settings_from_tune_reach_the_function(monkeypatch):
-    """TUNE's train_state_chunk / train_block_m / train_block_n (what benchmarks.ops.bench_hybrid_bwd sweeps) set the training pass's
-    state chunk and tiles when the caller names no state_chunk; the gradients stay the reference's."""
-    from longctx_patch.kernels.lola.tuning import TUNE
+    """The tuning's train_state_chunk / train_block_m / train_block_n (what benchmarks.ops.bench_hybrid_bwd sweeps) set
+    the training pass's state chunk and tiles when the caller names no state_chunk; the gradients stay the reference's."""
+    from longctx_patch.kernels.lola.tuning import LolaTuning
 
     seen = []
     real = ops.hybrid_attention_triton
@@ -135,15 +135,13 @@ def test_training_settings_from_tune_reach_the_function(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(ops, "hybrid_attention_triton", spy)
-    monkeypatch.setitem(TUNE, "train_state_chunk", 64)
-    monkeypatch.setitem(TUNE, "train_block_m", 32)
-    monkeypatch.setitem(TUNE, "train_block_n", 32)
+    tuning = LolaTuning(train_state_chunk=64, train_block_m=32, train_block_n=32)
     xs, do = _inputs(1, 2, 1, 150)
-    got = _grads(lambda *a: ops.hybrid_attention(*a, window=16, scale=0.25, backend="triton"), xs, do)[1]
+    got = _grads(lambda *a: ops.hybrid_attention(*a, window=16, scale=0.25, backend="triton", tuning=tuning), xs, do)[1]
     _, want = _reference(xs, do, window=16, scale=0.25, key_mask=None)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"d{n}: {m}")
-    ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton", state_chunk=128)  # the caller's wins
+    ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton", state_chunk=128, tuning=tuning)  # the caller's wins
     assert seen == [(64, 32, 32), (128, 32, 32)]
 
 

@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+from longctx_patch.kernels.lola.tuning import LolaTuning  # noqa: E402
 
 tk = pytest.importorskip("longctx_patch.kernels.lola.triton_kernels")
 
@@ -220,12 +221,8 @@ def test_sre_score_and_fold_match_reference(dtype):
     w = valid.float() * torch.rand(B, Hq, N, generator=gen).to(DEV)
     He, se = ref.fold(fk, vx, w, H, s)
     for block in (None, 16):  # default tiles, and the smaller ones that give more programs
-        tk.TUNE["fold_block"] = block
-        try:
-            H2, s2 = H.clone(), s.clone()
-            tk.fold_into_state(fk, v, w, H2, s2)
-        finally:
-            tk.TUNE["fold_block"] = None
+        H2, s2 = H.clone(), s.clone()
+        tk.fold_into_state(fk, v, w, H2, s2, tuning=LolaTuning(fold_block=block))
         torch.testing.assert_close(H2, He, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s2, se, atol=1e-4, rtol=1e-4)
     # weights per kv head (query head h reads those of h // 2), and one row of weights for every head
@@ -238,12 +235,10 @@ def test_sre_score_and_fold_match_reference(dtype):
 
 
 @pytest.fixture(params=["ieee", "tf32x3"], ids=["fmap-ieee", "fmap-tf32x3"])
-def fmap_prec(request, monkeypatch):
-    """The feature map's projection precision for fp32 weights (TUNE["fmap_prec"]): both settings must match."""
-    from longctx_patch.kernels.lola.tuning import TUNE
-
-    monkeypatch.setitem(TUNE, "fmap_prec", request.param)
-    return request.param
+def fmap_prec(request):
+    """The feature map's projection precision for fp32 weights (LolaTuning.fmap_prec, passed to the kernels): both
+    settings must match."""
+    return LolaTuning(fmap_prec=request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -252,9 +247,9 @@ def test_feature_map_kernel_matches_reference(dtype, fmap_prec):
     x = torch.randn(2, 2, 45, 16, generator=gen).to(DEV, dtype)
     W = (torch.randn(4, 16, 8, generator=gen) * 0.7).to(DEV, dtype)  # 4 heads over 2 kv heads
     want = ref.hedgehog_feature_map(x, W, out_dtype=torch.float32)
-    got = tk.feature_map(x, W, out_dtype=torch.float32)
+    got = tk.feature_map(x, W, out_dtype=torch.float32, tuning=fmap_prec)
     torch.testing.assert_close(got, want, **TOL[dtype])
-    got16 = tk.feature_map(x, W)
+    got16 = tk.feature_map(x, W, tuning=fmap_prec)
     assert got16.dtype == dtype and got16.shape == (2, 4, 45, 16)
 
 
@@ -276,7 +271,7 @@ def test_feature_map_backward_matches_reference(dtype, Hx, H, need, fmap_prec):
     def run(backend):
         x = x0.clone().requires_grad_(need != "dw")
         W = W0.clone().requires_grad_(need != "dx")
-        phi = feature_map(x, W, eps=eps, out_dtype=dtype, backend=backend)
+        phi = feature_map(x, W, eps=eps, out_dtype=dtype, backend=backend, tuning=fmap_prec)
         (phi.float() * up.float()).sum().backward()
         return phi, x.grad, W.grad
 
@@ -300,7 +295,7 @@ def test_feature_map_backward_matches_reference(dtype, Hx, H, need, fmap_prec):
     # several row tiles per program and several programs: the same gradients
     x = x0.clone()
     dphi = torch.randn(2, H, 83, 16, generator=gen).to(DEV, dtype)
-    a = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=32)
-    b = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=128)
+    a = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=32, tuning=fmap_prec)
+    b = tk.feature_map_bwd(x, W0, dphi, eps, True, True, rows_per_program=128, tuning=fmap_prec)
     torch.testing.assert_close(a[0].float(), b[0].float(), **tol)
     torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)

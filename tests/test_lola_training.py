@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import longctx_patch as lp
-import longctx_patch.methods.lola.attention as lolcats_method
 from longctx_patch.kernels.lola import reference as ref
 from longctx_patch.kernels.lola import LolaState, lola_process
 from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+from longctx_patch.patch_state import patched_modules
 
 from conftest import tiny_model
 
@@ -88,7 +88,7 @@ def test_sparse_positions_keep_the_highest_recall_errors():
 
 
 @pytest.mark.parametrize("sparse_heads", ["kv", "query"])
-def test_patched_model_trains_through_sets_like_the_chunk_loop(monkeypatch, sparse_heads):
+def test_patched_model_trains_through_sets_like_the_chunk_loop(sparse_heads):
     """Through a patched model with a left-padded batch: the loss and the maps' gradients of the sets path equal
     those of the chunk loop."""
     kw = dict(window=5, feature_dim=8, chunk=4, backend="torch", sparse_cache=3, sparse_heads=sparse_heads)
@@ -97,9 +97,10 @@ def test_patched_model_trains_through_sets_like_the_chunk_loop(monkeypatch, spar
     mask[1, :6] = 0
     res = {}
     for sets_path in (False, True):
-        monkeypatch.setattr(lolcats_method, "TRAIN_WITH_SETS", sets_path)
         model = tiny_model("llama")
         lp.patch(model, "lola", **kw)
+        for m in patched_modules(model).values():
+            m.train_with_sets = sets_path
         labels = x.masked_fill(mask == 0, -100)
         out = model(x, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()

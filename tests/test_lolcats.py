@@ -129,10 +129,9 @@ def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monk
     gradient; the layer must see that the maps do (it looked at q, k only: outputs without a gradient, and the
     transfer stopped with 'element 0 of tensors does not require grad'). The CUDA decision is made here on the
     CPU, where the interpreter runs the kernels."""
-    import longctx_patch.methods.lola.attention as lolcats_method
     from longctx_patch.kernels.lola import ops
+    from longctx_patch.patch_state import patched_modules
 
-    monkeypatch.setattr(lolcats_method, "TRAIN_WITH_SETS", False)  # the chunk loop's own dispatch
     real = ops.use_triton
 
     def as_on_cuda(backend, *tensors):
@@ -145,6 +144,8 @@ def test_lola_transfer_takes_the_differentiable_path_where_triton_would_run(monk
     for name in ("cuda decision", "reference"):
         model = tiny_model("llama")
         lp.patch(model, "lola", **{**KW, "backend": "auto"}, sparse_cache=3)
+        for m in patched_modules(model).values():
+            m.train_with_sets = False  # the chunk loop's own dispatch
         _freeze_all_but_the_maps(model)
         if name == "cuda decision":
             monkeypatch.setattr(ops, "use_triton", as_on_cuda)

@@ -219,7 +219,7 @@ def test_patched_model_runs_moba_and_the_op_entry():
 
 
 def test_cli_info_moba():
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     r = CliRunner().invoke(main, ["info", "moba"])
     assert r.exit_code == 0, r.output

@@ -3,7 +3,7 @@ gated from the block state the cache keeps incrementally (key sums, block first 
 and attends to its selected blocks only. Against `moba_reference` (the rule over the whole cache: the step is the
 last query of a one-call prefill ending at it) op by op, the decode kernel against its reference under the Triton
 interpreter, and through a patched model: tokens and logits of the reference rule with left padding, the state after
-the buffer regrows, and decode graphs' replay (SIMULATE) equal to eager steps."""
+the buffer regrows, and decode graphs' simulated replay equal to eager steps."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A decode step writes its key at a device position and attends to the whole buffer under its validity mask, so its
 launch depends on the dictionary size only: one graph per dictionary size replays every step of a chunk; the step
 that completes a chunk absorbs it eagerly. Checked here on the CPU: the buffered kernel (Triton interpreter) against
-the general path, and the simulated replay (decode_graphs.SIMULATE: a replay re-runs the step with the host fields
+the general path, and the simulated replay (the `simulate` fixture: a replay re-runs the step with the host fields
 of its capture) against eager decoding."""
 
 import os

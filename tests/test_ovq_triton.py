@@ -219,11 +219,9 @@ def test_parallel_training_path_triton_from_a_state():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mean_form_equals_sum_form(dtype, monkeypatch):
-    """Runs of chunks with bf16 assignment read row means kept beside the sums (MEAN_FORM): same rows, same
+def test_fused_mean_form_equals_sum_form(dtype):
+    """Runs of chunks with bf16 assignment read row means kept beside the sums (mean_form): same rows, same
     output as reading the sums; batch with padding, GQA, growth, a second call that starts inside a chunk."""
-    from longctx_patch.kernels.ovq import triton_fast
-
     g = torch.Generator().manual_seed(5)
     B, Hq, H, S, C, D = 2, 4, 2, 61, 8, 16
     q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).to(dtype)
@@ -234,7 +232,7 @@ def test_fused_mean_form_equals_sum_form(dtype, monkeypatch):
     kw = dict(chunk_size=C, max_centroids=20, growth=6.0, backend="triton", exact_assign=False)
     runs = {}
     for mean in (True, False):
-        monkeypatch.setattr(triton_fast, "MEAN_FORM", mean)
+        kw["mean_form"] = mean
         with torch.no_grad():
             o1, st, op, sb = ovq_attention(q[:, :, :21], k[:, :, :21], v[:, :, :21], None, None, valid[:, :21], **kw)
             o2, st, op, _ = ovq_attention(q[:, :, 21:], k[:, :, 21:], v[:, :, 21:], st, op, valid[:, 21:],

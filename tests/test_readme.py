@@ -91,7 +91,7 @@ def test_models_doc_says_which_dtype_on_a_cpu():
     where; --dtype's help says it too."""
     from click.testing import CliRunner
 
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     text = (REPO / "docs" / "models.md").read_text()
     code = re.findall(r"```python\n(.*?)```", text, flags=re.S)

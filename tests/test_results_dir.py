@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import longctx_patch.evals.common as common
-from cli.main import main
+from longctx_patch.cli.main import main
 
 from conftest import tiny_model
 

@@ -55,6 +55,16 @@ def test_every_result_says_device_date_commit_and_command():
     assert set(lacking) <= set(LACKING), f"new result files without {index.REQUIRED}: {sorted(set(lacking) - set(LACKING))}"
 
 
+def test_every_result_spells_its_device_one_way():
+    """One spelling (longctx_patch.provenance.device_description): a GPU's name, "CPU (...)", "N x ..." for a run of
+    N processes; no "cuda: " prefix, no lower-case "cpu", no notes."""
+    from longctx_patch.provenance import DEVICE_SPELLING
+
+    bad = {p.relative_to(RESULTS).as_posix(): d["device"] for p in result_jsons()
+           if not DEVICE_SPELLING.fullmatch(str((d := json.loads(p.read_text())).get("device")))}
+    assert bad == {}, bad
+
+
 def test_the_index_shows_unknown_for_what_a_file_does_not_say(tmp_path):
     (tmp_path / "niah").mkdir()
     rec = {"task": "niah", "device": "cpu", "date": "2026-12-01T00:00:00Z", "command": "longctx eval niah",

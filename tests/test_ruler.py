@@ -272,7 +272,7 @@ def test_run_ruler_writes_json_and_png_with_paired_samples(tiny, tmp_path, one_t
 
 
 def test_cli_eval_ruler(tiny, tmp_path, one_thread, monkeypatch):
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     monkeypatch.setitem(ruler.TOKENS_TO_GENERATE, "niah", 6)
 

@@ -128,7 +128,7 @@ def test_state_fraction_is_state_bytes_over_the_exact_kv_cache(tiny):
 
 
 def test_cli_exports_samples_and_answers_them_from_the_file(tiny, tmp_path, one_thread, monkeypatch):
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     monkeypatch.setitem(ruler.TOKENS_TO_GENERATE, "niah", 4)
     d = tmp_path / "tiny"

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cli.eval_synthetic_cmd import icl_cmd, icr_cmd
+from longctx_patch.cli.eval_synthetic_cmd import icl_cmd, icr_cmd
 
 TINY = ["--device", "cpu", "--d-model", "16", "--layers", "1", "--steps", "3", "--lrs", "1e-3",
         "--tokens-per-step", "128", "--eval-sequences", "2", "--quiet"]

@@ -103,6 +103,9 @@ def register_temp_method() -> str:
         config_cls = TempConfig
         module_cls = TempAttention
 
+        def attention_profile(self, config, head_dim, seq_len, kernels):  # the fine-tune's plan asks (exact's)
+            return seq_len / 2, 4 * head_dim
+
     list_methods()  # load the built-ins first
     register_method(TempMethod)
     return TEMP_METHOD
@@ -248,7 +251,7 @@ def test_recipe_refuses_non_finite_and_overflowing_values(override, message):
 def test_nan_lr_fails_the_dry_run_and_the_run_before_any_model_loads(tmp_path):
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     raw = (REPO / "recipes" / "linearize.yaml").read_text()
     assert "lr: 1.0e-2" in raw
@@ -321,7 +324,7 @@ def test_text_dir_reading_packing_and_order(tmp_path):
 def test_binary_training_text_is_refused_before_the_model_loads(tiny_dir, tmp_path):
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     binary = tmp_path / "x.bin"
     binary.write_bytes(bytes(range(256)) * 8)
@@ -658,7 +661,7 @@ def test_full_finetune_unpatched_and_cli(tiny_dir, text_file, tmp_path):
     """Full fine-tune of the unpatched model through the click command."""
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     d = recipe_dict(tiny_dir, text_file, method=None)
     d["stages"] = [d["stages"][1]]
@@ -709,7 +712,7 @@ def test_lora_finetune_through_the_cli_prints_no_deprecation(tiny_dir, text_file
     that warning an error in the suite)."""
     from click.testing import CliRunner
 
-    from cli.finetune_cmd import finetune_cmd
+    from longctx_patch.cli.finetune_cmd import finetune_cmd
 
     d = recipe_dict(tiny_dir, text_file, method=None, lora=dict(steps=2, gradient_checkpointing=True))
     d["stages"] = [d["stages"][1]]

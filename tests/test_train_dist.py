@@ -21,7 +21,7 @@ from test_train import _one_thread, recipe_dict, temp_method, text_file, tiny_di
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# Runs `cli.finetune_cmd` in each launched process with an audit hook that records every write-like
+# Runs `longctx_patch.cli.finetune_cmd` in each launched process with an audit hook that records every write-like
 # file-system event under the watched folders, and the rows of every local batch the loss sees.
 WORKER = r'''
 import os, sys, json, runpy
@@ -63,7 +63,7 @@ sys.addaudithook(hook)
 sys.argv = ["longctx finetune"] + sys.argv[1:]
 code = 0
 try:
-    runpy.run_module("cli.finetune_cmd", run_name="__main__")
+    runpy.run_module("longctx_patch.cli.finetune_cmd", run_name="__main__")
 except SystemExit as e:
     code = e.code or 0
 finally:

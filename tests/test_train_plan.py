@@ -144,7 +144,7 @@ def test_a_run_too_large_stops_before_the_model_loads(model_dir, text_file, tmp_
 
 
 def test_cli_refusal_is_one_line_and_can_be_skipped(model_dir, text_file, tmp_path, monkeypatch):
-    from cli.main import main
+    from longctx_patch.cli.main import main
 
     monkeypatch.setattr(plan_mod, "available_memory", lambda device: 2**20)
     rec = tmp_path / "r.yaml"

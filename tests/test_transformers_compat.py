@@ -62,14 +62,15 @@ def test_activation_checkpointing_by_the_installed_name():
 
 def test_the_suite_fails_on_a_deprecation_caused_by_this_package():
     """pyproject.toml's filters, as pytest installed them for this test: a deprecation warning that points at
-    longctx_patch or cli fails, as do transformers' renamed forward keywords and checkpointing methods (which point at
+    longctx_patch (its CLI included) fails, as do transformers' renamed forward keywords and checkpointing methods (which point at
     torch's or transformers' own frames) and `is_gradient_checkpointing` (read by peft when it wraps a model: our
     wrapping hides it, longctx_patch.train.trained.peft_wrapping); one from inside another library only warns."""
     with pytest.raises(FutureWarning):
         warnings.warn_explicit("`x` is deprecated", FutureWarning, "longctx_patch/patcher.py", 1,
                                module="longctx_patch.patcher")
     with pytest.raises(DeprecationWarning):
-        warnings.warn_explicit("old", DeprecationWarning, "cli/main.py", 1, module="cli.main")
+        warnings.warn_explicit("old", DeprecationWarning, "longctx_patch/cli/main.py", 1,
+                               module="longctx_patch.cli.main")
     with pytest.raises(FutureWarning):
         warnings.warn_explicit("`past_key_values` is deprecated and will be removed in version 5.40.0 for "
                                "`LlamaForCausalLM.forward`. Use `cache` instead.", FutureWarning,

@@ -119,7 +119,7 @@ def test_backend_triton_on_a_cpu_tensor_is_a_device_error(name):
 
 def test_cli_info_lists_every_method_without_triton():
     r = _run("""
-        from cli.main import main
+        from longctx_patch.cli.main import main
         sys.argv = ["longctx", "info"]
         try:
             main()

@@ -25,7 +25,8 @@ import torch
 import longctx_patch as lp
 from benchmarks.shared import device_token, result_file
 from longctx_patch.cache import cache_argument
-from longctx_patch.evals.common import git_commit, parse_sizes
+from longctx_patch.evals.common import parse_sizes
+from longctx_patch.provenance import device_description, git_commit
 
 
 def _decode(model, nxt, cache, steps):
@@ -110,7 +111,7 @@ def main():
         results[method] = row
         if method != "none":
             lp.unpatch(model)
-    record = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+    record = {"device": device_description(dev),
               "date": datetime.date.today().isoformat(), "commit": git_commit(),
               "command": "python3 -m benchmarks.generate.bench_decode_profile " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", "context": C, "batch": args.batch, "steps": args.steps,

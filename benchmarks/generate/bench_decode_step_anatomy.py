@@ -32,7 +32,8 @@ import torch
 import longctx_patch as lp
 from benchmarks.shared import device_token, kernel_kind, llama_1b_shaped, result_file
 from longctx_patch.cache import cache_argument
-from longctx_patch.evals.common import git_commit, parse_sizes
+from longctx_patch.evals.common import parse_sizes
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.evals.speed_model import timed_generate
 
 
@@ -139,7 +140,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     row = measure(args.method, args.batch, parse_sizes(args.context)[0], args.steps, args.decode_base, args.fused_ops)
-    record = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+    record = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(),
               "commit": git_commit(), "command": "python3 -m benchmarks.generate.bench_decode_step_anatomy " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", **row}
     fused = "-fused" if args.fused_ops else ""

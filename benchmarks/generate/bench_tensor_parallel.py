@@ -29,7 +29,7 @@ from transformers import StoppingCriteria
 
 import longctx_patch as lp
 from benchmarks.shared import device_token, llama_1b_shaped, result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (before NCCL starts)
 
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
     if rank == 0:
         launcher = f"torchrun --nproc-per-node {world} -m" if world > 1 else "python3 -m"
         out = {
-            "device": f"{world} x {torch.cuda.get_device_name()}",
+            "device": device_description("cuda", world),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "command": f"{launcher} benchmarks.generate.bench_tensor_parallel " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -18,7 +18,7 @@ import torch
 
 import longctx_patch as lp
 from benchmarks.shared import llama_1b_shaped
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.evals.speed_model import timed_generate
 
 
@@ -75,7 +75,7 @@ def main():
         sys.exit("needs a CUDA device")
     rows = [check(m, getattr(torch, d), args.prompt, args.new, args.batch)
             for d in args.dtypes.split(",") for m in args.methods.split(",")]
-    rec = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    rec = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "python3 -m benchmarks.generate.check_fused_ops " + shlex.join(sys.argv[1:]), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)

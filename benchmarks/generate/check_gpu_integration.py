@@ -20,7 +20,7 @@ import torch
 
 import longctx_patch as lp
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 METHODS = {  # label: (method, config, backend key, fast backend, reference backend)
     "muse": ("muse", {"far_field": "tilted", "min_seq_len": 256, "block_size": 64}, "backend", "triton", "torch"),
@@ -110,7 +110,7 @@ def main():
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
-    rec = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
+    rec = {"device": device_description(DEVICE), "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
            "command": "python3 -m benchmarks.generate.check_gpu_integration" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
     what = "all" if methods == list(METHODS) else "+".join(methods)

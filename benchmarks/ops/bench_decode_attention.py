@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.shared import device_token, result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.softmax import attention_mask, softmax_attention
 
 
@@ -189,7 +189,7 @@ def main():
                              "ms_per_call": ms})
                 print(f"growing D{D} B{B} Sq{Sq} pad{int(padded)} S0 {S0}: "
                       + " | ".join(f"{n} {v:.3f}" for n, v in ms.items()), flush=True)
-    out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+    out = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__,
            "command": "python3 -m benchmarks.ops.bench_decode_attention " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,

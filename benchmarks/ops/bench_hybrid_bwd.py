@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.shared import result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.lola import ops
 from longctx_patch.kernels.lola import reference as ref
 
@@ -57,7 +57,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-# the backward's settings (kernels' TUNE), every combination of keys per prefix state x (dq, dkv) warps x stages
+# the backward's settings (kernels/lola/tuning.LolaTuning), every combination of keys per prefix state x (dq, dkv) warps x stages
 SWEEP = [{"train_state_chunk": cs, "bwd_dq_warps": wq, "bwd_dkv_warps": wkv, "bwd_stages": st}
          for cs in (64, 128, 256) for wq, wkv in ((4, 4), (8, 8), (4, 8), (8, 4)) for st in (1, 2, 3)]
 # the forward's tiles (train_block_m / train_block_n, which the backward takes too) and launch settings
@@ -69,42 +69,38 @@ def sweep(xs, do, window, scale, settings=None, time_fwd: bool = False):
     """Forward + backward time of the training pass (and with `time_fwd` the training forward alone, its graph
     dropped) for every setting of `settings` (default SWEEP; bf16, the timing shape), the others at their defaults.
     Each setting's gradients are compared with the defaults' (relative error of each whole gradient; settings only
-    reorder fp32 sums, so a large one is a bug). Returns (rows, the fastest forward + backward's row)."""
+    reorder fp32 sums, so a large one is a bug). Each setting is passed to the kernels as a LolaTuning (`tuning=`).
+    Returns (rows, the fastest forward + backward's row)."""
     import triton.testing
 
-    from longctx_patch.kernels.lola.tuning import TUNE
+    from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING
 
     settings = SWEEP if settings is None else settings
-    saved = {k: TUNE[k] for row in settings for k in row}
 
-    def fwd():
-        ops.hybrid_attention(*xs, window=window, scale=scale)
+    def fwd(tuning=DEFAULT_TUNING):
+        ops.hybrid_attention(*xs, window=window, scale=scale, tuning=tuning)
 
-    def run():
+    def run(tuning=DEFAULT_TUNING):
         for t in xs:
             t.grad = None
-        ops.hybrid_attention(*xs, window=window, scale=scale).backward(do)
+        ops.hybrid_attention(*xs, window=window, scale=scale, tuning=tuning).backward(do)
 
     run()
     ref_grads = [t.grad.float().clone() for t in xs]
     rows = []
-    try:
-        for setting in settings:
-            TUNE.update(saved)
-            TUNE.update(setting)
-            row = dict(setting)
-            try:
-                run()
-                err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
-                if time_fwd:
-                    row["fwd_ms"] = triton.testing.do_bench(fwd)
-                row.update(fwd_bwd_ms=triton.testing.do_bench(run), max_rel_err_vs_default=err)
-            except Exception as e:  # a setting that does not compile (shared memory) is a row too
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    finally:
-        TUNE.update(saved)
+    for setting in settings:
+        tuning = DEFAULT_TUNING.replace(**setting)
+        row = dict(setting)
+        try:
+            run(tuning)
+            err = max(rel(t.grad.float(), g) for t, g in zip(xs, ref_grads))
+            if time_fwd:
+                row["fwd_ms"] = triton.testing.do_bench(lambda: fwd(tuning))
+            row.update(fwd_bwd_ms=triton.testing.do_bench(lambda: run(tuning)), max_rel_err_vs_default=err)
+        except Exception as e:  # a setting that does not compile (shared memory) is a row too
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     ok = [r for r in rows if "fwd_bwd_ms" in r and r["max_rel_err_vs_default"] < 3e-2]
     return rows, min(ok, key=lambda r: r["fwd_bwd_ms"]) if ok else None
 
@@ -118,10 +114,10 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of one Triton forward + "
                     "backward (the kernels and torch ops with the most device time)")
     ap.add_argument("--sweep", action="store_true", help="also time the training pass (forward + backward) over a grid "
-                    "of its settings (kernels' TUNE: train_state_chunk, bwd_dq_warps, bwd_dkv_warps, bwd_stages), each "
+                    "of its settings (kernels/lola/tuning.LolaTuning: train_state_chunk, bwd_dq_warps, bwd_dkv_warps, bwd_stages), each "
                     "checked against the default settings' gradients; the fastest goes to the record's 'best'")
     ap.add_argument("--sweep-fwd", action="store_true", help="also time the training pass over a grid of the forward's "
-                    "settings (TUNE: train_block_m, train_block_n, hybrid_num_warps, hybrid_num_stages), each checked "
+                    "settings (LolaTuning: train_block_m, train_block_n, hybrid_num_warps, hybrid_num_stages), each checked "
                     "against the defaults' gradients; the fastest goes to the record's 'best_fwd'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -132,7 +128,7 @@ def main():
     Hq, Hkv = (int(x) for x in args.heads.split(","))
     B, S, D, F, W = args.batch, args.seq, 64, 64, args.window
     scale = D ** -0.5
-    rec = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    rec = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "python3 -m benchmarks.ops.bench_hybrid_bwd " + shlex.join(sys.argv[1:]),
            "shape": {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "F2": 2 * F, "window": W}}
     # correctness: fp32 Triton vs fp32 PyTorch; bf16 Triton vs fp32 PyTorch (a left-padded row in both)

@@ -26,7 +26,7 @@ import traceback
 import torch
 
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # tiny shapes on the CPU (TRITON_INTERPRET=1): checks the script only
 if SMOKE:
@@ -35,7 +35,7 @@ T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
 OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if SMOKE else None)  # None: the results' lola/ folder
 RES: dict = {
-    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke run)",
+    "device": device_description(),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))
                + " python3 -m benchmarks.ops.bench_lola",
@@ -101,6 +101,7 @@ def rel(a, b) -> float:
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
 from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
+from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING, LolaTuning  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 
@@ -164,19 +165,15 @@ def check():
     for kk, vv in out.items():
         row(f"check {kk}", f"{vv:.2e}")
     # CUDA-graph prefill == eager chunks (same kernels): 4096 tokens, chunk 256
-    from longctx_patch.kernels.lola import prefill as lprefill, sparse_cache as lsc
-
     q, k, v, fq, fk, g, lf, _, Wk = make(1, 32, 8, sz(4096, 300), 128, 64, torch.bfloat16, seed=11)
     Wk16 = Wk.to(torch.bfloat16)
     for par in (True, False):  # the two-pass prefill's eviction graph, and the chunk loop's per-chunk graph
         res = []
-        lprefill.PARALLEL_PREFILL = par
         for graph in (False, True):
-            lsc.GRAPH_PREFILL = graph
             st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
             res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                     chunk=256, lam=256, scale=128 ** -0.5, backend="triton"), st))
-        lsc.GRAPH_PREFILL = lprefill.PARALLEL_PREFILL = True
+                                     chunk=256, lam=256, scale=128 ** -0.5, backend="triton",
+                                     tuning=LolaTuning(parallel_prefill=par, graph_prefill=graph)), st))
         tag = "" if par else "_chunk_loop"
         out[f"graph_vs_eager{tag}_out"] = rel(res[1][0], res[0][0])
         out[f"graph_vs_eager{tag}_H"] = rel(res[1][1].H, res[0][1].H)
@@ -194,30 +191,26 @@ def _prefill(D, label):
     Wq16, Wk16 = Wq.to(q.dtype), Wk.to(q.dtype)
     r["feature_maps_triton_ms"] = bench(lambda: (tk.feature_map(q, Wq16), tk.feature_map(k, Wk16)))
     for w, cs, nw in ((64, 64, None), (64, 256, None), (64, 256, 8), (256, 256, None), (256, 256, 8), (256, 512, 8)):
-        tk.TUNE["hybrid_num_warps"] = nw
         r[f"lolcats_w{w}_cs{cs}_nw{nw or 'def'}_ms"] = bench(
-            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, window=w, scale=scale, backend="triton", state_chunk=cs))
-    tk.TUNE["hybrid_num_warps"] = None
+            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, window=w, scale=scale, backend="triton", state_chunk=cs,
+                                     tuning=LolaTuning(hybrid_num_warps=nw)))
     st_ = tk.chunk_states(fk, v, 256)
     r["chunk_states_cs256_ms"] = bench(lambda: tk.chunk_states(fk, v, 256))
     r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, k, v, fq, fk, g, lf, st_[0], st_[1], window=256,
                                                                       scale=scale, q_offset=0, state_chunk=256))
     del st_
-    from longctx_patch.kernels.lola import prefill as lprefill, sparse_cache as lsc
 
     # two-pass prefill (all evictions, then all chunks at once; evictions replayed from a CUDA graph or eager)
     # and the chunk loop it replaces (CUDA graph per chunk)
     for chunk in (256, 1024):
-        for mode in ("parallel", "parallel_eager", "loop_graph"):
-            lprefill.PARALLEL_PREFILL = mode.startswith("parallel")
-            lsc.GRAPH_PREFILL = mode != "parallel_eager"
+        def lola_once(chunk=chunk, tuning=DEFAULT_TUNING):
+            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
+            return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
+                                chunk=chunk, lam=256, scale=scale, backend="triton", tuning=tuning)
 
-            def lola_once(chunk=chunk):
-                st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
-                return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                    chunk=chunk, lam=256, scale=scale, backend="triton")
-            r[f"lola_eta256_lam256_chunk{chunk}_{mode}_ms"] = bench(lola_once, rep=300)
-        lprefill.PARALLEL_PREFILL = lsc.GRAPH_PREFILL = True
+        for mode in ("parallel", "parallel_eager", "loop_graph"):
+            tuning = LolaTuning(parallel_prefill=mode.startswith("parallel"), graph_prefill=mode != "parallel_eager")
+            r[f"lola_eta256_lam256_chunk{chunk}_{mode}_ms"] = bench(lambda: lola_once(chunk, tuning), rep=300)
         # pass 1 alone: the evictions
         fk_all = tk.feature_map(k, Wk16)
 
@@ -253,7 +246,6 @@ def _prefill(D, label):
                 torch.cuda.set_sync_debug_mode(0)
             r[f"lola_chunk{chunk}_host_syncs"] = [str(w.message)[:160] for w in wl][:8]
         del fk_all
-    lprefill.PARALLEL_PREFILL = lsc.GRAPH_PREFILL = True
 
     def lola_query_heads():  # the per-query-head sparse cache (sparse_heads=query), for comparison
         st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV, sparse_heads=Hq)
@@ -429,15 +421,12 @@ def profile():
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    from longctx_patch.kernels.lola import sparse_cache as lsc
-
     B, Hq, Hkv, D, F, S = 1, sz(32, 4), sz(8, 2), 64, sz(64, 8), sz(32768, 640)
     q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=3)
     Wk16 = Wk.to(q.dtype)
-    lsc.GRAPH_PREFILL = False
     for chunk in (sz(256, 32), sz(1024, 64)):
         kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=sz(256, 32), chunk=chunk, lam=sz(256, 32),
-                  scale=D ** -0.5, backend="triton")
+                  scale=D ** -0.5, backend="triton", tuning=LolaTuning(graph_prefill=False))  # evictions eager
         lola_process(LolaState.empty(B, Hq, Hkv, D, 2 * F, kw["lam"], q.dtype, DEV), q, k, v, fq, g, lf, **kw)
         torch.cuda.synchronize() if not SMOKE else None
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not SMOKE else [])
@@ -463,7 +452,6 @@ def profile():
         row(f"profile chunk{chunk} kernels / GPU us", f"{RES[name]['kernels']} / {RES[name]['gpu_us']}")
         for n, t, c in rows[:10]:
             row(f"profile chunk{chunk} {n[:44]}", f"{t} us x{c}")
-    lsc.GRAPH_PREFILL = True
 
 
 @section("tune", 40)
@@ -485,13 +473,12 @@ def tune():
         for var in variants:
             if left() < 15:
                 break
-            for kk in var:
-                tk.TUNE[kk] = var[kk]
+            tuning = DEFAULT_TUNING.replace(**var)
             name = f"chunk{chunk}_" + ("_".join(f"{a}={b}" for a, b in var.items()) or "default")
             try:
-                def once(chunk=chunk):
+                def once(chunk=chunk, tuning=tuning):
                     ev = tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=sz(256, 16), chunk=chunk,
-                                             window=sz(256, 32), sparse_heads=Hkv)
+                                             window=sz(256, 32), sparse_heads=Hkv, tuning=tuning)
                     ev.run()
                     return ev
                 ev = once()
@@ -503,8 +490,6 @@ def tune():
             except Exception as e:  # noqa: BLE001
                 out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 row(f"tune {name}", out[name]["error"][:60])
-            for kk in var:
-                tk.TUNE[kk] = None
     RES["tune_lola_evictions_32k"] = out
 
 

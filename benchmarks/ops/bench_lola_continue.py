@@ -24,8 +24,9 @@ import time
 import torch
 
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
-from longctx_patch.kernels.lola import LolaState, lola_process, prefill
+from longctx_patch.provenance import device_description, git_commit
+from longctx_patch.kernels.lola import LolaState, lola_process
+from longctx_patch.kernels.lola.tuning import LolaTuning
 from longctx_patch.kernels.lola import reference as ref
 
 
@@ -68,12 +69,11 @@ def cell(B, S, piece, *, Hq, Hkv, D, F, window, chunk, lam, dev, reps):
         st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, dt, dev, capacity=window + chunk)
         outs, i = [], 0
         for n in splits:
-            prefill.PARALLEL_PREFILL = continue_parallel or i == 0
+            tuning = LolaTuning(parallel_prefill=continue_parallel or i == 0)
             outs.append(lola_process(st, q[:, :, i:i + n], k[:, :, i:i + n], v[:, :, i:i + n], fq[:, :, i:i + n],
                                      gw, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                     backend="triton"))
+                                     backend="triton", tuning=tuning))
             i += n
-        prefill.PARALLEL_PREFILL = True
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0], st
 
     pieces = [piece] * (S // piece) + ([S % piece] if S % piece else [])
@@ -110,7 +110,7 @@ def main() -> None:
             raise SystemExit("needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
         dev, shape = "cuda", dict(Hq=32, Hkv=8, D=64, F=64, window=64, chunk=64, lam=256)
         cells = [tuple(int(x) for x in c.replace("/", "x").split("x")) for c in a.cells.split(",")]
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke run)",
+    res = {"device": device_description(dev),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "shape": shape, "cells": []}
     out = results_dir("lola", os.environ.get("OUT") or ("/tmp/bench_lola_continue_smoke" if a.smoke else None))

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.evals.speed_model import copy_bandwidth
 
 
@@ -46,7 +46,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from longctx_patch.kernels.lola import triton_kernels as tk
-    from longctx_patch.kernels.lola.tuning import TUNE
+    from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     B, Hq, Hkv, D, F, L, W = args.batch, 32, 8, 64, 64, 256, 64
@@ -69,12 +69,13 @@ def main(argv=None):
     rows, res = [], {}
 
     def sweep(name, fn, grid, nbytes):
+        """fn(tuning) for each setting of `grid` (a dict of LolaTuning's launch settings, the others the defaults)."""
         base = None
         for combo in grid:
-            TUNE.update(combo)
+            tuning = DEFAULT_TUNING.replace(**combo)
             try:
-                out = fn()
-                ms = _time(fn, args.smoke)
+                out = fn(tuning)
+                ms = _time(lambda: fn(tuning), args.smoke)
                 if base is None:
                     base = out.float().clone()
                 err = (out.float() - base).abs().max().item()
@@ -82,34 +83,31 @@ def main(argv=None):
                        "floor_us": round(1e6 * nbytes / bw, 2) if bw == bw else None, "max_diff_vs_default": err}
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result too
                 row = {"kernel": name, **combo, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-            finally:
-                for k in combo:
-                    TUNE[k] = None
             rows.append(row)
             print(json.dumps(row), flush=True)
 
     one = [{}] if args.smoke else None
     fm_grid = one or [{}] + [{"fmap_bm": bm, "fmap_warps": w} for bm, w in itertools.product((16, 32, 64), (2, 4))]
-    sweep("feature_map q (1 row)", lambda: tk.feature_map(q, wq, out_dtype=dt), fm_grid,
+    sweep("feature_map q (1 row)", lambda t: tk.feature_map(q, wq, out_dtype=dt, tuning=t), fm_grid,
           q.numel() * q.element_size() + wq.numel() * 4 + B * Hq * F2 * q.element_size())
     for n in [int(x) for x in args.buffered.split(",")] if not args.smoke else [W + 3]:
         k, v = rnd(B, Hkv, n, D), rnd(B, Hkv, n, D)
         nl = n - W
-        sweep(f"feature_map k ({nl} rows)", lambda: tk.feature_map(k[:, :, :nl], wk, out_dtype=dt), fm_grid,
+        sweep(f"feature_map k ({nl} rows)", lambda t: tk.feature_map(k[:, :, :nl], wk, out_dtype=dt, tuning=t), fm_grid,
               B * Hkv * nl * D * 2 + wk.numel() * 4 + B * Hq * nl * F2 * 2)
         fq = tk.feature_map(q, wq, out_dtype=dt)
         fk = tk.feature_map(k[:, :, :nl], wk, out_dtype=dt)
-        step = lambda: tk.decode_step(q, k, v, fq, fk, gate, lf, Hs, ss, window=W, scale=D ** -0.5,  # noqa: E731
-                                      sparse_k=spk, sparse_v=spv, sparse_score=sp_score)
+        step = lambda t: tk.decode_step(q, k, v, fq, fk, gate, lf, Hs, ss, window=W, scale=D ** -0.5,  # noqa: E731
+                                        sparse_k=spk, sparse_v=spv, sparse_score=sp_score, tuning=t)
         grid = one or [{}] + [{"decode_bn": bn, "decode_bk": bk, "decode_warps": w}
                               for bn, bk, w in itertools.product((32, 64), (32, 64, 128), (2, 4))]
         nbytes = (Hs.numel() * 4 + ss.numel() * 4 + sp_score.numel() * 4 + 2 * spk.numel() * 2 + 2 * k.numel() * 2 + fk.numel() * 2
                   + 2 * q.numel() * 2 + fq.numel() * 2)
         sweep(f"decode_step (N={n}, lambda={L})", step, grid, nbytes)
     res.update({
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)",
+        "device": device_description(dev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("LONGCTX_COMMIT") or git_commit(),
+        "commit": git_commit(),
         "command": "python3 -m benchmarks.ops.bench_lola_decode_step " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "shape": {"batch": B, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "feature_dim": F, "sparse_cache": L,
                   "window": W, "dtype": str(dt)},

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import format_table, git_commit
+from longctx_patch.evals.common import format_table
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attention, moba_reference
 from longctx_patch.kernels.muse import muse_attention
 
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
         return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
 
     cfgs = configs(keys, scale_down)
-    res = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    res = dict(device=device_description(device),
                date=datetime.date.today().isoformat(), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.ops.bench_moba", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                              else argv)]),

@@ -11,7 +11,7 @@ Env: CELLS_SEQS (default 65536,131072,16384,32768); CELLS_CFGS (JSON list of pla
 cells defaults and the previous defaults; one with "far_field": "tilted" goes to `muse_attention` and is timed
 forward only); CELLS_BUDGET_S; CELLS_PARTS (default checks,profile,peaks,tune,speed; also fp32: the fp32 forward against
 SDPA's memory-efficient backend; dkdv: the dK/dV kernel's tiles timed at 64k; fwd: forward only, every configuration at every length (the per-length sweep); `peaks` times the peak-score kernel's tiles and `tune` the forward kernel's at
-64k, each keeping the fastest for the speed rows); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64":
+64k: `tune` keeps the fastest for the speed rows, `peaks` records it); CELLS_PROFILE_D (default 64); CELLS_TILES (JSON {"64":
 [[BM, BN, warps, stages], ...]}: the choices `tune` times); CELLS_PEAKS (JSON [[keys, warps, stages], ...]).
 """
 
@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.kernels.muse.plan import block_view
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.muse import triton_cells as cells_mod
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan
@@ -308,8 +308,9 @@ if os.environ.get("CELLS_PEAKS"):  # JSON [[keys per tile, warps, stages], ...]
 
 
 def peaks():
-    """The peak-score kernel (`peak_blocks`) per tile choice (keys per tile, warps, stages) at 64k and 128k, checked
-    against the PyTorch `block_peaks` on the same inputs; the fastest at each D is kept in cluster.PEAKS_TILES."""
+    """The peak-score kernel (`peak_blocks`) per tile choice (keys per tile, warps, stages, passed as its `tiles`) at
+    64k and 128k, checked against the PyTorch `block_peaks` on the same inputs; the fastest at each D is recorded
+    (`peaks_tiles_fastest`: a candidate for support.peaks_tiles' defaults; the later parts run the defaults)."""
     from longctx_patch.kernels.muse import triton_cluster as cl
     from longctx_patch.kernels.muse.reference_cells import block_peaks
 
@@ -326,13 +327,13 @@ def peaks():
             ref = block_peaks(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
             fin = torch.isfinite(ref)
             for t in PEAKS:
-                cl.PEAKS_TILES[D] = t
                 row = dict(D=D, S=S, tiles=t)
                 try:
-                    got = cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1)
+                    got = cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1, tiles=t)
                     row["same_inf"] = bool(torch.equal(torch.isinf(got), ~fin))
                     row["max_abs_diff"] = float((got[fin] - ref[fin]).abs().max())
-                    row["ms"] = bench(lambda: cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1))
+                    row["ms"] = bench(lambda: cl.block_peaks_triton(qbar, kb, valid, scale=D**-0.5, local_blocks=1,
+                                                                    tiles=t))
                     if row["same_inf"] and row["max_abs_diff"] < 1e-3:
                         times.setdefault(t, []).append(row["ms"])
                 except Exception as e:  # noqa: BLE001
@@ -342,10 +343,7 @@ def peaks():
             torch.cuda.empty_cache()
         full = {t: sum(v) for t, v in times.items() if len(v) == 2}
         if full:
-            cl.PEAKS_TILES[D] = min(full, key=full.get)
-            RES.setdefault("peaks_tiles_used", {})[D] = cl.PEAKS_TILES[D]
-        else:
-            cl.PEAKS_TILES.pop(D, None)
+            RES.setdefault("peaks_tiles_fastest", {})[D] = min(full, key=full.get)
     save()
 
 
@@ -375,7 +373,7 @@ def dkdv(S=65536):
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    RES["device"] = torch.cuda.get_device_name(0)
+    RES["device"] = device_description("cuda")
     parts = os.environ.get("CELLS_PARTS", "checks,profile,peaks,tune,speed").split(",")
     for part in (checks, fp32, profile, peaks, tune, dkdv, speed, fwd):
         if part.__name__ in parts:

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.ops.bench_muse_cells import bench, fastest, qkv, rel
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.reference_cells import make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton, tilted_cells_triton
@@ -320,7 +320,7 @@ def bwd_profile(S=65536):
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    RES["device"] = torch.cuda.get_device_name(0)
+    RES["device"] = device_description("cuda")
     for part in os.environ.get("TILT_PARTS", "checks,speed,profile").split(","):
         try:
             {"checks": checks, "far_tune": far_tune, "cluster_tune": cluster_tune, "speed": speed, "profile": profile,

@@ -18,11 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.shared import device_token, results_dir
-from longctx_patch.evals.common import git_commit
-
-
-def _commit() -> str:
-    return git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
+from longctx_patch.provenance import device_description, git_commit
 
 
 def rel(a, b) -> float:
@@ -82,10 +78,9 @@ def main():
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
     from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
-    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)"
     small = args.cpu_smoke
-    res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "command": "python3 -m benchmarks.ops.bench_ovq " + " ".join(sys.argv[1:]),
+    res = {"device": device_description(DEV), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "command": "python3 -m benchmarks.ops.bench_ovq " + " ".join(sys.argv[1:]),
            "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__

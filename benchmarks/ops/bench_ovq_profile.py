@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.shared import device_token, result_file
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 
 def _cudnn_ms(q, k, v) -> float:
@@ -38,7 +38,7 @@ def _rel(a, b) -> float:
 def _checks() -> dict:
     """The fused path (runs of chunks replayed from a CUDA graph, and launched one by one) against the PyTorch
     reference: 4173 tokens, 8 query / 4 kv heads, batch 2 with left padding, exact float32 assignment."""
-    from longctx_patch.kernels.ovq import ovq_attention, triton_fast
+    from longctx_patch.kernels.ovq import ovq_attention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     B, Hq, H, S, D = 2, 8, 4, 4173, 64
@@ -52,19 +52,17 @@ def _checks() -> dict:
     with torch.no_grad():
         o_ref, st_ref, _, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
         for graphs in (True, False):
-            triton_fast.GRAPH_RUNS = graphs
-            o, st, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=True, **kw)
+            o, st, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=True,
+                                        graph_runs=graphs, **kw)
             m = valid[:, None, :, None].expand_as(o)
             out["graph" if graphs else "eager"] = {"o_rel": _rel(o[m], o_ref[m]),
                                                    "counts_equal": bool(torch.equal(st.counts, st_ref.counts)),
                                                    "key_sums_rel": _rel(st.key_sums, st_ref.key_sums)}
-        triton_fast.GRAPH_RUNS = True
         qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
         o_b, st_b, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
         out["bf16_default_assign_o_rel"] = _rel(o_b[m].float(), o_ref[m])
-        triton_fast.MEAN_FORM = False  # the same with the dictionary read in its sum form
-        o_s, st_s, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
-        triton_fast.MEAN_FORM = True
+        # the same with the dictionary read in its sum form
+        o_s, st_s, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", mean_form=False, **kw)
         out["bf16_mean_form_vs_sum_form"] = {"o_rel": _rel(o_b[m].float(), o_s[m].float()),
                                              "counts_equal": bool(torch.equal(st_b.counts, st_s.counts))}
     return out
@@ -78,8 +76,8 @@ def main() -> None:
                     help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
     ap.add_argument("--variants", default="default",
                     help="semicolon-separated NAME[:KEY=VALUE,...]; KEY is an environment variable read by the kernels "
-                         "(LONGCTX_OVQ_BLOCK_N, LONGCTX_OVQ_SPLIT_ROWS, LONGCTX_OVQ_BLOCK_M) or a switch of "
-                         "triton_fast (MEAN_FORM, GRAPH_RUNS: 0/1)")
+                         "(LONGCTX_OVQ_BLOCK_N, LONGCTX_OVQ_SPLIT_ROWS, LONGCTX_OVQ_BLOCK_M) or an option of "
+                         "ovq_attention (MEAN_FORM, GRAPH_RUNS: 0/1, passed as mean_form / graph_runs)")
     args = ap.parse_args()
     import triton
     import triton.testing as tt
@@ -87,13 +85,13 @@ def main() -> None:
     from longctx_patch.kernels.ovq import ovq_attention
 
     dev = "cuda"
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    res = {"device": device_description("cuda"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": git_commit(), "command": "python3 -m benchmarks.ops.bench_ovq_profile "
            + " ".join(sys.argv[1:]), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
     res["checks"] = _checks()
     print("checks", json.dumps(res["checks"]), flush=True)
     S, D = args.seq, 64
-    from longctx_patch.kernels.ovq import triton_fast
+    options = {"MEAN_FORM": "mean_form", "GRAPH_RUNS": "graph_runs"}  # variant keys -> ovq_attention's options
 
     variants = []
     for item in args.variants.split(";"):
@@ -101,11 +99,12 @@ def main() -> None:
         variants.append((name, dict(x.split("=", 1) for x in kv.split(",") if x)))
     for spec, (vname, vset) in [(c, v) for c in args.configs.split(",") for v in variants]:
         saved_env = {k_: os.environ.get(k_) for k_ in vset if k_.startswith("LONGCTX_")}
+        fast = {}
         for k_, v_ in vset.items():
             if k_.startswith("LONGCTX_"):
                 os.environ[k_] = v_
             else:
-                setattr(triton_fast, k_, bool(int(v_)))
+                fast[options[k_]] = bool(int(v_))
         heads, n, growth, c = spec.split(":")
         hq, hk = (int(x) for x in heads.split("/"))
         n, growth, c = int(n), float(growth), int(c)
@@ -114,7 +113,7 @@ def main() -> None:
         k = F.normalize(torch.randn(1, hk, S, D, device=dev, generator=g), dim=-1).bfloat16()
         v = torch.randn(1, hk, S, D, device=dev, generator=g).bfloat16()
         cudnn = _cudnn_ms(q, k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
-        kw = dict(chunk_size=c, max_centroids=n, growth=growth, backend="triton", exact_assign=False)
+        kw = dict(chunk_size=c, max_centroids=n, growth=growth, backend="triton", exact_assign=False, **fast)
 
         def run():
             with torch.no_grad():
@@ -149,7 +148,6 @@ def main() -> None:
                 os.environ.pop(k_, None)
             else:
                 os.environ[k_] = v_
-        triton_fast.MEAN_FORM, triton_fast.GRAPH_RUNS = True, True
         row = {"variant": vname, "settings": vset, "Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n,
                "growth": growth, "chunk_size": c,
                "cudnn_ms": cudnn, "eager_ms": eager, "graph_ms": graphed, "host_issue_ms": min(host),

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.evals.approx import relative_error as rel
-from longctx_patch.evals.common import device_description, git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.ovq import ovq_attention
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.shared import device_token, result_file
-from longctx_patch.evals.common import git_commit, parse_sizes
+from longctx_patch.evals.common import parse_sizes
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.softmax import attention_mask
 from longctx_patch.kernels.window import banded_bytes, banded_window_attention, window_attention_triton
 
@@ -128,7 +129,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         rows.append(row)
         del q, k, v, base
-    out = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    out = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "torch": torch.__version__, "command": "python3 -m benchmarks.ops.bench_window " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [args.heads, args.kv_heads], "head_dim": D, "rows": rows}
     path = result_file("speed-op", f"window-{W}-{device_token()}.json", args.out)

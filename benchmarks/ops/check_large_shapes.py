@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.shared import device_token, results_dir
-    from longctx_patch.evals.common import git_commit
+    from longctx_patch.provenance import device_description, git_commit
 
     if not torch.cuda.is_available() and not a.smoke:
         print("large_shapes needs a CUDA GPU (use --list to see the cases, --smoke for a CPU run)", file=sys.stderr)
@@ -314,8 +314,7 @@ def main(argv=None) -> int:
         cases[name]["shape"] = CASES[name][0]
         print(json.dumps({k: v for k, v in cases[name].items() if k != "stderr_tail"}), flush=True)
     argv_s = " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
-    device = "cpu" if a.smoke else torch.cuda.get_device_name(0)
-    rec = {"device": device, "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+    rec = {"device": device_description("cpu" if a.smoke else "cuda"), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
            "command": f"python3 -m benchmarks.ops.check_large_shapes {argv_s}".strip(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "memcheck": a.memcheck, "cases": cases}
     # letters, digits and '-' only: the results index's names, and what a device call hands back

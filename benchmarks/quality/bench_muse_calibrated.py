@@ -37,7 +37,8 @@ import torch
 
 from benchmarks.quality.bench_muse_vs_moba import stdlib_text
 from benchmarks.shared import device_token, model_token, results_dir
-from longctx_patch.evals.common import format_table, git_commit
+from longctx_patch.evals.common import format_table
+from longctx_patch.provenance import device_description, git_commit
 
 
 def stdlib_files_reversed(chars: int) -> str:
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     lp.unpatch(model)
     need = max([L * a.windows for L in lengths] + time_lengths)  # held-out tokens; ~3.5 characters a token of code
     stream = token_stream(tok, texts(a.text, need * 5, stdlib_files_reversed))
-    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
+    res = dict(device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_calibrated",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

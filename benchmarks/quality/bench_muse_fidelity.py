@@ -30,7 +30,8 @@ import torch
 
 import longctx_patch
 from benchmarks.shared import data_dir, device_token, model_token, result_file
-from longctx_patch.evals.common import git_commit, size_label
+from longctx_patch.evals.common import size_label
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attention
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
@@ -110,7 +111,7 @@ def main():
     layers = range(len(qkv)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     rows, refs = [], {}  # exact outputs, computed once per layer
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
-    device = torch.cuda.get_device_name(qkv[0][0].device) if qkv[0][0].is_cuda else "cpu"
+    device = device_description(qkv[0][0].device)
     dt = getattr(torch, args.dtype)
     grid = json.loads(args.grid) if args.grid else GRID
     if args.matched:

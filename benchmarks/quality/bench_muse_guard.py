@@ -42,7 +42,8 @@ import time
 import torch
 
 from benchmarks.shared import device_token, model_token, results_dir
-from longctx_patch.evals.common import format_table, git_commit
+from longctx_patch.evals.common import format_table
+from longctx_patch.provenance import device_description, git_commit
 
 PARTS = ("errors", "ppl", "niah", "speed")
 
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     model, tok = lp.load_model(a.model, dtype=a.dtype, device=a.device)
     model.eval()
     stream = token_stream(tok, load_texts(text))
-    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
+    res = dict(device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_guard",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared import device_token, model_token, results_dir
-from longctx_patch.evals.common import format_table, git_commit, pyplot
+from longctx_patch.evals.common import format_table, pyplot
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attended_keys, moba_attention
 from longctx_patch.kernels.muse import attended_keys, muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
 
-    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
+    res = dict(device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_vs_moba",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

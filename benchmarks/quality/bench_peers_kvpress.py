@@ -105,11 +105,13 @@ def git_commit() -> str:
 
 
 def device_name(device: str) -> str:
+    """The device in the spelling of longctx_patch.provenance.device_description (this script cannot import it)."""
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        return torch.cuda.get_device_name(torch.device(device))
+    n = torch.get_num_threads()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {n} thread{'s' if n != 1 else ''})"
 
 
 def versions() -> dict:
@@ -119,7 +121,7 @@ def versions() -> dict:
     from importlib.metadata import version
 
     return {"kvpress": version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__,
-            "python": platform.python_version()}
+            "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
 # ----------------------------------------------------------------------------------------------- run

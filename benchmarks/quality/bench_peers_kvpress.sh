@@ -61,7 +61,7 @@ setup)
   [ -f "$model/config.json" ] || ours_py -c "import sys; from pathlib import Path; from longctx_patch.models import \
 dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$gguf" "$model"
   for L in "${lengths[@]}"; do
-    [ -f "$out/samples-$L.jsonl" ] || ours_py -m cli.main eval ruler --model "$model" --haystack stdlib \
+    [ -f "$out/samples-$L.jsonl" ] || ours_py -m longctx_patch.cli.main eval ruler --model "$model" --haystack stdlib \
         --tasks "$tasks" --lengths "$L" --samples "$samples" --seed 0 --export-samples "$out/samples-$L.jsonl"
   done
   kvp_py benchmarks/quality/bench_peers_kvpress.py --self-check --device cuda
@@ -92,7 +92,7 @@ ours)
       name="ours-$L-$(echo "$c" | tr -c 'A-Za-z0-9=.,-' '_')"
       [ -f "$out/$name.json" ] && continue
       left || { rc=3; break 2; }
-      ours_py -m cli.main eval ruler --model "$model" --samples-file "$out/samples-$L.jsonl" --method "$c" \
+      ours_py -m longctx_patch.cli.main eval ruler --model "$model" --samples-file "$out/samples-$L.jsonl" --method "$c" \
           --device cuda --dtype bfloat16 --out-dir "$out" --name "$name" --no-progress 2>&1 | tail -4 \
           || echo "! $c at $L failed"
     done

@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.evals import synthetic as M
-from longctx_patch.evals.common import device_description, parse_sizes
+from longctx_patch.evals.common import parse_sizes
+from longctx_patch.provenance import device_description
 from longctx_patch.evals.synthetic.icl import IclConfig, IclTask
 from longctx_patch.evals.synthetic.icr import IcrConfig, IcrTask
 from longctx_patch.evals.synthetic.train import _job

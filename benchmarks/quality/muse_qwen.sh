@@ -45,7 +45,7 @@ PY
 fi
 common=(--model "$M" --device cuda --dtype bfloat16 --no-progress)
 if has ppl; then
-  timeout 180 python3 -m cli.main eval ppl "${common[@]}" --method none --method muse --method 'muse(far_field=tilted-cells)' \
+  timeout 180 python3 -m longctx_patch.cli.main eval ppl "${common[@]}" --method none --method muse --method 'muse(far_field=tilted-cells)' \
     --text /tmp/stdlib-text --context 16k,32k --windows 8 --out-dir "$out/ppl" \
     --name qwen2.5-coder-0.5b-stdlib-muse-16k-32k-h200 2>&1 | quiet 8
 fi
@@ -53,7 +53,7 @@ if has ruler; then  # one run per far field, each paired with the unpatched mode
   for m in muse 'muse(far_field=tilted-cells)'; do
     name=qwen2.5-coder-0.5b-stdlib-muse-paired-32k-h200
     [ "$m" = muse ] || name=qwen2.5-coder-0.5b-stdlib-muse-tilted-cells-paired-32k-h200
-    timeout 290 python3 -m cli.main eval ruler "${common[@]}" --method none --method "$m" --haystack stdlib \
+    timeout 290 python3 -m longctx_patch.cli.main eval ruler "${common[@]}" --method none --method "$m" --haystack stdlib \
       --lengths 32k --tasks all --samples 5 --seed 0 --out-dir "$out/ruler" --name "$name" 2>&1 | quiet 3
   done
 fi

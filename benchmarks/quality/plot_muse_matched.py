@@ -17,7 +17,7 @@ import json
 import os
 
 from benchmarks.shared import RESULTS
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import git_commit
 
 ERR = ("muse/fidelity-matched-qwen2.5-coder-0.5b-32k-bf16-h200.json",
        "muse/fidelity-matched-tilted-cells-qwen2.5-coder-0.5b-32k-bf16-h200.json")
@@ -55,7 +55,8 @@ def main():
             speed[f"tilted-cells q{v['q_clusters']}"] = v["speedup_fwd_vs_cudnn"]
     points = [dict(method=k, err_mean=err[k], speedup_fwd_vs_cudnn=speed[k]) for k in err if k in speed]
     out = os.path.join(a.results, "muse", f"tradeoff-matched-{a.seq // 1024}k-h200")
-    res = dict(device="NVIDIA H200 (speed); errors on the same GPU", date=datetime.date.today().isoformat(),
+    res = dict(device="NVIDIA H200",  # speed and errors measured on the same GPU
+               date=datetime.date.today().isoformat(),
                commit=git_commit(), command="python3 -m benchmarks.quality.plot_muse_matched", seq=a.seq, D=a.D,
                sources=list(ERR) + [MOBA_SPEED, TILT_SPEED], points=points)
     with open(out + ".json", "w") as f:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.shared import FULL_CACHE_METHODS as FULL
 from longctx_patch.errors import ConfigError
-from longctx_patch.evals.common import device_description, git_commit
+from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.evals.ruler_export import read_predictions, read_samples, score_predictions
 
 

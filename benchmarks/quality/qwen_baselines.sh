@@ -22,11 +22,11 @@ for p in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
     print(open(p, encoding="utf-8", errors="replace").read())
 PY
 common=(--model "$model" --method none --device cuda --dtype bfloat16 --out-dir "$out" --no-progress)
-[ "${PPL:-1}" = 0 ] || python3 -m cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
+[ "${PPL:-1}" = 0 ] || python3 -m longctx_patch.cli.main eval ppl "${common[@]}" --no-baseline --text /tmp/stdlib-text --context 8k,32k --windows 4 \
     --name qwen2.5-coder-0.5b-stdlib-unpatched-h200
-[ "${RULER:-1}" = 0 ] || python3 -m cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
+[ "${RULER:-1}" = 0 ] || python3 -m longctx_patch.cli.main eval ruler "${common[@]}" --haystack stdlib --lengths "$lengths" --tasks all \
     --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-unpatched-${lengths//,/-}-h200"
 for m in ${METHODS:-}; do  # one process per method: a kernel crash ends only its own run
-  timeout "${PER_METHOD_S:-3600}" python3 -m cli.main eval ruler "${common[@]/#none/$m}" --haystack stdlib \
+  timeout "${PER_METHOD_S:-3600}" python3 -m longctx_patch.cli.main eval ruler "${common[@]/#none/$m}" --haystack stdlib \
       --lengths "$lengths" --tasks "${TASKS:-all}" --samples "$samples" --name "qwen2.5-coder-0.5b-stdlib-$m-${lengths//,/-}-h200" || echo "! $m failed"
 done

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shared import REPO_ROOT, device_token, kernel_kind, lora_stage_only, result_file
-from longctx_patch.evals.common import device_description, git_commit
+from longctx_patch.provenance import device_description, git_commit
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -90,6 +90,20 @@ def overrides(args, batch: int) -> list[str]:
     return out
 
 
+def set_kernel_tuning(model, tuning) -> int:
+    """Passes `tuning` (kernels/lola/tuning.LolaTuning) to the model's patched LoLA/LoLCATs layers (their `tuning`);
+    returns how many took it."""
+    from longctx_patch.kernels.lola.tuning import LolaTuning
+    from longctx_patch.patch_state import find_state
+
+    st = find_state(model)
+    mods = [m for m in (st.modules.values() if st is not None else ()) if isinstance(getattr(m, "tuning", None),
+                                                                                      LolaTuning)]
+    for m in mods:
+        m.tuning = tuning
+    return len(mods)
+
+
 def time_stage(ft, stage, args, device) -> dict:
     """Warm-up steps, then `args.steps` timed steps of `stage` through the runner's own step."""
     from longctx_patch.train.stage_loop import lr_lambda, make_optimizer
@@ -98,6 +112,7 @@ def time_stage(ft, stage, args, device) -> dict:
     acc = ft.accelerator
     cuda = device.type == "cuda"
     params = ft.setup_stage(stage)
+    set_kernel_tuning(ft.model, args.tuning)
     ft.enter_stage_modes(stage)
     trainable = [p for _, p in params]
     optimizer = make_optimizer(ft.param_groups(stage, params), stage, fused=cuda)
@@ -245,11 +260,11 @@ def main(argv: list[str] | None = None) -> Path:
                     help="recipe key frozen_dtype: auto holds the base weights in bf16 under bf16 autocast (rows before "
                          "2026-12-03 had keep)")
     ap.add_argument("--fmap-prec", default="auto", choices=("auto", "ieee", "tf32x3"),
-                    help="the feature map's projection with fp32 weights (kernels' TUNE['fmap_prec']): the kernels' "
+                    help="the feature map's projection with fp32 weights (LolaTuning.fmap_prec): the kernels' "
                          "choice (auto: tf32x3 on a GPU with tf32, since 2026-12-03), fp32 products (ieee: rows before "
                          "that date) or three tf32 tensor-core products (tf32x3, fp32's accuracy)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=INT",
-                    help="set a LoLA/LoLCATs kernel setting (kernels/lola/tuning.py TUNE), e.g. train_state_chunk=128; "
+                    help="set a LoLA/LoLCATs kernel setting (kernels/lola/tuning.py LolaTuning), e.g. train_state_chunk=128; "
                          "repeatable")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -274,17 +289,17 @@ def main(argv: list[str] | None = None) -> Path:
     recipe_name, stages = METHODS[args.method]
     args.recipe = args.recipe or str(REPO_ROOT / "recipes" / recipe_name)
     args.stages = (args.stages or stages).split(",")
-    from longctx_patch.kernels.lola.tuning import TUNE
+    from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING
 
-    if args.fmap_prec != "auto":
-        TUNE["fmap_prec"] = args.fmap_prec
     tune = {}
     for kv in args.tune:
         key, _, val = kv.partition("=")
-        if key not in TUNE or not val.lstrip("-").isdigit():
-            ap.error(f"--tune {kv!r}: expected KEY=INT with KEY one of {', '.join(sorted(TUNE))}")
+        settings = DEFAULT_TUNING.launch_settings()
+        if key not in settings or not val.lstrip("-").isdigit():
+            ap.error(f"--tune {kv!r}: expected KEY=INT with KEY one of {', '.join(sorted(settings))}")
         tune[key] = int(val)
-    TUNE.update(tune)
+    # what the patched LoLA/LoLCATs layers pass to their kernels (set on the modules: `set_kernel_tuning`)
+    args.tuning = DEFAULT_TUNING.replace(**tune, **({"fmap_prec": args.fmap_prec} if args.fmap_prec != "auto" else {}))
     device = torch.device(args.device)
     rows = []
     for b in [int(x) for x in args.batch.split(",")]:

@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 if [ "$STEP" = extend ]; then  # the attention transfer again at $EXTEND_SEQ tokens, from the trained run
   split_text
   EXT=${EXT:-$RUN-extend}
-  python3 -m cli.main finetune recipes/linearize-extend.yaml --model "$MODEL" --text "$W/train" --output "$EXT" -q \
+  python3 -m longctx_patch.cli.main finetune recipes/linearize-extend.yaml --model "$MODEL" --text "$W/train" --output "$EXT" -q \
     --set method_config.checkpoint="$RUN/trainable" --set "stages.0.seq_len=${EXTEND_SEQ:-8192}" \
     --set "stages.0.batch_size=${EXTEND_BATCH:-8}" --set "stages.0.steps=${EXTEND_STEPS:-150}" \
     --set "stages.0.max_time_s=${EXTEND_MAX_S:-240}" --set stages.0.eval_every=50 --set stages.0.save_every=100000 \
@@ -69,13 +69,13 @@ METHODS=(none lolcats 'lola(window=64,sparse_cache=64)' 'lola(window=128,sparse_
 pm=(); for m in "${METHODS[@]}"; do pm+=(--method "$m"); done
 pids=()
 for kind in code book; do
-  timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl $M "${pm[@]}" --text "$W/heldout-$kind" --context 4k,8k \
+  timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval ppl $M "${pm[@]}" --text "$W/heldout-$kind" --context 4k,8k \
     --windows 8 --out-dir "$E/ppl" --name "$NAME-heldout-$kind-$DEV" > "$E/ppl-$kind.log" 2>&1 &
   pids+=($!)
 done
 for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
-  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2 --lengths 2k,4k,8k \
+  timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval niah $M --method "$meth" --tasks s-niah-1,s-niah-2 --lengths 2k,4k,8k \
     --samples 4 --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
     --name "$NAME-$tag-$DEV" > "$E/niah-$tag.log" 2>&1 &
   pids+=($!)

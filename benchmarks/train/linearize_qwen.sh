@@ -67,7 +67,7 @@ send_state() {
 snapshot() {  # the tree as this call brought it, in a new folder /tmp/repo-N (printed): a background process reads
               # code from there, not from the checkout the next call replaces (nor from another process's snapshot)
   local d; d=$(mktemp -d /tmp/repo-XXXX)
-  tar cf - longctx_patch cli benchmarks recipes pyproject.toml | tar xf - -C "$d"
+  tar cf - longctx_patch benchmarks recipes pyproject.toml | tar xf - -C "$d"
   echo "$d"
 }
 
@@ -76,7 +76,7 @@ train() {  # train TEXT [finetune options]: the recipe, resumed from the newest 
   local t; t=$(left)
   echo "training for at most $t s"
   rc=0
-  timeout --signal=TERM "$t" python3 -m cli.main finetune "$RECIPE" --model "$MODEL" --output "$RUN" --resume \
+  timeout --signal=TERM "$t" python3 -m longctx_patch.cli.main finetune "$RECIPE" --model "$MODEL" --output "$RUN" --resume \
     --text "$text" --log-seconds 30 "$@" 2>&1 | tee "$OUT/$STEP.log" || rc=$?
   send_state
   if [ "$rc" = 124 ]; then echo "stopped at the call's limit: run the same call again (it resumes)"; fi
@@ -124,7 +124,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     export LONGCTX_ASSET_PATH=$A
     (cd "$A" && tar cf "$OUT/asset.tar" .)
     for kind in code prose; do
-      timeout "$(( $(left) / 2 ))" python3 -m cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
         --method none --method 'lolcats(window=16384)' --method lolcats --method 'lola(window=256,sparse_cache=256)' \
         --method 'lola(window=1024,sparse_cache=1024,combine=unshifted)' --text "$CORPUS/heldout/$kind" \
         --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT" --name "qwen2.5-coder-0.5b-linearized-heldout-$kind-$GPU" \
@@ -134,7 +134,7 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
   niah)  # S-NIAH-1/2 at 4k and 16k on the held-out prose, 20 prompts a cell: unpatched, lolcats, lola 256/256 both
          # ways, lola 1024/1024 unshifted (the asset's default)
     export LONGCTX_ASSET_PATH=/tmp/assets
-    timeout "$(left)" python3 -m cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+    timeout "$(left)" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
       --method lolcats --method 'lola(window=256,sparse_cache=256)' \
       --method 'lola(window=256,sparse_cache=256,combine=unshifted)' \
       --method 'lola(window=1024,sparse_cache=1024,combine=unshifted)' --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" \

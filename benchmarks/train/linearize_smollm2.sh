@@ -30,7 +30,7 @@ export LONGCTX_ASSET_PATH=$RUN/assets
 
 if [ "$STEP" = train ]; then
   build_train_text
-  python3 -m cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN" -q \
+  python3 -m longctx_patch.cli.main finetune recipes/linearize.yaml --model "$MODEL" --text "$TEXT" --output "$RUN" -q \
     --set stages.transfer.steps="$TRANSFER_STEPS" --set stages.transfer.max_time_s="$TRANSFER_MAX_S" \
     --set stages.transfer.eval_every=200 --set stages.transfer.save_every=100000 \
     --set stages.lora.steps="$LORA_STEPS" --set stages.lora.max_time_s="$LORA_MAX_S" \
@@ -54,14 +54,14 @@ M="--model $MODEL --no-progress"
 pids=()
 for meth in "${METHODS[@]}"; do
   tag=$(echo "$meth" | tr -c 'a-z0-9\n' '-' | sed 's/-*$//')
-  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah $M --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" \
+  timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval niah $M --method "$meth" --tasks "$TASKS" --lengths "$LENGTHS" \
     --samples "$SAMPLES" --depths "$DEPTHS" --haystack "$DATA/heldout" --out-dir "$W/niah" \
     --name "smollm2-135m-linearized-$tag-$DEV" > "$W/niah-linearized-$tag.log" 2>&1 &
   pids+=($!)
 done
 ppl_methods=()
 for meth in "${METHODS[@]}"; do ppl_methods+=(--method "$meth"); done
-timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
+timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval ppl $M "${ppl_methods[@]}" --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
   --out-dir "$W/ppl" --name "smollm2-135m-linearized-$DEV" > "$W/ppl-linearized.log" 2>&1 &
 pids+=($!)
 rc=0

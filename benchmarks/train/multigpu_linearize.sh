@@ -45,14 +45,14 @@ for mode in $MODES; do
   if [ -f "$RUN/$NAME-$mode-niah.json" ] || { [ "$EVAL" != 1 ] && [ -f "$RUN/$NAME-$mode-train.json" ]; }; then echo "== $mode: done before, kept"; continue; fi
   rm -rf "${RUN:?}/$mode"
   case $mode in
-    single) launch=(python3 -m cli.main finetune);
+    single) launch=(python3 -m longctx_patch.cli.main finetune);
             if [ "$CPU" != 1 ]; then env_prefix_mode=(env CUDA_VISIBLE_DEVICES=0); else env_prefix_mode=("${env_prefix[@]}"); fi ;;
     ddp)    # --multi_gpu also on CPU (with CUDA_VISIBLE_DEVICES= it runs on gloo); without it accelerate starts one process
-            launch=(accelerate launch --multi_gpu --num_processes "$NPROC" --main_process_port 29511 -m cli.finetune_cmd)
+            launch=(accelerate launch --multi_gpu --num_processes "$NPROC" --main_process_port 29511 -m longctx_patch.cli.finetune_cmd)
             env_prefix_mode=("${env_prefix[@]}") ;;
     fsdp)   launch=(accelerate launch --use_fsdp --fsdp_version 2 --num_processes "$NPROC" --main_process_port 29512
                     --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer
-                    --fsdp_reshard_after_forward true -m cli.finetune_cmd)
+                    --fsdp_reshard_after_forward true -m longctx_patch.cli.finetune_cmd)
             env_prefix_mode=("${env_prefix[@]}") ;;
     *) echo "unknown mode $mode (single, ddp, fsdp)" >&2; exit 2 ;;
   esac
@@ -64,17 +64,17 @@ for mode in $MODES; do
   if [ "$EVAL" != 1 ]; then continue; fi
   # the run as an asset folder, so that the evaluation loads exactly these weights (checkpoint=auto)
   write_run_asset "$RUN/$mode" "multi-GPU comparison run ($mode)"
-  LONGCTX_ASSET_PATH="$RUN/$mode/assets" python3 -m cli.main eval ppl --model "$MODEL" --method lolcats \
+  LONGCTX_ASSET_PATH="$RUN/$mode/assets" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --method lolcats \
     --method 'lola(window=256,sparse_cache=256)' --no-baseline --text "$DATA/heldout" --context "$CONTEXTS" --windows 4 \
     --no-progress --out-dir "$RUN" --name "$NAME-$mode-ppl" > "$RUN/$mode-ppl.log" 2>&1
-  LONGCTX_ASSET_PATH="$RUN/$mode/assets" python3 -m cli.main eval niah --model "$MODEL" --method lolcats \
+  LONGCTX_ASSET_PATH="$RUN/$mode/assets" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --method lolcats \
     --tasks s-niah-1 --lengths "$LENGTHS" --depths 0.25,0.5,0.75 --samples "$SAMPLES" --haystack "$DATA/heldout" \
     --no-progress --out-dir "$RUN" --name "$NAME-$mode-niah" > "$RUN/$mode-niah.log" 2>&1
 done
 
 python3 - "$RUN" "$SUMMARY" "$NAME" $SUMMARY_MODES <<'PY'
 import json, os, sys
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import git_commit
 run, summary, name, modes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 res = {"task": "multigpu-linearize", "commit": git_commit(), "command": "benchmarks/train/multigpu_linearize.sh (" +
        " ".join(f"{k}={os.environ[k]}" for k in ("NPROC", "TRANSFER_STEPS", "LORA_STEPS", "SEQ", "BATCH", "MODES", "EVAL")
@@ -84,7 +84,8 @@ for m in modes:
     evaluated = os.path.exists(f"{run}/{name}-{m}-niah.json")
     ppl = json.load(open(f"{run}/{name}-{m}-ppl.json")) if evaluated else {"ppl": None}
     niah = json.load(open(f"{run}/{name}-{m}-niah.json")) if evaluated else {"accuracy": None}
-    res.setdefault("device", f"{tr['device']} x{os.environ.get('NPROC', '2')} (one host)")
+    # the host's GPUs in provenance.device_description's spelling ("2 x NVIDIA H200"); a run's own says "N x" or not
+    res.setdefault("device", f"{os.environ.get('NPROC', '2')} x {tr['device'].split(' x ', 1)[-1]}")
     res.setdefault("date", tr["date"])
     res["runs"][m] = {
         "world_size": tr.get("world_size"), "parallel": tr.get("parallel"),

@@ -49,7 +49,7 @@ if [ "$STEP" = train ]; then
       hybrid) extra=("${cal[@]}" "${OVQ_HYBRID[@]}") ;;
       lora-none) extra=(--set method=null --set 'method_config={}' --set "$(lora_only_stage)") ;;
     esac
-    python3 -m cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$W/train" -q "${extra[@]}" "${ft[@]}" \
+    python3 -m longctx_patch.cli.main finetune recipes/ovq-finetune.yaml --model "$MODEL" --text "$W/train" -q "${extra[@]}" "${ft[@]}" \
       --output "$RUN/$v" --results "$OUT/finetune/$NAME-$v-$DEV.json" > "$RUN/$v.log" 2>&1 &
     pids+=($!)
   done
@@ -67,12 +67,12 @@ for v in "$@"; do
   if [ "$v" = base ]; then m=$MODEL; else m=$RUN/$v/model; fi
   [ -e "$m" ] || { echo "no model for $v at $m (run the train step first)" >&2; exit 2; }
   for kind in code book; do
-    timeout "$EVAL_MAX_S" python3 -m cli.main eval ppl --model "$m" --no-progress --method none --no-baseline \
+    timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval ppl --model "$m" --no-progress --method none --no-baseline \
       --text "$W/heldout-$kind" --context 4k --windows 8 --out-dir "$E/ppl" --name "$NAME-$v-heldout-$kind-$DEV" \
       > "$E/ppl-$v-$kind.log" 2>&1 &
     pids+=($!)
   done
-  timeout "$EVAL_MAX_S" python3 -m cli.main eval niah --model "$m" --no-progress --method none --tasks s-niah-1,s-niah-2 \
+  timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval niah --model "$m" --no-progress --method none --tasks s-niah-1,s-niah-2 \
     --lengths 2k,4k --samples 4 --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
     --name "$NAME-$v-$DEV" > "$E/niah-$v.log" 2>&1 &
   pids+=($!)

@@ -23,7 +23,7 @@ write_run_asset() {
   python3 - "$MODEL" "$1" "$2" <<'PY'
 import sys
 from longctx_patch.assets import write_asset
-from longctx_patch.evals.common import git_commit
+from longctx_patch.provenance import git_commit
 from longctx_patch.models import load_model_only
 model = load_model_only(sys.argv[1], device="cpu")
 out = write_asset(sys.argv[2], model, sys.argv[2] + "/assets/smollm2-135m-instruct-lolcats",

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import json
 import os
-import platform
 import re
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +21,7 @@ from typing import Any, Iterator, Sequence
 from ..errors import ConfigError
 from ..methods import get_method, list_methods, split_method_spec
 from ..patcher import parse_layers
-from ..provenance import git_commit
+from ..provenance import git_commit, result_header
 
 UNPATCHED = ("none", "unpatched")
 RESULTS_ENV = "LONGCTX_RESULTS"
@@ -292,23 +289,6 @@ def size_label(n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- results
-def device_description(device=None) -> str:
-    import torch
-
-    dev = torch.device(device) if device is not None else None
-    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
-        idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
-        return f"cuda: {torch.cuda.get_device_name(idx)}"
-    return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-
-
-def command_line(argv: Sequence[str] | None = None) -> str:
-    argv = list(sys.argv if argv is None else argv)
-    if argv:
-        argv[0] = os.path.basename(argv[0])
-    return shlex.join(argv)
-
-
 def slug(text: str) -> str:
     s = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-.")
     return s or "x"
@@ -341,16 +321,15 @@ def write_result(
 ) -> Path:
     """Writes one result JSON with the fields every evaluation shares, plus `figures`.
 
-    `method` is the list of method labels in run order and `config` maps each label to its config.
+    `method` is the list of method labels in run order and `config` maps each label to its config. device, date,
+    commit and command: `provenance.result_header` (`device` given: that description instead).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
         "task": task,
-        "device": device or device_description(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": git_commit(),
-        "command": command if command is not None else command_line(),
+        **result_header(command=command),
+        **({"device": device} if device else {}),
         "model": str(model),
         "method": [r.label for r in runs],
         "config": {r.label: dict(r.config) for r in runs},
@@ -425,9 +404,6 @@ __all__ = [
     "parse_fractions",
     "size_label",
     "write_result",
-    "git_commit",
-    "device_description",
-    "command_line",
     "default_results_dir",
     "output_dir",
     "RESULTS_DEFAULT",

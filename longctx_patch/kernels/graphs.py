@@ -6,6 +6,7 @@ GPU work, so one step is captured once and replayed.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -13,16 +14,27 @@ import torch
 # the side stream each thread captures on, per device: two threads capturing at once on one stream would record
 # each other's work (a server's request threads sharing a patched model)
 _CAPTURE_STREAMS = threading.local()
-# set while the CPU stand-in of a CUDA graph (decode_graphs.SIMULATE, tests) records or replays a step: what a step
-# skips under a real capture it skips then too (`capturing`)
-SIMULATED_CAPTURE = False
+# whether this thread runs the CPU stand-in of a CUDA graph's capture or replay (`simulated_capture`)
+_SIMULATED = threading.local()
+
+
+@contextlib.contextmanager
+def simulated_capture():
+    """While the CPU stand-in of a CUDA graph (decode_graphs.py's simulated replay, the tests' `simulate`) records or
+    replays a step in this thread, `capturing` says so: what a step skips under a real capture it skips then too."""
+    was = getattr(_SIMULATED, "on", False)
+    _SIMULATED.on = True
+    try:
+        yield
+    finally:
+        _SIMULATED.on = was
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether the work now issued for `device` is being recorded into a CUDA graph (or its CPU stand-in): host
-    values read now would be baked into every replay, so code keeping a device copy of a host value in step skips
-    refreshing it then (the recorded step must move the device copy itself)."""
-    if SIMULATED_CAPTURE:
+    """Whether the work now issued for `device` is being recorded into a CUDA graph (or its CPU stand-in in this
+    thread: `simulated_capture`): host values read now would be baked into every replay, so code keeping a device
+    copy of a host value in step skips refreshing it then (the recorded step must move the device copy itself)."""
+    if getattr(_SIMULATED, "on", False):
         return True
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 

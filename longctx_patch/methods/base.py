@@ -10,14 +10,14 @@ import math
 import types
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..architectures import SHARED_SUBMODULES, ArchAdapter, AttentionSpec
-from ..errors import ConfigError, MemoryBudgetError
+from ..errors import ConfigError, MemoryBudgetError, MissingHookError
 from ..kernels.backend import on_device
 from ..patch_state import CALL_ARG, CallState, PatchContext
 
@@ -305,9 +305,9 @@ class PatchedAttention(nn.Module):
                 o = checkpoint(self.attend_call, q, k, v, None, call, use_reentrant=False)
             else:
                 o = self.attend_call(q, k, v, layer, call)
-            transfer = self._ctx.transfer if self._ctx is not None else None
-            if transfer is not None:
-                o = transfer.record(self, q, k, v, padding, o)
+            recorder = self._ctx.recorder if self._ctx is not None else None
+            if recorder is not None:
+                o = recorder.record(self, q, k, v, padding, o)
             B, S = hidden_states.shape[:2]
             return self.o_proj(o.reshape(B, S, -1).to(hidden_states.dtype)), None
 
@@ -348,9 +348,59 @@ def _standalone(cls, Hq: int, Hkv: int, D: int, config, device, dtype) -> "Patch
     return _STANDALONE[key]
 
 
+# ----------------------------------------------------------------------------------------------- hooks
+class Approximation(NamedTuple):
+    """Where a method's approximation starts (`Method.approximation_start`): `start`, the shortest sequence in which
+    some query is not attended exactly (None: none ever is); `first`, the first position approximated in such a
+    sequence (None with start); `why`, a few words on why (said by `longctx patch`'s fidelity check)."""
+
+    start: int | None
+    first: int | None
+    why: str
+
+
+class MethodCalibration:
+    """What `longctx_patch.calibrate` (calibration.py) asks of a method whose budgets it calibrates, returned by
+    `Method.calibration()`. Every measurement runs on the post-rotary q [B, Hq, S, D], k, v [B, Hkv, S, D] of one
+    layer of the unpatched model (docs/muse.md, "Calibration"); `config` is a parsed config of the method."""
+
+    def check_text(self, config, seq_len: int, specs: list[AttentionSpec], device_type: str) -> None:
+        """Before measuring: a ConfigError when a text of `seq_len` tokens cannot show the approximation's error (it
+        would be exact there), a warning when it shows a shorter prefill's than the layers run."""
+
+    def ladder(self, config, seq_len: int) -> list[dict[str, Any]]:
+        """The settings to measure on every layer, as option overrides of `config`, cheapest first."""
+        raise NotImplementedError
+
+    def key(self, config) -> str:
+        """Two configs with one key compute the same (calibrate measures one of them)."""
+        raise NotImplementedError
+
+    def attend(self, q, k, v, *, scale: float, config):
+        """The layer's output under `config`, its exact heads aside: [B, S, Hq, D]."""
+        raise NotImplementedError
+
+    def with_exact_heads(self, o, q, k, v, heads: list[int], *, scale: float):
+        """`o` with the query heads `heads` replaced by exact attention (what `exact_heads` runs)."""
+        raise NotImplementedError
+
+    def attended_keys(self, config, seq_len: int) -> tuple[float, float]:
+        """(exactly attended keys, super-keys) per query and head under `config` at `seq_len` (cost "keys")."""
+        raise NotImplementedError
+
+
+def _hook_missing(method: "Method", hook: str, needed_by: str, returns: str) -> MissingHookError:
+    return MissingHookError(
+        f"method {method.name!r} does not implement Method.{hook}, which {needed_by} needs: a method implements it "
+        f"in its folder (its Method subclass in methods/<name>/__init__.py), returning {returns} (docs/ARCHITECTURE.md, "
+        "\"The method contract\")")
+
+
 # ----------------------------------------------------------------------------------------------- method
 class Method:
-    """A named way of patching attention. Subclasses set name, description, config_cls, module_cls."""
+    """A named way of patching attention. Subclasses set name, description, config_cls, module_cls, and implement the
+    hooks that what the package does with a method asks of it (`approximation_start`, `attention_profile`,
+    `calibration`: each refuses by name where a method does not implement it, rather than guess)."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
@@ -369,6 +419,9 @@ class Method:
     # dictionary): patch() checks that one sequence's state fits the device's memory (check_state_memory), and the
     # refusal names these with the largest value of each that fits
     state_options: ClassVar[tuple[str, ...]] = ()
+    # its parameters are LoLCATs' (feature maps, window factors): a fine-tune's `output.lolcats_export` can write them
+    # in LoLCATs' own model.pt layout (methods/lola/weights.py)
+    lolcats_layout: ClassVar[bool] = False
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)
@@ -405,6 +458,31 @@ class Method:
 
     def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
+
+    # -- hooks: what the package's features ask of a method (each method answers in its own folder) -------------
+    def approximation_start(self, config: MethodConfig, device_type: str = "cpu", head_dim: int = 64) -> Approximation:
+        """Where the approximation of `config` starts on a `device_type` device at `head_dim`: an `Approximation`
+        (`longctx patch`'s fidelity check sizes its sample by it, cli/fidelity.py)."""
+        raise _hook_missing(self, "approximation_start", "longctx patch's fidelity check",
+                            "Approximation(start, first, why): the shortest sequence with a query not attended exactly "
+                            "(None: never), its first such position and why")
+
+    def attention_profile(self, config: MethodConfig, head_dim: int, seq_len: int, kernels: bool
+                          ) -> tuple[float, float]:
+        """(keys each query attends, for the FLOPs; elements one query token holds per head while the attention runs,
+        kept for the backward unless it is recomputed) of `config` in a training sequence of `seq_len` tokens, on the
+        Triton kernels (`kernels`) or the PyTorch reference: the fine-tune plan's estimate (train/plan.py)."""
+        raise _hook_missing(self, "attention_profile", "the fine-tune's memory and time plan (train/plan.py)",
+                            "(keys per query, elements held per query token and head) for a config, head_dim, seq_len "
+                            "and kernels (True: the Triton kernels, False: the PyTorch reference)")
+
+    def calibration(self) -> MethodCalibration:
+        """What `longctx_patch.calibrate` measures and sets for this method's budgets (a MethodCalibration)."""
+        able = sorted(m.name for m in _REGISTRY.values() if type(m).calibration is not Method.calibration)
+        raise MissingHookError(
+            f"method {self.name!r} has no budgets to calibrate (it implements no Method.calibration, the settings "
+            f"calibrate measures per layer: a MethodCalibration, methods/base.py); calibrate takes "
+            f"{', '.join(repr(n) for n in able) or 'no registered method'}")
 
     def check_state_memory(self, modules: list[PatchedAttention], config: MethodConfig, dtype: torch.dtype,
                            available: int | None, device: str, others: int = 0) -> None:

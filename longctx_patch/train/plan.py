@@ -8,8 +8,8 @@ activations autograd keeps for the backward (per token and decoder layer, from t
 stage trains: attention transfer keeps only each patched attention's inputs and outputs, next-token training every
 layer's, gradient checkpointing only each layer's input); the largest transient (one layer's attention working set,
 the loss's logits chunk); and, on a CPU, the process itself. The attention's working set depends on the method and
-on whether its Triton kernels or its PyTorch reference run (`_attention_profile`). It was checked against measured
-peaks on the CPU (tests/test_train_plan.py: within a factor of 2 on a tiny model; SmolLM2's linearization stages
+on whether its Triton kernels or its PyTorch reference run (`attention_profile`: each method's own hook, from the
+method's own config). It was checked against measured peaks on the CPU (tests/test_train_plan.py: within a factor of 2 on a tiny model; SmolLM2's linearization stages
 within 25% on a CPU, and against the H200 figures of docs/PERFORMANCE.md within 20%: recipes/README.md).
 The time is rougher: floating-point operations of the matrix products and the attention, at a rate measured here
 with a short matrix product and a fixed efficiency; the run's own ETA replaces it once steps have been timed.
@@ -17,7 +17,6 @@ with a short matrix product and a fixed efficiency; the run's own ETA replaces i
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
@@ -116,40 +115,20 @@ def peek_config(model: str | None):
 
 
 # ----------------------------------------------------------------------------------------------- attention
-def _attention_profile(method: str | None, config: dict[str, Any], shape: ModelShape, S: int, kernels: bool
-                       ) -> tuple[float, float]:
+def attention_profile(method: str | None, config: dict[str, Any], shape: ModelShape, S: int, kernels: bool
+                      ) -> tuple[float, float]:
     """(keys each query attends, for the FLOPs; elements one query token holds per head while the attention runs,
     kept for the backward unless the attention is recomputed: float32 in the PyTorch references, the compute dtype in
-    the kernels). `kernels`: the method's Triton kernels run (CUDA), else its PyTorch reference."""
-    D = shape.head_dim
-    name = (method or "exact").lower()
-    if name in ("exact", "none", "sliding-window"):
-        keys = min(int(config.get("window", 256)), S / 2) if name == "sliding-window" else S / 2
-        return keys, 4 * D  # SDPA (flash on the CPU too): output and row statistics only
-    if name in ("lolcats", "lola"):
-        window, chunk = int(config.get("window", 64)), 64
-        f2 = 2 * int(config.get("feature_dim", 64))
-        blocks = math.ceil(window / chunk) + 1
-        if kernels:
-            return window + chunk + f2, 2 * D + 2 * f2
-        # the chunked reference: scores, masks and weights of (P + 1) key blocks per query block, local copies of the
-        # keys, values and key features, each block's prefix state (calibrated on SmolLM2 on the CPU: ~110 KB per
-        # token and layer kept without attention_checkpointing)
-        return 2 * blocks * chunk + f2, 8 * blocks * chunk + 2 * blocks * (2 * D + f2) + 3 * f2 * D / chunk + 2 * f2
-    if name == "muse":
-        if kernels:
-            blk = int(config.get("block_size") or 256)
-            exact = blk * (2 + int(config.get("topk_blocks") or 10) + int(config.get("peak_blocks") or 10))
-            return min(exact, S / 2) + S / blk * 8, 4 * D
-        return S, 3 * S  # the dense reference: every score, its mask and weights
-    if name == "moba":
-        keys = min(int(config.get("block_size", 512)) * int(config.get("top_k", 3)), S / 2)
-        return keys, (4 * D if kernels else 3 * S)
-    if name == "ovq":
-        chunk = int(config.get("chunk_size", 512))
-        n = int(config.get("max_centroids", 1024))
-        return chunk / 2 + n, (4 * D if kernels else 3 * (chunk + n))
-    return S / 2, 3 * S  # a method this estimate does not know: a dense reference's scores, mask and weights
+    the kernels) of the recipe's `method` with its `config` (the recipe's method_config, read as the method reads it:
+    its defaults where the recipe gives none) over sequences of `S` tokens; `kernels`: the method's Triton kernels run
+    (CUDA), else its PyTorch reference. The method's own `Method.attention_profile` (a method without it is refused
+    by name); no method (None or "none"): the model's own attention, as `exact`'s."""
+    from ..methods import get_method
+
+    unpatched = not method or method == "none"
+    meth = get_method("exact" if unpatched else method)
+    cfg = meth.parse_config({} if unpatched else config)
+    return meth.attention_profile(cfg, shape.head_dim, S, kernels)
 
 
 # ----------------------------------------------------------------------------------------------- the estimate
@@ -259,7 +238,7 @@ def plan_stage(recipe: Recipe, stage: Stage, shape: ModelShape, *, device_type: 
     rows = max(1, stage.batch_size // max(world, 1))
     n_tok = rows * S  # tokens of one micro-batch on this process
     kernels = device_type == "cuda"
-    keys, held = _attention_profile(recipe.method, dict(recipe.method_config), shape, S, kernels)
+    keys, held = attention_profile(recipe.method, dict(recipe.method_config), shape, S, kernels)
     patched = L if patched_layers is None else patched_layers
     if not recipe.method or recipe.method == "none":
         patched = 0

@@ -407,7 +407,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         raise ConfigError(f"rest_config: expected a mapping of rest_method's keys, got {r.rest_config!r}")
     if r.rest_method is not None and (r.method is None or r.layers is None):
         raise ConfigError("rest_method patches the layers not in `layers`: set `method:` and a `layers:` list too")
-    from ..methods import get_method  # the method and its config checked now, not after the model has loaded
+    from ..methods import get_method, list_methods  # the method and its config checked now, not after the model loads
 
     for key, meth, cfg in (("method", r.method, r.method_config), ("rest_method", r.rest_method, r.rest_config)):
         if meth is not None:
@@ -435,9 +435,10 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     r.output.save_model = _check_type("output.save_model", r.output.save_model, bool)
     r.output.keep_checkpoints = _check_type("output.keep_checkpoints", r.output.keep_checkpoints, int, minimum=0)
 
-    if r.output.lolcats_export and r.method not in ("lolcats", "lola"):
+    if r.output.lolcats_export and not (r.method is not None and get_method(r.method).lolcats_layout):
+        able = " or ".join(m for m in list_methods() if get_method(m).lolcats_layout)
         raise ConfigError(
-            f"output.lolcats_export needs method lolcats or lola (the recipe's method is {r.method!r}); "
+            f"output.lolcats_export needs method {able} (the recipe's method is {r.method!r}); "
             "set output.lolcats_export=false"
         )
     names = set()

@@ -3,10 +3,10 @@
 One `Accelerator` drives the run, so the same code runs on one CPU/GPU and under several processes
 (gloo on CPU, NCCL on GPUs; run from the repository root):
 
-    accelerate launch --multi_gpu --num_processes 2 -m cli.finetune_cmd RECIPE.yaml --model ... --text ...
+    accelerate launch --multi_gpu --num_processes 2 -m longctx_patch.cli.finetune_cmd RECIPE.yaml --model ... --text ...
     accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 \
         --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer \
-        --fsdp_reshard_after_forward true -m cli.finetune_cmd RECIPE.yaml --model ... --text ...
+        --fsdp_reshard_after_forward true -m longctx_patch.cli.finetune_cmd RECIPE.yaml --model ... --text ...
 
 The first is data parallel (DDP, through accelerate.prepare). The second is FSDP2: the runner applies
 `fully_shard` itself, on CPU too, where accelerate does no FSDP (`_shard`). Each decoder layer is a unit,
@@ -32,11 +32,8 @@ Output directory:
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,7 +44,7 @@ from torch import nn
 
 from ..checkpoint import write_text
 from ..errors import CheckpointError, ConfigError, LongctxError
-from ..provenance import git_commit
+from ..provenance import command_line, result_header
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
 from .data import PackedData, load_documents, make_packed, text_files, text_record, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
@@ -64,18 +61,6 @@ MODEL_DIR = "model"
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def device_description(device: torch.device, world: int) -> str:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return f"{world} x {name}" if world > 1 else name
-    cpu = platform.processor() or platform.machine()
-    return f"{world} CPU processes ({cpu})" if world > 1 else f"CPU ({cpu}, {os.cpu_count()} cores)"
-
-
-def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in sys.argv)
-
-
 def _refuse_unsupported(recipe: Recipe, fsdp: bool, mixed_precision: str, given_model) -> None:
     """Launch modes and recipe/FSDP combinations the runner cannot run, refused before anything is loaded."""
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
@@ -505,10 +490,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
     def summary(self) -> dict[str, Any]:
         r = self.recipe
         return {
-            "device": device_description(self.accelerator.device, self.world),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": git_commit(),
-            "command": self.command,
+            **result_header(device=self.accelerator.device, world=self.world, command=self.command),
             "model": r.model,
             "method": r.method,
             "method_config": r.method_config,

@@ -1,7 +1,7 @@
 """Attention transfer, the `attention_transfer` objective of a fine-tune stage: each patched layer's output is
 compared with exact softmax attention over the same q/k/v (the teacher).
 
-A patched module calls the hook its PatchContext holds (`ctx.transfer.record(module, q, k, v, padding, o)`, see
+A patched module calls the recorder its PatchContext holds (`ctx.recorder.record(module, q, k, v, padding, o)`, see
 `PatchedAttention.forward`); `attention_transfer(model)` installs one for the duration of a `with` block.
 """
 
@@ -55,11 +55,11 @@ def attention_transfer(model: nn.Module, teacher_forcing: bool = False):
     """
     ctx = patch_context(model)
     tr = AttentionTransfer(teacher_forcing)
-    ctx.transfer = tr
+    ctx.recorder = tr
     try:
         yield tr
     finally:
-        ctx.transfer = None
+        ctx.recorder = None
 
 
 __all__ = ["AttentionTransfer", "attention_transfer"]

@@ -133,7 +133,8 @@ def write_report(path, task, specs: Sequence[MixerSpec], records: Sequence[dict]
     """Writes the result JSON (common fields device/date/commit/command) and the PNG plots; returns the tables."""
     from pathlib import Path
 
-    from ..common import MethodRun, device_description, write_result
+    from ...provenance import device_description
+    from ..common import MethodRun, write_result
 
     path = Path(path)
     summary = summarize(task, specs, records, lengths)

@@ -18,7 +18,7 @@ import torch
 from ...errors import ConfigError
 from ..backend import check_backend, needs_grad, resolve_backend
 from . import reference as ref
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 def use_triton(backend: str, *tensors) -> bool:
@@ -58,29 +58,30 @@ class FeatureMapFn(torch.autograd.Function):
     recomputes the projection and the softmaxes: nothing but x and W is kept)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, out_dtype):
+    def forward(ctx, x, weight, eps: float, out_dtype, tuning: LolaTuning):
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return triton_ops().feature_map(x, weight, eps=eps, out_dtype=out_dtype)
+        ctx.eps, ctx.tuning = eps, tuning
+        return triton_ops().feature_map(x, weight, eps=eps, out_dtype=out_dtype, tuning=tuning)
 
     @staticmethod
     def backward(ctx, dphi):
         x, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = triton_ops().feature_map_bwd(x, weight, dphi, ctx.eps, need_dx, need_dw)
-        return dx, (dw.to(weight.dtype) if dw is not None else None), None, None
+        dx, dw = triton_ops().feature_map_bwd(x, weight, dphi, ctx.eps, need_dx, need_dw, tuning=ctx.tuning)
+        return dx, (dw.to(weight.dtype) if dw is not None else None), None, None, None
 
 
-def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto", out=None):
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, backend: str = "auto", out=None,
+                tuning: LolaTuning = DEFAULT_TUNING):
     """Hedgehog feature map [softmax(x W), softmax(-x W)]: Triton on CUDA (under grad `FeatureMapFn`, forward and
     backward kernels), else torch. out: write the result there (no grad; Triton writes it directly, torch copies)
-    and return it."""
+    and return it. tuning: the kernels' launch settings (tuning.LolaTuning)."""
     check_backend(backend, "lola/lolcats")
     if x.stride(-1) == 1 and resolve_backend(backend, x, weight, what="lola/lolcats") == "triton":
         if not needs_grad(x, weight):
-            return triton_ops().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out)
+            return triton_ops().feature_map(x, weight, eps=eps, out_dtype=out_dtype, out=out, tuning=tuning)
         if out is None:
-            return FeatureMapFn.apply(x, weight, float(eps), out_dtype)
+            return FeatureMapFn.apply(x, weight, float(eps), out_dtype, tuning)
         refuse_forced_triton_under_grad(backend, x, weight)  # writing into `out` under grad: the torch path only
     f = ref.hedgehog_feature_map(x, weight, eps=eps, out_dtype=out_dtype)
     if out is None:
@@ -100,7 +101,7 @@ class HybridAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, g, lf, key_mask, window: int, scale: float, state_chunk: int,
-                block_m: int, block_n: int):
+                block_m: int, block_n: int, tuning: LolaTuning):
         tk = triton_ops()
         q, k, v, fq, fk = (x.contiguous() for x in (q, k, v, fq, fk))
         Hs, Ss = tk.chunk_states(fk, v, state_chunk, key_mask=key_mask)
@@ -110,10 +111,11 @@ class HybridAttentionFn(torch.autograd.Function):
         o32 = torch.empty(B, S, Hq, D, device=q.device, dtype=torch.float32)
         o32, (m, r, am) = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
                                         key_mask=key_mask, state_chunk=state_chunk, block_m=block_m,
-                                        block_n=block_n, stats=True, out=o32)
+                                        block_n=block_n, stats=True, out=o32, tuning=tuning)
         del Hs, Ss
         ctx.save_for_backward(q, k, v, fq, fk, g, lf, key_mask, o32, m, r, am)
-        ctx.meta = dict(window=window, scale=scale, state_chunk=state_chunk, block_m=block_m, block_n=block_n)
+        ctx.meta = dict(window=window, scale=scale, state_chunk=state_chunk, block_m=block_m, block_n=block_n,
+                        tuning=tuning)
         return o32.to(q.dtype)
 
     @staticmethod
@@ -123,16 +125,18 @@ class HybridAttentionFn(torch.autograd.Function):
             do = do.contiguous()
         with torch.autocast(q.device.type, enabled=False):  # its few torch ops (prefix states' sums) stay fp32
             grads = triton_ops().hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, (m, r, am), key_mask=key_mask, **ctx.meta)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def hybrid_attention_triton(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None,
-                            state_chunk: int = STATE_CHUNK, block_m: int = 64, block_n: int = 64):
+                            state_chunk: int = STATE_CHUNK, block_m: int = 64, block_n: int = 64,
+                            tuning: LolaTuning = DEFAULT_TUNING):
     """`HybridAttentionFn` (the Triton forward and backward): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2] of
     one dtype, g/lf [Hq], key_mask [B, S] bool or None -> [B, S, Hq, D] in q.dtype. state_chunk: a multiple of
-    block_n (tests pass small blocks to get several state slots at small S)."""
+    block_n (tests pass small blocks to get several state slots at small S). tuning: the forward's and the
+    backward's launch settings."""
     return HybridAttentionFn.apply(q, k, v, fq, fk, g, lf, key_mask, int(window), float(scale), int(state_chunk),
-                                   int(block_m), int(block_n))
+                                   int(block_m), int(block_n), tuning)
 
 
 def refuse_unshifted_triton_backward(backend: str, combine: str) -> bool:
@@ -149,13 +153,15 @@ def refuse_unshifted_triton_backward(backend: str, combine: str) -> bool:
 
 
 def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
-                     backend: str = "auto", state_chunk: int | None = None, combine: str = "shifted"):
+                     backend: str = "auto", state_chunk: int | None = None, combine: str = "shifted",
+                     tuning: LolaTuning = DEFAULT_TUNING):
     """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
 
     Returns [B, S, Hq, D] in q.dtype. Differentiable on both backends: under grad the Triton backend runs
     `HybridAttentionFn` (Triton forward and backward), the torch backend `reference.hybrid_attention_chunked`.
     combine: "shifted" (LoLCATs) or "unshifted" (the LoLA authors'; `reference._finish`); under grad "unshifted"
     takes the PyTorch path with backend="auto" and is refused with "triton" (`refuse_unshifted_triton_backward`).
+    tuning: the kernels' launch settings (the training pass's keys per prefix state and tiles: `train_*`).
     """
     cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
     tensors = (q, k, v, fq, fk, g, lf)
@@ -170,13 +176,14 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
             return hybrid_attention_triton(q.to(dt), k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
                                            scale=scale, key_mask=key_mask,
-                                           state_chunk=cs if state_chunk else (TUNE["train_state_chunk"] or cs),
-                                           block_m=TUNE["train_block_m"] or 64, block_n=TUNE["train_block_n"] or 64)
+                                           state_chunk=cs if state_chunk else (tuning.train_state_chunk or cs),
+                                           block_m=tuning.train_block_m or 64, block_n=tuning.train_block_n or 64,
+                                           tuning=tuning)
     elif use_triton(backend, *tensors):
         tk = triton_ops()
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
         return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
-                             key_mask=key_mask, state_chunk=cs, combine=combine)
+                             key_mask=key_mask, state_chunk=cs, combine=combine, tuning=tuning)
     o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, scale=scale, key_mask=key_mask,
                                      chunk=chunk, combine=combine)
     return o.transpose(1, 2).to(q.dtype)

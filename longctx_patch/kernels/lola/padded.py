@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import LolaState, PhiK, drop_front, ensure_mask, lola_evict
+from .state import LolaRun, LolaState, drop_front, ensure_mask, lola_evict
 
 @dataclass(eq=False)
 class RowPhases:
@@ -78,11 +78,11 @@ def left_padding_counts(key_mask: torch.Tensor) -> list[int]:
     return torch.where(km.any(dim=1), first, torch.full_like(first, km.shape[1])).tolist()
 
 
-def evict_rows(st: LolaState, idx: torch.Tensor, *, window: int, lam: int, phi_k: PhiK, backend: str) -> None:
+def evict_rows(st: LolaState, idx: torch.Tensor, run: LolaRun) -> None:
     """`lola_evict` of the batch rows `idx` only (the rows at their chunk boundary); the other rows' sparse cache
     and state stay as they are. The evicted rows' candidates become decided: masked in the buffer, which keeps
     them while another row still needs those slots."""
-    n_ev = st.nb - window
+    n_ev = st.nb - run.window
     if n_ev <= 0:
         return
     take = lambda t: t.index_select(0, idx)  # noqa: E731
@@ -92,7 +92,7 @@ def evict_rows(st: LolaState, idx: torch.Tensor, *, window: int, lam: int, phi_k
                     sp_score=take(st.sp_score), H=take(st.H), s=take(st.s),
                     win_fk=None if st.win_fk is None else take(st.win_fk[:, :, :n_ev]), pos=st.pos, nb=st.nb,
                     inplace=False)
-    lola_evict(sub, window=window, lam=lam, phi_k=phi_k, backend=backend)
+    lola_evict(sub, window=run.window, lam=run.lam, phi_k=run.phi_k, backend=run.backend, tuning=run.tuning)
     for name in ("sp_k", "sp_v", "sp_score", "H", "s"):
         t, new = getattr(st, name), getattr(sub, name)
         if st.inplace:  # same storage (the layer's state)
@@ -104,17 +104,17 @@ def evict_rows(st: LolaState, idx: torch.Tensor, *, window: int, lam: int, phi_k
     st.win_mask[:, :n_ev].index_fill_(0, idx, False)
 
 
-def phased_step_end(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str) -> None:
+def phased_step_end(st: LolaState, run: LolaRun) -> None:
     """After a piece of a batch with `RowPhases`: evict the rows at their boundary, then drop the front buffer
     rows no row needs any more (decided or padding in every row)."""
     ph = st.phases
     rows = ph.groups.get(st.pos % ph.chunk)
     if rows is not None:
         if len(rows) == st.win_k.shape[0]:
-            lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+            lola_evict(st, window=run.window, lam=run.lam, backend=run.backend, phi_k=run.phi_k, tuning=run.tuning)
         else:
-            evict_rows(st, ph.index[st.pos % ph.chunk], window=window, lam=lam, phi_k=phi_k, backend=backend)
-    drop = st.nb - ph.need(st.pos, window)
+            evict_rows(st, ph.index[st.pos % ph.chunk], run)
+    drop = st.nb - ph.need(st.pos, run.window)
     if drop > 0:
         drop_front(st, drop)
 

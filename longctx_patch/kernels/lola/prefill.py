@@ -11,12 +11,14 @@ import torch
 
 from . import ops
 from . import reference as ref
-from .state import LolaState, append_window, ensure_mask, phi_into
+from .state import LolaRun, LolaState, append_window, ensure_mask, phi_into
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
-def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_new, phi_k, combine="shifted"):
+def lolcats_parallel(st, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     """lam == 0, many new tokens, Triton: one parallel pass over [window buffer, new tokens] started
     from (H, s), then fold what the sequential manager would have folded by now."""
+    window, chunk, phi_k, tuning = run.window, run.chunk, run.phi_k, run.tuning
     tk = ops.triton_ops()
     S = q.shape[2]
     cap = window + chunk
@@ -29,8 +31,8 @@ def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_n
     nb = lk.shape[2]
     cs = ops.STATE_CHUNK
     Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
-    o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=nb - S, key_mask=lm,
-                      state_chunk=cs, combine=combine)
+    o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=run.scale, q_offset=nb - S,
+                      key_mask=lm, state_chunk=cs, combine=run.combine, tuning=tuning)
     del Hs, Ss
     st.pos += S
     start_pos = max((st.pos // chunk) * chunk - window, 0)  # first position the buffer keeps
@@ -39,7 +41,7 @@ def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_n
     if n_fold > 0:
         w = (torch.ones(B, n_fold, dtype=torch.bool, device=q.device) if lm is None else lm[:, :n_fold])
         H, s = st.H.contiguous(), st.s.contiguous()
-        tk.fold_into_state(lfk[:, :, :n_fold], lv[:, :, :n_fold], w[:, None, :].float(), H, s)
+        tk.fold_into_state(lfk[:, :, :n_fold], lv[:, :, :n_fold], w[:, None, :].float(), H, s, tuning=tuning)
         st.H, st.s = H, s
     keep = nb - max(n_fold, 0)
     # the kept tokens go back into a fixed buffer of `cap` rows
@@ -63,7 +65,6 @@ def lolcats_parallel(st, q, k, v, fq, g, lf, *, window, chunk, scale, key_mask_n
     return o
 
 
-PARALLEL_PREFILL = True  # a Triton prefill of >= 2 chunks takes `lola_parallel` (two passes)
 # the two passes hold O(S) buffers (the state after every eviction, the state of every key block, phi(k) of
 # every key, the sparse set of every chunk); above this share of the free GPU memory the chunk loop runs
 PARALLEL_PREFILL_MEMORY_SHARE = 0.5
@@ -107,13 +108,14 @@ def parallel_prefill_bytes(B, Hq, Hkv, S, D, F2, *, window, chunk, lam, sparse_h
     return states + feats + sparse + extra
 
 
-def parallel_ok(st: LolaState, q, k, *, window: int, chunk: int, lam: int) -> bool:
-    """Whether `lola_parallel` takes this prefill: Triton (the caller checks), lam > 0, at least two chunks of new
-    tokens, window and chunk multiples of 16, and either a fresh state or an in-place one whose rows share one
-    eviction grid (no `phases`) with the fixed window buffer; on the GPU its buffers within
+def parallel_ok(st: LolaState, q, k, *, window: int, chunk: int, lam: int,
+                tuning: LolaTuning = DEFAULT_TUNING) -> bool:
+    """Whether `lola_parallel` takes this prefill: Triton (the caller checks), `tuning.parallel_prefill`, lam > 0, at
+    least two chunks of new tokens, window and chunk multiples of 16, and either a fresh state or an in-place one whose
+    rows share one eviction grid (no `phases`) with the fixed window buffer; on the GPU its buffers within
     PARALLEL_PREFILL_MEMORY_SHARE of the free memory."""
     B, Hq, S, D = q.shape
-    if not (PARALLEL_PREFILL and lam > 0 and S >= 2 * chunk and window > 0 and window % 16 == 0
+    if not (tuning.parallel_prefill and lam > 0 and S >= 2 * chunk and window > 0 and window % 16 == 0
             and chunk % 16 == 0):
         return False
     fresh = st.pos == 0 and st.nb == 0
@@ -177,8 +179,7 @@ def _extend(st: LolaState, q, k, v, fq, key_mask_new, *, chunk: int, phi_k):
     return kx, vx, fkx, km, sp_idx, first, n_real, q, fq
 
 
-def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask_new, phi_k, graph: bool = True,
-                  combine: str = "shifted"):
+def lola_parallel(st, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     """A LoLA prefill (lam > 0, Triton) in two passes, same result as the chunk loop.
 
     The output of chunk c depends on the stream only through the state left by eviction c - 1: (H, s) and the
@@ -192,8 +193,10 @@ def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask
     sparse pairs as rows that only the slots point at; pass 1 starts at the current chunk from the state's (H, s)
     and slots (`PrefillEvictions.start`), pass 2 attends the new tokens' queries only.
     Needs window and chunk multiples of 16 and, on the GPU, `parallel_prefill_bytes` within
-    PARALLEL_PREFILL_MEMORY_SHARE of the free memory (`parallel_ok`); otherwise the chunk loop runs.
+    PARALLEL_PREFILL_MEMORY_SHARE of the free memory (`parallel_ok`); otherwise the chunk loop runs. The evictions
+    are replayed from a CUDA graph when `run.tuning.graph_prefill`.
     """
+    window, chunk, lam, phi_k, tuning = run.window, run.chunk, run.lam, run.phi_k, run.tuning
     tk = ops.triton_ops()
     B, Hq, S, _ = q.shape
     Hkv = k.shape[1]
@@ -209,10 +212,10 @@ def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask
         kx, vx, fkx, km, sp_idx, first, n_real, q, fq = _extend(st, q, k, v, fq, key_mask_new, chunk=C, phi_k=phi_k)
     n_ev = n_real // C
     ev = tk.PrefillEvictions(fkx, vx, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE,
-                             first=first)
+                             first=first, tuning=tuning)
     if not fresh:
         ev.start(st.H, st.s, sp_idx, st.sp_score)
-    ev.run(graph=graph)
+    ev.run(graph=tuning.graph_prefill)
     # Overlapping pass 2 with the evictions (pass 2 in 4 segments on a low-priority stream, evictions on a
     # high-priority one) measured the same on the H200 (5.98 vs 5.64 ms, 8.23 vs 8.52 ms at 32k, D = 64:
     # benchmarks/results/lola/speed-h200-34dbded.json): the attention blocks fill the SMs whenever they run. One pass.
@@ -230,9 +233,9 @@ def lola_parallel(st, q, k, v, fq, g, lf, *, window, chunk, lam, scale, key_mask
     hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
     spk, spv = kx[bi, hi, idx.clamp_min(0)], vx[bi, hi, idx.clamp_min(0)]
     M = q.shape[2]  # the new tokens' queries (after q_pad zero rows when continuing) sit at X's last M rows
-    o = tk.hybrid_fwd(q, kr, vr, fq, fkr, g, lf, Hs_eff, Ss_eff, window=W, scale=scale, q_offset=n_real - M,
+    o = tk.hybrid_fwd(q, kr, vr, fq, fkr, g, lf, Hs_eff, Ss_eff, window=W, scale=run.scale, q_offset=n_real - M,
                       key_mask=kmr, state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
-                      block_m=_block_m(C), block_n=min(64, cs), combine=combine)  # query blocks never straddle a chunk
+                      block_m=_block_m(C), block_n=min(64, cs), combine=run.combine, tuning=tuning)  # query blocks never straddle a chunk
     del Hs_eff, Ss_eff, spk, spv
     if M > S:
         o = o[:, M - S:]

@@ -10,18 +10,20 @@ LoLCATs exactly and a prefill cut anywhere gives the same result as token-by-tok
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..graphs import capturing
 from . import ops, padded, prefill
-from .state import (LolaState, PhiK, append_window, attend_piece, attend_step, drop_front, ensure_fk, ensure_mask,
-                    lola_evict, repack)
-
-GRAPH_PREFILL = True  # replay full chunks of a long Triton prefill from one captured CUDA graph
+from .state import (LolaRun, LolaState, PhiK, append_window, attend_piece, attend_step, drop_front, ensure_fk,
+                    ensure_mask, lola_evict, repack)
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
-                 scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted"):
+                 scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted",
+                 tuning: LolaTuning = DEFAULT_TUNING):
     """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]) and update `st` in place.
 
     phi_k: the layer's key feature map, keys [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on
@@ -42,50 +44,47 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     CUDA graph of a decode step replays). After every call made outside a capture `st.nb_t` equals `st.nb`.
 
     combine: how the exact and linear terms meet in every attention (`reference._finish`): "shifted" (LoLCATs, as
-    trained) or "unshifted" (the LoLA authors'). The state (evictions, folds) does not depend on it.
+    trained) or "unshifted" (the LoLA authors'). The state (evictions, folds) does not depend on it. tuning: the
+    kernels' launch settings and the prefill's paths (`tuning.LolaTuning`: the two-pass prefill, graph replay).
+    The settings travel together below as one `LolaRun`.
     """
-    o = _dispatch(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                  key_mask_new=key_mask_new, backend=backend, combine=combine)
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale, backend=backend, combine=combine,
+                  tuning=tuning)
+    o = _dispatch(st, q, k, v, fq, g, lf, run, key_mask_new)
     if st.inplace and st.nb_t is not None and not capturing(q.device):
         st.nb_t.fill_(st.nb)
     return o
 
 
-def _dispatch(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int, scale: float,
-              key_mask_new, backend: str, combine: str):
-    if lam > 0:
+def _dispatch(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
+    if run.lam > 0:
         S = q.shape[2]
         if key_mask_new is not None and st.pos == 0 and st.nb == 0 and st.phases is None:
-            return process_padded_fresh(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam,
-                                        scale=scale, key_mask_new=key_mask_new, backend=backend, combine=combine)
+            return process_padded_fresh(st, q, k, v, fq, g, lf, run, key_mask_new)
         if st.phases is not None and st.phases.pending:
-            padded.resolve_pending(st, key_mask_new, S, chunk)
-    return _process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                    key_mask_new=key_mask_new, backend=backend, combine=combine)
+            padded.resolve_pending(st, key_mask_new, S, run.chunk)
+    return _process(st, q, k, v, fq, g, lf, run, key_mask_new)
 
 
-def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
-             scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted"):
+def _process(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new=None):
     """`lola_process` once the rows' phases are known (`st.phases`)."""
+    window, chunk, lam = run.window, run.chunk, run.lam
     S = q.shape[2]
     cap = window + chunk
     if st.inplace and st.win_k.shape[2] < cap and st.nb == 0:
         repack(st, cap)
-    ensure_fk(st, phi_k, window)
-    tri = ops.use_triton(backend, q, k, v, fq, g, lf, st.H)
+    ensure_fk(st, run.phi_k, window)
+    tri = ops.use_triton(run.backend, q, k, v, fq, g, lf, st.H)
     if not tri:  # every step below (attention pieces, evictions, phi(k)) on the same, differentiable, path
-        backend = "torch"
+        run = dataclasses.replace(run, backend="torch")
     if lam == 0 and S > 1 and tri:
-        return prefill.lolcats_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, scale=scale,
-                                        key_mask_new=key_mask_new, phi_k=phi_k, combine=combine)
-    if tri and prefill.parallel_ok(st, q, k, window=window, chunk=chunk, lam=lam):
-        return prefill.lola_parallel(st, q, k, v, fq, g, lf, window=window, chunk=chunk, lam=lam, scale=scale,
-                                     key_mask_new=key_mask_new, phi_k=phi_k, graph=GRAPH_PREFILL, combine=combine)
+        return prefill.lolcats_parallel(st, q, k, v, fq, g, lf, run, key_mask_new)
+    if tri and prefill.parallel_ok(st, q, k, window=window, chunk=chunk, lam=lam, tuning=run.tuning):
+        return prefill.lola_parallel(st, q, k, v, fq, g, lf, run, key_mask_new)
     phased = st.phases is not None  # rows out of phase: each evicts on its own grid (no graph replay)
     if S == 1 and st.inplace and not phased and st.nb_t is not None and st.win_k.shape[2] == cap:
-        return decode_step(st, q, k, v, fq, g, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale,
-                           key_mask_new=key_mask_new, backend=backend, combine=combine)
-    use_graph = (GRAPH_PREFILL and tri and st.inplace and q.is_cuda and S >= 4 * chunk and not phased
+        return decode_step(st, q, k, v, fq, g, lf, run, key_mask_new)
+    use_graph = (run.tuning.graph_prefill and tri and st.inplace and q.is_cuda and S >= 4 * chunk and not phased
                  and not torch.cuda.is_current_stream_capturing())
     outs = []
     graph = None
@@ -100,8 +99,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
         if steady and steady_seen:
             if graph is None:
                 try:
-                    graph = capture_piece(st, q, k, v, fq, mnew, sl, g, lf, window=window, scale=scale,
-                                          lam=lam, backend=backend, phi_k=phi_k, combine=combine)
+                    graph = capture_piece(st, q, k, v, fq, mnew, sl, g, lf, run)
                 except Exception:  # noqa: BLE001 - capture is an optimisation; fall back to eager chunks
                     use_graph = False
                     graph = None
@@ -117,25 +115,24 @@ def _process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chu
                 st.pos += n
                 i += n
                 continue
-        append_window(st, k[:, :, sl], v[:, :, sl], mnew, phi_k, window)
-        outs.append(attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, window=window, scale=scale, backend=backend,
-                                 phi_k=phi_k, combine=combine))
+        append_window(st, k[:, :, sl], v[:, :, sl], mnew, run.phi_k, window)
+        outs.append(attend_piece(st, q[:, :, sl], fq[:, :, sl], g, lf, run))
         st.pos += n
         if phased:
-            padded.phased_step_end(st, window=window, lam=lam, phi_k=phi_k, backend=backend)
+            padded.phased_step_end(st, run)
         elif st.pos % chunk == 0:
-            lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+            lola_evict(st, window=window, lam=lam, backend=run.backend, phi_k=run.phi_k, tuning=run.tuning)
         steady_seen = steady_seen or steady
         i += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
-def decode_step(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int, scale: float,
-                key_mask_new, backend: str, combine: str = "shifted"):
+def decode_step(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     """One new token (S = 1) on device state: the write row and the attention's length come from `st.nb_t`, not from
     the host's `st.nb`, so one CUDA graph serves every position inside a chunk (decode_graphs.py); only the eviction
     at the end of a chunk reads host sizes (its step has a graph of its own: `LolaLayer.graph_key`). Same result as
     the chunk loop's piece of one token (`append_window`, `attend_piece`)."""
+    window = run.window
     B = q.shape[0]
     if key_mask_new is not None:
         ensure_mask(st, B, q.device)
@@ -149,17 +146,17 @@ def decode_step(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, 
             st.win_mask.index_copy_(1, row, key_mask_new.bool())
     if st.win_fk is not None:  # the key this token pushes out of the window (row nb - window; row 0 before that)
         out_row = (row - window).clamp_min(0)
-        st.win_fk.index_copy_(2, out_row, phi_k(st.win_k.index_select(2, out_row)).to(st.win_fk.dtype))
+        st.win_fk.index_copy_(2, out_row, run.phi_k(st.win_k.index_select(2, out_row)).to(st.win_fk.dtype))
     st.nb_t.add_(1)
     st.nb += 1
-    o = attend_step(st, q, fq, g, lf, window=window, scale=scale, backend=backend, phi_k=phi_k, combine=combine)
+    o = attend_step(st, q, fq, g, lf, run)
     st.pos += 1
-    if st.pos % chunk == 0:
-        lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+    if st.pos % run.chunk == 0:
+        lola_evict(st, window=window, lam=run.lam, backend=run.backend, phi_k=run.phi_k, tuning=run.tuning)
     return o
 
 
-def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backend, phi_k, combine="shifted"):
+def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, run: LolaRun):
     """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph."""
     static = [x[:, :, sl].clone() for x in (q, k, v, fq)]
     if mnew is not None:
@@ -168,10 +165,9 @@ def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backe
     nb0 = st.nb
 
     def piece():
-        append_window(st, static[1], static[2], static[4] if mnew is not None else None, phi_k, window)
-        o = attend_piece(st, static[0], static[3], g, lf, window=window, scale=scale, backend=backend,
-                         phi_k=phi_k, combine=combine)
-        lola_evict(st, window=window, lam=lam, backend=backend, phi_k=phi_k)
+        append_window(st, static[1], static[2], static[4] if mnew is not None else None, run.phi_k, run.window)
+        o = attend_piece(st, static[0], static[3], g, lf, run)
+        lola_evict(st, window=run.window, lam=run.lam, backend=run.backend, phi_k=run.phi_k, tuning=run.tuning)
         return o
 
     from ..graphs import capture_graph
@@ -181,23 +177,23 @@ def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, *, window, scale, lam, backe
     return gr, static, o_s
 
 
-def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, chunk: int, **kw):
+def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     """A fresh prefill of a left-padded batch: one run per phase group (rows whose padding has the same remainder
     modulo `chunk`) on its rows with the `trim` leading columns dropped (padding in each of them), so every row
     keeps the eviction grid of its prompt alone; outputs scattered back (dropped columns: zeros) and the group
     states merged into one buffer (each group's tokens right-aligned, missing front rows masked)."""
     B, Hq, S, D = q.shape
+    chunk = run.chunk
     pads = padded.left_padding_counts(key_mask_new)  # one host sync per layer and padded prefill
     lead = [p if p < S else None for p in pads]
     phases = sorted({p % chunk for p in pads if p < S})
     if not phases or phases == [0]:  # padding of whole chunks only (or rows of padding only): the plain grid
-        o = _process(st, q, k, v, fq, g, lf, key_mask_new=key_mask_new, chunk=chunk, **kw)
+        o = _process(st, q, k, v, fq, g, lf, run, key_mask_new)
         st.phases = padded.row_phases(lead, chunk, q.device)
         return o
     if len(phases) == 1:  # one group: drop the common padding columns
         p = phases[0]
-        o = _process(st, q[:, :, p:], k[:, :, p:], v[:, :, p:], fq[:, :, p:], g, lf, key_mask_new=key_mask_new[:, p:],
-                     chunk=chunk, **kw)
+        o = _process(st, q[:, :, p:], k[:, :, p:], v[:, :, p:], fq[:, :, p:], g, lf, run, key_mask_new[:, p:])
         st.pos += p
         st.phases = padded.row_phases(lead, chunk, q.device)
         return torch.nn.functional.pad(o, (0, 0, 0, 0, p, 0))
@@ -205,7 +201,7 @@ def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, chu
     rows_of = {p: [r for r in range(B) if pads[r] < S and pads[r] % chunk == p] for p in phases}
     rows_of[phases[0]] += [r for r in range(B) if pads[r] >= S]
     Hkv, F2, Hs, lamn = k.shape[1], st.H.shape[2], st.sp_k.shape[1], st.sp_k.shape[2]
-    window = kw["window"]
+    window = run.window
     cap = window + chunk
     o = q.new_zeros(B, S, Hq, D)
     done = []
@@ -214,8 +210,7 @@ def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, chu
         take = lambda t: t.index_select(0, idx)[:, :, p:]  # noqa: E731
         sub = LolaState.empty(len(idx), Hq, Hkv, D, F2, lamn, st.win_k.dtype, q.device, capacity=cap,
                               inplace=st.inplace, sparse_heads=Hs)
-        og = _process(sub, take(q), take(k), take(v), take(fq), g, lf,
-                      key_mask_new=key_mask_new.index_select(0, idx)[:, p:], chunk=chunk, **kw)
+        og = _process(sub, take(q), take(k), take(v), take(fq), g, lf, run, key_mask_new.index_select(0, idx)[:, p:])
         o = o.index_copy(0, idx, torch.nn.functional.pad(og, (0, 0, 0, 0, p, 0)))
         done.append((idx, sub))
     # merge: one buffer of nb rows, each group's newest token last
@@ -235,7 +230,7 @@ def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, *, key_mask_new, chu
             setattr(st, name, getattr(st, name).index_copy(0, idx, getattr(sub, name).to(getattr(st, name).dtype)))
     st.win_k, st.win_v, st.win_mask, st.win_fk = win_k, win_v, win_mask, None
     st.nb, st.pos = nb, S
-    ensure_fk(st, kw["phi_k"], window)  # phi of the merged buffer's keys older than the window
+    ensure_fk(st, run.phi_k, window)  # phi of the merged buffer's keys older than the window
     st.phases = padded.row_phases(lead, chunk, q.device)
     drop = st.nb - st.phases.need(S, window)
     if drop > 0:

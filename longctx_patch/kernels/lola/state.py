@@ -20,7 +20,7 @@ import torch
 
 from . import ops
 from . import reference as ref
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 @dataclass
 class LolaState:
@@ -101,15 +101,45 @@ class LolaState:
 
 
 PhiK = Callable[[torch.Tensor], torch.Tensor]  # keys [B, Hx, N, D] (Hq % Hx == 0) -> phi(k) [B, Hq, N, F2]
-# a PhiK with the attribute `writes_out = True` also takes `out=` (a [B, Hq, N, F2] view) and writes phi(k) there
+
+
+@dataclass(frozen=True)
+class KeyFeatures:
+    """A layer's key feature map that can also write phi(k) into a given buffer: `compute(k)` returns phi(k) (a PhiK);
+    `write(k, out)` writes it into `out` (a [B, Hq, N, F2] view, e.g. rows of the feature cache) without a copy.
+    Wherever the state machine takes a PhiK, a KeyFeatures may come instead (`phi_into` then writes directly)."""
+
+    compute: PhiK
+    write: Callable[[torch.Tensor, torch.Tensor], object]
+
+    def __call__(self, k: torch.Tensor) -> torch.Tensor:
+        return self.compute(k)
 
 
 def phi_into(phi_k: PhiK, k, dst) -> None:
-    """dst <- phi_k(k): written directly by a PhiK that `writes_out`, else computed and copied."""
-    if getattr(phi_k, "writes_out", False):
-        phi_k(k, out=dst)
+    """dst <- phi_k(k): written directly by a KeyFeatures, else computed and copied."""
+    if isinstance(phi_k, KeyFeatures):
+        phi_k.write(k, dst)
     else:
         dst.copy_(phi_k(k))
+
+
+@dataclass(frozen=True)
+class LolaRun:
+    """What every step of one layer's LoLA attention runs with (the state machine of sparse_cache.py, the prefills of
+    prefill.py, the operations here): the key feature map `phi_k` (a PhiK or a KeyFeatures), `window`, `chunk`,
+    `lam` (sparse pairs per sparse head; 0: LoLCATs), `scale`, `backend` ("auto", "triton", "torch"), `combine`
+    ("shifted" or "unshifted": `reference._finish`) and the kernels' `tuning`. The same for every call of a layer;
+    what changes per call (the state, the new tokens, their padding) is passed beside it."""
+
+    phi_k: PhiK
+    window: int
+    chunk: int
+    lam: int
+    scale: float
+    backend: str = "auto"
+    combine: str = "shifted"
+    tuning: LolaTuning = DEFAULT_TUNING
 
 
 def ensure_fk(st: LolaState, phi_k: PhiK, window: int) -> None:
@@ -140,10 +170,12 @@ def _select(scores, valid, lam):
     return w, top
 
 
-def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str = "auto") -> None:
+def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: str = "auto",
+               tuning: LolaTuning = DEFAULT_TUNING) -> None:
     """Score the pairs older than the last `window` tokens with the sparse cache; keep lam, fold the rest.
 
-    Scores are SRE per query head against its (H, s), summed over the query heads of each sparse head."""
+    Scores are SRE per query head against its (H, s), summed over the query heads of each sparse head. tuning: the
+    fold kernel's tiles."""
     n_ev = st.nb - window
     if n_ev <= 0:
         return
@@ -172,7 +204,7 @@ def lola_evict(st: LolaState, *, window: int, lam: int, phi_k: PhiK, backend: st
         w, top = _select(ref.group_sum(scores, Hs), cand_valid, lam)
     if use_tk:
         H, s = st.H.contiguous(), st.s.contiguous()
-        ops.triton_ops().fold_into_state(cand_fk, cand_v, w, H, s)
+        ops.triton_ops().fold_into_state(cand_fk, cand_v, w, H, s, tuning=tuning)
         st.H, st.s = H, s
     elif st.inplace:  # same storage, as above
         H, s = ref.fold(cand_fk, cand_v, w, st.H, st.s)
@@ -279,10 +311,12 @@ def repack(st: LolaState, cap: int) -> None:
         setattr(st, name, buf)
 
 
-def attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK, combine: str = "shifted"):
+def attend_piece(st, q, fq, g, lf, run: LolaRun):
     """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) of the buffered
     keys that some of these queries attend linearly (at most chunk - 1 + S of them): read from the feature cache
     (in-place states), else computed."""
+    window, scale, backend, phi_k, combine, tuning = (run.window, run.scale, run.backend, run.phi_k, run.combine,
+                                                      run.tuning)
     nb = st.nb
     S = q.shape[2]
     lam = st.sp_k.shape[2]
@@ -298,30 +332,30 @@ def attend_piece(st, q, fq, g, lf, *, window, scale, backend, phi_k: PhiK, combi
         if S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches per step)
             sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
             return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
-                                  scale=scale, key_mask=st.wmask, combine=combine, **sp)
+                                  scale=scale, key_mask=st.wmask, combine=combine, tuning=tuning, **sp)
         sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
         return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                              q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
-                             block_m=TUNE["piece_block_m"] or 64, combine=combine, **sp)
+                             block_m=tuning.piece_block_m or 64, combine=combine, tuning=tuning, **sp)
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
                            key_mask=st.wmask, q_offset=nb - S, combine=combine, **sp)
     return o.transpose(1, 2).to(q.dtype)
 
 
-def attend_step(st: LolaState, q, fq, g, lf, *, window: int, scale: float, backend: str, phi_k: PhiK,
-                combine: str = "shifted"):
+def attend_step(st: LolaState, q, fq, g, lf, run: LolaRun):
     """Attention of one new token (q [B, Hq, 1, D], already appended) over the whole window buffer, its length read
     from the device (`st.nb_t`): the same launches at every position (`sparse_cache.decode_step`). phi(k) covers the
     buffer rows that can ever be older than the window (the first cap - window): the feature cache, else computed."""
+    window, scale, phi_k, combine = run.window, run.scale, run.phi_k, run.combine
     cap = st.win_k.shape[2]
     fk = st.win_fk if st.win_fk is not None else phi_k(st.win_k[:, :, : cap - window])
     lam = st.sp_k.shape[2]
-    if ops.use_triton(backend, q, st.win_k, st.H):
+    if ops.use_triton(run.backend, q, st.win_k, st.H):
         sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
         return ops.triton_ops().decode_step(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window,
                                             scale=scale, key_mask=st.win_mask, n_keys=st.nb_t, combine=combine,
-                                            **sp)
+                                            tuning=run.tuning, **sp)
     sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     fk = torch.nn.functional.pad(fk, (0, 0, 0, cap - fk.shape[2]))  # rows past cap - window: never linear
     o = ref.lola_attention(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,

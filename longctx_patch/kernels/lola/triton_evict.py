@@ -18,7 +18,7 @@ from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import dot, dot_bf16x3, dot_precision, np2
 from .triton_state import _range_sums, fold_into_state
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 # ------------------------------------------------------------------------------------------- SRE score
@@ -318,7 +318,7 @@ class PrefillEvictions:
     """
 
     def __init__(self, fk, v, key_mask, *, n_ev: int, lam: int, chunk: int, window: int, sparse_heads: int,
-                 eps: float = 1e-6, first: int = 0):
+                 eps: float = 1e-6, first: int = 0, tuning: LolaTuning = DEFAULT_TUNING):
         B, Hq, S, F2 = fk.shape
         D = v.shape[-1]
         dev = fk.device
@@ -344,7 +344,8 @@ class PrefillEvictions:
         self.NFOLD = torch.zeros(B, sparse_heads, device=dev, dtype=torch.int32)  # pairs folded so far
         # SRE fp32-accurate: bf16 features as three bf16 tensor-core dots ("bf16x3"), else fp32 FMA ("ieee");
         # tf32 and tf32x3 were no faster than fp32 FMA on the H200 (benchmarks/results/lola/prefill-profile-tune-h200.json)
-        self.score_prec = TUNE["score_prec"] or _score_prec(fk)
+        self.tuning = tuning  # the launches' tiles and warps (ev_*), the SRE precision (score_prec)
+        self.score_prec = tuning.score_prec or _score_prec(fk)
         self._evicted_range_sums()
 
     def _evicted_range_sums(self) -> None:
@@ -379,7 +380,7 @@ class PrefillEvictions:
         vs = self.v[torch.arange(B, device=idx.device).view(B, 1, 1), hk, il]  # [B, Hs, lam, D]
         self.PH.copy_(H)
         self.PS.copy_(s)
-        fold_into_state(fks, vs, ok.float(), self.PH, self.PS)
+        fold_into_state(fks, vs, ok.float(), self.PH, self.PS, tuning=self.tuning)
         self.NFOLD.copy_((s != 0).view(B, Hs, self.GS, F2).flatten(2).any(-1).to(torch.int32))
 
     def _common(self):
@@ -396,33 +397,33 @@ class PrefillEvictions:
         sa = (self.s_all.stride(0), self.s_all.stride(1), self.s_all.stride(2))
         # tiles from the sweep at 32k, D = 64 (benchmarks/results/lola/prefill-profile-tune-h200.json): 128 candidates per
         # score program, a 8-warp select above 1024 candidates (16 and 4 were slower there), 4 warps below
-        BN = min(TUNE["ev_score_bn"] or 128, np2(NC))
+        tn = self.tuning
+        BN = min(tn.ev_score_bn or 128, np2(NC))
         _ev_score_kernel[(self.B * Hq, triton.cdiv(NC, BN))](
             self.cnt, self.SPIDX, km if km is not None else dummy, fk, v, self.H_all, self.s_all, self.SC,
             NC, self.lam, self.C, self.W, F2, D, self.G, self.GS, self.eps,
             *spi, fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa, self.SC.stride(0), self.SC.stride(1),
             HQ=Hq, BN=BN, BD=np2(D), BK=min(64, np2(F2)), HAS_KM=km is not None, PREC=self.score_prec,
-            num_warps=TUNE["ev_score_warps"] or 4, **({"num_stages": TUNE["ev_score_stages"]}
-                                                       if TUNE["ev_score_stages"] else {}),
+            num_warps=tn.ev_score_warps or 4, **({"num_stages": tn.ev_score_stages} if tn.ev_score_stages else {}),
         )
-        rb = TUNE["ev_select_bits"] or 8
+        rb = tn.ev_select_bits or 8
         _ev_select_kernel[(self.B * self.Hs,)](
             self.cnt, self.SPIDX, self.SPSC, km if km is not None else dummy, self.SC, self.NFOLD,
             NC, self.lam, self.C, self.W, *spi,
             self.SC.stride(0), self.SC.stride(1),
             HS=self.Hs, GS=self.GS, NCP=np2(NC), HAS_KM=km is not None, RB=rb, NBIN=1 << rb,
-            num_warps=TUNE["ev_select_warps"] or (8 if NC > 1024 else 4),
+            num_warps=tn.ev_select_warps or (8 if NC > 1024 else 4),
         )
-        blk = TUNE["ev_fold_block"] or 32
+        blk = tn.ev_fold_block or 32
         BK, BV = min(blk, np2(F2)), min(blk, np2(D))
         _ev_fold_kernel[(self.B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))](
             self.cnt, self.SPIDX, fk, v, self.H_all, self.s_all, self.PH, self.PS, self.NFOLD,
             self.lam, F2, D, self.G, self.GS, self.Hs,
             *spi[:3], fk.stride(0), fk.stride(1), fk.stride(2), v.stride(0), v.stride(1), v.stride(2),
             *ha, *sa,
-            HQ=Hq, BN=min(TUNE["ev_fold_bn"] or 128, np2(self.lam)), BK=BK, BV=BV,
-            PREC=dot_precision(fk, v), num_warps=TUNE["ev_fold_warps"] or 4,
+            HQ=Hq, BN=min(tn.ev_fold_bn or 128, np2(self.lam)), BK=BK, BV=BV,
+            PREC=dot_precision(fk, v), num_warps=tn.ev_fold_warps or 4,
         )
         self.cnt += 1
 
@@ -431,7 +432,7 @@ class PrefillEvictions:
         compile (the launches are already warm)."""
         t = lambda x: None if x is None else (x.dtype, tuple(x.shape), tuple(x.stride()))  # noqa: E731
         return (self.fk.device, t(self.fk), t(self.v), t(self.km), self.n_ev, self.lam, self.C, self.W, self.Hs,
-                self.score_prec, tuple(sorted(TUNE.items())))
+                self.score_prec, self.tuning)
 
     def run(self, graph: bool = True) -> None:
         """All evictions. On CUDA one eviction is captured in a CUDA graph and replayed for every eviction (same

@@ -25,6 +25,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..triton_lib import cast_out, dot, dot_precision, np2
 from .triton_hybrid import fmap_precision
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 @triton.jit
@@ -92,9 +93,11 @@ def _feature_map_bwd_kernel(
         tl.store(base_p + offs_d[:, None] * s_p_d + offs_f[None, :], dw, mask=md[:, None] & mf[None, :])
 
 
-def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, rows_per_program: int | None = None):
+def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, rows_per_program: int | None = None,
+                    tuning: LolaTuning = DEFAULT_TUNING):
     """Gradients of `feature_map(x, weight, eps)` for the incoming `dphi` [B, H, N, 2F]: (dx [B, Hx, N, D] in
-    x.dtype or None, dW [H, D, F] fp32 or None). x [B, Hx, N, D] with a unit last stride, weight [H, D, F]."""
+    x.dtype or None, dW [H, D, F] fp32 or None). x [B, Hx, N, D] with a unit last stride, weight [H, D, F]. tuning: the
+    projection's precision, as the forward's (`fmap_prec`)."""
     B, Hx, N, D = x.shape
     H, _, F = weight.shape
     G = H // Hx
@@ -121,7 +124,7 @@ def feature_map_bwd(x, weight, dphi, eps: float, need_dx: bool, need_dw: bool, r
         dphi.stride(0), dphi.stride(1), dphi.stride(2),
         dxa.stride(0), dxa.stride(1), dxa.stride(2),
         *((parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3)) if parts is not None else (0, 0, 0, 0)),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w), GPREC=dot_precision(x, w), LOWP=lowp,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w, tuning), GPREC=dot_precision(x, w), LOWP=lowp,
         NEED_DX=need_dx, NEED_DW=need_dw, num_warps=8,
     )
     if dx is not None and G > 1:

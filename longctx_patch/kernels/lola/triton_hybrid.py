@@ -20,7 +20,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax_row, online_softmax_step
 from .reference import check_combine, feature_rows
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 # ------------------------------------------------------------------------------------------- hybrid forward
@@ -165,7 +165,7 @@ def _hybrid_fwd_kernel(
 def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
                key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
                sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None, stats: bool = False,
-               combine: str = "shifted"):
+               combine: str = "shifted", tuning: LolaTuning = DEFAULT_TUNING):
     """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`); with `stats` (the
     training forward of `triton_hybrid_bwd`: no sparse cache) (o, (m, r, am)), the per-row statistics
     [B, Hq, S] of the backward: the window max in log2 units (fp32), 1 / normaliser (fp32, 0 where it is <= 0)
@@ -180,6 +180,7 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
     the block of queries starting at key index a reads set a // sparse_chunk (block_m must divide sparse_chunk).
     combine: "shifted" (LoLCATs) or "unshifted" (the LoLA authors': the linear term against exp(s), weighed down by
     exp(-m) at the row's end; `reference._finish`). The backward has no "unshifted" (`stats` refuses it).
+    tuning: the launch's warps and stages (`hybrid_num_warps`, `hybrid_num_stages`).
     """
     unshifted = check_combine(combine)
     B, Hq, M, D = q.shape
@@ -240,8 +241,8 @@ def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_o
         out.stride(0), out.stride(1), out.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKS=min(BF, 32), CS=max(state_chunk, 1), PER_BLOCK=per_block,
         HAS_KM=km is not None, HAS_SP=has_sp, PREC=dot_precision(q, k, fq), STATS=stats, UNSHIFTED=unshifted,
-        num_warps=TUNE["hybrid_num_warps"] or 4,
-        num_stages=TUNE["hybrid_num_stages"] or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
+        num_warps=tuning.hybrid_num_warps or 4,
+        num_stages=tuning.hybrid_num_stages or (2 if max(BD, BF) >= 128 or q.dtype == torch.float32 else 3),
     )
     if stats:
         return out, (st_m, st_r, st_a)
@@ -352,7 +353,7 @@ def _decode_kernel(
 
 def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
                 sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None, n_keys=None,
-                combine: str = "shifted"):
+                combine: str = "shifted", tuning: LolaTuning = DEFAULT_TUNING):
     """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
     the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
     attended linearly); state H/s; optional sparse cache [B, Hs, L, *] whose valid slots are given by
@@ -397,10 +398,10 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         sparse_v.stride(0) if has_sp else 0, sparse_v.stride(1) if has_sp else 0, sparse_v.stride(2) if has_sp else 0,
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(2),
-        HQ=Hq, BN=min(TUNE["decode_bn"] or 64, np2(max(N, L))), BD=np2(D), BK=min(TUNE["decode_bk"] or 64, np2(F2)),
+        HQ=Hq, BN=min(tuning.decode_bn or 64, np2(max(N, L))), BD=np2(D), BK=min(tuning.decode_bk or 64, np2(F2)),
         HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None, DEV_N=n_keys is not None,
         UNSHIFTED=unshifted,
-        num_warps=TUNE["decode_warps"] or 2,  # H200, batch 16: 22.7 us against 42.2 with 4 (bench_lola_decode_step)
+        num_warps=tuning.decode_warps or 2,  # H200, batch 16: 22.7 us against 42.2 with 4 (bench_lola_decode_step)
     )
     return out
 
@@ -443,15 +444,15 @@ def _feature_map_kernel(
     tl.store(base + F + offs_f[None, :], en.to(O.dtype.element_ty), mask=msk)
 
 
-def fmap_precision(w) -> str:
-    """The feature map's projection precision: for fp32 weights TUNE["fmap_prec"] when set, else "tf32x3" (three
+def fmap_precision(w, tuning: LolaTuning = DEFAULT_TUNING) -> str:
+    """The feature map's projection precision: for fp32 weights `tuning.fmap_prec` when set, else "tf32x3" (three
     tf32 tensor-core products at fp32's accuracy: H200, the trainer's step 1.7% (transfer) / 3.6% (LoRA) faster
     than "ieee", benchmarks/results/finetune/train-throughput-fmap-prec-h200.json) on a GPU with tf32 (compute
     capability 8+) and "ieee" elsewhere (the interpreter, older GPUs); for other weights "tf32" (which bf16
     operands ignore). The forward and the backward's recomputation take the same."""
     if w.dtype != torch.float32:
         return "tf32"
-    return TUNE["fmap_prec"] or ("tf32x3" if w.is_cuda and _has_tf32(w.device.index) else "ieee")
+    return tuning.fmap_prec or ("tf32x3" if w.is_cuda and _has_tf32(w.device.index) else "ieee")
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,7 +460,7 @@ def _has_tf32(index) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 8
 
 
-def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
+def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None, tuning: LolaTuning = DEFAULT_TUNING):
     """phi(x) = [softmax(x W), softmax(-x W)] per head (forward only). x [B, Hx, N, D] (Hx divides H),
     weight [H, D, F]. The projection runs in the weight's dtype (fp32 weights: exact fp32 dot) with fp32
     accumulation; softmax in fp32. Returns [B, H, N, 2F] in out_dtype (default x.dtype), written into `out` when
@@ -473,13 +474,13 @@ def feature_map(x, weight, eps: float = 1e-12, out_dtype=None, out=None):
     w = weight.contiguous()
     # rows per program: a decode step maps one row (the query, or the key leaving the window): a 16-row tile
     # (tl.dot's least) does a quarter of a 64-row tile's work
-    BM = TUNE["fmap_bm"] or max(16, min(64, np2(N)))
+    BM = tuning.fmap_bm or max(16, min(64, np2(N)))
     grid = (triton.cdiv(N, BM), B * H)
     _feature_map_kernel[grid](
         x, w, out, N, D, F, H // Hx, eps,
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w), num_warps=TUNE["fmap_warps"] or 4,
+        H=H, BM=BM, BD=np2(D), BF=np2(F), PREC=fmap_precision(w, tuning), num_warps=tuning.fmap_warps or 4,
     )
     return out

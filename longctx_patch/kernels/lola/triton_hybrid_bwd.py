@@ -48,7 +48,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, cast_out, dot, dot_precision, np2
 from .triton_state import chunk_states
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 @triton.jit
@@ -335,7 +335,7 @@ def _dkv_kernel(
 
 
 def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: float, key_mask=None,
-               state_chunk: int = 256, block_m: int = 64, block_n: int = 64):
+               state_chunk: int = 256, block_m: int = 64, block_n: int = 64, tuning: LolaTuning = DEFAULT_TUNING):
     """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(..., q_offset=0, state_chunk=state_chunk,
     block_m, block_n, stats=True)` (prefix states from `chunk_states`, recomputed here) for the output gradient
     do [B, S, Hq, D] (unit last stride). q [B, Hq, S, D], k/v [B, Hkv, S, D], fq/fk [B, Hq, S, F2] contiguous,
@@ -387,7 +387,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         ph.stride(0), ph.stride(1), ph.stride(2), ph.stride(3),
         ps.stride(0), ps.stride(1), ps.stride(2),
         HQ=Hq, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), CS=cs, HAS_KM=km is not None, PREC=prec,
-        num_warps=TUNE["bwd_dq_warps"] or warps, num_stages=TUNE["bwd_stages"] or stages,
+        num_warps=tuning.bwd_dq_warps or warps, num_stages=tuning.bwd_stages or stages,
     )
     del Hs, Ss
     if NS > 1:
@@ -420,7 +420,7 @@ def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: floa
         gs.stride(0) if NS > 1 else 0, gs.stride(1) if NS > 1 else 0, gs.stride(2) if NS > 1 else 0,
         HQ=Hq, HKV=Hkv, BM=BM, BN=BN, BD=BD, BF=BF, BKD=min(BD, 32), BKS=min(BF, 32), CS=cs,
         HAS_KM=km is not None, PREC=prec,
-        num_warps=TUNE["bwd_dkv_warps"] or warps, num_stages=TUNE["bwd_stages"] or stages,
+        num_warps=tuning.bwd_dkv_warps or warps, num_stages=tuning.bwd_stages or stages,
     )
     dgl = dgl.view(B, Hq, NB, 2).sum((0, 2))  # [Hq, 2]
     return dq, dk, dv, dfq, dfk, dgl[:, 0].to(g.dtype), dgl[:, 1].to(lf.dtype)

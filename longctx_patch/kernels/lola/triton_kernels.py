@@ -7,7 +7,8 @@
   triton_state.py       chunk_states, fold_into_state, local_states  (the linear state)
   triton_evict.py       sre_score, PrefillEvictions  (the evictions)
 
-`TUNE` (tuning.py): the launch settings benchmarks override. Imported only once the backend chose "triton".
+Each takes `tuning=` (tuning.LolaTuning: its launch settings; the defaults unless a caller passes others). Imported
+only once the backend chose "triton".
 """
 
 from .triton_evict import PrefillEvictions, sre_score
@@ -15,7 +16,6 @@ from .triton_feature_map_bwd import feature_map_bwd
 from .triton_hybrid import decode_step, feature_map, hybrid_fwd
 from .triton_hybrid_bwd import hybrid_bwd
 from .triton_state import chunk_states, fold_into_state, local_states
-from .tuning import TUNE
 
-__all__ = ["TUNE", "PrefillEvictions", "chunk_states", "decode_step", "feature_map", "feature_map_bwd", "fold_into_state", "hybrid_bwd",
-           "hybrid_fwd", "local_states", "sre_score"]
+__all__ = ["PrefillEvictions", "chunk_states", "decode_step", "feature_map", "feature_map_bwd", "fold_into_state",
+           "hybrid_bwd", "hybrid_fwd", "local_states", "sre_score"]

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot, dot_precision, np2
-from .tuning import TUNE
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 
 # ------------------------------------------------------------------------------------------- prefix states
@@ -158,7 +158,7 @@ def _fold_kernel(
     tl.store(sp, tl.load(sp, mask=col0, other=0.0) + sacc, mask=col0)
 
 
-def fold_into_state(fk, v, w, H, s):
+def fold_into_state(fk, v, w, H, s, tuning: LolaTuning = DEFAULT_TUNING):
     """In place: H += sum_j w_j phi(k_j) v_j^T, s += sum_j w_j phi(k_j).
 
     fk [B, Hq, N, F2], v [B, Hv, N, D] (Hv = Hq or Hkv), w [B, Hw, N] float (Hq % Hw == 0: query head h reads
@@ -172,7 +172,7 @@ def fold_into_state(fk, v, w, H, s):
     assert H.is_contiguous() and s.is_contiguous() and H.dtype == torch.float32
     w = w.float().contiguous()
     # 32: 2-3% faster lola prefill than 64 in one sweep, 16 slower; within run-to-run noise (docs/PERFORMANCE.md)
-    blk = TUNE["fold_block"] or 32
+    blk = tuning.fold_block or 32
     BK = min(blk, np2(F2))
     BV = min(blk, np2(D))
     grid = (B * Hq, triton.cdiv(F2, BK), triton.cdiv(D, BV))

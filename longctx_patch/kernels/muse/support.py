@@ -88,14 +88,11 @@ def block_peaks_supported(k: torch.Tensor, L: int, G: int) -> bool:
             and L % peaks_tiles(D, L, G)[2] == 0)
 
 
-# (keys per tile, warps, stages) by head_dim that replace peaks_tiles' choice; for benchmarks
-PEAKS_TILES: dict = {}
-
-
-def peaks_tiles(D: int, L: int, G: int) -> tuple[int, int, int, int, int]:
+def peaks_tiles(D: int, L: int, G: int, tiles: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int]:
     """(query blocks NT, query heads GP, keys BL) per tile of `_block_peaks_kernel`, its warps and pipeline stages:
     128 rows (GP * NT) per key tile; no register spills on sm_90 (cuobjdump) and shared memory within 227 KB (the
-    pipeline buffers every key tile of a block: L / BL loads x stages)."""
+    pipeline buffers every key tile of a block: L / BL loads x stages). tiles: (keys per tile, warps, stages) instead
+    of the defaults (benchmarks/ops/bench_muse_cells.py times the choices)."""
     GP = next_power_of_2(G)
-    BL, warps, stages = PEAKS_TILES.get(D, (64, 4, 3) if D <= 64 else (64, 8, 2))
+    BL, warps, stages = tiles or ((64, 4, 3) if D <= 64 else (64, 8, 2))
     return max(2, 128 // GP), GP, min(L, BL), warps, stages

@@ -38,8 +38,8 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import dot, dot_acc, dot_bf16x3
-# the tiles (support.py, no Triton there: the dispatchers' checks use them); PEAKS_TILES: set by the benchmarks
-from .support import PEAKS_TILES, peaks_tiles, scores_tiles  # noqa: F401
+# the tiles (support.py, no Triton there: the dispatchers' checks use them)
+from .support import peaks_tiles, scores_tiles  # noqa: F401
 
 # dots: bf16 operands on the tensor cores with fp32 accumulation (dot_acc; UP: the interpreter's bf16 workaround),
 # fp32 centroids against bf16 tokens in three bf16 parts (dot_bf16x3)
@@ -196,13 +196,14 @@ def _block_peaks_kernel(QBAR, K, KVAL, BS, scale, HQ, HKV, NB, SP, LOC, L: tl.co
 
 
 def block_peaks_triton(qbar: torch.Tensor, kb: torch.Tensor, key_valid: torch.Tensor, *, scale: float,
-                       local_blocks: int) -> torch.Tensor:
+                       local_blocks: int, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """qbar [B, Hq, nb, D] fp32, kb [B, Hkv, nb, L, D] (the keys by block, padded), key_valid [B, nb * L] bool ->
-    [B, Hq, nb, nb] fp32: the peak score of block m for query block n when m < n - local_blocks, else -inf."""
+    [B, Hq, nb, nb] fp32: the peak score of block m for query block n when m < n - local_blocks, else -inf.
+    tiles: (keys per tile, warps, stages) instead of `peaks_tiles`' defaults (the benchmark's sweep)."""
     B, Hq, nb, D = qbar.shape
     Hkv, L = kb.shape[1], kb.shape[3]
     bs = torch.full((B, Hq, nb, nb), -math.inf, device=qbar.device, dtype=torch.float32)
-    NT, GP, BL, warps, stages = peaks_tiles(D, L, Hq // Hkv)
+    NT, GP, BL, warps, stages = peaks_tiles(D, L, Hq // Hkv, tiles)
     MC = 16  # key blocks per program
     _block_peaks_kernel[(triton.cdiv(nb, NT), B * Hkv, triton.cdiv(nb, MC))](
         qbar.to(kb.dtype).contiguous(), kb.reshape(B * Hkv, nb * L, D).contiguous(),

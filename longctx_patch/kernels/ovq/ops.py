@@ -86,7 +86,7 @@ def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
                   key_valid: Tensor | None, *, chunk_size: int, max_centroids: int, growth: float,
                   backend: str = "auto", seen_bound: int | None = None, exact_assign: bool = True,
-                  parallel: bool | None = None):
+                  parallel: bool | None = None, graph_runs: bool = True, mean_form: bool = True):
     """OVQ attention of new tokens.
 
     ``q``: ``[B, Hq, S, D]`` (unit-normalised, times beta); ``k``, ``v``: ``[B, H, S, D]``;
@@ -101,6 +101,9 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     forward), ``parallel`` selects the chunk-parallel path (:func:`_ovq_parallel`); ``parallel=False``
     runs the chunk-by-chunk loop, which gives the same result. ``None`` (default): parallel on CUDA, where
     the loop is bound by kernel launches; the loop on the CPU, where it is the faster of the two.
+    ``graph_runs`` / ``mean_form``: how the fused Triton path runs its runs of chunks (``triton_fast.ovq_forward_fast``:
+    replayed from a CUDA graph, the same launches; with bf16 assignment, the row means kept beside the sums, the same
+    rows and outputs equal up to rounding); benchmarks turn them off to measure them.
     """
     B, Hq, S, D = q.shape
     H = k.shape[1]
@@ -131,7 +134,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
                              state.n_active, state.seen)
         o, state, start, seen_bound = ovq_forward_fast(q, kk, vv, valid, off, state, seen_bound,
                                                        chunk_size=C, max_centroids=max_centroids, growth=growth,
-                                                       exact_assign=exact_assign)
+                                                       exact_assign=exact_assign, graph_runs=graph_runs,
+                                                       mean_form=mean_form)
         new_open = OpenChunk(kk[:, :, start:], vv[:, :, start:], valid[:, start:]) if start < L else None
         return o, state, new_open, seen_bound
     attn = chunk_attention_triton if be == "triton" else chunk_attention_ref
@@ -139,7 +143,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
         parallel = q.is_cuda
     if needs_grad and parallel and off == 0 and S > 0:
         return _ovq_parallel(q, k, v, key_valid, state, seen_bound, attn, be, chunk_size=C,
-                             max_centroids=max_centroids, growth=growth, exact_assign=exact_assign)
+                             max_centroids=max_centroids, growth=growth, exact_assign=exact_assign,
+                             graph_runs=graph_runs, mean_form=mean_form)
     outs = []
     new_open = None
     for s0 in range(0, L, C):
@@ -189,7 +194,8 @@ def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: in
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, be: str, *, chunk_size: int,
-                max_centroids: int, growth: float, exact_assign: bool) -> tuple[Tensor, OVQState]:
+                max_centroids: int, growth: float, exact_assign: bool, graph_runs: bool = True,
+                mean_form: bool = True) -> tuple[Tensor, OVQState]:
     """The discrete pass: the row of every token of every complete chunk, ``[T, B, H, C]`` int64 (-1 for
     padding), and the state after the last complete chunk (its sums are not used: the differentiable
     pass recomputes them). ``state`` is not modified."""
@@ -206,7 +212,7 @@ def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound
 
         _, st, _, _ = ovq_forward_fast(None, k.detach(), v.detach(), valid, 0, st, seen_bound, chunk_size=C,
                                        max_centroids=max_centroids, growth=growth, exact_assign=exact_assign,
-                                       rows_out=rows)
+                                       rows_out=rows, graph_runs=graph_runs, mean_form=mean_form)
         return rows, st
     for t in range(T):
         kc, vc, vd = k[:, :, t * C:(t + 1) * C], v[:, :, t * C:(t + 1) * C], valid[:, t * C:(t + 1) * C]
@@ -218,7 +224,8 @@ def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound
 
 
 def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, attn, be: str, *,
-                  chunk_size: int, max_centroids: int, growth: float, exact_assign: bool):
+                  chunk_size: int, max_centroids: int, growth: float, exact_assign: bool, graph_runs: bool = True,
+                  mean_form: bool = True):
     """Chunk-parallel OVQ for training: the same maths as the chunk-by-chunk loop, in two passes.
 
     1. Discrete (no gradient): the row every token joins (:func:`_assign_all`; the fused Triton
@@ -240,7 +247,7 @@ def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQStat
     T = L // C                       # complete chunks (absorbed)
     Tp = -(-L // C)                  # chunks with queries
     rows, st = _assign_all(k, v, valid, state, seen_bound, be, chunk_size=C, max_centroids=N, growth=growth,
-                           exact_assign=exact_assign)
+                           exact_assign=exact_assign, graph_runs=graph_runs, mean_form=mean_form)
     Nu = min(N, target_int(seen_bound + T * C, N, growth))        # rows any complete chunk can reach
     Nd = min(Nu, target_int(seen_bound + (Tp - 1) * C, N, growth))  # rows any chunk's queries can see
     dev = q.device

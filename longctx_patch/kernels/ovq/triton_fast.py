@@ -31,8 +31,6 @@ from ..triton_lib import combine_splits, dot
 from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
-GRAPH_RUNS = True  # on CUDA, replay the chunks of a long run from one captured CUDA graph (host-bound otherwise)
-MEAN_FORM = True  # runs of chunks with bf16 assignment read row means kept beside the sums (see ovq_forward_fast)
 
 
 # the dictionary's size and the splits over it change with the context (n_dict grows until max_centroids): not
@@ -361,7 +359,8 @@ def _rows_per_split(M: int, attention: bool = False) -> int:
 
 @torch.no_grad()
 def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: int, *, chunk_size: int,
-                     max_centroids: int, growth: float, exact_assign: bool = False, rows_out=None):
+                     max_centroids: int, growth: float, exact_assign: bool = False, rows_out=None,
+                     graph_runs: bool = True, mean_form: bool = True):
     """No-grad OVQ over ``kk``/``vv`` (open chunk + new tokens, ``[B, H, L, D]``; ``valid`` ``[B, L]``).
 
     ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens, or None (no attention: only the dictionary
@@ -371,8 +370,9 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     ``_ovq_combine``; for a complete chunk also ``_ovq_chunk_stats`` (row-split), ``_ovq_rank`` and
     ``_ovq_absorb``.  No host sync.  The whole chunks whose queries are all new tokens run as one run: the
     kernels read the chunk index from a device counter, so on CUDA one chunk is captured in a CUDA graph and
-    replayed (``GRAPH_RUNS``); with bf16 assignment dots the run reads row means kept beside the sums
-    (``MEAN_FORM``, ``_ovq_means``).  docs/ovq.md, "Kernels".
+    replayed (``graph_runs``; False: launched one by one, host-bound); with bf16 assignment dots the run reads row
+    means kept beside the sums (``mean_form``, ``_ovq_means``; False: the sums, the same rows).  docs/ovq.md,
+    "Kernels".
     Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
     B, H, L, D = kk.shape
@@ -424,7 +424,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
 
     # mean form: with a run of chunks and bf16 assignment dots, the attention and the assignment read the row
     # means (in the attention's dtype) and their halved squared norms, refreshed for the rows each chunk touched
-    mean = MEAN_FORM and not exact_assign and n_run >= 2
+    mean = mean_form and not exact_assign and n_run >= 2
     if mean:
         NR = KS.shape[2]
         mdt = q.dtype if q is not None else kk.dtype
@@ -495,7 +495,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if n_run > 0:
         n_last = target_int(seen_bound + (n_run - 1) * C, max_centroids, growth)
         args = (t_a, n_last, triton.cdiv(n_last, R_att) + 1, max(1, triton.cdiv(n_last, R_st)), True)
-        run_steps(lambda: launch(*args), n_run, kk.device, graph=GRAPH_RUNS)
+        run_steps(lambda: launch(*args), n_run, kk.device, graph=graph_runs)
         seen_bound += n_run * C
     for t in range(max(t_a, n_full), n_chunks):
         one(t)

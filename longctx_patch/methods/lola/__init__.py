@@ -12,11 +12,36 @@ checkpoints and the packaged weights). Details: docs/lola.md.
 
 from __future__ import annotations
 
-from ..base import Method, register_method
+import math
+
+from ..base import Approximation, Method, register_method
 from .attention import HybridAttention, LolaAttention
 from .cache import LolaLayer
 from .config import HybridConfig, LolaConfig
 from .weights import asset_defaults, export_lolcats_checkpoint, load_lolcats_checkpoint, load_method_weights
+
+
+KERNEL_KEY_TILE = 64  # keys per tile of the training pass's kernels (ops.hybrid_attention's block_n)
+
+
+def hybrid_approximation(config) -> Approximation:
+    """`Method.approximation_start` of lolcats and lola: the window is exact, the older keys linear."""
+    w = int(config.window)
+    return Approximation(w + 1, w, f"keys more than window={w} tokens back are attended through the linear part")
+
+
+def hybrid_attention_profile(config, head_dim: int, seq_len: int, kernels: bool) -> tuple[float, float]:
+    """`Method.attention_profile` of lolcats and lola (train/plan.py): the Triton training pass holds the window, a
+    key tile and the features; the chunked reference the scores, masks and weights of (P + 1) key blocks per query
+    block, local copies of the keys, values and key features, each block's prefix state (calibrated on SmolLM2 on the
+    CPU: ~110 KB per token and layer kept without attention_checkpointing)."""
+    D = head_dim
+    window, chunk = int(config.window), int(config.chunk)
+    f2 = 2 * int(config.feature_dim)
+    if kernels:
+        return window + KERNEL_KEY_TILE + f2, 2 * D + 2 * f2
+    blocks = math.ceil(window / chunk) + 1
+    return 2 * blocks * chunk + f2, 8 * blocks * chunk + 2 * blocks * (2 * D + f2) + 3 * f2 * D / chunk + 2 * f2
 
 
 @register_method
@@ -28,6 +53,7 @@ class Lola(Method):
     module_cls = LolaAttention
     window_conflict = "attends linearly (and through its sparse cache) to every token older than its own window"
     bounded_state = True
+    lolcats_layout = True
     state_options = ("window", "chunk", "sparse_cache", "feature_dim")
 
     def model_defaults(self, model, values) -> dict:
@@ -43,6 +69,13 @@ class Lola(Method):
             for m in modules.values():
                 m.weights_source = f"{source}; its measured lola defaults {opts} (options passed take precedence)"
 
+    def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
+        return hybrid_approximation(config)
 
-__all__ = ["HybridAttention", "HybridConfig", "LolaAttention", "LolaConfig", "LolaLayer", "export_lolcats_checkpoint",
-           "load_lolcats_checkpoint", "load_method_weights"]
+    def attention_profile(self, config, head_dim, seq_len, kernels) -> tuple[float, float]:
+        return hybrid_attention_profile(config, head_dim, seq_len, kernels)
+
+
+__all__ = ["KERNEL_KEY_TILE", "HybridAttention", "HybridConfig", "LolaAttention", "LolaConfig", "LolaLayer",
+           "export_lolcats_checkpoint", "hybrid_approximation", "hybrid_attention_profile", "load_lolcats_checkpoint",
+           "load_method_weights"]

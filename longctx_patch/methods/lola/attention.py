@@ -18,20 +18,26 @@ from torch import nn
 
 from ...kernels.lola.ops import hybrid_attention, refuse_forced_triton_under_grad
 from ...kernels.lola.sparse_cache import lola_process
-from ...kernels.lola.state import LolaState
+from ...kernels.lola.state import KeyFeatures, LolaState
 from ...kernels.lola.training import lola_attention_sets, sparse_positions
+from ...kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 from ..base import PatchedAttention
 from ..padding import phase_groups
 from .cache import LolaLayer, sparse_head_count
 from .config import HybridConfig
 from .feature_map import HedgehogFeatureMap, init_feature_weight
 
-# lola under gradients: sparse sets first (no grad), then one differentiable pass; False: the chunk loop
-TRAIN_WITH_SETS = True
-
-
 class HybridAttention(PatchedAttention):
-    """The LoLCATs hybrid with LoLA's sparse cache of `sparse_cache` exact pairs (none for `lolcats`)."""
+    """The LoLCATs hybrid with LoLA's sparse cache of `sparse_cache` exact pairs (none for `lolcats`).
+
+    Two settings of how it runs, never of what it computes, set on a module (a benchmark's or a test's choice;
+    `copy.deepcopy` and pickles carry them): `tuning`, the LoLA kernels' launch settings and prefill paths
+    (kernels/lola/tuning.LolaTuning), and `train_with_sets`: lola under gradients chooses the sparse sets first (no
+    gradient) and then runs one differentiable pass (True), or runs the chunk loop (False, the same values).
+    """
+
+    tuning: LolaTuning = DEFAULT_TUNING
+    train_with_sets: bool = True
 
     def __init__(self, orig, spec, config: HybridConfig, adapter):
         super().__init__(orig, spec, config, adapter)
@@ -77,7 +83,7 @@ class HybridAttention(PatchedAttention):
     def attend(self, q, k, v, cache_layer, padding):
         cfg: HybridConfig = self.method_config
         S = q.shape[2]
-        fq = self.feature_map_q(q, out_dtype=q.dtype, backend=cfg.backend)
+        fq = self.feature_map_q(q, out_dtype=q.dtype, backend=cfg.backend, tuning=self.tuning)
         g, lf = self.factors()
         new_mask = padding[:, padding.shape[1] - S:].bool() if padding is not None else None
         if cache_layer is None:
@@ -109,16 +115,14 @@ class HybridAttention(PatchedAttention):
 
     def _process_kw(self, q, new_mask) -> dict:
         """`lola_process`'s options; phi_k: the key feature map, called at append (the feature cache of an in-place
-        state, written into it: `out`) or where the manager needs phi(k) of keys it does not cache."""
+        state, written into it: `KeyFeatures.write`) or where the manager needs phi(k) of keys it does not cache."""
         cfg: HybridConfig = self.method_config
-
-        def phi_k(x, out=None):
-            return self.feature_map_k(x, out_dtype=q.dtype, backend=cfg.backend, out=out)
-
-        phi_k.writes_out = True
-
+        fmap, tuning = self.feature_map_k, self.tuning
+        phi_k = KeyFeatures(
+            compute=lambda x: fmap(x, out_dtype=q.dtype, backend=cfg.backend, tuning=tuning),
+            write=lambda x, out: fmap(x, out_dtype=q.dtype, backend=cfg.backend, out=out, tuning=tuning))
         return dict(window=cfg.window, scale=self.scaling, backend=cfg.backend, phi_k=phi_k, chunk=cfg.chunk,
-                    lam=self.sparse_cache, key_mask_new=new_mask, combine=cfg.combine)
+                    lam=self.sparse_cache, key_mask_new=new_mask, combine=cfg.combine, tuning=tuning)
 
     def _attend_fresh(self, q, k, v, fq, g, lf, new_mask):
         """A sequence from its start, no cache kept: lolcats' parallel hybrid; lola's training path under
@@ -126,13 +130,13 @@ class HybridAttention(PatchedAttention):
         cfg: HybridConfig = self.method_config
         lam = self.sparse_cache
         if lam == 0:
-            fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend)
+            fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend, tuning=self.tuning)
             return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, window=cfg.window,
-                                    scale=self.scaling, backend=cfg.backend, combine=cfg.combine)
+                                    scale=self.scaling, backend=cfg.backend, combine=cfg.combine, tuning=self.tuning)
         kw = self._process_kw(q, new_mask)
         Hq, Hkv = q.shape[1], k.shape[1]
         hs = sparse_head_count(self.sparse_heads, Hq, Hkv)
-        if TRAIN_WITH_SETS and self._needs_grad(q, k, v, fq, g, lf):
+        if self.train_with_sets and self._needs_grad(q, k, v, fq, g, lf):
             # training: the sparse sets chosen without gradients, then one differentiable pass (the chunk
             # loop's value without its per-chunk autograd graph; kernels/lola/training.py)
             # a left-padded batch: one pass per phase group (rows whose padding has one remainder modulo the

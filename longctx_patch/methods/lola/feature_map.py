@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...kernels.lola.ops import feature_map
+from ...kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 
 
 class FeatureMapMLP(nn.Module):
@@ -27,8 +28,10 @@ class HedgehogFeatureMap(nn.Module):
         self.mlp = FeatureMapMLP(layer)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, out_dtype=None, backend: str = "auto", out=None) -> torch.Tensor:
-        return feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype, backend=backend, out=out)
+    def forward(self, x: torch.Tensor, out_dtype=None, backend: str = "auto", out=None,
+                tuning: LolaTuning = DEFAULT_TUNING) -> torch.Tensor:
+        return feature_map(x, self.mlp.layer, eps=self.eps, out_dtype=out_dtype, backend=backend, out=out,
+                           tuning=tuning)
 
 
 def init_feature_weight(heads: int, head_dim: int, feature_dim: int, kind: str, generator: torch.Generator) -> torch.Tensor:

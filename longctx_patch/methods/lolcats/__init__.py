@@ -9,7 +9,8 @@ its cache layer and the weights' readers live in methods/lola. Maths, initialisa
 
 from __future__ import annotations
 
-from ..base import Method, register_method
+from ..base import Approximation, Method, register_method
+from ..lola import hybrid_approximation, hybrid_attention_profile
 from ..lola.weights import load_method_weights
 from .attention import LolcatsAttention
 from .config import LolcatsConfig
@@ -24,10 +25,17 @@ class Lolcats(Method):
     module_cls = LolcatsAttention
     window_conflict = "attends linearly to every token older than its own window"
     bounded_state = True
+    lolcats_layout = True
     state_options = ("window", "chunk", "feature_dim")
 
     def after_patch(self, model, modules, config) -> None:
         load_method_weights(model, modules, config)
+
+    def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
+        return hybrid_approximation(config)
+
+    def attention_profile(self, config, head_dim, seq_len, kernels) -> tuple[float, float]:
+        return hybrid_attention_profile(config, head_dim, seq_len, kernels)
 
 
 __all__ = ["LolcatsAttention", "LolcatsConfig"]

@@ -10,7 +10,7 @@ that token gates it, without a pass over the keys, and reads only its selected b
 blocks of its prompt alone: block boundaries are counted in each row's real positions. No new parameters.
 """
 
-from ..base import Method, register_method
+from ..base import Approximation, Method, register_method
 from .attention import MobaAttention
 from .cache import MobaLayer
 from .config import MobaConfig
@@ -24,6 +24,18 @@ class Moba(Method):
     config_cls = MobaConfig
     module_cls = MobaAttention
     window_conflict = "approximates full causal attention (blocks gated over the whole past)"
+
+    def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
+        bs, k = int(config.block_size), int(config.top_k)
+        first = max(int(config.min_seq_len), k * bs)
+        return Approximation(first + 1, first, (
+            f"a query block attends its own and top_k - 1 = {k - 1} earlier blocks of block_size={bs}, so the choice "
+            f"starts at block {k} (token {k * bs})"
+            + (f", past min_seq_len={config.min_seq_len}" if config.min_seq_len > k * bs else "")))
+
+    def attention_profile(self, config, head_dim, seq_len, kernels) -> tuple[float, float]:
+        keys = min(int(config.block_size) * int(config.top_k), seq_len / 2)
+        return keys, (4 * head_dim if kernels else 3 * seq_len)  # the reference: every score, its mask and weights
 
 
 __all__ = ["Moba", "MobaAttention", "MobaConfig", "MobaLayer"]

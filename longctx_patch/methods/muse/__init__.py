@@ -13,8 +13,9 @@ import warnings
 
 from ...errors import ConfigError
 from ...kernels.muse import attended_keys
-from ..base import Method, register_method
+from ..base import Approximation, Method, register_method
 from .attention import MuseAttention
+from .calibration import MuseCalibration
 from .config import CROSSOVER, FAR_FIELD_DEFAULTS, Q_CLUSTERS, MuseConfig
 from .guard import GuardCall, GuardLog, guard_log
 
@@ -42,6 +43,42 @@ class Muse(Method):
         if few:
             raise ConfigError(f"muse: exact_heads={heads} names query head {heads[-1]}, but layer {few[0].layer_idx} has "
                               f"{few[0].num_heads} query heads (0-{few[0].num_heads - 1})")
+
+    def approximation_start(self, config: MuseConfig, device_type: str = "cpu", head_dim: int = 64) -> Approximation:
+        """Above min_seq_len (which depends on the device and the head dim), past the blocks each query block attends
+        exactly."""
+        L = int(config.get("block_size"))
+        exact, what = self._exact_blocks(config)
+        first = (exact + 1) * L
+        min_len = config.min_len(device_type, head_dim)
+        return Approximation(max(min_len, first + 1), first, (
+            f"each query block attends {what} = {exact} earlier blocks of block_size={L} exactly, so the far field "
+            f"starts at block {exact + 1} (token {first})"
+            + (f" in prefills of min_seq_len={min_len} tokens or more" if min_len > first else "")))
+
+    @staticmethod
+    def _exact_blocks(config: MuseConfig) -> tuple[int, str]:
+        """(earlier blocks a query block attends exactly, how they add up)."""
+        if config.far_field == "tilted":
+            return (int(config.local_blocks) + int(config.get("topk_blocks")),
+                    f"local_blocks={config.local_blocks} + topk_blocks={config.get('topk_blocks')}")
+        return (int(config.sink_blocks) + int(config.local_blocks) + int(config.get("topk_blocks"))
+                + int(config.get("peak_blocks")),
+                f"sink_blocks={config.sink_blocks} + local_blocks={config.local_blocks} + "
+                f"topk_blocks={config.get('topk_blocks')} + peak_blocks={config.get('peak_blocks')}")
+
+    def attention_profile(self, config: MuseConfig, head_dim: int, seq_len: int, kernels: bool
+                          ) -> tuple[float, float]:
+        """The kernels: the blocks attended exactly (at most half a causal row) and one super-key per key cell of
+        every block; the dense reference: every score, its mask and weights."""
+        if not kernels:
+            return seq_len, 3 * seq_len
+        L = int(config.get("block_size"))
+        exact, _ = self._exact_blocks(config)
+        return min(L * exact, seq_len / 2) + seq_len / L * int(config.get("k_clusters")), 4 * head_dim
+
+    def calibration(self) -> MuseCalibration:
+        return MuseCalibration(self)
 
     def attended_keys(self, config: MuseConfig, seq_len: int) -> tuple[float, float]:
         """(exactly attended keys, super-keys) per query and head of `config` over one sequence of `seq_len` tokens
@@ -86,4 +123,4 @@ class Muse(Method):
 
 
 __all__ = ["CROSSOVER", "FAR_FIELD_DEFAULTS", "GuardCall", "GuardLog", "LADDER_BLOCKS", "LADDER_CELLS", "Muse",
-           "MuseAttention", "MuseConfig", "Q_CLUSTERS", "guard_log"]
+           "MuseAttention", "MuseCalibration", "MuseConfig", "Q_CLUSTERS", "guard_log"]

@@ -7,7 +7,7 @@ count-weighted online k-means).  Decode state: D_k, D_v, counts and the open chu
 chunk_size) whatever the context length.  Details and every design choice: docs/ovq.md.
 """
 
-from ..base import Method, register_method
+from ..base import Approximation, Method, register_method
 from .attention import OVQAttention, row_phases
 from .cache import OVQLayer
 from .config import OVQConfig
@@ -23,6 +23,14 @@ class OVQ(Method):
     window_conflict = "attends to a dictionary of every earlier chunk"
     bounded_state = True
     state_options = ("max_centroids", "chunk_size")
+
+    def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
+        c = int(config.chunk_size)
+        return Approximation(c + 1, c, f"keys of earlier chunks (chunk_size={c}) are read through the dictionary")
+
+    def attention_profile(self, config, head_dim, seq_len, kernels) -> tuple[float, float]:
+        chunk, n = int(config.chunk_size), int(config.max_centroids)
+        return chunk / 2 + n, (4 * head_dim if kernels else 3 * (chunk + n))  # the chunk's keys and the dictionary
 
 
 __all__ = ["OVQ", "OVQAttention", "OVQConfig", "OVQLayer", "row_phases"]

@@ -85,8 +85,10 @@ def calibrate_cmd(model, method, sets, layers, text, length, target_error, objec
     target = check_target(target_error)  # before anything is loaded
     name, config, layers = method_and_config(method, sets, layers)
     meth = lp.get_method(name)
-    if not hasattr(meth, "calibration_ladder"):
-        raise InputError(f"--method {name}: it has no budgets to calibrate; calibrate takes muse")
+    try:
+        meth.calibration()  # a method without budgets to calibrate is refused before the model loads
+    except lp.MissingHookError as e:
+        raise InputError(f"--method {name}: {e}") from None
     steps = _ladder(ladder)
     for over in steps or ():
         meth.parse_config({**config, **over})  # a bad setting fails before the model loads

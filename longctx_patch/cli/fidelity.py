@@ -22,41 +22,11 @@ def approximation_start(method: str, config, device_type: str = "cpu", head_dim:
                         ) -> tuple[int | None, int | None, str]:
     """(the shortest sequence in which some query of `method` with `config` (its parsed config) is not attended
     exactly on a `device_type` device at `head_dim` (muse's default min_seq_len depends on both), or None when it
-    never is or this check does not know the method; the first position approximated in such a sequence; a few words
-    on why)."""
-    name = method
-    if name == "exact":
-        return None, None, "exact attention"
-    if name in ("sliding-window", "lolcats", "lola"):
-        w = int(config.window)
-        part = "dropped" if name == "sliding-window" else "attended through the linear part"
-        return w + 1, w, f"keys more than window={w} tokens back are {part}"
-    if name == "moba":
-        bs, k = int(config.block_size), int(config.top_k)
-        first = max(int(config.min_seq_len), k * bs)
-        return first + 1, first, (f"a query block attends its own and top_k - 1 = {k - 1} earlier blocks of "
-                                  f"block_size={bs}, so the choice starts at block {k} (token {k * bs})"
-                                  + (f", past min_seq_len={config.min_seq_len}" if config.min_seq_len > k * bs else ""))
-    if name == "muse":
-        L = int(config.get("block_size"))
-        if config.far_field == "tilted":
-            exact = int(config.local_blocks) + int(config.get("topk_blocks"))
-            what = f"local_blocks={config.local_blocks} + topk_blocks={config.get('topk_blocks')}"
-        else:
-            exact = (int(config.sink_blocks) + int(config.local_blocks) + int(config.get("topk_blocks"))
-                     + int(config.get("peak_blocks")))
-            what = (f"sink_blocks={config.sink_blocks} + local_blocks={config.local_blocks} + "
-                    f"topk_blocks={config.get('topk_blocks')} + peak_blocks={config.get('peak_blocks')}")
-        first = (exact + 1) * L
-        min_len = config.min_len(device_type, head_dim)
-        return (max(min_len, first + 1), first,
-                f"each query block attends {what} = {exact} earlier blocks of block_size={L} exactly, so the far field "
-                f"starts at block {exact + 1} (token {first})"
-                + (f" in prefills of min_seq_len={min_len} tokens or more" if min_len > first else ""))
-    if name == "ovq":
-        c = int(config.chunk_size)
-        return c + 1, c, f"keys of earlier chunks (chunk_size={c}) are read through the dictionary"
-    return None, None, ""
+    never is; the first position approximated in such a sequence; a few words on why): the method's own
+    `Method.approximation_start`. A method without that hook is refused by name (MissingHookError)."""
+    from longctx_patch.methods import get_method
+
+    return tuple(get_method(method).approximation_start(config, device_type, head_dim))
 
 
 def check_length(start: int | None, device: torch.device, limit: int) -> int:
@@ -87,8 +57,8 @@ def report(out: torch.Tensor, ref: torch.Tensor, method: str, start: int | None,
     echo(f"  logit |diff| mean {diff.mean().item():.4g}  max {diff.max().item():.4g}")
     echo(f"  next-token agreement {100 * agree.mean().item():.2f}%")
     if start is None:
-        if method == "exact":
-            echo("  (exact attention: nothing is approximated, the differences are rounding)")
+        if why:
+            echo(f"  ({why}: nothing is approximated, the differences are rounding)")
         return
     if n >= start:
         tail = slice(first, n)  # the positions whose queries are approximated

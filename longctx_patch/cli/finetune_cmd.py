@@ -1,6 +1,6 @@
 """`longctx finetune RECIPE.yaml --model M [--set key=value] [--text FILE|DIR] [--output DIR] [--resume]`.
 
-Multi-process: `accelerate launch --num_processes N -m cli.finetune_cmd RECIPE.yaml ...` (or
+Multi-process: `accelerate launch --num_processes N -m longctx_patch.cli.finetune_cmd RECIPE.yaml ...` (or
 `accelerate launch $(which longctx) finetune ...`).
 """
 
@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import MODEL_HELP, check_architecture, friendly_errors, work_started
+from .common import MODEL_HELP, check_architecture, friendly_errors, work_started
 
 
 @click.command(
@@ -21,7 +21,7 @@ from cli.common import MODEL_HELP, check_architecture, friendly_errors, work_sta
     "      --text longctx_patch/evals/data/shakespeare.txt --quick          # minutes on a CPU\n"
     "  longctx finetune recipes/linearize.yaml --model smollm2-135m \\\n"
     "      --text longctx_patch/evals/data/shakespeare.txt --dry-run        # the plan and its estimate only\n"
-    "Several processes: accelerate launch --num_processes 2 -m cli.finetune_cmd RECIPE ...",
+    "Several processes: accelerate launch --num_processes 2 -m longctx_patch.cli.finetune_cmd RECIPE ...",
 )
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--model", "-m", "model", default=None, metavar="MODEL", help="Model to train (overrides the recipe's `model`). " + MODEL_HELP)
@@ -141,5 +141,5 @@ def _quote(items: list[str]) -> list[str]:
     return out
 
 
-if __name__ == "__main__":  # `accelerate launch -m cli.finetune_cmd ...`
+if __name__ == "__main__":  # `accelerate launch -m longctx_patch.cli.finetune_cmd ...`
     finetune_cmd(prog_name="longctx finetune", args=sys.argv[1:])
