@@ -254,3 +254,22 @@ def test_muse_calibration_runs_what_calibrate_ran():
     assert cal.key(cfg) == json.dumps(cfg.kernel_kwargs(), sort_keys=True)
     assert cal.ladder(cfg, 64) == meth.calibration_ladder(cfg, 64)
     assert cal.attended_keys(cfg, 64) == meth.attended_keys(cfg, 64)
+
+
+def test_call_report_says_what_a_method_decided_in_its_calls():
+    """`call_report` (what `longctx patch` prints under its fidelity check): no lines by default; muse's guard summary
+    once a MuSe call ran inside it, nothing outside it or after it."""
+    ids = torch.randint(3, 128, (1, 80))
+    for name in SHIPPED:
+        with get_method(name).call_report() as lines:
+            pass
+        assert lines() == [], name
+    model = tiny_model()
+    lp.patch(model, "muse", block_size=16, k_clusters=2, topk_blocks=1, min_seq_len=32, backend="torch")
+    with torch.no_grad(), get_method("muse").call_report() as lines:
+        model(ids)
+    got = lines()
+    assert len(got) == 1 and got[0].startswith("muse guard:"), got
+    with torch.no_grad():
+        model(ids)  # outside: recorded nowhere
+    assert lines() == got

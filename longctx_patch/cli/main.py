@@ -189,9 +189,7 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
     with torch.no_grad():
         ref = m(ids, use_cache=False).logits.float()
     lp.patch(m, method, layers=layers, **config)
-    from longctx_patch.methods.muse import guard_log
-
-    with torch.no_grad(), guard_log() as guarded:
+    with torch.no_grad(), lp.get_method(method).call_report() as report_lines:
         out = m(ids, use_cache=False).logits.float()
 
     mods = patched_modules(m)
@@ -220,8 +218,8 @@ def patch(model, method, sets, layers, output, fidelity_tokens, device, dtype) -
         click.echo(f"  {L:>8}  {format_bytes(s):>12}  {format_bytes(f):>12}  {s / f:.4f}")
     click.echo(f"  (full KV: {format_bytes(per_tok_full)} per token)")
     report(out, ref, lp.get_method(method).name, start, first, why, dev, limit, click.echo)
-    if guarded.calls:  # muse: what its run-time guard did in the check's forward
-        click.echo(f"  {guarded.summary()}")
+    for line in report_lines():  # what the method decided in the check's forward (muse: its run-time guard)
+        click.echo(f"  {line}")
     if output:
         lp.save_patched(m, output, tokenizer=tok)
         click.echo(f"saved to {output}")

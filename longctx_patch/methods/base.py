@@ -459,6 +459,14 @@ class Method:
     def after_patch(self, model: nn.Module, modules: dict[int, PatchedAttention], config: MethodConfig) -> None:
         """Runs once after patch() swapped the modules (not in load_patched): e.g. load a checkpoint."""
 
+    def call_report(self):
+        """A context manager around forward calls, yielding a function that returns lines on what this method
+        decided inside them (muse: its run-time guard's heads made exact); `longctx patch` prints them under its
+        fidelity check. Per thread or task, nothing kept on the model. Default: no lines."""
+        import contextlib
+
+        return contextlib.nullcontext(lambda: [])
+
     # -- hooks: what the package's features ask of a method (each method answers in its own folder) -------------
     def approximation_start(self, config: MethodConfig, device_type: str = "cpu", head_dim: int = 64) -> Approximation:
         """Where the approximation of `config` starts on a `device_type` device at `head_dim`: an `Approximation`

@@ -8,6 +8,7 @@ measures its heads' error on a few sampled query rows and runs those over `guard
 projections are the original ones: no new parameters. docs/muse.md explains every option.
 """
 
+import contextlib
 import math
 import warnings
 
@@ -43,6 +44,12 @@ class Muse(Method):
         if few:
             raise ConfigError(f"muse: exact_heads={heads} names query head {heads[-1]}, but layer {few[0].layer_idx} has "
                               f"{few[0].num_heads} query heads (0-{few[0].num_heads - 1})")
+
+    @contextlib.contextmanager
+    def call_report(self):
+        """What the run-time guard did in the calls inside (guard.py's `guard_log`): its summary line, if any call ran."""
+        with guard_log() as log:
+            yield lambda: [log.summary()] if log.calls else []
 
     def approximation_start(self, config: MuseConfig, device_type: str = "cpu", head_dim: int = 64) -> Approximation:
         """Above min_seq_len (which depends on the device and the head dim), past the blocks each query block attends
