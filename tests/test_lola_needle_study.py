@@ -46,9 +46,12 @@ def test_a_window_over_the_whole_prompt_holds_every_pair(model, ids):
     assert exact.pop("calls") == lola.pop("calls") == {0: 1, 1: 1, 2: 1}
     for L, d in lola.items():
         assert d["needle_held"] == d["needle_held_after_prefill"] == d["random_held"] == d["needle_in_window"] == 1.0
+        assert d["sink_held"] == d["sink_held_after_prefill"] == 1.0
         assert torch.equal(d["linear_share"], torch.zeros(4)) and torch.equal(d["needle_linear"], torch.zeros(4))
         # all exact: the share of the normaliser on the needle is the softmax mass, the model's q / k the exact one's
         torch.testing.assert_close(d["needle_exact"], d["softmax_needle"])
+        torch.testing.assert_close(d["sink_exact"], d["softmax_sink"])
+        torch.testing.assert_close(d["softmax_sink"], exact[L]["exact_sink"], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(d["softmax_needle"], exact[L]["exact_needle"], rtol=1e-4, atol=1e-5)
         assert d["unmatched"] == 0 and d["fold_check"] == 0.0
     rows, tops = layer_rows(exact, lola), top_heads(exact, lola)
@@ -64,6 +67,7 @@ def test_without_a_sparse_cache_the_needle_is_held_only_in_the_window(model, ids
     for d in lola.values():
         assert d["needle_held"] == d["needle_in_window"] == inside
         assert d["random_held"] == pytest.approx(4 / N)  # the window's share
+        assert d["sink_held"] == d["sink_held_after_prefill"] == 0.0 and bool((d["sink_linear"] > 0).all())
         assert d["fold_check"] < 1e-5 and d["unmatched"] == 0
         assert bool((d["linear_share"] > 0.05).all())
         if inside == 0.0:
@@ -72,6 +76,14 @@ def test_without_a_sparse_cache_the_needle_is_held_only_in_the_window(model, ids
             assert torch.equal(d["needle_linear"], torch.zeros(4))
         total = d["needle_exact"] + d["needle_linear"]
         assert bool((total <= 1).all()) and bool((d["linear_share"] + d["needle_exact"] <= 1 + 1e-6).all())
+
+
+def test_a_window_of_the_prompt_s_length_loses_the_first_token_at_the_first_decode_step(model, ids):
+    lola = probe(model, ids, "lolcats", checkpoint="none", window=N)
+    lola.pop("calls")
+    for d in lola.values():
+        assert d["sink_held"] == 1.0 and d["sink_held_after_prefill"] == 0.0
+        assert d["needle_held"] == d["needle_held_after_prefill"] == 1.0
 
 
 @pytest.mark.parametrize("combine", ["shifted", "unshifted"])

@@ -14,8 +14,8 @@ haystack and chat template give the same prompts as its cells), the needle is th
 patched model's own prefill in chunks and decode steps), while probes around each patched layer's attention measure:
 
 - the exact model (`exact`: the unpatched projections, softmax attention), once per prompt: at the last prompt
-  position, each query head's softmax mass on the needle's tokens (`exact_needle`); the heads with most are the
-  ones that retrieve it;
+  position, each query head's softmax mass on the needle's tokens (`exact_needle`; the heads with most are the
+  ones that retrieve it) and on the first prompt token (`exact_sink`);
 - each `--method` (`lola`, or `lolcats` for exact attention with its weights), at the same position: the state the
   last prompt token meets (the layer's real cache: the sparse cache's keys are found among the prompt's keys by
   value), and from it
@@ -32,6 +32,9 @@ patched model's own prefill in chunks and decode steps), while probes around eac
     (the relative difference between the linear state's normaliser phi(q).s and the sum of phi(q).phi(k) over the
     pairs the probe counts as folded: rounding only, ~1e-7 in fp32 on the CPU; more in bf16, where the model's
     own phi(k) is rounded to bf16 before it is folded);
+  - the same for the first prompt token (`sink_*`; `exact_sink`: the exact model's mass on it), which most heads of
+    the exact model attend heavily: attended linearly (out of the window and the sparse cache) it can still cost the
+    answer where every needle pair is exact;
 - the answer and whether it holds the value (`evals.niah.score`).
 
 Each record lists every layer (its head that retrieves most in the exact model) and the five (layer, head) pairs with
@@ -71,7 +74,8 @@ DEFAULT_METHODS = ("lola(window=1024,sparse_cache=1024,combine=shifted)",
                    "lola(window=1024,sparse_cache=1024,combine=unshifted)")
 EXACT = MethodRun("exact")
 TOP = 5  # (layer, head) pairs of most exact mass per record
-HEAD_FIELDS = ("softmax_needle", "needle_exact", "needle_linear", "linear_share")
+HEAD_FIELDS = ("softmax_needle", "needle_exact", "needle_linear", "linear_share", "softmax_sink", "sink_exact",
+               "sink_linear")
 OPTIONS = ("window", "sparse_heads", "combine", "chunk", "feature_dim", "linear_scale", "affine_factors")
 
 
@@ -128,10 +132,11 @@ def _state(layer, Hs: int, Hq: int, D: int, F2: int, device, dtype) -> dict:
 
 
 def exact_measures(q_last: torch.Tensor, keys: torch.Tensor, scale: float, needle: slice) -> dict:
-    """The softmax mass on the needle of the last query, per query head: q_last [Hq, D], keys [Hkv, n, D]."""
+    """The softmax mass on the needle and on the first prompt token of the last query, per query head: q_last
+    [Hq, D], keys [Hkv, n, D]."""
     kx = expand_kv(keys[None], q_last.shape[0])[0].float()
     p = torch.softmax(torch.einsum("hd,hnd->hn", q_last.float(), kx) * scale, -1)
-    return {"exact_needle": p[:, needle].sum(-1).cpu()}
+    return {"exact_needle": p[:, needle].sum(-1).cpu(), "exact_sink": p[:, 0].cpu()}
 
 
 def hybrid_measures(mod, q_last: torch.Tensor, keys: torch.Tensor, before: dict, after: dict, needle: slice) -> dict:
@@ -152,7 +157,7 @@ def hybrid_measures(mod, q_last: torch.Tensor, keys: torch.Tensor, before: dict,
     nd[needle] = True
     kx = expand_kv(keys[None], Hq)[0].float()
     sc = torch.einsum("hd,hnd->hn", q_last.float(), kx) * mod.scaling
-    softmax_needle = torch.softmax(sc, -1)[:, nd].sum(-1)
+    p = torch.softmax(sc, -1)
     m = sc.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)  # the window always holds the query's own key
     e = torch.exp(sc - m) * exact
     fq = mod.feature_map_q(q_last[None, :, None], out_dtype=torch.float32, backend="torch")[0, :, 0]  # [Hq, F2]
@@ -176,10 +181,15 @@ def hybrid_measures(mod, q_last: torch.Tensor, keys: torch.Tensor, before: dict,
         "needle_held_after_prefill": float(held_after[:, nd].float().mean()),
         "random_held": float(held.float().mean()),
         "needle_in_window": float((torch.arange(n, device=dev)[nd] >= n - W).float().mean()),
+        "sink_held": float(held[:, 0].float().mean()),
+        "sink_held_after_prefill": float(held_after[:, 0].float().mean()),
         "sparse_heads": Hs,
-        "softmax_needle": softmax_needle.cpu(),
+        "softmax_needle": p[:, nd].sum(-1).cpu(),
         "needle_exact": (E[:, nd].sum(-1) / den).cpu(),
         "needle_linear": (A[:, nd].sum(-1) / den).cpu(),
+        "softmax_sink": p[:, 0].cpu(),
+        "sink_exact": (E[:, 0] / den).cpu(),
+        "sink_linear": (A[:, 0] / den).cpu(),
         "linear_share": (A.sum(-1) / den).cpu(),
         "fold_check": fold_check,
         "unmatched": miss_b + miss_a,
@@ -270,11 +280,12 @@ def layer_rows(exact: dict[int, dict], hybrid: dict[int, dict]) -> list[dict]:
         head = int(x.argmax())
         group = x.shape[0] // h["sparse_heads"]
         rows.append({
-            "layer": L, "head": head, "exact_needle": _r(x[head]),
+            "layer": L, "head": head, "exact_needle": _r(x[head]), "exact_sink": _r(exact[L]["exact_sink"][head]),
             **{f: _r(h[f][head]) for f in HEAD_FIELDS},
             "needle_held": _r(h["needle_held"], 3), "needle_held_head": _r(h["needle_held_heads"][head // group], 3),
             "needle_held_after_prefill": _r(h["needle_held_after_prefill"], 3),
             "random_held": _r(h["random_held"], 3), "needle_in_window": _r(h["needle_in_window"], 3),
+            "sink_held": _r(h["sink_held"], 3), "sink_held_after_prefill": _r(h["sink_held_after_prefill"], 3),
             "linear_share_mean": _r(h["linear_share"].mean()), "fold_check": float(f"{h['fold_check']:.2e}"),
             "unmatched": h["unmatched"],
         })
@@ -288,7 +299,8 @@ def top_heads(exact: dict[int, dict], hybrid: dict[int, dict], k: int = TOP) -> 
     out = []
     for mass, L, h in sorted(pairs, reverse=True)[:k]:
         d = hybrid[L]
-        out.append({"layer": L, "head": h, "exact_needle": _r(mass), **{f: _r(d[f][h]) for f in HEAD_FIELDS},
+        out.append({"layer": L, "head": h, "exact_needle": _r(mass), "exact_sink": _r(exact[L]["exact_sink"][h]),
+                    **{f: _r(d[f][h]) for f in HEAD_FIELDS},
                     "needle_held_head": _r(d["needle_held_heads"][h // (d["softmax_needle"].shape[0] // d["sparse_heads"])], 3)})
     return out
 
@@ -312,9 +324,11 @@ def summarize(records: list[dict], labels: list[str]) -> dict:
             "needle_held": _mean([r["needle_held_mean"] for r in rows]),
             "random_held": _mean([r["random_held_mean"] for r in rows]),
             "needle_held_after_prefill": _mean([r["needle_held_after_prefill_mean"] for r in rows]),
+            "sink_held": _mean([r["sink_held_mean"] for r in rows]),
+            "sink_held_after_prefill": _mean([r["sink_held_after_prefill_mean"] for r in rows]),
             "linear_share": _mean([r["linear_share_mean"] for r in rows]),
         })
-        for f in ("exact_needle", *HEAD_FIELDS, "needle_held_head"):
+        for f in ("exact_needle", "exact_sink", *HEAD_FIELDS, "needle_held_head"):
             out[f"top_{f}"] = _mean([_mean([t[f] for t in r["top_heads"]]) for r in rows])
         return out
 
@@ -333,14 +347,14 @@ def summarize(records: list[dict], labels: list[str]) -> dict:
 
 
 def summary_table(summary: dict) -> str:
-    header = ["method", "task", "length", "prompts", "right", "needle held", "random", "top: exact mass",
-              "softmax (own q,k)", "lola needle exact", "needle linear", "linear share", "held (head)"]
+    header = ["method", "task", "length", "prompts", "right", "needle held", "random", "sink held (decode)",
+              "top: exact mass", "softmax (own q,k)", "lola needle exact", "needle linear", "linear share", "held (head)"]
     rows = []
     for lab, tasks in summary.items():
         for task, cells in tasks.items():
             for L, c in cells.items():
                 rows.append([lab, task, L, c["prompts"], c["accuracy"], c.get("needle_held"), c.get("random_held"),
-                             c.get("top_exact_needle"), c.get("top_softmax_needle"), c.get("top_needle_exact"),
+                             c.get("sink_held_after_prefill"), c.get("top_exact_needle"), c.get("top_softmax_needle"), c.get("top_needle_exact"),
                              c.get("top_needle_linear"), c.get("top_linear_share"), c.get("top_needle_held_head")])
     return format_table(header, rows)
 
@@ -440,6 +454,7 @@ def main(argv=None) -> int:
                     exact_by_prompt.append(res)
                     x = torch.stack([res[L]["exact_needle"] for L in sorted(res)])  # [layers, Hq]
                     rec["exact_needle"] = [[_r(v) for v in row] for row in x.tolist()]
+                    rec["exact_sink"] = [[_r(v) for v in res[L]["exact_sink"].tolist()] for L in sorted(res)]
                     best = [(_r(x[L, h]), L, h) for L in range(x.shape[0]) for h in range(x.shape[1])]
                     rec["top_heads"] = [{"layer": L, "head": h, "exact_needle": m} for m, L, h in sorted(best)[::-1][:TOP]]
                     msg = "top heads " + ", ".join(f"L{t['layer']}h{t['head']} {t['exact_needle']:.2f}"
@@ -451,12 +466,15 @@ def main(argv=None) -> int:
                         "needle_held_mean": _mean([r["needle_held"] for r in rows]),
                         "needle_held_after_prefill_mean": _mean([r["needle_held_after_prefill"] for r in rows]),
                         "random_held_mean": _mean([r["random_held"] for r in rows]),
+                        "sink_held_mean": _mean([r["sink_held"] for r in rows]),
+                        "sink_held_after_prefill_mean": _mean([r["sink_held_after_prefill"] for r in rows]),
                         "linear_share_mean": _mean([r["linear_share_mean"] for r in rows]),
                         "unmatched": sum(r["unmatched"] for r in rows),
                         "fold_check_max": max(r["fold_check"] for r in rows),
                         "top_heads": tops, "layers": rows})
                     t = tops[0]
-                    msg = (f"needle held {rec['needle_held_mean']:.2f} (random {rec['random_held_mean']:.2f}); top "
+                    msg = (f"needle held {rec['needle_held_mean']:.2f} (random {rec['random_held_mean']:.2f}), sink "
+                           f"held {rec['sink_held_mean']:.2f} / {rec['sink_held_after_prefill_mean']:.2f} after; top "
                            f"L{t['layer']}h{t['head']}: exact {t['exact_needle']:.2f}, own q/k {t['softmax_needle']:.2f}, "
                            f"{run.name} exact {t['needle_exact']:.3f} linear {t['needle_linear']:.3f}, linear share "
                            f"{t['linear_share']:.2f}")
