@@ -37,8 +37,8 @@ patched model's own prefill in chunks and decode steps), while probes around eac
     answer where every needle pair is exact;
 - the answer and whether it holds the value (`evals.niah.score`).
 
-Each record lists every layer (its head that retrieves most in the exact model) and the five (layer, head) pairs with
-the most exact mass (`top_heads`); `summary` averages them per method, task and length, and apart for right and wrong
+Each record lists every layer (`layers`: a list per figure; each layer's figures of its head that retrieves most in
+the exact model) and the five (layer, head) pairs with the most exact mass (`top_heads`); `summary` averages them per method, task and length, and apart for right and wrong
 answers. To read each layer's last query at the state it meets, the call that holds the last prompt token is run in
 pieces (before it, it, after it): the result of one piece up to rounding (kernels/lola/sparse_cache.py: a prefill
 cut anywhere gives the token-by-token result).
@@ -76,6 +76,10 @@ EXACT = MethodRun("exact")
 TOP = 5  # (layer, head) pairs of most exact mass per record
 HEAD_FIELDS = ("softmax_needle", "needle_exact", "needle_linear", "linear_share", "softmax_sink", "sink_exact",
                "sink_linear")
+# a record's `layers` (what a record keeps of `layer_rows`; the checks and the shares common to every layer are kept
+# once per record)
+LAYER_COLUMNS = ("layer", "head", "exact_needle", *HEAD_FIELDS, "exact_sink", "needle_held", "needle_held_head",
+                 "needle_held_after_prefill", "sink_held", "sink_held_after_prefill", "linear_share_mean")
 OPTIONS = ("window", "sparse_heads", "combine", "chunk", "feature_dim", "linear_scale", "affine_factors")
 
 
@@ -292,6 +296,11 @@ def layer_rows(exact: dict[int, dict], hybrid: dict[int, dict]) -> list[dict]:
     return rows
 
 
+def layer_columns(rows: list[dict]) -> dict[str, list]:
+    """The layer rows as one list per figure (LAYER_COLUMNS, 3 decimals: a record of a 24-layer model stays ~4 kB)."""
+    return {k: [round(r[k], 3) if isinstance(r[k], float) else r[k] for r in rows] for k in LAYER_COLUMNS}
+
+
 def top_heads(exact: dict[int, dict], hybrid: dict[int, dict], k: int = TOP) -> list[dict]:
     """The k (layer, head) pairs with the most exact mass on the needle, with the method's figures there."""
     pairs = [(float(exact[L]["exact_needle"][h]), L, h) for L in sorted(set(exact) & set(hybrid))
@@ -453,8 +462,7 @@ def main(argv=None) -> int:
                 if run is EXACT:
                     exact_by_prompt.append(res)
                     x = torch.stack([res[L]["exact_needle"] for L in sorted(res)])  # [layers, Hq]
-                    rec["exact_needle"] = [[_r(v) for v in row] for row in x.tolist()]
-                    rec["exact_sink"] = [[_r(v) for v in res[L]["exact_sink"].tolist()] for L in sorted(res)]
+                    rec["exact_needle_by_layer"] = [_r(v, 3) for v in x.max(-1).values.tolist()]  # its top head's
                     best = [(_r(x[L, h]), L, h) for L in range(x.shape[0]) for h in range(x.shape[1])]
                     rec["top_heads"] = [{"layer": L, "head": h, "exact_needle": m} for m, L, h in sorted(best)[::-1][:TOP]]
                     msg = "top heads " + ", ".join(f"L{t['layer']}h{t['head']} {t['exact_needle']:.2f}"
@@ -469,9 +477,10 @@ def main(argv=None) -> int:
                         "sink_held_mean": _mean([r["sink_held"] for r in rows]),
                         "sink_held_after_prefill_mean": _mean([r["sink_held_after_prefill"] for r in rows]),
                         "linear_share_mean": _mean([r["linear_share_mean"] for r in rows]),
+                        "needle_in_window": rows[0]["needle_in_window"],
                         "unmatched": sum(r["unmatched"] for r in rows),
                         "fold_check_max": max(r["fold_check"] for r in rows),
-                        "top_heads": tops, "layers": rows})
+                        "top_heads": tops, "layers": layer_columns(rows)})
                     t = tops[0]
                     msg = (f"needle held {rec['needle_held_mean']:.2f} (random {rec['random_held_mean']:.2f}), sink "
                            f"held {rec['sink_held_mean']:.2f} / {rec['sink_held_after_prefill_mean']:.2f} after; top "
