@@ -10,7 +10,7 @@
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (41 MiB pieces: the tracked tree is ~22 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (41 MiB pieces: the tracked tree is ~22.5 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
 #
 # The pipelined plan (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh). The corpus
 # builds (~3 min on 16 cores) in a background process session while the pieces travel (~4 s a call once warm), and
