@@ -1,5 +1,5 @@
-"""Where `lola` loses the needle: per layer, after the prefill of S-NIAH prompts, how many of the needle's pairs it holds
-exactly, how much of its attention the answer's query gives them against the exact model, and whether it answers.
+"""Where `lola` loses the needle: per layer, after the prefill of S-NIAH prompts, how many of the needle's pairs it
+holds exactly, how much of its attention the answer's query gives them against the exact model, and whether it answers.
 
     python3 -m benchmarks.quality.bench_lola_needle_study --model qwen2.5-coder-0.5b --device cuda \\
         --lengths 16k --haystack CORPUS/heldout/prose --samples 4 \\
@@ -32,20 +32,21 @@ patched model's own prefill in chunks and decode steps), while probes around eac
     (the relative difference between the linear state's normaliser phi(q).s and the sum of phi(q).phi(k) over the
     pairs the probe counts as folded: rounding only, ~1e-7 in fp32 on the CPU; more in bf16, where the model's
     own phi(k) is rounded to bf16 before it is folded);
-  - the same for the first prompt token (`sink_*`; `exact_sink`: the exact model's mass on it), which most heads of
-    the exact model attend heavily: attended linearly (out of the window and the sparse cache) it can still cost the
-    answer where every needle pair is exact;
+  - the same for the first prompt token (`sink_*`; `exact_sink`: the exact model's mass on it), which many heads
+    attend heavily (an attention sink): attended linearly (out of the window and the sparse cache) it can cost the
+    answer where every needle pair is exact (docs/lola.md, "Where Qwen loses the needle");
 - the answer and whether it holds the value (`evals.niah.score`).
 
 Each record lists every layer (`layers`: a list per figure; each layer's figures of its head that retrieves most in
-the exact model) and the five (layer, head) pairs with the most exact mass (`top_heads`); `summary` averages them per method, task and length, and apart for right and wrong
-answers. To read each layer's last query at the state it meets, the call that holds the last prompt token is run in
-pieces (before it, it, after it): the result of one piece up to rounding (kernels/lola/sparse_cache.py: a prefill
-cut anywhere gives the token-by-token result).
+the exact model) and the five (layer, head) pairs with the most exact mass (`top_heads`); `summary` averages them
+per method, task and length, and apart for right and wrong answers. To read each layer's last query at the state it
+meets, the call that holds the last prompt token is run in pieces (before it, it, after it): the result of one piece
+up to rounding (kernels/lola/sparse_cache.py: a prefill cut anywhere gives the token-by-token result).
 
 Result: `lola/needle-study-<model>-<device>.json` (device, date, commit, command; `--out FILE`, or a folder for that
-name); it is rewritten after every prompt, so a run cut short keeps what it measured. Progress on stderr. One prompt
-at a time (batch 1). CPU in float32 (default there), CUDA in bfloat16 (default there).
+name); it is rewritten after every prompt, so a run cut short keeps what it measured. A method that fails is named
+with its error in `failed` and the next one runs (exit status 1). Progress on stderr. One prompt at a time (batch 1).
+CPU in float32 (default there), CUDA in bfloat16 (default there).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import argparse
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -308,9 +310,10 @@ def top_heads(exact: dict[int, dict], hybrid: dict[int, dict], k: int = TOP) -> 
     out = []
     for mass, L, h in sorted(pairs, reverse=True)[:k]:
         d = hybrid[L]
+        group = d["softmax_needle"].shape[0] // d["sparse_heads"]
         out.append({"layer": L, "head": h, "exact_needle": _r(mass), "exact_sink": _r(exact[L]["exact_sink"][h]),
                     **{f: _r(d[f][h]) for f in HEAD_FIELDS},
-                    "needle_held_head": _r(d["needle_held_heads"][h // (d["softmax_needle"].shape[0] // d["sparse_heads"])], 3)})
+                    "needle_held_head": _r(d["needle_held_heads"][h // group], 3)})
     return out
 
 
@@ -356,15 +359,14 @@ def summarize(records: list[dict], labels: list[str]) -> dict:
 
 
 def summary_table(summary: dict) -> str:
+    """One row per method, task and length: accuracy, the held shares, the top heads' figures."""
     header = ["method", "task", "length", "prompts", "right", "needle held", "random", "sink held (decode)",
-              "top: exact mass", "softmax (own q,k)", "lola needle exact", "needle linear", "linear share", "held (head)"]
-    rows = []
-    for lab, tasks in summary.items():
-        for task, cells in tasks.items():
-            for L, c in cells.items():
-                rows.append([lab, task, L, c["prompts"], c["accuracy"], c.get("needle_held"), c.get("random_held"),
-                             c.get("sink_held_after_prefill"), c.get("top_exact_needle"), c.get("top_softmax_needle"), c.get("top_needle_exact"),
-                             c.get("top_needle_linear"), c.get("top_linear_share"), c.get("top_needle_held_head")])
+              "top: exact mass", "softmax (own q,k)", "lola needle exact", "needle linear", "linear share",
+              "held (head)"]
+    keys = ("needle_held", "random_held", "sink_held_after_prefill", "top_exact_needle", "top_softmax_needle",
+            "top_needle_exact", "top_needle_linear", "top_linear_share", "top_needle_held_head")
+    rows = [[lab, task, L, c["prompts"], c["accuracy"], *(c.get(k) for k in keys)]
+            for lab, tasks in summary.items() for task, cells in tasks.items() for L, c in cells.items()]
     return format_table(header, rows)
 
 
@@ -379,14 +381,39 @@ def probe_prompt(model, tok, ids: list[int], needle: slice, max_new_tokens: int)
     return probe.results, answer
 
 
+def exact_record(res: dict[int, dict]) -> tuple[dict, str]:
+    """The exact run's figures of one prompt (each layer's most needle mass, the top heads) and its progress note."""
+    x = torch.stack([res[L]["exact_needle"] for L in sorted(res)])  # [layers, Hq]
+    best = sorted(((_r(x[L, h]), L, h) for L in range(x.shape[0]) for h in range(x.shape[1])), reverse=True)
+    rec = {"exact_needle_by_layer": [_r(v, 3) for v in x.max(-1).values.tolist()],
+           "top_heads": [{"layer": L, "head": h, "exact_needle": m} for m, L, h in best[:TOP]]}
+    return rec, "top heads " + ", ".join(f"L{L}h{h} {m:.2f}" for m, L, h in best[:3])
+
+
+def hybrid_record(name: str, exact: dict[int, dict], res: dict[int, dict]) -> tuple[dict, str]:
+    """A lola / lolcats run's figures of one prompt against the exact run's, and its progress note."""
+    rows, tops = layer_rows(exact, res), top_heads(exact, res)
+    keys = ("needle_held", "needle_held_after_prefill", "random_held", "sink_held", "sink_held_after_prefill")
+    rec = {f"{k}_mean": _mean([r[k] for r in rows]) for k in keys}
+    rec["linear_share_mean"] = _mean([r["linear_share_mean"] for r in rows])
+    rec.update({"needle_in_window": rows[0]["needle_in_window"], "unmatched": sum(r["unmatched"] for r in rows),
+                "fold_check_max": max(r["fold_check"] for r in rows), "top_heads": tops, "layers": layer_columns(rows)})
+    t = tops[0]
+    return rec, (f"needle held {rec['needle_held_mean']:.2f} (random {rec['random_held_mean']:.2f}), sink held "
+                 f"{rec['sink_held_mean']:.2f} / {rec['sink_held_after_prefill_mean']:.2f} after; top L{t['layer']}h"
+                 f"{t['head']}: exact {t['exact_needle']:.2f}, own q/k {t['softmax_needle']:.2f}, {name} exact "
+                 f"{t['needle_exact']:.3f} linear {t['needle_linear']:.3f}, linear share {t['linear_share']:.2f}")
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="alias, .gguf file or model folder (default %(default)s)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b",
+                    help="alias, .gguf file or model folder (default %(default)s)")
     ap.add_argument("--haystack", default=None, metavar="FILE|DIR",
                     help="essay text of s-niah-2 and mk-niah: a .txt file or a folder (default tests/data/pg_essays)")
     ap.add_argument("--tasks", default="s-niah-1,s-niah-2", help=f"of {', '.join(TASKS)} (default %(default)s)")
@@ -415,7 +442,8 @@ def main(argv=None) -> int:
     name = f"needle-study-{model_token(a.model)}-{device_token(a.device)}.json"
     folder = a.out and (Path(a.out).is_dir() or a.out.endswith("/"))
     out = result_file("lola", name, Path(a.out) / name if folder else a.out)
-    command = "python3 -m benchmarks.quality.bench_lola_needle_study " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    command = "python3 -m benchmarks.quality.bench_lola_needle_study " + shlex.join(args)
     git_commit()  # the commit when the run starts
 
     import longctx_patch as lp
@@ -434,69 +462,59 @@ def main(argv=None) -> int:
     records: list[dict] = []
     exact_by_prompt: list[dict[int, dict]] = []
     effective: dict[str, dict] = {}
+    failed: dict[str, str] = {}  # method -> its error (the records it finished stay)
 
     def write():
         figures = {"tasks": tasks, "lengths": lengths, "depths": depths, "samples_per_cell": a.samples, "seed": a.seed,
                    "haystack": haystack if text is not None else None, "chat_template": chat, "dtype": dtype,
-                   "effective_config": effective, "summary": summarize(records, labels), "records": records}
+                   "effective_config": effective, "failed": failed, "summary": summarize(records, labels),
+                   "records": records}
         write_result(out, task="lola-needle-study", model=a.model, runs=[EXACT, *runs], figures=figures,
                      command=command, device=device_description(a.device))
 
     total = len(prompts) * (1 + len(runs))
     done = 0
     for run in [EXACT, *runs]:
-        with applied(model, run):
-            if run.name != "exact":  # the options in force (an asset's defaults included) and the weights' source
-                mod = next(iter(patched_modules(model).values()))
-                cfg = mod.method_config
-                effective[run.label] = {**{k: getattr(cfg, k, None) for k in OPTIONS}, "sparse_cache": mod.sparse_cache,
-                                        "weights": getattr(mod, "weights_source", None)}
-            _log(f"{run.label}: {effective.get(run.label, 'the unpatched projections, softmax attention')}")
-            for i, (s, needle) in enumerate(zip(prompts, needles)):
-                t1 = time.time()
-                res, answer = probe_prompt(model, tok, s.input_ids, needle, answer_tokens(s.task))
-                rec = {"method": run.label, "task": s.task, "length": s.length, "depth": s.depth, "index": s.index,
-                       "prompt_tokens": s.prompt_tokens, "needle_depth": s.needle_depth, "needle_at": needle.start,
-                       "needle_tokens": needle.stop - needle.start, "answer": answer,
-                       "correct": score(answer, s.value)}
-                if run is EXACT:
-                    exact_by_prompt.append(res)
-                    x = torch.stack([res[L]["exact_needle"] for L in sorted(res)])  # [layers, Hq]
-                    rec["exact_needle_by_layer"] = [_r(v, 3) for v in x.max(-1).values.tolist()]  # its top head's
-                    best = [(_r(x[L, h]), L, h) for L in range(x.shape[0]) for h in range(x.shape[1])]
-                    rec["top_heads"] = [{"layer": L, "head": h, "exact_needle": m} for m, L, h in sorted(best)[::-1][:TOP]]
-                    msg = "top heads " + ", ".join(f"L{t['layer']}h{t['head']} {t['exact_needle']:.2f}"
-                                                   for t in rec["top_heads"][:3])
-                else:
-                    rows = layer_rows(exact_by_prompt[i], res)
-                    tops = top_heads(exact_by_prompt[i], res)
-                    rec.update({
-                        "needle_held_mean": _mean([r["needle_held"] for r in rows]),
-                        "needle_held_after_prefill_mean": _mean([r["needle_held_after_prefill"] for r in rows]),
-                        "random_held_mean": _mean([r["random_held"] for r in rows]),
-                        "sink_held_mean": _mean([r["sink_held"] for r in rows]),
-                        "sink_held_after_prefill_mean": _mean([r["sink_held_after_prefill"] for r in rows]),
-                        "linear_share_mean": _mean([r["linear_share_mean"] for r in rows]),
-                        "needle_in_window": rows[0]["needle_in_window"],
-                        "unmatched": sum(r["unmatched"] for r in rows),
-                        "fold_check_max": max(r["fold_check"] for r in rows),
-                        "top_heads": tops, "layers": layer_columns(rows)})
-                    t = tops[0]
-                    msg = (f"needle held {rec['needle_held_mean']:.2f} (random {rec['random_held_mean']:.2f}), sink "
-                           f"held {rec['sink_held_mean']:.2f} / {rec['sink_held_after_prefill_mean']:.2f} after; top "
-                           f"L{t['layer']}h{t['head']}: exact {t['exact_needle']:.2f}, own q/k {t['softmax_needle']:.2f}, "
-                           f"{run.name} exact {t['needle_exact']:.3f} linear {t['needle_linear']:.3f}, linear share "
-                           f"{t['linear_share']:.2f}")
-                records.append(rec)
-                done += 1
-                _log(f"[{done}/{total}] {s.task} {size_label(s.length)} depth {s.depth:g} #{s.index} {run.label}: "
-                     f"{'right' if rec['correct'] else 'wrong'} ({answer.strip()[:24]!r}); {msg} "
-                     f"({time.time() - t1:.1f} s)")
-                write()
+        try:
+            with applied(model, run):
+                if run.name != "exact":  # the options in force (an asset's defaults included) and the weights' source
+                    mod = next(iter(patched_modules(model).values()))
+                    cfg = mod.method_config
+                    effective[run.label] = {**{k: getattr(cfg, k, None) for k in OPTIONS},
+                                            "sparse_cache": mod.sparse_cache,
+                                            "weights": getattr(mod, "weights_source", None)}
+                _log(f"{run.label}: {effective.get(run.label, 'the unpatched projections, softmax attention')}")
+                for i, (s, needle) in enumerate(zip(prompts, needles)):
+                    t1 = time.time()
+                    res, answer = probe_prompt(model, tok, s.input_ids, needle, answer_tokens(s.task))
+                    rec = {"method": run.label, "task": s.task, "length": s.length, "depth": s.depth, "index": s.index,
+                           "prompt_tokens": s.prompt_tokens, "needle_depth": s.needle_depth, "needle_at": needle.start,
+                           "needle_tokens": needle.stop - needle.start, "answer": answer,
+                           "correct": score(answer, s.value)}
+                    if run is EXACT:
+                        exact_by_prompt.append(res)
+                        more, msg = exact_record(res)
+                    else:
+                        more, msg = hybrid_record(run.name, exact_by_prompt[i], res)
+                    rec.update(more)
+                    records.append(rec)
+                    done += 1
+                    _log(f"[{done}/{total}] {s.task} {size_label(s.length)} depth {s.depth:g} #{s.index} {run.label}: "
+                         f"{'right' if rec['correct'] else 'wrong'} ({answer.strip()[:24]!r}); {msg} "
+                         f"({time.time() - t1:.1f} s)")
+                    write()
+        except Exception as e:  # noqa: BLE001 - one method's failure leaves the others' figures (not the reference's)
+            if run is EXACT:
+                raise
+            failed[run.label] = f"{type(e).__name__}: {e}"
+            _log(f"{run.label} failed: {failed[run.label]}\n{traceback.format_exc()}")
+            write()
     summary = summarize(records, labels)
     print(summary_table(summary))
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
-    return 0
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ case $STEP in
     timeout "$(left)" python3 -m benchmarks.quality.bench_lola_needle_study --model "$MODEL" --device "$DEV" \
       --dtype "$DTYPE" --tasks s-niah-1,s-niah-2 --lengths "$L" --depths "$STUDY_DEPTHS" --samples "$STUDY_SAMPLES" \
       --haystack "$CORPUS/heldout/prose" "${args[@]}" --out "$OUT/lola/needle-study-qwen2.5-coder-0.5b-$L-$GPU.json" \
-      2>&1 || echo "! the study at $L did not finish";;
+      2>&1 || echo "! the study at $L: a method failed or it did not finish (above)";;
   poll)
     wait_s=${2:-500}
     end=$(( $(date +%s) + wait_s ))
