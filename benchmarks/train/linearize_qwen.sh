@@ -57,7 +57,7 @@ NIAH_LENGTHS=${NIAH_LENGTHS:-4k,16k} NIAH_SAMPLES=${NIAH_SAMPLES:-4}
 # the needle study (`study`): the lengths, the measured S-NIAH cells' depths and prompts a depth, the methods in order
 # (each after exact attention; the asset's default first, then exact attention with its LoRA: lolcats with a window
 # over the prompt and the answer, 32768, since a prompt token that leaves the window during the answer is attended
-# linearly: the first one, which most heads attend, costs SmolLM2 the needles, docs/lola.md)
+# linearly: the first ones, which many heads attend, cost SmolLM2 the needles under shifted, docs/lola.md)
 STUDY_LENGTHS=${STUDY_LENGTHS:-4k 16k} STUDY_DEPTHS=${STUDY_DEPTHS:-0.1,0.3,0.5,0.7,0.9} STUDY_SAMPLES=${STUDY_SAMPLES:-4}
 STUDY_METHODS=${STUDY_METHODS:-lola(window=1024,sparse_cache=1024,combine=unshifted) lolcats(window=32768) \
 lola(window=1024,sparse_cache=1024,combine=shifted) lola(window=256,sparse_cache=256,combine=unshifted) \
