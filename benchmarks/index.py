@@ -27,7 +27,8 @@ REQUIRED = ("device", "date", "commit", "command")  # every result file should s
 # folders that hold several kinds of benchmark or study: a file's name starts with its kind
 KINDS = {
     "decode": ("attention", "profile", "anatomy", "fused-ops"),
-    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache"),
+    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache",
+             "needle-study"),
     "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks", "tilted-cells-speed", "tilt-span",
              "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff",
              "calibration", "calibrated", "muse-vs-moba", "guard"),
@@ -175,6 +176,23 @@ def h_needle(d):
     return f"needle pairs kept: {sum(kept) / len(kept):.3f} (a random token: {sum(rnd) / len(rnd):.3f})"
 
 
+def h_needle_study(d):
+    """bench_lola_needle_study: per method (exact first), the share of right answers and, for the others, the needle's
+    pairs held exactly against a random token's, over every cell."""
+    recs = d["records"]
+
+    def fig(label):
+        mine = [r for r in recs if r["method"] == label]
+        out = f"right {sum(r['correct'] for r in mine) / len(mine):.2f}"
+        if "needle_held_mean" in mine[0]:
+            held = sum(r["needle_held_mean"] for r in mine) / len(mine)
+            rnd = sum(r["random_held_mean"] for r in mine) / len(mine)
+            out += f", needle held {held:.2f} (random {rnd:.2f})"
+        return out
+
+    return "; ".join(f"{short(lab, 60)}: {fig(lab)}" for lab in d["method"] if any(r["method"] == lab for r in recs))
+
+
 def h_determinism(d):
     if "conditions" in d:
         return "runs diverged: " + ", ".join(f"{c['runs_diverged']}/{c['runs']} ({short(c['condition'], 30)})"
@@ -253,7 +271,7 @@ def h_retrieval(d):
 RULES: dict[str, Callable[[dict], str]] = {
     "niah": h_niah, "ruler": h_ruler, "ppl": h_ppl, "approx": h_approx, "speed": h_speed, "speed-op": h_speed_op,
     "finetune": h_finetune, "icr": h_synthetic, "icl": h_synthetic, "multigpu-linearize": h_multigpu,
-    "lola-mass": h_lola_mass, "lola-needle-in-cache": h_needle, "lola-determinism": h_determinism,
+    "lola-mass": h_lola_mass, "lola-needle-in-cache": h_needle, "lola-needle-study": h_needle_study, "lola-determinism": h_determinism,
     "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,
     "muse-farfield-study": h_fidelity, "muse-fast-study": h_fidelity, "muse-retrieval-study": h_retrieval,
     "lola-speed": h_lola_speed, "racecheck": h_racecheck, "decode-attention": h_decode_attention,

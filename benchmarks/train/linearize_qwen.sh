@@ -10,7 +10,7 @@
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (41 MiB pieces: the tracked tree is ~22 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (41 MiB pieces: the tracked tree is ~22.5 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
 #
 # The pipelined plan (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh). The corpus
 # builds (~3 min on 16 cores) in a background process session while the pieces travel (~4 s a call once warm), and
@@ -24,6 +24,13 @@
 #                                                                                        polls for POLL_S (120) s
 #   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
+# The needle study (no training; docs/lola.md, "Where Qwen loses the needle"): calls 1-11 as above, then
+#   12    carry [".device-model/qwen/10"]                   $C bash $B study-go 10 11   the GGUF whole and checked; in
+#         the background: dequantise, (corpus built) ppl-lora, study 4k, study 16k; polls for POLL_S (120) s
+#   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+# Its results come back in small.tar: bgout/ppl/ (exact attention with the asset's LoRA beside unpatched, held-out
+# code and prose at 4k and 16k) and bgout/lola/needle-study-qwen2.5-coder-0.5b-{4k,16k}-<gpu>.json (rewritten after
+# every prompt: a chain cut short still brings back what it measured).
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
@@ -33,9 +40,10 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | poll [S] | prepare NN | corpus | transfer | lora | eval | niah}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | poll [S] | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
-SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  # the whole GGUF (qwen-coder-parts.sh)
+SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
+                                     # a dry run sets another file's)
 GGUF=${GGUF:-/tmp/qwen.gguf}
 MODEL=${MODEL:-/tmp/qwen-hf}        # the GGUF dequantised, embedding tied: what the alias qwen2.5-coder-0.5b loads
 CORPUS=${CORPUS:-/tmp/corpus}
@@ -46,6 +54,14 @@ BUILD_ARGS=${BUILD_ARGS:-}           # more options of build_corpus build (a dry
 # the evaluations (a CPU dry run sets smaller ones)
 DEV=${DEV:-cuda} DTYPE=${DTYPE:-bfloat16} PPL_CONTEXT=${PPL_CONTEXT:-4k,16k} PPL_WINDOWS=${PPL_WINDOWS:-8}
 NIAH_LENGTHS=${NIAH_LENGTHS:-4k,16k} NIAH_SAMPLES=${NIAH_SAMPLES:-4}
+# the needle study (`study`): the lengths, the measured S-NIAH cells' depths and prompts a depth, the methods in order
+# (each after exact attention; the asset's default first, then exact attention with its LoRA: lolcats with a window
+# over the prompt and the answer, 32768, since a prompt token that leaves the window during the answer is attended
+# linearly: the first ones, which many heads attend, cost SmolLM2 the needles under shifted, docs/lola.md)
+STUDY_LENGTHS=${STUDY_LENGTHS:-4k 16k} STUDY_DEPTHS=${STUDY_DEPTHS:-0.1,0.3,0.5,0.7,0.9} STUDY_SAMPLES=${STUDY_SAMPLES:-4}
+STUDY_METHODS=${STUDY_METHODS:-lola(window=1024,sparse_cache=1024,combine=unshifted) lolcats(window=32768) \
+lola(window=1024,sparse_cache=1024,combine=shifted) lola(window=256,sparse_cache=256,combine=unshifted) \
+lola(window=256,sparse_cache=256,combine=shifted)}
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
@@ -69,6 +85,30 @@ snapshot() {  # the tree as this call brought it, in a new folder /tmp/repo-N (p
   local d; d=$(mktemp -d /tmp/repo-XXXX)
   tar cf - longctx_patch benchmarks recipes pyproject.toml | tar xf - -C "$d"
   echo "$d"
+}
+
+dequantise() {  # the GGUF as the model folder $MODEL (embedding tied), unless it is there
+  [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
+dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
+  echo "dequantised after $(( $(date +%s) - T0 )) s"
+}
+
+assemble() {  # assemble NN LAST: the carried piece NN and the last piece kept by `stage` appended, the GGUF checked
+  cat ".device-model/qwen/$1/piece" "/tmp/pieces/$2" >> "$GGUF"
+  echo "$SHA  $GGUF" | sha256sum -c -
+}
+
+in_background() {  # in_background STEP: `$0 STEP` in a background process session, from a snapshot of the tree; its
+                   # log /tmp/chain.log, /tmp/chain.done once it ends (what `poll` waits for and brings back)
+  rm -f /tmp/chain.done; mkdir -p /tmp/bgout
+  local repo; repo=$(snapshot)
+  (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' $1 > /tmp/chain.log 2>&1; \
+    touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
+}
+
+wait_corpus() {  # until the background build of `stage` has ended; fails without a corpus
+  while [ ! -f /tmp/corpus.done ]; do sleep 5; done
+  [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
 }
 
 train() {  # train TEXT [finetune options]: the recipe, resumed from the newest checkpoint, until LIMIT_S
@@ -95,9 +135,7 @@ case $STEP in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     mkdir -p "$PACK" "$TOK" && cp .device-data/prose/* "$PACK/" && cp .device-data/qwen-tokenizer/* "$TOK/"
-    [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
-dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
-    echo "dequantised after $(( $(date +%s) - T0 )) s"
+    dequantise
     T0=$T0 exec bash "$0" corpus;;
   corpus)  # the corpus from the carried pack and this machine's own Python sources
     rm -rf "$CORPUS"
@@ -166,26 +204,50 @@ dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embed
     mv "$CORPUS.tmp" "$CORPUS"
     echo "corpus built in $(( $(date +%s) - T0 )) s";;
   go)
-    n=${2:?go NN LAST}; last=${3:?go NN LAST}
-    cat ".device-model/qwen/$n/piece" "/tmp/pieces/$last" >> "$GGUF"
-    echo "$SHA  $GGUF" | sha256sum -c -
-    rm -f /tmp/chain.done; mkdir -p /tmp/bgout; repo=$(snapshot)
-    (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' chain > /tmp/chain.log 2>&1; \
-      touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
+    assemble "${2:?go NN LAST}" "${3:?go NN LAST}"
+    in_background chain
     T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
   chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
     export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    [ -f "$MODEL/config.json" ] || python3 -c "import sys; from pathlib import Path; from longctx_patch.models import \
-dequantise_gguf; dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]), tie_embeddings=True)" "$GGUF" "$MODEL"
-    echo "dequantised after $(( $(date +%s) - T0 )) s"
-    while [ ! -f /tmp/corpus.done ]; do sleep 5; done
-    [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
+    dequantise
+    wait_corpus
     bash "$0" transfer
     # shellcheck disable=SC2086
     bash "$0" lora $LORA_ARGS
     bash "$0" eval
     bash "$0" niah
     echo "chain done after $(( $(date +%s) - T0 )) s";;
+  # --- The needle study (no training): `stage` and `piece` as above, then `study-go NN LAST` and `poll` calls.
+  study-go)
+    assemble "${2:?study-go NN LAST}" "${3:?study-go NN LAST}"
+    in_background study-chain
+    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+  study-chain)  # in the background: no call limit, its files in /tmp/bgout
+    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+    dequantise
+    wait_corpus
+    bash "$0" ppl-lora
+    for L in $STUDY_LENGTHS; do bash "$0" study "$L"; done
+    echo "study chain done after $(( $(date +%s) - T0 )) s";;
+  ppl-lora)  # held-out perplexity (code, prose; PPL_CONTEXT) of exact attention with the asset's LoRA (lolcats with a
+             # window of 16384: every pair exact), the fair reference of lola's figures, beside the unpatched model
+    mkdir -p "$OUT/ppl"
+    for kind in code prose; do
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+        --method none --method 'lolcats(window=16384)' --text "$CORPUS/heldout/$kind" --context "$PPL_CONTEXT" \
+        --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT/ppl" \
+        --name "qwen2.5-coder-0.5b-exact-lora-heldout-$kind-$GPU" 2>&1 | tail -n 12 || echo "! perplexity on $kind did not finish"
+    done;;
+  study)  # study LENGTH: benchmarks.quality.bench_lola_needle_study on S-NIAH-1/2 at LENGTH, the prompts of the measured
+          # cells (held-out prose, STUDY_DEPTHS, STUDY_SAMPLES a depth), exact attention then each of STUDY_METHODS
+    L=${2:?study LENGTH}
+    read -r -a methods <<< "$STUDY_METHODS"
+    args=(); for m in "${methods[@]}"; do args+=(--method "$m"); done
+    mkdir -p "$OUT/lola"
+    timeout "$(left)" python3 -m benchmarks.quality.bench_lola_needle_study --model "$MODEL" --device "$DEV" \
+      --dtype "$DTYPE" --tasks s-niah-1,s-niah-2 --lengths "$L" --depths "$STUDY_DEPTHS" --samples "$STUDY_SAMPLES" \
+      --haystack "$CORPUS/heldout/prose" "${args[@]}" --out "$OUT/lola/needle-study-qwen2.5-coder-0.5b-$L-$GPU.json" \
+      2>&1 || echo "! the study at $L: a method failed or it did not finish (above)";;
   poll)
     wait_s=${2:-500}
     end=$(( $(date +%s) + wait_s ))

@@ -372,7 +372,8 @@ def score(answer: str, value: str) -> bool:
     return value.lower() in answer.lower()
 
 
-def _max_new_tokens(task: str) -> int:
+def answer_tokens(task: str) -> int:
+    """The new tokens an answer of `task` may take (greedy decoding stops there): 64 for a UUID, 16 for a number."""
     return 64 if task == "s-niah-3" else 16
 
 
@@ -440,7 +441,7 @@ def run_niah(
             with applied(mdl, run):
                 bar = progress_iter(prompts, f"niah {run.label}", enabled=progress, unit="prompts")
                 for s in bar:
-                    answer = generate_answer(mdl, tok, s.input_ids, _max_new_tokens(s.task))
+                    answer = generate_answer(mdl, tok, s.input_ids, answer_tokens(s.task))
                     records.append({"method": run.label, **s.record(), "answer": answer, "correct": score(answer, s.value)})
     finally:
         mdl.train(was_training)
@@ -619,11 +620,14 @@ def plot_heatmap(figures, labels, tasks, lengths, depths, path) -> Path:
 __all__ = [
     "TASKS",
     "NiahSample",
+    "answer_tokens",
     "build_sample",
+    "generate_answer",
     "make_samples",
     "load_haystack",
     "measure_depth",
     "score",
     "run_niah",
     "plot_heatmap",
+    "value_span",
 ]
