@@ -62,13 +62,13 @@ import torch
 
 from benchmarks.shared import REPO_ROOT, device_token, model_token, result_file
 from longctx_patch.evals.common import (
-    MethodRun, applied, device_description, format_table, git_commit, parse_fractions, parse_methods, parse_sizes,
-    size_label, write_result)
+    MethodRun, applied, format_table, parse_fractions, parse_methods, parse_sizes, size_label, write_result)
 from longctx_patch.evals.niah import answer_tokens, generate_answer, load_haystack, make_samples, score, value_span
 from longctx_patch.generation import has_chat_template
 from longctx_patch.kernels.lola.reference import expand_kv
 from longctx_patch.methods.lola import HybridAttention
 from longctx_patch.patch_state import patched_modules
+from longctx_patch.provenance import device_description, git_commit
 
 TASKS = ("s-niah-1", "s-niah-2", "mk-niah")  # a number as the value: one token per digit
 DEFAULT_HAYSTACK = REPO_ROOT / "tests" / "data" / "pg_essays"
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
     def write():
         figures = {"tasks": tasks, "lengths": lengths, "depths": depths, "samples_per_cell": a.samples, "seed": a.seed,
                    "haystack": haystack if text is not None else None, "chat_template": chat, "dtype": dtype,
-                   "effective_config": effective, "failed": failed, "summary": summarize(records, labels),
+                   "options_in_force": effective, "failed": failed, "summary": summarize(records, labels),
                    "records": records}
         write_result(out, task="lola-needle-study", model=a.model, runs=[EXACT, *runs], figures=figures,
                      command=command, device=device_description(a.device))
