@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +43,7 @@ from .errors import AlreadyPatchedError, ConfigError, DeviceError
 from .methods import get_method
 from .patch_state import find_state, patch_context
 from .patcher import parse_layers, patch, unpatch
+from .timing import cuda_median_ms
 
 OBJECTIVES = ("layer", "mean")
 COSTS = ("auto", "keys", "time")
@@ -205,20 +205,6 @@ class _Stats:
     seq_len: int
 
 
-def _time_ms(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def _head_sq(o, ref) -> list[float]:
     return (o.float() - ref).double().pow(2).sum((0, 1, 3)).tolist()
 
@@ -243,14 +229,14 @@ def _measure(cal, configs, cost: str, mod, q, k, v) -> _Stats:
         o = run()
         sq.append(_head_sq(o, ref))
         keys.append(H * sum(cal.attended_keys(cfg, S)))
-        costs.append(_time_ms(run) if cost == "time" else keys[-1])
+        costs.append(cuda_median_ms(run) if cost == "time" else keys[-1])
     every = list(range(H))
     exact_heads = cal.with_exact_heads(torch.empty_like(o), q, k, v, every, scale=scale)
     exact = softmax_attention(q, k, v, scale=scale)
     row = (S + 1) / 2
     if cost == "time":
-        head_cost = _time_ms(lambda: cal.with_exact_heads(o, q, k, v, [0], scale=scale))
-        exact_cost = _time_ms(lambda: softmax_attention(q, k, v, scale=scale))
+        head_cost = cuda_median_ms(lambda: cal.with_exact_heads(o, q, k, v, [0], scale=scale))
+        exact_cost = cuda_median_ms(lambda: softmax_attention(q, k, v, scale=scale))
     else:
         head_cost, exact_cost = row, H * row
     return _Stats(H, den, sq, _head_sq(exact_heads, ref), sum(_head_sq(exact, ref)), costs, keys, head_cost,

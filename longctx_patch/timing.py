@@ -4,9 +4,26 @@ generate()'s steps with it too (`evals/speed_model.py`)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+
+
+def cuda_median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
+    """The median time of `reps` calls of `fn` on the current CUDA stream, in milliseconds (CUDA events around each
+    call, after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 class StepTimer:

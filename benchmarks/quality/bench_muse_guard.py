@@ -44,6 +44,7 @@ import torch
 from benchmarks.shared import device_token, model_token, results_dir
 from longctx_patch.evals.common import format_table
 from longctx_patch.provenance import device_description, git_commit
+from longctx_patch.timing import cuda_median_ms
 
 PARTS = ("errors", "ppl", "niah", "speed")
 
@@ -187,16 +188,7 @@ def speed_part(model, ids, budgets, sets, repeats: int) -> dict:
             t = time.perf_counter()
             once()
             return 1e3 * (time.perf_counter() - t)
-        once()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            once()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return cuda_median_ms(once, reps=repeats, warmup=1)
 
     out = {}
     for label, cfg in variants(budgets, sets):
