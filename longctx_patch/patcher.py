@@ -334,8 +334,10 @@ def _apply(model: nn.Module, method: str, layers, config: dict[str, Any]) -> tup
                           f"{', '.join(list_methods())}")
     adapter = get_adapter(model)
     m = get_method(method)
-    m.parse_config(config)  # a bad option is refused before the model is read for defaults
-    cfg = m.parse_config({**m.model_defaults(model, dict(config)), **config})
+    cfg = m.parse_config(config)  # a bad option is refused before the model is read for defaults
+    defaults = m.model_defaults(model, cfg, config)
+    if defaults:
+        cfg = m.parse_config({**defaults, **config})
     base = base_model(model)
     decoder = adapter.decoder_layers(model)
     idx = parse_layers(layers, len(decoder))

@@ -426,10 +426,10 @@ class Method:
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)
 
-    def model_defaults(self, model: nn.Module, values: dict[str, Any]) -> dict[str, Any]:
-        """Option values this method takes for `model` where the caller passed none (`values`: what the caller
-        passed), e.g. those a packaged asset's measurements chose for the model it was trained for; patch() applies
-        them under the caller's own. {} (the config's defaults) unless a method says otherwise."""
+    def model_defaults(self, model: nn.Module, config: MethodConfig, given: dict[str, Any]) -> dict[str, Any]:
+        """Option values this method takes for `model` where the caller passed none (`config`: the caller's options
+        parsed, `given`: those passed), e.g. those a packaged asset's measurements chose for the model it was trained
+        for; patch() applies them under the caller's own. {} (the config's defaults) unless a method says otherwise."""
         return {}
 
     def check_layers(self, specs: list[AttentionSpec], config: MethodConfig) -> None:

@@ -56,18 +56,13 @@ class Lola(Method):
     lolcats_layout = True
     state_options = ("window", "chunk", "sparse_cache", "feature_dim")
 
-    def model_defaults(self, model, values) -> dict:
+    def model_defaults(self, model, config, given) -> dict:
         """The asset's measured lola options (window, sparse cache, combination) for the model it was trained for,
         where the caller set none: `patch(qwen, "lola")` runs what the asset's measurements chose."""
-        return asset_defaults(model, self.name, self.parse_config(values), values)
+        return asset_defaults(model, self.name, config, given)
 
     def after_patch(self, model, modules, config) -> None:
-        source = load_method_weights(model, modules, config)
-        chosen = asset_defaults(model, self.name, config, {})
-        if chosen:
-            opts = ", ".join(f"{k}={v}" for k, v in chosen.items())
-            for m in modules.values():
-                m.weights_source = f"{source}; its measured lola defaults {opts} (options passed take precedence)"
+        load_method_weights(model, modules, config, method=self.name)
 
     def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
         return hybrid_approximation(config)

@@ -249,6 +249,15 @@ def export_lolcats_checkpoint(model, path: str, modules=None) -> str:
     return path
 
 
+def _measured_defaults(asset, method: str) -> dict:
+    """asset.json `method_defaults.<method>`: the options the asset's measurements chose for `method` ({} if none)."""
+    chosen = (asset.info.get("method_defaults") or {}).get(method) or {}
+    if not isinstance(chosen, dict):
+        raise CheckpointError(f"{asset.path}/asset.json: method_defaults.{method} is not an object of options; copy "
+                              "the asset folder again")
+    return chosen
+
+
 def asset_defaults(model, method: str, config: HybridConfig, given: dict) -> dict:
     """The options of `method` that the packaged asset `checkpoint=auto` finds for `model` names as its measured
     defaults (asset.json `method_defaults`, e.g. Qwen2.5-Coder's lola window and sparse cache: docs/lola.md), less
@@ -259,16 +268,14 @@ def asset_defaults(model, method: str, config: HybridConfig, given: dict) -> dic
     from ...assets import find_asset
 
     asset = find_asset(model, config)
-    chosen = ((asset.info.get("method_defaults") or {}).get(method) or {}) if asset is not None else {}
-    if not isinstance(chosen, dict):
-        raise CheckpointError(f"{asset.path}/asset.json: method_defaults.{method} is not an object of options; copy "
-                              "the asset folder again")
+    chosen = _measured_defaults(asset, method) if asset is not None else {}
     return {k: v for k, v in chosen.items() if k not in given}
 
 
-def load_method_weights(model, modules, config: HybridConfig) -> str:
+def load_method_weights(model, modules, config: HybridConfig, method: str | None = None) -> str:
     """`after_patch` of lolcats/lola: loads `config.checkpoint` (resolving `auto`) into `modules` and records
-    where the weights came from on each module (`weights_source`, shown by `longctx patch`). Returns it."""
+    where the weights came from on each module (`weights_source`, shown by `longctx patch`), with the asset's
+    measured defaults of `method` if it names any (`asset_defaults`). Returns it."""
     ck = config.checkpoint
     if ck is not None and str(ck).strip().lower() == "auto":
         from ...assets import find_asset
@@ -279,6 +286,10 @@ def load_method_weights(model, modules, config: HybridConfig) -> str:
         else:
             load_lolcats_checkpoint(model, str(asset.path), modules=modules, skip_unpatched_layers=True)
             source = f"packaged asset {asset.name} ({asset.path})"
+            chosen = _measured_defaults(asset, method) if method else {}
+            if chosen:
+                opts = ", ".join(f"{k}={v}" for k, v in chosen.items())
+                source += f"; its measured {method} defaults {opts} (options passed take precedence)"
     elif ck:
         from ...assets import check_asset_for
 
