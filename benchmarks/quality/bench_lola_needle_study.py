@@ -461,13 +461,13 @@ def main(argv=None) -> int:
     labels = [EXACT.label] + [r.label for r in runs]
     records: list[dict] = []
     exact_by_prompt: list[dict[int, dict]] = []
-    effective: dict[str, dict] = {}
+    weights: dict[str, str | None] = {}  # label -> where its method weights came from (options: effective_config)
     failed: dict[str, str] = {}  # method -> its error (the records it finished stay)
 
     def write():
         figures = {"tasks": tasks, "lengths": lengths, "depths": depths, "samples_per_cell": a.samples, "seed": a.seed,
                    "haystack": haystack if text is not None else None, "chat_template": chat, "dtype": dtype,
-                   "options_in_force": effective, "failed": failed, "summary": summarize(records, labels),
+                   "weights_source": weights, "failed": failed, "summary": summarize(records, labels),
                    "records": records}
         write_result(out, task="lola-needle-study", model=a.model, runs=[EXACT, *runs], figures=figures,
                      command=command, device=device_description(a.device))
@@ -479,11 +479,11 @@ def main(argv=None) -> int:
             with applied(model, run):
                 if run.name != "exact":  # the options in force (an asset's defaults included) and the weights' source
                     mod = next(iter(patched_modules(model).values()))
-                    cfg = mod.method_config
-                    effective[run.label] = {**{k: getattr(cfg, k, None) for k in OPTIONS},
-                                            "sparse_cache": mod.sparse_cache,
-                                            "weights": getattr(mod, "weights_source", None)}
-                _log(f"{run.label}: {effective.get(run.label, 'the unpatched projections, softmax attention')}")
+                    weights[run.label] = getattr(mod, "weights_source", None)
+                    shown = {k: run.effective[k] for k in OPTIONS if k in run.effective}
+                    _log(f"{run.label}: {shown | {'sparse_cache': mod.sparse_cache}}; weights: {weights[run.label]}")
+                else:
+                    _log(f"{run.label}: the unpatched projections, softmax attention")
                 for i, (s, needle) in enumerate(zip(prompts, needles)):
                     t1 = time.time()
                     res, answer = probe_prompt(model, tok, s.input_ids, needle, answer_tokens(s.task))
