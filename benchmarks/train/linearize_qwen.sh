@@ -40,7 +40,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | poll [S] | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -62,6 +62,7 @@ STUDY_LENGTHS=${STUDY_LENGTHS:-4k 16k} STUDY_DEPTHS=${STUDY_DEPTHS:-0.1,0.3,0.5,
 STUDY_METHODS=${STUDY_METHODS:-lola(window=1024,sparse_cache=1024,combine=unshifted) lolcats(window=32768) \
 lola(window=1024,sparse_cache=1024,combine=shifted) lola(window=256,sparse_cache=256,combine=unshifted) \
 lola(window=256,sparse_cache=256,combine=shifted)}
+GUARD_PARTS=${GUARD_PARTS-errors,speed,ppl,niah}  # the study chain's last step, MuSe's guard (empty: none)
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
@@ -228,6 +229,7 @@ case $STEP in
     wait_corpus
     bash "$0" ppl-lora
     for L in $STUDY_LENGTHS; do bash "$0" study "$L"; done
+    [ -n "$GUARD_PARTS" ] && bash "$0" muse-guard
     echo "study chain done after $(( $(date +%s) - T0 )) s";;
   ppl-lora)  # held-out perplexity (code, prose; PPL_CONTEXT) of exact attention with the asset's LoRA (lolcats with a
              # window of 16384: every pair exact), the fair reference of lola's figures, beside the unpatched model
@@ -248,6 +250,14 @@ case $STEP in
       --dtype "$DTYPE" --tasks s-niah-1,s-niah-2 --lengths "$L" --depths "$STUDY_DEPTHS" --samples "$STUDY_SAMPLES" \
       --haystack "$CORPUS/heldout/prose" "${args[@]}" --out "$OUT/lola/needle-study-qwen2.5-coder-0.5b-$L-$GPU.json" \
       2>&1 || echo "! the study at $L: a method failed or it did not finish (above)";;
+  muse-guard)  # MuSe's run-time guard on the unpatched model (issue 58; benchmarks.quality.bench_muse_guard) at 32k and
+               # 64k on the held-out prose, one call per part of GUARD_PARTS (a part cut short loses only itself)
+    for part in ${GUARD_PARTS//,/ }; do
+      mkdir -p "$OUT/muse/$part"
+      timeout "$(left)" python3 -m benchmarks.quality.bench_muse_guard --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+        --text "$CORPUS/heldout/prose" --parts "$part" --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
+        echo "! the guard's $part part did not finish"
+    done;;
   poll)
     wait_s=${2:-500}
     end=$(( $(date +%s) + wait_s ))
