@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from longctx_patch.kernels.ovq import OVQState, exact_causal_attention, ovq_attention  # noqa: E402
+from longctx_patch.kernels.ovq import OVQState, OvqKernelOptions, exact_causal_attention, ovq_attention  # noqa: E402
 from longctx_patch.kernels.ovq.reference import chunk_attention_ref, select_and_assign  # noqa: E402
 from longctx_patch.kernels.ovq.ops import chunk_attention_triton  # noqa: E402
 from longctx_patch.kernels.ovq.triton_dict import chunk_stats_triton  # noqa: E402
@@ -79,8 +79,7 @@ def test_chunk_stats_and_assignment(C, n_active):
 
 
 @pytest.mark.parametrize("S,C,N,growth", [(29, 8, 40, 0.0), (37, 8, 6, 4.0), (21, 16, 5, 2.0)])
-def test_driver_triton_equals_torch(S, C, N, growth, monkeypatch):
-    monkeypatch.setenv("LONGCTX_OVQ_SPLIT_ROWS", "4")  # the assignment statistics span several row splits
+def test_driver_triton_equals_torch(S, C, N, growth):
     g = torch.Generator().manual_seed(S)
     B, Hq, H, D = 2, 4, 2, 16
     q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).requires_grad_()
@@ -90,7 +89,9 @@ def test_driver_triton_equals_torch(S, C, N, growth, monkeypatch):
     valid[1, :5] = False
     kw = dict(chunk_size=C, max_centroids=N, growth=growth)
     o_ref, st_ref, _, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
-    o_tri, st_tri, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", **kw)
+    # 4 rows per program: the assignment statistics span several row splits
+    o_tri, st_tri, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton",
+                                        options=OvqKernelOptions(split_rows=4), **kw)
     torch.testing.assert_close(o_tri, o_ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(st_tri.counts, st_ref.counts)
     torch.testing.assert_close(st_tri.key_sums, st_ref.key_sums)
@@ -127,9 +128,7 @@ def test_driver_triton_bf16_decode_equals_prefill():
 @pytest.mark.parametrize("S,C,N,growth,dtype,split", [(37, 8, 6, 4.0, torch.float32, None),
                                                       (29, 8, 40, 0.0, torch.float32, 16),
                                                       (45, 16, 10, 4.0, torch.bfloat16, 4)])
-def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype, split, monkeypatch):
-    if split is not None:  # several programs per chunk over the dictionary rows
-        monkeypatch.setenv("LONGCTX_OVQ_SPLIT_ROWS", str(split))
+def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype, split):
     g = torch.Generator().manual_seed(S + C)
     B, Hq, H, D = 2, 4, 2, 16
     q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).to(dtype)
@@ -141,6 +140,8 @@ def test_fused_no_grad_path_equals_reference(S, C, N, growth, dtype, split, monk
     kw = dict(chunk_size=C, max_centroids=N, growth=growth)
     with torch.no_grad():
         o_ref, st_ref, op_ref, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
+        # split: several programs per chunk over the dictionary rows
+        kw["options"] = OvqKernelOptions(split_rows=split)
         o_fast, st_fast, op_fast, sb = ovq_attention(q, k, v, None, None, valid, backend="triton",
                                                      exact_assign=True, **kw)
         # streamed through the same fused path: a prefill, then one token at a time
@@ -232,7 +233,7 @@ def test_fused_mean_form_equals_sum_form(dtype):
     kw = dict(chunk_size=C, max_centroids=20, growth=6.0, backend="triton", exact_assign=False)
     runs = {}
     for mean in (True, False):
-        kw["mean_form"] = mean
+        kw["options"] = OvqKernelOptions(mean_form=mean)
         with torch.no_grad():
             o1, st, op, sb = ovq_attention(q[:, :, :21], k[:, :, :21], v[:, :, :21], None, None, valid[:, :21], **kw)
             o2, st, op, _ = ovq_attention(q[:, :, 21:], k[:, :, 21:], v[:, :, 21:], st, op, valid[:, 21:],
@@ -243,3 +244,63 @@ def test_fused_mean_form_equals_sum_form(dtype):
     torch.testing.assert_close(st_m.key_sums, st_s.key_sums, atol=1e-5, rtol=1e-5)
     real = valid[:, None, :, None].expand_as(o_m)
     assert _rel(o_m[real].float(), o_s[real].float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("options", [OvqKernelOptions(block_m=64), OvqKernelOptions(block_n=128),
+                                     OvqKernelOptions(split_rows=48), OvqKernelOptions(block_n=16, split_rows=256),
+                                     OvqKernelOptions(graph_runs=False, mean_form=False)],
+                         ids=["block_m64", "block_n128", "split48", "block_n16_split256", "no_graph_sum_form"])
+def test_kernel_options_change_no_result(options):
+    """Other launch tiles (OvqKernelOptions, passed as `options=`) give the defaults' outputs and dictionary: a
+    prefill of whole 128-token chunks (a run: bf16 assignment, mean form) and a tail, a decode step, an open-chunk
+    attention. block_m 64 splits each chunk's queries over two programs, block_n and split_rows retile the rows."""
+    from longctx_patch.kernels.ovq import OpenChunk, ovq_open_attention
+
+    g = torch.Generator().manual_seed(11)
+    B, Hq, H, S, C, D = 1, 2, 1, 3 * 128 + 21, 128, 16
+    q = (F.normalize(torch.randn(B, Hq, S, D, generator=g), dim=-1) * 5).bfloat16()
+    k = F.normalize(torch.randn(B, H, S, D, generator=g), dim=-1).bfloat16()
+    v = torch.randn(B, H, S, D, generator=g).bfloat16()
+    kw = dict(chunk_size=C, max_centroids=200, growth=64.0, backend="triton", exact_assign=False)
+    runs = []
+    for opts in (OvqKernelOptions(), options):
+        with torch.no_grad():
+            o, st, op, sb = ovq_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], None, None, None, options=opts,
+                                          **kw)
+            o1, st1, op1, _ = ovq_attention(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, op, None, seen_bound=sb,
+                                            options=opts, **kw)
+            n_dict = int(st1.n_active.max())
+            oo = ovq_open_attention(q[:, :, -1:], st1, OpenChunk(op1.keys, op1.values, op1.valid), n_dict,
+                                    backend="triton", options=opts)
+        runs.append((torch.cat([o, o1], 2), oo, st1))
+    (o_d, oo_d, st_d), (o_x, oo_x, st_x) = runs
+    assert torch.equal(st_x.counts, st_d.counts)
+    torch.testing.assert_close(st_x.key_sums, st_d.key_sums, atol=1e-5, rtol=1e-5)
+    assert _rel(o_x.float(), o_d.float()) < 1e-2 and _rel(oo_x.float(), oo_d.float()) < 1e-2
+
+
+def test_kernel_options_are_checked():
+    from longctx_patch.errors import ConfigError
+
+    for bad, allowed in ((dict(block_m=96), "64 or 128"), (dict(block_n=48), "16, 32, 64, 128, 256"),
+                         (dict(split_rows=0), "positive int"), (dict(graph_runs=1), "True or False"),
+                         (dict(block_m=True), "64 or 128")):
+        with pytest.raises(ValueError, match=allowed):
+            OvqKernelOptions(**bad)
+    with pytest.raises(ValueError, match="not OVQ kernel options: block"):
+        OvqKernelOptions().replace(block=64)
+    assert OvqKernelOptions().replace(block_n=128) == OvqKernelOptions(block_n=128)
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ConfigError, match="OvqKernelOptions"):
+        ovq_attention(q, q[:, :1], q[:, :1], None, None, None, chunk_size=4, max_centroids=8, growth=0.0,
+                      backend="torch", options={"block_m": 64})
+
+
+def test_kernel_options_reach_the_launch_choices():
+    from longctx_patch.kernels.ovq.triton_fast import _blk, _rows_per_split
+
+    assert _blk(512) == (128, 8) == _blk(512, OvqKernelOptions())
+    assert _blk(512, OvqKernelOptions(block_m=64)) == (64, 4) and _blk(16, OvqKernelOptions(block_m=64)) == (16, 4)
+    assert (_rows_per_split(512, attention=True), _rows_per_split(512), _rows_per_split(1)) == (1024, 512, 256)
+    opts = OvqKernelOptions(split_rows=128)
+    assert _rows_per_split(512, True, opts) == _rows_per_split(512, options=opts) == _rows_per_split(1, options=opts)

@@ -74,7 +74,7 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
         DEV = "cpu"
         args.quick = True
-    from longctx_patch.kernels.ovq import exact_causal_attention, ovq_attention
+    from longctx_patch.kernels.ovq import OvqKernelOptions, exact_causal_attention, ovq_attention
     from longctx_patch.kernels.ovq.reference import chunk_attention_ref
     from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
@@ -108,7 +108,7 @@ def main():
                                         "dv": rel(go[2], gr[2])}
     # fused no-grad path vs reference (exact assignment so that the dictionaries must agree);
     # 128 rows per program: several programs split the dictionary of every chunk
-    os.environ["LONGCTX_OVQ_SPLIT_ROWS"] = "128" if not small else "16"
+    split = OvqKernelOptions(split_rows=128 if not small else 16)
     for dt in (torch.float32, bf):
         B, Hq, H, S, D = (1, 8, 4, 4096 + 77, 64) if not small else (1, 2, 1, 150, 16)
         q, k, v = inputs(B, Hq, H, S, D, dt, seed=2)
@@ -117,8 +117,10 @@ def main():
             chunk_size=32, max_centroids=40, growth=16.0)
         with torch.no_grad():
             o_ref, st_ref, _, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
-            o_f, st_f, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=True, **kw)
-            o_fb, st_fb, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=False, **kw)
+            o_f, st_f, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=True,
+                                            options=split, **kw)
+            o_fb, st_fb, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=False,
+                                              options=split, **kw)
         name = "fp32" if dt == torch.float32 else "bf16"
         checks[f"fused_{name}"] = {
             "o_rel": rel(o_f, o_ref), "counts_equal": bool(torch.equal(st_f.counts, st_ref.counts)),
@@ -130,8 +132,7 @@ def main():
     q, k, v = inputs(1, 8, 8, 2048 + 13, 64, bf, seed=3) if not small else inputs(1, 2, 2, 70, 16, bf, seed=3)
     with torch.no_grad():
         o_f, *_ = ovq_attention(q, k, v, None, None, None, chunk_size=128 if not small else 16, max_centroids=4096,
-                                growth=0.0, backend="triton")
-    os.environ.pop("LONGCTX_OVQ_SPLIT_ROWS", None)
+                                growth=0.0, backend="triton", options=split)
     checks["degenerate_vs_exact_bf16"] = rel(o_f, exact_causal_attention(q, k, v))
     # training path (autograd, Triton chunk attention) vs reference, fp32
     q, k, v = inputs(1, 8, 4, 1024 + 29, 64, torch.float32, seed=4) if not small else inputs(
@@ -190,9 +191,8 @@ def main():
     if small:
         configs = [(64, 32.0, 128, 16)]
     for C, growth, bm, rows in configs:
-        os.environ["LONGCTX_OVQ_BLOCK_M"] = str(bm)
-        os.environ["LONGCTX_OVQ_SPLIT_ROWS"] = str(rows)
-        kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend="triton", exact_assign=False)
+        kw = dict(chunk_size=C, max_centroids=N, growth=growth, backend="triton", exact_assign=False,
+                  options=OvqKernelOptions(block_m=bm, split_rows=rows))
 
         def run():
             with torch.no_grad():
@@ -239,8 +239,6 @@ def main():
             print("breakdown", prefill["chunk_breakdown"], flush=True)
         del o, st
     res["prefill"] = prefill
-    os.environ.pop("LONGCTX_OVQ_BLOCK_M", None)
-    os.environ.pop("LONGCTX_OVQ_SPLIT_ROWS", None)
 
     # ---------------------------------------------------------------- 3. decode state and step time
     C, growth = (512, 1024.0) if not small else (64, 32.0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -38,7 +37,7 @@ def _rel(a, b) -> float:
 def _checks() -> dict:
     """The fused path (runs of chunks replayed from a CUDA graph, and launched one by one) against the PyTorch
     reference: 4173 tokens, 8 query / 4 kv heads, batch 2 with left padding, exact float32 assignment."""
-    from longctx_patch.kernels.ovq import ovq_attention
+    from longctx_patch.kernels.ovq import OvqKernelOptions, ovq_attention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     B, Hq, H, S, D = 2, 8, 4, 4173, 64
@@ -53,7 +52,7 @@ def _checks() -> dict:
         o_ref, st_ref, _, _ = ovq_attention(q, k, v, None, None, valid, backend="torch", **kw)
         for graphs in (True, False):
             o, st, _, _ = ovq_attention(q, k, v, None, None, valid, backend="triton", exact_assign=True,
-                                        graph_runs=graphs, **kw)
+                                        options=OvqKernelOptions(graph_runs=graphs), **kw)
             m = valid[:, None, :, None].expand_as(o)
             out["graph" if graphs else "eager"] = {"o_rel": _rel(o[m], o_ref[m]),
                                                    "counts_equal": bool(torch.equal(st.counts, st_ref.counts)),
@@ -62,10 +61,20 @@ def _checks() -> dict:
         o_b, st_b, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", **kw)
         out["bf16_default_assign_o_rel"] = _rel(o_b[m].float(), o_ref[m])
         # the same with the dictionary read in its sum form
-        o_s, st_s, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton", mean_form=False, **kw)
+        o_s, st_s, _, _ = ovq_attention(qb, kb, vb, None, None, valid, backend="triton",
+                                        options=OvqKernelOptions(mean_form=False), **kw)
         out["bf16_mean_form_vs_sum_form"] = {"o_rel": _rel(o_b[m].float(), o_s[m].float()),
                                              "counts_equal": bool(torch.equal(st_b.counts, st_s.counts))}
     return out
+
+
+def variant_options(settings: dict[str, str]):
+    """A variant's KEY=VALUE settings as the kernels' options (`OvqKernelOptions`; a ValueError names a key that is
+    not one, or a value it does not take)."""
+    from longctx_patch.kernels.ovq import OvqKernelOptions
+
+    flags = ("graph_runs", "mean_form")
+    return OvqKernelOptions().replace(**{k: bool(int(v)) if k in flags else int(v) for k, v in settings.items()})
 
 
 def main() -> None:
@@ -75,9 +84,9 @@ def main() -> None:
     ap.add_argument("--configs", default="32/8:1024:256:512,32/32:4096:1024:512,32/32:4096:256:512",
                     help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
     ap.add_argument("--variants", default="default",
-                    help="semicolon-separated NAME[:KEY=VALUE,...]; KEY is an environment variable read by the kernels "
-                         "(LONGCTX_OVQ_BLOCK_N, LONGCTX_OVQ_SPLIT_ROWS, LONGCTX_OVQ_BLOCK_M) or an option of "
-                         "ovq_attention (MEAN_FORM, GRAPH_RUNS: 0/1, passed as mean_form / graph_runs)")
+                    help="semicolon-separated NAME[:KEY=VALUE,...]; KEY an option of the kernels passed to ovq_attention "
+                         "as its `options` (kernels/ovq/options.OvqKernelOptions: block_m, block_n, split_rows: ints; "
+                         "graph_runs, mean_form: 0/1)")
     args = ap.parse_args()
     import triton
     import triton.testing as tt
@@ -91,20 +100,12 @@ def main() -> None:
     res["checks"] = _checks()
     print("checks", json.dumps(res["checks"]), flush=True)
     S, D = args.seq, 64
-    options = {"MEAN_FORM": "mean_form", "GRAPH_RUNS": "graph_runs"}  # variant keys -> ovq_attention's options
 
     variants = []
     for item in args.variants.split(";"):
         name, _, kv = item.partition(":")
         variants.append((name, dict(x.split("=", 1) for x in kv.split(",") if x)))
     for spec, (vname, vset) in [(c, v) for c in args.configs.split(",") for v in variants]:
-        saved_env = {k_: os.environ.get(k_) for k_ in vset if k_.startswith("LONGCTX_")}
-        fast = {}
-        for k_, v_ in vset.items():
-            if k_.startswith("LONGCTX_"):
-                os.environ[k_] = v_
-            else:
-                fast[options[k_]] = bool(int(v_))
         heads, n, growth, c = spec.split(":")
         hq, hk = (int(x) for x in heads.split("/"))
         n, growth, c = int(n), float(growth), int(c)
@@ -113,7 +114,8 @@ def main() -> None:
         k = F.normalize(torch.randn(1, hk, S, D, device=dev, generator=g), dim=-1).bfloat16()
         v = torch.randn(1, hk, S, D, device=dev, generator=g).bfloat16()
         cudnn = _cudnn_ms(q, k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
-        kw = dict(chunk_size=c, max_centroids=n, growth=growth, backend="triton", exact_assign=False, **fast)
+        kw = dict(chunk_size=c, max_centroids=n, growth=growth, backend="triton", exact_assign=False,
+                  options=variant_options(vset))
 
         def run():
             with torch.no_grad():
@@ -143,11 +145,6 @@ def main() -> None:
                 per[e.name][1] += 1
         kernels = sorted(({"kernel": k_[:60], "ms": round(v_[0], 3), "count": v_[1]} for k_, v_ in per.items()),
                          key=lambda r: -r["ms"])
-        for k_, v_ in saved_env.items():
-            if v_ is None:
-                os.environ.pop(k_, None)
-            else:
-                os.environ[k_] = v_
         row = {"variant": vname, "settings": vset, "Hq": hq, "Hkv": hk, "S": S, "D": D, "max_centroids": n,
                "growth": growth, "chunk_size": c,
                "cudnn_ms": cudnn, "eager_ms": eager, "graph_ms": graphed, "host_issue_ms": min(host),

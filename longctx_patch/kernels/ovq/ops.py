@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ...errors import ConfigError
 from ..backend import resolve_backend as _resolve
+from .options import DEFAULT_OPTIONS, OvqKernelOptions
 from .reference import (OVQState, apply_assignments, chunk_attention_ref, merge_keys, plan_growth,
                         select_and_assign, target_int, update_state)
 
@@ -83,10 +84,15 @@ def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
     return OVQChunkAttention.apply(q, k, v, bias, n_dict, q_off)
 
 
+def _check_options(options) -> None:
+    if not isinstance(options, OvqKernelOptions):
+        raise ConfigError(f"ovq: options must be an OvqKernelOptions (kernels.ovq.options), got {type(options).__name__}")
+
+
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
                   key_valid: Tensor | None, *, chunk_size: int, max_centroids: int, growth: float,
                   backend: str = "auto", seen_bound: int | None = None, exact_assign: bool = True,
-                  parallel: bool | None = None, graph_runs: bool = True, mean_form: bool = True):
+                  parallel: bool | None = None, options: OvqKernelOptions = DEFAULT_OPTIONS):
     """OVQ attention of new tokens.
 
     ``q``: ``[B, Hq, S, D]`` (unit-normalised, times beta); ``k``, ``v``: ``[B, H, S, D]``;
@@ -101,15 +107,16 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     forward), ``parallel`` selects the chunk-parallel path (:func:`_ovq_parallel`); ``parallel=False``
     runs the chunk-by-chunk loop, which gives the same result. ``None`` (default): parallel on CUDA, where
     the loop is bound by kernel launches; the loop on the CPU, where it is the faster of the two.
-    ``graph_runs`` / ``mean_form``: how the fused Triton path runs its runs of chunks (``triton_fast.ovq_forward_fast``:
-    replayed from a CUDA graph, the same launches; with bf16 assignment, the row means kept beside the sums, the same
-    rows and outputs equal up to rounding); benchmarks turn them off to measure them.
+    ``options``: how the Triton kernels run (`options.OvqKernelOptions`: whether the fused path replays its runs of
+    chunks from a CUDA graph and reads row means kept beside the sums, and the launch tiles), never what they compute
+    (up to rounding); benchmarks pass others to measure them.
     """
     B, Hq, S, D = q.shape
     H = k.shape[1]
     Dv = v.shape[-1]
     C = chunk_size
     be = resolve_backend(backend, q, k, v)
+    _check_options(options)
     if state is None:
         state = OVQState.empty(B, H, max_centroids, D, Dv, device=q.device)
         seen_bound = 0
@@ -134,8 +141,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
                              state.n_active, state.seen)
         o, state, start, seen_bound = ovq_forward_fast(q, kk, vv, valid, off, state, seen_bound,
                                                        chunk_size=C, max_centroids=max_centroids, growth=growth,
-                                                       exact_assign=exact_assign, graph_runs=graph_runs,
-                                                       mean_form=mean_form)
+                                                       exact_assign=exact_assign, options=options)
         new_open = OpenChunk(kk[:, :, start:], vv[:, :, start:], valid[:, start:]) if start < L else None
         return o, state, new_open, seen_bound
     attn = chunk_attention_triton if be == "triton" else chunk_attention_ref
@@ -144,7 +150,7 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     if needs_grad and parallel and off == 0 and S > 0:
         return _ovq_parallel(q, k, v, key_valid, state, seen_bound, attn, be, chunk_size=C,
                              max_centroids=max_centroids, growth=growth, exact_assign=exact_assign,
-                             graph_runs=graph_runs, mean_form=mean_form)
+                             options=options)
     outs = []
     new_open = None
     for s0 in range(0, L, C):
@@ -160,7 +166,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
                 from .triton_fast import assign_rows_triton
                 n_real = validc.sum(-1).to(torch.long)
                 n_new = plan_growth(state.seen, state.n_active, n_real, max_centroids, growth)
-                assign = assign_rows_triton(kc.detach(), validc, state, n_new, n_dict, exact_assign=exact_assign)
+                assign = assign_rows_triton(kc.detach(), validc, state, n_new, n_dict, exact_assign=exact_assign,
+                                            options=options)
                 state = apply_assignments(state, kc, vc, assign, n_new, n_real)
             else:
                 state = update_state(state, kc, vc, validc, max_centroids, growth)
@@ -171,7 +178,8 @@ def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_
     return o, state, new_open, seen_bound
 
 
-def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: int, *, backend: str = "auto") -> Tensor:
+def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: int, *, backend: str = "auto",
+                       options: OvqKernelOptions = DEFAULT_OPTIONS) -> Tensor:
     """Attention of queries that come after every key of an open-chunk buffer (a decode step whose new key is
     already written into it): one softmax over the first ``n_dict`` dictionary rows and the buffer's valid slots.
 
@@ -179,12 +187,14 @@ def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: in
     they hold. The launch depends on ``n_dict`` and the shapes only, not on how many slots are in use, so a CUDA
     graph captured once replays every step of a chunk (methods/ovq: ``OVQLayer``, decode_graphs.py). Equals
     :func:`ovq_attention` of the same queries over the open tokens (bit for bit on Triton; the reference adds
-    the masked slots' exact zeros in another order). No gradient. Returns ``[B, Hq, M, Dv]``."""
+    the masked slots' exact zeros in another order). No gradient. ``options``: the kernels' launch tiles
+    (`options.OvqKernelOptions`). Returns ``[B, Hq, M, Dv]``."""
     be = resolve_backend(backend, q, buffer.keys, buffer.values)
+    _check_options(options)
     if be == "triton":
         from .triton_fast import ovq_open_attention_fast
 
-        return ovq_open_attention_fast(q, buffer.keys, buffer.values, buffer.valid, state, n_dict)
+        return ovq_open_attention_fast(q, buffer.keys, buffer.values, buffer.valid, state, n_dict, options)
     kk, vv, bias = merge_keys(state, buffer.keys, buffer.values, buffer.valid, n_dict, q.dtype)
     return chunk_attention_ref(q, kk, vv, bias, n_dict, buffer.length - 1)
 
@@ -194,8 +204,8 @@ def ovq_open_attention(q: Tensor, state: OVQState, buffer: OpenChunk, n_dict: in
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, be: str, *, chunk_size: int,
-                max_centroids: int, growth: float, exact_assign: bool, graph_runs: bool = True,
-                mean_form: bool = True) -> tuple[Tensor, OVQState]:
+                max_centroids: int, growth: float, exact_assign: bool,
+                options: OvqKernelOptions = DEFAULT_OPTIONS) -> tuple[Tensor, OVQState]:
     """The discrete pass: the row of every token of every complete chunk, ``[T, B, H, C]`` int64 (-1 for
     padding), and the state after the last complete chunk (its sums are not used: the differentiable
     pass recomputes them). ``state`` is not modified."""
@@ -212,7 +222,7 @@ def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound
 
         _, st, _, _ = ovq_forward_fast(None, k.detach(), v.detach(), valid, 0, st, seen_bound, chunk_size=C,
                                        max_centroids=max_centroids, growth=growth, exact_assign=exact_assign,
-                                       rows_out=rows, graph_runs=graph_runs, mean_form=mean_form)
+                                       rows_out=rows, options=options)
         return rows, st
     for t in range(T):
         kc, vc, vd = k[:, :, t * C:(t + 1) * C], v[:, :, t * C:(t + 1) * C], valid[:, t * C:(t + 1) * C]
@@ -224,8 +234,8 @@ def _assign_all(k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound
 
 
 def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQState, seen_bound: int, attn, be: str, *,
-                  chunk_size: int, max_centroids: int, growth: float, exact_assign: bool, graph_runs: bool = True,
-                  mean_form: bool = True):
+                  chunk_size: int, max_centroids: int, growth: float, exact_assign: bool,
+                  options: OvqKernelOptions = DEFAULT_OPTIONS):
     """Chunk-parallel OVQ for training: the same maths as the chunk-by-chunk loop, in two passes.
 
     1. Discrete (no gradient): the row every token joins (:func:`_assign_all`; the fused Triton
@@ -247,7 +257,7 @@ def _ovq_parallel(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: OVQStat
     T = L // C                       # complete chunks (absorbed)
     Tp = -(-L // C)                  # chunks with queries
     rows, st = _assign_all(k, v, valid, state, seen_bound, be, chunk_size=C, max_centroids=N, growth=growth,
-                           exact_assign=exact_assign, graph_runs=graph_runs, mean_form=mean_form)
+                           exact_assign=exact_assign, options=options)
     Nu = min(N, target_int(seen_bound + T * C, N, growth))        # rows any complete chunk can reach
     Nd = min(Nu, target_int(seen_bound + (Tp - 1) * C, N, growth))  # rows any chunk's queries can see
     dev = q.device
@@ -329,7 +339,8 @@ def _put(dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
 def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,
                          key_valid: Tensor | None, phases: tuple[int, ...], past_len: int, *, chunk_size: int,
                          max_centroids: int, growth: float, backend: str = "auto", exact_assign: bool = True,
-                         parallel: bool | None = None, keep_state: bool = True):
+                         parallel: bool | None = None, keep_state: bool = True,
+                         options: OvqKernelOptions = DEFAULT_OPTIONS):
     """:func:`ovq_attention` for a batch whose rows have their own chunk grids (a left-padded batch).
 
     Row ``r``'s chunks start at positions ``phases[r] + j * C`` (host ints in ``[0, C)``: its left padding
@@ -351,7 +362,7 @@ def ovq_attention_phased(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None
     C = chunk_size
     dev = q.device
     kw = dict(chunk_size=C, max_centroids=max_centroids, growth=growth, backend=backend, exact_assign=exact_assign,
-              parallel=parallel)
+              parallel=parallel, options=options)
     if len(phases) != B:
         raise ValueError(f"ovq_attention_phased: {len(phases)} phases for a batch of {B}")
     if key_valid is None:

@@ -19,8 +19,6 @@ Same maths as ``reference.update_state`` + ``reference.chunk_attention_ref``; se
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +26,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import combine_splits, dot
+from .options import DEFAULT_OPTIONS, OvqKernelOptions
 from .reference import OVQState, target_centroids, target_int
 from .triton_dict import _ovq_chunk_stats
 
@@ -310,9 +309,9 @@ def _ovq_means(ROWS, KS, VS, CNT, KM, VM, KH, TPTR,
     tl.store(KH + b * scb + h * sch + r, 0.5 * tl.sum(mk * mk, 1), mask=ok)  # KH: laid out as CNT
 
 
-def _blk(M: int) -> tuple[int, int]:
-    """Query block and warps; LONGCTX_OVQ_BLOCK_M caps the block (benchmarks try 64 and 128)."""
-    cap = int(os.environ.get("LONGCTX_OVQ_BLOCK_M", "128"))
+def _blk(M: int, options: OvqKernelOptions = DEFAULT_OPTIONS) -> tuple[int, int]:
+    """Query block and warps; `options.block_m` caps the block (benchmarks try 64 and 128)."""
+    cap = options.block_m
     if M <= 16:
         return 16, 4
     if M <= 32:
@@ -344,14 +343,13 @@ def _unused_i32(device) -> torch.Tensor:
     return t
 
 
-def _rows_per_split(M: int, attention: bool = False) -> int:
+def _rows_per_split(M: int, attention: bool = False, options: OvqKernelOptions = DEFAULT_OPTIONS) -> int:
     """Dictionary rows per program: of the attention (``_ovq_fwd_split``) of M queries, or of the assignment
     statistics of a chunk of M keys. H200, 64k prefill, chunk 512 (docs/PERFORMANCE.md, OVQ): 1024 rows per
     attention program beat 512 (fewer partial softmaxes to merge); the statistics keep 512 (with 8 kv heads,
-    1024 leaves too few programs). LONGCTX_OVQ_SPLIT_ROWS sets both."""
-    env = os.environ.get("LONGCTX_OVQ_SPLIT_ROWS")
-    if env:
-        return int(env)
+    1024 leaves too few programs). `options.split_rows` sets both."""
+    if options.split_rows is not None:
+        return options.split_rows
     if M <= 16:
         return 256
     return 1024 if attention else 512
@@ -360,7 +358,7 @@ def _rows_per_split(M: int, attention: bool = False) -> int:
 @torch.no_grad()
 def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: int, *, chunk_size: int,
                      max_centroids: int, growth: float, exact_assign: bool = False, rows_out=None,
-                     graph_runs: bool = True, mean_form: bool = True):
+                     options: OvqKernelOptions = DEFAULT_OPTIONS):
     """No-grad OVQ over ``kk``/``vv`` (open chunk + new tokens, ``[B, H, L, D]``; ``valid`` ``[B, L]``).
 
     ``q``: ``[B, Hq, L - off, D]`` queries of the new tokens, or None (no attention: only the dictionary
@@ -370,9 +368,9 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     ``_ovq_combine``; for a complete chunk also ``_ovq_chunk_stats`` (row-split), ``_ovq_rank`` and
     ``_ovq_absorb``.  No host sync.  The whole chunks whose queries are all new tokens run as one run: the
     kernels read the chunk index from a device counter, so on CUDA one chunk is captured in a CUDA graph and
-    replayed (``graph_runs``; False: launched one by one, host-bound); with bf16 assignment dots the run reads row
-    means kept beside the sums (``mean_form``, ``_ovq_means``; False: the sums, the same rows).  docs/ovq.md,
-    "Kernels".
+    replayed (``options.graph_runs``; False: launched one by one, host-bound); with bf16 assignment dots the run reads
+    row means kept beside the sums (``options.mean_form``, ``_ovq_means``; False: the sums, the same rows); the
+    launch tiles come from ``options`` too (`options.OvqKernelOptions`).  docs/ovq.md, "Kernels".
     Returns ``(o, state, start of the open chunk in kk, seen_bound)``.
     """
     B, H, L, D = kk.shape
@@ -389,7 +387,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     G = HQ // H
     up = INTERPRET
     Mmax = min(C, S)
-    R_att = _rows_per_split(Mmax, attention=True)
+    R_att = _rows_per_split(Mmax, attention=True, options=options)
     P_att = triton.cdiv(max_centroids, R_att) + 1
     if q is not None:
         pacc = torch.empty(P_att * B * HQ * Mmax * DV, device=kk.device, dtype=torch.float32)
@@ -402,13 +400,13 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         t_before = target_centroids(seen_after - m, max_centroids, growth)
         nact_t = t_before.t().to(torch.int32).contiguous()           # [T, B]
         nnew_t = (t_after - t_before).t().to(torch.int32).contiguous()
-        R_st = _rows_per_split(C)
+        R_st = _rows_per_split(C, options=options)
         P_st = triton.cdiv(max_centroids, R_st)
         pmax, pbest, pidx, best, idx, rank = _assign_scratch(P_st, B, H, C, kk.device)
     if rows_out is not None:
         assert rows_out.shape == (n_full, B, H, C) and rows_out.dtype == torch.int64 and rows_out.is_contiguous()
     BI = 64
-    BN_D = int(os.environ.get("LONGCTX_OVQ_BLOCK_N", "64"))  # dictionary rows per tile (benchmarks try 128)
+    BN_D = options.block_n  # dictionary rows per tile (benchmarks try 128)
     # whole chunks whose queries all are new tokens form one run (DEV_T); the chunk holding the open chunk's
     # tail (queries start inside it) and the last, incomplete chunk run on their own
     t_a, n_chunks = -(-off // C), -(-L // C)
@@ -424,7 +422,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
 
     # mean form: with a run of chunks and bf16 assignment dots, the attention and the assignment read the row
     # means (in the attention's dtype) and their halved squared norms, refreshed for the rows each chunk touched
-    mean = mean_form and not exact_assign and n_run >= 2
+    mean = options.mean_form and not exact_assign and n_run >= 2
     if mean:
         NR = KS.shape[2]
         mdt = q.dtype if q is not None else kk.dtype
@@ -449,7 +447,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
         if e > qs and q is not None:
             qq, oo = q[:, :, qs - off:], o[:, :, qs - off:]
             M = e - qs
-            BM, nw = _blk(M)
+            BM, nw = _blk(M, options)
             _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
                 qq, DK, DVS, CNT, kc, vc, xc, pacc, pm, pl, ctr, nact_t[t:] if full else ctr,
                 qq.stride(0), qq.stride(1), qq.stride(2), DK.stride(0), DK.stride(1), DK.stride(2),
@@ -463,7 +461,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
                 DEV_T=dev_t)
         if full:
             row_out = rows_out[t:] if rows_out is not None else (rowbuf if mean else rank)
-            BM, nw = _blk(C)
+            BM, nw = _blk(C, options)
             _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
                 kc, DK, CNT, nact_t[t:], pmax, pbest, pidx, ctr, KH if mean else CNT,
                 kc.stride(0), kc.stride(1), kc.stride(2), DK.stride(0), DK.stride(1), DK.stride(2),
@@ -495,7 +493,7 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
     if n_run > 0:
         n_last = target_int(seen_bound + (n_run - 1) * C, max_centroids, growth)
         args = (t_a, n_last, triton.cdiv(n_last, R_att) + 1, max(1, triton.cdiv(n_last, R_st)), True)
-        run_steps(lambda: launch(*args), n_run, kk.device, graph=graph_runs)
+        run_steps(lambda: launch(*args), n_run, kk.device, graph=options.graph_runs)
         seen_bound += n_run * C
     for t in range(max(t_a, n_full), n_chunks):
         one(t)
@@ -506,28 +504,30 @@ def ovq_forward_fast(q, kk, vv, valid, off: int, state: OVQState, seen_bound: in
 
 
 @torch.no_grad()
-def ovq_open_attention_fast(q, kc, vc, valid, state: OVQState, n_dict: int):
+def ovq_open_attention_fast(q, kc, vc, valid, state: OVQState, n_dict: int,
+                            options: OvqKernelOptions = DEFAULT_OPTIONS):
     """Queries ``q`` ``[B, Hq, M, D]`` placed after every slot of an open-chunk buffer ``kc``/``vc``
     ``[B, H, C, D]`` (``valid`` ``[B, C]`` marks the slots in use) attend to the first ``n_dict`` dictionary rows
     and to the valid slots: the kernels of a decode step of ``ovq_forward_fast`` with the chunk length fixed at
     the buffer's C and the queries at its end, so that the launch does not depend on how full the buffer is (one
     CUDA graph serves every step of a chunk, decode_graphs.py). Slots a step has not written yet are masked; the
-    result equals ``ovq_forward_fast`` over the same open tokens bit for bit (a masked key adds exact zeros)."""
+    result equals ``ovq_forward_fast`` with the same ``options`` over the same open tokens bit for bit (a masked key
+    adds exact zeros)."""
     B, H, C, D = kc.shape
     DV = vc.shape[-1]
     HQ, M = q.shape[1], q.shape[2]
     q = q.contiguous()
     valid8 = valid.to(torch.int8)
     KS, VS, CNT = state.key_sums, state.value_sums, state.counts
-    R = _rows_per_split(M, attention=True)
+    R = _rows_per_split(M, attention=True, options=options)
     nsplit = triton.cdiv(n_dict, R) + 1
     pacc = torch.empty(nsplit * B * HQ * M * DV, device=kc.device, dtype=torch.float32)
     pm = torch.empty(nsplit * B * HQ * M, device=kc.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     o = torch.empty(B, HQ, M, DV, device=kc.device, dtype=q.dtype)
     ctr = _unused_i32(kc.device)
-    BM, nw = _blk(M)
-    BN_D = int(os.environ.get("LONGCTX_OVQ_BLOCK_N", "64"))
+    BM, nw = _blk(M, options)
+    BN_D = options.block_n
     _ovq_fwd_split[(triton.cdiv(M, BM), B * HQ, nsplit)](
         q, KS, VS, CNT, kc, vc, valid8, pacc, pm, pl, ctr, ctr,
         q.stride(0), q.stride(1), q.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
@@ -542,12 +542,14 @@ def ovq_open_attention_fast(q, kc, vc, valid, state: OVQState, n_dict: int):
 
 
 @torch.no_grad()
-def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assign: bool = True):
+def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assign: bool = True,
+                       options: OvqKernelOptions = DEFAULT_OPTIONS):
     """Discrete part of the update for the training path: the row of every token of a chunk.
 
     ``k``: ``[B, H, C, D]``; ``valid``: ``[B, C]``; ``n_new``: ``[B]``; ``n_dict``: host upper bound of
     the active rows.  Same result as ``reference.select_and_assign`` (``[B, H, C]`` int64, -1 for
-    padding); the linear part (``reference.apply_assignments``) stays in PyTorch for autograd.
+    padding); the linear part (``reference.apply_assignments``) stays in PyTorch for autograd. ``options``: the
+    launch tiles (block_m, block_n, split_rows).
     """
     B, H, C, D = k.shape
     k = k.contiguous()
@@ -555,16 +557,16 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     KS, CNT = state.key_sums.detach().contiguous(), state.counts.contiguous()
     nact = state.n_active.to(torch.int32).contiguous()
     nnew = n_new.to(torch.int32).contiguous()
-    R = _rows_per_split(C)
+    R = _rows_per_split(C, options=options)
     ns = max(1, triton.cdiv(n_dict, R))
     pmax, pbest, pidx, best, idx, rank = _assign_scratch(ns, B, H, C, k.device)
     rows = torch.empty(B, H, C, device=k.device, dtype=torch.int64)
-    BM, nw = _blk(C)
+    BM, nw = _blk(C, options)
     BI = 64
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
         k, KS, CNT, nact, pmax, pbest, pidx, nact, CNT,
         k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=64, IEEE=exact_assign, UP=INTERPRET, DEV_T=False,
+        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=options.block_n, IEEE=exact_assign, UP=INTERPRET, DEV_T=False,
         num_warps=nw)
     _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, nact, xc.stride(0), C, H, ns,
                                            B, BI=BI, DEV_T=False)
