@@ -263,3 +263,81 @@ def test_triton_backward_in_head_chunks():
     for heads in (1, 2):
         for a, b in zip(grads(heads * per_head), whole):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# every tile of the cells and tilted-cells kernels off its default (fp32, D 16; each divides block_size 128)
+OTHER_TILES = dict(cells_fwd=(32, 64, 4, 1), cells_dkdv=(32, 64, 4, 1), tilted_far=(32, 32, 4, 1),
+                   tilted_summ=(32, 16, 4), tilted_dq=(32, 32, 4), tilted_dsumm=(32, 32, 4), tilted_sbwd=(16, 16, 4))
+
+
+@pytest.mark.parametrize("fields", [("cells_fwd", "tilted_far", "tilted_summ"),
+                                    ("cells_dkdv", "tilted_dq", "tilted_dsumm", "tilted_sbwd")],
+                         ids=["forward_tiles", "backward_tiles"])
+def test_other_tiles_give_the_defaults_results(fields):
+    """Launch tiles passed as `tiles=` (`MuseTiles`: the forward's, or the backward's, which the backward takes from
+    its forward) through `muse_attention`: the defaults' output and gradients up to the order of the sums."""
+    from longctx_patch.kernels.muse import MuseTiles
+
+    q, k, v = qkv(1, 2, 1, 400, 16, seed=17)
+    kw = dict(scale=0.25, far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=3, topk_blocks=1,
+              peak_blocks=0, sink_blocks=0, backend="triton")
+    do = torch.randn(1, 400, 2, 16, generator=torch.Generator().manual_seed(18))
+    runs = []
+    for tiles in (None, MuseTiles(**{f: OTHER_TILES[f] for f in fields})):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o = muse_attention(*x, tiles=tiles, **kw)
+        o.backward(do)
+        runs.append([o.detach()] + [t.grad for t in x])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_other_clustering_tiles_give_the_defaults_round():
+    """A Lloyd round of the query clustering with other tiles (`MuseTiles.cluster_nearest`, `cluster_member`: more
+    programs over the tokens and the centroids): the defaults' assignment, sums and counts."""
+    from longctx_patch.kernels.muse import MuseTiles
+    from longctx_patch.kernels.muse.triton_cluster import nearest_with_sums
+
+    g = torch.Generator().manual_seed(19)
+    x = torch.randn(1, 2, 300, 32, generator=g).to(torch.bfloat16)
+    cent = torch.randn(1, 2, 70, 32, generator=g)
+    valid = torch.ones(1, 300, dtype=torch.bool)
+    valid[0, :17] = False
+    a0, s0, c0 = nearest_with_sums(x, cent, valid)
+    a1, s1, c1 = nearest_with_sums(x, cent, valid, MuseTiles(cluster_nearest=(64, 32, 4),
+                                                             cluster_member=(32, 32, 4, 1, 4)))
+    assert torch.equal(a1, a0) and torch.equal(c1, c0)
+    torch.testing.assert_close(s1, s0, atol=1e-4, rtol=1e-5)
+
+
+def test_tiles_are_checked():
+    from longctx_patch.kernels.muse import MuseTiles
+
+    for bad in (dict(cells_fwd=(64, 64, 4)), dict(tilted_dq=(48, 64, 4)), dict(tilted_sbwd=(32, 32, 3)),
+                dict(cluster_member=(64, 64, 4, 0, 16)), dict(tilted_far=(64, 64, 4, True))):
+        with pytest.raises(ValueError, match="allowed None or"):
+            MuseTiles(**bad)
+    with pytest.raises(ValueError, match="not MuSe tiles: far"):
+        MuseTiles().replace(far=(64, 64, 4, 3))
+    assert MuseTiles(tilted_dq=[64, 32, 4]).tilted_dq == (64, 32, 4)
+    q, k, v = qkv(1, 2, 1, 256, 16, seed=20)
+    with pytest.raises(ConfigError, match="MuseTiles"):
+        muse_attention(q, k, v, scale=0.25, far_field="cells", block_size=128, backend="torch",
+                       tiles={"cells_fwd": (64, 64, 4, 3)})
+
+
+def test_tiles_reach_the_tile_choices():
+    from longctx_patch.kernels.muse import MuseTiles
+    from longctx_patch.kernels.muse.triton_cells import cells_tiles
+    from longctx_patch.kernels.muse.triton_cluster import member_tiles
+    from longctx_patch.kernels.muse.triton_tilted import tilted_tiles
+    from longctx_patch.kernels.muse.triton_tilted_bwd import tilted_bwd_tiles
+
+    t = MuseTiles(**OTHER_TILES, cluster_member=(32, 32, 4, 1, 4))
+    bf = torch.bfloat16
+    assert cells_tiles(64, bf, 256) == cells_tiles(64, bf, 256, MuseTiles())
+    assert (cells_tiles(64, bf, 256, t)["fwd"], cells_tiles(64, bf, 256, t)["dkdv"]) == ((32, 64, 4, 1), (32, 64, 4, 1))
+    assert tilted_tiles(64, bf, t) == dict(summ=(32, 16, 4), far=(32, 32, 4, 1))
+    assert tilted_bwd_tiles(64, bf, t) == dict(dq=(32, 32, 4), dsumm=(32, 32, 4), sbwd=(16, 16, 4))
+    assert tilted_bwd_tiles(64, bf) == tilted_bwd_tiles(64, bf, MuseTiles(tilted_dsumm=None))
+    assert member_tiles(64, 256, t) == (32, 32, 4, 1, 4) and member_tiles(64, 256) == (64, 64, 4, 3, 16)

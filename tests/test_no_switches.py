@@ -1,8 +1,8 @@
 """The lab flips no switch inside the product: no module of longctx_patch/ or benchmarks/ assigns, or changes in place,
 a global of another module of the package (`prefill.PARALLEL_PREFILL = False`, `TUNE["x"] = 8`, `TILES.update(...)`,
 `setattr(module, ...)`). How a kernel runs is an option passed down (kernels/lola/tuning.LolaTuning, `tuning=`; the
-OVQ fused path's `graph_runs` / `mean_form`; muse's `block_peaks_triton(tiles=...)`; `DecodeGraphs.simulate`), and a
-module keeps its own state to itself (kernels/graphs.simulated_capture)."""
+OVQ kernels' `OvqKernelOptions`, `options=`; muse's `MuseTiles`, `tiles=`, and `block_peaks_triton(tiles=...)`;
+`DecodeGraphs.simulate`), and a module keeps its own state to itself (kernels/graphs.simulated_capture)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,8 @@ from pathlib import Path
 from test_import_graph import REPO, ROOT, SCRIPTS, find_modules
 
 MUTATORS = {"update", "pop", "popitem", "clear", "setdefault", "__setitem__", "__delitem__"}
-# what is left, by file and expression; this list may only shrink. MuSe's tile tables (triton_cells.FWD_TILES /
-# DKDV_TILES, triton_tilted.FAR_TILES / SUMM_TILES, triton_cluster.MEMBER_TILES / NEAREST_TILES) are still filled by
-# the muse benchmarks through a helper they are handed to (bench_muse_cells.fastest), which this check cannot see, and
-# bench_muse_tilted.py swaps the backward's tile function for its sweep: they want a tiles option passed down through
-# muse_attention, as LoLA's LolaTuning is.
-LEFT = {("benchmarks/ops/bench_muse_tilted.py", "mtb.tilted_bwd_tiles assigned")}
+# what is left, by file and expression; this list may only shrink
+LEFT: set[tuple[str, str]] = set()
 
 
 def _module_aliases(module: str, path: Path, tree: ast.AST, modules) -> tuple[dict[str, str], set[str]]:

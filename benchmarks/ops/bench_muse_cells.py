@@ -34,8 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.kernels.muse.plan import block_view
 from longctx_patch.provenance import device_description, git_commit
-from longctx_patch.kernels.muse import triton_cells as cells_mod
-from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.muse import MuseTiles, muse_attention
 from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
@@ -55,6 +54,15 @@ RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
                                   + ["python3 -m benchmarks.ops.bench_muse_cells"]), torch=torch.__version__,
                  triton=triton.__version__, checks=[], speed=[])
+
+
+# head_dim -> the kernels' tiles the sweeps kept (`tune`, `dkdv`), passed as `tiles=` to the later parts' bf16 calls
+TUNED: dict[int, MuseTiles] = {}
+
+
+def tuned(D: int, dtype=torch.bfloat16) -> MuseTiles | None:
+    """The tiles the sweeps kept for head_dim D (for bf16 inputs: the sweeps' dtype), else None (the defaults)."""
+    return TUNED.get(D) if dtype == torch.bfloat16 else None
 
 
 def save():
@@ -136,7 +144,7 @@ def speed():
                         continue
                     with torch.no_grad():
                         row["cells_fwd_ms"] = bench(lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=sc, **cfg),
-                                                                         scale=sc))
+                                                                         scale=sc, tiles=tuned(D)))
                         plan = make_cells_plan(q, k, scale=sc, **cfg)
                         row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
                         row["cells_plan_torch_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, backend="torch",
@@ -145,7 +153,7 @@ def speed():
                         row["plan_assign_agreement"] = float((tplan.k_assign == plan.k_assign).float().mean())
                         row["plan_retrieved_agreement"] = float((tplan.retrieved == plan.retrieved).float().mean())
                         del tplan
-                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
+                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc, tiles=tuned(D)))
                         row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
                     row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["cells_fwd_ms"]
                     save()
@@ -159,7 +167,7 @@ def speed():
 
                     def fwdbwd():
                         p = make_cells_plan(qg, kg, scale=sc, **cfg)
-                        cells_triton(qg, kg, vg, p, scale=sc).backward(do2)
+                        cells_triton(qg, kg, vg, p, scale=sc, tiles=tuned(D)).backward(do2)
 
                     row["cells_fwdbwd_ms"] = bench(fwdbwd)
                     row["speedup_fwdbwd_vs_cudnn"] = row["cudnn_fwdbwd_ms"] / row["cells_fwdbwd_ms"]
@@ -190,10 +198,10 @@ def fwd():
                 try:
                     with torch.no_grad():
                         row["cells_fwd_ms"] = bench(lambda: cells_triton(
-                            q, k, v, make_cells_plan(q, k, scale=sc, **cfg), scale=sc))
+                            q, k, v, make_cells_plan(q, k, scale=sc, **cfg), scale=sc, tiles=tuned(D)))
                         plan = make_cells_plan(q, k, scale=sc, **cfg)
                         row["cells_plan_ms"] = bench(lambda: make_cells_plan(q, k, scale=sc, **cfg))
-                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc))
+                        row["cells_attn_ms"] = bench(lambda: cells_triton(q, k, v, plan, scale=sc, tiles=tuned(D)))
                         row["exact_keys_frac"] = float(plan.retrieved.float().sum(-1).mean() * cfg["block_size"] / (S / 2))
                     row["speedup_fwd_vs_cudnn"] = cudnn / row["cells_fwd_ms"]
                 except Exception as e:  # noqa: BLE001
@@ -264,14 +272,14 @@ if os.environ.get("CELLS_TILES"):  # JSON {"64": [[BM, BN, warps, stages], ...],
     TILES = {int(d): [tuple(t) for t in ts] for d, ts in json.loads(os.environ["CELLS_TILES"]).items()}
 
 
-def fastest(rows, D, S, choices, tiles, run, time_key, rep=50):
-    """Time `run()` (its output: a tensor or a tuple of them) for each tile choice, set in the `tiles` dict under
-    (D, bf16), and keep the fastest whose output is within 1e-2 of the first choice's there; a row per choice
-    appended to the list `rows`."""
+def fastest(rows, D, S, choices, make_run, time_key, rep=50):
+    """Time `make_run(choice)()` (its output: a tensor or a tuple of them; `make_run` passes the choice to the kernels
+    as their `tiles`) for each tile choice, and return the fastest whose output is within 1e-2 of the first choice's;
+    a row per choice appended to the list `rows`."""
     best, ref = None, None
     for t in choices:
-        tiles[(D, torch.bfloat16)] = t
         try:
+            run = make_run(t)
             out = run()
             out = out if isinstance(out, tuple) else (out,)
             ref = out if ref is None else ref
@@ -283,21 +291,26 @@ def fastest(rows, D, S, choices, tiles, run, time_key, rep=50):
             row = dict(D=D, tiles=t, error=repr(e)[:200])
         rows.append(row)
         print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)
-    tiles[(D, torch.bfloat16)] = best[0]
     return best[0]
 
 
 def tune(S=65536):
     """Forward kernel time per tile choice (BM, BN, warps, stages) at the first configuration; the fastest is kept
-    in cells.FWD_TILES for the speed rows. Each choice's output is checked against the first one's."""
+    (TUNED, MuseTiles.cells_fwd) for the speed rows. Each choice's output is checked against the first one's."""
     cfg = CFGS[0]
     RES["tune"] = []
     for D, choices in TILES.items():
         q, k, v = qkv(S, D, torch.bfloat16, seed=2)
         with torch.no_grad():
             plan = make_cells_plan(q, k, scale=D**-0.5, **cfg)
-            RES.setdefault("tiles_used", {})[D] = fastest(
-                RES["tune"], D, S, choices, cells_mod.FWD_TILES, lambda: cells_triton(q, k, v, plan, scale=D**-0.5), "ms")
+            base = tuned(D) or MuseTiles()
+
+            def make_run(t):
+                return lambda: cells_triton(q, k, v, plan, scale=D**-0.5, tiles=base.replace(cells_fwd=t))
+
+            best = fastest(RES["tune"], D, S, choices, make_run, "ms")
+            TUNED[D] = base.replace(cells_fwd=best)
+            RES.setdefault("tiles_used", {})[D] = best
         torch.cuda.empty_cache()
     save()
 
@@ -353,19 +366,25 @@ DKDV = [(64, 128, 8, 1), (64, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2), (128
 
 def dkdv(S=65536):
     """The backward alone (retain_graph, plan fixed) per tile choice of the dK/dV kernel (key tile, query tile, warps,
-    stages), the first configuration, D 64 and 128; each choice's gradients checked against the first one's. The
-    fastest is kept in DKDV_TILES for later parts."""
+    stages), the first configuration, D 64 and 128; each choice's gradients checked against the first one's (a
+    forward per choice, its backward timed: the backward runs with its forward's tiles). The fastest is kept (TUNED,
+    MuseTiles.cells_dkdv) for later parts."""
     cfg = CFGS[0]
     RES["dkdv"] = []
     for D in (64, 128):
         q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=3))
         plan = make_cells_plan(q.detach(), k.detach(), scale=D**-0.5, **cfg)
-        o = cells_triton(q, k, v, plan, scale=D**-0.5)
-        do = torch.randn_like(o)
-        RES.setdefault("dkdv_tiles_used", {})[D] = fastest(
-            RES["dkdv"], D, S, DKDV, cells_mod.DKDV_TILES, lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True),
-            "bwd_ms", rep=30)
-        o = q = k = v = None
+        do = torch.randn_like(q.detach().transpose(1, 2).contiguous())  # o's shape [B, S, Hq, D]
+        base = tuned(D) or MuseTiles()
+
+        def make_run(t):
+            o = cells_triton(q, k, v, plan, scale=D**-0.5, tiles=base.replace(cells_dkdv=t))
+            return lambda: torch.autograd.grad(o, (k, v), do, retain_graph=True)
+
+        best = fastest(RES["dkdv"], D, S, DKDV, make_run, "bwd_ms", rep=30)
+        TUNED[D] = base.replace(cells_dkdv=best)
+        RES.setdefault("dkdv_tiles_used", {})[D] = best
+        q = k = v = None
         torch.cuda.empty_cache()
     save()
 

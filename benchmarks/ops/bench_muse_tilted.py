@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.ops.bench_muse_cells import bench, fastest, qkv, rel
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.provenance import device_description, git_commit
-from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.muse import MuseTiles, muse_attention
 from longctx_patch.kernels.muse.reference_cells import make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton, tilted_cells_triton
 from longctx_patch.kernels.muse.reference_tilted_cells import make_tilt_plan, tilted_cells_reference
@@ -51,6 +51,16 @@ RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git
                  triton=triton.__version__, cells_plan=CFG, checks=[], speed=[], profile=None)
 
 
+# head_dim -> the kernels' tiles the sweeps kept (far_tune, cluster_tune), passed as `tiles=` to the later parts'
+# bf16 calls
+TUNED: dict[int, MuseTiles] = {}
+
+
+def tuned(D: int, dtype=torch.bfloat16) -> MuseTiles | None:
+    """The tiles the sweeps kept for head_dim D (for bf16 inputs: the sweeps' dtype), else None (the defaults)."""
+    return TUNED.get(D) if dtype == torch.bfloat16 else None
+
+
 def save():
     with open(results_dir("muse", OUT) / f"tilted-cells-speed-{device_token()}.json", "w") as f:
         json.dump(RES, f, indent=1)
@@ -63,14 +73,14 @@ def checks():
             q, k, v = qkv(3001, D, dtype, H=14, Hkv=2, seed=D)
             sc = D**-0.5
             cfg = dict(block_size=256, k_clusters=8, topk_blocks=2, peak_blocks=2, q_clusters=32)
-            plan = make_tilt_plan(q, k, scale=sc, **cfg)
+            plan = make_tilt_plan(q, k, scale=sc, tiles=tuned(D, dtype), **cfg)
             from longctx_patch.kernels.muse.triton_tilted import tilted_cells_fwd
 
-            o = tilted_cells_fwd(q, k, v, plan, sc)
+            o = tilted_cells_fwd(q, k, v, plan, sc, tiles=tuned(D, dtype))
             r = tilted_cells_reference(q, k, v, plan, scale=sc)
             ex = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(7, 1),
                                                 v.float().repeat_interleave(7, 1), is_causal=True, scale=sc)
-            oc = cells_triton(q, k, v, plan.cells, scale=sc)
+            oc = cells_triton(q, k, v, plan.cells, scale=sc, tiles=tuned(D, dtype))
             row = dict(dtype=str(dtype), D=D, S=3001, cfg=cfg, fwd_vs_reference=rel(o, r),
                        err_vs_exact_random=rel(o, ex.transpose(1, 2)), cells_err_vs_exact_random=rel(oc, ex.transpose(1, 2)))
             RES["checks"].append(row)
@@ -91,22 +101,24 @@ def far_tune(S=65536):
     """The tilted forward (plan apart) per tile choice at S, 256 clusters: of the far field (BM, BN, warps, stages),
     then of the summaries (centroids BC, keys BK, warps), then of the exact part (the cells forward kernel's tiles:
     shared with `cells`, whose far field they also serve); the fastest whose output matches the first choice's is
-    kept (triton_tilted.FAR_TILES, SUMM_TILES, triton_cells.FWD_TILES) for the later parts."""
-    from longctx_patch.kernels.muse import triton_cells as mc
-    from longctx_patch.kernels.muse import triton_tilted as mt
+    kept (TUNED: MuseTiles.tilted_far, tilted_summ, cells_fwd) for the later parts."""
+    from longctx_patch.kernels.muse.triton_tilted import tilted_cells_fwd
 
     RES["far_tune"], RES["summ_tune"], RES["exact_tune"] = [], [], []
     for D in FAR:
         q, k, v = qkv(S, D, torch.bfloat16, seed=2)
         with torch.no_grad():
-            plan = make_tilt_plan(q, k, scale=D**-0.5, **dict(CFG, q_clusters=QCS[0]))
-            run = lambda: mt.tilted_cells_fwd(q, k, v, plan, D**-0.5)  # noqa: E731
-            RES.setdefault("far_tiles_used", {})[D] = fastest(RES["far_tune"], D, S, FAR[D], mt.FAR_TILES, run,
-                                                              "attn_ms", rep=20)
-            RES.setdefault("summ_tiles_used", {})[D] = fastest(RES["summ_tune"], D, S, SUMM[D], mt.SUMM_TILES, run,
-                                                               "attn_ms", rep=20)
-            RES.setdefault("exact_tiles_used", {})[D] = fastest(RES["exact_tune"], D, S, EXACT[D], mc.FWD_TILES, run,
-                                                                "attn_ms", rep=20)
+            plan = make_tilt_plan(q, k, scale=D**-0.5, tiles=tuned(D), **dict(CFG, q_clusters=QCS[0]))
+            for key, field, choices in (("far", "tilted_far", FAR[D]), ("summ", "tilted_summ", SUMM[D]),
+                                        ("exact", "cells_fwd", EXACT[D])):
+                base = tuned(D) or MuseTiles()
+
+                def make_run(t, base=base, field=field):
+                    return lambda: tilted_cells_fwd(q, k, v, plan, D**-0.5, tiles=base.replace(**{field: t}))
+
+                best = fastest(RES[f"{key}_tune"], D, S, choices, make_run, "attn_ms", rep=20)
+                TUNED[D] = base.replace(**{field: best})
+                RES.setdefault(f"{key}_tiles_used", {})[D] = best
         plan = None
         torch.cuda.empty_cache()
     save()
@@ -120,26 +132,24 @@ NEAREST = {64: [(128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8), (256, 64
 def cluster_tune(S=65536):
     """The query clustering (`cluster_queries`, 256 clusters, Triton rounds) per tile choice of the members' sums
     (centroids per program, tokens per step, warps, stages, token chunks), then of the assignment (tokens, centroids,
-    warps); the fastest whose centroids match the first choice's is kept (triton_cluster.MEMBER_TILES,
-    NEAREST_TILES) for the later parts."""
-    from longctx_patch.kernels.muse import triton_cluster as mcl
+    warps); the fastest whose centroids match the first choice's is kept (TUNED: MuseTiles.cluster_member,
+    cluster_nearest) for the later parts."""
     from longctx_patch.kernels.muse.reference_tilted_cells import cluster_queries
 
     RES["cluster_tune"] = []
     for D in (64, 128):
         q, _, _ = qkv(S, D, torch.bfloat16, seed=3)
         valid = torch.ones(1, S, dtype=torch.bool, device=q.device)
-        tiles = {}  # `fastest` sets the choice under test here; the run copies it into the kernel's table
+        for key, field, choices in (("member", "cluster_member", MEMBER), ("nearest", "cluster_nearest", NEAREST[D])):
+            base = tuned(D) or MuseTiles()
 
-        def run_with(table):
-            def run():
-                table[D] = tiles[(D, torch.bfloat16)]
-                return cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True)[0]
-            return run
+            def make_run(t, base=base, field=field):
+                return lambda: cluster_queries(q, valid, QCS[0], CFG.get("kmeans_iters", 2), triton=True,
+                                               tiles=base.replace(**{field: t}))[0]
 
-        for key, table, choices in (("member", mcl.MEMBER_TILES, MEMBER), ("nearest", mcl.NEAREST_TILES, NEAREST[D])):
-            table[D] = fastest(RES["cluster_tune"], D, S, choices, tiles, run_with(table), "ms", rep=20)
-            RES.setdefault(f"{key}_tiles_used", {})[D] = table[D]
+            best = fastest(RES["cluster_tune"], D, S, choices, make_run, "ms", rep=20)
+            TUNED[D] = base.replace(**{field: best})
+            RES.setdefault(f"{key}_tiles_used", {})[D] = best
         torch.cuda.empty_cache()
     save()
 
@@ -160,16 +170,18 @@ def speed():
                 kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                     row["cudnn_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+                tiles = tuned(D)
                 with torch.no_grad():
                     row["cells_fwd_ms"] = bench(lambda: cells_triton(q, k, v, make_cells_plan(q, k, scale=sc, **cells_cfg),
-                                                                     scale=sc))
+                                                                     scale=sc, tiles=tiles))
                     for qc in QCS:
                         kw = dict(cells_cfg, q_clusters=qc)
                         r = dict(q_clusters=qc)
-                        r["fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells", **kw))
-                        r["plan_ms"] = bench(lambda: make_tilt_plan(q, k, scale=sc, **kw))
-                        plan = make_tilt_plan(q, k, scale=sc, **kw)
-                        r["attn_ms"] = bench(lambda: tilted_cells_fwd(q, k, v, plan, sc))
+                        r["fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells",
+                                                                   tiles=tiles, **kw))
+                        r["plan_ms"] = bench(lambda: make_tilt_plan(q, k, scale=sc, tiles=tiles, **kw))
+                        plan = make_tilt_plan(q, k, scale=sc, tiles=tiles, **kw)
+                        r["attn_ms"] = bench(lambda: tilted_cells_fwd(q, k, v, plan, sc, tiles=tiles))
                         r["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / r["fwd_ms"]
                         r["vs_cells"] = row["cells_fwd_ms"] / r["fwd_ms"]
                         row[f"tilted_q{qc}"] = r
@@ -189,10 +201,10 @@ def profile(S=65536, D=int(os.environ.get("TILT_PROFILE_D", "64"))):
     q, k, v = qkv(S, D, torch.bfloat16, seed=1)
     kw = dict({k_: v_ for k_, v_ in CFG.items()}, q_clusters=QCS[0])
     with torch.no_grad():
-        muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", **kw)
+        muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", **kw)
+            muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
             torch.cuda.synchronize()
     rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()),
                   key=lambda r: -r[1])[:20]
@@ -209,7 +221,7 @@ def bwd_checks():
         base = [t.float() for t in qkv(3001, D, torch.bfloat16, H=14, Hkv=2, seed=D + 1)]
         sc = D**-0.5
         cfg = dict(block_size=256, k_clusters=8, topk_blocks=2, peak_blocks=2, q_clusters=32)
-        plan = make_tilt_plan(base[0].bfloat16(), base[1].bfloat16(), scale=sc, **cfg)
+        plan = make_tilt_plan(base[0].bfloat16(), base[1].bfloat16(), scale=sc, tiles=tuned(D), **cfg)
         do = torch.randn_like(base[0]).transpose(1, 2)
 
         def grads(fn, dtype):
@@ -219,7 +231,7 @@ def bwd_checks():
 
         exact = grads(lambda *x: tilted_cells_reference(*x, scale=sc), torch.float64)
         for dtype in (torch.float32, torch.bfloat16):
-            got = grads(lambda *x: tilted_cells_triton(*x, scale=sc), dtype)
+            got = grads(lambda *x: tilted_cells_triton(*x, scale=sc, tiles=tuned(D, dtype)), dtype)
             ref = grads(lambda *x: tilted_cells_reference(*x, scale=sc), dtype)
             row = dict(dtype=str(dtype), D=D, S=3001, cfg=cfg)
             for name, a, r, e in zip(("dq", "dk", "dv"), got, ref, exact):
@@ -251,13 +263,13 @@ def bwd_speed():
                 kx = vx = None
                 dot_ = do.transpose(1, 2)
                 row["cells_fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="cells",
-                                                                      **cells_cfg).backward(dot_))
+                                                                      tiles=tuned(D), **cells_cfg).backward(dot_))
                 for qc in QCS:
                     kw = dict(cells_cfg, q_clusters=qc)
                     r = dict(q_clusters=qc)
                     r["fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells",
-                                                                  **kw).backward(dot_))
-                    o = muse_attention(q, k, v, scale=sc, far_field="tilted-cells", **kw)
+                                                                  tiles=tuned(D), **kw).backward(dot_))
+                    o = muse_attention(q, k, v, scale=sc, far_field="tilted-cells", tiles=tuned(D), **kw)
                     r["bwd_ms"] = bench(lambda: o.backward(dot_, retain_graph=True))
                     o = None
                     r["speedup_fwdbwd_vs_cudnn"] = row["cudnn_fwdbwd_ms"] / r["fwdbwd_ms"]
@@ -276,14 +288,13 @@ def bwd_speed():
 
 def bwd_profile(S=65536):
     """One backward at S by kernel (self CUDA time, ms), D 64 and 128; then the backward's launch tiles swept
-    (TILT_BWD_SWEEP=1): each kernel's alternatives, the backward timed alone."""
-    from longctx_patch.kernels.muse import triton_tilted_bwd as mtb
-
+    (TILT_BWD_SWEEP=1): each kernel's alternatives (MuseTiles.tilted_dq, tilted_dsumm, tilted_sbwd, passed to a
+    forward whose backward runs with them), the backward timed alone."""
     for D in (64, 128):
         q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=2))
         do = torch.randn_like(q).transpose(1, 2)
         kw = dict(CFG, q_clusters=QCS[0])
-        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", **kw)
+        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
         o.backward(do, retain_graph=True)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -293,8 +304,8 @@ def bwd_profile(S=65536):
                       key=lambda r: -r[1])[:15]
         prof_row = dict(S=S, D=D, kernels=[dict(name=n[:80], ms=t, calls=c) for n, t, c in rows], sweep=[])
         if os.environ.get("TILT_BWD_SWEEP"):
-            default = mtb.tilted_bwd_tiles
-            base = default(D, torch.bfloat16)
+            o = None  # each choice runs its own forward
+            base = tuned(D) or MuseTiles()
             options = dict(dq=[(64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 32, 4)],
                            dsumm=[(64, 64, 4), (64, 64, 8), (32, 64, 4), (128, 64, 8), (64, 32, 4)],
                            sbwd=[(32, 32, 4), (64, 32, 4), (64, 32, 8), (32, 64, 4), (16, 32, 4)])
@@ -302,14 +313,15 @@ def bwd_profile(S=65536):
                 options = {k_: [tuple(t) for t in v_] for k_, v_ in json.loads(os.environ["TILT_BWD_OPTIONS"]).items()}
             for part, alts in options.items():
                 for alt in alts:
-                    mtb.tilted_bwd_tiles = lambda D_, dt_, part=part, alt=alt: dict(base, **{part: alt})
                     try:
+                        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells",
+                                           tiles=base.replace(**{f"tilted_{part}": alt}), **kw)
                         ms = bench(lambda: o.backward(do, retain_graph=True), rep=20)
                     except Exception as e:  # noqa: BLE001
                         ms = repr(e)[:200]
+                    o = None
                     prof_row["sweep"].append(dict(part=part, tiles=alt, bwd_ms=ms))
                     print(json.dumps(prof_row["sweep"][-1]), flush=True)
-            mtb.tilted_bwd_tiles = default
         RES.setdefault("bwd_profile", []).append(prof_row)
         print(json.dumps({k_: v_ for k_, v_ in prof_row.items() if k_ != "sweep"}), flush=True)
         o = q = k = v = None

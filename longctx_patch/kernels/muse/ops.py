@@ -13,7 +13,7 @@ from .reference_cells import CellsPlan, cell_summaries, cells_reference, list_pl
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
 from .reference_tilted_cells import make_tilt_plan, tilted_cells_reference
-from .support import cells_supported, triton_supported
+from .support import DEFAULT_TILES, MuseTiles, cells_supported, check_tiles, triton_supported
 
 FAR_FIELDS = ("cells", "tilted", "tilted-cells")  # muse_attention's far fields (docs/muse.md sections 1-4, 7, 8)
 
@@ -38,6 +38,7 @@ def muse_attention(
     backend: str = "auto",
     plan: MusePlan | None = None,
     far_field: str = "tilted",
+    tiles: MuseTiles | None = None,
 ) -> torch.Tensor:
     """Causal MuSe attention.
 
@@ -60,9 +61,12 @@ def muse_attention(
     cell summarised for each of `q_clusters` global query clusters per head by its summary tilted at the cluster's
     centroid).
     Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
+    tiles: launch tiles of the cells and tilted-cells kernels replacing their defaults (`support.MuseTiles`; None: the
+    defaults; benchmarks sweep them); they change no result beyond the order of sums.
     """
     if far_field not in FAR_FIELDS:
         raise ConfigError(f"muse far_field={far_field!r}; allowed: {', '.join(FAR_FIELDS)}")
+    tiles = check_tiles(tiles)
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -80,11 +84,11 @@ def muse_attention(
         return _tilted_cells(q, k, v, scale=scale, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
                              kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
                              local_blocks=local_blocks, sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask,
-                             backend=backend)
+                             backend=backend, tiles=tiles)
     if far_field == "cells":
         return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
                       topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,
-                      sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask, backend=backend)
+                      sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask, backend=backend, tiles=tiles)
     if peak_blocks:
         raise ConfigError("muse: peak_blocks needs far_field='cells' (the tilted design retrieves per query cluster)")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -154,7 +158,7 @@ def _kernel_inputs(q, k, v, be: str):
 
 
 def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
-           sink_blocks, dipole, key_mask, backend):
+           sink_blocks, dipole, key_mask, backend, tiles):
     if dipole:
         raise ConfigError("muse: dipole=True needs far_field='tilted'")
     be = _cells_backend(q, backend, block_size)
@@ -165,11 +169,11 @@ def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks,
                            local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
                            backend=_plan_backend(be))
     if be == "triton":
-        return cells_triton(q, k, v, plan, scale=scale)[..., :D]
+        return cells_triton(q, k, v, plan, scale=scale, tiles=tiles)[..., :D]
     return cells_reference(q, k, v, plan, scale=scale)
 
 
-def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **cells_options):
+def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, tiles, **cells_options):
     """The tilted-cells far field: the Triton kernels (`triton_tilted.py`, `triton_tilted_bwd.py`) where the cells
     kernels run, else the reference."""
     if dipole:
@@ -178,17 +182,18 @@ def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, **ce
     D = q.shape[-1]
     q, k, v = _kernel_inputs(q, k, v, be)
     plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
-                          backend=_plan_backend(be), **cells_options)
+                          backend=_plan_backend(be), tiles=tiles, **cells_options)
     if be == "triton":
-        return tilted_cells_triton(q, k, v, plan, scale=scale)[..., :D]
+        return tilted_cells_triton(q, k, v, plan, scale=scale, tiles=tiles)[..., :D]
     return tilted_cells_reference(q, k, v, plan, scale=scale)
 
 
-def tilted_cells_triton(q, k, v, plan, *, scale: float) -> torch.Tensor:
+def tilted_cells_triton(q, k, v, plan, *, scale: float, tiles: MuseTiles | None = None) -> torch.Tensor:
     """`tilted_cells_reference` through the Triton kernels, forward and backward (the plan a constant).
     q [B, Hq, S, D], k/v [B, Hkv, S, D] of one dtype, D a power of two in 16..128, block_size a multiple of 128
-    -> o [B, S, Hq, D]."""
-    return _TiltedCellsAttention.apply(q, k, v, plan, float(scale))
+    -> o [B, S, Hq, D]. tiles: the kernels' launch tiles, the backward's included (`support.MuseTiles`; None: the
+    defaults)."""
+    return _TiltedCellsAttention.apply(q, k, v, plan, float(scale), check_tiles(tiles))
 
 
 class _TiltedCellsAttention(torch.autograd.Function):
@@ -197,10 +202,10 @@ class _TiltedCellsAttention(torch.autograd.Function):
     constant, as in the reference."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale: float):
+    def forward(ctx, q, k, v, plan, scale: float, tiles: MuseTiles):
         from .triton_tilted import tilted_cells_forward
 
-        o, saved, ctx.meta = tilted_cells_forward(q, k, v, plan, scale)
+        o, saved, ctx.meta = tilted_cells_forward(q, k, v, plan, scale, tiles=tiles)
         ctx.save_for_backward(*saved)
         return o
 
@@ -208,7 +213,7 @@ class _TiltedCellsAttention(torch.autograd.Function):
     def backward(ctx, do):
         from .triton_tilted_bwd import tilted_cells_bwd
 
-        return (*tilted_cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
+        return (*tilted_cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None, None)
 
 
 class _MuseFn(torch.autograd.Function):
@@ -240,13 +245,13 @@ def muse_triton_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
 class _CellsAttention(torch.autograd.Function):
     """The cells attention with the plan fixed (`triton_cells.cells_fwd` / `cells_bwd`): inputs q, k, v (exact keys)
     and the cell means mu, vbar ([B, Hkv, nb, Ck, D], differentiable functions of k and v computed outside by
-    `cell_summaries`)."""
+    `cell_summaries`); `tiles` the kernels' launch tiles (the backward runs with the forward's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+    def forward(ctx, q, k, v, mu, vbar, plan: CellsPlan, scale: float, tiles: MuseTiles):
         from .triton_cells import cells_fwd
 
-        O, saved, ctx.meta = cells_fwd(q, k, v, mu, vbar, plan, scale)
+        O, saved, ctx.meta = cells_fwd(q, k, v, mu, vbar, plan, scale, tiles)
         ctx.save_for_backward(*saved)
         return O[:, :, :q.shape[2]].transpose(1, 2)
 
@@ -254,16 +259,17 @@ class _CellsAttention(torch.autograd.Function):
     def backward(ctx, do):
         from .triton_cells import cells_bwd
 
-        return (*cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None)
+        return (*cells_bwd(ctx.saved_tensors, ctx.meta, do), None, None, None)
 
 
-def cells_triton(q, k, v, plan: CellsPlan, *, scale: float) -> torch.Tensor:
+def cells_triton(q, k, v, plan: CellsPlan, *, scale: float, tiles: MuseTiles | None = None) -> torch.Tensor:
     """`cells_reference` through the Triton kernels (forward, and the backward when gradients are needed).
     q [B, Hq, S, D], k/v [B, Hkv, S, D] -> o [B, S, Hq, D]. Needs `block_size` a multiple of 128 and D a power
     of two. q, k and v share one dtype (`muse_attention` casts mixed inputs). The cell means are computed
-    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast."""
+    (differentiably) in that dtype with fp32 accumulation, and kept in it under autocast. tiles: the kernels' launch
+    tiles, the backward's included (`support.MuseTiles`; None: the defaults)."""
     mu, vbar = cell_summaries(k, v, plan)
-    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale)
+    return _CellsAttention.apply(q, k, v, mu.to(q.dtype), vbar.to(q.dtype), plan, scale, check_tiles(tiles))
 
 
 def listed_blocks_triton(q, k, v, retrieved: torch.Tensor, key_valid: torch.Tensor, *, block_size: int,
@@ -279,4 +285,4 @@ def listed_blocks_triton(q, k, v, retrieved: torch.Tensor, key_valid: torch.Tens
     D = q.shape[-1]
     q, k, v = _kernel_inputs(q, k, v, "triton")
     plan = list_plan(retrieved, key_valid, block_size=block_size, max_listed=max_listed)
-    return _CellsAttention.apply(q, k, v, None, None, plan, float(scale))[..., :D]
+    return _CellsAttention.apply(q, k, v, None, None, plan, float(scale), DEFAULT_TILES)[..., :D]

@@ -37,6 +37,7 @@ from ..backend import resolve_backend
 from .reference_cells import CellsPlan, chunk_masks, make_cells_plan
 from .plan import block_view
 from .reference import masked_softmax
+from .support import MuseTiles, check_tiles
 
 
 @dataclass
@@ -49,14 +50,15 @@ class TiltPlan:
 
 @torch.no_grad()
 def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, chunk_elems: int = 2**27,
-                    triton: bool = False):
+                    triton: bool = False, tiles: MuseTiles | None = None):
     """Global Lloyd clustering of each head's queries. q [B, H, S, D], valid [B, S] bool -> centroids [B, H, C, D]
     float32 (the mean of the members; an empty cluster keeps its previous value), assign [B, H, S] int64 (invalid
     positions: 0). Initial centroids: C queries evenly spaced over each row's real positions (ties by position: the
     result is deterministic). Assignment: argmax of 2 x.c - |c|^2 (lowest cluster on ties), in float32; with `triton`
     (CUDA, bf16/fp16 queries: `triton_cluster.nearest_with_sums`, a round per launch) the products x.c come from the
     tensor cores (the centroids rounded to the queries' dtype, fp32 sums: near-ties may go the other way) and the
-    members' sums from a one-hot product. Means in float32."""
+    members' sums from a one-hot product (its launch tiles: `tiles`, `support.MuseTiles`; None: the defaults). Means in
+    float32."""
     B, H, S, D = q.shape
     dev = q.device
     nval = valid.sum(-1)  # [B]
@@ -72,7 +74,7 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
         from .triton_cluster import nearest_with_sums
 
         for _ in range(iters + 1):
-            a, s, cnt = nearest_with_sums(q, cent, valid)
+            a, s, cnt = nearest_with_sums(q, cent, valid, check_tiles(tiles))
             cent = mean(s, cnt, cent)
         return cent, a.masked_fill(~valid[:, None, :], 0)
     x = q.float()
@@ -101,9 +103,10 @@ def cluster_queries(q: torch.Tensor, valid: torch.Tensor, C: int, iters: int, ch
 
 @torch.no_grad()
 def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: int = 2, key_mask=None,
-                   backend: str = "auto", **cells_options) -> TiltPlan:
+                   backend: str = "auto", tiles: MuseTiles | None = None, **cells_options) -> TiltPlan:
     """The cells plan (`make_cells_plan(q, k, **cells_options)`), the queries' global clusters and their sort.
-    q [B, Hq, S, D], k [B, Hkv, S, D]; the centroids are rounded to q's dtype (the tilt point both paths use)."""
+    q [B, Hq, S, D], k [B, Hkv, S, D]; the centroids are rounded to q's dtype (the tilt point both paths use).
+    `tiles`: the Triton clustering's launch tiles (`support.MuseTiles`; None: the defaults)."""
     B, Hq, S, D = q.shape
     cells = make_cells_plan(q, k, scale=scale, kmeans_iters=kmeans_iters, key_mask=key_mask, backend=backend,
                             **cells_options)
@@ -116,7 +119,7 @@ def make_tilt_plan(q, k, *, scale: float, q_clusters: int = 256, kmeans_iters: i
     # member (ties go to the lowest cluster), so the clusters are those of one per query; without the repeats,
     # whose centroids and summaries would be allocated for nothing (q_clusters=2**31-1 asked for 16 GiB at 20 tokens)
     q_clusters = min(q_clusters, Sp)
-    cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton)
+    cent, assign = cluster_queries(qp, valid, q_clusters, kmeans_iters, triton=use_triton, tiles=tiles)
     key = assign * Sp + torch.arange(Sp, device=q.device)
     key = torch.where(valid[:, None, :], key, q_clusters * Sp + torch.arange(Sp, device=q.device))  # padding last
     if (q_clusters + 1) * Sp < 2**31:  # 32-bit keys: half the radix sort's passes

@@ -4,13 +4,18 @@ dispatchers (`ops.py`, `plan.py`, `reference_cells.py`) check them on any instal
 - `triton_supported` / `cells_supported`: the attention kernels of the tilted and the cells far field
   (`triton_planned.py`, `triton_cells.py`);
 - `lloyd_supported`, `block_scores_supported`, `block_peaks_supported` and the tiles `scores_tiles`, `peaks_tiles`:
-  the plan kernels (`triton_cluster.py`).
+  the plan kernels (`triton_cluster.py`);
+- `MuseTiles`: launch tiles that replace the kernels' defaults, passed down as `tiles=` (benchmarks sweep them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
+from ...errors import ConfigError
 from ..backend import next_power_of_2
 
 
@@ -96,3 +101,78 @@ def peaks_tiles(D: int, L: int, G: int, tiles: tuple[int, int, int] | None = Non
     GP = next_power_of_2(G)
     BL, warps, stages = tiles or ((64, 4, 3) if D <= 64 else (64, 8, 2))
     return max(2, 128 // GP), GP, min(L, BL), warps, stages
+
+
+# MuseTiles' fields: what each tuple holds, and its entries' kinds (t: a tile, a power of two >= 16; w: warps, a power
+# of two <= 32; s: pipeline stages >= 1; n: a count >= 1)
+TILE_FIELDS = {
+    "cells_fwd": ("query tile, key tile, warps, stages", "ttws"),
+    "cells_dkdv": ("key tile, query tile, warps, stages", "ttws"),
+    "tilted_far": ("query tile, cell tile, warps, stages", "ttws"),
+    "tilted_summ": ("centroids, keys per step, warps", "ttw"),
+    "tilted_dq": ("query tile, cell tile, warps", "ttw"),
+    "tilted_dsumm": ("query rows, cell tile, warps", "ttw"),
+    "tilted_sbwd": ("centroids, keys per step, warps", "ttw"),
+    "cluster_nearest": ("tokens, centroids, warps", "ttw"),
+    "cluster_member": ("centroids per program, tokens per step, warps, stages, token chunks", "ttwsn"),
+}
+
+
+@dataclass(frozen=True)
+class MuseTiles:
+    """Launch tiles of the cells and tilted-cells kernels and of the tilted plan's clustering that replace the
+    defaults, for one call (whatever its head_dim and dtype: a caller sweeping them picks them per shape); None: the
+    default of that launch. They change how the kernels run, never what they compute (up to the order of sums).
+    Passed as `tiles=` to `ops.muse_attention`, `ops.cells_triton`, `ops.tilted_cells_triton`,
+    `reference_tilted_cells.make_tilt_plan` / `cluster_queries` and down to the launches; a backward runs with its
+    forward's tiles.
+
+    cells_fwd: the cells forward kernel (`triton_cells.cells_tiles`' fwd; also the exact part of tilted-cells);
+    cells_dkdv: its dK/dV kernel; tilted_far / tilted_summ: the tilted forward's far field and summaries
+    (`triton_tilted.tilted_tiles`); tilted_dq / tilted_dsumm / tilted_sbwd: its backward's kernels
+    (`triton_tilted_bwd.tilted_bwd_tiles`); cluster_nearest / cluster_member: a round of the query clustering
+    (`triton_cluster.nearest_with_sums`). Each tuple's entries: `TILE_FIELDS`."""
+
+    cells_fwd: tuple[int, int, int, int] | None = None
+    cells_dkdv: tuple[int, int, int, int] | None = None
+    tilted_far: tuple[int, int, int, int] | None = None
+    tilted_summ: tuple[int, int, int] | None = None
+    tilted_dq: tuple[int, int, int] | None = None
+    tilted_dsumm: tuple[int, int, int] | None = None
+    tilted_sbwd: tuple[int, int, int] | None = None
+    cluster_nearest: tuple[int, int, int] | None = None
+    cluster_member: tuple[int, int, int, int, int] | None = None
+
+    def __post_init__(self):
+        pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+        ok = {"t": lambda x: pow2(x) and x >= 16, "w": lambda x: pow2(x) and x <= 32, "s": lambda x: x >= 1,
+              "n": lambda x: x >= 1}
+        for name, (what, kinds) in TILE_FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            good = isinstance(value, (tuple, list)) and len(value) == len(kinds) and all(
+                isinstance(x, int) and not isinstance(x, bool) and ok[kd](x) for x, kd in zip(value, kinds))
+            if not good:
+                raise ValueError(f"MuseTiles.{name}={value!r}: allowed None or ({what}), tiles powers of two >= 16, "
+                                 "warps a power of two <= 32, stages and counts >= 1")
+            object.__setattr__(self, name, tuple(value))
+
+    def replace(self, **changes) -> "MuseTiles":
+        """These tiles with `changes`; a ValueError names a key that is not a field."""
+        unknown = sorted(set(changes) - set(TILE_FIELDS))
+        if unknown:
+            raise ValueError(f"not MuSe tiles: {', '.join(unknown)}; the fields: {', '.join(TILE_FIELDS)}")
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_TILES = MuseTiles()
+
+
+def check_tiles(tiles) -> MuseTiles:
+    """`tiles` as passed to an entry point: a MuseTiles, or None for the defaults (anything else: a ConfigError)."""
+    if tiles is None:
+        return DEFAULT_TILES
+    if not isinstance(tiles, MuseTiles):
+        raise ConfigError(f"muse: tiles must be a MuseTiles (kernels.muse.support) or None, got {type(tiles).__name__}")
+    return tiles

@@ -12,6 +12,7 @@ from ..backend import INTERPRET
 from ..triton_lib import dot, online_softmax_scaled
 from .reference_cells import CellsPlan
 from .plan import log_counts
+from .support import DEFAULT_TILES, MuseTiles
 
 # dots at "tf32x3": bf16/fp16 operands, one tensor-core dot; fp32 operands, each split in a tf32 high part and a
 # tf32 remainder (three tensor-core products), within a few fp32 ulps of ieee products (ieee fp32 dots compile to
@@ -282,28 +283,23 @@ def _cells_bwd_dcells(Q, MU, VB, LOGN, RET, DO, LSE, DELTA, DMU, DVB, scale, H, 
     tl.store(DVB + (bkv * NCK + cidx)[:, None] * D + offs_d[None, :], dvb, mask=okc[:, None])
 
 
-# forward tiles by (head_dim, dtype) that replace cells_tiles' choice: (BM, BN, warps, stages); for benchmarks
-FWD_TILES: dict = {}
-# dK/dV kernel tiles by (head_dim, dtype) that replace cells_tiles' choice: (key tile, query tile, warps, stages)
-DKDV_TILES: dict = {}
-
-
-def cells_tiles(D: int, dtype: torch.dtype, L: int) -> dict:
+def cells_tiles(D: int, dtype: torch.dtype, L: int, tiles: MuseTiles = DEFAULT_TILES) -> dict:
     """Launch tiles of the cells kernels: fwd (query tile BM, key tile BN, warps, stages), bwd (BM, BN, warps,
     query tile of the dcells kernel) and dkdv (key tile, query tile, warps, stages of the dK/dV kernel). bf16/fp16:
     the fastest forward and dK/dV of H200 sweeps (benchmarks/ops/bench_muse_cells.py `tune`, `dkdv`: at 64k the dK/dV kernel
     took 17.9 ms with 64 x 64 tiles, 4 warps and 3 stages against 29.1 ms with 64 x 128, 8 warps, 1 stage), and dq /
     dcells tiles that compile without register spills for sm_90 (128 x 64, 8 warps). fp32 (tf32x3 dots): tiles that
     fit sm_90's shared memory with the fewest spills (cuobjdump of the sm_90 build). Tiles divide block_size L (a
-    multiple of 128)."""
+    multiple of 128). `tiles.cells_fwd` / `tiles.cells_dkdv` replace the forward's / the dK/dV kernel's (benchmarks'
+    sweeps)."""
     if dtype == torch.float32:  # tf32x3 dots keep two tf32 copies of every operand in shared memory
         fwd, bwd = ((128, 64, 8, 1), (64, 32, 4, 32)) if D >= 128 else ((64, 64, 4, 2), (64, 64, 8, 32))
         dkdv = (bwd[1], bwd[3], bwd[2], 1)
     else:
         fwd, bwd = ((128, 128, 8, 3) if D >= 128 else (128, 128, 4, 2)), (128, 64, 8, 128)
         dkdv = (64, 64, 4, 2 if D >= 128 else 3)
-    fm, fn, fw, fs = FWD_TILES.get((D, dtype), fwd)
-    kn, km, kw, ks = DKDV_TILES.get((D, dtype), dkdv)
+    fm, fn, fw, fs = tiles.cells_fwd or fwd
+    kn, km, kw, ks = tiles.cells_dkdv or dkdv
     return dict(fwd=(min(fm, L), min(fn, L), fw, fs), bwd=tuple(min(t, L) if i != 2 else t for i, t in enumerate(bwd)),
                 dkdv=(min(kn, L), min(km, L), kw, ks))
 
@@ -315,13 +311,14 @@ def _padded(t: torch.Tensor, Sp: int) -> torch.Tensor:
     return t.contiguous()
 
 
-def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
+def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float, tiles: MuseTiles = DEFAULT_TILES):
     """The forward kernel on q, k, v (exact keys) and the cell means mu, vbar ([B, Hkv, nb, Ck, D]): O [B, Hq, Sp, D]
-    (padded to the plan's blocks), and what `cells_bwd` takes (the saved tensors, the sizes)."""
+    (padded to the plan's blocks), and what `cells_bwd` takes (the saved tensors, the sizes and the backward's tiles,
+    from `tiles` as the forward's)."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     L, Ck, nb, Sp = plan.block_size, plan.k_clusters, plan.num_blocks, plan.padded_len
-    tiles = cells_tiles(D, q.dtype, L)
+    tiles = cells_tiles(D, q.dtype, L, tiles)
     Q, K, V = (_padded(t, Sp) for t in (q, k, v))
     far = Ck > 0  # a plan without cells (`cells.list_plan`): the listed blocks and the own block only
     if far:
@@ -345,7 +342,7 @@ def cells_fwd(q, k, v, mu, vbar, plan: CellsPlan, scale: float):
         L=L, CK=max(Ck, 1), LOC=plan.local_blocks, **lists, D=D, BM=fm, BN=fn, UP=up, FAR=far, num_warps=fw,
         num_stages=fs)
     return O, (Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval), (B, Hq, Hkv, S, D, L, Ck, nb, Sp, plan.local_blocks,
-                                                                lists, tiles["bwd"], up, scale)
+                                                                lists, tiles["bwd"], up, scale, tiles["dkdv"])
 
 
 def bwd_inputs(do, O):
@@ -357,7 +354,7 @@ def bwd_inputs(do, O):
 def cells_bwd_qkv(saved, meta, DO, DELTA):
     """dQ (exact keys and cells), dK and dV (exact keys) in float32, padded to the plan's blocks ([B, H, Sp, D])."""
     Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
-    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
+    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale, (kn, km, kw, ks) = meta
     f32 = dict(device=Q.device, dtype=torch.float32)
     DQ = torch.empty(B, Hq, Sp, D, **f32)
     DK = torch.zeros(B, Hkv, Sp, D, **f32)  # zeros: the key blocks read by many pairs are summed over programs
@@ -367,7 +364,6 @@ def cells_bwd_qkv(saved, meta, DO, DELTA):
         Q, K, V, MU, VB, logn, kval, exl, ret, DO, LSE, DELTA, DQ, scale, Hq, Hkv, nb, Sp, nb * Ck,
         L=L, CK=max(Ck, 1), LOC=loc, **lists, D=D, BM=BM, BN=BN, UP=up, FAR=Ck > 0, num_warps=warps, num_stages=1)
     nt = readers.shape[-1]
-    kn, km, kw, ks = cells_tiles(D, Q.dtype, L)["dkdv"]
     _cells_bwd_dkdv[(Sp // kn, B * Hkv, triton.cdiv(nt - 1, READERS_CHUNK))](
         Q, K, V, kval, readers, counts, DO, LSE, DELTA, DK, DV, scale, Hq, Hkv, nb, Sp, nt,
         L=L, D=D, BM=km, BN=kn, CH=READERS_CHUNK, UP=up, num_warps=kw, num_stages=ks)
@@ -378,7 +374,7 @@ def cells_bwd(saved, meta, do):
     """The backward kernels from `cells_fwd`'s saved tensors and sizes and do [B, S, Hq, D]: the gradients of
     q, k, v, mu and vbar (None for a plan without cells)."""
     Q, K, V, MU, VB, O, LSE, logn, exl, ret, kval = saved
-    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale = meta
+    B, Hq, Hkv, S, D, L, Ck, nb, Sp, loc, lists, (BM, BN, warps, BMK), up, scale, _ = meta
     DO, DELTA = bwd_inputs(do, O)
     DQ, DK, DV = cells_bwd_qkv(saved, meta, DO, DELTA)
     f32 = dict(device=Q.device, dtype=torch.float32)

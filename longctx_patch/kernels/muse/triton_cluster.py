@@ -39,7 +39,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..triton_lib import dot, dot_acc, dot_bf16x3
 # the tiles (support.py, no Triton there: the dispatchers' checks use them)
-from .support import peaks_tiles, scores_tiles  # noqa: F401
+from .support import DEFAULT_TILES, MuseTiles, peaks_tiles, scores_tiles  # noqa: F401
 
 # dots: bf16 operands on the tensor cores with fp32 accumulation (dot_acc; UP: the interpreter's bf16 workaround),
 # fp32 centroids against bf16 tokens in three bf16 parts (dot_bf16x3)
@@ -304,34 +304,30 @@ def _member_sums(X, A, VALID, SUM, CNT, H, S, CQ, TPP, D: tl.constexpr, BM: tl.c
     tl.store(CNT + (bh * nt + tc) * CQ + ca, cnt, mask=cm)
 
 
-# D -> tiles overriding the defaults (set by the benchmarks' sweeps): `_nearest`'s (tokens BM, centroids BC, warps),
-# `_member_sums`' (member_tiles)
-NEAREST_TILES: dict = {}
-MEMBER_TILES: dict = {}
-
-
-def member_tiles(D: int, C: int) -> tuple[int, int, int, int, int]:
+def member_tiles(D: int, C: int, tiles: MuseTiles = DEFAULT_TILES) -> tuple[int, int, int, int, int]:
     """`_member_sums`' centroids per program CA, tokens per step BM, warps, stages and the most token chunks per head
     (each a program writing partial sums): the fastest of an H200 sweep at 64k (benchmarks/ops/bench_muse_tilted.py
-    `cluster_tune`: 0.33 ms a round with 256 centroids at D 64, 0.93 with the first one-hot kernel)."""
-    CA, BM, warps, stages, chunks = MEMBER_TILES.get(D, (64, 64, 4, 3, 16))
+    `cluster_tune`: 0.33 ms a round with 256 centroids at D 64, 0.93 with the first one-hot kernel);
+    `tiles.cluster_member` replaces them."""
+    CA, BM, warps, stages, chunks = tiles.cluster_member or (64, 64, 4, 3, 16)
     return min(CA, triton.next_power_of_2(max(C, 16))), BM, warps, stages, chunks
 
 
-def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor):
+def nearest_with_sums(x: torch.Tensor, cent: torch.Tensor, valid: torch.Tensor, tiles: MuseTiles = DEFAULT_TILES):
     """One Lloyd round: x [B, H, S, D] (bf16/fp16, CUDA), cent [B, H, C, D] float32, valid [B, S] bool -> each token's
     nearest centroid [B, H, S] int64 (`_nearest`: the centroids rounded to x's dtype in the products, |c|^2 in
     float32), and per centroid the sum [B, H, C, D] and count [B, H, C] (float32) of the real tokens assigned to it
-    (`_member_sums`): the round's new means without a scatter or an fp32 copy of x."""
+    (`_member_sums`): the round's new means without a scatter or an fp32 copy of x. `tiles.cluster_nearest` /
+    `cluster_member`: the two kernels' tiles instead of the defaults."""
     B, H, S, D = x.shape
     C = cent.shape[2]
     x = x.contiguous()
     a = torch.empty(B, H, S, device=x.device, dtype=torch.int32)
-    nm, nc, nw = NEAREST_TILES.get(D, (128, 64, 8 if D >= 128 else 4))
+    nm, nc, nw = tiles.cluster_nearest or (128, 64, 8 if D >= 128 else 4)
     _nearest[(triton.cdiv(S, nm), B * H)](
         x, cent.to(x.dtype).contiguous(), (cent * cent).sum(-1).contiguous(), a, S, C, D=D, BM=nm, BC=nc,
         UP=INTERPRET, num_warps=nw)
-    CA, BM, warps, stages, chunks = member_tiles(D, C)
+    CA, BM, warps, stages, chunks = member_tiles(D, C, tiles)
     # token chunks per head: up to `chunks`, fewer where the partial sums would pass 256 MiB
     nt = max(1, min(chunks, triton.cdiv(S, BM), (1 << 28) // (B * H * C * D * 4)))
     tpp = BM * triton.cdiv(triton.cdiv(S, nt), BM)

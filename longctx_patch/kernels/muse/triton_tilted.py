@@ -12,6 +12,7 @@ from ..backend import INTERPRET
 from ..triton_lib import dot, online_softmax_scaled
 from .reference_cells import CellsPlan
 from .reference_tilted_cells import TiltPlan
+from .support import DEFAULT_TILES, MuseTiles, check_tiles
 from .triton_cells import cells_fwd
 
 
@@ -157,20 +158,16 @@ def _tilt_far_fwd(Q, ORD, SCL, C, LSE, KT, VT, RET, O, LSEE, scale, H, H0, HC, N
     tl.store(LSEE + bh * Sp + pos, (mx + tl.log2(z)) * 0.6931471805599453, mask=real)
 
 
-# (D, dtype) -> the far field's / the summaries' tiles, overriding tilted_tiles' (set by the benchmarks' sweeps)
-FAR_TILES: dict = {}
-SUMM_TILES: dict = {}
-
-
-def tilted_tiles(D: int, dtype: torch.dtype) -> dict:
-    """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages)."""
+def tilted_tiles(D: int, dtype: torch.dtype, tiles: MuseTiles = DEFAULT_TILES) -> dict:
+    """Launch tiles: summaries (centroids BC, keys BK per chunk, warps), far field (BM, BN, warps, stages);
+    `tiles.tilted_summ` / `tiles.tilted_far` replace them (benchmarks' sweeps)."""
     # bf16 / fp16: the fastest of H200 sweeps at 64k (benchmarks/ops/bench_muse_tilted.py `far_tune`: the forward
     # without its plan took 15.4 / 26.2 ms at D 64 / 128 with these against 19.2 / 37.3 with the earlier 128 x 64
     # (D 64) or 64 x 64 (D 128) far tiles at 8 warps and 8-warp summaries at D 128); fp32 (tf32x3 dots) keeps tiles
     # that fit sm_90's shared memory
     f32 = dtype == torch.float32
-    far = FAR_TILES.get((D, dtype), (64, 64, 8, 2) if f32 else (64, 64, 4, 3))
-    return dict(summ=SUMM_TILES.get((D, dtype), (64, 32, 8 if f32 else 4)), far=far)
+    far = tiles.tilted_far or ((64, 64, 8, 2) if f32 else (64, 64, 4, 3))
+    return dict(summ=tiles.tilted_summ or (64, 32, 8 if f32 else 4), far=far)
 
 
 def far_bits(retrieved: torch.Tensor, local_blocks: int) -> torch.Tensor:
@@ -202,16 +199,21 @@ def cell_order(cp: CellsPlan):
 SUMMARY_BYTES = 4 << 30  # the most memory the tilted summaries of one chunk of query heads take
 
 
-def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES):
+def tilted_cells_fwd(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES,
+                     tiles: MuseTiles | None = None):
     """q [B, Hq, S, D], k/v [B, Hkv, S, D] (one dtype, D a power of two in 16..128, block_size a multiple of 128)
     -> o [B, S, Hq, D]: the exact part on the cells kernels (no far field), then per chunk of query heads whose
-    summaries fit in `summary_bytes` (at least one head), the tilted summaries and the far field merged into it."""
-    return tilted_cells_forward(q, k, v, plan, scale, summary_bytes)[0]
+    summaries fit in `summary_bytes` (at least one head), the tilted summaries and the far field merged into it.
+    `tiles`: launch tiles replacing the defaults (`support.MuseTiles`; None: the defaults)."""
+    return tilted_cells_forward(q, k, v, plan, scale, summary_bytes, tiles)[0]
 
 
-def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES):
+def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: int = SUMMARY_BYTES,
+                         tiles: MuseTiles | None = None):
     """`tilted_cells_fwd`, with what the backward takes: (o, saved tensors, sizes). The saved tensors are the cells
-    kernels' (their O and LSE the merged output and log-sum-exp) and the far field's plan tensors."""
+    kernels' (their O and LSE the merged output and log-sum-exp) and the far field's plan tensors; the sizes carry
+    `tiles` for the backward."""
+    tiles = check_tiles(tiles)
     cp = plan.cells
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
@@ -219,7 +221,7 @@ def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: i
     Cq = plan.centroids.shape[2]
     empty = cp.counts.new_zeros(B, 0)
     exact = CellsPlan(L, 0, loc, Sp, nb, empty, empty, cp.key_valid, cp.retrieved, cp.max_retrieved, cp.key_masked)
-    O, saved, meta = cells_fwd(q, k, v, None, None, exact, scale)
+    O, saved, meta = cells_fwd(q, k, v, None, None, exact, scale, tiles)
     Q, K, V, LSEE = saved[0], saved[1], saved[2], saved[6]
     korder, cstart = cell_order(cp)
     C = plan.centroids.contiguous()
@@ -229,7 +231,7 @@ def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: i
     scl = torch.where(valid, plan.assign, Cq).gather(2, plan.order.long()).to(torch.int32).contiguous()
     ret = far_bits(cp.retrieved, loc)
     up = INTERPRET and q.dtype != torch.float32
-    t = tilted_tiles(D, q.dtype)
+    t = tilted_tiles(D, q.dtype, tiles)
     bm, bn, fw, fs = t["far"]
     bn = min(bn, 32 * Ck)  # a tile's cells span at most 32 blocks: two words of the bits
     hc = head_chunk(B, Hq, Cq, NCK, D, q.element_size(), summary_bytes)
@@ -244,7 +246,7 @@ def tilted_cells_forward(q, k, v, plan: TiltPlan, scale: float, summary_bytes: i
             Q, order, scl, C, LSE, KT, VT, ret, O, LSEE, scale, Hq, h0, n, nb, ret.shape[-1], Sp, NCK, Cq,
             L=L, CK=Ck, LOC=loc, D=D, BM=bm, BN=bn, UP=up, num_warps=fw, num_stages=fs)
     tilt = (korder, cstart, C, order, scl, ret)
-    return O[:, :, :S].transpose(1, 2), saved + tilt, (meta, len(saved), Ck, Cq, summary_bytes)
+    return O[:, :, :S].transpose(1, 2), saved + tilt, (meta, len(saved), Ck, Cq, summary_bytes, tiles)
 
 
 def head_chunk(B, Hq, Cq, NCK, D, itemsize, summary_bytes, arrays: int = 1) -> int:

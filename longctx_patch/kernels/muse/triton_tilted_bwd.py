@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..triton_lib import dot
+from .support import DEFAULT_TILES, MuseTiles
 from .triton_cells import bwd_inputs, cells_bwd_qkv
 from .triton_tilted import cluster_rows_tilt, far_load, far_logits, head_chunk, sorted_rows, summaries, tilted_tiles
 
@@ -159,11 +160,13 @@ def _tilt_summaries_bwd(K, V, KORD, CST, C, LSE, DKT, DVT, A, DK, DV, scale, H, 
             tl.store(pv, tl.load(pv, mask=inb[:, None], other=0.0) + dv, mask=inb[:, None])
 
 
-def tilted_bwd_tiles(D: int, dtype: torch.dtype) -> dict:
+def tilted_bwd_tiles(D: int, dtype: torch.dtype, tiles: MuseTiles = DEFAULT_TILES) -> dict:
     """Launch tiles of the backward: dq (BM, BN, warps), dsumm (BM rows, BN cells, warps), summaries' backward
-    (centroids BC, keys BK, warps)."""
+    (centroids BC, keys BK, warps); `tiles.tilted_dq` / `tilted_dsumm` / `tilted_sbwd` replace them (benchmarks'
+    sweeps)."""
     wide = D >= 128 or dtype == torch.float32  # the fastest of an H200 sweep at 64k (bench_muse_tilted bwd_profile)
-    return dict(dq=(64, 32 if wide else 64, 4), dsumm=(64, 32 if wide else 64, 4), sbwd=(32, 32, 4))
+    far = (64, 32 if wide else 64, 4)
+    return dict(dq=tiles.tilted_dq or far, dsumm=tiles.tilted_dsumm or far, sbwd=tiles.tilted_sbwd or (32, 32, 4))
 
 
 def cluster_row_starts(scl: torch.Tensor, order: torch.Tensor, Cq: int, nb: int, L: int) -> torch.Tensor:
@@ -177,18 +180,19 @@ def cluster_row_starts(scl: torch.Tensor, order: torch.Tensor, Cq: int, nb: int,
 
 
 def tilted_cells_bwd(saved, meta, do):
-    """dq, dk, dv (the inputs' dtype) from `tilted_cells_forward`'s saved tensors and sizes and do [B, S, Hq, D]."""
-    cmeta, ncs, Ck, Cq, summary_bytes = meta
+    """dq, dk, dv (the inputs' dtype) from `tilted_cells_forward`'s saved tensors and sizes and do [B, S, Hq, D], with
+    the forward's tiles."""
+    cmeta, ncs, Ck, Cq, summary_bytes, tiles = meta
     cs = saved[:ncs]
     korder, cstart, C, order, scl, ret = saved[ncs:]
     Q, K, V, O, LSEM = cs[0], cs[1], cs[2], cs[5], cs[6]
-    B, Hq, Hkv, S, D, L, _, nb, Sp, loc, _, _, up, scale = cmeta
+    B, Hq, Hkv, S, D, L, _, nb, Sp, loc, _, _, up, scale, _ = cmeta
     G = Hq // Hkv
     DO, DELTA = bwd_inputs(do, O)
     DQ, DK, DV = cells_bwd_qkv(cs, cmeta, DO, DELTA)
     first = cluster_row_starts(scl, order, Cq, nb, L)
     NCK = nb * Ck
-    t, tb = tilted_tiles(D, Q.dtype), tilted_bwd_tiles(D, Q.dtype)
+    t, tb = tilted_tiles(D, Q.dtype, tiles), tilted_bwd_tiles(D, Q.dtype, tiles)
     qm, qn, qw = tb["dq"]
     sm, sn, sw = tb["dsumm"]
     bc, bk, bw = tb["sbwd"]
