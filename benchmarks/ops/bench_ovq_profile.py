@@ -84,9 +84,9 @@ def main() -> None:
     ap.add_argument("--configs", default="32/8:1024:256:512,32/32:4096:1024:512,32/32:4096:256:512",
                     help="comma-separated Hq/Hkv:max_centroids:growth:chunk_size")
     ap.add_argument("--variants", default="default",
-                    help="semicolon-separated NAME[:KEY=VALUE,...]; KEY an option of the kernels passed to ovq_attention "
-                         "as its `options` (kernels/ovq/options.OvqKernelOptions: block_m, block_n, split_rows: ints; "
-                         "graph_runs, mean_form: 0/1)")
+                    help="semicolon-separated NAME[:KEY=VALUE,...]; KEY an option of the kernels passed to "
+                         "ovq_attention as its `options` (kernels/ovq/options.OvqKernelOptions: block_m, block_n, "
+                         "split_rows: ints; graph_runs, mean_form: 0/1)")
     args = ap.parse_args()
     import triton
     import triton.testing as tt

@@ -1,8 +1,8 @@
 """MuSe (multipole semantic attention) kernels: `ops` (the dispatch `muse_attention` and the Triton paths'
 `autograd.Function`s), `plan` (the clustering and retrieval plan of the tilted far field), `reference` / `reference_cells` /
 `reference_tilted_cells` (PyTorch: each far field's reference, the cells' plans with theirs), `support` (which inputs
-the kernels take; `MuseTiles`, their launch tiles passed as `tiles=`), `triton_planned` / `triton_cells` / `triton_tilted` / `triton_tilted_bwd` / `triton_cluster` (the
-kernels).
+the kernels take; `MuseTiles`, their launch tiles passed as `tiles=`), `triton_planned` / `triton_cells` /
+`triton_tilted` / `triton_tilted_bwd` / `triton_cluster` (the kernels).
 
 `muse_attention(q, k, v, ...)` is the entry point (see its docstring); docs/muse.md has the maths.
 """
@@ -13,5 +13,5 @@ from .plan import MusePlan, attended_keys, lloyd, make_plan
 from .reference import muse_reference_planned
 from .support import MuseTiles, cells_supported, triton_supported
 
-__all__ = ["attended_keys", "cells_supported", "FAR_FIELDS", "MusePlan", "MuseTiles", "listed_blocks_triton", "make_plan", "lloyd",
-           "muse_attention", "muse_reference_planned", "triton_supported"]
+__all__ = ["attended_keys", "cells_supported", "FAR_FIELDS", "MusePlan", "MuseTiles", "listed_blocks_triton",
+           "make_plan", "lloyd", "muse_attention", "muse_reference_planned", "triton_supported"]

@@ -86,7 +86,8 @@ def chunk_attention_triton(q, k, v, bias, n_dict: int, q_off: int):
 
 def _check_options(options) -> None:
     if not isinstance(options, OvqKernelOptions):
-        raise ConfigError(f"ovq: options must be an OvqKernelOptions (kernels.ovq.options), got {type(options).__name__}")
+        raise ConfigError(f"ovq: options must be an OvqKernelOptions (kernels.ovq.options), got "
+                          f"{type(options).__name__}")
 
 
 def ovq_attention(q: Tensor, k: Tensor, v: Tensor, state: OVQState | None, open_chunk: OpenChunk | None,

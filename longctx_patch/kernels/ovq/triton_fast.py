@@ -566,8 +566,8 @@ def assign_rows_triton(k, valid, state: OVQState, n_new, n_dict: int, exact_assi
     _ovq_chunk_stats[(triton.cdiv(C, BM), B * H, ns)](
         k, KS, CNT, nact, pmax, pbest, pidx, nact, CNT,
         k.stride(0), k.stride(1), k.stride(2), KS.stride(0), KS.stride(1), KS.stride(2),
-        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=options.block_n, IEEE=exact_assign, UP=INTERPRET, DEV_T=False,
-        num_warps=nw)
+        CNT.stride(0), CNT.stride(1), C, H, R, B, D=D, BM=BM, BN=options.block_n, IEEE=exact_assign, UP=INTERPRET,
+        DEV_T=False, num_warps=nw)
     _ovq_rank[(B * H, triton.cdiv(C, BI))](xc, pmax, pbest, pidx, nnew, best, idx, rank, nact, xc.stride(0), C, H, ns,
                                            B, BI=BI, DEV_T=False)
     _ovq_absorb[(B * H, triton.cdiv(C, BI))](
