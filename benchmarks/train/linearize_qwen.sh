@@ -26,7 +26,7 @@
 # Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
 # The needle study (no training; docs/lola.md, "Where Qwen loses the needle"): calls 1-11 as above, then
 #   12    carry [".device-model/qwen/10"]                   $C bash $B study-go 10 11   the GGUF whole and checked; in
-#         the background: dequantise, (corpus built) ppl-lora, study 4k, study 16k; polls for POLL_S (120) s
+#         the background: dequantise, (corpus built) the study at each of STUDY_LENGTHS, ppl-lora, muse-guard; polls for POLL_S (120) s
 #   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Its results come back in small.tar: bgout/ppl/ (exact attention with the asset's LoRA beside unpatched, held-out
 # code and prose at 4k and 16k) and bgout/lola/needle-study-qwen2.5-coder-0.5b-{4k,16k}-<gpu>.json (rewritten after
@@ -227,8 +227,8 @@ case $STEP in
     export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
     dequantise
     wait_corpus
-    bash "$0" ppl-lora
     for L in $STUDY_LENGTHS; do bash "$0" study "$L"; done
+    bash "$0" ppl-lora
     [ -n "$GUARD_PARTS" ] && bash "$0" muse-guard
     echo "study chain done after $(( $(date +%s) - T0 )) s";;
   ppl-lora)  # held-out perplexity (code, prose; PPL_CONTEXT) of exact attention with the asset's LoRA (lolcats with a
