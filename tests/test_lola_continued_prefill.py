@@ -243,3 +243,37 @@ def test_prefill_evictions_started_mid_stream_continue_an_unbroken_run():
         torch.testing.assert_close(two.s_all[f:], one.s_all[f:], atol=1e-5, rtol=1e-5)
         assert torch.equal(two.SPIDX[f:], one.SPIDX[f:])
         torch.testing.assert_close(two.SPSC[f:], one.SPSC[f:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("combine", ["shifted", "unshifted"])
+def test_last_prompt_token_alone_equals_unbroken_prefill_under_either_combination(combine):
+    """A prompt whose last token comes in a call of its own (S - 1 tokens, then 1: what a probe of the last prompt
+    position or a server appending one token does) gives the unbroken prefill's outputs under both combinations,
+    Triton and torch, with the sparse cache in use; so do the decode steps after it."""
+    window, chunk, lam = 16, 16, 8
+    S, steps = 100, 3
+    seq = _seq(1, 4, 2, S + steps, seed=3)
+    q, k, v, fq, g, lf, Wk = seq
+    phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
+
+    def run(splits, backend, combine=combine):
+        st = _state(seq, window=window, chunk=chunk, lam=lam, sparse_heads=2)
+        outs, i = [], 0
+        for n in splits:
+            sl = slice(i, i + n)
+            outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
+                                     window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend,
+                                     combine=combine))
+            i += n
+        return torch.cat(outs, 1), st
+
+    whole, st_whole = run([S] + [1] * steps, "triton")
+    split, st_split = run([S - 1, 1] + [1] * steps, "triton")
+    loop, st_loop = run([S - 1, 1] + [1] * steps, "torch")
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, loop, atol=1e-5, rtol=1e-5)
+    _assert_same_state(st_split, st_whole, 1e-5)
+    _assert_same_state(st_split, st_loop, 1e-5)
+    assert st_split.sp_valid.any()
+    other = run([S - 1, 1] + [1] * steps, "triton", "unshifted" if combine == "shifted" else "shifted")[0]
+    assert (other - split).abs().max() > 1e-3  # the combination reaches the split path

