@@ -207,14 +207,16 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
 
 
 @contextlib.contextmanager
-def applied(model, run: MethodRun, layers=None) -> Iterator[Any]:
-    """Patches `model` with `run` for the duration of the block (nothing for the unpatched model)."""
+def applied(model, run: MethodRun, layers=None, *, decode_graphs: bool | None = None) -> Iterator[Any]:
+    """Patches `model` with `run` for the duration of the block (nothing for the unpatched model). `decode_graphs`:
+    `patch()`'s (False: every decode step eager; None: its default, `decode_graphs.default_enabled`)."""
     import longctx_patch as lp
 
     if not run.patched:
         yield model
         return
-    lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, **run.config)
+    lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, decode_graphs=decode_graphs,
+             **run.config)
     from ..patcher import patch_groups
 
     run.effective = patch_groups(model)[-1].config.to_dict()
