@@ -295,7 +295,7 @@ def run_model_speed(
         plan.append((STATIC, MethodRun("none"), {"cache_implementation": "static"}))
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     compiled = None
-    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+    ref = next((r.label for r in methods if r.reference), None)
     graphs = decode_graphs if decode_graphs is not None else default_enabled()  # the patched methods' decode steps
 
     def figures_of(rows) -> dict[str, Any]:
