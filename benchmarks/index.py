@@ -6,8 +6,10 @@ method, device, date, commit and a headline figure.
 
 The task is the JSON's `task` field, else it is read from the file's place: `<folder>-<kind>` in the folders of
 several benchmarks (`lola/speed-h200-34dbded.json` -> lola-speed), else the folder. The headline comes from a
-rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a file no rule fits gets the first of a
-few well-known figures found anywhere in it (a speed-up, an error, tokens/s), else "-". A field the file does
+rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a task without a rule, or a file of a layout its
+rule knows to carry none of its figures (the rule returns None), gets the first of a few well-known figures found
+anywhere in it (a speed-up, an error, tokens/s), else "-"; a file its rule cannot read stops the index with an error
+naming the file. A field the file does
 not have shows as "unknown" (device, date, commit) or "-" (model, method); nothing is filled in.
 """
 
@@ -121,7 +123,9 @@ def h_approx(d):
 
 
 def h_speed(d):
-    ref, sp = d.get("reference", "reference"), d["speedup_vs_reference"]
+    ref, sp = d.get("reference", "reference"), d.get("speedup_vs_reference")
+    if not sp:  # a run without a reference among its methods (one method per file, decode-first-steps): no speed-up
+        return None
     if "layout" not in d:  # before 2026-12-02: speedup_vs_reference[method][context], batch 1
         ctx = longest(next(iter(sp.values())))
         parts = {k: v[ctx]["prefill"] for k, v in sp.items()}
@@ -194,10 +198,8 @@ def h_needle_study(d):
 
 
 def h_determinism(d):
-    if "conditions" in d:
-        return "runs diverged: " + ", ".join(f"{c['runs_diverged']}/{c['runs']} ({short(c['condition'], 30)})"
-                                              for c in d["conditions"])
-    raise KeyError("conditions")
+    return "runs diverged: " + ", ".join(f"{c['runs_diverged']}/{c['runs']} ({short(c['condition'], 30)})"
+                                          for c in d["conditions"])
 
 
 def h_gpu_integration(d):
@@ -236,6 +238,8 @@ def _is_float(v) -> bool:
 
 
 def h_decode_attention(d):
+    if not any("Sq" in r for r in d["rows"]):  # bench_lola_decode_step: the LoLA step's rows, no query counts
+        return None
     rows = [r for r in d["rows"] if r["Sq"] == 1 and not r["padded"] and r["B"] == 1]
     r = max(rows, key=lambda r: (r["Sk"], -r["D"]))
     return (f"decode step (1 query, B=1, D={r['D']}) over {r['Sk']} keys: package {num(r['package']['ms'], 3)} ms, "
@@ -268,14 +272,21 @@ def h_retrieval(d):
     return "mean rel. error: " + per_label(d["mean"], lambda v: f"{v:.3g}")
 
 
-RULES: dict[str, Callable[[dict], str]] = {
-    "niah": h_niah, "ruler": h_ruler, "ppl": h_ppl, "approx": h_approx, "speed": h_speed, "speed-op": h_speed_op,
-    "finetune": h_finetune, "icr": h_synthetic, "icl": h_synthetic, "multigpu-linearize": h_multigpu,
-    "lola-mass": h_lola_mass, "lola-needle-in-cache": h_needle, "lola-needle-study": h_needle_study, "lola-determinism": h_determinism,
-    "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,
-    "muse-farfield-study": h_fidelity, "muse-fast-study": h_fidelity, "muse-retrieval-study": h_retrieval,
-    "lola-speed": h_lola_speed, "racecheck": h_racecheck, "decode-attention": h_decode_attention,
-    "muse-error-anatomy": h_error_anatomy, "peers": h_peers, "muse-guard": h_guard,
+# per task: the field its rule reads (a file without it is of a layout that carries none of the rule's figures: bench_window
+# in speed-op/, bench_train_throughput in finetune/, check_large_shapes in racecheck/ ...; None: the rule reads every
+# layout of its task) and the rule (None from a rule: nothing of its figures in this file either)
+RULES: dict[str, tuple[str | None, Callable[[dict], str | None]]] = {
+    "niah": ("overall", h_niah), "ruler": ("average", h_ruler), "ppl": ("ppl", h_ppl),
+    "approx": ("rel_error_mean", h_approx), "speed": ("speedup_vs_reference", h_speed),
+    "speed-op": ("results", h_speed_op), "finetune": ("stages", h_finetune), "icr": (None, h_synthetic),
+    "icl": (None, h_synthetic), "multigpu-linearize": ("runs", h_multigpu), "lola-mass": ("records", h_lola_mass),
+    "lola-needle-in-cache": ("records", h_needle), "lola-needle-study": ("records", h_needle_study),
+    "lola-determinism": ("conditions", h_determinism), "lola-determinism-fix": ("conditions", h_determinism),
+    "gpu-integration": ("rows", h_gpu_integration), "muse-fidelity": ("results", h_fidelity),
+    "muse-farfield-study": ("results", h_fidelity), "muse-fast-study": ("results", h_fidelity),
+    "muse-retrieval-study": ("mean", h_retrieval), "lola-speed": ("check_rel_err", h_lola_speed),
+    "racecheck": ("families", h_racecheck), "decode-attention": ("rows", h_decode_attention),
+    "muse-error-anatomy": ("layers", h_error_anatomy), "peers": ("points", h_peers), "muse-guard": ("lengths", h_guard),
 }
 # the fallback: (key pattern, how to sum the values found under it, wording)
 FALLBACK = (
@@ -297,13 +308,24 @@ def numbers_under(x: Any, pattern: re.Pattern, key: str = "") -> list[float]:
     return []
 
 
-def headline(task: str, d: dict) -> str:
-    rule = RULES.get(task)
-    if rule is not None:
+class ResultLayoutError(ValueError):
+    """A result file whose figures its task's rule cannot read: the message names the file."""
+
+
+def headline(task: str, d: dict, where: str = "a result") -> str:
+    """The task's rule's headline; for a file of a layout that carries none of the rule's figures (no field the rule
+    reads, or the rule returns None), the first FALLBACK figure found anywhere in it, else "-". A file the rule cannot
+    read is a ResultLayoutError naming `where` (the file)."""
+    field, rule = RULES.get(task, (None, None))
+    if rule is not None and (field is None or field in d):
         try:
-            return rule(d)
-        except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError, IndexError, AttributeError):
-            pass  # an older layout of the same task: the fallback below
+            text = rule(d)
+        except Exception as e:  # noqa: BLE001 - any failure of a rule is reported with the file it read
+            raise ResultLayoutError(f"{where}: the {task!r} headline cannot be read from this file "
+                                    f"({type(e).__name__}: {e}); give benchmarks/index.py's rule for {task!r} this "
+                                    "layout") from e
+        if text is not None:
+            return text
     figures = {k: v for k, v in d.items() if k not in REQUIRED + ("task", "model", "method", "config")}
     for pattern, pick, words in FALLBACK:
         found = numbers_under(figures, pattern)
@@ -349,7 +371,7 @@ def read_row(path: Path, root: Path) -> Row:
     commit = str(d["commit"]) if d.get("commit") else UNKNOWN
     return Row(file=rel.as_posix(), task=task, model=str(d["model"]) if d.get("model") else NONE,
                method=describe_method(d.get("method")), device=describe_device(d.get("device")), date=date,
-               commit=commit, headline=headline(task, d), missing=missing)
+               commit=commit, headline=headline(task, d, rel.as_posix()), missing=missing)
 
 
 def collect(root: Path = RESULTS) -> list[Row]:

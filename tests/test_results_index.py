@@ -163,3 +163,16 @@ def test_the_citation_check_finds_what_it_should(tmp_path):
              if not re.search(r"[A-Z]{3,}", p)]
     assert found == ["muse/a-b-h200.json", "muse/a-c-h200.json", "ppl/x-h200.json", "niah/y-1-h200.json",
                      "niah/y-2-h200.json", "lola/*.json"]
+
+
+def test_a_file_its_rule_cannot_read_is_named(tmp_path):
+    """A layout a rule knows to carry none of its figures takes the fallback figure; any other layout its rule cannot
+    read stops the index with an error naming the file (no silent fallback)."""
+    (tmp_path / "speed").mkdir()
+    calls = {"task": "speed", "device": "CPU", "results": {"exact": {"b1": {"1k": {"decode_ms": 2.0}}}}}
+    (tmp_path / "speed" / "calls-cpu.json").write_text(json.dumps(calls))  # no reference among its methods
+    assert index.collect(tmp_path)[0].headline == "fastest 2 ms"
+    (tmp_path / "niah").mkdir()
+    (tmp_path / "niah" / "odd-cpu.json").write_text(json.dumps({"task": "niah", "overall": [0.5]}))
+    with pytest.raises(index.ResultLayoutError, match=r"niah/odd-cpu\.json: the 'niah' headline cannot be read"):
+        index.collect(tmp_path)
