@@ -4,13 +4,13 @@ method, device, date, commit and a headline figure.
     python -m benchmarks.index              # rewrites benchmarks/results/INDEX.md
     python -m benchmarks.index --check      # exit 1 if the committed INDEX.md is not what the results give
 
-The task is the JSON's `task` field, else it is read from the file's place: `<folder>-<kind>` in the folders of
-several benchmarks (`lola/speed-h200-34dbded.json` -> lola-speed), else the folder. The headline comes from a
-rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a task without a rule, or a file of a layout its
-rule knows to carry none of its figures (the rule returns None), gets the first of a few well-known figures found
-anywhere in it (a speed-up, an error, tokens/s), else "-"; a file its rule cannot read stops the index with an error
-naming the file. A field the file does
-not have shows as "unknown" (device, date, commit) or "-" (model, method); nothing is filled in.
+The task is the JSON's own `task` field (`<task>` in the folder of one task, `<folder>-<kind>` in the folders of
+several benchmarks: `lola/speed-h200-34dbded.json` says lola-speed), nothing read from the file's place. The
+headline comes from a rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a task without a rule, or
+a file of a layout its rule knows to carry none of its figures (the rule returns None), gets the first of a few
+well-known figures found anywhere in it (a speed-up, an error, tokens/s), else "-"; a file its rule cannot read stops
+the index with an error naming the file. A field the file does not have shows as "unknown" (task, device, date,
+commit) or "-" (model, method), and a file without one of REQUIRED is listed at the end; nothing is filled in.
 """
 
 from __future__ import annotations
@@ -25,37 +25,15 @@ from typing import Any, Callable
 
 from benchmarks.shared import FULL_CACHE_METHODS, RESULTS
 
-REQUIRED = ("device", "date", "commit", "command")  # every result file should say these
-# folders that hold several kinds of benchmark or study: a file's name starts with its kind
-KINDS = {
-    "decode": ("attention", "profile", "anatomy", "fused-ops"),
-    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache",
-             "needle-study"),
-    "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks", "tilted-cells-speed", "tilt-span",
-             "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff",
-             "calibration", "calibrated", "muse-vs-moba", "guard"),
-    "ovq": ("overlap", "profile", "speed", "train-speed"),
-    "multigpu": ("linearize", "throughput"),
-}
+REQUIRED = ("task", "device", "date", "commit", "command")  # every result file says these
 UNKNOWN = "unknown"
 NONE = "-"
 
 
-def kind_of(rel: Path) -> str | None:
-    """The benchmark or study a file of a KINDS folder belongs to (the longest kind its name starts with)."""
-    kinds = KINDS.get(rel.parts[0], ()) if len(rel.parts) > 1 else ()
-    stem = rel.stem
-    found = [k for k in kinds if stem == k or stem.startswith(k + "-")]
-    return max(found, key=len) if found else None
-
-
-def task_of(rel: Path, d: dict) -> str:
-    if isinstance(d.get("task"), str) and d["task"]:
-        return d["task"]
-    kind = kind_of(rel)
-    if kind is not None:
-        return f"{rel.parts[0]}-{kind}"
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+def task_of(d: dict) -> str:
+    """The task or benchmark a result comes from, as the file says (`task`: `<task>` in the folder of one task,
+    `<folder>-<kind>` in the folders of several benchmarks, e.g. lola-speed); UNKNOWN when it does not."""
+    return d["task"] if isinstance(d.get("task"), str) and d["task"] else UNKNOWN
 
 
 # ------------------------------------------------------------------------------------------------ formatting
@@ -365,7 +343,7 @@ def read_row(path: Path, root: Path) -> Row:
     d = json.loads(path.read_text())
     if not isinstance(d, dict):
         raise ValueError(f"{rel}: a result file holds one JSON object")
-    task = task_of(rel, d)
+    task = task_of(d)
     missing = tuple(k for k in REQUIRED if not d.get(k))
     date = str(d["date"])[:10] if d.get("date") else UNKNOWN
     commit = str(d["commit"]) if d.get("commit") else UNKNOWN
@@ -397,7 +375,7 @@ def render(rows: list[Row]) -> str:
                                                               r.headline)) + f" | [{cell(name)}]({r.file}) |")
         out.append("")
     lacking = [r for r in rows if r.missing]
-    out += ["## Files without device, date, commit or command", ""]
+    out += ["## Files without task, device, date, commit or command", ""]
     if lacking:
         out += [f"- `{r.file}`: no {', '.join(r.missing)}" for r in lacking]
     else:

@@ -107,7 +107,7 @@ def main():
         results[method] = row
         if method != "none":
             lp.unpatch(model)
-    record = {"device": device_description(dev),
+    record = {"task": "decode-profile", "device": device_description(dev),
               "date": datetime.date.today().isoformat(), "commit": git_commit(),
               "command": "python3 -m benchmarks.generate.bench_decode_profile " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", "context": C, "batch": args.batch, "steps": args.steps,

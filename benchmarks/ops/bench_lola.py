@@ -35,6 +35,7 @@ T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
 OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if SMOKE else None)  # None: the results' lola/ folder
 RES: dict = {
+    "task": "lola-speed",
     "device": device_description(),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))

@@ -149,7 +149,8 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         rows.append(row)
         del q, k, v, base
-    out = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    out = {"task": "speed-op",
+           "device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "torch": torch.__version__, "command": "python3 -m benchmarks.ops.bench_window " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [args.heads, args.kv_heads], "head_dim": D,
            **({"triton_tiles": dataclasses.asdict(tiles)} if tiles else {}), "rows": rows}
