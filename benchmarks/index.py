@@ -4,11 +4,13 @@ method, device, date, commit and a headline figure.
     python -m benchmarks.index              # rewrites benchmarks/results/INDEX.md
     python -m benchmarks.index --check      # exit 1 if the committed INDEX.md is not what the results give
 
-The task is the JSON's `task` field, else it is read from the file's place: `<folder>-<kind>` in the folders of
-several benchmarks (`lola/speed-h200-34dbded.json` -> lola-speed), else the folder. The headline comes from a
-rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a file no rule fits gets the first of a
-few well-known figures found anywhere in it (a speed-up, an error, tokens/s), else "-". A field the file does
-not have shows as "unknown" (device, date, commit) or "-" (model, method); nothing is filled in.
+The task is the JSON's own `task` field (`<task>` in the folder of one task, `<folder>-<kind>` in the folders of
+several benchmarks: `lola/speed-h200-34dbded.json` says lola-speed), nothing read from the file's place. The
+headline comes from a rule per task (accuracy, perplexity, speed-up, error, tokens/s ...); a task without a rule, or
+a file of a layout its rule knows to carry none of its figures (the rule returns None), gets the first of a few
+well-known figures found anywhere in it (a speed-up, an error, tokens/s), else "-"; a file its rule cannot read stops
+the index with an error naming the file. A field the file does not have shows as "unknown" (task, device, date,
+commit) or "-" (model, method), and a file without one of REQUIRED is listed at the end; nothing is filled in.
 """
 
 from __future__ import annotations
@@ -23,37 +25,15 @@ from typing import Any, Callable
 
 from benchmarks.shared import FULL_CACHE_METHODS, RESULTS
 
-REQUIRED = ("device", "date", "commit", "command")  # every result file should say these
-# folders that hold several kinds of benchmark or study: a file's name starts with its kind
-KINDS = {
-    "decode": ("attention", "profile", "anatomy", "fused-ops"),
-    "lola": ("speed", "tune", "prefill-profile-tune", "train-step", "train-hybrid-bwd", "determinism", "mass", "needle-in-cache",
-             "needle-study"),
-    "muse": ("cells-speed", "cells-checks", "cells-fp32", "cells-tune", "cells-flex-attempt", "d96-autocast-checks", "tilted-cells-speed", "tilt-span",
-             "error-anatomy", "farfield-study", "fast-study", "fidelity", "retrieval-study", "speed", "tradeoff",
-             "calibration", "calibrated", "muse-vs-moba", "guard"),
-    "ovq": ("overlap", "profile", "speed", "train-speed"),
-    "multigpu": ("linearize", "throughput"),
-}
+REQUIRED = ("task", "device", "date", "commit", "command")  # every result file says these
 UNKNOWN = "unknown"
 NONE = "-"
 
 
-def kind_of(rel: Path) -> str | None:
-    """The benchmark or study a file of a KINDS folder belongs to (the longest kind its name starts with)."""
-    kinds = KINDS.get(rel.parts[0], ()) if len(rel.parts) > 1 else ()
-    stem = rel.stem
-    found = [k for k in kinds if stem == k or stem.startswith(k + "-")]
-    return max(found, key=len) if found else None
-
-
-def task_of(rel: Path, d: dict) -> str:
-    if isinstance(d.get("task"), str) and d["task"]:
-        return d["task"]
-    kind = kind_of(rel)
-    if kind is not None:
-        return f"{rel.parts[0]}-{kind}"
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+def task_of(d: dict) -> str:
+    """The task or benchmark a result comes from, as the file says (`task`: `<task>` in the folder of one task,
+    `<folder>-<kind>` in the folders of several benchmarks, e.g. lola-speed); UNKNOWN when it does not."""
+    return d["task"] if isinstance(d.get("task"), str) and d["task"] else UNKNOWN
 
 
 # ------------------------------------------------------------------------------------------------ formatting
@@ -121,7 +101,9 @@ def h_approx(d):
 
 
 def h_speed(d):
-    ref, sp = d.get("reference", "reference"), d["speedup_vs_reference"]
+    ref, sp = d.get("reference", "reference"), d.get("speedup_vs_reference")
+    if not sp:  # a run without a reference among its methods (one method per file, decode-first-steps): no speed-up
+        return None
     if "layout" not in d:  # before 2026-12-02: speedup_vs_reference[method][context], batch 1
         ctx = longest(next(iter(sp.values())))
         parts = {k: v[ctx]["prefill"] for k, v in sp.items()}
@@ -194,10 +176,8 @@ def h_needle_study(d):
 
 
 def h_determinism(d):
-    if "conditions" in d:
-        return "runs diverged: " + ", ".join(f"{c['runs_diverged']}/{c['runs']} ({short(c['condition'], 30)})"
-                                              for c in d["conditions"])
-    raise KeyError("conditions")
+    return "runs diverged: " + ", ".join(f"{c['runs_diverged']}/{c['runs']} ({short(c['condition'], 30)})"
+                                          for c in d["conditions"])
 
 
 def h_gpu_integration(d):
@@ -236,6 +216,8 @@ def _is_float(v) -> bool:
 
 
 def h_decode_attention(d):
+    if not any("Sq" in r for r in d["rows"]):  # bench_lola_decode_step: the LoLA step's rows, no query counts
+        return None
     rows = [r for r in d["rows"] if r["Sq"] == 1 and not r["padded"] and r["B"] == 1]
     r = max(rows, key=lambda r: (r["Sk"], -r["D"]))
     return (f"decode step (1 query, B=1, D={r['D']}) over {r['Sk']} keys: package {num(r['package']['ms'], 3)} ms, "
@@ -268,14 +250,21 @@ def h_retrieval(d):
     return "mean rel. error: " + per_label(d["mean"], lambda v: f"{v:.3g}")
 
 
-RULES: dict[str, Callable[[dict], str]] = {
-    "niah": h_niah, "ruler": h_ruler, "ppl": h_ppl, "approx": h_approx, "speed": h_speed, "speed-op": h_speed_op,
-    "finetune": h_finetune, "icr": h_synthetic, "icl": h_synthetic, "multigpu-linearize": h_multigpu,
-    "lola-mass": h_lola_mass, "lola-needle-in-cache": h_needle, "lola-needle-study": h_needle_study, "lola-determinism": h_determinism,
-    "lola-determinism-fix": h_determinism, "gpu-integration": h_gpu_integration, "muse-fidelity": h_fidelity,
-    "muse-farfield-study": h_fidelity, "muse-fast-study": h_fidelity, "muse-retrieval-study": h_retrieval,
-    "lola-speed": h_lola_speed, "racecheck": h_racecheck, "decode-attention": h_decode_attention,
-    "muse-error-anatomy": h_error_anatomy, "peers": h_peers, "muse-guard": h_guard,
+# per task: the field its rule reads (a file without it is of a layout that carries none of the rule's figures: bench_window
+# in speed-op/, bench_train_throughput in finetune/, check_large_shapes in racecheck/ ...; None: the rule reads every
+# layout of its task) and the rule (None from a rule: nothing of its figures in this file either)
+RULES: dict[str, tuple[str | None, Callable[[dict], str | None]]] = {
+    "niah": ("overall", h_niah), "ruler": ("average", h_ruler), "ppl": ("ppl", h_ppl),
+    "approx": ("rel_error_mean", h_approx), "speed": ("speedup_vs_reference", h_speed),
+    "speed-op": ("results", h_speed_op), "finetune": ("stages", h_finetune), "icr": (None, h_synthetic),
+    "icl": (None, h_synthetic), "multigpu-linearize": ("runs", h_multigpu), "lola-mass": ("records", h_lola_mass),
+    "lola-needle-in-cache": ("records", h_needle), "lola-needle-study": ("records", h_needle_study),
+    "lola-determinism": ("conditions", h_determinism), "lola-determinism-fix": ("conditions", h_determinism),
+    "gpu-integration": ("rows", h_gpu_integration), "muse-fidelity": ("results", h_fidelity),
+    "muse-farfield-study": ("results", h_fidelity), "muse-fast-study": ("results", h_fidelity),
+    "muse-retrieval-study": ("mean", h_retrieval), "lola-speed": ("check_rel_err", h_lola_speed),
+    "racecheck": ("families", h_racecheck), "decode-attention": ("rows", h_decode_attention),
+    "muse-error-anatomy": ("layers", h_error_anatomy), "peers": ("points", h_peers), "muse-guard": ("lengths", h_guard),
 }
 # the fallback: (key pattern, how to sum the values found under it, wording)
 FALLBACK = (
@@ -297,13 +286,24 @@ def numbers_under(x: Any, pattern: re.Pattern, key: str = "") -> list[float]:
     return []
 
 
-def headline(task: str, d: dict) -> str:
-    rule = RULES.get(task)
-    if rule is not None:
+class ResultLayoutError(ValueError):
+    """A result file whose figures its task's rule cannot read: the message names the file."""
+
+
+def headline(task: str, d: dict, where: str = "a result") -> str:
+    """The task's rule's headline; for a file of a layout that carries none of the rule's figures (no field the rule
+    reads, or the rule returns None), the first FALLBACK figure found anywhere in it, else "-". A file the rule cannot
+    read is a ResultLayoutError naming `where` (the file)."""
+    field, rule = RULES.get(task, (None, None))
+    if rule is not None and (field is None or field in d):
         try:
-            return rule(d)
-        except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError, IndexError, AttributeError):
-            pass  # an older layout of the same task: the fallback below
+            text = rule(d)
+        except Exception as e:  # noqa: BLE001 - any failure of a rule is reported with the file it read
+            raise ResultLayoutError(f"{where}: the {task!r} headline cannot be read from this file "
+                                    f"({type(e).__name__}: {e}); give benchmarks/index.py's rule for {task!r} this "
+                                    "layout") from e
+        if text is not None:
+            return text
     figures = {k: v for k, v in d.items() if k not in REQUIRED + ("task", "model", "method", "config")}
     for pattern, pick, words in FALLBACK:
         found = numbers_under(figures, pattern)
@@ -343,13 +343,13 @@ def read_row(path: Path, root: Path) -> Row:
     d = json.loads(path.read_text())
     if not isinstance(d, dict):
         raise ValueError(f"{rel}: a result file holds one JSON object")
-    task = task_of(rel, d)
+    task = task_of(d)
     missing = tuple(k for k in REQUIRED if not d.get(k))
     date = str(d["date"])[:10] if d.get("date") else UNKNOWN
     commit = str(d["commit"]) if d.get("commit") else UNKNOWN
     return Row(file=rel.as_posix(), task=task, model=str(d["model"]) if d.get("model") else NONE,
                method=describe_method(d.get("method")), device=describe_device(d.get("device")), date=date,
-               commit=commit, headline=headline(task, d), missing=missing)
+               commit=commit, headline=headline(task, d, rel.as_posix()), missing=missing)
 
 
 def collect(root: Path = RESULTS) -> list[Row]:
@@ -375,7 +375,7 @@ def render(rows: list[Row]) -> str:
                                                               r.headline)) + f" | [{cell(name)}]({r.file}) |")
         out.append("")
     lacking = [r for r in rows if r.missing]
-    out += ["## Files without device, date, commit or command", ""]
+    out += ["## Files without task, device, date, commit or command", ""]
     if lacking:
         out += [f"- `{r.file}`: no {', '.join(r.missing)}" for r in lacking]
     else:

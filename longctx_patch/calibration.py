@@ -49,6 +49,9 @@ OBJECTIVES = ("layer", "mean")
 COSTS = ("auto", "keys", "time")
 MAX_ROUNDS = 3
 RECORD_KEY = "calibration"  # where the patch state and longctx_patch.json keep it
+# what a layer runs where no setting of the method met the target: an outcome of calibrate, written into the record
+# as `LayerCalibration.method`, and the method patched on those layers (and on every layer of the measuring pass)
+EXACT = "exact"
 
 
 # --------------------------------------------------------------------------------------------- the result
@@ -57,7 +60,7 @@ class LayerCalibration:
     """What one layer runs after calibration and what was measured for it on the calibration text."""
 
     layer: int
-    method: str  # the method, or "exact" (no setting met the target)
+    method: str  # the method, or EXACT (no setting met the target)
     overrides: dict[str, Any]  # the options set over the calibration's config ({} for exact)
     error: float  # measured ||o - o_exact|| / ||o_exact|| on the calibration text
     cost: float  # in the calibration's cost unit (keys per query over the heads, or ms)
@@ -131,7 +134,7 @@ class Calibration:
             f"cost ({unit}, {len(self.layers)} layers): {cost:,.4g} = {cost / exact:.3f}x exact attention, "
             f"{cost / base:.3f}x the config as given ({self.tokens} tokens)",
         ]
-        exact_layers = [x.layer for x in self.layers if x.method == "exact"]
+        exact_layers = [x.layer for x in self.layers if x.method == EXACT]
         if exact_layers:
             why = (f"no {self.method} setting met the target there for less" if self.objective == "layer" else
                    "the steps that lower the mean most for their cost")
@@ -140,8 +143,8 @@ class Calibration:
 
 
 def _describe(x: LayerCalibration) -> str:
-    if x.method == "exact":
-        return "exact"
+    if x.method == EXACT:
+        return EXACT
     parts = [f"{k}={v}" for k, v in x.overrides.items() if k != "exact_heads"]
     heads = x.overrides.get("exact_heads")
     if heads:
@@ -277,7 +280,7 @@ def _exact_pass(model, ids, layers, per_layer: Callable, progress) -> dict[int, 
     """One forward of `ids` with `layers` exact; per_layer(layer, module, q, k, v) runs on each layer's inputs, in
     order, and its results are returned by layer. The layers pass the exact output on, so every layer sees the
     unpatched model's inputs."""
-    patch(model, "exact", layers=layers)
+    patch(model, EXACT, layers=layers)
     rec = _LayerRecorder(per_layer, progress)
     patch_context(model).recorder = rec
     try:
@@ -467,7 +470,7 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
         over = {} if o.setting is None else {**overrides[o.setting], **({"exact_heads": list(o.heads)} if o.heads
                                                                          else {})}
         result.layers.append(LayerCalibration(
-            i, "exact" if o.setting is None else meth.name, over, measured_err[i], o.cost, o.keys, st.exact_cost,
+            i, EXACT if o.setting is None else meth.name, over, measured_err[i], o.cost, o.keys, st.exact_cost,
             _rel(sum(st.sq[given]), st.den), st.cost[given], False))
     for x in result.layers:
         x.met = x.error <= target if objective == "layer" else result.met
@@ -476,11 +479,8 @@ def calibrate(model, method: str = "muse", text=None, *, tokenizer=None, target_
 
 
 def _apply(model, method: str, config: dict[str, Any], result: Calibration) -> None:
-    for name, over, layers in result.groups():
-        if name == "exact":
-            patch(model, "exact", layers=layers)
-        else:
-            patch(model, method, layers=layers, **{**config, **over})
+    for name, over, layers in result.groups():  # the method's layers with their settings, the EXACT ones as they are
+        patch(model, name, layers=layers, **({**config, **over} if name == method else over))
     find_state(model).calibration = result.to_record()
 
 

@@ -4,6 +4,7 @@ helper: it unpatches and patches again, which only the API may do (a method neve
 from __future__ import annotations
 
 from .errors import ConfigError, NotPatchedError
+from .methods import get_method
 from .patcher import (keep_original_weights, load_method_state_dict, method_state_dict, patch, patch_groups,
                       take_original_weights, unpatch)
 
@@ -21,9 +22,10 @@ def convert_to_lola(model, sparse_cache: int = 256, **overrides):
         raise NotPatchedError("convert_to_lola needs a model patched with lolcats; call "
                               "longctx_patch.patch(model, 'lolcats', ...) first") from None
     methods = sorted({g.method for g in patches})
-    if methods != ["lolcats"]:
-        raise ConfigError(f"convert_to_lola converts models patched only with lolcats; this one has {methods}. "
-                          "Unpatch and patch the layers with lola directly instead")
+    able = get_method("lola").converts_from  # the methods whose parameters lola takes as they are
+    if set(methods) - set(able):
+        raise ConfigError(f"convert_to_lola converts models patched only with {' or '.join(able)}; this one has "
+                          f"{methods}. Unpatch and patch the layers with lola directly instead")
     groups = [(g.layers, g.config.to_dict()) for g in patches]
     sd = {k: v.clone() for k, v in method_state_dict(model).items()}
     # weights a checkpoint merged LoRA deltas into stay merged; unpatch() of the lola model restores them

@@ -21,9 +21,9 @@ The host side of a replayed step: each layer's host fields (`host_fields`, e.g. 
 captured step moved them (integers by the same difference, others to the value after the capture). State tensors
 replaced outside a step (beam reordering, `batch_select_indices`) drop every graph of that cache.
 
-The default: on for CUDA (`patch(..., decode_graphs=False)`, `set_decode_graphs(model, False)` or the environment's
-`LONGCTX_DECODE_GRAPHS=0` at patch time turn it off); a capture that fails runs the step eagerly (twice for one key,
-then that key stays eager). `LONGCTX_DECODE_GRAPHS=simulate` at patch time (the tests' `simulate` fixture;
+The default: on for CUDA (`patch(..., decode_graphs=False)`, `set_decode_graphs(model, False)` or, where a call passes
+no `decode_graphs`, the environment's `LONGCTX_DECODE_GRAPHS=0` at patch time turn it off: `default_enabled`); a
+capture that fails runs the step eagerly (twice for one key, then that key stays eager). `LONGCTX_DECODE_GRAPHS=simulate` at patch time (the tests' `simulate` fixture;
 `DecodeGraphs.simulate`) replays on the CPU by re-running the step with the layers' host fields as they were at the
 capture (what a graph bakes in): the tests check with it that the keys cover everything a step reads from the host.
 """
@@ -48,6 +48,16 @@ MAX_GRAPHS = 512  # per cache: a model whose keys never repeat stops capturing h
 MAX_FAILURES = 2  # failed captures of one key before that key stays eager
 _PASSED = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache", "use_cache",
            "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states"}
+
+
+def default_enabled() -> bool:
+    """Whether decode graphs are on where `patch()` (or the speed runner) is passed no `decode_graphs`: the user's
+    switch `LONGCTX_DECODE_GRAPHS` ("0": off; unset, "1" or "simulate": on)."""
+    return _env_mode() != "0"
+
+
+def _env_mode() -> str:
+    return os.environ.get("LONGCTX_DECODE_GRAPHS", "1")
 
 
 @dataclass
@@ -126,8 +136,8 @@ class DecodeGraphs:
         self._cache_arg = cache_argument(orig_forward)
         self.__doc__ = getattr(orig_forward, "__doc__", None)
         self.__name__ = getattr(orig_forward, "__name__", "forward")
-        mode = os.environ.get("LONGCTX_DECODE_GRAPHS", "1")
-        self.enabled = mode != "0"
+        mode = _env_mode()
+        self.enabled = default_enabled()  # `patch(..., decode_graphs=...)` / set_decode_graphs decide over it
         # "simulate" (tests): CPU replay by re-execution with capture-time host fields (`_SimGraph`); never on in use
         self.simulate = mode == "simulate"
         # (batch shape, logits_to_keep, model key, cache_position passed, device) of the decode steps that ran

@@ -278,3 +278,11 @@ def test_generate_cli_runs_lola_on_the_embedded_model(tmp_path):
                                    str(prompt), "--max-new-tokens", "8", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert "method weights: packaged asset smollm2-135m-instruct-lolcats" in res.output, res.output
+
+
+def test_the_asset_methods_are_those_of_the_lolcats_layout():
+    """assets/ lies below the methods and names the methods whose weights it holds; they are the methods that declare
+    LoLCATs' parameters (`Method.lolcats_layout`), and lola is made from them in place (`Method.converts_from`)."""
+    layout = {m for m in lp.list_methods() if lp.get_method(m).lolcats_layout}
+    assert set(assets.LOLCATS_LAYOUT) == layout
+    assert set(lp.get_method("lola").converts_from) <= layout

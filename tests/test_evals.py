@@ -505,6 +505,35 @@ def test_model_speed_keeps_finished_methods(tiny, tmp_path, monkeypatch):
     assert rec["results"]["exact"]["b1"]["16"]["prefill_s"] > 0
 
 
+@pytest.mark.parametrize("decode_graphs,env,want", [(False, None, False), (True, "0", True), (None, "0", False),
+                                                     (None, None, True)])
+def test_model_speed_passes_decode_graphs_down(tiny, tmp_path, monkeypatch, decode_graphs, env, want):
+    """`decode_graphs=` reaches patch() for every patched method, over the user's LONGCTX_DECODE_GRAPHS (a benchmark
+    sets no environment variable); None keeps patch()'s default, that switch included; the result records the one in
+    force."""
+    from longctx_patch.patch_state import state_of
+
+    if env is None:
+        monkeypatch.delenv("LONGCTX_DECODE_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("LONGCTX_DECODE_GRAPHS", env)
+    seen = []
+    real = speed_model.time_cell
+
+    def cell(model, **kw):
+        seen.append(state_of(model).decode_graphs.enabled)
+        return real(model, **kw)
+
+    monkeypatch.setattr(speed_model, "time_cell", cell)
+    res = speed.run_speed(tiny, parse_methods(["exact"], []), cells=[(1, 16)], calls=[2], repeats=1,
+                          decode_graphs=decode_graphs, out_dir=tmp_path, name="g", model_name="tiny",
+                          echo=lambda *_: None)
+    assert seen == [want, want]  # the warm-up and the cell
+    assert res["figures"]["decode_graphs"] is want
+    with pytest.raises(ConfigError, match="decode_graphs must be True, False or None"):
+        speed.run_speed(tiny, parse_methods(["exact"], []), decode_graphs="off", out_dir=None)
+
+
 def test_cli_speed_refuses_a_bad_batch_before_loading(tmp_path):
     from longctx_patch.cli.eval_cmd import eval_group
 

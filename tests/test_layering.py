@@ -5,7 +5,9 @@
 - only the Triton files (`triton_*.py`) import triton at module level, and the other modules import a Triton file
   only inside a function (lazily, once `backend.resolve_backend` chose "triton"); tests/test_without_triton.py
   checks the same at run time, in an interpreter where `import triton` fails;
-- the kernels have no import cycle, counting the imports inside functions too.
+- the kernels have no import cycle, counting the imports inside functions too;
+- a host function (not a `@triton.jit` kernel) takes at most MAX_PARAMS parameters: what travels together is one
+  object (`wide_functions`).
 
 `layering_problems` is checked on the real tree and, below it, on small trees that break each rule once.
 """
@@ -209,3 +211,62 @@ def test_layering_check_passes_a_layered_tree(tmp_path):
         "kernels/fam/triton_fam.py": "import triton\nfrom ..triton_lib import dot\nfrom .reference import ref\n",
     })
     assert layering_problems(root, "pkg") == []
+
+
+# ------------------------------------------------------------------------------------------------ narrow host functions
+MAX_PARAMS = 16  # a kernel host function's parameters (self / cls / ctx aside); more: group them (below)
+# host functions still wider, by module and name; this list may only shrink (the LoLA hybrid forward and its reference
+# take reference.HybridKeys / HybridRule; decode_step and hybrid_bwd could take the same)
+WIDE_LEFT = {("longctx_patch.kernels.lola.triton_hybrid", "decode_step"),
+             ("longctx_patch.kernels.lola.triton_hybrid_bwd", "hybrid_bwd"),
+             ("longctx_patch.kernels.muse.ops", "muse_attention"),
+             ("longctx_patch.kernels.moba.ops", "moba_decode")}
+
+
+def _is_jit(fn: ast.FunctionDef) -> bool:
+    return any((isinstance(d, ast.Attribute) and d.attr == "jit") or (
+        isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "jit")
+        for d in fn.decorator_list)
+
+
+def wide_functions(root: Path, package: str = "longctx_patch", limit: int = MAX_PARAMS) -> dict[tuple[str, str], int]:
+    """(module, function) -> its parameter count, for the host functions (not `@triton.jit` kernels) of the kernels
+    that take more than `limit`: what travels together belongs in one object (LolaTuning, LolaRun, HybridKeys and
+    HybridRule, OvqKernelOptions, MuseTiles, WindowTiles)."""
+    out = {}
+    for mod, (path, _) in _modules(root, package).items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_jit(fn):
+                continue
+            a = fn.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            n = len(names) - (names[:1] in (["self"], ["cls"], ["ctx"]))
+            if n > limit:
+                out[(mod, fn.name)] = n
+    return out
+
+
+def test_kernel_host_functions_are_narrow():
+    wide = wide_functions(REPO)
+    assert set(wide) - WIDE_LEFT == set(), f"host functions over {MAX_PARAMS} parameters: {wide}"
+    assert WIDE_LEFT <= set(wide), f"narrowed: drop from WIDE_LEFT {sorted(WIDE_LEFT - set(wide))}"
+
+
+def test_the_width_check_counts_parameters(tmp_path):
+    root = _tree(tmp_path, {"kernels/fam/ops.py": """\
+        import triton
+
+        def wide(a, b, c, *, d=1, e=2):
+            pass
+
+        class F:
+            @staticmethod
+            def forward(ctx, a, b, c, d):
+                pass
+
+        @triton.jit
+        def kern(A, B, C, D, E, F):
+            pass
+        """})
+    assert wide_functions(root, "pkg", limit=3) == {("pkg.kernels.fam.ops", "wide"): 5,
+                                                    ("pkg.kernels.fam.ops", "forward"): 4}

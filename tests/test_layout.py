@@ -32,7 +32,7 @@ KERNEL_TOP = {"backend.py", "triton_lib.py", "graphs.py"}
 KERNEL_FILES = {"__init__.py", "reference.py", "ops.py"}
 KERNEL_EXTRAS = {"muse": {"plan.py", "support.py"},
                   "lola": {"training.py", "tuning.py", "state.py", "sparse_cache.py", "prefill.py", "padded.py"},
-                  "ovq": {"options.py"}}
+                  "ovq": {"options.py"}, "window": {"options.py"}}
 NO_TRITON_OF_THEIR_OWN = {"softmax"}  # the doc's "no Triton of its own"
 METHODS_TOP = {"__init__.py", "base.py", "cache_layer.py", "kv_layer.py", "padding.py"}
 METHOD_FILES = {"__init__.py", "config.py", "attention.py"}

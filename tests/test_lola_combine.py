@@ -86,7 +86,8 @@ def test_reference_is_the_plain_formula_and_shifted_is_unchanged():
     valid = torch.rand(B, HKV, L, generator=gen) > 0.3
     km = _mask(N, [0, 4])
     kw = dict(window=W, scale=0.25, key_mask=km, q_offset=N - S, sparse_k=spk, sparse_v=spv, sparse_valid=valid)
-    got = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, combine="unshifted", **kw)
+    keys = ref.HybridKeys(k, v, fk, H, s, key_mask=km, q_offset=N - S, sparse=ref.SparseSet(spk, spv, valid))
+    got = ref.lola_attention(q, fq, keys, ref.HybridRule(W, g, lf, 0.25, "unshifted"))
     torch.testing.assert_close(got, _plain(q, k, v, fq, fk, g, lf, H, s, **kw), atol=1e-5, rtol=1e-5)
     # shifted: the reference's former formula, inline
     sc = torch.cat([(q @ ref.expand_kv(spk, HQ).transpose(-1, -2) * 0.25).masked_fill(
@@ -106,8 +107,8 @@ def test_reference_is_the_plain_formula_and_shifted_is_unchanged():
     gg, ll = g.view(1, -1, 1, 1), lf.view(1, -1, 1, 1)
     num, den = gg * (p @ vals) + ll * num_l, gg * p.sum(-1, keepdim=True) + ll * den_l
     before = num / torch.where(den > 0, den, torch.ones_like(den))
-    assert torch.equal(ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, **kw), before)
-    assert torch.equal(ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, combine="shifted", **kw), before)
+    assert torch.equal(ref.lola_attention(q, fq, keys, ref.HybridRule(W, g, lf, 0.25)), before)
+    assert torch.equal(ref.lola_attention(q, fq, keys, ref.HybridRule(W, g, lf, 0.25, "shifted")), before)
     assert (got - before).abs().max() > 0.1
 
 
@@ -122,16 +123,16 @@ def test_unshifted_is_stable_where_exp_of_the_scores_overflows():
     kk = (20.0 * u).expand(B, HKV, S, D).contiguous()
     for sign in (1.0, -1.0):
         qq = (sign * 40.0 * u).expand(B, HQ, S, D).contiguous()  # q.k / sqrt(16) = 20 * 40 / 4 = +-200
-        kw = dict(window=W, scale=D ** -0.5, q_offset=0)
-        got = ref.lola_attention(qq, kk, v, fq, fk, g, lf, H, s, combine="unshifted", **kw)
+        keys = ref.HybridKeys(kk, v, fk, H, s, q_offset=0)
+        unshifted = ref.HybridRule(W, g, lf, D ** -0.5, "unshifted")
+        got = ref.lola_attention(qq, fq, keys, unshifted)
         assert torch.isfinite(got).all()
         if sign > 0:
-            want = ref.lola_attention(qq, kk, v, fq, fk, g, torch.zeros(HQ), H, s, **kw)  # exact only
+            want = ref.lola_attention(qq, fq, keys, ref.HybridRule(W, g, torch.zeros(HQ), D ** -0.5))  # exact only
         else:
-            want = ref.lola_attention(qq, kk, v, fq, fk, torch.zeros(HQ), lf, H, s, **kw)  # linear only
+            want = ref.lola_attention(qq, fq, keys, ref.HybridRule(W, torch.zeros(HQ), lf, D ** -0.5))  # linear only
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        got_f = tk.hybrid_fwd(qq, kk, v, fq, fk, g, lf, H, s, state_chunk=0, block_m=16, block_n=16,
-                              combine="unshifted", **kw)
+        got_f = tk.hybrid_fwd(qq, fq, keys, unshifted, block_m=16, block_n=16)
         torch.testing.assert_close(got_f.float(), want.transpose(1, 2), atol=1e-5, rtol=1e-5)
         got_d = tk.decode_step(qq[:, :, -1:].contiguous(), kk, v, fq[:, :, -1:].contiguous(), fk, g, lf, H, s,
                                window=W, scale=D ** -0.5, combine="unshifted")
@@ -172,8 +173,8 @@ def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3,
                                           combine="unshifted")
     Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
-    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=0.3, q_offset=0, key_mask=km,
-                        state_chunk=16, block_m=16, block_n=16, combine="unshifted")
+    got = tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=16),
+                        ref.HybridRule(window, g, lf, 0.3, "unshifted"), block_m=16, block_n=16)
     real = km[:, :, None, None].expand_as(got)
     torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
     shifted = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
@@ -192,10 +193,10 @@ def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype, hs):
     valid = torch.rand(B, hs, L, generator=gen) > 0.3
     H, s = _state()
     km = _mask(N, [4, 0])
-    kw = dict(window=W, scale=0.25, key_mask=km, q_offset=N - S, sparse_k=spk, sparse_v=spv, sparse_valid=valid)
-    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, combine="unshifted", **kw)
-    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, H, s, state_chunk=0, block_m=16, block_n=16, combine="unshifted",
-                        **kw)
+    keys = ref.HybridKeys(k, v, fk, H, s, key_mask=km, q_offset=N - S, sparse=ref.SparseSet(spk, spv, valid))
+    rule = ref.HybridRule(W, g, lf, 0.25, "unshifted")
+    want = ref.lola_attention(q, fq, keys, rule)
+    got = tk.hybrid_fwd(q, fq, keys, rule, block_m=16, block_n=16)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
 
 
@@ -213,9 +214,9 @@ def test_decode_step_matches_reference(dtype, n_keys):
     H, s = _state()
     km = _mask(N, [0, 2])
     n = N if n_keys is None else n_keys
-    want = ref.lola_attention(q, k[:, :, :n], v[:, :, :n], fq, fk[:, :, :max(n - W, 0)], g, lf, H, s, window=W,
-                              scale=0.25, key_mask=km[:, :n], sparse_k=spk, sparse_v=spv,
-                              sparse_valid=score.isfinite(), combine="unshifted")
+    keys = ref.HybridKeys(k[:, :, :n], v[:, :, :n], fk[:, :, :max(n - W, 0)], H, s, key_mask=km[:, :n],
+                          sparse=ref.SparseSet(spk, spv, score.isfinite()))
+    want = ref.lola_attention(q, fq, keys, ref.HybridRule(W, g, lf, 0.25, "unshifted"))
     count = None if n_keys is None else torch.full((B,), n, dtype=torch.long)
     got = tk.decode_step(q, k, v, fq, fk[:, :, :N - W], g, lf, H, s, window=W, scale=0.25, key_mask=km,
                          sparse_k=spk, sparse_v=spv, sparse_score=score, n_keys=count, combine="unshifted")
@@ -306,7 +307,7 @@ def test_the_option_is_checked_where_every_option_is():
         with pytest.raises(ConfigError, match="combine.*'shifted', 'unshifted'"):
             cls.from_dict({"combine": "max"})
     with pytest.raises(ValueError, match="combine"):
-        ref.lola_attention(*_seq(3)[:7], *_state(), window=2, combine="max")
+        ref.HybridRule(2, torch.ones(HQ), torch.ones(HQ), combine="max")
 
 
 @pytest.mark.parametrize("method,extra", [("lolcats", {}), ("lola", {"sparse_cache": 3})])

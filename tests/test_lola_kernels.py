@@ -104,8 +104,8 @@ def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     km = _left_pad_mask(2, S, [0, 5])
     want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
     Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
-    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=0.3, q_offset=0, key_mask=km,
-                        state_chunk=16, block_m=16, block_n=16)
+    got = tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=16),
+                        ref.HybridRule(window, g, lf, 0.3), block_m=16, block_n=16)
     assert got.dtype == dtype and got.shape == (2, S, 4, 16)
     real = km[:, :, None, None].expand_as(got)  # padded query rows are ignored
     torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
@@ -126,16 +126,16 @@ def test_hybrid_fwd_with_sparse_and_state_matches_lola_attention(dtype, hs):
     s = torch.rand(2, 4, 16, generator=gen).to(DEV) * 3
     km = _left_pad_mask(2, N, [4, 0])
     lf = torch.tensor([1.0, 0.5, 0.7, 1.0], device=DEV)
-    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=9, scale=0.25, key_mask=km, q_offset=N - S,
-                              sparse_k=spk, sparse_v=spv, sparse_valid=valid)
-    got = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, H, s, window=9, scale=0.25, q_offset=N - S, key_mask=km,
-                        state_chunk=0, sparse_k=spk, sparse_v=spv, sparse_valid=valid, block_m=16, block_n=16)
+    keys = ref.HybridKeys(k, v, fk, H, s, key_mask=km, q_offset=N - S, sparse=ref.SparseSet(spk, spv, valid))
+    rule = ref.HybridRule(9, g, lf, 0.25)
+    want = ref.lola_attention(q, fq, keys, rule)
+    got = tk.hybrid_fwd(q, fq, keys, rule, block_m=16, block_n=16)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
-    with pytest.raises(ValueError, match="attended linearly"):  # one linear key short
-        tk.hybrid_fwd(q, k, v, fq, fk[:, :, :-1], g, lf, H, s, window=9, scale=0.25, q_offset=N - S,
-                      state_chunk=0)
+    short = ref.HybridKeys(k, v, fk[:, :, :-1], H, s, q_offset=N - S)  # one linear key short
     with pytest.raises(ValueError, match="attended linearly"):
-        ref.lola_attention(q, k, v, fq, fk[:, :, :-1], g, lf, H, s, window=9)
+        tk.hybrid_fwd(q, fq, short, rule)
+    with pytest.raises(ValueError, match="attended linearly"):
+        ref.lola_attention(q, fq, short, ref.HybridRule(9, g, lf))
 
 
 @pytest.mark.parametrize("dtype,hs", [(torch.float32, 4), (torch.float32, 2), (torch.bfloat16, 2)])
@@ -150,17 +150,18 @@ def test_decode_step_matches_reference(dtype, hs):
     H = torch.rand(2, 4, 16, 16, generator=gen).to(DEV)
     s = torch.rand(2, 4, 16, generator=gen).to(DEV)
     km = _left_pad_mask(2, N, [0, 3])
-    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25, key_mask=km,
-                              sparse_k=spk, sparse_v=spv, sparse_valid=valid)
+    rule = ref.HybridRule(7, g, lf, 0.25)
+    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk, H, s, key_mask=km,
+                                                    sparse=ref.SparseSet(spk, spv, valid)), rule)
     got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25, key_mask=km,
                          sparse_k=spk, sparse_v=spv, sparse_valid=valid)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
     # no sparse cache, no padding
-    want = ref.lola_attention(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
+    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk, H, s), rule)
     got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
     # nothing older than the window: no features at all
-    want = ref.lola_attention(q, k, v, fq, fk[:, :, :0], g, lf, H, s, window=N, scale=0.25)
+    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk[:, :, :0], H, s), ref.HybridRule(N, g, lf, 0.25))
     got = tk.decode_step(q, k, v, fq, fk[:, :, :0], g, lf, H, s, window=N, scale=0.25)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
 
@@ -187,17 +188,17 @@ def test_decode_step_with_the_count_on_the_device_matches_reference(dtype, n_key
     s = torch.rand(B, Hq, F2, generator=gen).to(DEV)
     km = _left_pad_mask(B, N, [0, 2])
     n = n_keys
-    want = ref.lola_attention(q, k[:, :, :n], v[:, :, :n], fq, fk[:, :, :max(n - window, 0)], g, lf, H, s,
-                              window=window, scale=0.25, key_mask=km[:, :n], sparse_k=spk, sparse_v=spv,
-                              sparse_valid=score.isfinite())
+    sparse = ref.SparseSet(spk, spv, score.isfinite())
+    rule = ref.HybridRule(window, g, lf, 0.25)
+    want = ref.lola_attention(q, fq, ref.HybridKeys(k[:, :, :n], v[:, :, :n], fk[:, :, :max(n - window, 0)], H, s,
+                                                    key_mask=km[:, :n], sparse=sparse), rule)
     count = torch.full((B,), n, dtype=torch.long, device=DEV)
     got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=window, scale=0.25, key_mask=km, sparse_k=spk,
                          sparse_v=spv, sparse_score=score, n_keys=count)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
     # the reference's own device-count form (the torch backend's decode step) agrees
-    dev = ref.lola_attention(q, k, v, fq, torch.nn.functional.pad(fk, (0, 0, 0, window)), g, lf, H, s, window=window,
-                             scale=0.25, key_mask=km, sparse_k=spk, sparse_v=spv, sparse_valid=score.isfinite(),
-                             q_offset=count[:1] - 1)
+    dev = ref.lola_attention(q, fq, ref.HybridKeys(k, v, torch.nn.functional.pad(fk, (0, 0, 0, window)), H, s,
+                                                   key_mask=km, q_offset=count[:1] - 1, sparse=sparse), rule)
     torch.testing.assert_close(dev, want, atol=1e-5, rtol=1e-5)
 
 

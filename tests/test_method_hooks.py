@@ -273,3 +273,144 @@ def test_call_report_says_what_a_method_decided_in_its_calls():
     with torch.no_grad():
         model(ids)  # outside: recorded nowhere
     assert lines() == got
+
+
+# ------------------------------------------------------------------------------------------------ names outside methods/
+# Where code outside methods/ compares against a method's name (or the names that stand for no method: UNPATCHED),
+# by file and name, with why it may. Anything else is per-method knowledge and belongs in a hook or an attribute of
+# the method (exact_reference, converts_from, lolcats_layout, ...). This list may only shrink.
+NAMES_ALLOWED = {
+    # calibrate's outcome label: a layer it leaves exact is recorded as "exact" (old records too) and patched with the
+    # exact method of that name; a label of the result, not knowledge of a method
+    ("longctx_patch/calibration.py", "exact"): "the label of a layer calibrate leaves exact",
+    # the assets lie below the methods (which import them): the methods of LoLCATs' layout are named there, held to
+    # Method.lolcats_layout by tests/test_assets.py
+    ("longctx_patch/assets/__init__.py", "lolcats"): "assets.LOLCATS_LAYOUT",
+    ("longctx_patch/assets/__init__.py", "lola"): "assets.LOLCATS_LAYOUT",
+    # the names that stand for no method, defined once (evals, train and the CLI read them through UNPATCHED and
+    # is_unpatched)
+    ("longctx_patch/methods/__init__.py", "none"): "is_unpatched, UNPATCHED's home",
+    ("longctx_patch/methods/__init__.py", "unpatched"): "is_unpatched, UNPATCHED's home",
+    # the same word as another option's value, not a method: a model config's windows, a mixer's option
+    ("longctx_patch/architectures.py", "none"): "an ArchAdapter's windows setting",
+    ("longctx_patch/evals/synthetic/train.py", "none"): "a synthetic mixer option's value",
+}
+
+
+def name_branches(root, names) -> set[tuple[str, str]]:
+    """(file, name) of every comparison (`==`, `!=`, `in`, `not in`), set operation (`-`, `&`, `|`, `^`) and `match`
+    case outside methods/ with a string of `names` as an operand, written out or through a module-level constant
+    bound to it (`EXACT = "exact"` ... `x == EXACT`). `root`: the folder holding longctx_patch/."""
+    import ast as _ast
+
+    out = set()
+    pkg = root / "longctx_patch"
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("longctx_patch/methods/") and rel != "longctx_patch/methods/__init__.py":
+            continue
+        tree = _ast.parse(path.read_text())
+        consts = {}
+        for node in tree.body:
+            if isinstance(node, (_ast.Assign, _ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, _ast.Assign) else [node.target]
+                found = [c.value for c in _ast.walk(node.value) if isinstance(c, _ast.Constant) and c.value in names]
+                for t in targets:
+                    if isinstance(t, _ast.Name) and found:
+                        consts[t.id] = found
+
+        def named(operand):
+            """The names an operand compares against; a call's keyword arguments are labels, not operands
+            (`resolve_backend(..., what="moba") != "triton"`)."""
+            labels = {id(k.value) for c in _ast.walk(operand) if isinstance(c, _ast.Call) for k in c.keywords}
+            hits = []
+            for c in _ast.walk(operand):
+                if id(c) in labels:
+                    continue
+                if isinstance(c, _ast.Constant) and isinstance(c.value, str) and c.value in names:
+                    hits.append(c.value)
+                elif isinstance(c, _ast.Name) and c.id in consts:
+                    hits += consts[c.id]
+            return hits
+
+        for node in _ast.walk(tree):
+            operands = []
+            if isinstance(node, _ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, _ast.BinOp) and isinstance(node.op, (_ast.Sub, _ast.BitAnd, _ast.BitOr, _ast.BitXor)):
+                operands = [node.left, node.right]
+            elif isinstance(node, _ast.match_case):
+                operands = [node.pattern]
+            out |= {(rel, n) for o in operands for n in named(o)}
+    return out
+
+
+def test_no_feature_outside_methods_branches_on_a_method_name():
+    from conftest import REPO
+    from longctx_patch.methods import UNPATCHED
+
+    found = name_branches(REPO, set(list_methods()) | set(UNPATCHED))
+    assert found - set(NAMES_ALLOWED) == set(), "branches on a method's name outside methods/ (give the method a hook " \
+        "or an attribute instead): " + repr(sorted(found - set(NAMES_ALLOWED)))
+    assert set(NAMES_ALLOWED) <= found, f"gone: drop from NAMES_ALLOWED {sorted(set(NAMES_ALLOWED) - found)}"
+
+
+def test_the_name_check_finds_each_form(tmp_path):
+    (tmp_path / "longctx_patch" / "methods" / "m").mkdir(parents=True)
+    (tmp_path / "longctx_patch" / "methods" / "m" / "__init__.py").write_text('x = 1 if n == "exact" else 2\n')
+    (tmp_path / "longctx_patch" / "a.py").write_text(
+        'REF = "exact"\nLAYOUT = ("lola", "lolcats")\n'
+        'def f(n, r, s):\n    if n == "muse" or n in ("ovq", "none"):\n        pass\n'
+        '    if r.name != REF and s - set(LAYOUT):\n        pass\n'
+        '    match n:\n        case "moba":\n            pass\n'
+        '    return {"muse": 1}[n], "sliding-window", g("lola"), g(what="ovq") != "x"\n')
+    found = name_branches(tmp_path, {"exact", "muse", "ovq", "none", "lola", "lolcats", "moba", "sliding-window"})
+    assert found == {("longctx_patch/a.py", n) for n in ("muse", "ovq", "none", "exact", "lola", "lolcats", "moba")}
+
+
+@pytest.fixture
+def twin_method():
+    """A method registered as the model's own attention (`exact_reference`) under another name."""
+    from longctx_patch.methods.base import _REGISTRY, register_method
+    from longctx_patch.methods.exact import Exact
+
+    @register_method
+    class Twin(Exact):
+        name = "test-twin"
+
+    yield get_method("test-twin")
+    _REGISTRY.pop("test-twin")
+
+
+def test_the_reference_is_what_a_method_says(bare_method, twin_method):
+    """Which run is the evaluations' baseline is the method's `exact_reference`, not its name: the unpatched model and
+    exact are, a method that declares it is, one that does not is not; `reference_method` names the one method that
+    declares it (and refuses by name when there are several)."""
+    from longctx_patch.cli.eval_options import method_runs
+    from longctx_patch.evals import speed
+    from longctx_patch.evals.common import MethodRun, parse_methods
+    from longctx_patch.methods import reference_method
+
+    assert [MethodRun(n).reference for n in ("none", "exact", "test-twin", "test-bare", "sliding-window")] == [
+        True, True, True, False, False]
+    with pytest.raises(ConfigError, match=r"several registered methods \(exact, test-twin\) declare "
+                                          r"Method\.exact_reference"):
+        reference_method()
+    model = tiny_model("llama")
+    res = speed.run_speed((model, None), parse_methods(["sliding-window(window=8)", "test-twin"]), cells=[(1, 16)],
+                          calls=[2], repeats=1, out_dir=None, model_name="tiny", echo=lambda *_: None)
+    assert res["figures"]["reference"] == "test-twin"
+    assert [r.label for r in method_runs(["test-twin"], [], baseline=True)] == ["test-twin"]
+    from longctx_patch.methods.base import _REGISTRY
+
+    _REGISTRY.pop("test-twin")
+    assert reference_method() == "exact"
+    assert [r.label for r in method_runs(["test-bare"], [], baseline=True)] == ["exact", "test-bare"]
+    _REGISTRY["test-twin"] = twin_method  # the fixture removes it
+
+
+def test_the_unpatched_names_are_read_in_one_place():
+    from longctx_patch.methods import is_unpatched
+
+    assert [is_unpatched(x) for x in (None, "", " None ", "UNPATCHED", "exact", "none-of-these")] == [
+        True, True, True, True, False, False]

@@ -6,8 +6,9 @@ mutable table (a dict, list or set it builds at module level) on to code that co
 cells.FWD_TILES)`, `table = mod.TILES`, `(key, mod.TILES)`). Nor does it go through the environment: the kernels read
 no `LONGCTX_*` variable (none of OVQ's `LONGCTX_OVQ_*` anywhere in the product) and a benchmark sets none (nor one whose
 name it computes). How a kernel runs is an option passed down (kernels/lola/tuning.LolaTuning, `tuning=`; the OVQ
-kernels' `OvqKernelOptions`, `options=`; muse's `MuseTiles`, `tiles=`, and `block_peaks_triton(tiles=...)`;
-`DecodeGraphs.simulate`), and a module keeps its own state to itself (kernels/graphs.simulated_capture)."""
+kernels' `OvqKernelOptions`, `options=`; muse's `MuseTiles`, `tiles=`, and `block_peaks_triton(tiles=...)`; the
+sliding-window forward's `WindowTiles`, `tiles=`; `DecodeGraphs.simulate`), and a module keeps its own state to itself
+(kernels/graphs.simulated_capture)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,9 @@ READERS = {"len", "sorted", "list", "tuple", "set", "frozenset", "dict", "iter",
            "join", "format"}
 # what is left, by file and expression; this list may only shrink
 LEFT: set[tuple[str, str]] = set()
-# environment variables, by file and name; these lists may only shrink. The sliding-window kernel's tiles
-# (triton_window.window_tiles) still take LONGCTX_WINDOW_* overrides (no benchmark sets them; window_forward already
-# takes block_rows= / block_keys=); two decode benchmarks turn the decode graphs off through the user's documented
-# switch LONGCTX_DECODE_GRAPHS (read at patch time) where `patch(..., decode_graphs=False)` passed through the speed
-# runner would do.
-ENV_READS_LEFT = {("longctx_patch/kernels/window/triton_window.py", f"LONGCTX_WINDOW_{x}")
-                  for x in ("BLOCK_R", "BLOCK_N", "WARPS", "STAGES")}
-ENV_WRITES_LEFT = {("benchmarks/generate/bench_generate.py", "LONGCTX_DECODE_GRAPHS"),
-                   ("benchmarks/generate/bench_decode_profile.py", "LONGCTX_DECODE_GRAPHS")}
+# environment variables, by file and name; these lists may only shrink
+ENV_READS_LEFT: set[tuple[str, str]] = set()
+ENV_WRITES_LEFT: set[tuple[str, str]] = set()
 
 
 def _module_aliases(module: str, path: Path, tree: ast.AST, modules) -> tuple[dict[str, str], dict[str, tuple]]:

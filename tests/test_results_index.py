@@ -14,7 +14,7 @@ from benchmarks import index
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FOLDERS = {"approx", "decode", "finetune", "gpu-integration", "lola", "moba", "multigpu", "muse", "niah", "ovq", "peers",
            "ppl", "racecheck", "ruler", "speed", "speed-op", "synthetic"}
-# result files that lack one of index.REQUIRED (device, date, commit, command); this list may only shrink
+# result files that lack one of index.REQUIRED (task, device, date, commit, command); this list may only shrink
 LACKING: dict[str, tuple[str, ...]] = {}
 # figures and logs that belong to several runs (no JSON of their own stem)
 STANDALONE = {"synthetic/h200-icr-sweep-best.png"}
@@ -41,7 +41,7 @@ def test_every_result_json_is_listed_once():
     assert f"{len(files)} result files" in text
 
 
-def test_every_result_says_device_date_commit_and_command():
+def test_every_result_says_task_device_date_commit_and_command():
     lacking = {}
     for p in result_jsons():
         d = json.loads(p.read_text())
@@ -76,13 +76,20 @@ def test_the_index_shows_unknown_for_what_a_file_does_not_say(tmp_path):
     assert [r.file for r in rows] == ["lola/speed-h200-abc1234.json", "niah/m-exact-cpu.json"]
     speed, niah = rows
     assert (niah.task, niah.commit, niah.headline, niah.missing) == ("niah", "unknown", "accuracy: exact 0.50", ("commit",))
-    assert (speed.task, speed.date, speed.model, speed.method, speed.headline) == ("lola-speed", "unknown", "-", "-", "-")
-    assert speed.missing == ("date", "command")
+    # the task is what the file says, never guessed from its place
+    assert (speed.task, speed.date, speed.model, speed.method, speed.headline) == ("unknown", "unknown", "-", "-", "-")
+    assert speed.missing == ("task", "date", "command")
     text = index.render(rows)
-    assert "- `niah/m-exact-cpu.json`: no commit" in text and "- `lola/speed-h200-abc1234.json`: no date, command" in text
+    assert "- `niah/m-exact-cpu.json`: no commit" in text
+    assert "- `lola/speed-h200-abc1234.json`: no task, date, command" in text
 
 
 def test_files_are_laid_out_by_task():
+    """Every file in benchmarks/results/<folder>/; in a folder that holds several tasks, a file whose task is
+    `<folder>-<kind>` is named `<kind>-...` (lola/speed-h200-34dbded.json says lola-speed)."""
+    tasks: dict[str, set[str]] = {}
+    for p in result_jsons():
+        tasks.setdefault(p.relative_to(RESULTS).parts[0], set()).add(json.loads(p.read_text()).get("task", ""))
     for p in RESULTS.rglob("*"):
         rel = p.relative_to(RESULTS)
         if p.is_dir():
@@ -94,9 +101,11 @@ def test_files_are_laid_out_by_task():
         assert p.suffix in (".json", ".png", ".log"), rel
         assert re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", rel.stem, re.IGNORECASE), rel
         if p.suffix == ".json":
-            kinds = index.KINDS.get(rel.parts[0])
-            if kinds:
-                assert index.kind_of(rel) is not None, f"{rel}: names in {rel.parts[0]}/ start with one of {kinds}"
+            folder, task = rel.parts[0], json.loads(p.read_text()).get("task", "")
+            kind = task.removeprefix(folder + "-")
+            if len(tasks[folder]) > 1 and kind != task:
+                assert rel.stem == kind or rel.stem.startswith(kind + "-"), \
+                    f"{rel}: its task is {task}: names of {folder}/'s {task} files start with {kind}-"
             device = r"(cpu|h100|h200)(x[0-9]+)?"
             if rel.parts[0] == "synthetic":
                 assert re.match(device + "-", rel.stem), f"{rel}: synthetic/<device>-<run>-<task>.json"
@@ -163,3 +172,54 @@ def test_the_citation_check_finds_what_it_should(tmp_path):
              if not re.search(r"[A-Z]{3,}", p)]
     assert found == ["muse/a-b-h200.json", "muse/a-c-h200.json", "ppl/x-h200.json", "niah/y-1-h200.json",
                      "niah/y-2-h200.json", "lola/*.json"]
+
+
+def test_a_file_its_rule_cannot_read_is_named(tmp_path):
+    """A layout a rule knows to carry none of its figures takes the fallback figure; any other layout its rule cannot
+    read stops the index with an error naming the file (no silent fallback)."""
+    (tmp_path / "speed").mkdir()
+    calls = {"task": "speed", "device": "CPU", "results": {"exact": {"b1": {"1k": {"decode_ms": 2.0}}}}}
+    (tmp_path / "speed" / "calls-cpu.json").write_text(json.dumps(calls))  # no reference among its methods
+    assert index.collect(tmp_path)[0].headline == "fastest 2 ms"
+    (tmp_path / "niah").mkdir()
+    (tmp_path / "niah" / "odd-cpu.json").write_text(json.dumps({"task": "niah", "overall": [0.5]}))
+    with pytest.raises(index.ResultLayoutError, match=r"niah/odd-cpu\.json: the 'niah' headline cannot be read"):
+        index.collect(tmp_path)
+
+
+# dicts of the scripts that carry a device and a commit but are no result (a file's header read back by another script)
+NOT_RESULTS = {("benchmarks/quality/bench_peers_kvpress.py", "info")}
+
+
+def untasked_records(path: Path) -> list[str]:
+    """The dicts a script builds with a `device` and a `commit` (what a result file holds: a dict literal, `dict(...)`,
+    `x.update({...})`) but no `task`, as `<name or line>`: the index reads a result's task from the file only."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = {id(n.value): t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Dict):
+            keys = {k.value for k in n.keys if isinstance(k, ast.Constant)}
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "dict":
+            keys = {k.arg for k in n.keywords}
+        else:
+            continue
+        if {"device", "commit"} <= keys and "task" not in keys:
+            out.append(names.get(id(n), f"line {n.lineno}"))
+    return out
+
+
+def test_every_script_writes_its_task():
+    bench = REPO / "benchmarks"
+    found = {(p.relative_to(REPO).as_posix(), name) for p in sorted(bench.rglob("*.py")) for name in untasked_records(p)}
+    assert found - NOT_RESULTS == set(), f"result records without a task (the index reads it from the file): {found}"
+    assert NOT_RESULTS <= found, f"gone: drop from NOT_RESULTS {NOT_RESULTS - found}"
+
+
+def test_the_record_check_finds_each_form(tmp_path):
+    (tmp_path / "b.py").write_text('rec = {"device": 1, "commit": 2}\nok = {"task": "t", "device": 1, "commit": 2}\n'
+                                   'RES = dict(device=None, commit="x")\nres = {}\nres.update({"device": 1, "commit": 2})\n')
+    assert untasked_records(tmp_path / "b.py") == ["rec", "RES", "line 5"]

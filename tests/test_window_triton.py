@@ -9,7 +9,7 @@ import torch
 
 import longctx_patch.kernels.softmax.ops as sm
 from longctx_patch.kernels.softmax import attention_mask, softmax_attention
-from longctx_patch.kernels.window import (banded_window_attention, window_attention_triton,
+from longctx_patch.kernels.window import (WindowTiles, banded_window_attention, window_attention_triton,
                                           window_kernel_supported)
 
 
@@ -32,7 +32,7 @@ def _rel(out, ref):
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
-CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, q_offset, tiles (block_rows, block_keys; None = the defaults)
+CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, q_offset, tiles (WindowTiles' block_rows, block_keys; None: the defaults)
     (2, 14, 2, 37, 37, 16, 5, None, None),        # G = 7, odd length, one row block of the default tiles
     (1, 14, 2, 130, 130, 16, 1, None, (32, 16)),  # window 1: each query its own key only
     (2, 4, 4, 130, 130, 32, 64, None, (16, 16)),  # window of 4 tiles, many row blocks
@@ -46,9 +46,8 @@ CASES = [  # B, Hq, Hkv, Sq, Sk, D, window, q_offset, tiles (block_rows, block_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_the_dense_reference(B, Hq, Hkv, Sq, Sk, D, W, q_offset, tiles, dtype):
     q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=Sq + Sk + W)
-    br, bk = tiles or (None, None)
-    out = window_attention_triton(q, k, v, scale=D ** -0.5, window=W, q_offset=q_offset, block_rows=br,
-                                  block_keys=bk)
+    out = window_attention_triton(q, k, v, scale=D ** -0.5, window=W, q_offset=q_offset,
+                                  tiles=WindowTiles(*tiles) if tiles else None)
     ref = _dense(q, k, v, D ** -0.5, W, q_offset=q_offset)
     assert out.shape == (B, Sq, Hq, D) and out.dtype == dtype
     assert _rel(out, ref) < TOL[dtype]
@@ -65,10 +64,9 @@ def test_key_padding(dtype, Hq, Hkv, tiles):
     km[1, :13] = False
     km[2, :50] = False  # padding reaching into the queries (the last 45 keys start at 32)
     km[0, 40:52] = False  # a hole longer than the window: queries 49..51 see only their own (masked) key
-    br, bk = tiles or (None, None)
     for q_offset in (None, 20):
-        out = window_attention_triton(q, k, v, scale=0.3, window=W, key_mask=km, q_offset=q_offset, block_rows=br,
-                                      block_keys=bk)
+        out = window_attention_triton(q, k, v, scale=0.3, window=W, key_mask=km, q_offset=q_offset,
+                                      tiles=WindowTiles(*tiles) if tiles else None)
         ref = _dense(q, k, v, 0.3, W, key_mask=km, q_offset=q_offset)
         assert _rel(out, ref) < TOL[dtype]
 
@@ -82,7 +80,7 @@ def test_every_output_is_written(monkeypatch):
 
     q, k, v = _inputs(2, 14, 2, 53, 53, 16, torch.float32, seed=7)
     monkeypatch.setattr(torch, "empty", poisoned)
-    out = window_attention_triton(q, k, v, scale=0.25, window=7, block_rows=64, block_keys=16)
+    out = window_attention_triton(q, k, v, scale=0.25, window=7, tiles=WindowTiles(64, 16))
     monkeypatch.undo()
     assert not out.isnan().any()
     assert _rel(out, _dense(q, k, v, 0.25, 7)) < 1e-5
@@ -95,7 +93,7 @@ def test_equals_the_banded_path_on_a_transposed_layout():
     q = torch.randn(B, S, 4, D, generator=g).transpose(1, 2)
     k = torch.randn(B, S, 2, D, generator=g).transpose(1, 2)
     v = torch.randn(B, S, 2, D, generator=g).transpose(1, 2)
-    out = window_attention_triton(q, k, v, scale=0.2, window=20, block_rows=32, block_keys=16)
+    out = window_attention_triton(q, k, v, scale=0.2, window=20, tiles=WindowTiles(32, 16))
     torch.testing.assert_close(out, banded_window_attention(q, k, v, scale=0.2, window=20), atol=2e-6, rtol=1e-5)
 
 
@@ -167,3 +165,54 @@ def test_patched_model_through_the_kernel_equals_the_bands(monkeypatch):
     assert calls, "the 300-token prefill did not take the kernel"
     keep = am.bool()
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_the_tiles_reach_the_launch(monkeypatch):
+    """`tiles=WindowTiles(...)`: rows, keys, warps and stages are the launch's; a tile left None keeps its default
+    (`window_tiles`), and no environment variable changes them."""
+    import longctx_patch.kernels.window.triton_window as tw
+
+    launches = []
+    real = tw._window_fwd_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append({k: kw[k] for k in ("BR", "BN", "num_warps", "num_stages")})
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tw, "_window_fwd_kernel", Recorder())
+    monkeypatch.setenv("LONGCTX_WINDOW_WARPS", "1")  # the former override: read no more
+    q, k, v = _inputs(1, 4, 2, 40, 40, 16, torch.float32, seed=11)
+    ref = _dense(q, k, v, 0.25, 9)
+    out = window_attention_triton(q, k, v, scale=0.25, window=9, tiles=WindowTiles(32, 16, warps=2, stages=3))
+    assert _rel(out, ref) < 1e-5
+    out = window_attention_triton(q, k, v, scale=0.25, window=9, tiles=WindowTiles(stages=1))
+    assert _rel(out, ref) < 1e-5
+    BR, BN, warps, _ = tw.window_tiles(16, torch.float32)
+    assert launches == [{"BR": 32, "BN": 16, "num_warps": 2, "num_stages": 3},
+                        {"BR": BR, "BN": BN, "num_warps": warps, "num_stages": 1}]
+    assert tw.window_tiles(16, torch.float32, WindowTiles(warps=16)) == (BR, BN, 16, 2)
+
+
+@pytest.mark.parametrize("field,value", [("block_rows", 24), ("block_keys", 8), ("warps", 64), ("warps", 3),
+                                         ("stages", 0), ("stages", True), ("block_rows", 32.0)])
+def test_bad_tiles_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"WindowTiles\.{field}={value!r}: allowed None"):
+        WindowTiles(**{field: value})
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(TypeError, match="a WindowTiles"):
+        window_attention_triton(q, q, q, scale=0.25, window=2, tiles=(32, 16))
+
+
+def test_the_benchmark_passes_its_tiles():
+    """bench_window's `--tiles BR,BN,WARPS,STAGES` (the way to try other tiles, now that no environment variable sets
+    them): an empty entry keeps that default; a bad one is refused naming the option."""
+    from benchmarks.ops.bench_window import parse_tiles
+
+    assert parse_tiles(None) is None
+    assert parse_tiles("64,,4,3") == WindowTiles(64, None, 4, 3)
+    for bad in ("64,64", "64,64,3,2"):
+        with pytest.raises(SystemExit, match="--tiles"):
+            parse_tiles(bad)

@@ -56,10 +56,6 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script (small --context)")
     ap.add_argument("--out", default=None, help="file (default benchmarks/results/decode/profile-llama-3.2-1b-shaped-<device>.json)")
     args = ap.parse_args()
-    if args.decode_graphs == "off":
-        import os
-
-        os.environ["LONGCTX_DECODE_GRAPHS"] = "0"  # read at patch time
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --device cpu with a small --context)")
@@ -76,7 +72,7 @@ def main():
     results = {}
     for method in args.methods.split(","):
         if method != "none":
-            lp.patch(model, method)
+            lp.patch(model, method, decode_graphs=args.decode_graphs == "on")
         row = {}
         for label, ctx in (("default", None), ("no_cudnn", no_cudnn))[: 2 if dev == "cuda" else 1]:
             with torch.no_grad(), (sdpa_kernel(ctx) if ctx else contextlib.nullcontext()):
@@ -111,7 +107,7 @@ def main():
         results[method] = row
         if method != "none":
             lp.unpatch(model)
-    record = {"device": device_description(dev),
+    record = {"task": "decode-profile", "device": device_description(dev),
               "date": datetime.date.today().isoformat(), "commit": git_commit(),
               "command": "python3 -m benchmarks.generate.bench_decode_profile " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", "context": C, "batch": args.batch, "steps": args.steps,

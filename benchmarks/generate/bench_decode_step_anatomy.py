@@ -140,7 +140,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     row = measure(args.method, args.batch, parse_sizes(args.context)[0], args.steps, args.decode_base, args.fused_ops)
-    record = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(),
+    record = {"task": "decode-anatomy", "device": device_description("cuda"), "date": datetime.date.today().isoformat(),
               "commit": git_commit(), "command": "python3 -m benchmarks.generate.bench_decode_step_anatomy " + shlex.join(sys.argv[1:]),
               "model": "llama-3.2-1b-shaped-random", **row}
     fused = "-fused" if args.fused_ops else ""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -35,7 +34,8 @@ def main(argv=None):
                     help="one generate() call of N new tokens per entry, each timed from its first decode step "
                          "(tokens/s over the whole decode, ms per step by range, peak memory)")
     ap.add_argument("--decode-graphs", choices=("on", "off"), default="on",
-                    help="off: every decode step eager (LONGCTX_DECODE_GRAPHS=0); the file stem gets -eager")
+                    help="off: every decode step eager (passed to the speed runner as decode_graphs=False); the file "
+                         "stem gets -eager")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="feed the prompt in chunks of this many tokens (generate()'s prefill_chunk_size)")
@@ -45,8 +45,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (a 1B-shaped model at 16k-128k tokens)")
-    if args.decode_graphs == "off":
-        os.environ["LONGCTX_DECODE_GRAPHS"] = "0"
     runs = [MethodRun(args.method, json.loads(args.config))]
     cells = None
     if args.cells:
@@ -54,7 +52,7 @@ def main(argv=None):
     model = llama_1b_shaped("cuda", torch.bfloat16)
     run_speed((model, None), runs, contexts=parse_sizes(args.contexts),
               batches=[int(b) for b in args.batches.split(",")], calls=[int(n) for n in args.calls.split(",")],
-              cells=cells, prefill_chunk=args.prefill_chunk,
+              cells=cells, prefill_chunk=args.prefill_chunk, decode_graphs=args.decode_graphs == "on",
               repeats=args.repeats, static=args.static, out_dir=results_dir("speed", args.out_dir),
               name=args.name or (f"llama-3.2-1b-shaped-generate-{args.method}"
                                  f"{'-eager' if args.decode_graphs == 'off' else ''}-{device_token()}"),

@@ -149,6 +149,7 @@ def main(argv=None) -> None:
     if rank == 0:
         launcher = f"torchrun --nproc-per-node {world} -m" if world > 1 else "python3 -m"
         out = {
+            "task": "tensor-parallel",
             "device": device_description("cuda", world),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),

@@ -75,7 +75,8 @@ def main():
         sys.exit("needs a CUDA device")
     rows = [check(m, getattr(torch, d), args.prompt, args.new, args.batch)
             for d in args.dtypes.split(",") for m in args.methods.split(",")]
-    rec = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    rec = {"task": "decode-fused-ops",
+           "device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "python3 -m benchmarks.generate.check_fused_ops " + shlex.join(sys.argv[1:]), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)

@@ -110,7 +110,8 @@ def main():
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
     commit = git_commit()  # $LONGCTX_COMMIT on a copy of the tree, else git
-    rec = {"device": device_description(DEVICE), "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
+    rec = {"task": "gpu-integration",
+           "device": device_description(DEVICE), "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
            "command": "python3 -m benchmarks.generate.check_gpu_integration" + ("" if methods == list(METHODS) else f" --methods {a.methods}"), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "rows": rows}
     what = "all" if methods == list(METHODS) else "+".join(methods)

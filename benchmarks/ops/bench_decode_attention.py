@@ -189,7 +189,7 @@ def main():
                              "ms_per_call": ms})
                 print(f"growing D{D} B{B} Sq{Sq} pad{int(padded)} S0 {S0}: "
                       + " | ".join(f"{n} {v:.3f}" for n, v in ms.items()), flush=True)
-    out = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(),
+    out = {"task": "decode-attention", "device": device_description("cuda"), "date": datetime.date.today().isoformat(),
            "commit": git_commit(), "torch": torch.__version__,
            "command": "python3 -m benchmarks.ops.bench_decode_attention " + shlex.join(sys.argv[1:]),
            "dtype": "bfloat16", "heads": [Hq, Hkv], "hbm_tbs": args.hbm_tbs,

@@ -128,7 +128,8 @@ def main():
     Hq, Hkv = (int(x) for x in args.heads.split(","))
     B, S, D, F, W = args.batch, args.seq, 64, 64, args.window
     scale = D ** -0.5
-    rec = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    rec = {"task": "lola-train-hybrid-bwd",
+           "device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "command": "python3 -m benchmarks.ops.bench_hybrid_bwd " + shlex.join(sys.argv[1:]),
            "shape": {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "F2": 2 * F, "window": W}}
     # correctness: fp32 Triton vs fp32 PyTorch; bf16 Triton vs fp32 PyTorch (a left-padded row in both)

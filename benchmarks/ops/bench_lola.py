@@ -35,6 +35,7 @@ T0 = time.time()
 BUDGET = float(os.environ.get("BENCH_BUDGET_S", "215"))
 OUT = os.environ.get("OUT") or ("/tmp/bench_lola_smoke" if SMOKE else None)  # None: the results' lola/ folder
 RES: dict = {
+    "task": "lola-speed",
     "device": device_description(),
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "command": " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_ONLY", "BENCH_BUDGET_S") if os.environ.get(k))
@@ -196,9 +197,9 @@ def _prefill(D, label):
                                      tuning=LolaTuning(hybrid_num_warps=nw)))
     st_ = tk.chunk_states(fk, v, 256)
     r["chunk_states_cs256_ms"] = bench(lambda: tk.chunk_states(fk, v, 256))
-    r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, k, v, fq, fk, g, lf, st_[0], st_[1], window=256,
-                                                                      scale=scale, q_offset=0, state_chunk=256))
-    del st_
+    keys = ref.HybridKeys(k, v, fk, st_[0], st_[1], q_offset=0, state_chunk=256)
+    r["hybrid_fwd_only_w256_cs256_ms"] = bench(lambda: tk.hybrid_fwd(q, fq, keys, ref.HybridRule(256, g, lf, scale)))
+    del st_, keys
 
     # two-pass prefill (all evictions, then all chunks at once; evictions replayed from a CUDA graph or eager)
     # and the chunk loop it replaces (CUDA graph per chunk)

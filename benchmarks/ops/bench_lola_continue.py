@@ -110,7 +110,7 @@ def main() -> None:
             raise SystemExit("needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
         dev, shape = "cuda", dict(Hq=32, Hkv=8, D=64, F=64, window=64, chunk=64, lam=256)
         cells = [tuple(int(x) for x in c.replace("/", "x").split("x")) for c in a.cells.split(",")]
-    res = {"device": device_description(dev),
+    res = {"task": "lola-continue", "device": device_description(dev),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "shape": shape, "cells": []}
     out = results_dir("lola", os.environ.get("OUT") or ("/tmp/bench_lola_continue_smoke" if a.smoke else None))

@@ -105,6 +105,7 @@ def main(argv=None):
                   + 2 * q.numel() * 2 + fq.numel() * 2)
         sweep(f"decode_step (N={n}, lambda={L})", step, grid, nbytes)
     res.update({
+        "task": "decode-attention",  # the LoLA decode step's attention (results/decode/attention-lola-decode-step-*)
         "device": device_description(dev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),

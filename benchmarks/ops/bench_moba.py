@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
 
     cfgs = configs(keys, scale_down)
-    res = dict(device=device_description(device),
+    res = dict(task="moba", device=device_description(device),
                date=datetime.date.today().isoformat(), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.ops.bench_moba", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                              else argv)]),

@@ -50,7 +50,7 @@ for _c in CFGS:  # record the sink and peak blocks each cells configuration runs
     if _c.get("far_field") != "tilted":
         for _k in ("sink_blocks", "peak_blocks"):
             _c.setdefault(_k, inspect.signature(make_cells_plan).parameters[_k].default)
-RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git_commit(),
+RES: dict = dict(task="muse-cells-speed", device=None, date=datetime.date.today().isoformat(), commit=git_commit(),
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CELLS_")]
                                   + ["python3 -m benchmarks.ops.bench_muse_cells"]), torch=torch.__version__,
                  triton=triton.__version__, checks=[], speed=[])

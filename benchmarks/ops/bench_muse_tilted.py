@@ -45,7 +45,7 @@ SEQS = [int(x) for x in os.environ.get("TILT_SEQS", "16384,65536,131072,32768").
 QCS = [int(x) for x in os.environ.get("TILT_QC", "256,64").split(",")]
 CFG = json.loads(os.environ["TILT_CFG"]) if os.environ.get("TILT_CFG") else dict(FAR_FIELD_DEFAULTS["tilted-cells"],
                                                                                  sink_blocks=1)
-RES: dict = dict(device=None, date=datetime.date.today().isoformat(), commit=git_commit(),
+RES: dict = dict(task="muse-tilted-cells-speed", device=None, date=datetime.date.today().isoformat(), commit=git_commit(),
                  command=" ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("TILT_")]
                                   + ["python3 -m benchmarks.ops.bench_muse_tilted"]), torch=torch.__version__,
                  triton=triton.__version__, cells_plan=CFG, checks=[], speed=[], profile=None)

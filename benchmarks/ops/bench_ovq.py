@@ -79,7 +79,8 @@ def main():
     from longctx_patch.kernels.ovq.ops import chunk_attention_triton
 
     small = args.cpu_smoke
-    res = {"device": device_description(DEV), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"task": "ovq-speed",
+           "device": device_description(DEV), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "command": "python3 -m benchmarks.ops.bench_ovq " + " ".join(sys.argv[1:]),
            "torch": torch.__version__}
     import triton

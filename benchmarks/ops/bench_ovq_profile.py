@@ -94,7 +94,8 @@ def main() -> None:
     from longctx_patch.kernels.ovq import ovq_attention
 
     dev = "cuda"
-    res = {"device": device_description("cuda"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    res = {"task": "ovq-profile",
+           "device": device_description("cuda"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": git_commit(), "command": "python3 -m benchmarks.ops.bench_ovq_profile "
            + " ".join(sys.argv[1:]), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
     res["checks"] = _checks()

@@ -7,11 +7,15 @@ Every variant's output is checked against the banded one (bf16; the banded kerne
 fp32 dense reference up to 16k). Times are `triton.testing.do_bench` medians, forward and forward + backward.
 
     python3 -m benchmarks.ops.bench_window --lengths 16k,64k,128k --window 256 --out $OUT/window-256-h200.json
+
+`--tiles BR,BN,WARPS,STAGES` runs the Triton forward with other launch tiles (`kernels.window.WindowTiles`; an empty
+entry keeps that default), e.g. `--tiles 64,64,4,3`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shlex
@@ -25,7 +29,7 @@ from benchmarks.shared import device_token, result_file
 from longctx_patch.evals.common import parse_sizes
 from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.softmax import attention_mask
-from longctx_patch.kernels.window import banded_bytes, banded_window_attention, window_attention_triton
+from longctx_patch.kernels.window import WindowTiles, banded_bytes, banded_window_attention, window_attention_triton
 
 FWD_ONLY = {"triton"}  # no backward: timed forward only
 
@@ -57,6 +61,19 @@ def _cudnn_full(q, k, v, scale):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
+def parse_tiles(text: str | None) -> WindowTiles | None:
+    """`--tiles BR,BN,WARPS,STAGES` (an empty entry: that default) -> WindowTiles; None or "" -> None."""
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise SystemExit(f"--tiles {text!r}: four entries BR,BN,WARPS,STAGES (an empty one keeps its default)")
+    try:
+        return WindowTiles(*(int(x) if x.strip() else None for x in parts))
+    except ValueError as e:
+        raise SystemExit(f"--tiles {text!r}: {e}") from None
+
+
 def main(argv=None):
     from triton.testing import do_bench
 
@@ -69,12 +86,15 @@ def main(argv=None):
     ap.add_argument("--dense-max", default="32k", help="longest length for the dense-mask variant (S x S memory)")
     ap.add_argument("--variants", default="banded,triton,flex,dense-mask,cudnn-full-causal",
                     help="which to time (flex compiles first: leave it out for a short run)")
+    ap.add_argument("--tiles", default=None, metavar="BR,BN,WARPS,STAGES",
+                    help="the Triton forward's launch tiles (kernels.window.WindowTiles); default: its own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    tiles = parse_tiles(args.tiles)
     dev, dt, W, D = torch.device("cuda"), torch.bfloat16, args.window, args.head_dim
     scale = D ** -0.5
     variants = {"banded": lambda q, k, v, s: banded_window_attention(q, k, v, scale=s, window=W),
-                "triton": lambda q, k, v, s: window_attention_triton(q, k, v, scale=s, window=W),
+                "triton": lambda q, k, v, s: window_attention_triton(q, k, v, scale=s, window=W, tiles=tiles),
                 "flex": _flex(W), "dense-mask": _dense(W), "cudnn-full-causal": _cudnn_full}
     keep = [x.strip() for x in args.variants.split(",") if x.strip()]
     unknown = sorted(set(keep) - set(variants))
@@ -93,8 +113,8 @@ def main(argv=None):
             row["banded_max_err_vs_fp32"] = (banded_window_attention(q, k, v, scale=scale, window=W).float()
                                              - ref).abs().max().item()
             try:
-                row["triton_max_err_vs_fp32"] = (window_attention_triton(q, k, v, scale=scale, window=W).float()
-                                                 - ref).abs().max().item()
+                row["triton_max_err_vs_fp32"] = (window_attention_triton(q, k, v, scale=scale, window=W,
+                                                                         tiles=tiles).float() - ref).abs().max().item()
             except Exception as e:  # noqa: BLE001 - reported; the variant loop records it again
                 row["triton_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             del ref
@@ -129,9 +149,11 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         rows.append(row)
         del q, k, v, base
-    out = {"device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    out = {"task": "speed-op",
+           "device": device_description("cuda"), "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "torch": torch.__version__, "command": "python3 -m benchmarks.ops.bench_window " + shlex.join(sys.argv[1:]),
-           "dtype": "bfloat16", "heads": [args.heads, args.kv_heads], "head_dim": D, "rows": rows}
+           "dtype": "bfloat16", "heads": [args.heads, args.kv_heads], "head_dim": D,
+           **({"triton_tiles": dataclasses.asdict(tiles)} if tiles else {}), "rows": rows}
     path = result_file("speed-op", f"window-{W}-{device_token()}.json", args.out)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -314,7 +314,8 @@ def main(argv=None) -> int:
         cases[name]["shape"] = CASES[name][0]
         print(json.dumps({k: v for k, v in cases[name].items() if k != "stderr_tail"}), flush=True)
     argv_s = " ".join(shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv))
-    rec = {"device": device_description("cpu" if a.smoke else "cuda"), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+    rec = {"task": "racecheck",
+           "device": device_description("cpu" if a.smoke else "cuda"), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
            "command": f"python3 -m benchmarks.ops.check_large_shapes {argv_s}".strip(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "memcheck": a.memcheck, "cases": cases}
     # letters, digits and '-' only: the results index's names, and what a device call hands back

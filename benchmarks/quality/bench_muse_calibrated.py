@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     lp.unpatch(model)
     need = max([L * a.windows for L in lengths] + time_lengths)  # held-out tokens; ~3.5 characters a token of code
     stream = token_stream(tok, texts(a.text, need * 5, stdlib_files_reversed))
-    res = dict(device=device_description(a.device),
+    res = dict(task="muse-calibrated", device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_calibrated",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

@@ -145,7 +145,7 @@ def main():
         rows.append(row)
         print(f"{json.dumps(cfg):110s} mean {row['mean_rel_err']:.4f} max {row['max_rel_err']:.4f} "
               f"({time.time() - t0:.0f}s)", flush=True)
-        res = dict(device=device, backend=args.backend, dtype=args.dtype,
+        res = dict(task="muse-fidelity", device=device, backend=args.backend, dtype=args.dtype,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    commit=commit, command="python -m benchmarks.quality.bench_muse_fidelity " + " ".join(sys.argv[1:]),
                    layers=list(layers), model=args.model, seq_len=args.seq_len, text="pg_essays",

@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     model, tok = lp.load_model(a.model, dtype=a.dtype, device=a.device)
     model.eval()
     stream = token_stream(tok, load_texts(text))
-    res = dict(device=device_description(a.device),
+    res = dict(task="muse-guard", device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_guard",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

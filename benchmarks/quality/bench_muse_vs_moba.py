@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
 
-    res = dict(device=device_description(a.device),
+    res = dict(task="muse-muse-vs-moba", device=device_description(a.device),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
                command=" ".join(["python3 -m benchmarks.quality.bench_muse_vs_moba",
                                  *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),

@@ -55,7 +55,7 @@ def main():
             speed[f"tilted-cells q{v['q_clusters']}"] = v["speedup_fwd_vs_cudnn"]
     points = [dict(method=k, err_mean=err[k], speedup_fwd_vs_cudnn=speed[k]) for k in err if k in speed]
     out = os.path.join(a.results, "muse", f"tradeoff-matched-{a.seq // 1024}k-h200")
-    res = dict(device="NVIDIA H200",  # speed and errors measured on the same GPU
+    res = dict(task="muse-tradeoff", device="NVIDIA H200",  # speed and errors measured on the same GPU
                date=datetime.date.today().isoformat(),
                commit=git_commit(), command="python3 -m benchmarks.quality.plot_muse_matched", seq=a.seq, D=a.D,
                sources=list(ERR) + [MOBA_SPEED, TILT_SPEED], points=points)

@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> Path:
     for b in [int(x) for x in args.batch.split(",")]:
         rows += run_batch(args, b, device)
     res = {
+        "task": "finetune",
         "device": device_description(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),

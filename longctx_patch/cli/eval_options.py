@@ -87,7 +87,7 @@ def effective_command() -> str:
 
 def method_runs(methods, sets, baseline: bool = False):
     from longctx_patch.evals.common import MethodRun, parse_methods
-    from longctx_patch.methods import split_method_spec
+    from longctx_patch.methods import reference_method, split_method_spec
 
     runs = parse_methods(methods, sets)
     for raw in methods:  # parse_methods has read them; the CLI's layer indices are 0-based
@@ -95,8 +95,8 @@ def method_runs(methods, sets, baseline: bool = False):
             k, v = (x.strip() for x in item.split("=", 1))
             if k == "layers":
                 check_layers_spec(v, f"--method {raw!r}", "layers=0-7+12")
-    if baseline and not any(r.name in ("exact", "none") for r in runs):
-        runs.insert(0, MethodRun("exact"))
+    if baseline and not any(r.reference for r in runs):
+        runs.insert(0, MethodRun(reference_method()))
     return runs
 
 

@@ -55,6 +55,7 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     Before it trains it prints its plan: tokens and steps per stage, the estimated peak memory and a rough time on
     this device; a run whose estimate exceeds the memory available stops there, before the model loads, with the
     settings that shrink it (--quick, a stage's batch_size or seq_len, attention or gradient checkpointing)."""
+    from longctx_patch.methods import is_unpatched
     from longctx_patch.train import load_recipe, run_finetune
     from longctx_patch.train.plan import quick_overrides
 
@@ -75,7 +76,7 @@ def finetune_cmd(recipe, model, sets, text, dataset, split, field, output, resum
     r = load_recipe(recipe, _quote(overrides))  # errors: one `error: ...` line from friendly_errors, like every verb
     if quick:  # the recipe's stages made short; the --set items given still win
         r = load_recipe(recipe, quick_overrides(r) + _quote(overrides))
-    if r.method not in (None, "none") and r.model:
+    if not is_unpatched(r.method) and r.model:
         check_architecture(r.model)  # an unsupported architecture fails now, not after the model loads
     if r.data.text:  # the text named on the command line (or in the recipe) is refused now, not after the load
         from longctx_patch.texts import text_files

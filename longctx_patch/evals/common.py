@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..methods import get_method, list_methods, split_method_spec
+from ..methods import UNPATCHED, get_method, list_methods, split_method_spec
 from ..patcher import parse_layers
 from ..provenance import git_commit, result_header
 
-UNPATCHED = ("none", "unpatched")
 RESULTS_ENV = "LONGCTX_RESULTS"
 
 
@@ -88,7 +87,7 @@ def __getattr__(name: str):
 class MethodRun:
     """One entry of a comparison: a registered method (or the unpatched model) and its config."""
 
-    name: str  # registered method name, or "none" for the unpatched model
+    name: str  # registered method name, or UNPATCHED[0] ("none") for the unpatched model
     config: dict[str, Any] = field(default_factory=dict)
     layers: str | None = None  # decoder layers to patch, `lp.patch`'s syntax ('0-3,26-29'); None: every layer
     # every option as the patch ran it (set by `applied`): the config's defaults and any an asset chose for the
@@ -98,6 +97,12 @@ class MethodRun:
     @property
     def patched(self) -> bool:
         return self.name not in UNPATCHED
+
+    @property
+    def reference(self) -> bool:
+        """Whether this run attends as the model does (unpatched, or a method of `Method.exact_reference`): the
+        baseline the evaluations measure the other runs against."""
+        return not self.patched or get_method(self.name).exact_reference
 
     @property
     def label(self) -> str:
@@ -138,11 +143,11 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
     for raw in methods:
         base, items = split_method_spec(raw)
         name = base.strip().lower().replace("_", "-")
-        if name == "unpatched":
-            name = "none"
-        if name != "none" and name not in known:
+        if name in UNPATCHED:
+            name = UNPATCHED[0]
+        if name not in UNPATCHED and name not in known:
             raise ConfigError(f"unknown method {raw!r}; choose from: none, {', '.join(known)}")
-        if name == "none" and items:
+        if name in UNPATCHED and items:
             raise ConfigError(f"--method {raw!r}: the unpatched model ('none') has no config")
         own = {}
         run_layers = None
@@ -172,7 +177,7 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
                 raise ConfigError(
                     f"--set {item!r} names method {mname!r}, which is not selected; selected: {', '.join(sorted(names))}"
                 )
-            if mname == "none":
+            if mname in UNPATCHED:
                 raise ConfigError(f"--set {item!r}: the unpatched model ('none') has no config")
             if key not in _config_keys(mname):
                 raise ConfigError(
@@ -207,14 +212,16 @@ def parse_methods(methods: Sequence[str], sets: Sequence[str] = ()) -> list[Meth
 
 
 @contextlib.contextmanager
-def applied(model, run: MethodRun, layers=None) -> Iterator[Any]:
-    """Patches `model` with `run` for the duration of the block (nothing for the unpatched model)."""
+def applied(model, run: MethodRun, layers=None, *, decode_graphs: bool | None = None) -> Iterator[Any]:
+    """Patches `model` with `run` for the duration of the block (nothing for the unpatched model). `decode_graphs`:
+    `patch()`'s (False: every decode step eager; None: its default, `decode_graphs.default_enabled`)."""
     import longctx_patch as lp
 
     if not run.patched:
         yield model
         return
-    lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, **run.config)
+    lp.patch(model, run.name, layers=run.layers if run.layers is not None else layers, decode_graphs=decode_graphs,
+             **run.config)
     from ..patcher import patch_groups
 
     run.effective = patch_groups(model)[-1].config.to_dict()

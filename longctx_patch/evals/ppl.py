@@ -180,7 +180,7 @@ def run_ppl(
     finally:
         mdl.train(was_training)
 
-    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+    ref = next((r.label for r in methods if r.reference), None)
     figures: dict[str, Any] = {
         "text": source,
         "stream_tokens": len(stream),

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..decode_graphs import default_enabled
 from ..errors import ConfigError
 from .common import (RESULTS_DEFAULT, MethodRun, applied, begin_run, default_name, format_table, load_model,
                      output_dir, pyplot, size_label, write_result)
@@ -259,6 +260,7 @@ def run_model_speed(
     static: bool = False,
     cells: Sequence[tuple[int, int]] | None = None,
     prefill_chunk: int | None = None,
+    decode_graphs: bool | None = None,
     out_dir=RESULTS_DEFAULT,
     name: str | None = None,
     model_name: str | None = None,
@@ -266,7 +268,11 @@ def run_model_speed(
     echo=print,
 ) -> dict[str, Any]:
     """Every method x batch x context cell (`time_cell`), or only the (batch, context) pairs of `cells`; writes
-    `<name>.json` + `<name>.png`."""
+    `<name>.json` + `<name>.png`. `decode_graphs`: each patched method's decode steps replayed from CUDA graphs (True)
+    or eager (False), as `patch(..., decode_graphs=)`; None: patch()'s default (on, unless the user's
+    LONGCTX_DECODE_GRAPHS=0 says off); the result records the one in force."""
+    if decode_graphs is not None and not isinstance(decode_graphs, bool):
+        raise ConfigError(f"decode_graphs must be True, False or None (patch()'s default), not {decode_graphs!r}")
     if cells:
         cells = [(int(b), int(c)) for b, c in cells]
         batches = sorted({b for b, _ in cells})
@@ -289,7 +295,8 @@ def run_model_speed(
         plan.append((STATIC, MethodRun("none"), {"cache_implementation": "static"}))
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     compiled = None
-    ref = next((r.label for r in methods if r.name in ("exact", "none")), None)
+    ref = next((r.label for r in methods if r.reference), None)
+    graphs = decode_graphs if decode_graphs is not None else default_enabled()  # the patched methods' decode steps
 
     def figures_of(rows) -> dict[str, Any]:
         done = [p[0] for p in plan if p[0] in rows]
@@ -303,7 +310,7 @@ def run_model_speed(
                               "step, no synchronisation); step_ms: the mean ms of the steps in each range (step 1 = "
                               "the first decode step); steady_ms: the last range of the longest call; warmup_ratio: "
                               "steps 1-16 against it; decode_tok_s / ms_per_step / generate_s: the longest call"),
-            "prefill_chunk": prefill_chunk, "max_batch": _max_batches(rows, device),
+            "prefill_chunk": prefill_chunk, "decode_graphs": graphs, "max_batch": _max_batches(rows, device),
             "copy_bandwidth_Bps": round(bw), "weights_bytes": weights,
             "floor": "(weights_bytes + state_bytes) / copy_bandwidth_Bps: every byte read once at the copy's rate "
                      "of bytes moved (read + written)",
@@ -326,7 +333,7 @@ def run_model_speed(
     try:
         for label, run, extra in plan:
             rows[label] = {}
-            with applied(mdl, run):
+            with applied(mdl, run, decode_graphs=decode_graphs):
                 common = dict(calls=(2,), repeats=1, vocab=vocab, bandwidth=bw, weights=weights, generate_kwargs=extra)
                 _cell_or_error(time_cell, model=mdl, batch=min(batches), context=min(contexts), **common)  # warm-up
                 for B, C in cells:

@@ -52,6 +52,26 @@ def get_method(name: str) -> Method:
     return _REGISTRY[key]
 
 
+UNPATCHED = ("none", "unpatched")  # the names that stand for no method: the model as it is
+
+
+def is_unpatched(name: str | None) -> bool:
+    """Whether `name` stands for no method (None, "", or one of UNPATCHED in any case): the model unpatched."""
+    return name is None or str(name).strip().lower() in ("", *UNPATCHED)
+
+
+def reference_method() -> str:
+    """The registered method whose attention is the model's own (`Method.exact_reference`): what the evaluations add
+    as their baseline and what stands for the unpatched model's attention; a ConfigError when none (or several) says
+    so."""
+    found = [name for name in list_methods() if _REGISTRY[name].exact_reference]
+    if len(found) != 1:
+        which = f"several registered methods ({', '.join(found)})" if found else "no registered method"
+        raise ConfigError(f"{which} declare Method.exact_reference (the model's own attention, the evaluations' "
+                          "baseline); exactly one must")
+    return found[0]
+
+
 def split_method_spec(raw: str) -> tuple[str, list[str]]:
     """The CLI's inline method syntax: 'lola(window=64,sparse_cache=64)' -> ('lola', ['window=64',
     'sparse_cache=64']); 'lola' -> ('lola', [])."""
@@ -69,13 +89,16 @@ def split_method_spec(raw: str) -> tuple[str, list[str]]:
 
 
 __all__ = [
+    "UNPATCHED",
     "Method",
     "MethodConfig",
     "PatchedAttention",
     "get_method",
+    "is_unpatched",
     "list_methods",
     "method_packages",
     "option",
+    "reference_method",
     "register_method",
     "split_method_spec",
 ]

@@ -422,6 +422,14 @@ class Method:
     # its parameters are LoLCATs' (feature maps, window factors): a fine-tune's `output.lolcats_export` can write them
     # in LoLCATs' own model.pt layout (methods/lola/weights.py)
     lolcats_layout: ClassVar[bool] = False
+    # its attention is the model's own (softmax over every key the model attends, a layer's own window kept): the
+    # evaluations measure the other methods against it as against the unpatched model (speed's speed-ups, ppl's
+    # differences, `--baseline`), and the fine-tune plan takes the unpatched model's attention profile from it
+    # (`methods.reference_method`); a method is none of that unless it says so
+    exact_reference: ClassVar[bool] = False
+    # the methods whose patched models `convert.py` turns into this one in place, their parameters kept (the same
+    # parameters under another attention): convert_to_lola refuses a model patched with any other
+    converts_from: ClassVar[tuple[str, ...]] = ()
 
     def parse_config(self, values: dict[str, Any] | None) -> MethodConfig:
         return self.config_cls.from_dict(values)

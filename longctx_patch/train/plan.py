@@ -123,10 +123,10 @@ def attention_profile(method: str | None, config: dict[str, Any], shape: ModelSh
     its defaults where the recipe gives none) over sequences of `S` tokens; `kernels`: the method's Triton kernels run
     (CUDA), else its PyTorch reference. The method's own `Method.attention_profile` (a method without it is refused
     by name); no method (None or "none"): the model's own attention, as `exact`'s."""
-    from ..methods import get_method
+    from ..methods import get_method, is_unpatched, reference_method
 
-    unpatched = not method or method == "none"
-    meth = get_method("exact" if unpatched else method)
+    unpatched = is_unpatched(method)
+    meth = get_method(reference_method() if unpatched else method)
     cfg = meth.parse_config({} if unpatched else config)
     return meth.attention_profile(cfg, shape.head_dim, S, kernels)
 
@@ -231,6 +231,8 @@ def plan_stage(recipe: Recipe, stage: Stage, shape: ModelShape, *, device_type: 
                rate: float | None = None, method_params: int | None = None, patched_layers: int | None = None,
                in_use: int = 0) -> StagePlan:
     """The estimate of one stage on one process (see the module's docstring)."""
+    from ..methods import is_unpatched
+
     L, H, I, V = shape.layers, shape.hidden, shape.intermediate, shape.vocab
     Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     w_bytes, e = _elem_bytes(recipe, device_type)
@@ -240,7 +242,7 @@ def plan_stage(recipe: Recipe, stage: Stage, shape: ModelShape, *, device_type: 
     kernels = device_type == "cuda"
     keys, held = attention_profile(recipe.method, dict(recipe.method_config), shape, S, kernels)
     patched = L if patched_layers is None else patched_layers
-    if not recipe.method or recipe.method == "none":
+    if is_unpatched(recipe.method):
         patched = 0
     recompute = attention_recomputed(stage, device_type)
     if method_params is None:  # before the load: at most two D x D maps per head and layer (lolcats' feature maps)

@@ -391,8 +391,10 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         raise ConfigError(f"stages: expected a list of stage mappings, got {type(stages_raw).__name__}")
     r.stages = [_build(Stage, s, f"stages.{i}") for i, s in enumerate(stages_raw)]
 
+    from ..methods import get_method, is_unpatched, list_methods  # method and config checked now, not after the load
+
     r.model = _check_type("model", r.model, str, optional=True)
-    if isinstance(r.method, str) and r.method.strip().lower() in ("", "none", "unpatched"):
+    if isinstance(r.method, str) and is_unpatched(r.method):
         r.method = None
     r.method = _check_type("method", r.method, str, optional=True)
     if r.method_config is None:
@@ -407,8 +409,6 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         raise ConfigError(f"rest_config: expected a mapping of rest_method's keys, got {r.rest_config!r}")
     if r.rest_method is not None and (r.method is None or r.layers is None):
         raise ConfigError("rest_method patches the layers not in `layers`: set `method:` and a `layers:` list too")
-    from ..methods import get_method, list_methods  # the method and its config checked now, not after the model loads
-
     for key, meth, cfg in (("method", r.method, r.method_config), ("rest_method", r.rest_method, r.rest_config)):
         if meth is not None:
             try:

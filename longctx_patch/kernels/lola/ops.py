@@ -109,8 +109,8 @@ class HybridAttentionFn(torch.autograd.Function):
         # the output in fp32 (rounded to q.dtype below, as the kernel rounds it): the backward's
         # delta = do . o from the unrounded o (a bf16 o made dg / dlf, sums over every row, visibly noisier)
         o32 = torch.empty(B, S, Hq, D, device=q.device, dtype=torch.float32)
-        o32, (m, r, am) = tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
-                                        key_mask=key_mask, state_chunk=state_chunk, block_m=block_m,
+        keys = ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=key_mask, q_offset=0, state_chunk=state_chunk)
+        o32, (m, r, am) = tk.hybrid_fwd(q, fq, keys, ref.HybridRule(window, g, lf, scale), block_m=block_m,
                                         block_n=block_n, stats=True, out=o32, tuning=tuning)
         del Hs, Ss
         ctx.save_for_backward(q, k, v, fq, fk, g, lf, key_mask, o32, m, r, am)
@@ -182,8 +182,8 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
     elif use_triton(backend, *tensors):
         tk = triton_ops()
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
-        return tk.hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, window=window, scale=scale, q_offset=0,
-                             key_mask=key_mask, state_chunk=cs, combine=combine, tuning=tuning)
+        return tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=key_mask, q_offset=0, state_chunk=cs),
+                             ref.HybridRule(window, g, lf, scale, combine), tuning=tuning)
     o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, scale=scale, key_mask=key_mask,
                                      chunk=chunk, combine=combine)
     return o.transpose(1, 2).to(q.dtype)

@@ -31,8 +31,8 @@ def lolcats_parallel(st, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     nb = lk.shape[2]
     cs = ops.STATE_CHUNK
     Hs, Ss = tk.chunk_states(lfk, lv, cs, key_mask=lm, H0=st.H, s0=st.s)
-    o = tk.hybrid_fwd(q, lk, lv, fq, lfk, g, lf, Hs, Ss, window=window, scale=run.scale, q_offset=nb - S,
-                      key_mask=lm, state_chunk=cs, combine=run.combine, tuning=tuning)
+    o = tk.hybrid_fwd(q, fq, ref.HybridKeys(lk, lv, lfk, Hs, Ss, key_mask=lm, q_offset=nb - S, state_chunk=cs),
+                      run.rule(g, lf), tuning=tuning)
     del Hs, Ss
     st.pos += S
     start_pos = max((st.pos // chunk) * chunk - window, 0)  # first position the buffer keeps
@@ -233,9 +233,10 @@ def lola_parallel(st, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     hi = (torch.arange(Hs, device=q.device) * Hkv // Hs).view(1, Hs, 1, 1)
     spk, spv = kx[bi, hi, idx.clamp_min(0)], vx[bi, hi, idx.clamp_min(0)]
     M = q.shape[2]  # the new tokens' queries (after q_pad zero rows when continuing) sit at X's last M rows
-    o = tk.hybrid_fwd(q, kr, vr, fq, fkr, g, lf, Hs_eff, Ss_eff, window=W, scale=run.scale, q_offset=n_real - M,
-                      key_mask=kmr, state_chunk=cs, sparse_k=spk, sparse_v=spv, sparse_valid=idx >= 0, sparse_chunk=C,
-                      block_m=_block_m(C), block_n=min(64, cs), combine=run.combine, tuning=tuning)  # query blocks never straddle a chunk
+    keys = ref.HybridKeys(kr, vr, fkr, Hs_eff, Ss_eff, key_mask=kmr, q_offset=n_real - M, state_chunk=cs,
+                          sparse=ref.SparseSet(spk, spv, idx >= 0), sparse_chunk=C)
+    o = tk.hybrid_fwd(q, fq, keys, run.rule(g, lf), block_m=_block_m(C), block_n=min(64, cs),
+                      tuning=tuning)  # query blocks never straddle a chunk
     del Hs_eff, Ss_eff, spk, spv
     if M > S:
         o = o[:, M - S:]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -219,51 +221,111 @@ def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: floa
 
 
 # ----------------------------------------------------------------------------------------------- LoLA pieces
-def lola_attention(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float | None = None, key_mask=None,
-                   q_offset: int | None = None, sparse_k=None, sparse_v=None, sparse_valid=None,
-                   combine: str = "shifted"):
-    """Hybrid attention of queries against: local keys (window softmax / linear by distance), a sparse
-    cache of exact keys (softmax, weight g) and a linear state (H, s). One normaliser; the running max m is
-    taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32.
+class SparseSet(NamedTuple):
+    """A LoLA sparse cache as the hybrid attention reads it: k/v [B, Hs, L, D], valid [B, Hs, L] bool (empty slots
+    False), Hq % Hs == 0 (query head h reads set h // (Hq // Hs)). `triton_hybrid.hybrid_fwd` also reads one set per
+    chunk of keys, k/v [B, Hs, NC, L, D] and valid [B, Hs, NC, L] (`HybridKeys.sparse_chunk`)."""
 
-    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, N, D], query i at local key index q_offset + i; q_offset may be a tensor of
-    one element (a decode step whose buffered count is device state: keys past the query are then out of its reach).
-    fk [B, Hq, NF, F2]: features of the first NF local keys; NF may be below N but must cover every key that
-    some query attends linearly (index < q_offset + S - window), see `linear_rows`.
-    sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] bool (empty slots are False); query head h reads
-    sparse head h // (Hq // Hs). combine: "shifted" (LoLCATs: the linear term against exp(s - m)) or "unshifted"
-    (the LoLA authors': against exp(s); `_finish`).
-    """
-    unshifted = check_combine(combine)
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class HybridKeys:
+    """What the queries of one hybrid attention call attend (`lola_attention`, `triton_hybrid.hybrid_fwd`).
+
+    k/v [B, Hkv, N, D]: the local keys, query i at local key index `q_offset` + i (None: N - S, the queries are the
+    last keys); a `lola_attention` q_offset may be a tensor of one element (a decode step whose buffered count is
+    device state: keys past the query are then out of its reach). fk [B, Hq, NF, F2]: features of the first NF local
+    keys; NF may be below N but must cover every key some query attends linearly (index < q_offset + S - window,
+    `linear_rows`). key_mask [B, N] bool or None. H/s [B, Hq, F2, D] / [B, Hq, F2] fp32: the linear state of the
+    tokens before key 0; with `state_chunk` > 0 (hybrid_fwd only) per-block prefix states [B, Hq, NS, F2, D] /
+    [B, Hq, NS, F2]: a block of queries starting at key index a reads state max(a - window, 0) // state_chunk and
+    explicit keys from there. sparse: the sparse cache (None: none); with `sparse_chunk` > 0 (hybrid_fwd only) one
+    set per chunk, the block of queries starting at key index a reading set a // sparse_chunk."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    fk: torch.Tensor
+    H: torch.Tensor
+    s: torch.Tensor
+    key_mask: torch.Tensor | None = None
+    q_offset: "int | torch.Tensor | None" = None
+    sparse: SparseSet | None = None
+    state_chunk: int = 0
+    sparse_chunk: int = 0
+
+    def __post_init__(self):
+        if self.sparse is not None and not isinstance(self.sparse, SparseSet):
+            raise TypeError(f"HybridKeys.sparse: a SparseSet(k, v, valid) or None, not {type(self.sparse).__name__}")
+        for name in ("state_chunk", "sparse_chunk"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"HybridKeys.{name}={n!r}: an int >= 0 (0: one for every query)")
+
+    @property
+    def has_sparse(self) -> bool:
+        return self.sparse is not None and self.sparse.k.shape[-2] > 0
+
+
+@dataclass(frozen=True, eq=False)
+class HybridRule:
+    """How the hybrid attention makes its output of what the queries attend: local keys less than `window` behind a
+    query by softmax of their scores times `scale` (None: D ** -0.5), older ones linearly through the features, the
+    exact terms (window and sparse cache) weighed by g [Hq], the linear ones by lf [Hq], combined as `combine` says
+    ("shifted", LoLCATs: the linear term against exp(s - m); "unshifted", the LoLA authors': against exp(s);
+    `_finish`). `state.LolaRun.rule(g, lf)` gives a layer's."""
+
+    window: int
+    g: torch.Tensor
+    lf: torch.Tensor
+    scale: float | None = None
+    combine: str = "shifted"
+
+    def __post_init__(self):
+        check_combine(self.combine)
+
+
+def lola_attention(q, fq, keys: HybridKeys, rule: HybridRule):
+    """Hybrid attention of the queries q/fq [B, Hq, S, D / F2] against `keys`: the local keys (window softmax /
+    linear by distance), a sparse cache of exact keys (softmax, weight g) and a linear state (H, s), as `rule` says.
+    One normaliser; the running max m is taken over all exact keys (window and sparse). Returns [B, Hq, S, D] fp32."""
+    if keys.state_chunk or keys.sparse_chunk:
+        raise ValueError("lola_attention reads one linear state and one sparse set (state_chunk = sparse_chunk = 0); "
+                         "per-block states and per-chunk sets are hybrid_fwd's")
+    unshifted = check_combine(rule.combine)
+    k, v, window = keys.k, keys.v, rule.window
     B, Hq, S, D = q.shape
     N = k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
-    q_offset = N - S if q_offset is None else q_offset
-    fk = pad_features(fk, N, q_offset, S, window)
+    scale = D ** -0.5 if rule.scale is None else rule.scale
+    q_offset = N - S if keys.q_offset is None else keys.q_offset
+    fk = pad_features(keys.fk, N, q_offset, S, window)
     kx, vx = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
     qpos = torch.arange(S, device=q.device)[:, None] + q_offset
     kpos = torch.arange(N, device=q.device)[None, :]
     diff = qpos - kpos
     win = ((diff >= 0) & (diff < window))[None, None]
     lin = (diff >= window)[None, None]
-    if key_mask is not None:
-        km = key_mask.bool()[:, None, None, :]
+    if keys.key_mask is not None:
+        km = keys.key_mask.bool()[:, None, None, :]
         win, lin = win & km, lin & km
     sc = torch.einsum("bhsd,bhnd->bhsn", q.float(), kx) * scale
     sc = sc.masked_fill(~win, float("-inf"))
     vals = vx
-    if sparse_k is not None and sparse_k.shape[2] > 0:
-        ss = torch.einsum("bhsd,bhld->bhsl", q.float(), expand_kv(sparse_k, Hq).float()) * scale
-        ss = ss.masked_fill(~expand_kv(sparse_valid.bool(), Hq)[:, :, None, :], float("-inf"))
+    if keys.has_sparse:
+        sp = keys.sparse
+        ss = torch.einsum("bhsd,bhld->bhsl", q.float(), expand_kv(sp.k, Hq).float()) * scale
+        ss = ss.masked_fill(~expand_kv(sp.valid.bool(), Hq)[:, :, None, :], float("-inf"))
         sc = torch.cat([ss, sc], dim=-1)
-        vals = torch.cat([expand_kv(sparse_v, Hq).float(), vx], dim=2)
-    m = row_max(sc, combine)
+        vals = torch.cat([expand_kv(sp.v, Hq).float(), vx], dim=2)
+    m = row_max(sc, rule.combine)
     p = torch.exp(sc - m)
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
     num_e, den_e = p @ vals, p.sum(-1, keepdim=True)
-    num_l = a @ vx + fq.float() @ H.float()
-    den_l = a.sum(-1, keepdim=True) + (fq.float() * s.float()[:, :, None, :]).sum(-1, keepdim=True)
-    return _finish(num_e, den_e, num_l, den_l, g, lf, m if unshifted else None)
+    num_l = a @ vx + fq.float() @ keys.H.float()
+    den_l = a.sum(-1, keepdim=True) + (fq.float() * keys.s.float()[:, :, None, :]).sum(-1, keepdim=True)
+    return _finish(num_e, den_e, num_l, den_l, rule.g, rule.lf, m if unshifted else None)
 
 
 def sre_scores(fk, v, H, s, eps: float = EPS_SRE):

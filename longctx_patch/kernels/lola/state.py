@@ -141,6 +141,10 @@ class LolaRun:
     combine: str = "shifted"
     tuning: LolaTuning = DEFAULT_TUNING
 
+    def rule(self, g, lf) -> ref.HybridRule:
+        """The hybrid attention's rule (`reference.HybridRule`) of this run with the per-head weights g and lf."""
+        return ref.HybridRule(self.window, g, lf, self.scale, self.combine)
+
 
 def ensure_fk(st: LolaState, phi_k: PhiK, window: int) -> None:
     """An in-place state with `feature_cache` gets its feature cache: win_fk of (buffer rows - window) rows, phi(k)
@@ -327,19 +331,17 @@ def attend_piece(st, q, fq, g, lf, run: LolaRun):
         fk = st.win_fk[:, :, :n_lin]
     else:
         fk = phi_k(st.win_k[:, :, :n_lin])
-    if ops.use_triton(backend, q, st.win_k, st.H):
-        tk = ops.triton_ops()
-        if S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches per step)
-            sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
-            return tk.decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window,
-                                  scale=scale, key_mask=st.wmask, combine=combine, tuning=tuning, **sp)
-        sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
-        return tk.hybrid_fwd(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                             q_offset=nb - S, key_mask=st.wmask, state_chunk=0,
-                             block_m=tuning.piece_block_m or 64, combine=combine, tuning=tuning, **sp)
-    sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
-    o = ref.lola_attention(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                           key_mask=st.wmask, q_offset=nb - S, combine=combine, **sp)
+    triton = ops.use_triton(backend, q, st.win_k, st.H)
+    if triton and S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches)
+        sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
+        return ops.triton_ops().decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
+                                            key_mask=st.wmask, combine=combine, tuning=tuning, **sp)
+    keys = ref.HybridKeys(st.wk, st.wv, fk, st.H, st.s, key_mask=st.wmask, q_offset=nb - S,
+                          sparse=ref.SparseSet(st.sp_k, st.sp_v, st.sp_valid) if lam > 0 else None)
+    if triton:
+        return ops.triton_ops().hybrid_fwd(q, fq, keys, run.rule(g, lf), block_m=tuning.piece_block_m or 64,
+                                           tuning=tuning)
+    o = ref.lola_attention(q, fq, keys, run.rule(g, lf))
     return o.transpose(1, 2).to(q.dtype)
 
 
@@ -356,9 +358,9 @@ def attend_step(st: LolaState, q, fq, g, lf, run: LolaRun):
         return ops.triton_ops().decode_step(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window,
                                             scale=scale, key_mask=st.win_mask, n_keys=st.nb_t, combine=combine,
                                             tuning=run.tuning, **sp)
-    sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_valid=st.sp_valid) if lam > 0 else {}
     fk = torch.nn.functional.pad(fk, (0, 0, 0, cap - fk.shape[2]))  # rows past cap - window: never linear
-    o = ref.lola_attention(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                           key_mask=st.win_mask, q_offset=st.nb_t[:1] - 1, combine=combine, **sp)
+    keys = ref.HybridKeys(st.win_k, st.win_v, fk, st.H, st.s, key_mask=st.win_mask, q_offset=st.nb_t[:1] - 1,
+                          sparse=ref.SparseSet(st.sp_k, st.sp_v, st.sp_valid) if lam > 0 else None)
+    o = ref.lola_attention(q, fq, keys, run.rule(g, lf))
     return o.transpose(1, 2).to(q.dtype)
 

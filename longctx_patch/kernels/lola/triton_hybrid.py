@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, dot, dot_precision, np2, online_softmax_row, online_softmax_step
-from .reference import check_combine, feature_rows
+from .reference import HybridKeys, HybridRule, check_combine, feature_rows
 from .tuning import DEFAULT_TUNING, LolaTuning
 
 
@@ -162,26 +162,27 @@ def _hybrid_fwd_kernel(
              out.to(O.dtype.element_ty), mask=mm[:, None] & md[None, :])
 
 
-def hybrid_fwd(q, k, v, fq, fk, g, lf, Hs, Ss, *, window: int, scale: float, q_offset: int,
-               key_mask=None, state_chunk: int = 0, sparse_k=None, sparse_v=None, sparse_valid=None,
-               sparse_chunk: int = 0, block_m: int = 64, block_n: int = 64, out=None, stats: bool = False,
-               combine: str = "shifted", tuning: LolaTuning = DEFAULT_TUNING):
-    """Hybrid attention forward. Returns o [B, S, Hq, D] in q.dtype (or writes `out`); with `stats` (the
-    training forward of `triton_hybrid_bwd`: no sparse cache) (o, (m, r, am)), the per-row statistics
-    [B, Hq, S] of the backward: the window max in log2 units (fp32), 1 / normaliser (fp32, 0 where it is <= 0)
-    and the index of the window key that holds the max (int32, 0 for rows without a window key).
+def hybrid_fwd(q, fq, keys: HybridKeys, rule: HybridRule, *, block_m: int = 64, block_n: int = 64, out=None,
+               stats: bool = False, tuning: LolaTuning = DEFAULT_TUNING):
+    """Hybrid attention forward of the queries q/fq [B, Hq, S, D / F2] against `keys` (`reference.HybridKeys`: the
+    local keys from a host `q_offset`, their features, padding, the linear state or per-block prefix states every
+    `state_chunk` keys, the sparse cache or one set per `sparse_chunk` keys) under `rule` (`reference.HybridRule`:
+    window, scale, g, lf, combine), as `reference.lola_attention` and `reference.hybrid_attention_quadratic`.
+    Returns o [B, S, Hq, D] in q.dtype (or writes `out`); with `stats` (the training forward of `triton_hybrid_bwd`:
+    no sparse cache, combine "shifted") (o, (m, r, am)), the per-row statistics [B, Hq, S] of the backward: the
+    window max in log2 units (fp32), 1 / normaliser (fp32, 0 where it is <= 0) and the index of the window key that
+    holds the max (int32, 0 for rows without a window key).
 
-    Hs/Ss: per-block prefix states [B, Hq, NS, F2, D] / [B, Hq, NS, F2] when state_chunk > 0 (block of
-    queries starting at key index a reads state max(a - window, 0) // state_chunk and explicit keys from
-    there), else one state [B, Hq, F2, D] of the tokens before key 0 (all local keys explicit).
-    fk [B, Hq, NF, F2] may cover only the first NF local keys: those some query attends linearly
-    (`reference.linear_rows`). sparse_k/v [B, Hs, L, D], sparse_valid [B, Hs, L] with Hq % Hs == 0; with
-    sparse_chunk > 0 one sparse set per chunk instead, sparse_k/v [B, Hs, NC, L, D], sparse_valid [B, Hs, NC, L]:
-    the block of queries starting at key index a reads set a // sparse_chunk (block_m must divide sparse_chunk).
-    combine: "shifted" (LoLCATs) or "unshifted" (the LoLA authors': the linear term against exp(s), weighed down by
-    exp(-m) at the row's end; `reference._finish`). The backward has no "unshifted" (`stats` refuses it).
-    tuning: the launch's warps and stages (`hybrid_num_warps`, `hybrid_num_stages`).
+    block_m / block_n: queries per program and keys per tile (state_chunk a multiple of block_n; block_m must divide
+    sparse_chunk and q_offset). tuning: the launch's warps and stages (`hybrid_num_warps`, `hybrid_num_stages`).
     """
+    k, v, fk, Hs, Ss, key_mask = keys.k, keys.v, keys.fk, keys.H, keys.s, keys.key_mask
+    q_offset = keys.k.shape[2] - q.shape[2] if keys.q_offset is None else int(keys.q_offset)
+    state_chunk, sparse_chunk = keys.state_chunk, keys.sparse_chunk
+    sp = keys.sparse
+    sparse_k, sparse_v, sparse_valid = (sp.k, sp.v, sp.valid) if sp is not None else (None, None, None)
+    g, lf, window, combine = rule.g, rule.lf, rule.window, rule.combine
+    scale = q.shape[-1] ** -0.5 if rule.scale is None else rule.scale
     unshifted = check_combine(combine)
     B, Hq, M, D = q.shape
     N = k.shape[2]

@@ -336,8 +336,9 @@ def _dkv_kernel(
 
 def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: float, key_mask=None,
                state_chunk: int = 256, block_m: int = 64, block_n: int = 64, tuning: LolaTuning = DEFAULT_TUNING):
-    """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(..., q_offset=0, state_chunk=state_chunk,
-    block_m, block_n, stats=True)` (prefix states from `chunk_states`, recomputed here) for the output gradient
+    """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(q, fq, HybridKeys(k, v, fk, Hs, Ss, key_mask,
+    q_offset=0, state_chunk=state_chunk), HybridRule(window, g, lf, scale), block_m, block_n, stats=True)` (prefix
+    states Hs, Ss from `chunk_states`, recomputed here) for the output gradient
     do [B, S, Hq, D] (unit last stride). q [B, Hq, S, D], k/v [B, Hkv, S, D], fq/fk [B, Hq, S, F2] contiguous,
     all of one dtype; o [B, S, Hq, D] the forward's output (fp32 as `ops.HybridAttentionFn` keeps it), stats its
     (m, r, am). Each gradient in its input's dtype."""

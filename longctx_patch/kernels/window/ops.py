@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import attention_kernel_missing
+from .options import WindowTiles
 from .reference import band_block
 
 
@@ -50,12 +51,11 @@ def window_attention_triton(
     window: int,
     key_mask: torch.Tensor | None = None,
     q_offset: int | None = None,
-    block_rows: int | None = None,
-    block_keys: int | None = None,
+    tiles: WindowTiles | None = None,
 ) -> torch.Tensor:
     """`banded_window_attention` (same arguments, mask and `[B, Sq, Hq, D]` result in q's dtype) through the Triton
     forward kernel of `triton_window.py`: O(S * W) work, q/k/v read once, no bands or mask in memory; no backward.
-    `block_rows` / `block_keys` override the tiles (stacked query-head rows per program, keys per tile; tests)."""
+    `tiles`: launch tiles in place of the defaults (`WindowTiles`; benchmarks and tests)."""
     why = window_kernel_supported(q, k, v)
     if why is not None:
         raise RuntimeError(f"window_attention_triton cannot run: {why}")
@@ -65,10 +65,11 @@ def window_attention_triton(
         raise ValueError(f"queries at key positions {o0}..{o0 + Sq - 1} do not lie within the {Sk} keys")
     if int(window) < 1:
         raise ValueError(f"window {window}: at least 1 (a query's own key)")
+    if tiles is not None and not isinstance(tiles, WindowTiles):
+        raise TypeError(f"tiles={tiles!r}: a WindowTiles (or None: the defaults)")
     from .triton_window import window_forward
 
-    return window_forward(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=o0,
-                          block_rows=block_rows, block_keys=block_keys)
+    return window_forward(q, k, v, scale=scale, window=window, key_mask=key_mask, q_offset=o0, tiles=tiles)
 
 
 __all__ = ["use_banded", "window_attention_triton", "window_kernel_route", "window_kernel_supported"]

@@ -15,14 +15,13 @@ Forward only (inference prefill): the banded SDPA path (`window.banded_window_at
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, dot, online_softmax_step
+from .options import WindowTiles
 
 
 # lengths, offsets and the window change from call to call: not specialised, one compiled kernel serves them all
@@ -77,9 +76,9 @@ def _window_fwd_kernel(Q, K, V, KM, O,
              out.to(O.dtype.element_ty), mask=rvalid[:, None])
 
 
-def window_tiles(D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(rows per program BR, keys per tile BN, warps, stages) for head dim D. Defaults picked for H100/H200 without
-    a GPU run yet (to tune); LONGCTX_WINDOW_BLOCK_R / _BLOCK_N / _WARPS / _STAGES override them (benchmarks)."""
+def window_tiles(D: int, dtype: torch.dtype, tiles: WindowTiles | None = None) -> tuple[int, int, int, int]:
+    """(rows per program BR, keys per tile BN, warps, stages) for head dim D: those `tiles` gives, the defaults for
+    the others (picked for H100/H200 without a GPU run yet, to tune)."""
     if dtype == torch.float32:
         BR, BN = (64, 64) if D <= 64 else (64, 32)
     elif D <= 128:
@@ -88,14 +87,14 @@ def window_tiles(D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
         BR, BN = 64, 32
     warps = 4 if D <= 64 and dtype != torch.float32 else 8
     stages = 2
-    env = os.environ.get
-    return (int(env("LONGCTX_WINDOW_BLOCK_R", BR)), int(env("LONGCTX_WINDOW_BLOCK_N", BN)),
-            int(env("LONGCTX_WINDOW_WARPS", warps)), int(env("LONGCTX_WINDOW_STAGES", stages)))
+    t = tiles or WindowTiles()
+    pick = lambda given, default: default if given is None else given  # noqa: E731
+    return pick(t.block_rows, BR), pick(t.block_keys, BN), pick(t.warps, warps), pick(t.stages, stages)
 
 
-def window_forward(q, k, v, *, scale, window, key_mask, q_offset, block_rows=None, block_keys=None):
+def window_forward(q, k, v, *, scale, window, key_mask, q_offset, tiles: WindowTiles | None = None):
     """`window.window_attention_triton` after its checks: q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Sk, D]`, key_mask
-    `[B, Sk]` or None; returns `[B, Sq, Hq, D]` in q's dtype."""
+    `[B, Sk]` or None, `tiles` the launch tiles (`window_tiles`); returns `[B, Sq, Hq, D]` in q's dtype."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -103,8 +102,7 @@ def window_forward(q, k, v, *, scale, window, key_mask, q_offset, block_rows=Non
     W = min(int(window), Sk)  # a window past every key is the full causal mask (and stays 32-bit)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    BR, BN, warps, stages = window_tiles(D, q.dtype)
-    BR, BN = int(block_rows or BR), int(block_keys or BN)
+    BR, BN, warps, stages = window_tiles(D, q.dtype, tiles)
     out = torch.empty(B, Sq, Hq, D, device=q.device, dtype=q.dtype)
     if B * Sq * Hq == 0:
         return out

@@ -13,6 +13,7 @@ class Exact(Method):
     config_cls = ExactConfig
     module_cls = ExactAttention
     keeps_model_window = True  # ExactAttention.window
+    exact_reference = True  # the baseline of the evaluations and of the fine-tune plan's unpatched model
 
     def approximation_start(self, config, device_type="cpu", head_dim=64) -> Approximation:
         return Approximation(None, None, "exact attention")

@@ -54,6 +54,7 @@ class Lola(Method):
     window_conflict = "attends linearly (and through its sparse cache) to every token older than its own window"
     bounded_state = True
     lolcats_layout = True
+    converts_from = ("lolcats",)  # the same feature maps and window factors (convert.convert_to_lola)
     state_options = ("window", "chunk", "sparse_cache", "feature_dim")
 
     def model_defaults(self, model, config, given) -> dict:
