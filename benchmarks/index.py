@@ -232,17 +232,24 @@ def h_error_anatomy(d):
 
 
 def h_guard(d):
-    """bench_muse_guard: per length, perplexity against unpatched and the heads made exact of each variant."""
+    """bench_muse_guard: per length and variant, what the file's parts measured: perplexity against unpatched, the
+    mean layer error and heads made exact, the prefill's speed-up; the needles' overall accuracy per variant."""
     parts = []
     for L, row in d["lengths"].items():
-        ppl, err = row.get("ppl", {}), row.get("errors", {}).get("summary", {})
-        for label in ppl or err:
-            if label == "unpatched" or label == "exact":
+        ppl, err, speed = (row.get("ppl", {}), row.get("errors", {}).get("summary", {}), row.get("speed", {}))
+        for label in dict.fromkeys([*ppl, *err, *speed]):
+            if label in ("unpatched", "exact"):
                 continue
-            p = ppl.get(label, {}).get("vs_unpatched")
-            e = err.get(label, {})
-            parts.append(f"{L} {label}: " + (f"ppl {100 * p:+.2f}%" if p is not None else "")
-                         + (f", {e['heads_exact']}/{e['heads']} heads exact" if "heads_exact" in e else ""))
+            p, e, s = ppl.get(label, {}).get("vs_unpatched"), err.get(label, {}), speed.get(label, {})
+            got = ([f"ppl {100 * p:+.2f}%"] if p is not None else []) \
+                + ([f"error {100 * e['mean_layer_error']:.2f}%"] if "mean_layer_error" in e else []) \
+                + ([f"{e['heads_exact']}/{e['heads']} heads exact"] if "heads_exact" in e else []) \
+                + ([f"prefill {s['speedup_vs_unpatched']:.2f}x"] if "speedup_vs_unpatched" in s else [])
+            if got:
+                parts.append(f"{L} {label}: " + ", ".join(got))
+    niah = d.get("niah", {}).get("overall")
+    if niah:
+        parts.append("needles: " + ", ".join(f"{k} {v:.2f}" for k, v in niah.items()))
     return "; ".join(parts)
 
 
