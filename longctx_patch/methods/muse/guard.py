@@ -13,23 +13,27 @@ fixed budget cannot know which heads those are on a given text and length, so th
    (`sampled_rows`). A <= guard_rows: every row. Positions count the row's real tokens only, so a padded row samples
    what the prompt alone samples; nothing random is drawn (torch's RNG state is untouched) and the same call samples
    the same rows.
-2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (SDPA in the
-   call's dtype, fp32 softmax: what the head made exact would compute; `guard_rows` x S per head, about 1% of
-   MuSe's key work at 32k), compared with MuSe's output for the same rows. A head's estimated error is the weighted
-   ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)` (w_i: 1 for a top row, else the rows its stratum
-   stands for): the relative L2 error of the head's output over the approximated rows (its whole-call error, which
-   the early exact rows dilute, is at most this).
+2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (fp32 scores,
+   softmax and accumulation, rounded to the call's dtype: what the head made exact would compute; `guard_rows` x S
+   per head, about 1% of MuSe's key work at 32k; `exact_rows`), compared with MuSe's output for the same rows. A
+   head's estimated error is the weighted ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)` (w_i: 1 for a
+   top row, else the rows its stratum stands for): the relative L2 error of the head's output over the approximated
+   rows (its whole-call error, which the early exact rows dilute, is at most this).
 3. *Act.* Every (batch row, head) whose estimate exceeds `guard_error` gets exact attention for this call
    (`with_exact_heads`, the machinery of a calibration's `exact_heads`); the other heads keep MuSe's output
    untouched. Heads already exact (`exact_heads`) are not measured.
 
-Nothing is kept on the module or the model: a call's decisions live in the call. `guard_log()` records what the
+Nothing of a call is kept on the module or the model: its decisions live in the call (what is kept, shared by all
+calls, is the sample's constant positions and weights per length on the device, so that an unpadded call copies
+nothing from the host and reads nothing back but its decisions). `guard_log()` records what the
 guard did in the current thread (or asyncio task) as `GuardCall`s, for a user who wants to see it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -179,14 +183,60 @@ def guard_log():
 
 
 # --------------------------------------------------------------------------------------------- the guard
-def _real_counts(km, B: int, S: int) -> list[int]:
-    return [S] * B if km is None else km.sum(1).tolist()
+# Small constant tensors of the per-call path (a call's sample positions and weights, a mask of the measured heads),
+# made on the host once per key and kept on the device: a call then copies nothing from the host and waits for
+# nothing. Keyed also on the device and, on CUDA, the current stream, so that a tensor is only read on the stream its
+# copy was queued on (the copy is ordered before every read, and the caching allocator's reuse of its memory once it
+# is dropped after every read). Shared by the threads of a server (a lock around the table), bounded: the least
+# recently used entry goes first.
+_CONSTANTS_KEPT = 64
+_constants: OrderedDict = OrderedDict()
+_constants_lock = threading.Lock()
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev`: on CUDA through pinned memory, queued without waiting for the device."""
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _constants_on(key: tuple, dev: torch.device, make) -> tuple[torch.Tensor, ...]:
+    """The host tensors `make()` returns for `key`, on `dev` (and this thread's current CUDA stream): made and copied
+    on the first call, then the kept ones. Read-only: callers never write them."""
+    full = (key, dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None)
+    with _constants_lock:
+        hit = _constants.get(full)
+        if hit is not None:
+            _constants.move_to_end(full)
+            return hit
+    made = tuple(_to_device(t, dev) for t in make())
+    with _constants_lock:  # another thread may have made the same meanwhile: equal values, either is kept
+        _constants[full] = made
+        _constants.move_to_end(full)
+        while len(_constants) > _CONSTANTS_KEPT:
+            _constants.popitem(last=False)
+    return made
+
+
+def _stratified(n_real: int, first: int, rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_ranks(n_real, first, rows)` on `dev`: (ranks long [r], weights fp32 [r]), kept (`_constants_on`)."""
+    def make():
+        ranks, weights = sample_ranks(n_real, first, rows)
+        return torch.tensor(ranks, dtype=torch.long), torch.tensor(weights, dtype=torch.float32)
+
+    return _constants_on(("stratified", n_real, first, rows), dev, make)
 
 
 def top_rows(rows: int) -> int:
     """Of `rows` sampled rows, how many are each head's approximated rows of largest MuSe output norm (the rest
     stratified)."""
     return rows // TOP_SHARE
+
+
+def _row_norms(o) -> torch.Tensor:
+    """|o_t| per row and head in fp32, [B, Hq, S], read from o [B, S, Hq, D] in its own dtype (no fp32 copy of o)."""
+    return torch.linalg.vector_norm(o.detach().transpose(1, 2), dim=-1, dtype=torch.float32)
 
 
 def sampled_rows(o, km, first: int, rows: int):
@@ -198,10 +248,16 @@ def sampled_rows(o, km, first: int, rows: int):
     |o_t| (weight 1: a take-all stratum, since a few rows of large output carry much of a head's error and of its
     norm), and `rows - top_rows(rows)` rows stratified over all A (`sample_ranks`, shared by the heads) standing for
     the other rows: a stratified row that is one of the head's top rows is dropped and the rest scaled to count
-    A - top rows. Padding's weight is 0."""
+    A - top rows. Padding's weight is 0.
+
+    Without a key mask nothing is read back or copied from the host: the stratified rows are kept on the device per
+    length (`_stratified`; the returned tensors may be views of them: read-only). With one, the rows' real lengths
+    are read once (the counts and the sample's width depend on them) and the sample is copied in one piece."""
+    if km is None:
+        return _sampled_unpadded(o, first, rows)
     B, S, Hq, D = o.shape
     dev = o.device
-    n_real = _real_counts(km, B, S)
+    n_real = km.sum(1).tolist()  # a padded call's host read: its rows' real lengths
     A = [max(0, n - first) for n in n_real]
     if max(A, default=0) == 0:
         return None, None, [0] * B
@@ -209,70 +265,131 @@ def sampled_rows(o, km, first: int, rows: int):
     tops = [0 if a <= rows else top for a in A]
     per_row = [sample_ranks(n, first, rows if t == 0 else rows - t) for n, t in zip(n_real, tops)]
     ms, k = max(len(r) for r, _ in per_row), max(tops)
-    ranks = torch.tensor([r + [first] * (ms - len(r)) for r, _ in per_row], dtype=torch.long, device=dev)
-    w = torch.tensor([w + [0] * (ms - len(w)) for _, w in per_row], dtype=torch.float32, device=dev)
-    cum = None if km is None else km.to(torch.int32).cumsum(1)
-    pos = ranks if cum is None else torch.searchsorted(cum, (ranks + 1).to(torch.int32)).clamp_(max=S - 1)
+    host = torch.tensor([r + [first] * (ms - len(r)) + w + [0] * (ms - len(w)) + [t, a - t]
+                         for (r, w), t, a in zip(per_row, tops, A)], dtype=torch.long)
+    packed = _to_device(host, dev)  # [B, 2 ms + 2]: ranks, weights, top rows, the rows they stand for
+    ranks, w = packed[:, :ms], packed[:, ms:2 * ms].float()
+    cum = km.to(torch.int32).cumsum(1)
+    pos = torch.searchsorted(cum, (ranks + 1).to(torch.int32)).clamp_(max=S - 1)
     pos, w = pos[:, None, :].expand(B, Hq, ms), w[:, None, :].expand(B, Hq, ms)
     if k:
-        rank = torch.arange(S, device=dev).expand(B, S) if cum is None else cum - 1
-        approx = rank >= first if km is None else (rank >= first) & km
-        norms = o.detach().float().pow(2).sum(-1).masked_fill(~approx[:, :, None], -1.0)  # [B, S, Hq]
-        best = norms.topk(k, dim=1).indices.transpose(1, 2)  # [B, Hq, k]
-        has = torch.tensor([t > 0 for t in tops], device=dev)[:, None, None]
+        approx = (cum - 1 >= first) & km
+        norms = _row_norms(o).masked_fill(~approx[:, None, :], -1.0)  # [B, Hq, S]
+        best = norms.topk(k, dim=-1).indices  # [B, Hq, k]
+        has = (packed[:, 2 * ms] > 0)[:, None, None]
         taken = (pos[..., None] == best[:, :, None, :]).any(-1) & has  # a stratified row among the top rows
         w = w.masked_fill(taken, 0.0)
-        rest = torch.tensor([a - t for a, t in zip(A, tops)], dtype=torch.float32, device=dev)[:, None]
+        rest = packed[:, 2 * ms + 1, None].float()
         w = w * torch.where(has[..., 0], rest / w.sum(-1).clamp_min(1.0), 1.0)[..., None]
         pos = torch.cat([pos, best], -1)
         w = torch.cat([w, has.float().expand(B, Hq, k)], -1)
     return pos, w, [len(r) + t for (r, _), t in zip(per_row, tops)]
 
 
+def _sampled_unpadded(o, first: int, rows: int):
+    """`sampled_rows` without a key mask: every batch row has all S tokens real, so one sample serves them all."""
+    B, S, Hq, D = o.shape
+    A = S - first
+    if A <= 0:
+        return None, None, [0] * B
+    t = 0 if A <= rows else top_rows(rows)
+    ranks, weights = _stratified(S, first, rows - t, o.device)
+    ms = ranks.shape[0]
+    pos, w = ranks.expand(B, Hq, ms), weights.expand(B, Hq, ms)
+    if t:
+        best = _row_norms(o[:, first:]).topk(t, dim=-1).indices.add_(first)  # [B, Hq, t]
+        taken = (pos[..., None] == best[:, :, None, :]).any(-1)  # a stratified row among the top rows
+        w = w.masked_fill(taken, 0.0)
+        w = w * torch.div(float(A - t), w.sum(-1).clamp_min(1.0))[..., None]
+        pos = torch.cat([pos, best], -1)
+        w = torch.cat([w, w.new_ones(B, Hq, t)], -1)
+    return pos, w, [ms + t] * B
+
+
+_SCORES_BYTES = 256 << 20  # exact_rows' fp32 scores at most this large at once: longer calls go by chunks of keys
+
+
 def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
     """Exact causal attention of the query rows `pos` [B, Hq, m] (columns of q, per query head) against their keys:
-    key j for row t when j <= t (and key_mask[b, j]), through SDPA in the inputs' dtype (fp32 softmax and
-    accumulation: what a head made exact computes). q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D] fp32 (a row
-    with no key: 0). A kv group's query heads are one query block of G m rows over the kv head's keys (no repeated
-    keys); one batch row at a time."""
-    import torch.nn.functional as F
+    key j for row t when j <= t (and key_mask[b, j]), with fp32 scores, softmax and accumulation (what a head made
+    exact computes), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D]
+    fp32 (a row with no key: 0).
 
+    A kv group's query heads are one block of G m rows over the kv head's keys (no repeated keys), all batch rows in
+    one batched matmul; the causal limit is a comparison of the key index with each row's position, the padding the
+    key mask broadcast over the rows. Scores over 256 MiB go by chunks of keys merged as an online softmax."""
     B, Hq, S, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Sk = k.shape[1], k.shape[2]
     G, m = Hq // Hkv, pos.shape[2]
-    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B, Hkv, G * m, D)
-    keys = torch.arange(S, device=q.device)
-    out = torch.empty(B, Hkv, G * m, D, dtype=q.dtype, device=q.device)
-    for b in range(B):
-        allowed = keys <= pos[b, :, :, None]  # [Hq, m, S]
+    R = G * m
+    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B * Hkv, R, D).float()
+    limit = pos.reshape(B * Hkv, R, 1)
+    chunk = max(256, _SCORES_BYTES // (4 * max(1, B * Hkv * R)) // 256 * 256)
+    out = _attend_rows(qs, k, v, limit, km, scale=scale, chunk=chunk)
+    return out.view(B, Hq, m, v.shape[-1]).to(q.dtype).float().nan_to_num_(0.0)
+
+
+def _attend_rows(qs, k, v, limit, km, *, scale: float, chunk: int) -> torch.Tensor:
+    """Softmax attention in fp32 of the rows qs [B Hkv, R, D] (fp32) over k/v [B, Hkv, Sk, D], row r of batch-and-kv
+    head i attending key j when j <= limit[i, r] (and km[b, j]): [B Hkv, R, Dv] fp32 (NaN for a row with no key).
+    The keys in chunks of `chunk`: one chunk is a plain softmax; more are merged as an online softmax (running max
+    and sum), so the scores held at once are [B Hkv, R, chunk]."""
+    B, Hkv, Sk, D = k.shape
+    BH, R = qs.shape[0], qs.shape[1]
+    dev = qs.device
+    none = qs.new_empty(1, 1, 1)  # baddbmm's input at beta 0: ignored
+
+    def scores(s0: int, s1: int):
+        kc = k[:, :, s0:s1].float().reshape(BH, s1 - s0, D)
+        sc = torch.baddbmm(none, qs, kc.transpose(1, 2), beta=0.0, alpha=scale)  # [BH, R, c]
+        sc.masked_fill_(torch.arange(s0, s1, device=dev) > limit, float("-inf"))
         if km is not None:
-            allowed = allowed & km[b]
-        mask = allowed.reshape(1, Hkv, G * m, S)  # rows in (group head, row) order
-        out[b] = F.scaled_dot_product_attention(qs[b:b + 1], k[b:b + 1].to(q.dtype), v[b:b + 1].to(q.dtype),
-                                                attn_mask=mask, scale=scale)[0]
-    return out.view(B, Hq, m, D).float().nan_to_num_(0.0)
+            sc.view(B, Hkv * R, s1 - s0).masked_fill_(~km[:, None, s0:s1], float("-inf"))
+        return sc, v[:, :, s0:s1].float().reshape(BH, s1 - s0, v.shape[-1])
+
+    if Sk <= chunk:
+        sc, vc = scores(0, Sk)
+        return torch.bmm(torch.softmax(sc, -1), vc)
+    run = torch.full((BH, R, 1), float("-inf"), device=dev)
+    total = torch.zeros(BH, R, 1, device=dev)
+    acc = torch.zeros(BH, R, v.shape[-1], device=dev)
+    for s0 in range(0, Sk, chunk):
+        sc, vc = scores(s0, min(s0 + chunk, Sk))
+        new = torch.maximum(run, sc.amax(-1, keepdim=True))
+        base = new.masked_fill(new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf) = 0 everywhere
+        alpha = (run - base).exp_()
+        sc.sub_(base).exp_()
+        total = total * alpha + sc.sum(-1, keepdim=True)
+        acc = torch.baddbmm(acc * alpha, sc, vc)
+        run = new
+    return acc / total
 
 
 def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
     """The guard's estimates for one call: (errors [B, Hq] fp32 (NaN where a row samples nothing), per-row sampled
-    counts). o [B, S, Hq, D] is MuSe's output; `heads` the query heads to measure (default all; others NaN)."""
+    counts). o [B, S, Hq, D] is MuSe's output; `heads` the query heads to measure (default all; others NaN).
+    Without a key mask it reads nothing back from the device and copies nothing to it (after a length's first
+    call)."""
     B, Hq, S, D = q.shape
+    dev = q.device
     with torch.no_grad():
-        err = torch.full((B, Hq), float("nan"), device=q.device)
         hs = list(range(Hq)) if heads is None else list(heads)
         pos, w, counts = sampled_rows(o, km, first, rows) if hs else (None, None, [0] * B)
         if pos is None:
-            return err, counts
+            return torch.full((B, Hq), float("nan"), device=dev), counts
         ref = exact_rows(q, k, v, pos, km, scale=scale)  # [B, Hq, m, D]
         got = o.detach().transpose(1, 2).gather(2, pos[..., None].expand(B, Hq, pos.shape[2], D)).float()
         num = torch.where(w > 0, (got - ref).pow(2).sum(-1) * w, 0.0).sum(-1)  # [B, Hq]
         den = torch.where(w > 0, ref.pow(2).sum(-1) * w, 0.0).sum(-1)
         e = torch.where(den > 0, (num / den.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(),
-                        torch.where(num > 0, torch.full_like(num, float("inf")), torch.zeros_like(num)))
-        sel = torch.tensor(hs, device=q.device)
-        err[:, sel] = e[:, sel]
-        none = torch.tensor([c == 0 for c in counts], device=q.device)
-        err[none] = float("nan")
+                        torch.where(num > 0, float("inf"), 0.0).to(num.dtype))
+        measured = (w > 0).any(-1)  # [B, Hq]: False in a row that samples nothing (its weights are all 0)
+        chosen = sorted(set(hs))
+        if chosen != list(range(Hq)):
+            mask, = _constants_on(("heads", Hq, tuple(chosen)), dev,
+                                  lambda: (torch.tensor([h in chosen for h in range(Hq)]),))
+            measured = measured & mask
+        err = torch.where(measured, e, float("nan"))
     return err, counts
 
 
