@@ -219,8 +219,7 @@ MAX_PARAMS = 16  # a kernel host function's parameters (self / cls / ctx aside);
 # take reference.HybridKeys / HybridRule; decode_step and hybrid_bwd could take the same)
 WIDE_LEFT = {("longctx_patch.kernels.lola.triton_hybrid", "decode_step"),
              ("longctx_patch.kernels.lola.triton_hybrid_bwd", "hybrid_bwd"),
-             ("longctx_patch.kernels.muse.ops", "muse_attention"),
-             ("longctx_patch.kernels.moba.ops", "moba_decode")}
+             ("longctx_patch.kernels.muse.ops", "muse_attention")}
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
