@@ -218,8 +218,7 @@ MAX_PARAMS = 16  # a kernel host function's parameters (self / cls / ctx aside);
 # host functions still wider, by module and name; this list may only shrink (the LoLA hybrid forward and its reference
 # take reference.HybridKeys / HybridRule; decode_step and hybrid_bwd could take the same)
 WIDE_LEFT = {("longctx_patch.kernels.lola.triton_hybrid", "decode_step"),
-             ("longctx_patch.kernels.lola.triton_hybrid_bwd", "hybrid_bwd"),
-             ("longctx_patch.kernels.muse.ops", "muse_attention")}
+             ("longctx_patch.kernels.lola.triton_hybrid_bwd", "hybrid_bwd")}
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
