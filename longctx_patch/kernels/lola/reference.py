@@ -222,13 +222,21 @@ def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: floa
 
 # ----------------------------------------------------------------------------------------------- LoLA pieces
 class SparseSet(NamedTuple):
-    """A LoLA sparse cache as the hybrid attention reads it: k/v [B, Hs, L, D], valid [B, Hs, L] bool (empty slots
-    False), Hq % Hs == 0 (query head h reads set h // (Hq // Hs)). `triton_hybrid.hybrid_fwd` also reads one set per
-    chunk of keys, k/v [B, Hs, NC, L, D] and valid [B, Hs, NC, L] (`HybridKeys.sparse_chunk`)."""
+    """A LoLA sparse cache as the hybrid attention reads it: k/v [B, Hs, L, D], Hq % Hs == 0 (query head h reads set
+    h // (Hq // Hs)), and which slots hold a pair, one of: valid [B, Hs, L] bool (empty slots False), or score
+    [B, Hs, L] fp32, the cache's own scores (`LolaState.sp_score`: -inf for an empty slot), which
+    `triton_hybrid.decode_step` reads in the kernel (no conversion launched per step). `triton_hybrid.hybrid_fwd`
+    also reads one set per chunk of keys, k/v [B, Hs, NC, L, D] and valid [B, Hs, NC, L] (`HybridKeys.sparse_chunk`).
+    """
 
     k: torch.Tensor
     v: torch.Tensor
-    valid: torch.Tensor
+    valid: torch.Tensor | None = None
+    score: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """The slots that hold a pair: `valid` as given, else `score > -inf`."""
+        return self.valid if self.valid is not None else self.score > float("-inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,6 +267,8 @@ class HybridKeys:
     def __post_init__(self):
         if self.sparse is not None and not isinstance(self.sparse, SparseSet):
             raise TypeError(f"HybridKeys.sparse: a SparseSet(k, v, valid) or None, not {type(self.sparse).__name__}")
+        if self.sparse is not None and (self.sparse.valid is None) == (self.sparse.score is None):
+            raise ValueError("HybridKeys.sparse: a SparseSet with its slots' valid mask or their scores (one of them)")
         for name in ("state_chunk", "sparse_chunk"):
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -316,7 +326,7 @@ def lola_attention(q, fq, keys: HybridKeys, rule: HybridRule):
     if keys.has_sparse:
         sp = keys.sparse
         ss = torch.einsum("bhsd,bhld->bhsl", q.float(), expand_kv(sp.k, Hq).float()) * scale
-        ss = ss.masked_fill(~expand_kv(sp.valid.bool(), Hq)[:, :, None, :], float("-inf"))
+        ss = ss.masked_fill(~expand_kv(sp.mask().bool(), Hq)[:, :, None, :], float("-inf"))
         sc = torch.cat([ss, sc], dim=-1)
         vals = torch.cat([expand_kv(sp.v, Hq).float(), vx], dim=2)
     m = row_max(sc, rule.combine)
