@@ -250,14 +250,15 @@ class HybridKeys:
     `linear_rows`). key_mask [B, N] bool or None. H/s [B, Hq, F2, D] / [B, Hq, F2] fp32: the linear state of the
     tokens before key 0; with `state_chunk` > 0 (hybrid_fwd only) per-block prefix states [B, Hq, NS, F2, D] /
     [B, Hq, NS, F2]: a block of queries starting at key index a reads state max(a - window, 0) // state_chunk and
-    explicit keys from there. sparse: the sparse cache (None: none); with `sparse_chunk` > 0 (hybrid_fwd only) one
+    explicit keys from there; None only for the whole-sequence backward (`triton_hybrid_bwd.hybrid_bwd`, which
+    recomputes the prefix states). sparse: the sparse cache (None: none); with `sparse_chunk` > 0 (hybrid_fwd only) one
     set per chunk, the block of queries starting at key index a reading set a // sparse_chunk."""
 
     k: torch.Tensor
     v: torch.Tensor
     fk: torch.Tensor
-    H: torch.Tensor
-    s: torch.Tensor
+    H: torch.Tensor | None
+    s: torch.Tensor | None
     key_mask: torch.Tensor | None = None
     q_offset: "int | torch.Tensor | None" = None
     sparse: SparseSet | None = None
@@ -273,6 +274,12 @@ class HybridKeys:
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"HybridKeys.{name}={n!r}: an int >= 0 (0: one for every query)")
+
+    def check_states(self, what: str) -> None:
+        """`what` reads the linear state: a ValueError when H or s is None."""
+        if self.H is None or self.s is None:
+            raise ValueError(f"{what} reads the linear state: HybridKeys.H and .s are tensors (None only for "
+                             "hybrid_bwd, which recomputes the prefix states)")
 
     @property
     def has_sparse(self) -> bool:
@@ -304,6 +311,7 @@ def lola_attention(q, fq, keys: HybridKeys, rule: HybridRule):
     if keys.state_chunk or keys.sparse_chunk:
         raise ValueError("lola_attention reads one linear state and one sparse set (state_chunk = sparse_chunk = 0); "
                          "per-block states and per-chunk sets are hybrid_fwd's")
+    keys.check_states("lola_attention")
     unshifted = check_combine(rule.combine)
     k, v, window = keys.k, keys.v, rule.window
     B, Hq, S, D = q.shape

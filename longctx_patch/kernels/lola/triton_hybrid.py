@@ -176,6 +176,7 @@ def hybrid_fwd(q, fq, keys: HybridKeys, rule: HybridRule, *, block_m: int = 64, 
     block_m / block_n: queries per program and keys per tile (state_chunk a multiple of block_n; block_m must divide
     sparse_chunk and q_offset). tuning: the launch's warps and stages (`hybrid_num_warps`, `hybrid_num_stages`).
     """
+    keys.check_states("hybrid_fwd")
     k, v, fk, Hs, Ss, key_mask = keys.k, keys.v, keys.fk, keys.H, keys.s, keys.key_mask
     q_offset = keys.k.shape[2] - q.shape[2] if keys.q_offset is None else int(keys.q_offset)
     state_chunk, sparse_chunk = keys.state_chunk, keys.sparse_chunk
@@ -366,6 +367,7 @@ def decode_step(q, fq, keys: HybridKeys, rule: HybridRule, *, n_keys=None, out=N
     if keys.q_offset is not None or keys.state_chunk or keys.sparse_chunk:
         raise ValueError("decode_step: the query is the last local key (q_offset None; a count on the device comes as "
                          "n_keys), with one linear state and one sparse set (state_chunk = sparse_chunk = 0)")
+    keys.check_states("decode_step")
     k, v, fk, H, s, key_mask, sp = keys.k, keys.v, keys.fk, keys.H, keys.s, keys.key_mask, keys.sparse
     g, lf, window = rule.g, rule.lf, rule.window
     unshifted = check_combine(rule.combine)
