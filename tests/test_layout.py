@@ -30,7 +30,7 @@ DOC = (REPO / "docs" / "ARCHITECTURE.md").read_text()
 
 KERNEL_TOP = {"backend.py", "triton_lib.py", "graphs.py"}
 KERNEL_FILES = {"__init__.py", "reference.py", "ops.py"}
-KERNEL_EXTRAS = {"muse": {"plan.py", "support.py"},
+KERNEL_EXTRAS = {"muse": {"plan.py", "support.py", "options.py"},
                   "lola": {"training.py", "tuning.py", "state.py", "sparse_cache.py", "prefill.py", "padded.py"},
                   "ovq": {"options.py"}, "window": {"options.py"}}
 NO_TRITON_OF_THEIR_OWN = {"softmax"}  # the doc's "no Triton of its own"

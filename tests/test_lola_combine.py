@@ -134,8 +134,8 @@ def test_unshifted_is_stable_where_exp_of_the_scores_overflows():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         got_f = tk.hybrid_fwd(qq, fq, keys, unshifted, block_m=16, block_n=16)
         torch.testing.assert_close(got_f.float(), want.transpose(1, 2), atol=1e-5, rtol=1e-5)
-        got_d = tk.decode_step(qq[:, :, -1:].contiguous(), kk, v, fq[:, :, -1:].contiguous(), fk, g, lf, H, s,
-                               window=W, scale=D ** -0.5, combine="unshifted")
+        got_d = tk.decode_step(qq[:, :, -1:].contiguous(), fq[:, :, -1:].contiguous(), ref.HybridKeys(kk, v, fk, H, s),
+                               unshifted)
         torch.testing.assert_close(got_d.float(), want[:, :, -1:].transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
@@ -218,8 +218,9 @@ def test_decode_step_matches_reference(dtype, n_keys):
                           sparse=ref.SparseSet(spk, spv, score.isfinite()))
     want = ref.lola_attention(q, fq, keys, ref.HybridRule(W, g, lf, 0.25, "unshifted"))
     count = None if n_keys is None else torch.full((B,), n, dtype=torch.long)
-    got = tk.decode_step(q, k, v, fq, fk[:, :, :N - W], g, lf, H, s, window=W, scale=0.25, key_mask=km,
-                         sparse_k=spk, sparse_v=spv, sparse_score=score, n_keys=count, combine="unshifted")
+    got = tk.decode_step(q, fq, ref.HybridKeys(k, v, fk[:, :, :N - W], H, s, key_mask=km,
+                                               sparse=ref.SparseSet(spk, spv, score=score)),
+                         ref.HybridRule(W, g, lf, 0.25, "unshifted"), n_keys=count)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
 
 

@@ -145,6 +145,38 @@ def test_training_settings_from_tune_reach_the_function(monkeypatch):
     assert seen == [(64, 32, 32), (128, 32, 32)]
 
 
+def test_backward_takes_the_forwards_keys_with_or_without_their_states():
+    """`hybrid_bwd(q, fq, keys, rule, o, do, stats)`: keys without prefix states (H = s = None, what the Function
+    passes: recomputed) and keys with the forward's states give the same gradients bit for bit; what the backward does
+    not differentiate (a sparse cache, one state for every query, combine "unshifted") is refused, and the forward and
+    the reference refuse keys without states."""
+    from longctx_patch.kernels.lola import triton_kernels as tk
+
+    (q, k, v, fq, fk, g, lf), do = _inputs(2, 4, 2, 70, seed=3)
+    q, k, v, fq, fk, g, lf = (x.detach() for x in (q, k, v, fq, fk, g, lf))
+    km = _left_pad(2, 70, (0, 5))
+    Hs, Ss = tk.chunk_states(fk, v, 32, key_mask=km)
+    rule = ref.HybridRule(9, g, lf, 0.3)
+    with_states = ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=32)
+    o, stats = tk.hybrid_fwd(q, fq, with_states, rule, block_m=16, block_n=16, stats=True,
+                             out=torch.empty(2, 70, 4, 16))
+    without = ref.HybridKeys(k, v, fk, None, None, key_mask=km, q_offset=0, state_chunk=32)
+    a = tk.hybrid_bwd(q, fq, without, rule, o, do, stats, block_m=16, block_n=16)
+    b = tk.hybrid_bwd(q, fq, with_states, rule, o, do, stats, block_m=16, block_n=16)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), name
+    sparse = ref.SparseSet(k[:, :, :3], v[:, :, :3], torch.ones(2, 2, 3, dtype=torch.bool))
+    for keys, bad_rule in ((ref.HybridKeys(k, v, fk, None, None, state_chunk=32, sparse=sparse), rule),
+                           (ref.HybridKeys(k, v, fk, None, None), rule),
+                           (without, ref.HybridRule(9, g, lf, 0.3, "unshifted"))):
+        with pytest.raises(AssertionError):
+            tk.hybrid_bwd(q, fq, keys, bad_rule, o, do, stats, block_m=16, block_n=16)
+    with pytest.raises(ValueError, match="reads the linear state"):
+        tk.hybrid_fwd(q, fq, without, rule, block_m=16, block_n=16)
+    with pytest.raises(ValueError, match="reads the linear state"):
+        ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk, None, None), rule)
+
+
 def test_hybrid_function_composes_with_checkpointing():
     """The trainer's `attention_checkpointing` recomputes the attention in the backward
     (torch.utils.checkpoint, non-reentrant): same gradients."""

@@ -151,19 +151,31 @@ def test_decode_step_matches_reference(dtype, hs):
     s = torch.rand(2, 4, 16, generator=gen).to(DEV)
     km = _left_pad_mask(2, N, [0, 3])
     rule = ref.HybridRule(7, g, lf, 0.25)
-    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk, H, s, key_mask=km,
-                                                    sparse=ref.SparseSet(spk, spv, valid)), rule)
-    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25, key_mask=km,
-                         sparse_k=spk, sparse_v=spv, sparse_valid=valid)
+    keys = ref.HybridKeys(k, v, fk, H, s, key_mask=km, sparse=ref.SparseSet(spk, spv, valid))
+    want = ref.lola_attention(q, fq, keys, rule)
+    got = tk.decode_step(q, fq, keys, rule)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    # the same sparse cache read through its scores (-inf: an empty slot)
+    score = torch.rand(valid.shape, generator=gen).to(DEV).masked_fill(~valid, float("-inf"))
+    scored = ref.HybridKeys(k, v, fk, H, s, key_mask=km, sparse=ref.SparseSet(spk, spv, score=score))
+    assert torch.equal(tk.decode_step(q, fq, scored, rule), got)
+    torch.testing.assert_close(ref.lola_attention(q, fq, scored, rule), want, atol=0, rtol=0)
     # no sparse cache, no padding
-    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk, H, s), rule)
-    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=7, scale=0.25)
+    keys = ref.HybridKeys(k, v, fk, H, s)
+    want = ref.lola_attention(q, fq, keys, rule)
+    got = tk.decode_step(q, fq, keys, rule)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
     # nothing older than the window: no features at all
-    want = ref.lola_attention(q, fq, ref.HybridKeys(k, v, fk[:, :, :0], H, s), ref.HybridRule(N, g, lf, 0.25))
-    got = tk.decode_step(q, k, v, fq, fk[:, :, :0], g, lf, H, s, window=N, scale=0.25)
+    keys, rule = ref.HybridKeys(k, v, fk[:, :, :0], H, s), ref.HybridRule(N, g, lf, 0.25)
+    want = ref.lola_attention(q, fq, keys, rule)
+    got = tk.decode_step(q, fq, keys, rule)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
+    # the query is the last local key; one state, one sparse set
+    for bad in (dict(q_offset=N - 1), dict(state_chunk=16), dict(sparse_chunk=16)):
+        with pytest.raises(ValueError, match="decode_step: the query is the last local key"):
+            tk.decode_step(q, fq, ref.HybridKeys(k, v, fk, H, s, **bad), rule)
+    with pytest.raises(ValueError, match="one of them"):
+        ref.HybridKeys(k, v, fk, H, s, sparse=ref.SparseSet(spk, spv))
 
 
 @pytest.mark.parametrize("dtype,n_keys", [(torch.float32, 23), (torch.float32, 9), (torch.bfloat16, 17)])
@@ -193,8 +205,8 @@ def test_decode_step_with_the_count_on_the_device_matches_reference(dtype, n_key
     want = ref.lola_attention(q, fq, ref.HybridKeys(k[:, :, :n], v[:, :, :n], fk[:, :, :max(n - window, 0)], H, s,
                                                     key_mask=km[:, :n], sparse=sparse), rule)
     count = torch.full((B,), n, dtype=torch.long, device=DEV)
-    got = tk.decode_step(q, k, v, fq, fk, g, lf, H, s, window=window, scale=0.25, key_mask=km, sparse_k=spk,
-                         sparse_v=spv, sparse_score=score, n_keys=count)
+    keys = ref.HybridKeys(k, v, fk, H, s, key_mask=km, sparse=ref.SparseSet(spk, spv, score=score))
+    got = tk.decode_step(q, fq, keys, rule, n_keys=count)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **TOL[dtype])
     # the reference's own device-count form (the torch backend's decode step) agrees
     dev = ref.lola_attention(q, fq, ref.HybridKeys(k, v, torch.nn.functional.pad(fk, (0, 0, 0, window)), H, s,

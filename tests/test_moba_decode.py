@@ -37,9 +37,7 @@ def prefill_then_steps(q, k, v, km, P, kw, backend="torch", splits=None):
     outs = []
     for t in range(P, q.shape[2]):
         st = layer.decode_step(k[:, :, t:t + 1], v[:, :, t:t + 1], km[:, :t + 1])
-        outs.append(moba_decode(q[:, :, t:t + 1], st.keys, st.values, st.key_mask, slot=st.slot, real=st.real,
-                                key_sums=st.key_sums, block_start=st.block_start, n_real=st.n_real, query_sum=qs,
-                                backend=backend, splits=splits, **kw))
+        outs.append(moba_decode(q[:, :, t:t + 1], st, query_sum=qs, backend=backend, splits=splits, **kw))
     return torch.cat(outs, 1), layer
 
 
@@ -180,13 +178,12 @@ def test_decode_triton_backend_equals_torch():
     torch.testing.assert_close(tri, torch_out, atol=2e-6, rtol=2e-5)
 
 
-def whole_buffer_rule(q, keys, values, key_mask, *, slot, real, key_sums, block_start, n_real, scale, block_size,
-                      top_k, min_seq_len, gating, query_sum, backend, splits=None):
+def whole_buffer_rule(q, step, *, scale, block_size, top_k, min_seq_len, gating, query_sum, backend, splits=None):
     """The rule a decode step followed before the block state: `moba_reference` over the whole buffer (block means
     recomputed from the keys, dense logits), the query after every key and its own key seen."""
-    km = key_mask.clone().scatter_(1, slot[:, None], True)
-    return moba_reference(q, keys, values, scale=scale, block_size=block_size, top_k=top_k, key_mask=km,
-                          q_offset=keys.shape[2], min_seq_len=min_seq_len, gating=gating, query_sum=query_sum)
+    km = step.key_mask.clone().scatter_(1, step.slot[:, None], True)
+    return moba_reference(q, step.keys, step.values, scale=scale, block_size=block_size, top_k=top_k, key_mask=km,
+                          q_offset=step.keys.shape[2], min_seq_len=min_seq_len, gating=gating, query_sum=query_sum)
 
 
 def generate_scores(model, ids, am, n):

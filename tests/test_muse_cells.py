@@ -185,18 +185,23 @@ def test_later_keys_do_not_change_earlier_outputs():
 
 
 def test_muse_attention_dispatch_and_errors():
-    from longctx_patch.kernels.muse import muse_attention
+    from longctx_patch.kernels.muse import MuseOptions, muse_attention
 
     q, k, v = qkv(1, 4, 2, 300, 32, seed=7)
-    kw = dict(scale=0.2, block_size=128, k_clusters=16, topk_blocks=1, far_field="cells")
+    opts = MuseOptions(block_size=128, k_clusters=16, topk_blocks=1, far_field="cells")
+    kw = dict(scale=0.2, options=opts)
     torch.testing.assert_close(muse_attention(q, k, v, backend="triton", **kw),
                                muse_attention(q, k, v, backend="torch", **kw), atol=1e-5, rtol=1e-4)
     with pytest.raises(ConfigError, match="far_field='tilted'"):
-        muse_attention(q, k, v, dipole=True, **kw)
+        opts.replace(dipole=True)
     with pytest.raises(ConfigError, match="multiple of 128"):
-        muse_attention(q, k, v, backend="triton", **dict(kw, block_size=64))
+        muse_attention(q, k, v, scale=0.2, options=opts.replace(block_size=64), backend="triton")
     with pytest.raises(ConfigError, match="far_field"):
-        muse_attention(q, k, v, scale=0.2, far_field="global")
+        MuseOptions(far_field="global")
+    with pytest.raises(ConfigError, match="MuseOptions"):
+        muse_attention(q, k, v, scale=0.2, options=dict(far_field="cells"))
+    with pytest.raises(ValueError, match="not MuSe options: blocks"):
+        opts.replace(blocks=3)
     # gradients through both backends: the Triton backward equals autograd through the reference
     grads = {}
     for backend in ("torch", "triton"):
@@ -212,10 +217,11 @@ def test_muse_attention_dispatch_and_errors():
 def test_head_dims_off_the_kernel_grid_run_zero_padded(D):
     """A head_dim that is not a power of two in 16..128 runs the Triton path zero-padded (24 -> 32, 8 -> 16): the
     same output and gradients as the reference at the real head_dim; above 128 the Triton path says what to do."""
-    from longctx_patch.kernels.muse import muse_attention
+    from longctx_patch.kernels.muse import MuseOptions, muse_attention
 
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, 2, 300, D, seed=D))
-    kw = dict(scale=D**-0.5, block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1, far_field="cells")
+    kw = dict(scale=D**-0.5, options=MuseOptions(block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1,
+                                                 far_field="cells"))
     got = muse_attention(q, k, v, backend="triton", **kw)
     ref = muse_attention(q, k, v, backend="torch", **kw)
     assert got.shape == ref.shape == (1, 300, 4, D)
@@ -231,10 +237,11 @@ def test_head_dims_off_the_kernel_grid_run_zero_padded(D):
 def test_mixed_dtypes_and_autocast():
     """Under autocast the rotary embedding hands over fp32 q/k with a bf16 v: the attention runs in the autocast
     dtype, as SDPA does (bf16 out), forward and backward; without autocast, k and v follow q's dtype."""
-    from longctx_patch.kernels.muse import muse_attention
+    from longctx_patch.kernels.muse import MuseOptions, muse_attention
 
     q, k, v = qkv(1, 4, 2, 300, 32, seed=11)
-    kw = dict(scale=32**-0.5, block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1, far_field="cells")
+    kw = dict(scale=32**-0.5, options=MuseOptions(block_size=128, k_clusters=8, topk_blocks=1, peak_blocks=1,
+                                                  far_field="cells"))
     ref = muse_attention(q, k, v, backend="torch", **kw)
     got = muse_attention(q, k, v.bfloat16(), backend="triton", **kw)
     assert got.dtype == torch.float32 and rel(got, ref) < 1e-2

@@ -41,6 +41,12 @@ def config(**kw):
     return lp.get_method("muse").parse_config({**CRUDE, **kw})
 
 
+def muse(q, k, v, cfg, *, key_mask=None, backend=None):
+    """MuSe's output under `cfg` (its kernel options and backend, or `backend`), as the patched module computes it."""
+    return muse_attention(q, k, v, scale=SCALE, options=cfg.kernel_options(), key_mask=key_mask,
+                          backend=backend or cfg.backend)
+
+
 def true_errors(o, q, k, v, first, km=None):
     """Each (row, head)'s relative error over the approximated rows (rank >= first among the row's real tokens)
     against exact attention in float64: [B, Hq]."""
@@ -118,7 +124,7 @@ def test_a_batch_of_a_long_and_a_short_row_samples_each_as_alone():
     q, k, v = (torch.randn(2, h, 320, D, generator=g) * 0.5 for h in (4, 2, 2))
     km = torch.ones(2, 320, dtype=torch.bool)
     km[1, :224] = False
-    o = muse_attention(q, k, v, scale=SCALE, key_mask=km, **cfg.kernel_kwargs())
+    o = muse(q, k, v, cfg, key_mask=km)
     pos, w, counts = sampled_rows(o, km, 80, 16)
     assert counts == [16, 16] and pos.shape[-1] == 20
     torch.testing.assert_close(w.sum(-1), torch.tensor([[240.0] * 4, [16.0] * 4]))
@@ -126,8 +132,7 @@ def test_a_batch_of_a_long_and_a_short_row_samples_each_as_alone():
     est, _ = estimate_errors(o, q, k, v, km, scale=SCALE, first=80, rows=16)
     assert torch.isfinite(est).all()
     for r, cols in ((0, slice(None)), (1, slice(224, None))):
-        o1 = muse_attention(q[r:r + 1, :, cols], k[r:r + 1, :, cols], v[r:r + 1, :, cols], scale=SCALE,
-                            **cfg.kernel_kwargs())
+        o1 = muse(q[r:r + 1, :, cols], k[r:r + 1, :, cols], v[r:r + 1, :, cols], cfg)
         alone, _ = estimate_errors(o1, q[r:r + 1, :, cols], k[r:r + 1, :, cols], v[r:r + 1, :, cols], None,
                                    scale=SCALE, first=80, rows=16)
         torch.testing.assert_close(est[r], alone[0], rtol=1e-4, atol=1e-6)
@@ -142,7 +147,7 @@ def test_the_estimate_tracks_each_heads_true_error(inputs):
     assert first == 80
     cases = [graded(seed=s) for s in range(2)] if inputs == "random" else [structured(seed=s) for s in range(2)]
     for q, k, v in cases:
-        o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
+        o = muse(q, k, v, cfg)
         true = true_errors(o, q, k, v, first).float()
         assert true.max() > 4 * true.min() and true.max() > 0.3  # a range of errors to track
         est, counts = estimate_errors(o, q, k, v, None, scale=SCALE, first=first, rows=64)
@@ -161,7 +166,7 @@ def check_guarded(q, k, v, cfg, budget, *, bf16_atol=None, o=None):
     (the estimate, the heads made exact)."""
     first = first_approximated(cfg)
     if o is None:
-        o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
+        o = muse(q, k, v, cfg)
     est, _ = estimate_errors(o, q, k, v, None, scale=SCALE, first=first, rows=cfg.guard_rows)
     bad = [h for h in range(q.shape[1]) if est[0, h] > budget]
     with guard_log() as log:
@@ -180,7 +185,7 @@ def test_a_head_over_budget_is_made_exact_and_the_others_are_untouched():
     est, bad = check_guarded(q, k, v, cfg, 0.1)
     assert bad == [1, 2, 3] and est[0, 0] < 0.05  # the flat head stays MuSe
     # a budget above every head: MuSe's output itself, no copy
-    o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
+    o = muse(q, k, v, cfg)
     assert guard(o, q, k, v, None, config=config(guard_error=0.9), scale=SCALE) is o
 
 
@@ -194,7 +199,7 @@ def test_an_adversarial_head_is_caught_among_good_ones():
 def test_gqa_seven_query_heads_per_kv_head():
     cfg = config(guard_error=0.15)
     q, k, v = graded(Hq=14, Hkv=2)
-    o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
+    o = muse(q, k, v, cfg)
     true = true_errors(o, q, k, v, first_approximated(cfg)).float()
     est, bad = check_guarded(q, k, v, cfg, 0.15)
     assert 3 <= len(bad) <= 11 and bad == [h for h in range(14) if true[0, h] > 0.15 or est[0, h] > 0.15]
@@ -207,7 +212,7 @@ def test_bf16():
     equal with_exact_heads' bf16 exact attention."""
     cfg = config(guard_error=0.1)
     q, k, v = graded(dtype=torch.bfloat16)
-    o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
+    o = muse(q, k, v, cfg)
     assert o.dtype == torch.bfloat16
     true = true_errors(o, q, k, v, first_approximated(cfg)).float()
     est, bad = check_guarded(q, k, v, cfg, 0.1, bf16_atol=1e-2)
@@ -227,9 +232,8 @@ def test_triton_backend_under_the_interpreter():
     q, k, v = graded(S=96)
     first = first_approximated(cfg)
     assert first == 32
-    o = muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs())
-    torch.testing.assert_close(o, muse_attention(q, k, v, scale=SCALE, **{**cfg.kernel_kwargs(), "backend": "torch"}),
-                               rtol=1e-4, atol=1e-5)  # it ran the kernels
+    o = muse(q, k, v, cfg)
+    torch.testing.assert_close(o, muse(q, k, v, cfg, backend="torch"), rtol=1e-4, atol=1e-5)  # it ran the kernels
     true = true_errors(o, q, k, v, first).float()
     est, bad = check_guarded(q, k, v, cfg, 0.1, o=o)
     assert 0 < len(bad) < 4 and (est / true).min() > 0.75 and (est / true).max() < 1.33
@@ -251,8 +255,7 @@ def test_guard_off_is_the_unguarded_path_bit_for_bit():
         q, k, v = graded()
         for off in (None, 0, 0.0):
             cfg = config(guard_error=off, exact_heads=[2])
-            before = with_exact_heads(muse_attention(q, k, v, scale=SCALE, **cfg.kernel_kwargs()), q, k, v, [2],
-                                      scale=SCALE)
+            before = with_exact_heads(muse(q, k, v, cfg), q, k, v, [2], scale=SCALE)
             assert torch.equal(lp.get_method("muse").module_cls.op(q, k, v, scale=SCALE, config=cfg), before)
             model = lp.patch(tiny_model("llama"), "muse", **{**CRUDE, "guard_error": off, "exact_heads": [2]})
             mod = lp.patcher.patched_modules(model)[1]

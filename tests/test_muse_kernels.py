@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.muse import make_plan, muse_attention, muse_reference_planned  # noqa: E402
+from longctx_patch.kernels.muse import MuseOptions, make_plan, muse_attention, muse_reference_planned  # noqa: E402
 from longctx_patch.kernels.softmax import softmax_attention  # noqa: E402
 
 
@@ -28,7 +28,8 @@ KW = dict(block_size=16, q_clusters=2, k_clusters=8, kmeans_iters=2)
 @pytest.mark.parametrize("S", [16, 41, 77])
 def test_retrieve_all_blocks_is_exact(S):
     q, k, v = qkv(2, 4, 2, S, 16, seed=S)
-    o = muse_attention(q, k, v, scale=0.25, topk_blocks=10_000, topk_clusters=0, backend="torch", **KW)
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(topk_blocks=10_000, topk_clusters=0, **KW),
+                       backend="torch")
     ref = softmax_attention(q, k, v, scale=0.25)
     assert o.shape == (2, S, 4, 16)
     torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
@@ -37,11 +38,12 @@ def test_retrieve_all_blocks_is_exact(S):
 def test_retrieve_all_cells_and_singletons_are_exact():
     q, k, v = qkv(1, 4, 1, 53, 16, seed=1)
     ref = softmax_attention(q, k, v, scale=0.25)
-    o = muse_attention(q, k, v, scale=0.25, topk_blocks=0, topk_clusters=10_000, backend="torch", **KW)
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(topk_blocks=0, topk_clusters=10_000, **KW),
+                       backend="torch")
     torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
     # one key per cluster: every super-key is a single key, whose logit lse + scale (q - c).k is exact
-    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=2, k_clusters=16, topk_blocks=0,
-                       topk_clusters=0, backend="torch")
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(block_size=16, q_clusters=2, k_clusters=16,
+                                                                topk_blocks=0, topk_clusters=0), backend="torch")
     torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
 
 
@@ -50,7 +52,7 @@ def test_padding_mask_retrieve_all_is_exact():
     km = torch.ones(2, 45, dtype=torch.bool)
     km[0, :7] = False  # left padding
     km[1, 40:] = False  # right padding
-    o = muse_attention(q, k, v, scale=0.25, topk_blocks=99, key_mask=km, backend="torch", **KW)
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(topk_blocks=99, **KW), key_mask=km, backend="torch")
     ref = softmax_attention(q, k, v, scale=0.25, key_mask=km)
     torch.testing.assert_close(o[0, 7:], ref[0, 7:], atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(o[1, :40], ref[1, :40], atol=2e-6, rtol=2e-5)
@@ -64,7 +66,8 @@ def test_approximation_is_not_exact_and_improves_with_retrieval():
         for seed in range(3):
             q, k, v = qkv(1, 2, 1, 128, 16, seed=seed)
             ref = softmax_attention(q, k, v, scale=0.25)
-            o = muse_attention(q, k, v, scale=0.25, topk_blocks=kb, topk_clusters=kc, backend="torch", **KW)
+            o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(topk_blocks=kb, topk_clusters=kc, **KW),
+                               backend="torch")
             e += rel(o, ref)
         errs.append(e / 3)
     assert errs[0] > 1e-3
@@ -80,9 +83,9 @@ def test_dipole_reduces_error_on_clustered_data():
     q = centers[torch.randint(0, 4, (B, H, S), generator=g)] + 0.3 * torch.randn(B, H, S, D, generator=g)
     v = torch.randn(B, H, S, D, generator=g)
     ref = softmax_attention(q, k, v, scale=0.25)
-    kw = dict(KW, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0, backend="torch")
-    e0 = rel(muse_attention(q, k, v, scale=0.25, dipole=False, **kw), ref)
-    e1 = rel(muse_attention(q, k, v, scale=0.25, dipole=True, **kw), ref)
+    opts = MuseOptions(**dict(KW, q_clusters=4, k_clusters=4, topk_blocks=0, topk_clusters=0))
+    e0 = rel(muse_attention(q, k, v, scale=0.25, options=opts, backend="torch"), ref)
+    e1 = rel(muse_attention(q, k, v, scale=0.25, options=opts.replace(dipole=True), backend="torch"), ref)
     assert 1e-3 < e0 < 0.1  # the monopole summaries are good but not exact on clustered data
     assert e1 < 0.2 * e0  # the first-order (dipole) term removes most of the remaining error
 
@@ -91,8 +94,8 @@ def test_singleton_query_clusters_are_exact():
     """With one query per cluster (d = q - c = 0) the tilted summaries are exact whatever the key clusters."""
     q, k, v = qkv(1, 2, 2, 64, 16, seed=4)
     ref = softmax_attention(q, k, v, scale=0.25)
-    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=16, k_clusters=4, topk_blocks=0,
-                       topk_clusters=0, backend="torch")
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(block_size=16, q_clusters=16, k_clusters=4,
+                                                                topk_blocks=0, topk_clusters=0), backend="torch")
     torch.testing.assert_close(o, ref, atol=2e-6, rtol=2e-5)
 
 
@@ -144,7 +147,7 @@ def test_dispatcher_errors():
     with pytest.raises(ConfigError, match="backend"):
         muse_attention(q, k, v, scale=0.25, backend="cuda")
     with pytest.raises(ConfigError, match="dipole"):
-        muse_attention(q, k, v, scale=0.25, dipole=True, backend="triton", **KW)
+        muse_attention(q, k, v, scale=0.25, options=MuseOptions(dipole=True, **KW), backend="triton")
 
 
 # ------------------------------------------------------------------------------------- Triton vs reference
@@ -152,7 +155,8 @@ def test_dispatcher_errors():
 def test_single_block_is_exact_attention(backend):
     """S <= block_size: one block, no summaries: both backends are exact causal attention."""
     q, k, v = qkv(2, 2, 1, 11, 16, seed=2)
-    o = muse_attention(q, k, v, scale=0.25, block_size=16, q_clusters=4, k_clusters=4, backend=backend)
+    o = muse_attention(q, k, v, scale=0.25, options=MuseOptions(block_size=16, q_clusters=4, k_clusters=4),
+                       backend=backend)
     torch.testing.assert_close(o, softmax_attention(q, k, v, scale=0.25), atol=1e-5, rtol=1e-4)
 
 
@@ -173,11 +177,11 @@ def test_triton_matches_reference(case, dtype):
     if masked:
         km = torch.ones(B, S, dtype=torch.bool)
         km[0, :5] = False
-    kw = dict(scale=D**-0.5, block_size=L, q_clusters=Cq, k_clusters=Ck, kmeans_iters=2, topk_blocks=kb,
-              topk_clusters=kc, key_mask=km)
-    plan = make_plan(q.detach(), k.detach(), **{x: y for x, y in kw.items() if x != "key_mask"}, key_mask=km)
-    o_t = muse_attention(q, k, v, backend="triton", plan=plan, **kw)
-    o_r = muse_attention(q, k, v, backend="torch", plan=plan, **kw)
+    opts = dict(block_size=L, q_clusters=Cq, k_clusters=Ck, kmeans_iters=2, topk_blocks=kb, topk_clusters=kc)
+    plan = make_plan(q.detach(), k.detach(), scale=D**-0.5, key_mask=km, **opts)
+    kw = dict(scale=D**-0.5, options=MuseOptions(**opts), key_mask=km, plan=plan)
+    o_t = muse_attention(q, k, v, backend="triton", **kw)
+    o_r = muse_attention(q, k, v, backend="torch", **kw)
     assert o_t.dtype == dtype and o_t.shape == (B, S, Hq, D)
     assert torch.isfinite(o_t).all()
     do = torch.randn(o_t.shape, generator=torch.Generator().manual_seed(1)).to(dtype)

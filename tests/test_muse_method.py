@@ -1,5 +1,6 @@
 """muse method: config validation, patched models (prefill through MuSe, exact decode), unpatch, training."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,6 +30,10 @@ def test_config_validation():
     # far-field-dependent defaults: the cells ones unless far_field=tilted, and a value set wins
     cells, tilted = m.parse_config({}), m.parse_config({"far_field": "tilted"})
     assert cells.far_field == "cells" and cells.kernel_kwargs()["block_size"] == 256
+    # the kernel's options: the same settings, the backend passed beside them
+    opts = tilted.kernel_options()
+    assert (opts.far_field, opts.block_size, opts.q_clusters, opts.topk_blocks) == ("tilted", 128, 16, 4)
+    assert {**dataclasses.asdict(opts), "backend": tilted.backend} == tilted.kernel_kwargs()
     assert (cells.get("k_clusters"), cells.get("topk_blocks"), cells.get("peak_blocks")) == (8, 10, 10)
     assert tilted.get("peak_blocks") == 0
     assert (tilted.get("block_size"), tilted.get("k_clusters"), tilted.get("topk_blocks")) == (128, 4, 4)

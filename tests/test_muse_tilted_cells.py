@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.muse import muse_attention  # noqa: E402
+from longctx_patch.kernels.muse import MuseOptions, muse_attention  # noqa: E402
 from longctx_patch.kernels.muse.reference_cells import cells_reference  # noqa: E402
 from longctx_patch.kernels.muse.reference_tilted_cells import (  # noqa: E402
     cluster_queries, make_tilt_plan, tilted_cells_reference, tilted_summaries)
@@ -118,8 +118,9 @@ def test_more_clusters_err_less_on_clustered_queries():
 
 def test_dispatcher():
     q, k, v = qkv(1, 4, 2, 600, 16, seed=8)
-    kw = dict(scale=0.25, far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=4, topk_blocks=1,
-              peak_blocks=1)
+    opts = MuseOptions(far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=4, topk_blocks=1,
+                       peak_blocks=1)
+    kw = dict(scale=0.25, options=opts)
     o = muse_attention(q, k, v, backend="torch", **kw)
     o2 = muse_attention(q, k, v, backend="triton", **kw)
     assert rel(o2, o) < 2e-6
@@ -130,7 +131,7 @@ def test_dispatcher():
         grads.append(qg.grad)
     assert grads[0].abs().sum() > 0 and rel(grads[1], grads[0]) < 2e-6
     with pytest.raises(ConfigError, match="multiple of 128"):
-        muse_attention(q, k, v, backend="triton", **dict(kw, block_size=64))
+        muse_attention(q, k, v, scale=0.25, options=opts.replace(block_size=64), backend="triton")
 
 
 def test_triton_forward_many_blocks_odd_cells():
@@ -279,8 +280,8 @@ def test_other_tiles_give_the_defaults_results(fields):
     from longctx_patch.kernels.muse import MuseTiles
 
     q, k, v = qkv(1, 2, 1, 400, 16, seed=17)
-    kw = dict(scale=0.25, far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=3, topk_blocks=1,
-              peak_blocks=0, sink_blocks=0, backend="triton")
+    kw = dict(scale=0.25, options=MuseOptions(far_field="tilted-cells", block_size=128, q_clusters=8, k_clusters=3,
+                                              topk_blocks=1, peak_blocks=0, sink_blocks=0), backend="triton")
     do = torch.randn(1, 400, 2, 16, generator=torch.Generator().manual_seed(18))
     runs = []
     for tiles in (None, MuseTiles(**{f: OTHER_TILES[f] for f in fields})):
@@ -322,7 +323,7 @@ def test_tiles_are_checked():
     assert MuseTiles(tilted_dq=[64, 32, 4]).tilted_dq == (64, 32, 4)
     q, k, v = qkv(1, 2, 1, 256, 16, seed=20)
     with pytest.raises(ConfigError, match="MuseTiles"):
-        muse_attention(q, k, v, scale=0.25, far_field="cells", block_size=128, backend="torch",
+        muse_attention(q, k, v, scale=0.25, options=MuseOptions(far_field="cells", block_size=128), backend="torch",
                        tiles={"cells_fwd": (64, 64, 4, 3)})
 
 

@@ -363,9 +363,8 @@ def decode():
     r["lola_step_ms"] = bench(step)
     st.nb = eta + chunk // 2
     fk_lin = phi_k(st.win_k[:, :, : chunk // 2])  # the buffered keys older than the window
-    r["lola_decode_kernel_ms"] = bench(lambda: tk.decode_step(q1, st.wk, st.wv, fq1, fk_lin, g, lf, st.H, st.s,
-                                                              window=eta, scale=D ** -0.5, sparse_k=st.sp_k,
-                                                              sparse_v=st.sp_v, sparse_valid=st.sp_valid))
+    keys = ref.HybridKeys(st.wk, st.wv, fk_lin, st.H, st.s, sparse=ref.SparseSet(st.sp_k, st.sp_v, st.sp_valid))
+    r["lola_decode_kernel_ms"] = bench(lambda: tk.decode_step(q1, fq1, keys, ref.HybridRule(eta, g, lf, D ** -0.5)))
     H0, s0, spk, spv, sps = st.H.clone(), st.s.clone(), st.sp_k.clone(), st.sp_v.clone(), st.sp_score.clone()
 
     def evict():

@@ -45,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one setting each (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from longctx_patch.kernels.lola import reference as ref
     from longctx_patch.kernels.lola import triton_kernels as tk
     from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING
 
@@ -97,8 +98,8 @@ def main(argv=None):
               B * Hkv * nl * D * 2 + wk.numel() * 4 + B * Hq * nl * F2 * 2)
         fq = tk.feature_map(q, wq, out_dtype=dt)
         fk = tk.feature_map(k[:, :, :nl], wk, out_dtype=dt)
-        step = lambda t: tk.decode_step(q, k, v, fq, fk, gate, lf, Hs, ss, window=W, scale=D ** -0.5,  # noqa: E731
-                                        sparse_k=spk, sparse_v=spv, sparse_score=sp_score, tuning=t)
+        keys = ref.HybridKeys(k, v, fk, Hs, ss, sparse=ref.SparseSet(spk, spv, score=sp_score))
+        step = lambda t: tk.decode_step(q, fq, keys, ref.HybridRule(W, gate, lf, D ** -0.5), tuning=t)  # noqa: E731
         grid = one or [{}] + [{"decode_bn": bn, "decode_bk": bk, "decode_warps": w}
                               for bn, bk, w in itertools.product((32, 64), (32, 64, 128), (2, 4))]
         nbytes = (Hs.numel() * 4 + ss.numel() * 4 + sp_score.numel() * 4 + 2 * spk.numel() * 2 + 2 * k.numel() * 2 + fk.numel() * 2

@@ -41,7 +41,7 @@ from benchmarks.shared import device_token, results_dir
 from longctx_patch.evals.common import format_table
 from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attention, moba_reference
-from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.muse import MuseOptions, muse_attention
 
 
 def configs(keys: int, scale_down: int = 1) -> dict:
@@ -66,7 +66,7 @@ def configs(keys: int, scale_down: int = 1) -> dict:
 def run(name: str, cfg: dict, q, k, v, scale: float):
     if name == "moba":
         return moba_attention(q, k, v, scale=scale, backend="triton", **cfg)
-    return muse_attention(q, k, v, scale=scale, backend="triton", **cfg)
+    return muse_attention(q, k, v, scale=scale, options=MuseOptions(**cfg), backend="triton")
 
 
 def exact(q, k, v, scale: float) -> torch.Tensor:

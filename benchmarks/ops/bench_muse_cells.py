@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.kernels.muse.plan import block_view
 from longctx_patch.provenance import device_description, git_commit
-from longctx_patch.kernels.muse import MuseTiles, muse_attention
+from longctx_patch.kernels.muse import MuseOptions, MuseTiles, muse_attention
 from longctx_patch.kernels.muse.reference_cells import cells_reference, make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS
@@ -136,7 +136,8 @@ def speed():
                         row["cudnn_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True))
                     if cfg.get("far_field") == "tilted":  # the per-block design, for comparison: forward only
                         with torch.no_grad():
-                            row["muse_fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, **cfg), rep=20)
+                            row["muse_fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc,
+                                                                               options=MuseOptions(**cfg)), rep=20)
                         row["speedup_fwd_vs_cudnn"] = row["cudnn_fwd_ms"] / row["muse_fwd_ms"]
                         RES["speed"].append(row)
                         print(json.dumps(row), f"t={time.time() - T0:.0f}s", flush=True)

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.ops.bench_muse_cells import bench, fastest, qkv, rel
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.provenance import device_description, git_commit
-from longctx_patch.kernels.muse import MuseTiles, muse_attention
+from longctx_patch.kernels.muse import MuseOptions, MuseTiles, muse_attention
 from longctx_patch.kernels.muse.reference_cells import make_cells_plan
 from longctx_patch.kernels.muse.ops import cells_triton, tilted_cells_triton
 from longctx_patch.kernels.muse.reference_tilted_cells import make_tilt_plan, tilted_cells_reference
@@ -59,6 +59,11 @@ TUNED: dict[int, MuseTiles] = {}
 def tuned(D: int, dtype=torch.bfloat16) -> MuseTiles | None:
     """The tiles the sweeps kept for head_dim D (for bf16 inputs: the sweeps' dtype), else None (the defaults)."""
     return TUNED.get(D) if dtype == torch.bfloat16 else None
+
+
+def tc_options(cfg: dict) -> MuseOptions:
+    """The tilted-cells options of a plan config (CFG's keys and q_clusters), for `muse_attention(options=)`."""
+    return MuseOptions(far_field="tilted-cells", **cfg)
 
 
 def save():
@@ -177,8 +182,8 @@ def speed():
                     for qc in QCS:
                         kw = dict(cells_cfg, q_clusters=qc)
                         r = dict(q_clusters=qc)
-                        r["fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells",
-                                                                   tiles=tiles, **kw))
+                        r["fwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, options=tc_options(kw),
+                                                                   tiles=tiles))
                         r["plan_ms"] = bench(lambda: make_tilt_plan(q, k, scale=sc, tiles=tiles, **kw))
                         plan = make_tilt_plan(q, k, scale=sc, tiles=tiles, **kw)
                         r["attn_ms"] = bench(lambda: tilted_cells_fwd(q, k, v, plan, sc, tiles=tiles))
@@ -201,10 +206,10 @@ def profile(S=65536, D=int(os.environ.get("TILT_PROFILE_D", "64"))):
     q, k, v = qkv(S, D, torch.bfloat16, seed=1)
     kw = dict({k_: v_ for k_, v_ in CFG.items()}, q_clusters=QCS[0])
     with torch.no_grad():
-        muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
+        muse_attention(q, k, v, scale=D**-0.5, options=tc_options(kw), tiles=tuned(D))
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
+            muse_attention(q, k, v, scale=D**-0.5, options=tc_options(kw), tiles=tuned(D))
             torch.cuda.synchronize()
     rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()),
                   key=lambda r: -r[1])[:20]
@@ -262,14 +267,15 @@ def bwd_speed():
                         lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=sc).backward(do))
                 kx = vx = None
                 dot_ = do.transpose(1, 2)
-                row["cells_fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="cells",
-                                                                      tiles=tuned(D), **cells_cfg).backward(dot_))
+                row["cells_fwdbwd_ms"] = bench(lambda: muse_attention(
+                    q, k, v, scale=sc, options=MuseOptions(far_field="cells", **cells_cfg),
+                    tiles=tuned(D)).backward(dot_))
                 for qc in QCS:
                     kw = dict(cells_cfg, q_clusters=qc)
                     r = dict(q_clusters=qc)
-                    r["fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, far_field="tilted-cells",
-                                                                  tiles=tuned(D), **kw).backward(dot_))
-                    o = muse_attention(q, k, v, scale=sc, far_field="tilted-cells", tiles=tuned(D), **kw)
+                    r["fwdbwd_ms"] = bench(lambda: muse_attention(q, k, v, scale=sc, options=tc_options(kw),
+                                                                  tiles=tuned(D)).backward(dot_))
+                    o = muse_attention(q, k, v, scale=sc, options=tc_options(kw), tiles=tuned(D))
                     r["bwd_ms"] = bench(lambda: o.backward(dot_, retain_graph=True))
                     o = None
                     r["speedup_fwdbwd_vs_cudnn"] = row["cudnn_fwdbwd_ms"] / r["fwdbwd_ms"]
@@ -294,7 +300,7 @@ def bwd_profile(S=65536):
         q, k, v = (t.requires_grad_(True) for t in qkv(S, D, torch.bfloat16, seed=2))
         do = torch.randn_like(q).transpose(1, 2)
         kw = dict(CFG, q_clusters=QCS[0])
-        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells", tiles=tuned(D), **kw)
+        o = muse_attention(q, k, v, scale=D**-0.5, options=tc_options(kw), tiles=tuned(D))
         o.backward(do, retain_graph=True)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -314,8 +320,8 @@ def bwd_profile(S=65536):
             for part, alts in options.items():
                 for alt in alts:
                     try:
-                        o = muse_attention(q, k, v, scale=D**-0.5, far_field="tilted-cells",
-                                           tiles=base.replace(**{f"tilted_{part}": alt}), **kw)
+                        o = muse_attention(q, k, v, scale=D**-0.5, options=tc_options(kw),
+                                           tiles=base.replace(**{f"tilted_{part}": alt}))
                         ms = bench(lambda: o.backward(do, retain_graph=True), rep=20)
                     except Exception as e:  # noqa: BLE001
                         ms = repr(e)[:200]

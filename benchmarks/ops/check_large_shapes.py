@@ -172,7 +172,7 @@ def case_lola_decode() -> dict:
 
 def case_muse_prefill() -> dict:
     import torch
-    from longctx_patch.kernels.muse.ops import muse_attention
+    from longctx_patch.kernels.muse import MuseOptions, muse_attention
 
     B, Hq, Hkv, S, D = sz(4, 2), sz(32, 4), sz(8, 2), sz(131072, 300), sz(128, 64)
     g = torch.Generator(device=DEV).manual_seed(4)
@@ -180,7 +180,7 @@ def case_muse_prefill() -> dict:
     q, k, v = _randn(g, B, Hq, S, D, dtype=dt), _randn(g, B, Hkv, S, D, dtype=dt), _randn(g, B, Hkv, S, D, dtype=dt)
     _mirror_row(q, k, v)
     with torch.no_grad():
-        o = muse_attention(q, k, v, scale=D ** -0.5, backend="triton", far_field="cells")
+        o = muse_attention(q, k, v, scale=D ** -0.5, options=MuseOptions(far_field="cells"), backend="triton")
     _sync()
     return _compare(o)
 

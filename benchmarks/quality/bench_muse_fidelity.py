@@ -33,7 +33,7 @@ from benchmarks.shared import data_dir, device_token, model_token, result_file
 from longctx_patch.evals.common import size_label
 from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attention
-from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.muse import MuseOptions, muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
 from longctx_patch.methods.muse import FAR_FIELD_DEFAULTS, MuseConfig
 
@@ -139,7 +139,8 @@ def main():
             elif cfg.get("method") == "moba":
                 o = moba_attention(q, k, v, scale=scale, backend=args.backend, **opts)
             else:
-                o = muse_attention(q, k, v, scale=scale, backend=args.backend, **{"kmeans_iters": 2, **opts})
+                o = muse_attention(q, k, v, scale=scale, options=MuseOptions(**{"kmeans_iters": 2, **opts}),
+                                   backend=args.backend)
             errs.append(((o.float() - ref).norm() / ref.norm()).item())
         row = dict(config=cfg, mean_rel_err=sum(errs) / len(errs), max_rel_err=max(errs), per_layer=errs)
         rows.append(row)

@@ -90,7 +90,8 @@ def errors_part(model, ids, budgets, sets, timer) -> dict:
         first = first_approximated(c)
         with torch.no_grad():
             ref = softmax_attention(q.float(), k.float(), v.float(), scale=mod.scaling)
-            o, muse_ms = timer(lambda: muse_attention(q, k, v, scale=mod.scaling, **c.kernel_kwargs()))
+            o, muse_ms = timer(lambda: muse_attention(q, k, v, scale=mod.scaling, options=c.kernel_options(),
+                                                      backend=c.backend))
             sq, den, sq_all, den_all = head_errors(o, ref, first)
             (est, _), estimate_ms = timer(lambda: estimate_errors(o, q, k, v, None, scale=mod.scaling, first=first,
                                                                   rows=c.guard_rows))

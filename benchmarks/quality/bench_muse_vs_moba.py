@@ -46,7 +46,7 @@ from benchmarks.shared import device_token, model_token, results_dir
 from longctx_patch.evals.common import format_table, pyplot
 from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.moba import moba_attended_keys, moba_attention
-from longctx_patch.kernels.muse import attended_keys, muse_attention
+from longctx_patch.kernels.muse import MuseOptions, attended_keys, muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
 
 METHODS = ("moba", "cells", "tilted-cells")
@@ -96,7 +96,7 @@ def settings(method: str, S: int, keys: int, *, moba_block: int, muse_block: int
 def run(method: str, cfg: dict, q, k, v, scale: float):
     if method == "moba":
         return moba_attention(q, k, v, scale=scale, backend="auto", **cfg)
-    return muse_attention(q, k, v, scale=scale, backend="auto", **cfg)
+    return muse_attention(q, k, v, scale=scale, options=MuseOptions(**cfg), backend="auto")
 
 
 def rel(o, ref) -> float:

@@ -121,10 +121,15 @@ class HybridAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, fq, fk, g, lf, key_mask, o, m, r, am = ctx.saved_tensors
+        meta = ctx.meta
         if do.stride(-1) != 1:
             do = do.contiguous()
+        # the forward's keys without their prefix states (None: the backward recomputes them)
+        keys = ref.HybridKeys(k, v, fk, None, None, key_mask=key_mask, q_offset=0, state_chunk=meta["state_chunk"])
+        rule = ref.HybridRule(meta["window"], g, lf, meta["scale"])
         with torch.autocast(q.device.type, enabled=False):  # its few torch ops (prefix states' sums) stay fp32
-            grads = triton_ops().hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, (m, r, am), key_mask=key_mask, **ctx.meta)
+            grads = triton_ops().hybrid_bwd(q, fq, keys, rule, o, do, (m, r, am), block_m=meta["block_m"],
+                                            block_n=meta["block_n"], tuning=meta["tuning"])
         return (*grads, None, None, None, None, None, None, None)
 
 

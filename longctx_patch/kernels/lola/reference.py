@@ -222,13 +222,21 @@ def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: floa
 
 # ----------------------------------------------------------------------------------------------- LoLA pieces
 class SparseSet(NamedTuple):
-    """A LoLA sparse cache as the hybrid attention reads it: k/v [B, Hs, L, D], valid [B, Hs, L] bool (empty slots
-    False), Hq % Hs == 0 (query head h reads set h // (Hq // Hs)). `triton_hybrid.hybrid_fwd` also reads one set per
-    chunk of keys, k/v [B, Hs, NC, L, D] and valid [B, Hs, NC, L] (`HybridKeys.sparse_chunk`)."""
+    """A LoLA sparse cache as the hybrid attention reads it: k/v [B, Hs, L, D], Hq % Hs == 0 (query head h reads set
+    h // (Hq // Hs)), and which slots hold a pair, one of: valid [B, Hs, L] bool (empty slots False), or score
+    [B, Hs, L] fp32, the cache's own scores (`LolaState.sp_score`: -inf for an empty slot), which
+    `triton_hybrid.decode_step` reads in the kernel (no conversion launched per step). `triton_hybrid.hybrid_fwd`
+    also reads one set per chunk of keys, k/v [B, Hs, NC, L, D] and valid [B, Hs, NC, L] (`HybridKeys.sparse_chunk`).
+    """
 
     k: torch.Tensor
     v: torch.Tensor
-    valid: torch.Tensor
+    valid: torch.Tensor | None = None
+    score: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """The slots that hold a pair: `valid` as given, else `score > -inf`."""
+        return self.valid if self.valid is not None else self.score > float("-inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,14 +250,15 @@ class HybridKeys:
     `linear_rows`). key_mask [B, N] bool or None. H/s [B, Hq, F2, D] / [B, Hq, F2] fp32: the linear state of the
     tokens before key 0; with `state_chunk` > 0 (hybrid_fwd only) per-block prefix states [B, Hq, NS, F2, D] /
     [B, Hq, NS, F2]: a block of queries starting at key index a reads state max(a - window, 0) // state_chunk and
-    explicit keys from there. sparse: the sparse cache (None: none); with `sparse_chunk` > 0 (hybrid_fwd only) one
+    explicit keys from there; None only for the whole-sequence backward (`triton_hybrid_bwd.hybrid_bwd`, which
+    recomputes the prefix states). sparse: the sparse cache (None: none); with `sparse_chunk` > 0 (hybrid_fwd only) one
     set per chunk, the block of queries starting at key index a reading set a // sparse_chunk."""
 
     k: torch.Tensor
     v: torch.Tensor
     fk: torch.Tensor
-    H: torch.Tensor
-    s: torch.Tensor
+    H: torch.Tensor | None
+    s: torch.Tensor | None
     key_mask: torch.Tensor | None = None
     q_offset: "int | torch.Tensor | None" = None
     sparse: SparseSet | None = None
@@ -259,10 +268,18 @@ class HybridKeys:
     def __post_init__(self):
         if self.sparse is not None and not isinstance(self.sparse, SparseSet):
             raise TypeError(f"HybridKeys.sparse: a SparseSet(k, v, valid) or None, not {type(self.sparse).__name__}")
+        if self.sparse is not None and (self.sparse.valid is None) == (self.sparse.score is None):
+            raise ValueError("HybridKeys.sparse: a SparseSet with its slots' valid mask or their scores (one of them)")
         for name in ("state_chunk", "sparse_chunk"):
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"HybridKeys.{name}={n!r}: an int >= 0 (0: one for every query)")
+
+    def check_states(self, what: str) -> None:
+        """`what` reads the linear state: a ValueError when H or s is None."""
+        if self.H is None or self.s is None:
+            raise ValueError(f"{what} reads the linear state: HybridKeys.H and .s are tensors (None only for "
+                             "hybrid_bwd, which recomputes the prefix states)")
 
     @property
     def has_sparse(self) -> bool:
@@ -294,6 +311,7 @@ def lola_attention(q, fq, keys: HybridKeys, rule: HybridRule):
     if keys.state_chunk or keys.sparse_chunk:
         raise ValueError("lola_attention reads one linear state and one sparse set (state_chunk = sparse_chunk = 0); "
                          "per-block states and per-chunk sets are hybrid_fwd's")
+    keys.check_states("lola_attention")
     unshifted = check_combine(rule.combine)
     k, v, window = keys.k, keys.v, rule.window
     B, Hq, S, D = q.shape
@@ -316,7 +334,7 @@ def lola_attention(q, fq, keys: HybridKeys, rule: HybridRule):
     if keys.has_sparse:
         sp = keys.sparse
         ss = torch.einsum("bhsd,bhld->bhsl", q.float(), expand_kv(sp.k, Hq).float()) * scale
-        ss = ss.masked_fill(~expand_kv(sp.valid.bool(), Hq)[:, :, None, :], float("-inf"))
+        ss = ss.masked_fill(~expand_kv(sp.mask().bool(), Hq)[:, :, None, :], float("-inf"))
         sc = torch.cat([ss, sc], dim=-1)
         vals = torch.cat([expand_kv(sp.v, Hq).float(), vx], dim=2)
     m = row_max(sc, rule.combine)

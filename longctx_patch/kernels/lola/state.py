@@ -319,8 +319,7 @@ def attend_piece(st, q, fq, g, lf, run: LolaRun):
     """Attention of the newest q.shape[2] tokens (already appended to the window buffer). phi(k) of the buffered
     keys that some of these queries attend linearly (at most chunk - 1 + S of them): read from the feature cache
     (in-place states), else computed."""
-    window, scale, backend, phi_k, combine, tuning = (run.window, run.scale, run.backend, run.phi_k, run.combine,
-                                                      run.tuning)
+    window, backend, phi_k, tuning = run.window, run.backend, run.phi_k, run.tuning
     nb = st.nb
     S = q.shape[2]
     lam = st.sp_k.shape[2]
@@ -333,9 +332,9 @@ def attend_piece(st, q, fq, g, lf, run: LolaRun):
         fk = phi_k(st.win_k[:, :, :n_lin])
     triton = ops.use_triton(backend, q, st.win_k, st.H)
     if triton and S == 1:  # the kernel reads the sparse slots' validity from their scores (no isfinite launches)
-        sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
-        return ops.triton_ops().decode_step(q, st.wk, st.wv, fq, fk, g, lf, st.H, st.s, window=window, scale=scale,
-                                            key_mask=st.wmask, combine=combine, tuning=tuning, **sp)
+        keys = ref.HybridKeys(st.wk, st.wv, fk, st.H, st.s, key_mask=st.wmask,
+                              sparse=ref.SparseSet(st.sp_k, st.sp_v, score=st.sp_score) if lam > 0 else None)
+        return ops.triton_ops().decode_step(q, fq, keys, run.rule(g, lf), tuning=tuning)
     keys = ref.HybridKeys(st.wk, st.wv, fk, st.H, st.s, key_mask=st.wmask, q_offset=nb - S,
                           sparse=ref.SparseSet(st.sp_k, st.sp_v, st.sp_valid) if lam > 0 else None)
     if triton:
@@ -349,15 +348,14 @@ def attend_step(st: LolaState, q, fq, g, lf, run: LolaRun):
     """Attention of one new token (q [B, Hq, 1, D], already appended) over the whole window buffer, its length read
     from the device (`st.nb_t`): the same launches at every position (`sparse_cache.decode_step`). phi(k) covers the
     buffer rows that can ever be older than the window (the first cap - window): the feature cache, else computed."""
-    window, scale, phi_k, combine = run.window, run.scale, run.phi_k, run.combine
+    window, phi_k = run.window, run.phi_k
     cap = st.win_k.shape[2]
     fk = st.win_fk if st.win_fk is not None else phi_k(st.win_k[:, :, : cap - window])
     lam = st.sp_k.shape[2]
     if ops.use_triton(run.backend, q, st.win_k, st.H):
-        sp = dict(sparse_k=st.sp_k, sparse_v=st.sp_v, sparse_score=st.sp_score) if lam > 0 else {}
-        return ops.triton_ops().decode_step(q, st.win_k, st.win_v, fq, fk, g, lf, st.H, st.s, window=window,
-                                            scale=scale, key_mask=st.win_mask, n_keys=st.nb_t, combine=combine,
-                                            tuning=run.tuning, **sp)
+        keys = ref.HybridKeys(st.win_k, st.win_v, fk, st.H, st.s, key_mask=st.win_mask,
+                              sparse=ref.SparseSet(st.sp_k, st.sp_v, score=st.sp_score) if lam > 0 else None)
+        return ops.triton_ops().decode_step(q, fq, keys, run.rule(g, lf), n_keys=st.nb_t, tuning=run.tuning)
     fk = torch.nn.functional.pad(fk, (0, 0, 0, cap - fk.shape[2]))  # rows past cap - window: never linear
     keys = ref.HybridKeys(st.win_k, st.win_v, fk, st.H, st.s, key_mask=st.win_mask, q_offset=st.nb_t[:1] - 1,
                           sparse=ref.SparseSet(st.sp_k, st.sp_v, st.sp_valid) if lam > 0 else None)

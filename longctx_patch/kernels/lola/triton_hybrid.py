@@ -176,11 +176,12 @@ def hybrid_fwd(q, fq, keys: HybridKeys, rule: HybridRule, *, block_m: int = 64, 
     block_m / block_n: queries per program and keys per tile (state_chunk a multiple of block_n; block_m must divide
     sparse_chunk and q_offset). tuning: the launch's warps and stages (`hybrid_num_warps`, `hybrid_num_stages`).
     """
+    keys.check_states("hybrid_fwd")
     k, v, fk, Hs, Ss, key_mask = keys.k, keys.v, keys.fk, keys.H, keys.s, keys.key_mask
     q_offset = keys.k.shape[2] - q.shape[2] if keys.q_offset is None else int(keys.q_offset)
     state_chunk, sparse_chunk = keys.state_chunk, keys.sparse_chunk
     sp = keys.sparse
-    sparse_k, sparse_v, sparse_valid = (sp.k, sp.v, sp.valid) if sp is not None else (None, None, None)
+    sparse_k, sparse_v, sparse_valid = (sp.k, sp.v, sp.mask()) if sp is not None else (None, None, None)
     g, lf, window, combine = rule.g, rule.lf, rule.window, rule.combine
     scale = q.shape[-1] ** -0.5 if rule.scale is None else rule.scale
     unshifted = check_combine(combine)
@@ -352,19 +353,26 @@ def _decode_kernel(
     tl.store(O + b * s_o_b + h * s_o_h + offs_d, out.to(O.dtype.element_ty), mask=md)
 
 
-def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_mask=None,
-                sparse_k=None, sparse_v=None, sparse_valid=None, sparse_score=None, out=None, n_keys=None,
-                combine: str = "shifted", tuning: LolaTuning = DEFAULT_TUNING):
-    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2]; local keys k/v [B, Hkv, N, D] (the new token is
-    the last local key), fk [B, Hq, NF, F2] the features of the first NF >= N - window of them (the ones
-    attended linearly); state H/s; optional sparse cache [B, Hs, L, *] whose valid slots are given by
-    `sparse_valid` (bool) or, read in the kernel, by `sparse_score` (float32: valid where > -inf; no
-    conversion launched per step). `n_keys` (a device int64 tensor, its first element read in the kernel): the local
-    keys are the first n_keys rows of k/v, the new token last, and fk must cover the first N - window rows (N =
-    k.shape[2], the buffer's capacity): the launch is then the same whatever the count. combine: as `hybrid_fwd`.
-    Returns [B, 1, Hq, D]."""
-    unshifted = check_combine(combine)
+def decode_step(q, fq, keys: HybridKeys, rule: HybridRule, *, n_keys=None, out=None,
+                tuning: LolaTuning = DEFAULT_TUNING):
+    """One decode token: q [B, Hq, 1, D], fq [B, Hq, 1, F2] against `keys` (`reference.HybridKeys`): the local keys
+    k/v [B, Hkv, N, D] with the new token the last of them (q_offset None), fk [B, Hq, NF, F2] the features of the
+    first NF >= N - window of them (the ones attended linearly), their padding, the linear state H/s and the sparse
+    cache [B, Hs, L, *], whose slots' validity the kernel reads from `SparseSet.score` (fp32: valid where > -inf; no
+    conversion launched per step) or `SparseSet.valid` (bool); one linear state and one sparse set (state_chunk =
+    sparse_chunk = 0). rule (`reference.HybridRule`): window, scale, g, lf, combine, as `hybrid_fwd`.
+    `n_keys` (a device int64 tensor, its first element read in the kernel): the local keys are the first n_keys rows
+    of k/v, the new token last, and fk must cover the first N - window rows (N = k.shape[2], the buffer's capacity):
+    the launch is then the same whatever the count. Returns [B, 1, Hq, D] (or writes `out`)."""
+    if keys.q_offset is not None or keys.state_chunk or keys.sparse_chunk:
+        raise ValueError("decode_step: the query is the last local key (q_offset None; a count on the device comes as "
+                         "n_keys), with one linear state and one sparse set (state_chunk = sparse_chunk = 0)")
+    keys.check_states("decode_step")
+    k, v, fk, H, s, key_mask, sp = keys.k, keys.v, keys.fk, keys.H, keys.s, keys.key_mask, keys.sparse
+    g, lf, window = rule.g, rule.lf, rule.window
+    unshifted = check_combine(rule.combine)
     B, Hq, _, D = q.shape
+    scale = D ** -0.5 if rule.scale is None else rule.scale
     N = k.shape[2]
     F2 = fq.shape[-1]
     G = Hq // k.shape[1]
@@ -372,13 +380,15 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
     if out is None:
         out = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype)
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    has_sp = sparse_k is not None and sparse_k.shape[2] > 0
+    has_sp = keys.has_sparse
+    sparse_k, sparse_v = (sp.k, sp.v) if has_sp else (None, None)
+    sp_score = has_sp and sp.score is not None
     L = sparse_k.shape[2] if has_sp else 0
     GS = Hq // sparse_k.shape[1] if has_sp else 1
-    if has_sp and sparse_score is not None:
-        spm = sparse_score if sparse_score.stride(-1) == 1 else sparse_score.contiguous()
+    if sp_score:
+        spm = sp.score if sp.score.stride(-1) == 1 else sp.score.contiguous()
     else:
-        spm = sparse_valid.to(torch.int8).contiguous() if has_sp else None
+        spm = sp.valid.to(torch.int8).contiguous() if has_sp else None
     dummy = q
     if NF == 0:
         fk = fq  # nothing is read from it
@@ -400,8 +410,7 @@ def decode_step(q, k, v, fq, fk, g, lf, H, s, *, window: int, scale: float, key_
         spm.stride(0) if has_sp else 0, spm.stride(1) if has_sp else 0,
         out.stride(0), out.stride(2),
         HQ=Hq, BN=min(tuning.decode_bn or 64, np2(max(N, L))), BD=np2(D), BK=min(tuning.decode_bk or 64, np2(F2)),
-        HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=has_sp and sparse_score is not None, DEV_N=n_keys is not None,
-        UNSHIFTED=unshifted,
+        HAS_KM=km is not None, HAS_SP=has_sp, SP_SCORE=sp_score, DEV_N=n_keys is not None, UNSHIFTED=unshifted,
         num_warps=tuning.decode_warps or 2,  # H200, batch 16: 22.7 us against 42.2 with 4 (bench_lola_decode_step)
     )
     return out

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ..backend import INTERPRET
 from ..triton_lib import LOG2E, cast_out, dot, dot_precision, np2
+from .reference import HybridKeys, HybridRule, check_combine
 from .triton_state import chunk_states
 from .tuning import DEFAULT_TUNING, LolaTuning
 
@@ -334,26 +335,32 @@ def _dkv_kernel(
              cast_out(dv, DV, UPCAST), mask=(offs_n < M)[:, None] & md[None, :])
 
 
-def hybrid_bwd(q, k, v, fq, fk, g, lf, o, do, stats, *, window: int, scale: float, key_mask=None,
-               state_chunk: int = 256, block_m: int = 64, block_n: int = 64, tuning: LolaTuning = DEFAULT_TUNING):
-    """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(q, fq, HybridKeys(k, v, fk, Hs, Ss, key_mask,
-    q_offset=0, state_chunk=state_chunk), HybridRule(window, g, lf, scale), block_m, block_n, stats=True)` (prefix
-    states Hs, Ss from `chunk_states`, recomputed here) for the output gradient
-    do [B, S, Hq, D] (unit last stride). q [B, Hq, S, D], k/v [B, Hkv, S, D], fq/fk [B, Hq, S, F2] contiguous,
-    all of one dtype; o [B, S, Hq, D] the forward's output (fp32 as `ops.HybridAttentionFn` keeps it), stats its
-    (m, r, am). Each gradient in its input's dtype."""
+def hybrid_bwd(q, fq, keys: HybridKeys, rule: HybridRule, o, do, stats, *, block_m: int = 64, block_n: int = 64,
+               tuning: LolaTuning = DEFAULT_TUNING):
+    """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(q, fq, keys, rule, block_m, block_n, stats=True)` for
+    the output gradient do [B, S, Hq, D] (unit last stride). keys (`reference.HybridKeys`) as the forward's: k/v
+    [B, Hkv, S, D], fk [B, Hq, S, F2], key_mask, q_offset 0 (or None), per-block prefix states every `state_chunk`
+    (> 0) keys, no sparse cache; its H/s: the prefix states as `chunk_states` makes them, or None (recomputed here,
+    the forward keeps none). rule (`reference.HybridRule`): window >= 1, g, lf, scale, combine "shifted". q
+    [B, Hq, S, D], fq [B, Hq, S, F2], k, v, fk contiguous, all of one dtype; o [B, S, Hq, D] the forward's output
+    (fp32 as `ops.HybridAttentionFn` keeps it), stats its (m, r, am). Each gradient in its input's dtype."""
+    k, v, fk, key_mask, cs = keys.k, keys.v, keys.fk, keys.key_mask, keys.state_chunk
+    g, lf, window = rule.g, rule.lf, rule.window
+    assert keys.q_offset in (None, 0) and not keys.has_sparse and cs > 0, \
+        "the backward of the whole-sequence hybrid: q_offset 0, per-block states (state_chunk > 0), no sparse cache"
+    assert not check_combine(rule.combine), "the backward is LoLCATs' combination only (combine 'shifted')"
+    scale = q.shape[-1] ** -0.5 if rule.scale is None else rule.scale
     B, Hq, M, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     F2 = fq.shape[-1]
-    cs = state_chunk
     BM = min(block_m, np2(M))  # the forward's tiles: the split state / explicit keys depends on them
     BN = block_n
     assert cs % BN == 0 and window >= 1
     assert all(x.is_contiguous() for x in (q, k, v, fq, fk)) and do.stride(-1) == 1 and o.stride(-1) == 1
     m2, r, am = stats
     km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
-    Hs, Ss = chunk_states(fk, v, cs, key_mask=key_mask)
+    Hs, Ss = (keys.H, keys.s) if keys.H is not None else chunk_states(fk, v, cs, key_mask=key_mask)
     NS = Hs.shape[2]
     NB = triton.cdiv(M, BM)
     gw = g.detach().float().contiguous()

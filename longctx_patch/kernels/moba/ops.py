@@ -16,7 +16,7 @@ from ..muse import cells_supported, listed_blocks_triton
 from ..softmax import softmax_attention
 from .reference import GATINGS, block_gate, block_query_sums, carry_query_sum, key_positions, moba_reference, \
     prefix_block_sums, query_positions
-from .reference_decode import decode_gate, ranges_attention_reference, store_step_reference
+from .reference_decode import MobaStep, decode_gate, ranges_attention_reference, store_step_reference
 
 
 def moba_is_exact(Sk: int, *, block_size: int, top_k: int, min_seq_len: int) -> bool:
@@ -141,19 +141,18 @@ def moba_store_step(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values
                                 block_size=block_size)
 
 
-def moba_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, *,
-                slot: torch.Tensor, real: torch.Tensor | None, key_sums: torch.Tensor, block_start: torch.Tensor,
-                n_real: torch.Tensor, scale: float, block_size: int = 512, top_k: int = 3, min_seq_len: int = 0,
-                gating: str = "block", query_sum: torch.Tensor | None = None, backend: str = "auto",
-                splits: int | None = None) -> torch.Tensor:
+def moba_decode(q: torch.Tensor, step: MobaStep, *, scale: float, block_size: int = 512, top_k: int = 3,
+                min_seq_len: int = 0, gating: str = "block", query_sum: torch.Tensor | None = None,
+                backend: str = "auto", splits: int | None = None) -> torch.Tensor:
     """One decode step of MoBA over a preallocated buffer whose block state is kept incrementally (the step's token
     stored and counted by `moba_store_step`): the gate from that state (`reference_decode.decode_gate`: no pass over
     the keys), then the query attends to the selected ranges of slots only. On CUDA the kernels of
     `triton_decode.py` (three launches), elsewhere the PyTorch reference (dense under the ranges: the same result).
-    The arguments are `decode_gate`'s (query_sum updated in place) and q `[B, Hq, 1, D]`, keys/values
-    `[B, Hkv, cap, D]`, key_mask `[B, cap]`. Device state only, launches sized by the buffer's shapes: a step
-    replays from a CUDA graph. `splits`: pieces per range (tests). Returns `[B, 1, Hq, D]`: `moba_reference`'s
-    output for the query after every stored key."""
+    q `[B, Hq, 1, D]`; `step` (`reference_decode.MobaStep`): the buffer, the step's slot and realness and the block
+    state; the gate's options are `decode_gate`'s (query_sum updated in place). Device state only, launches sized by
+    the buffer's shapes: a step replays from a CUDA graph. `splits`: pieces per range (tests). Returns
+    `[B, 1, Hq, D]`: `moba_reference`'s output for the query after every stored key."""
+    keys, values, key_mask, slot, real, key_sums, block_start, n_real = step
     gate_kw = dict(block_size=block_size, top_k=top_k, min_seq_len=min_seq_len, gating=gating, query_sum=query_sum)
     if decode_kernels_missing(q, keys, values, key_sums, backend) is None:
         from .triton_decode import gate_ranges, ranges_attention

@@ -6,7 +6,8 @@
 - `store_step_reference`: a step's key and value into the buffer at its write slot, and into the block state;
 - `decode_gate`: the step's gate from that state alone (no pass over the keys): `moba_reference`'s block rule for one
   query after every stored key, as `[start, end)` ranges of slots (the selected earlier blocks, the own block);
-- `ranges_attention_reference`: one query per head over its ranges.
+- `ranges_attention_reference`: one query per head over its ranges;
+- `MobaStep`: what a step attends with once its key is stored (the buffer and the block state, `ops.moba_decode`).
 
 Blocks are counted in each row's real positions (a left-padded row has the blocks of its prompt alone, and a padded
 token amid a row moves no boundary): block n of a row holds its real keys at positions n * block_size .. + block_size
@@ -16,7 +17,26 @@ operation keeps its shapes and reads no device value on the host, so a step repl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class MobaStep(NamedTuple):
+    """What a decode step attends with, after its key was stored (`store_step_reference` / `ops.moba_store_step`;
+    methods/moba/cache.py's `MobaLayer.decode_step` returns it): the buffer, keys/values `[B, Hkv, cap, D]` and
+    key_mask `[B, cap]` (True = real), the step's slot `[B]` and whether its token is real (`[B]` bool, None: all
+    real), and the block state (`add_block_keys`): key_sums `[B, Hkv, nb, D]`, block_start `[B, nb]`, n_real `[B]`.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor
+    slot: torch.Tensor
+    real: torch.Tensor | None
+    key_sums: torch.Tensor
+    block_start: torch.Tensor
+    n_real: torch.Tensor
 
 
 def add_block_keys(key_sums: torch.Tensor, block_start: torch.Tensor, n_real: torch.Tensor, k: torch.Tensor,
@@ -138,4 +158,4 @@ def ranges_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
     return o[:, None].to(q.dtype)
 
 
-__all__ = ["add_block_keys", "decode_gate", "ranges_attention_reference", "store_step_reference"]
+__all__ = ["MobaStep", "add_block_keys", "decode_gate", "ranges_attention_reference", "store_step_reference"]

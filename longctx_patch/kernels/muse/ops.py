@@ -13,59 +13,31 @@ from .reference_cells import CellsPlan, cell_summaries, cells_reference, list_pl
 from .plan import MusePlan, make_plan
 from .reference import muse_reference_planned
 from .reference_tilted_cells import make_tilt_plan, tilted_cells_reference
+from .options import DEFAULT_OPTIONS, FAR_FIELDS, MuseOptions, check_options
 from .support import DEFAULT_TILES, MuseTiles, cells_supported, check_tiles, triton_supported
 
-FAR_FIELDS = ("cells", "tilted", "tilted-cells")  # muse_attention's far fields (docs/muse.md sections 1-4, 7, 8)
 
-
-def muse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scale: float,
-    block_size: int = 128,
-    q_clusters: int = 8,
-    k_clusters: int = 4,
-    kmeans_iters: int = 2,
-    topk_clusters: int = 4,
-    topk_blocks: int = 2,
-    peak_blocks: int = 0,
-    local_blocks: int = 1,
-    sink_blocks: int = 1,
-    dipole: bool = False,
-    key_mask: torch.Tensor | None = None,
-    backend: str = "auto",
-    plan: MusePlan | None = None,
-    far_field: str = "tilted",
-    tiles: MuseTiles | None = None,
-) -> torch.Tensor:
+def muse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   options: MuseOptions = DEFAULT_OPTIONS, key_mask: torch.Tensor | None = None,
+                   backend: str = "auto", plan: MusePlan | None = None, tiles: MuseTiles | None = None) -> torch.Tensor:
     """Causal MuSe attention.
 
     q `[B, Hq, S, D]`, k/v `[B, Hkv, S, D]` (post-rotary; `Hq % Hkv == 0`), any S.
     key_mask `[B, S]` bool (True = real token) or None. Returns o `[B, S, Hq, D]` in q's dtype (under autocast, as
     SDPA: in the autocast dtype; k and v of another dtype than q are cast to it).
 
-    block_size L: spatial block (exact attention inside it and over the `local_blocks` blocks before it);
-    q_clusters / k_clusters: clusters per block of queries (per query head) and keys (per kv head);
-    kmeans_iters: Lloyd iterations; topk_blocks / topk_clusters: earlier blocks / cells (key cluster of a
-    block) attended exactly by each query cluster; dipole: first-order correction of the super-keys'
-    values (reference only). `plan`: a precomputed `make_plan(...)` (then the clustering options are unused).
+    options: what MuSe computes (`options.MuseOptions`: the far field, block_size, the clusters, what is retrieved
+    exactly; methods/muse's `MuseConfig.kernel_options()` gives a config's). `plan`: a precomputed `make_plan(...)`
+    of the tilted far field (then the clustering options are unused).
     Triton path: L a power of two in 16..128, q_clusters * k_clusters in 16..64 (powers of two), D a power
     of two; for the backward L * D <= 8192.
     backend: "auto" (Triton on CUDA when supported, else the PyTorch reference), "torch" (the reference) or "triton".
-    far_field: "tilted" (above) or "cells" (kernels/muse/reference_cells.py: each key cluster of an earlier block is one
-    super-key shared by every query; `topk_blocks` retrieved per query block by their estimated attention mass and
-    `peak_blocks` more by their best key, plus the `sink_blocks` first blocks with a real key, exact for every query
-    block; q_clusters, topk_clusters unused) or "tilted-cells" (kernels/muse/reference_tilted_cells.py: the cells plan, each far
-    cell summarised for each of `q_clusters` global query clusters per head by its summary tilted at the cluster's
-    centroid).
-    Cells Triton path: block_size a multiple of 128, D <= 128 (zero-padded to a power of two in 16..128).
+    Cells Triton path (cells, tilted-cells): block_size a multiple of 128, D <= 128 (zero-padded to a power of two in
+    16..128).
     tiles: launch tiles of the cells and tilted-cells kernels replacing their defaults (`support.MuseTiles`; None: the
     defaults; benchmarks sweep them); they change no result beyond the order of sums.
     """
-    if far_field not in FAR_FIELDS:
-        raise ConfigError(f"muse far_field={far_field!r}; allowed: {', '.join(FAR_FIELDS)}")
+    o = check_options(options)
     tiles = check_tiles(tiles)
     if backend not in BACKENDS:
         raise ConfigError(f"muse backend={backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -73,33 +45,24 @@ def muse_attention(
         raise ConfigError(f"muse_attention: expected q [B,Hq,S,D], k/v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ConfigError(f"muse_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
-    if k_clusters > block_size or (far_field == "tilted" and q_clusters > block_size):
-        raise ConfigError("muse: q_clusters and k_clusters must be <= block_size")
     if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: the attention runs in the autocast dtype
         dt = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dt) for t in (q, k, v))
     elif not q.dtype == k.dtype == v.dtype:  # mixed inputs run in q's dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if far_field == "tilted-cells":
-        return _tilted_cells(q, k, v, scale=scale, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
-                             kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
-                             local_blocks=local_blocks, sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask,
-                             backend=backend, tiles=tiles)
-    if far_field == "cells":
-        return _cells(q, k, v, scale=scale, block_size=block_size, k_clusters=k_clusters, kmeans_iters=kmeans_iters,
-                      topk_blocks=topk_blocks, peak_blocks=peak_blocks, local_blocks=local_blocks,
-                      sink_blocks=sink_blocks, dipole=dipole, key_mask=key_mask, backend=backend, tiles=tiles)
-    if peak_blocks:
-        raise ConfigError("muse: peak_blocks needs far_field='cells' (the tilted design retrieves per query cluster)")
+    if o.far_field == "tilted-cells":
+        return _tilted_cells(q, k, v, o, scale=scale, key_mask=key_mask, backend=backend, tiles=tiles)
+    if o.far_field == "cells":
+        return _cells(q, k, v, o, scale=scale, key_mask=key_mask, backend=backend, tiles=tiles)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    why = triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters, dipole=dipole,
-                           needs_grad=needs_grad)
+    why = triton_supported(q, block_size=o.block_size, q_clusters=o.q_clusters, k_clusters=o.k_clusters,
+                           dipole=o.dipole, needs_grad=needs_grad)
     be = resolve_backend(backend, q, what="muse")  # backend='triton' where it cannot run: a DeviceError
     if be == "triton" and why is not None:
         if backend == "triton":
             raise ConfigError(f"muse backend='triton' cannot run: {why}; use backend='torch' or change the setting")
-        if triton_supported(q, block_size=block_size, q_clusters=q_clusters, k_clusters=k_clusters,
-                            dipole=dipole) is None:
+        if triton_supported(q, block_size=o.block_size, q_clusters=o.q_clusters, k_clusters=o.k_clusters,
+                            dipole=o.dipole) is None:
             # auto on the GPU, a forward the kernels take but not its backward: the dense reference would not fit
             # at the lengths the Triton path is for, so say what to change
             raise ConfigError(f"muse: {why}")
@@ -109,19 +72,19 @@ def muse_attention(
             q.detach(),
             k.detach(),
             scale=scale,
-            block_size=block_size,
-            q_clusters=q_clusters,
-            k_clusters=k_clusters,
-            kmeans_iters=kmeans_iters,
-            topk_clusters=topk_clusters,
-            topk_blocks=topk_blocks,
-            local_blocks=local_blocks,
+            block_size=o.block_size,
+            q_clusters=o.q_clusters,
+            k_clusters=o.k_clusters,
+            kmeans_iters=o.kmeans_iters,
+            topk_clusters=o.topk_clusters,
+            topk_blocks=o.topk_blocks,
+            local_blocks=o.local_blocks,
             key_mask=key_mask,
             backend=_plan_backend(be),
         )
     if be == "triton":
         return muse_triton_planned(q, k, v, plan, scale=scale)
-    return muse_reference_planned(q, k, v, plan, scale=scale, dipole=dipole)
+    return muse_reference_planned(q, k, v, plan, scale=scale, dipole=o.dipole)
 
 
 def _plan_backend(backend: str) -> str:
@@ -157,32 +120,32 @@ def _kernel_inputs(q, k, v, be: str):
     return q, k, v
 
 
-def _cells(q, k, v, *, scale, block_size, k_clusters, kmeans_iters, topk_blocks, peak_blocks, local_blocks,
-           sink_blocks, dipole, key_mask, backend, tiles):
-    if dipole:
-        raise ConfigError("muse: dipole=True needs far_field='tilted'")
-    be = _cells_backend(q, backend, block_size)
+def _cells_plan_options(o: MuseOptions) -> dict:
+    """The options of the cells plan (`make_cells_plan`; `make_tilt_plan` takes them and q_clusters)."""
+    return dict(block_size=o.block_size, k_clusters=o.k_clusters, kmeans_iters=o.kmeans_iters,
+                topk_blocks=o.topk_blocks, peak_blocks=o.peak_blocks, local_blocks=o.local_blocks,
+                sink_blocks=o.sink_blocks)
+
+
+def _cells(q, k, v, o: MuseOptions, *, scale, key_mask, backend, tiles):
+    be = _cells_backend(q, backend, o.block_size)
     D = q.shape[-1]
     q, k, v = _kernel_inputs(q, k, v, be)
-    plan = make_cells_plan(q.detach(), k.detach(), scale=scale, block_size=block_size, k_clusters=k_clusters,
-                           kmeans_iters=kmeans_iters, topk_blocks=topk_blocks, peak_blocks=peak_blocks,
-                           local_blocks=local_blocks, sink_blocks=sink_blocks, key_mask=key_mask,
-                           backend=_plan_backend(be))
+    plan = make_cells_plan(q.detach(), k.detach(), scale=scale, key_mask=key_mask, backend=_plan_backend(be),
+                           **_cells_plan_options(o))
     if be == "triton":
         return cells_triton(q, k, v, plan, scale=scale, tiles=tiles)[..., :D]
     return cells_reference(q, k, v, plan, scale=scale)
 
 
-def _tilted_cells(q, k, v, *, scale, q_clusters, dipole, key_mask, backend, tiles, **cells_options):
+def _tilted_cells(q, k, v, o: MuseOptions, *, scale, key_mask, backend, tiles):
     """The tilted-cells far field: the Triton kernels (`triton_tilted.py`, `triton_tilted_bwd.py`) where the cells
     kernels run, else the reference."""
-    if dipole:
-        raise ConfigError("muse: dipole=True needs far_field='tilted'")
-    be = _cells_backend(q, backend, cells_options["block_size"])
+    be = _cells_backend(q, backend, o.block_size)
     D = q.shape[-1]
     q, k, v = _kernel_inputs(q, k, v, be)
-    plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=q_clusters, key_mask=key_mask,
-                          backend=_plan_backend(be), tiles=tiles, **cells_options)
+    plan = make_tilt_plan(q.detach(), k.detach(), scale=scale, q_clusters=o.q_clusters, key_mask=key_mask,
+                          backend=_plan_backend(be), tiles=tiles, **_cells_plan_options(o))
     if be == "triton":
         return tilted_cells_triton(q, k, v, plan, scale=scale, tiles=tiles)[..., :D]
     return tilted_cells_reference(q, k, v, plan, scale=scale)

@@ -31,9 +31,7 @@ class MobaAttention(ExactAttention):
         cfg = self.method_config
         if q.shape[2] == 1 and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
             # a decode step: gated from the cache's block state, over the selected blocks only
-            st = cache_layer.decode_step(k, v, padding)
-            return moba_decode(q, st.keys, st.values, st.key_mask, slot=st.slot, real=st.real, key_sums=st.key_sums,
-                               block_start=st.block_start, n_real=st.n_real, scale=self.scaling,
+            return moba_decode(q, cache_layer.decode_step(k, v, padding), scale=self.scaling,
                                block_size=cfg.block_size, top_k=cfg.top_k, min_seq_len=cfg.min_seq_len,
                                gating="block", query_sum=query_sum, backend=cfg.backend)
         kv = cache_layer.extend(k, v, padding)

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ...kernels.moba import add_block_keys, moba_store_step
+from ...kernels.moba import MobaStep, add_block_keys, moba_store_step
 from ..kv_layer import KVBufferLayer, KVView
 
 CHUNK_ELEMS = 2**25  # a prefill adds its keys to the block sums this many elements (fp32) at a time
-
-
-class MobaStep(NamedTuple):
-    """What a decode step attends with (`kernels.moba.moba_decode`'s arguments), after its key was stored."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_mask: torch.Tensor
-    slot: torch.Tensor
-    real: torch.Tensor | None
-    key_sums: torch.Tensor
-    block_start: torch.Tensor
-    n_real: torch.Tensor
 
 
 def blocks_for(capacity: int, block_size: int) -> int:

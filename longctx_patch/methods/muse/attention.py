@@ -50,7 +50,7 @@ class MuseAttention(ExactAttention):
         S = q.shape[2]
         if S <= config.get("block_size") or S < config.min_len(q.device.type, q.shape[-1]):
             return softmax_attention(q, k, v, scale=scale)
-        o = muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+        o = muse_attention(q, k, v, scale=scale, options=config.kernel_options(), backend=config.backend)
         o = with_exact_heads(o, q, k, v, config.exact_heads, scale=scale)
         return guard(o, q, k, v, None, config=config, scale=scale, skip=config.exact_heads)
 
@@ -93,7 +93,7 @@ class MuseAttention(ExactAttention):
         """MuSe over one call (`rows`: its rows in the forward's batch, None: all), the `exact_heads` exact, then
         the guard (guard.py): the heads it measures over `guard_error` exact for this call."""
         c = self.method_config
-        o = muse_attention(q, k, v, scale=self.scaling, key_mask=km, **c.kernel_kwargs())
+        o = muse_attention(q, k, v, scale=self.scaling, options=c.kernel_options(), key_mask=km, backend=c.backend)
         heads, first = c.exact_heads, 0
         if self.head_shard is not None:  # tensor parallelism: this rank's share of the global heads
             first = self.head_shard.rank * self.num_heads

@@ -39,7 +39,7 @@ class MuseCalibration(MethodCalibration):
         return json.dumps(config.kernel_kwargs(), sort_keys=True)
 
     def attend(self, q, k, v, *, scale, config):
-        return muse_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+        return muse_attention(q, k, v, scale=scale, options=config.kernel_options(), backend=config.backend)
 
     def with_exact_heads(self, o, q, k, v, heads, *, scale):
         return with_exact_heads(o, q, k, v, heads, scale=scale)

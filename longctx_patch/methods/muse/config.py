@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from ...errors import ConfigError
-from ...kernels.muse import BACKENDS, FAR_FIELDS
+from ...kernels.muse import BACKENDS, FAR_FIELDS, MuseOptions
 from ..base import MethodConfig, option
 from .guard import GUARD_ERROR, GUARD_ROWS
 
@@ -146,7 +146,14 @@ class MuseConfig(MethodConfig):
         if self.far_field != "tilted" and self.dipole:
             raise ConfigError("MuseConfig: dipole=True needs far_field='tilted' (the cells have no dipole term)")
 
+    def kernel_options(self) -> MuseOptions:
+        """What this config's MuSe computes (`kernels.muse.MuseOptions`, `muse_attention(..., options=)`; its backend
+        is passed beside it)."""
+        return MuseOptions(**{name: value for name, value in self.kernel_kwargs().items() if name != "backend"})
+
     def kernel_kwargs(self) -> dict:
+        """The kernel options and the backend as one flat dict: a calibration's key of a setting (json), the settings
+        `kernels.muse.attended_keys` counts from."""
         return dict(block_size=self.get("block_size"), q_clusters=self.get("q_clusters"),
                     k_clusters=self.get("k_clusters"),
                     kmeans_iters=self.kmeans_iters, topk_clusters=self.topk_clusters,
