@@ -145,6 +145,20 @@ def keep_original_weight(model: nn.Module, layer: int, name: str) -> torch.Tenso
     return w
 
 
+def restore_original_weight(model: nn.Module, layer: int, name: str) -> bool:
+    """Puts back the weight of projection `name` of patched layer `layer` that keep_original_weight kept (undoing the
+    delta merged since, e.g. a checkpoint's LoRA that is to train as an adapter instead) and forgets it; False when
+    none was kept."""
+    st = state_of(model)
+    saved = st.saved_weights.pop((layer, name), None)
+    if saved is None:
+        return False
+    w = shared_weight(getattr(st.modules[layer], name))
+    with torch.no_grad():
+        w.copy_(saved.to(device=w.device, dtype=w.dtype))
+    return True
+
+
 def take_original_weights(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
     """Removes and returns the original weights kept by keep_original_weight ({(layer, projection name): CPU copy}):
     unpatch() then leaves those projections as they are now (e.g. with a LoRA delta merged). For patching the same
@@ -162,5 +176,5 @@ def keep_original_weights(model: nn.Module, saved: dict[tuple[int, str], torch.T
 
 
 __all__ = ["CALL_ARG", "CallState", "PatchContext", "PatchGroup", "PatchState", "STATE_ATTR", "find_state", "is_patched",
-           "keep_original_weight", "keep_original_weights", "patch_context", "patch_groups", "patched_layers", "patched_modules", "state_of",
-           "take_original_weights"]
+           "keep_original_weight", "keep_original_weights", "patch_context", "patch_groups", "patched_layers", "patched_modules",
+           "restore_original_weight", "state_of", "take_original_weights"]

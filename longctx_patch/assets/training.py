@@ -122,18 +122,46 @@ def training_record(log: dict[str, Any], corpus: dict[str, Any] | None = None) -
     }
 
 
+def lineage(asset_dir: str | os.PathLike) -> dict[str, Any]:
+    """What the asset a run continued (its `method_config.checkpoint`, e.g. recipes/linearize-qwen-lola.yaml's)
+    passes on to the asset of that run: `based_on` (its name, commit, recipe, description and training record, and
+    its own `based_on`: the whole chain of runs behind the new weights) and its measured `method_defaults`, which
+    the new asset keeps until it is measured itself (`method_defaults_why` says where they come from)."""
+    from . import ASSET_JSON
+
+    path = Path(asset_dir) / ASSET_JSON
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: pass the folder of the packaged asset the run continued") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}); copy the asset folder again") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path} is not an asset description (an object)")
+    name = info.get("name", Path(asset_dir).name)
+    out: dict[str, Any] = {"based_on": {"name": name, **{k: info.get(k) for k in ("commit", "recipe", "description",
+                                                                                   "training", "based_on")}}}
+    if info.get("method_defaults"):
+        out["method_defaults"] = info["method_defaults"]
+        out["method_defaults_why"] = (f"carried over from the asset these weights continue ({name}, commit "
+                                      f"{info.get('commit')}), not yet measured on this one; there: "
+                                      f"{info.get('method_defaults_why', 'no reason recorded')}")
+    return out
+
+
 def package_run(run_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *, name: str, description: str,
                 corpus: str | os.PathLike | dict | None = None, dtype: torch.dtype = torch.float16,
-                extra: dict[str, Any] | None = None) -> Path:
-    """The asset folder of a finished linearize run (`write_asset`) with its training record in asset.json."""
+                extra: dict[str, Any] | None = None, based_on: str | os.PathLike | None = None) -> Path:
+    """The asset folder of a finished linearize run (`write_asset`) with its training record in asset.json; `based_on`:
+    the packaged asset the run continued (`lineage`)."""
     from . import write_asset
 
     log = read_train_log(run_dir)
     if corpus is not None and not isinstance(corpus, dict):
         corpus = json.loads(Path(corpus).read_text())
     record = training_record(log, corpus)
-    info = {"commit": record["commit"], "training": record, **(extra or {})}
+    info = {"commit": record["commit"], "training": record, **(lineage(based_on) if based_on else {}), **(extra or {})}
     return write_asset(run_dir, model, out_dir, name=name, description=description, dtype=dtype, extra=info)
 
 
-__all__ = ["ASSET_NAMES", "package_run", "read_train_log", "text_mix", "training_record"]
+__all__ = ["ASSET_NAMES", "lineage", "package_run", "read_train_log", "text_mix", "training_record"]

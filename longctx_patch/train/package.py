@@ -3,6 +3,7 @@ record (`assets.training.package_run`), checked by loading it back with checkpoi
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,13 +19,15 @@ from ..patcher import patched_modules
 USAGE = """A finished linearize run as a packaged asset folder with its training record, checked with checkpoint=auto.
 
     python -m longctx_patch.train.package RUN --model MODEL --out DIR [--corpus CORPUS/corpus.json]
-        [--name NAME] [--description TEXT] [--recipe recipes/linearize-qwen.yaml] [--check]
+        [--name NAME] [--description TEXT] [--recipe recipes/linearize-qwen.yaml] [--based-on ASSET] [--check]
 
 RUN: the `longctx finetune` output folder (trainable/ and train_log.json); MODEL: the base model the run started
 from (the same string the run was given: /tmp/qwen-hf on the GPU machine, the alias qwen2.5-coder-0.5b elsewhere);
-the asset is written to DIR/NAME (NAME: the embedded model's asset name for a Qwen or SmolLM2 model). `--check` then
-patches the model with lolcats, checkpoint=auto and DIR on LONGCTX_ASSET_PATH, and fails unless the asset is what it
-loads. Copy DIR/NAME into longctx_patch/assets/ to ship it.
+the asset is written to DIR/NAME (NAME: the embedded model's asset name for a Qwen or SmolLM2 model). `--based-on`:
+the packaged asset the run continued (recipes/linearize-qwen-lola.yaml's checkpoint): its measured method defaults
+carry over and its own record is kept as `based_on`. `--check` then patches the model with lolcats, checkpoint=auto
+and DIR on LONGCTX_ASSET_PATH, and fails unless the asset it loads is DIR/NAME (not an asset of the same name
+elsewhere, e.g. the one shipped). Copy DIR/NAME into longctx_patch/assets/ to ship it.
 """
 
 
@@ -40,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None)
     p.add_argument("--description", default=None)
     p.add_argument("--recipe", default="recipes/linearize-qwen.yaml")
+    p.add_argument("--based-on", default=None, help="the packaged asset folder the run continued")
     p.add_argument("--check", action="store_true", help="load it back with checkpoint=auto")
     a = p.parse_args(argv)
 
@@ -48,21 +52,26 @@ def main(argv=None) -> int:
     if name is None:
         p.error("--name is needed for a model that is not an embedded alias")
     log = read_train_log(a.run)
+    what = f"linearized by {a.recipe}"
+    if a.based_on:
+        what = f"as the asset {Path(a.based_on).name} (its record: based_on), its training continued by {a.recipe}"
     description = a.description or (
-        f"{log.get('model')} linearized by {a.recipe} on {log.get('device')}: "
+        f"{log.get('model')} {what} on {log.get('device')}: "
         + ", ".join(f"{s['name']} {s['steps_done']} steps x {s['batch_size']} x {s['seq_len']}" for s in log["stages"])
         + f"; {sum(s['tokens'] for s in log['stages']) / 1e6:.1f}M tokens. float16.")
     model = load_model_only(a.model, device="cpu")
     out = package_run(a.run, model, Path(a.out) / name, name=name, description=description, corpus=a.corpus,
-                      extra={"recipe": a.recipe})
+                      extra={"recipe": a.recipe}, based_on=a.based_on)
     print(f"asset: {out}")
     if a.check:
         os.environ[ENV_PATH] = str(Path(a.out).resolve()) + os.pathsep + os.environ.get(ENV_PATH, "")
         layers = sorted({int(k.split(".")[1]) for k in _keys(out)})
-        patch(model, "lolcats", layers=layers)
+        fdim = json.loads((out / "asset.json").read_text())["method_config"].get("feature_dim")  # auto matches on it
+        patch(model, "lolcats", layers=layers, **({"feature_dim": fdim} if fdim else {}))
         src = patched_modules(model)[layers[0]].weights_source
         print(f"checkpoint=auto on layers {layers[0]}..{layers[-1]}: {src}")
-        if not src.startswith(f"packaged asset {name} "):
+        if not src.startswith(f"packaged asset {name} ({Path(a.out).resolve() / name})"):
+            print(f"checkpoint=auto did not load {Path(a.out).resolve() / name}")
             return 1
         with torch.no_grad():  # a forward of the loaded asset (finite logits)
             logits = model(torch.arange(100, 164)[None]).logits

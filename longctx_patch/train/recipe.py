@@ -38,6 +38,7 @@ PRECISIONS = ("auto", "no", "bf16", "fp16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("auto", "keep")
 LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_INITS = ("fresh", "checkpoint")
 # The largest int a recipe key takes unless it says otherwise (steps, sizes, seeds: 32-bit counts and seeds), and the
 # largest token count (data.max_tokens: an int64 index).
 INT_MAX = 2**31 - 1
@@ -53,6 +54,9 @@ class LoraSpec:
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS_DEFAULT))
     layers: list[int] | None = None  # decoder layers that get adapters (None: all)
+    # fresh: B = 0 (peft's initialisation); checkpoint: the adapter of method_config.checkpoint (a packaged asset's,
+    # a run's trainable/), taken out of the projections it was merged into, trains on from its values
+    init: str = "fresh"
 
 
 @dataclass
@@ -143,11 +147,20 @@ class Recipe:
             "rest_config": d["rest_config"],
             "dtype": d["dtype"],
             "stages": [
-                {k: s[k] for k in ("name", "objective", "trainable", "lora", "batch_size", "seq_len", "grad_accum")}
+                {k: _fresh_lora_as_before(s[k]) if k == "lora" else s[k]
+                 for k in ("name", "objective", "trainable", "lora", "batch_size", "seq_len", "grad_accum")}
                 for s in d["stages"]
             ],
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fresh_lora_as_before(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A stage's LoRA block as the fingerprint hashes it: `init: fresh` (the default) left out, so that checkpoints
+    written before the key existed still resume."""
+    if lora is None or lora.get("init") != "fresh":
+        return lora
+    return {k: v for k, v in lora.items() if k != "init"}
 
 
 # ----------------------------------------------------------------------------------------------- overrides
@@ -333,6 +346,7 @@ def _validate_stage(s: Stage, where: str) -> None:
             raise ConfigError(f"{lw}.targets: expected a non-empty list of module names (e.g. [q_proj, v_proj]), got {t!r}")
         s.lora.targets = list(t)
         s.lora.layers = _int_list(f"{lw}.layers", s.lora.layers)
+        s.lora.init = _check_type(f"{lw}.init", s.lora.init, str, choices=LORA_INITS)
     tr = s.trainable
     if tr is None:
         tr = ["method"] if s.objective == "attention_transfer" else (["lora"] if s.lora is not None else ["full"])
@@ -456,7 +470,38 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
             raise ConfigError(
                 f"stages.{i}.trainable: attention_transfer trains the method's own parameters; include 'method'"
             )
+    _check_lora_init(r)
     return r
+
+
+def _check_lora_init(r: Recipe) -> None:
+    """`lora.init: checkpoint`: on a stage that trains LoRA, the first such stage (it adds the adapter, the later
+    ones keep training it), with a method whose checkpoint can hold a LoRA adapter (lolcats/lola) and a checkpoint
+    that is not `none`. Whether the checkpoint holds an adapter is known once the model is patched (the runner)."""
+    from ..methods import get_method, list_methods
+
+    first = next((i for i, s in enumerate(r.stages) if "lora" in s.trainable), None)
+    wanted = [i for i, s in enumerate(r.stages) if s.lora is not None and s.lora.init == "checkpoint"]
+    for i in wanted:
+        s = r.stages[i]
+        if "lora" not in s.trainable:
+            raise ConfigError(f"stages.{i}.lora.init: checkpoint starts the LoRA adapter a stage trains, but stage "
+                              f"{s.name!r} trains {s.trainable}; add lora to its trainable or drop lora.init")
+        if i != first and r.stages[first].lora.init != "checkpoint":
+            raise ConfigError(f"stages.{i}.lora.init: the adapter is added by the first LoRA stage "
+                              f"({r.stages[first].name!r}, fresh) and the later ones keep training it; set "
+                              f"stages.{first}.lora.init: checkpoint instead")
+    if not wanted:
+        return
+    where = f"stages.{wanted[0]}.lora.init: checkpoint"
+    if r.method is None or not get_method(r.method).lolcats_layout:
+        able = " or ".join(m for m in list_methods() if get_method(m).lolcats_layout)
+        raise ConfigError(f"{where} continues the LoRA adapter of the method's checkpoint, which method {able} loads "
+                          f"(the recipe's method is {r.method!r})")
+    ck = get_method(r.method).parse_config(dict(r.method_config)).checkpoint
+    if ck is None or str(ck).strip().lower() == "none":
+        raise ConfigError(f"{where} continues the LoRA adapter of method_config.checkpoint, which is none (fresh "
+                          "feature maps): set it to auto (the packaged asset) or a fine-tune run's trainable/ folder")
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:

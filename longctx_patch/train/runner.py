@@ -148,6 +148,8 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         # (parameter, its weights as loaded) of the base parameters held in bf16 for the run (`frozen_dtype`)
         self._frozen_originals: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.trained: dict[int, nn.Parameter] = {}  # every parameter trained by a stage so far, by identity
+        # lora.init: checkpoint: (the checkpoint's adapter tensors, its adapter_config, its folder) (_take_checkpoint_lora)
+        self._checkpoint_lora: tuple[dict[str, torch.Tensor], dict[str, Any], str] | None = None
         self.stage_logs: list[StageLog] = []
         self._eval_time = 0.0
         self.wall_start = time.time()
@@ -212,7 +214,24 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         self.root = model
         for p in model.parameters():
             p.requires_grad_(False)
+        self._take_checkpoint_lora()  # before the frozen weights are cast: they are the projections as they were
         self._hold_frozen_in_compute_dtype()
+
+    def _take_checkpoint_lora(self) -> None:
+        """`lora.init: checkpoint` on the first LoRA stage: the LoRA adapter of the method's checkpoint, which the
+        patch merged into the q/k/v/o projections, is taken back out of them (their weights as they were are put
+        back) and kept until that stage adds the adapter, which starts from its values (`_add_lora`). The model
+        computes the same either way; only where the LoRA lives changes (and so what trains)."""
+        from ..methods.lola.weights import take_checkpoint_lora
+
+        self._checkpoint_lora = None
+        first = next((s for s in self.recipe.stages if "lora" in s.trainable), None)
+        if first is None or first.lora is None or first.lora.init != "checkpoint":
+            return
+        sd, cfg, folder = take_checkpoint_lora(self.model)
+        self._checkpoint_lora = (sd, cfg, folder)
+        self._log(f"LoRA: the adapter of {folder} trains on from its values (lora.init: checkpoint; r {cfg.get('r')}, "
+                  f"alpha {cfg.get('lora_alpha')}, {len(sd) // 2} pairs)")
 
     def _hold_frozen_in_compute_dtype(self) -> None:
         """`frozen_dtype: auto` under bf16 mixed precision: the base model's floating-point parameters (no stage
@@ -266,12 +285,31 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             bias="none",
             task_type="CAUSAL_LM",
         )
+        if spec.init == "checkpoint":
+            _check_same_adapter(spec, *self._checkpoint_lora[1:])
         try:
             with peft_wrapping():
                 self.root = get_peft_model(self.root, cfg)
         except ValueError as e:
             raise ConfigError(f"LoRA targets {spec.targets} do not match the model's modules: {e}") from None
+        if spec.init == "checkpoint":
+            self._set_checkpoint_lora()
         self.root.to(self.accelerator.device)
+
+    def _set_checkpoint_lora(self) -> None:
+        """The new adapter's weights set to the checkpoint's (`_take_checkpoint_lora`); every LoRA weight of the
+        adapter must be among them and every one of them used."""
+        from peft import set_peft_model_state_dict
+
+        sd, _, folder = self._checkpoint_lora
+        res = set_peft_model_state_dict(self.root, sd)
+        missing = [k for k in res.missing_keys if "lora_" in k]
+        unused = list(res.unexpected_keys)
+        if missing or unused:
+            parts = [f"{what} {keys[:4]}{' ...' if len(keys) > 4 else ''}"
+                     for what, keys in (("no value for", missing), ("no place for", unused)) if keys]
+            raise CheckpointError(f"the LoRA adapter of {folder} does not fit the adapter the stage adds: "
+                                  + "; ".join(parts))
 
     def setup_stage(self, stage: Stage) -> list[tuple[str, nn.Parameter]]:
         """Structural changes (LoRA) and requires_grad for the stage; returns its trainable parameters."""
@@ -487,6 +525,16 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
                 raise CheckpointError(f"{ckpt / STATE_FILE}: \"logs\"[{i}] is not a stage log ({e}); {redo(ckpt)}") from None
         return logs
 
+    def _weights_source(self) -> list[str]:
+        """Where the patched layers' weights came from when the run started (the packaged asset `checkpoint: auto`
+        found, a checkpoint path, fresh feature maps), as the methods that load weights record it."""
+        from ..patcher import is_patched, patched_modules
+
+        model = getattr(self, "model", None)
+        if model is None or not is_patched(model):
+            return []
+        return sorted({m.weights_source for m in patched_modules(model).values() if hasattr(m, "weights_source")})
+
     def summary(self) -> dict[str, Any]:
         r = self.recipe
         return {
@@ -494,6 +542,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             "model": r.model,
             "method": r.method,
             "method_config": r.method_config,
+            "weights_source": self._weights_source(),
             "layers": r.layers,
             "world_size": self.world,
             "parallel": "fsdp2" if self.fsdp is not None else ("ddp" if self.world > 1 else "none"),
@@ -542,6 +591,26 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
                 with replacing_folder(mdir) as work:
                     self.model.save_pretrained(str(work))
                     self.tokenizer.save_pretrained(str(work))
+
+
+def _check_same_adapter(spec: LoraSpec, cfg: dict[str, Any], folder: str) -> None:
+    """`lora.init: checkpoint`: the stage's LoRA block must describe the checkpoint's adapter (its
+    adapter_config.json), which it continues: the same rank, alpha, target modules and layers, no bias."""
+    targets = cfg.get("target_modules")
+    have = {"r": cfg.get("r"), "alpha": cfg.get("lora_alpha"),
+            "targets": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
+            "layers": cfg.get("layers_to_transform")}
+    want = {"r": spec.r, "alpha": spec.alpha, "targets": sorted(spec.targets), "layers": spec.layers}
+    if isinstance(have["layers"], int):
+        have["layers"] = [have["layers"]]
+    differ = [k for k in want if (float(want[k]) != float(have[k] or 0) if k == "alpha" else want[k] != have[k])]
+    if cfg.get("bias", "none") != "none" or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        differ.append("bias/rank_pattern/alpha_pattern")
+    if differ:
+        raise ConfigError(
+            f"lora.init: checkpoint continues the adapter of {folder} ({', '.join(f'{k} {have.get(k)!r}' for k in have)}"
+            f"), but the stage's lora block says {', '.join(f'{k} {want[k]!r}' for k in want)} ({', '.join(differ)} "
+            "differ): give the stage's lora block the adapter's values")
 
 
 def write_results(name: str, summary: dict[str, Any]) -> Path:

@@ -19,7 +19,7 @@ from ...architectures import shared_weight
 from ...checkpoint import ADAPTER_DIR, PATCH_WEIGHTS, read_adapter_weights, read_weights_file
 from ...errors import CheckpointError, ConfigError
 from ...tensor_parallel import full_shape, local_part
-from ...patch_state import keep_original_weight, patched_modules
+from ...patch_state import keep_original_weight, patched_modules, restore_original_weight
 from .config import HybridConfig
 
 METHOD_KEYS = ("feature_map_q.mlp.layer", "feature_map_k.mlp.layer", "window_factors")
@@ -199,6 +199,89 @@ def load_lolcats_checkpoint(model, paths: str, modules=None, lora_alpha: float =
                 continue
             _apply_lora(model, i, proj, getattr(mods[i], proj), t, lora[(i, proj, "B")][0], alpha)
     return {"layers": len({i for i, _ in method}), "lora_pairs": sum(1 for k in lora if k[2] == "A")}
+
+
+def checkpoint_adapter_folder(model, config: HybridConfig) -> str:
+    """The folder whose PEFT `adapter/` the checkpoint `config.checkpoint` of `model`'s lolcats/lola layers holds: the
+    packaged asset `auto` finds for `model`, or the one part of a checkpoint path that is such a folder (an asset, a
+    fine-tune run's trainable/). CheckpointError when there is none (fresh feature maps, a file, a LoLCATs model.pt)
+    or several."""
+    ck = config.checkpoint
+    what = "there is no LoRA adapter to continue"
+    if ck is None or str(ck).strip().lower() in ("", "none"):
+        raise CheckpointError(f"checkpoint=none (fresh feature maps): {what}; load the packaged asset (checkpoint=auto) "
+                              "or a fine-tune run's trainable/ folder")
+    if str(ck).strip().lower() == "auto":
+        from ...assets import find_asset
+
+        asset = find_asset(model, config)
+        if asset is None:
+            raise CheckpointError(f"checkpoint=auto found no packaged asset for this model: {what}; pass "
+                                  "checkpoint=PATH (a packaged asset or a fine-tune run's trainable/ folder)")
+        folders = [str(asset.path)] if os.path.exists(os.path.join(asset.path, ADAPTER_DIR, "adapter_config.json")) else []
+    else:
+        folders = [p.strip() for p in str(ck).split(",")
+                   if os.path.exists(os.path.join(p.strip(), ADAPTER_DIR, "adapter_config.json"))]
+    if not folders:
+        raise CheckpointError(f"checkpoint {ck} holds no PEFT adapter ({ADAPTER_DIR}/adapter_config.json beside "
+                              f"{PATCH_WEIGHTS}, as a packaged asset or a fine-tune run's trainable/ has): {what}")
+    if len(folders) > 1:
+        raise CheckpointError(f"checkpoint {ck} holds {len(folders)} PEFT adapters ({', '.join(folders)}), merged one "
+                              "after the other; one adapter can continue only one of them: pass that folder alone")
+    return folders[0]
+
+
+def take_checkpoint_lora(model, modules=None) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """The LoRA adapter of the checkpoint `model`'s lolcats/lola layers were patched with, taken back out of their
+    q/k/v/o projections so that it can train as a PEFT adapter from its values (the fine-tune's `lora.init:
+    checkpoint`). Patching merged it (W += alpha / r * B A, `load_lolcats_checkpoint`) and kept each projection's
+    weight as it was (`keep_original_weight`): those weights are put back. Returns (the adapter's tensors under the
+    keys PEFT saved them with, its adapter_config.json, the folder it came from). CheckpointError when the checkpoint
+    holds no PEFT adapter (`checkpoint_adapter_folder`), when the adapter covers layers that are not patched (their
+    projections never had it), or when a projection it covers holds no weight from before the merge (a model loaded
+    with its patches already applied, e.g. a save_patched folder)."""
+    import json
+
+    mods = _modules(model, modules)
+    if not mods:
+        raise CheckpointError("no lolcats/lola layer: patch the model with lolcats or lola and a checkpoint first")
+    cks = {str(m.method_config.checkpoint) for m in mods.values()}
+    if len(cks) > 1:
+        raise CheckpointError(f"the lolcats/lola layers were patched from different checkpoints ({', '.join(sorted(cks))}); "
+                              "one LoRA adapter continues one checkpoint")
+    folder = checkpoint_adapter_folder(model, next(iter(mods.values())).method_config)
+    read = _read_adapter(folder)
+    if read is None:  # checked by checkpoint_adapter_folder; a folder changed meanwhile
+        raise CheckpointError(f"{folder} has no {ADAPTER_DIR}/adapter_config.json")
+    sd = read[0]
+    with open(os.path.join(folder, ADAPTER_DIR, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    pairs, unpatched = set(), set()
+    for key in sd:
+        m = _LOLCATS.match(_strip(key))
+        lm = _LORA.match(m.group(2)) if m is not None else None
+        if lm is None:
+            raise CheckpointError(f"{folder}/{ADAPTER_DIR}: key {key} is not a q/k/v/o LoRA weight of a decoder layer")
+        i = int(m.group(1))
+        (pairs if i in mods else unpatched).add((i, lm.group(1)))
+    if unpatched:
+        raise CheckpointError(f"the LoRA adapter of {folder} covers layers {sorted({i for i, _ in unpatched})}, which are "
+                              "not patched with lolcats/lola: their projections never had it, so training it as the "
+                              "adapter would change them; patch every layer it covers")
+    lacking = sorted((i, n) for i, n in pairs if (i, n) not in _kept_weights(model))
+    if lacking:
+        raise CheckpointError(f"the q/k/v/o projections of layers {sorted({i for i, _ in lacking})} hold the LoRA of "
+                              f"{folder} with no weight kept from before it was merged (was the model loaded with its "
+                              "patches already applied?): patch the base model with the checkpoint instead")
+    for i, name in sorted(pairs):
+        restore_original_weight(model, i, name)
+    return sd, cfg, folder
+
+
+def _kept_weights(model) -> set[tuple[int, str]]:
+    from ...patch_state import state_of
+
+    return set(state_of(model).saved_weights)
 
 
 def _apply_lora(model, layer: int, name: str, proj, A: torch.Tensor, B: torch.Tensor, alpha: float) -> None:
