@@ -294,6 +294,8 @@ NAMES_ALLOWED = {
     # the same word as another option's value, not a method: a model config's windows, a mixer's option
     ("longctx_patch/architectures.py", "none"): "an ArchAdapter's windows setting",
     ("longctx_patch/evals/synthetic/train.py", "none"): "a synthetic mixer option's value",
+    ("longctx_patch/train/recipe.py", "none"): "method_config.checkpoint's value none (fresh feature maps)",
+    ("longctx_patch/train/lora_init.py", "none"): "PEFT's LoraConfig.bias value for no bias",
 }
 
 

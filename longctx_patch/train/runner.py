@@ -46,6 +46,7 @@ from ..checkpoint import write_text
 from ..errors import CheckpointError, ConfigError, LongctxError
 from ..provenance import command_line, result_header
 from .losses import fusable_head, lm_head_bypassed, next_token_loss
+from .lora_init import check_same_adapter, set_adapter
 from .data import PackedData, load_documents, make_packed, text_files, text_record, tokenize_documents
 from .recipe import LoraSpec, Recipe, Stage
 from .trained import TRAINABLE_DIR, peft_wrapping
@@ -286,7 +287,7 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
             task_type="CAUSAL_LM",
         )
         if spec.init == "checkpoint":
-            _check_same_adapter(spec, *self._checkpoint_lora[1:])
+            check_same_adapter(spec, *self._checkpoint_lora[1:])
         try:
             with peft_wrapping():
                 self.root = get_peft_model(self.root, cfg)
@@ -297,19 +298,9 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
         self.root.to(self.accelerator.device)
 
     def _set_checkpoint_lora(self) -> None:
-        """The new adapter's weights set to the checkpoint's (`_take_checkpoint_lora`); every LoRA weight of the
-        adapter must be among them and every one of them used."""
-        from peft import set_peft_model_state_dict
-
+        """The new adapter's weights set to the checkpoint's (`_take_checkpoint_lora`; `lora_init.set_adapter`)."""
         sd, _, folder = self._checkpoint_lora
-        res = set_peft_model_state_dict(self.root, sd)
-        missing = [k for k in res.missing_keys if "lora_" in k]
-        unused = list(res.unexpected_keys)
-        if missing or unused:
-            parts = [f"{what} {keys[:4]}{' ...' if len(keys) > 4 else ''}"
-                     for what, keys in (("no value for", missing), ("no place for", unused)) if keys]
-            raise CheckpointError(f"the LoRA adapter of {folder} does not fit the adapter the stage adds: "
-                                  + "; ".join(parts))
+        set_adapter(self.root, sd, folder)
 
     def setup_stage(self, stage: Stage) -> list[tuple[str, nn.Parameter]]:
         """Structural changes (LoRA) and requires_grad for the stage; returns its trainable parameters."""
@@ -591,26 +582,6 @@ class Finetuner(CheckpointMixin, DistributedMixin, StageLoopMixin):
                 with replacing_folder(mdir) as work:
                     self.model.save_pretrained(str(work))
                     self.tokenizer.save_pretrained(str(work))
-
-
-def _check_same_adapter(spec: LoraSpec, cfg: dict[str, Any], folder: str) -> None:
-    """`lora.init: checkpoint`: the stage's LoRA block must describe the checkpoint's adapter (its
-    adapter_config.json), which it continues: the same rank, alpha, target modules and layers, no bias."""
-    targets = cfg.get("target_modules")
-    have = {"r": cfg.get("r"), "alpha": cfg.get("lora_alpha"),
-            "targets": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
-            "layers": cfg.get("layers_to_transform")}
-    want = {"r": spec.r, "alpha": spec.alpha, "targets": sorted(spec.targets), "layers": spec.layers}
-    if isinstance(have["layers"], int):
-        have["layers"] = [have["layers"]]
-    differ = [k for k in want if (float(want[k]) != float(have[k] or 0) if k == "alpha" else want[k] != have[k])]
-    if cfg.get("bias", "none") != "none" or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        differ.append("bias/rank_pattern/alpha_pattern")
-    if differ:
-        raise ConfigError(
-            f"lora.init: checkpoint continues the adapter of {folder} ({', '.join(f'{k} {have.get(k)!r}' for k in have)}"
-            f"), but the stage's lora block says {', '.join(f'{k} {want[k]!r}' for k in want)} ({', '.join(differ)} "
-            "differ): give the stage's lora block the adapter's values")
 
 
 def write_results(name: str, summary: dict[str, Any]) -> Path:
