@@ -33,6 +33,30 @@
 # Its results come back in small.tar: bgout/ppl/ (exact attention with the asset's LoRA beside unpatched, held-out
 # code and prose at 4k and 16k), bgout/lola/needle-study-qwen2.5-coder-0.5b-{4k,16k}-<gpu>.json (rewritten after
 # every prompt: a chain cut short still brings back what it measured) and bgout/muse/PART/ (the guard, a file a part).
+# The LoRA under lola (recipes/linearize-qwen-lola.yaml; docs/training-data.md, "Next: LoRA under lola"): calls 1-13 as
+# above, then
+#   14    carry [".device-model/qwen/12"]                   $C [TUNE_MAX_S=780] [TUNE_ARGS=...] bash $B tune-go 12 13
+#         the GGUF whole and checked; in the background: dequantise, (corpus built) lola-tune: the recipe on
+#         corpus/train-b from the shipped asset (its feature maps frozen, its LoRA training on), its stage capped at
+#         TUNE_MAX_S s (empty: no cap) so that the rest fits the session; the new asset packaged on top of the shipped
+#         one (asset-lola-tuned.tar); held-out perplexity (code, prose; PPL_CONTEXT) of the unpatched model, exact
+#         attention with the new and with the shipped LoRA (lolcats(window=16384)), lolcats and lola 1024/1024
+#         unshifted with the new asset, lola with the shipped one; S-NIAH-1/2 (NIAH_LENGTHS) of the unpatched model,
+#         lola new and shipped, exact attention with the new LoRA (lolcats(window=32768)); polls for POLL_S (120) s
+#   15..  no carry                                          $C bash $B poll 120          until "the chain has ended"
+#  (  -   carry [".device-state/qwen-lola"]                 $C bash $B tune-restore      before tune-go, to continue a
+#         run cut off with the machine, e.g. a longer one with TUNE_MAX_S= TUNE_ARGS="--set stages.lola_16k.steps=N")
+# Its results come back in small.tar (bgout/ppl/qwen2.5-coder-0.5b-lola-tuned-heldout-{code,prose}-<gpu>.json,
+# bgout/niah/qwen2.5-coder-0.5b-lola-tuned-niah-<gpu>.json, bgout/tune-train.log), the run's state as tune-state.tar.NN,
+# the asset as asset-lola-tuned.tar (untar it into longctx_patch/assets/ to ship it: it replaces the folder of the
+# same name). Time, an ESTIMATE (not measured on Qwen): the lolcats LoRA stages ran at ~53k tokens/s at 16k on the H100
+# (docs/training-data.md), at which the recipe's 0.39M tokens would take 7 s; lola does not train through those
+# Triton kernels but through its PyTorch sets path (kernels/lola/training.py), measured 7.6x slower than lolcats at
+# 4k on a SmolLM2-shaped model (lola/train-step-sets-h200.json) and quadratic in the length: scaled to Qwen at 16k,
+# ~22 s a 16384-token sequence on an H200, up to ~31 s on an H100 (0.5-0.75k tokens/s), so ~9-13 min for the 24
+# steps (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start,
+# the pieces, the corpus and dequantising (~8 min in the last run), ~20-25 min of device time: inside the 30 minutes
+# a machine is held. The stage log's tokens_per_s is the measurement.
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
@@ -42,7 +66,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -65,6 +89,14 @@ STUDY_METHODS=${STUDY_METHODS:-lola(window=1024,sparse_cache=1024,combine=unshif
 lola(window=1024,sparse_cache=1024,combine=shifted) lola(window=256,sparse_cache=256,combine=unshifted) \
 lola(window=256,sparse_cache=256,combine=shifted)}
 GUARD_PARTS=${GUARD_PARTS-errors,speed,ppl,niah}  # the study chain's last step, MuSe's guard (empty: none)
+# the LoRA under lola (lola-tune): its recipe and run folder, the folder its asset is packaged into, the cap on its
+# stage in seconds (empty: none), the asset it continues (the shipped one, in the tree the call brought; a dry run on
+# another model names that model's) and lola as the asset's measured defaults run it
+TUNE_RECIPE=${TUNE_RECIPE:-recipes/linearize-qwen-lola.yaml} TUNE_RUN=${TUNE_RUN:-/tmp/runs/qwen-lola}
+TUNE_ASSETS=${TUNE_ASSETS:-/tmp/assets-lola-tuned} TUNE_MAX_S=${TUNE_MAX_S-780}
+SHIPPED=${SHIPPED:-longctx_patch/assets/qwen2.5-coder-0.5b-instruct-lolcats}
+LOLA='lola(window=1024,sparse_cache=1024,combine=unshifted)'
+STATE=${STATE:-state}                # the prefix of the state pieces send_state writes (tune-train: tune-state)
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: send_state writes it from inside $RUN
@@ -73,13 +105,15 @@ export PYTHONUNBUFFERED=1 LONGCTX_RESULTS=${LONGCTX_RESULTS:-$OUT}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z || echo gpu)
 left() { echo $((LIMIT_S - ($(date +%s) - T0))); }
 
-# the newest checkpoint, the log and trainable/ of the run as 15 MiB pieces in $OUT (8 files of 16 MiB come back)
+# send_state [RUN [PREFIX]]: the newest checkpoint, the log and trainable/ of the run ($RUN) as 15 MiB pieces
+# $OUT/PREFIX.tar.NN ($STATE) (8 files of 16 MiB come back)
 send_state() {
-  [ -d "$RUN" ] || return 0
+  local run=${1:-$RUN} prefix=${2:-$STATE}
+  [ -d "$run" ] || return 0
   local d
-  d=$(cd "$RUN" && ls -d checkpoints/stage*-step* 2>/dev/null | grep -v -e '\.tmp$' -e '\.old$' | sort | tail -1 || true)
-  if [ -z "$d" ]; then echo "no checkpoint yet in $RUN"; return 0; fi
-  (cd "$RUN" && tar cf - "$d" $(ls -d train_log.json recipe.yaml trainable 2>/dev/null) | split -b 15M -d - "$OUT/state.tar.")
+  d=$(cd "$run" && ls -d checkpoints/stage*-step* 2>/dev/null | grep -v -e '\.tmp$' -e '\.old$' | sort | tail -1 || true)
+  if [ -z "$d" ]; then echo "no checkpoint yet in $run"; return 0; fi
+  (cd "$run" && tar cf - "$d" $(ls -d train_log.json recipe.yaml trainable 2>/dev/null) | split -b 15M -d - "$OUT/$prefix.tar.")
   ls -l "$OUT"
 }
 
@@ -105,7 +139,7 @@ in_background() {  # in_background STEP: `$0 STEP` in a background process sessi
                    # log /tmp/chain.log, /tmp/chain.done once it ends (what `poll` waits for and brings back)
   rm -f /tmp/chain.done; mkdir -p /tmp/bgout
   local repo; repo=$(snapshot)
-  (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' bash '$0' $1 > /tmp/chain.log 2>&1; \
+  (cd "$repo" && setsid bash -c "LORA_ARGS='${LORA_ARGS:-}' TUNE_ARGS='${TUNE_ARGS:-}' bash '$0' $1 > /tmp/chain.log 2>&1; \
     touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
 }
 
@@ -260,6 +294,54 @@ case $STEP in
         --text "$CORPUS/heldout/prose" --parts "$part" --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
         echo "! the guard's $part part did not finish"
     done;;
+  # --- The LoRA under lola: `stage` and `piece` as above, then `tune-go NN LAST` and `poll` calls (the header).
+  tune-go)
+    assemble "${2:?tune-go NN LAST}" "${3:?tune-go NN LAST}"
+    in_background tune-chain
+    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+  tune-chain)  # in the background: no call limit, its files in /tmp/bgout
+    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+    dequantise
+    wait_corpus
+    # shellcheck disable=SC2086
+    bash "$0" lola-tune $TUNE_ARGS
+    echo "tune chain done after $(( $(date +%s) - T0 )) s";;
+  tune-restore)  # the tune run's state pieces a lost machine returned, carried in .device-state/qwen-lola
+    mkdir -p "$TUNE_RUN" && cat .device-state/qwen-lola/tune-state.tar.* | tar xf - -C "$TUNE_RUN" && ls -R "$TUNE_RUN" | head -20;;
+  lola-tune)  # lola-tune [finetune options]: train, package, perplexity, S-NIAH (each step on its own: rerun one alone)
+    bash "$0" tune-train "${@:2}"
+    bash "$0" tune-package
+    bash "$0" tune-ppl
+    bash "$0" tune-niah;;
+  tune-train)  # the recipe on train-b, resumed from the newest checkpoint, its stage capped at TUNE_MAX_S
+    RECIPE=$TUNE_RECIPE RUN=$TUNE_RUN STATE=tune-state
+    train "$CORPUS/train-b" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
+  tune-package)  # the run as the new asset on top of the one it continued (its method defaults, its record as
+                 # based_on), checked (checkpoint=auto loads it), as $OUT/asset-lola-tuned.tar
+    rm -rf "$TUNE_ASSETS"
+    python3 -m longctx_patch.train.package "$TUNE_RUN" --model "$MODEL" --out "$TUNE_ASSETS" --corpus "$CORPUS/corpus.json" \
+      --recipe "$TUNE_RECIPE" --based-on "$SHIPPED" --check
+    (cd "$TUNE_ASSETS" && tar cf "$OUT/asset-lola-tuned.tar" .);;
+  tune-ppl)  # held-out perplexity: the new asset (checkpoint=auto finds it first) beside the shipped one (by path)
+    [ -n "$(ls -A "$TUNE_ASSETS" 2>/dev/null)" ] || { echo "no asset in $TUNE_ASSETS: run tune-package first"; exit 1; }
+    export LONGCTX_ASSET_PATH=$TUNE_ASSETS
+    mkdir -p "$OUT/ppl"
+    for kind in code prose; do
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+        --method none --method 'lolcats(window=16384)' --method "lolcats(window=16384,checkpoint=$SHIPPED)" \
+        --method lolcats --method "$LOLA" --method "${LOLA%)},checkpoint=$SHIPPED)" --text "$CORPUS/heldout/$kind" \
+        --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT/ppl" \
+        --name "qwen2.5-coder-0.5b-lola-tuned-heldout-$kind-$GPU" 2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
+    done;;
+  tune-niah)  # S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a depth) on the held-out prose: the unpatched model, lola
+              # with the new and with the shipped asset, exact attention with the new LoRA (prompt and answer in its window)
+    [ -n "$(ls -A "$TUNE_ASSETS" 2>/dev/null)" ] || { echo "no asset in $TUNE_ASSETS: run tune-package first"; exit 1; }
+    export LONGCTX_ASSET_PATH=$TUNE_ASSETS
+    mkdir -p "$OUT/niah"
+    timeout "$(left)" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+      --method "$LOLA" --method "${LOLA%)},checkpoint=$SHIPPED)" --method 'lolcats(window=32768)' --tasks s-niah-1,s-niah-2 \
+      --lengths "$NIAH_LENGTHS" --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" --haystack "$CORPUS/heldout/prose" \
+      --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-tuned-niah-$GPU" 2>&1 | tail -n 30;;
   poll)
     wait_s=${2:-500}
     end=$(( $(date +%s) + wait_s ))
@@ -269,8 +351,11 @@ case $STEP in
     tail -n 40 /tmp/chain.log 2>/dev/null || true
     nvidia-smi --query-gpu=memory.used --format=csv,noheader || true
     send_state || echo "! state not sent"
+    send_state "$TUNE_RUN" tune-state || echo "! the tune run's state not sent"
     [ -f /tmp/bgout/asset.tar ] && cp /tmp/bgout/asset.tar "$OUT/"
-    (cd /tmp && tar cf "$OUT/small.tar" --exclude='state.tar.*' --exclude=asset.tar \
+    [ -f /tmp/bgout/asset-lola-tuned.tar ] && cp /tmp/bgout/asset-lola-tuned.tar "$OUT/"
+    (cd /tmp && tar cf "$OUT/small.tar" --exclude='state.tar.*' --exclude='tune-state.tar.*' --exclude=asset.tar \
+      --exclude=asset-lola-tuned.tar \
       $(ls -d corpus.log chain.log corpus/corpus.json bgout 2>/dev/null)) || true
     ls -l "$OUT";;
   *) echo "unknown step $STEP"; exit 2;;
