@@ -29,14 +29,19 @@ ASSET_NAMES = {"smollm2-135m": "smollm2-135m-instruct-lolcats",
                "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-lolcats"}
 
 
+def _read_json(path: Path, if_missing: str, if_unreadable: str) -> Any:
+    """The JSON at `path`; a CheckpointError saying what to do when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: {if_missing}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}); {if_unreadable}") from None
+
+
 def read_train_log(run_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(run_dir) / "train_log.json"
-    try:
-        log = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} not found: pass the output folder of a `longctx finetune` run") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}); copy the run's folder again") from None
+    log = _read_json(path, "pass the output folder of a `longctx finetune` run", "copy the run's folder again")
     if not isinstance(log, dict) or not isinstance(log.get("stages"), list):
         raise CheckpointError(f"{path} is not a fine-tune log (no \"stages\")")
     if log.get("stopped_after"):
@@ -130,12 +135,7 @@ def lineage(asset_dir: str | os.PathLike) -> dict[str, Any]:
     from . import ASSET_JSON
 
     path = Path(asset_dir) / ASSET_JSON
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} not found: pass the folder of the packaged asset the run continued") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}); copy the asset folder again") from None
+    info = _read_json(path, "pass the folder of the packaged asset the run continued", "copy the asset folder again")
     if not isinstance(info, dict):
         raise CheckpointError(f"{path} is not an asset description (an object)")
     name = info.get("name", Path(asset_dir).name)
