@@ -66,7 +66,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -96,6 +96,7 @@ TUNE_RECIPE=${TUNE_RECIPE:-recipes/linearize-qwen-lola.yaml} TUNE_RUN=${TUNE_RUN
 TUNE_ASSETS=${TUNE_ASSETS:-/tmp/assets-lola-tuned} TUNE_MAX_S=${TUNE_MAX_S-780}
 SHIPPED=${SHIPPED:-longctx_patch/assets/qwen2.5-coder-0.5b-instruct-lolcats}
 LOLA='lola(window=1024,sparse_cache=1024,combine=unshifted)'
+TUNE_FIRST=${TUNE_FIRST:-}           # steps the tune chain runs before training (e.g. "niah-check muse-guard")
 STATE=${STATE:-state}                # the prefix of the state pieces send_state writes (tune-train: tune-state)
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
@@ -303,6 +304,7 @@ case $STEP in
     export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
     dequantise
     wait_corpus
+    for s in $TUNE_FIRST; do bash "$0" "$s"; done
     # shellcheck disable=SC2086
     bash "$0" lola-tune $TUNE_ARGS
     echo "tune chain done after $(( $(date +%s) - T0 )) s";;
@@ -333,6 +335,13 @@ case $STEP in
         --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" --no-progress --out-dir "$OUT/ppl" \
         --name "qwen2.5-coder-0.5b-lola-tuned-heldout-$kind-$GPU" 2>&1 | tail -n 20 || echo "! perplexity on $kind did not finish"
     done;;
+  niah-check)  # S-NIAH-1/2 at 16k through `eval niah` on the needle study's prompts (depths 0.1-0.9, 2 a depth): the
+               # unpatched model and lola as the shipped asset runs it (the study's own probe answered 5/10 and 1/10)
+    mkdir -p "$OUT/niah"
+    timeout "$(left)" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+      --method "$LOLA" --tasks s-niah-1,s-niah-2 --lengths 16k --depths "$STUDY_DEPTHS" --samples 2 \
+      --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-niah-check-$GPU" \
+      2>&1 | tail -n 30;;
   tune-niah)  # S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a depth) on the held-out prose: the unpatched model, lola
               # with the new and with the shipped asset, exact attention with the new LoRA (prompt and answer in its window)
     [ -n "$(ls -A "$TUNE_ASSETS" 2>/dev/null)" ] || { echo "no asset in $TUNE_ASSETS: run tune-package first"; exit 1; }
