@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+from longctx_patch.kernels.lola.training import lola_attention_sets  # noqa: E402
 from longctx_patch.methods.lola import LolaConfig  # noqa: E402
 from longctx_patch.methods.lolcats import LolcatsConfig  # noqa: E402
 
@@ -137,6 +138,42 @@ def test_unshifted_is_stable_where_exp_of_the_scores_overflows():
         got_d = tk.decode_step(qq[:, :, -1:].contiguous(), fq[:, :, -1:].contiguous(), ref.HybridKeys(kk, v, fk, H, s),
                                unshifted)
         torch.testing.assert_close(got_d.float(), want[:, :, -1:].transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_unshifted_rows_far_below_zero_without_linear_keys_keep_their_exact_term_and_finite_gradients():
+    """Every exact score -200 and no linear state: the first `window` rows have no linear key, so their output is
+    the exact term alone (exp(-200) underflows fp32: a weight exp(min(m, 0)) taken as it is gave those rows 0, and
+    at m just above -87 an inf / nan gradient through the normaliser, which stopped a fine-tune of a real model);
+    the later rows are the linear term alone. The reference, its gradients, the training path and the kernels."""
+    S, W = 9, 4
+    _, _, v, fq, fk, g, lf, _ = _seq(S, seed=2)
+    H, s = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(5)), dim=0)
+    kk = (20.0 * u).expand(B, HKV, S, D).contiguous()
+    for score in (-200.0, -88.0, -80.0):
+        qq = (score / 5.0 * u).expand(B, HQ, S, D).contiguous()  # q.k / sqrt(16) = score
+        keys = ref.HybridKeys(kk, v, fk, H, s, q_offset=0)
+        unshifted = ref.HybridRule(W, g, lf, D ** -0.5, "unshifted")
+        got = ref.lola_attention(qq, fq, keys, unshifted)
+        exact = ref.lola_attention(qq, fq, keys, ref.HybridRule(W, g, torch.zeros(HQ), D ** -0.5))
+        linear = ref.lola_attention(qq, fq, keys, ref.HybridRule(W, torch.zeros(HQ), lf, D ** -0.5))
+        torch.testing.assert_close(got[:, :, :W], exact[:, :, :W], atol=1e-5, rtol=1e-5)
+        assert exact[:, :, :W].abs().amax() > 0.1  # the window's values, not 0
+        torch.testing.assert_close(got[:, :, W:], linear[:, :, W:], atol=1e-5, rtol=1e-5)
+        got_f = tk.hybrid_fwd(qq, fq, keys, unshifted, block_m=16, block_n=16)
+        torch.testing.assert_close(got_f.float(), got.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        qg, vg, fqg = (x.clone().requires_grad_(True) for x in (qq, v, fq))
+        out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf, window=W, scale=D ** -0.5, combine="unshifted")
+        torch.testing.assert_close(out, got, atol=1e-5, rtol=1e-5)
+        out.square().sum().backward()
+        assert all(torch.isfinite(x.grad).all() for x in (qg, vg, fqg)), score
+        sets = torch.full((1, B, HKV, 2), -1, dtype=torch.long)  # no sparse key
+        qt, vt = (x.clone().requires_grad_(True) for x in (qq, v))
+        tr = lola_attention_sets(qt, kk, vt, fq, fk, g, lf, sets, window=W, chunk=16, scale=D ** -0.5,
+                                 combine="unshifted")
+        torch.testing.assert_close(tr.float(), got.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        tr.float().square().sum().backward()
+        assert torch.isfinite(qt.grad).all() and torch.isfinite(vt.grad).all(), score
 
 
 @pytest.mark.parametrize("window,chunk", [(8, 16), (5, 4)])

@@ -66,7 +66,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -97,6 +97,7 @@ TUNE_ASSETS=${TUNE_ASSETS:-/tmp/assets-lola-tuned} TUNE_MAX_S=${TUNE_MAX_S-780}
 SHIPPED=${SHIPPED:-longctx_patch/assets/qwen2.5-coder-0.5b-instruct-lolcats}
 LOLA='lola(window=1024,sparse_cache=1024,combine=unshifted)'
 TUNE_FIRST=${TUNE_FIRST:-}           # steps the tune chain runs before training (e.g. "niah-check muse-guard")
+TUNE_THEN=${TUNE_THEN-tune-package tune-ppl tune-niah}  # and after it (a check of the training alone: "lola-ppl")
 STATE=${STATE:-state}                # the prefix of the state pieces send_state writes (tune-train: tune-state)
 LIMIT_S=${LIMIT_S:-570}              # of the call's 600 s: what a step may take before it returns its state
 OUT=${OUT:-/tmp/out}
@@ -312,9 +313,7 @@ case $STEP in
     mkdir -p "$TUNE_RUN" && cat .device-state/qwen-lola/tune-state.tar.* | tar xf - -C "$TUNE_RUN" && ls -R "$TUNE_RUN" | head -20;;
   lola-tune)  # lola-tune [finetune options]: train, package, perplexity, S-NIAH (each step on its own: rerun one alone)
     bash "$0" tune-train "${@:2}"
-    bash "$0" tune-package
-    bash "$0" tune-ppl
-    bash "$0" tune-niah;;
+    for s in $TUNE_THEN; do bash "$0" "$s"; done;;
   tune-train)  # the recipe on train-b, resumed from the newest checkpoint, its stage capped at TUNE_MAX_S
     RECIPE=$TUNE_RECIPE RUN=$TUNE_RUN STATE=tune-state
     train "$CORPUS/train-b" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
@@ -342,6 +341,14 @@ case $STEP in
       --method "$LOLA" --tasks s-niah-1,s-niah-2 --lengths 16k --depths "$STUDY_DEPTHS" --samples 2 \
       --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-niah-check-$GPU" \
       2>&1 | tail -n 30;;
+  lola-ppl)  # held-out perplexity (code, prose; PPL_CONTEXT) of the unpatched model and lola as the shipped asset runs it
+    mkdir -p "$OUT/ppl"
+    for kind in code prose; do
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+        --method none --method "$LOLA" --text "$CORPUS/heldout/$kind" --context "$PPL_CONTEXT" --windows "$PPL_WINDOWS" \
+        --no-progress --out-dir "$OUT/ppl" --name "qwen2.5-coder-0.5b-lola-heldout-$kind-$GPU" 2>&1 | tail -n 8 ||
+        echo "! perplexity on $kind did not finish"
+    done;;
   tune-niah)  # S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a depth) on the held-out prose: the unpatched model, lola
               # with the new and with the shipped asset, exact attention with the new LoRA (prompt and answer in its window)
     [ -n "$(ls -A "$TUNE_ASSETS" 2>/dev/null)" ] || { echo "no asset in $TUNE_ASSETS: run tune-package first"; exit 1; }

@@ -97,13 +97,17 @@ def _finish(num_e, den_e, num_l, den_l, g, lf, m=None):
     num_e / den_e are the exact sums with the row max m subtracted (exp(s - m)). m None: combined as they are
     (`combine="shifted"`, LoLCATs' convention). m given [.., 1] (`combine="unshifted"`, the LoLA authors'): the exact
     term is exp(s) as is, i.e. the linear term weighs exp(-m) of the shifted one; computed as exact weight
-    exp(min(m, 0)) and linear weight exp(-max(m, 0)) (their ratio is exp(m), neither overflows)."""
+    exp(min(m, 0)) and linear weight exp(-max(m, 0)) (their ratio is exp(m), neither overflows), both divided by the
+    larger of the two that the row uses (a row without linear keys, den_l 0, uses the exact one alone): a row whose
+    exact scores all lie far below 0 (m < -87) would otherwise get a normaliser that underflows fp32, an output of 0
+    or, just above that, a gradient of inf / nan through den ** 2."""
     g = g.float().view(1, -1, 1, 1)
     lf = lf.float().view(1, -1, 1, 1)
     if m is not None:
-        m = m.float()
-        g = g * torch.exp(m.clamp_max(0.0))
-        lf = lf * torch.exp(-m.clamp_min(0.0))
+        me, ml = m.float().clamp_max(0.0), -m.float().clamp_min(0.0)
+        c = torch.where(den_l > 0, torch.maximum(me, ml), me).detach()  # the output does not depend on it
+        g = g * torch.exp(me - c)
+        lf = lf * torch.exp((ml - c).clamp_max(0.0))  # clamped only where den_l is 0 (no linear term to weigh)
     num = g * num_e + lf * num_l
     den = g * den_e + lf * den_l
     return num / torch.where(den > 0, den, torch.ones_like(den))

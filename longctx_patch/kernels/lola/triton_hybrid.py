@@ -143,9 +143,13 @@ def _hybrid_fwd_kernel(
 
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
-    if UNSHIFTED:  # the exact term exp(s) as is: weights exp(min(m, 0)) and exp(-max(m, 0)) (m_i in log2 units)
-        we = gw * tl.exp2(tl.minimum(m_i, 0.0))
-        wl = lw * tl.exp2(-tl.maximum(m_i, 0.0))
+    if UNSHIFTED:  # the exact term exp(s) as is: weights exp(min(m, 0)) and exp(-max(m, 0)) (m_i in log2 units),
+        # both over the larger one the row uses (reference._finish: no underflow for rows far below 0)
+        me = tl.minimum(m_i, 0.0)
+        ml = -tl.maximum(m_i, 0.0)
+        c = tl.where(l_l > 0, tl.maximum(me, ml), me)
+        we = gw * tl.exp2(me - c)
+        wl = lw * tl.exp2(tl.minimum(ml - c, 0.0))
         num = we[:, None] * acc_e + wl[:, None] * acc_l
         den = we * l_e + wl * l_l
     else:
@@ -344,8 +348,11 @@ def _decode_kernel(
     gw = tl.load(GW + h).to(tl.float32)
     lw = tl.load(LFW + h).to(tl.float32)
     if UNSHIFTED:  # as in the hybrid kernel: the linear term against exp(s), m_i in log2 units
-        gw = gw * tl.exp2(tl.minimum(m_i, 0.0))
-        lw = lw * tl.exp2(-tl.maximum(m_i, 0.0))
+        me = tl.minimum(m_i, 0.0)
+        ml = -tl.maximum(m_i, 0.0)
+        c = tl.where(l_l > 0, tl.maximum(me, ml), me)
+        gw = gw * tl.exp2(me - c)
+        lw = lw * tl.exp2(tl.minimum(ml - c, 0.0))
     num = gw * acc_e + lw * acc_l
     den = gw * l_e + lw * l_l
     den = tl.where(den > 0, den, 1.0)
