@@ -71,22 +71,20 @@ def test_exact_rows_equals_the_reference(dtype, Hq, Hkv, padded):
         assert dead.any() and (got[2][dead] == 0).all()
 
 
-def test_keys_in_chunks_merge_to_the_whole():
-    """The online softmax over chunks of keys (the scores bounded in size) equals one softmax over all keys: chunks
-    of 16 and 50 of 131 keys (a last partial one), left padding longer than a chunk, rows at 0 and S - 1."""
-    B, Hq, Hkv, S, D, m = 2, 6, 2, 131, 8, 7
+def test_batch_rows_in_groups_equal_one_group(monkeypatch):
+    """Masks over the bound go by groups of batch rows: groups of 1 and 2 of 3 rows (a last partial one), left
+    padding, rows at 0 and S - 1, equal one group and the reference."""
+    B, Hq, Hkv, S, D, m = 3, 6, 2, 131, 8, 7
     q, k, v = qkv(B, Hq, Hkv, S, D, torch.float32, seed=1)
-    km = left_padded(B, S, (0, 37))
+    km = left_padded(B, S, (0, 37, 3))
     pos = positions(B, Hq, m, S, seed=1)
-    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B * Hkv, 3 * m, D)
-    limit = pos.reshape(B * Hkv, 3 * m, 1)
-    whole = guard_mod._attend_rows(qs, k, v, limit, km, scale=0.3, chunk=S)
-    want = old.exact_rows(q, k, v, pos, km, scale=0.3).reshape(B * Hkv, 3 * m, D)
-    torch.testing.assert_close(whole.nan_to_num(0.0), want, rtol=1e-5, atol=1e-6)
-    for chunk in (16, 50):
-        part = guard_mod._attend_rows(qs, k, v, limit, km, scale=0.3, chunk=chunk)
-        torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6, equal_nan=True)
-    assert whole.isnan().any()  # row 1's positions in its padding
+    whole = exact_rows(q, k, v, pos, km, scale=0.3)
+    torch.testing.assert_close(whole, old.exact_rows(q, k, v, pos, km, scale=0.3), rtol=1e-5, atol=1e-6)
+    one = Hkv * 3 * m * S  # one batch row's mask
+    for rows in (1, 2):
+        monkeypatch.setattr(guard_mod, "_MASK_BYTES", rows * one)
+        torch.testing.assert_close(exact_rows(q, k, v, pos, km, scale=0.3), whole, rtol=0, atol=0)
+    assert (whole[1][pos[1] < 37] == 0).all() and (pos[1] < 37).any()  # row 1's positions in its padding
 
 
 # ----------------------------------------------------------------------------------------------- the sample

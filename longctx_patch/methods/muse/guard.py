@@ -306,63 +306,36 @@ def _sampled_unpadded(o, first: int, rows: int):
     return pos, w, [ms + t] * B
 
 
-_SCORES_BYTES = 256 << 20  # exact_rows' fp32 scores at most this large at once: longer calls go by chunks of keys
+_MASK_BYTES = 256 << 20  # exact_rows' masks at most this large at once: larger batches go by groups of batch rows
 
 
 def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
     """Exact causal attention of the query rows `pos` [B, Hq, m] (columns of q, per query head) against their keys:
-    key j for row t when j <= t (and key_mask[b, j]), with fp32 scores, softmax and accumulation (what a head made
-    exact computes), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, m, D]
-    fp32 (a row with no key: 0).
+    key j for row t when j <= t (and key_mask[b, j]), computed as a head made exact computes it (SDPA in the
+    inputs' dtype, fp32 accumulation), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D]
+    -> [B, Hq, m, D] fp32 (a row with no key: 0).
 
-    A kv group's query heads are one block of G m rows over the kv head's keys (no repeated keys), all batch rows in
-    one batched matmul; the causal limit is a comparison of the key index with each row's position, the padding the
-    key mask broadcast over the rows. Scores over 256 MiB go by chunks of keys merged as an online softmax."""
+    A kv group's query heads are one block of G m rows over the kv head's keys (no repeated keys); the causal limit
+    and the padding are one boolean mask [B, Hkv, G m, S] (SDPA's memory-efficient kernel on CUDA: no scores held),
+    built for groups of batch rows of at most 256 MiB."""
     B, Hq, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G, m = Hq // Hkv, pos.shape[2]
     R = G * m
-    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B * Hkv, R, D).float()
-    limit = pos.reshape(B * Hkv, R, 1)
-    chunk = max(256, _SCORES_BYTES // (4 * max(1, B * Hkv * R)) // 256 * 256)
-    out = _attend_rows(qs, k, v, limit, km, scale=scale, chunk=chunk)
-    return out.view(B, Hq, m, v.shape[-1]).to(q.dtype).float().nan_to_num_(0.0)
-
-
-def _attend_rows(qs, k, v, limit, km, *, scale: float, chunk: int) -> torch.Tensor:
-    """Softmax attention in fp32 of the rows qs [B Hkv, R, D] (fp32) over k/v [B, Hkv, Sk, D], row r of batch-and-kv
-    head i attending key j when j <= limit[i, r] (and km[b, j]): [B Hkv, R, Dv] fp32 (NaN for a row with no key).
-    The keys in chunks of `chunk`: one chunk is a plain softmax; more are merged as an online softmax (running max
-    and sum), so the scores held at once are [B Hkv, R, chunk]."""
-    B, Hkv, Sk, D = k.shape
-    BH, R = qs.shape[0], qs.shape[1]
-    dev = qs.device
-    none = qs.new_empty(1, 1, 1)  # baddbmm's input at beta 0: ignored
-
-    def scores(s0: int, s1: int):
-        kc = k[:, :, s0:s1].float().reshape(BH, s1 - s0, D)
-        sc = torch.baddbmm(none, qs, kc.transpose(1, 2), beta=0.0, alpha=scale)  # [BH, R, c]
-        sc.masked_fill_(torch.arange(s0, s1, device=dev) > limit, float("-inf"))
+    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B, Hkv, R, D)
+    limit = pos.reshape(B, Hkv, R, 1)
+    kpos = torch.arange(Sk, device=q.device)
+    step = max(1, _MASK_BYTES // max(1, Hkv * R * Sk))
+    outs = []
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        mask = kpos <= limit[b0:b1]  # [b, Hkv, R, Sk]
         if km is not None:
-            sc.view(B, Hkv * R, s1 - s0).masked_fill_(~km[:, None, s0:s1], float("-inf"))
-        return sc, v[:, :, s0:s1].float().reshape(BH, s1 - s0, v.shape[-1])
-
-    if Sk <= chunk:
-        sc, vc = scores(0, Sk)
-        return torch.bmm(torch.softmax(sc, -1), vc)
-    run = torch.full((BH, R, 1), float("-inf"), device=dev)
-    total = torch.zeros(BH, R, 1, device=dev)
-    acc = torch.zeros(BH, R, v.shape[-1], device=dev)
-    for s0 in range(0, Sk, chunk):
-        sc, vc = scores(s0, min(s0 + chunk, Sk))
-        new = torch.maximum(run, sc.amax(-1, keepdim=True))
-        base = new.masked_fill(new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf) = 0 everywhere
-        alpha = (run - base).exp_()
-        sc.sub_(base).exp_()
-        total = total * alpha + sc.sum(-1, keepdim=True)
-        acc = torch.baddbmm(acc * alpha, sc, vc)
-        run = new
-    return acc / total
+            mask &= km[b0:b1, None, None, :Sk].bool()
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs[b0:b1], k[b0:b1], v[b0:b1], attn_mask=mask,
+                                                                     scale=scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(B, Hq, m, v.shape[-1]).float().nan_to_num_(0.0)
 
 
 def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
