@@ -49,14 +49,10 @@
 # Its results come back in small.tar (bgout/ppl/qwen2.5-coder-0.5b-lola-tuned-heldout-{code,prose}-<gpu>.json,
 # bgout/niah/qwen2.5-coder-0.5b-lola-tuned-niah-<gpu>.json, bgout/tune-train.log), the run's state as tune-state.tar.NN,
 # the asset as asset-lola-tuned.tar (untar it into longctx_patch/assets/ to ship it: it replaces the folder of the
-# same name). Time, an ESTIMATE (not measured on Qwen): the lolcats LoRA stages ran at ~53k tokens/s at 16k on the H100
-# (docs/training-data.md), at which the recipe's 0.39M tokens would take 7 s; lola does not train through those
-# Triton kernels but through its PyTorch sets path (kernels/lola/training.py), measured 7.6x slower than lolcats at
-# 4k on a SmolLM2-shaped model (lola/train-step-sets-h200.json) and quadratic in the length: scaled to Qwen at 16k,
-# ~22 s a 16384-token sequence on an H200, up to ~31 s on an H100 (0.5-0.75k tokens/s), so ~9-13 min for the 24
-# steps (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start,
-# the pieces, the corpus and dequantising (~8 min in the last run), ~20-25 min of device time: inside the 30 minutes
-# a machine is held. The stage log's tokens_per_s is the measurement.
+# same name). Time, measured (H100, 2026-12-07, 2 steps): ~10 s a 16384-token sequence after the first (1.4-1.6k
+# tokens/s through lola's PyTorch sets path, kernels/lola/training.py), so ~8 min for the recipe's 48 steps
+# (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start, the
+# pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
