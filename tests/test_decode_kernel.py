@@ -90,3 +90,37 @@ def test_decode_over_a_preallocated_buffer():
         kb, vb = k[b:b + 1, :, km[b]], v[b:b + 1, :, km[b]]
         alone = _dense(q[b:b + 1], kb, vb, D ** -0.5, None, kb.shape[2], None)
         torch.testing.assert_close(out[b:b + 1].double(), alone, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_rows_at_their_own_positions_per_head(dtype, splits):
+    """`positions` [B, Hq, Sq]: each head's rows anywhere in the prompt (MuSe's guard samples them so), GQA 7:1, an
+    odd length, left padding (rows at real positions), rows at the first real key and at the last; each row equals
+    the dense reference of that one query at its position."""
+    B, Hq, Hkv, Sq, Sk, D = 2, 14, 2, 5, 131, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, Hq, Sq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
+    km = torch.ones(B, Sk, dtype=torch.bool)
+    km[1, :40] = False
+    pos = torch.randint(40, Sk, (B, Hq, Sq), generator=g)
+    pos[:, :, 0], pos[:, :, 1] = 40, Sk - 1
+    pos[0, :, 2] = 0  # row 0 has no padding: its first key
+    for key_mask in (km, None):
+        out = masked_few_query_attention(q, k, v, scale=0.25, key_mask=key_mask, splits=splits, positions=pos)
+        assert out.shape == (B, Sq, Hq, D) and out.dtype == dtype
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        for b in range(B):
+            for h in range(Hq):
+                for i in range(Sq):
+                    t = int(pos[b, h, i])
+                    ref = _dense(q[b:b + 1, h:h + 1, i:i + 1], k[b:b + 1, h // 7:h // 7 + 1, :t + 1],
+                                 v[b:b + 1, h // 7:h // 7 + 1, :t + 1], 0.25,
+                                 None if key_mask is None else key_mask[b:b + 1, :t + 1], None, None)
+                    torch.testing.assert_close(out[b, i, h].double(), ref[0, 0, 0], atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="positions"):
+        masked_few_query_attention(q, k, v, scale=0.25, key_mask=km, positions=pos[:, :7])
+    with pytest.raises(ValueError, match="window"):
+        masked_few_query_attention(q, k, v, scale=0.25, key_mask=km, positions=pos, window=8)

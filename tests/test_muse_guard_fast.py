@@ -48,11 +48,15 @@ def positions(B, Hq, m, S, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------- exact_rows
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hq, Hkv", [(14, 2), (3, 3)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_exact_rows_equals_the_reference(dtype, Hq, Hkv, padded):
-    """Odd lengths, GQA 7:1 and 1:1, bf16 and fp32, left padding (a row at a padded position has no key: 0)."""
+def test_exact_rows_equals_the_reference(path, dtype, Hq, Hkv, padded, monkeypatch):
+    """Odd lengths, GQA 7:1 and 1:1, bf16 and fp32, left padding (a row at a padded position has no key: 0), on the
+    split-key Triton kernel (TRITON_INTERPRET here) and on SDPA with a mask (where the kernel does not run)."""
+    if path == "sdpa":
+        monkeypatch.setattr(guard_mod, "decode_kernel_supported", lambda *a: "the SDPA path")
     B, S, D, m = 3, 97, 16, 9
     q, k, v = qkv(B, Hq, Hkv, S, D, dtype)
     km = left_padded(B, S, (0, 5, 40)) if padded else None
@@ -60,19 +64,20 @@ def test_exact_rows_equals_the_reference(dtype, Hq, Hkv, padded):
     got, want = exact_rows(q, k, v, pos, km, scale=D ** -0.5), old.exact_rows(q, k, v, pos, km, scale=D ** -0.5)
     assert got.dtype == torch.float32 and got.shape == (B, Hq, m, D)
     if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    else:  # both rounded to bf16: a rounding step apart, and no farther from float64 attention than the reference
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # rounded to bf16 like the reference; the weights of the values may be bf16 too (as a head made exact:
+        # flash attention's), so within a few bf16 steps of float64 attention
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
         f64 = old.exact_rows(q.double(), k.double(), v.double(), pos, km, scale=D ** -0.5)
         rel = lambda x: ((x - f64).norm() / f64.norm()).item()  # noqa: E731
-        assert rel(got) < 2 ** -9 and rel(got) <= 1.05 * rel(want)
+        assert rel(got) < 2 ** -8
     if padded:  # row 2's positions 0 .. 39 are padding: no key
         dead = pos[2] < 40
         assert dead.any() and (got[2][dead] == 0).all()
 
 
 def test_batch_rows_in_groups_equal_one_group(monkeypatch):
-    """Masks over the bound go by groups of batch rows: groups of 1 and 2 of 3 rows (a last partial one), left
+    """SDPA's path (head_dim 8: not the kernel's): masks over the bound go by groups of batch rows: groups of 1 and 2 of 3 rows (a last partial one), left
     padding, rows at 0 and S - 1, equal one group and the reference."""
     B, Hq, Hkv, S, D, m = 3, 6, 2, 131, 8, 7
     q, k, v = qkv(B, Hq, Hkv, S, D, torch.float32, seed=1)
@@ -144,7 +149,9 @@ def test_estimate_errors_equal_the_reference(dtype, padded):
         want, wc = old.estimate_errors(o, q, k, v, km, scale=scale, first=40, rows=16, heads=heads)
         assert gc == wc and got.shape == (B, Hq) and got.dtype == torch.float32
         assert torch.equal(got.isnan(), want.isnan())
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)  # measured: 1.8%
+        # bf16: the reference rows' own rounding (the weights of the values in bf16 on the kernel, as in flash
+        # attention) moves an estimate by up to ~0.15 points (measured 0.14), against a budget of 10
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2.5e-3)
         torch.testing.assert_close(got, want, **tol, equal_nan=True)
         assert torch.equal(got > 0.1, want > 0.1)
         if padded:

@@ -22,23 +22,30 @@ def decode_kernel_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 def masked_few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                                key_mask: torch.Tensor | None = None, q_offset: int | None = None,
-                               window: int | None = None, splits: int | None = None) -> torch.Tensor:
+                               window: int | None = None, splits: int | None = None,
+                               positions: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of q `[B, Hq, Sq, D]` (the last queries, at keys `q_offset + i`) on k/v
     `[B, Hkv, Sk, D]`, with the mask of `kernels.softmax.attention_mask`; returns `[B, Sq, Hq, D]` in q's dtype.
 
-    `splits` fixes the number of key splits (tests); by default enough programs for two per SM."""
+    `positions` `[B, Hq, Sq]` (integers; no window with it): query i of head h in batch row b sits at key
+    `positions[b, h, i]` instead (rows sampled anywhere in a prompt, per head: MuSe's guard), seeing the keys up to
+    it. `splits` fixes the number of key splits (tests); by default enough programs for two per SM."""
     why = decode_kernel_supported(q, k, v)
     if why is not None:
         raise RuntimeError(f"masked_few_query_attention cannot run: {why}")
     return launch_masked_few_query(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window,
-                                   splits=splits)
+                                   splits=splits, positions=positions)
 
 
 def launch_masked_few_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                             key_mask: torch.Tensor | None = None, q_offset: int | None = None,
-                            window: int | None = None, splits: int | None = None) -> torch.Tensor:
+                            window: int | None = None, splits: int | None = None,
+                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """`masked_few_query_attention` without its check, for a caller that asked `decode_kernel_supported` itself
-    (softmax_attention)."""
+    (softmax_attention, MuSe's guard)."""
     from .triton_decode import split_attention
 
-    return split_attention(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=splits)
+    if positions is not None and (window is not None or tuple(positions.shape) != (q.shape[0], q.shape[1], q.shape[2])):
+        raise ValueError(f"positions {tuple(positions.shape)}: [B, Hq, Sq] = {tuple(q.shape[:3])}, without a window")
+    return split_attention(q, k, v, scale=scale, key_mask=key_mask, q_offset=q_offset, window=window, splits=splits,
+                           positions=positions)

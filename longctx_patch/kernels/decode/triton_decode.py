@@ -24,12 +24,12 @@ from ..triton_lib import LOG2E, combine_splits, dot, online_softmax_step
 # the cache length and what follows from it change at every decode step: not specialised, so one compiled
 # kernel serves every step (k/v strides stay specialised: multiples of 16 for head_dim >= 16)
 @triton.jit(do_not_specialize=["skmb", "Sk", "q_off", "window", "NS"])
-def _split_kernel(Q, K, V, KM, PO, PM, PL,
-                  sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, skmb,
+def _split_kernel(Q, K, V, KM, POS, PO, PM, PL,
+                  sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, skmb, spb, sph,
                   Sk, Sq, q_off, window, scale_log2, chunk, NS,
                   HKV: tl.constexpr, G: tl.constexpr, NRB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                  D: tl.constexpr, HAS_KM: tl.constexpr, HAS_WIN: tl.constexpr, PREC: tl.constexpr,
-                  UP: tl.constexpr):
+                  D: tl.constexpr, HAS_KM: tl.constexpr, HAS_WIN: tl.constexpr, HAS_POS: tl.constexpr,
+                  PREC: tl.constexpr, UP: tl.constexpr):
     pid = tl.program_id(0)  # ((b * HKV + h) * NRB + rb)
     s = tl.program_id(1)  # split of the keys
     rb = pid % NRB  # 32-bit: the row and key positions of the hot loop stay 32-bit
@@ -40,7 +40,10 @@ def _split_kernel(Q, K, V, KM, PO, PM, PL,
     rvalid = rows < G * Sq
     g = rows // Sq
     i = rows % Sq
-    qpos = q_off + i
+    if HAS_POS:  # each row's own key position (the rows a MuSe guard samples), else the last Sq keys
+        qpos = tl.load(POS + b * spb + (h * G + g) * sph + i, mask=rvalid, other=0).to(tl.int32)
+    else:
+        qpos = q_off + i
     d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + i[:, None] * sqs + d[None, :],
                 mask=rvalid[:, None], other=0.0)
@@ -107,7 +110,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_attention(q, k, v, *, scale, key_mask, q_offset, window, splits):
+def split_attention(q, k, v, *, scale, key_mask, q_offset, window, splits, positions=None):
     """`ops.launch_masked_few_query`: the two kernels."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -135,13 +138,17 @@ def split_attention(q, k, v, *, scale, key_mask, q_offset, window, splits):
         if km.stride(-1) != 1:
             km = km.contiguous()
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    pos = positions
+    if pos is not None and pos.stride(-1) != 1:
+        pos = pos.contiguous()
     _split_kernel[(progs, NS)](
-        q, k, v, km if km is not None else q, po, pm, pl,
+        q, k, v, km if km is not None else q, pos if pos is not None else q, po, pm, pl,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), km.stride(0) if km is not None else 0,
+        pos.stride(0) if pos is not None else 0, pos.stride(1) if pos is not None else 0,
         Sk, Sq, q_off, window if window is not None else 0, scale * LOG2E, chunk, NS,
-        HKV=Hkv, G=G, NRB=NRB, BR=BR, BN=BN, D=D, HAS_KM=km is not None, HAS_WIN=window is not None, PREC=prec,
-        UP=INTERPRET,
+        HKV=Hkv, G=G, NRB=NRB, BR=BR, BN=BN, D=D, HAS_KM=km is not None, HAS_WIN=window is not None,
+        HAS_POS=pos is not None, PREC=prec, UP=INTERPRET,
         num_warps=warps, num_stages=2)
     out = torch.empty(B, Sq, Hq, D, device=dev, dtype=q.dtype)
     _combine_kernel[(progs,)](po, pm, pl, out, out.stride(0), out.stride(1), out.stride(2), Sq, NS,

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.decode.ops import decode_kernel_supported, launch_masked_few_query
 from .heads import with_exact_heads
 
 GUARD_ERROR = 0.1  # guard_error's default (docs/muse.md, section 10: why)
@@ -311,18 +312,25 @@ _MASK_BYTES = 256 << 20  # exact_rows' masks at most this large at once: larger 
 
 def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
     """Exact causal attention of the query rows `pos` [B, Hq, m] (columns of q, per query head) against their keys:
-    key j for row t when j <= t (and key_mask[b, j]), computed as a head made exact computes it (SDPA in the
-    inputs' dtype, fp32 accumulation), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D]
-    -> [B, Hq, m, D] fp32 (a row with no key: 0).
+    key j for row t when j <= t (and key_mask[b, j]), computed as a head made exact computes it (in the inputs'
+    dtype, fp32 accumulation), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D]
+    -> [B, Hq, m, D] fp32 (a row with no key, at a padded position: 0).
 
-    A kv group's query heads are one block of G m rows over the kv head's keys (no repeated keys); the causal limit
-    and the padding are one boolean mask [B, Hkv, G m, S] (SDPA's memory-efficient kernel on CUDA: no scores held),
-    built for groups of batch rows of at most 256 MiB."""
+    Where the split-key Triton kernels run (CUDA; `kernels.decode`), those: a kv group's G x m rows read its keys
+    once, the keys split over the GPU's SMs (m rows alone would give SDPA's kernels a few programs each walking every
+    key). Elsewhere SDPA with one boolean mask [B, Hkv, G m, S] for the causal limit and the padding (groups of batch
+    rows of at most 256 MiB of mask)."""
     B, Hq, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G, m = Hq // Hkv, pos.shape[2]
+    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D))
+    if decode_kernel_supported(qs, k, v) is None:
+        out = launch_masked_few_query(qs, k, v, scale=scale, key_mask=km, positions=pos).transpose(1, 2).float()
+        if km is not None:  # the kernel always lets a row see its own key: a padded row has none
+            out = out * km.bool().gather(1, pos.reshape(B, Hq * m)).view(B, Hq, m, 1)
+        return out
     R = G * m
-    qs = q.gather(2, pos[..., None].expand(B, Hq, m, D)).reshape(B, Hkv, R, D)
+    qs = qs.reshape(B, Hkv, R, D)
     limit = pos.reshape(B, Hkv, R, 1)
     kpos = torch.arange(Sk, device=q.device)
     step = max(1, _MASK_BYTES // max(1, Hkv * R * Sk))
