@@ -53,6 +53,11 @@
 # tokens/s through lola's PyTorch sets path, kernels/lola/training.py), so ~8 min for the recipe's 48 steps
 # (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start, the
 # pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
+# The next session's chain (the tune with MuSe's guard measured first and the 64k judge): calls 1-13, then
+#   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="muse-guard yarn-ppl" GUARD_PARTS=errors,speed PPL_WINDOWS=4 \
+#                                           bash $B tune-go 12 13      (~3 min before the tune: the guard ~2.5, yarn ~1)
+#   15..  no carry                          $C bash $B poll 150
+# Its extra results: bgout/muse/{errors,speed}/ and bgout/ppl/qwen2.5-coder-0.5b-{plain,yarn}-rope-heldout-prose-*.json.
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
@@ -62,7 +67,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -337,6 +342,23 @@ case $STEP in
       --method "$LOLA" --tasks s-niah-1,s-niah-2 --lengths 16k --depths "$STUDY_DEPTHS" --samples 2 \
       --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-niah-check-$GPU" \
       2>&1 | tail -n 30;;
+  yarn-ppl)  # issue 58's judge beyond 32k: held-out prose perplexity at 32k and 64k (YARN_WINDOWS windows) of the
+             # unpatched model as it is and with YaRN (factor 2 over the original 32768 positions, as Qwen's model cards
+             # describe for longer inputs; a copy of the folder, its config changed), muse's default on the latter
+    Y=/tmp/qwen-yarn
+    rm -rf "$Y" && mkdir -p "$Y" && for f in "$MODEL"/*; do ln -s "$f" "$Y/"; done && rm "$Y/config.json"
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); rp = dict(c.get('rope_parameters') or {}); \
+rp.update(rope_type='yarn', factor=2.0, original_max_position_embeddings=32768, \
+rope_theta=rp.get('rope_theta', c.get('rope_theta', 1000000.0))); c['rope_parameters'] = rp; \
+c['max_position_embeddings'] = 65536; json.dump(c, open(sys.argv[2], 'w'), indent=1); print(rp)" "$MODEL/config.json" "$Y/config.json"
+    mkdir -p "$OUT/ppl"
+    for m in plain yarn; do
+      if [ $m = plain ]; then path=$MODEL methods=(--method none); else path=$Y methods=(--method none --method muse); fi
+      timeout "$(( $(left) / 2 ))" python3 -m longctx_patch.cli.main eval ppl --model "$path" --device "$DEV" --dtype "$DTYPE" \
+        "${methods[@]}" --text "$CORPUS/heldout/prose" --context 32k,64k --windows "${YARN_WINDOWS:-2}" --no-progress \
+        --out-dir "$OUT/ppl" --name "qwen2.5-coder-0.5b-$m-rope-heldout-prose-$GPU" 2>&1 | tail -n 8 ||
+        echo "! perplexity with $m rope did not finish"
+    done;;
   lola-ppl)  # held-out perplexity (code, prose; PPL_CONTEXT) of the unpatched model and lola as the shipped asset runs it
     mkdir -p "$OUT/ppl"
     for kind in code prose; do
