@@ -60,6 +60,10 @@ def test_ovq_variants_as_recipe_options():
     assert len(sets) == 4
     hyb = load_recipe(root / "recipes" / "ovq-finetune.yaml", sets[:3])
     assert hyb.layers == list(range(0, 30, 2)) and hyb.rest_method == "sliding-window" and hyb.rest_config == {"window": 256}
+    qwen = subprocess.run(["bash", "-c", '. benchmarks/train/train_text.sh && printf "%s\\n" "${OVQ_HYBRID[@]}"'],
+                          capture_output=True, text=True, cwd=root, env=dict(env, OVQ_HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22]"))
+    qargs = qwen.stdout.splitlines()
+    assert load_recipe(root / "recipes" / "ovq-finetune.yaml", qargs[1::2]).layers == list(range(0, 24, 2))  # Qwen's 24
     ref = load_recipe(root / "recipes" / "ovq-finetune.yaml", ["method=null", "method_config={}", sets[3],
                                                               "stages.finetune.steps=7"])
     (stage,) = ref.stages

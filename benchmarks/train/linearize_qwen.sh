@@ -58,6 +58,10 @@
 #                                           bash $B tune-go 12 13      (~3 min before the tune: the guard ~2.5, yarn ~1)
 #   15..  no carry                          $C bash $B poll 150
 # Its extra results: bgout/muse/{errors,speed}/ and bgout/ppl/qwen2.5-coder-0.5b-{plain,yarn}-rope-heldout-prose-*.json.
+# OVQ on Qwen (issue 60): calls 1-13, then
+#   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
+#   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
+# (its throughput on Qwen is not measured: OVQ_MAX_S caps the training, and the records say how many tokens it saw).
 # The older plan, one step a call in the foreground (each at most 10 minutes):
 #   piece NN (00 .. LAST-1), prepare LAST (last piece, dequantise, corpus), transfer, lora, eval, niah.
 # transfer and lora pass further options to `longctx finetune`; LORA_ARGS does for the chain (on an 80 GiB card:
@@ -67,7 +71,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl | ovq-go NN LAST}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -297,6 +301,31 @@ case $STEP in
         --text "$CORPUS/heldout/prose" --parts "$part" --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
         echo "! the guard's $part part did not finish"
     done;;
+  # --- OVQ fine-tuned on Qwen (issue 60): `stage` and `piece` as above, then `ovq-go NN LAST` and `poll` calls.
+  ovq-go)
+    assemble "${2:?ovq-go NN LAST}" "${3:?ovq-go NN LAST}"
+    in_background ovq-chain
+    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+  ovq-chain)  # in the background: benchmarks/train/ovq_mixed.sh on Qwen: OVQ_VARIANTS (default the paper's hybrid, OVQ on
+              # the even layers and a 256-token window on the others, and its reference, the same LoRA stage on the
+              # unpatched model; `all`: OVQ on every layer) trained concurrently on train-b (FT: OVQ_STEPS steps of
+              # OVQ_BATCH x OVQ_ACCUM sequences of OVQ_SEQ tokens, 616 x 8 x 4096 = 20.2M, capped at OVQ_MAX_S s), then
+              # held-out perplexity at 4k and 16k (code, prose) and S-NIAH-1/2 at 16k (20 haystacks a task) of each and
+              # of the unpatched model; results in bgout/ovq/ (finetune/*.json, ovq-mixed-eval-*.tgz)
+    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+    dequantise
+    wait_corpus
+    W=/tmp/qwen-ovq-text && rm -rf "$W" && mkdir -p "$W" && ln -s "$CORPUS/train-b" "$W/train" &&
+      ln -s "$CORPUS/heldout/code" "$W/heldout-code" && ln -s "$CORPUS/heldout/prose" "$W/heldout-book" &&
+      ln -s "$CORPUS/heldout/prose" "$W/heldout-essays"
+    read -r -a variants <<< "${OVQ_VARIANTS:-hybrid lora-none}"
+    export MODEL W RUN=/tmp/ovq-qwen NAME=qwen2.5-coder-0.5b-ovq OVQ_HYBRID_LAYERS="[0,2,4,6,8,10,12,14,16,18,20,22]" \
+      FT_SEQ=${OVQ_SEQ:-4096} FT_BATCH=${OVQ_BATCH:-2} FT_ACCUM=${OVQ_ACCUM:-4} FT_STEPS=${OVQ_STEPS:-616} \
+      FT_MAX_S=${OVQ_MAX_S:-900} CAL_MAX_S=${OVQ_CAL_S:-60} EVAL_CONTEXT=4k,16k EVAL_WINDOWS=4 NIAH_LENGTHS=16k \
+      EVAL_MAX_S=${OVQ_EVAL_S:-600}
+    bash benchmarks/train/ovq_mixed.sh train "$OUT/ovq" "${variants[@]}" || echo "! a variant's training failed (above)"
+    bash benchmarks/train/ovq_mixed.sh eval "$OUT/ovq" "${variants[@]}" base || echo "! an evaluation failed (above)"
+    echo "ovq chain done after $(( $(date +%s) - T0 )) s";;
   # --- The LoRA under lola: `stage` and `piece` as above, then `tune-go NN LAST` and `poll` calls (the header).
   tune-go)
     assemble "${2:?tune-go NN LAST}" "${3:?tune-go NN LAST}"

@@ -30,6 +30,9 @@ FT_SEQ=${FT_SEQ:-4096}
 FT_BATCH=${FT_BATCH:-8}
 FT_STEPS=${FT_STEPS:-616}
 FT_MAX_S=${FT_MAX_S:-470}
+FT_ACCUM=${FT_ACCUM:-1}        # sequences a step = FT_BATCH x FT_ACCUM (a larger model: a smaller batch, accumulated)
+EVAL_CONTEXT=${EVAL_CONTEXT:-4k} EVAL_WINDOWS=${EVAL_WINDOWS:-8}        # perplexity's lengths and windows
+NIAH_LENGTHS=${NIAH_LENGTHS:-2k,4k} NIAH_SAMPLES=${NIAH_SAMPLES:-4}     # S-NIAH's lengths, haystacks a depth (5 depths)
 CAL_MAX_S=${CAL_MAX_S:-30}
 EVAL_MAX_S=${EVAL_MAX_S:-420}
 NAME=${NAME:-smollm2-135m-ovq-mixed}
@@ -40,6 +43,7 @@ split_text
 if [ "$STEP" = train ]; then
   ft=(--set "stages.finetune.steps=$FT_STEPS" --set "stages.finetune.batch_size=$FT_BATCH"
       --set "stages.finetune.seq_len=$FT_SEQ" --set "stages.finetune.max_time_s=$FT_MAX_S"
+      --set "stages.finetune.grad_accum=$FT_ACCUM"
       --set stages.finetune.warmup=30 --set stages.finetune.eval_every=200 --set stages.finetune.save_every=100000)
   cal=(--set "stages.calibrate.max_time_s=$CAL_MAX_S" --set stages.calibrate.save_every=100000)
   pids=()
@@ -59,7 +63,8 @@ if [ "$STEP" = train ]; then
   exit $rc
 fi
 
-# eval: perplexity on the two held-out kinds at 4k (8 windows), S-NIAH-1/2 at 2k and 4k (20 haystacks per length)
+# eval: perplexity on the two held-out kinds at EVAL_CONTEXT (4k, 8 windows), S-NIAH-1/2 at NIAH_LENGTHS (2k and 4k,
+# 20 haystacks per length)
 E=$(mktemp -d /tmp/ovq-mixed-eval.XXXX) && mkdir -p "$E/ppl" "$E/niah"  # this call's files only
 export OMP_NUM_THREADS=2
 pids=()
@@ -68,12 +73,12 @@ for v in "$@"; do
   [ -e "$m" ] || { echo "no model for $v at $m (run the train step first)" >&2; exit 2; }
   for kind in code book; do
     timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval ppl --model "$m" --no-progress --method none --no-baseline \
-      --text "$W/heldout-$kind" --context 4k --windows 8 --out-dir "$E/ppl" --name "$NAME-$v-heldout-$kind-$DEV" \
+      --text "$W/heldout-$kind" --context "$EVAL_CONTEXT" --windows "$EVAL_WINDOWS" --out-dir "$E/ppl" --name "$NAME-$v-heldout-$kind-$DEV" \
       > "$E/ppl-$v-$kind.log" 2>&1 &
     pids+=($!)
   done
   timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval niah --model "$m" --no-progress --method none --tasks s-niah-1,s-niah-2 \
-    --lengths 2k,4k --samples 4 --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
+    --lengths "$NIAH_LENGTHS" --samples "$NIAH_SAMPLES" --depths 0,0.25,0.5,0.75,1 --haystack "$W/heldout-essays" --out-dir "$E/niah" \
     --name "$NAME-$v-$DEV" > "$E/niah-$v.log" 2>&1 &
   pids+=($!)
 done

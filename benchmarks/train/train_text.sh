@@ -70,9 +70,10 @@ PY
   du -sh "$W"/*/ "$W"/train/*
 }
 
-# The OVQ paper's hybrid (OVQ on SmolLM2's even layers, a 256-token sliding window on the others), as options of
-# `longctx finetune recipes/ovq-finetune.yaml`.
-OVQ_HYBRID=(--set "layers=[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]" --set rest_method=sliding-window
+# The OVQ paper's hybrid (OVQ on the even layers, a 256-token sliding window on the others), as options of
+# `longctx finetune recipes/ovq-finetune.yaml`; OVQ_HYBRID_LAYERS: the OVQ layers (default SmolLM2's 30 layers' even
+# ones; Qwen2.5-Coder-0.5B's 24: [0,2,...,22]).
+OVQ_HYBRID=(--set "layers=${OVQ_HYBRID_LAYERS:-[0,2,4,6,8,10,12,14,16,18,20,22,24,26,28]}" --set rest_method=sliding-window
             --set 'rest_config={window: 256}')
 
 # lora_only_stage [RECIPE]: the option that keeps only RECIPE's finetune stage, training its LoRA alone (the
