@@ -460,8 +460,13 @@ for _D, _t, _R, _tag in ((128, BF16, 4, "bf16"), (64, BF16, 512, "bf16"), (64, F
     _BR, _BN, _w = dk.decode_tiles(_D, _R)
     CASES[f"decode_split_D{_D}_R{_R}_{_tag}"] = (
         dk._split_kernel, dict(HKV=8, G=4, NRB=-(-_R // _BR), BR=_BR, BN=_BN, D=_D, HAS_KM=True, HAS_WIN=True,
-                               PREC="ieee" if _t == F32 else "tf32"),
-        dict(Q=_t, K=_t, V=_t, KM=I8, PO=F32, PM=F32, PL=F32), {"num_warps": _w, "num_stages": 2})
+                               HAS_POS=False, PREC="ieee" if _t == F32 else "tf32"),
+        dict(Q=_t, K=_t, V=_t, KM=I8, POS=_t, PO=F32, PM=F32, PL=F32), {"num_warps": _w, "num_stages": 2})
+_BR, _BN, _w = dk.decode_tiles(64, 7 * 64)  # as MuSe's guard launches it on Qwen2.5-Coder: 7 heads a kv head, 64 rows
+CASES["decode_split_rows_at_positions_D64_bf16"] = (
+    dk._split_kernel, dict(HKV=2, G=7, NRB=-(-448 // _BR), BR=_BR, BN=_BN, D=64, HAS_KM=True, HAS_WIN=False,
+                           HAS_POS=True, PREC="tf32"),
+    dict(Q=BF16, K=BF16, V=BF16, KM=I8, POS=I64, PO=F32, PM=F32, PL=F32), {"num_warps": _w, "num_stages": 2})
 CASES["decode_combine_D128"] = (dk._combine_kernel, dict(HKV=8, G=4, NRB=1, BR=16, D=128),
                                 dict(PO=F32, PM=F32, PL=F32, O=BF16), {"num_warps": 4})
 

@@ -37,7 +37,8 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
     + ["nearest_D64", "nearest_D128", "member_sums_D64", "member_sums_D128"] \
     + ["lloyd_cells_D64", "lloyd_cells_D128", "lloyd_tilted_q_D64", "lloyd_C16_D128", "block_scores_D64_C32",
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128", "mark_top_N256", "mark_top_N8192"] \
-    + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128"] \
+    + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128",
+       "decode_split_rows_at_positions_D64_bf16"] \
     + ["window_fwd_D64_G4_bf16", "window_fwd_D128_G4_bf16", "window_fwd_D256_G4_bf16", "window_fwd_D64_G7_bf16",
        "window_fwd_D64_G4_fp32", "window_fwd_D128_G4_fp32"] \
     + ["fused_rotary_D64_bf16", "fused_rotary_D80_fp32", "fused_rotary_D128_bf16", "fused_rmsnorm_N2048_bf16",
