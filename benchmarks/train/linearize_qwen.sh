@@ -55,9 +55,11 @@
 # pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
 # The next session's chain (the tune with MuSe's guard measured first and the 64k judge): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="muse-guard yarn-ppl" GUARD_PARTS=errors,speed PPL_WINDOWS=4 \
-#                                           bash $B tune-go 12 13      (~3 min before the tune: the guard ~2.5, yarn ~1)
+#                                           bash $B tune-go 12 13      (~3 min before the tune: the guard ~2.5, yarn ~1;
+#                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min)
 #   15..  no carry                          $C bash $B poll 150
-# Its extra results: bgout/muse/{errors,speed}/ and bgout/ppl/qwen2.5-coder-0.5b-{plain,yarn}-rope-heldout-prose-*.json.
+# Its extra results: bgout/muse/{errors,speed}/, bgout/muse/muse-vs-moba-*.json and
+# bgout/ppl/qwen2.5-coder-0.5b-{plain,yarn}-rope-heldout-prose-*.json.
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
@@ -71,7 +73,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl | ovq-go NN LAST}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl | muse-moba | ovq-go NN LAST}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -371,6 +373,12 @@ case $STEP in
       --method "$LOLA" --tasks s-niah-1,s-niah-2 --lengths 16k --depths "$STUDY_DEPTHS" --samples 2 \
       --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-niah-check-$GPU" \
       2>&1 | tail -n 30;;
+  muse-moba)  # issue 58: MuSe against MoBA at equal exactly-attended keys on Qwen's own Q/K/V at 32k (held-out prose;
+              # benchmarks.quality.bench_muse_vs_moba, every fourth layer, ~3 min)
+    mkdir -p "$OUT/muse"
+    timeout "$(left)" python3 -m benchmarks.quality.bench_muse_vs_moba --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
+      --text "$CORPUS/heldout/prose" --seqs 32768 --budget "${MOBA_BUDGET_S:-240}" --out "$OUT/muse" 2>&1 | tail -n 20 ||
+      echo "! MuSe against MoBA did not finish";;
   yarn-ppl)  # issue 58's judge beyond 32k: held-out prose perplexity at 32k and 64k (YARN_WINDOWS windows) of the
              # unpatched model as it is and with YaRN (factor 2 over the original 32768 positions, as Qwen's model cards
              # describe for longer inputs; a copy of the folder, its config changed), muse's default on the latter
