@@ -162,6 +162,10 @@ def test_unshifted_rows_far_below_zero_without_linear_keys_keep_their_exact_term
         torch.testing.assert_close(got[:, :, W:], linear[:, :, W:], atol=1e-5, rtol=1e-5)
         got_f = tk.hybrid_fwd(qq, fq, keys, unshifted, block_m=16, block_n=16)
         torch.testing.assert_close(got_f.float(), got.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        # a decode step early in a sequence (all its keys in the window, the state still 0): the exact term alone
+        early = ref.HybridKeys(kk[:, :, :W].contiguous(), v[:, :, :W].contiguous(), fk[:, :, :0], H, s)
+        got_d = tk.decode_step(qq[:, :, W - 1:W].contiguous(), fq[:, :, W - 1:W].contiguous(), early, unshifted)
+        torch.testing.assert_close(got_d.float(), exact[:, :, W - 1:W].transpose(1, 2), atol=1e-5, rtol=1e-5)
         qg, vg, fqg = (x.clone().requires_grad_(True) for x in (qq, v, fq))
         out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf, window=W, scale=D ** -0.5, combine="unshifted")
         torch.testing.assert_close(out, got, atol=1e-5, rtol=1e-5)
