@@ -13,9 +13,10 @@ fixed budget cannot know which heads those are on a given text and length, so th
    (`sampled_rows`). A <= guard_rows: every row. Positions count the row's real tokens only, so a padded row samples
    what the prompt alone samples; nothing random is drawn (torch's RNG state is untouched) and the same call samples
    the same rows.
-2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (fp32 scores,
-   softmax and accumulation, rounded to the call's dtype: what the head made exact would compute; `guard_rows` x S
-   per head, about 1% of MuSe's key work at 32k; `exact_rows`), compared with MuSe's output for the same rows. A
+2. *Measure.* Exact causal attention for those rows against all their keys on the call's own q, k, v (in the
+   call's dtype with fp32 accumulation: what the head made exact would compute; `guard_rows` x S per head, about 1%
+   of MuSe's key work at 32k; `exact_rows`, on CUDA the split-key decode kernels), compared with MuSe's output for
+   the same rows. A
    head's estimated error is the weighted ratio `sqrt(sum_i w_i |o_i - o*_i|^2 / sum_i w_i |o*_i|^2)` (w_i: 1 for a
    top row, else the rows its stratum stands for): the relative L2 error of the head's output over the approximated
    rows (its whole-call error, which the early exact rows dilute, is at most this).
