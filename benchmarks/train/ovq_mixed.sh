@@ -70,7 +70,7 @@ export OMP_NUM_THREADS=2
 pids=()
 for v in "$@"; do
   if [ "$v" = base ]; then m=$MODEL; else m=$RUN/$v/model; fi
-  [ -e "$m" ] || { echo "no model for $v at $m (run the train step first)" >&2; exit 2; }
+  [ "$v" = base ] || [ -e "$m" ] || { echo "no model for $v at $m (run the train step first)" >&2; exit 2; }  # base: a path or an alias
   for kind in code book; do
     timeout "$EVAL_MAX_S" python3 -m longctx_patch.cli.main eval ppl --model "$m" --no-progress --method none --no-baseline \
       --text "$W/heldout-$kind" --context "$EVAL_CONTEXT" --windows "$EVAL_WINDOWS" --out-dir "$E/ppl" --name "$NAME-$v-heldout-$kind-$DEV" \
