@@ -170,13 +170,23 @@ def pg_essays_dir():
     return d
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
+def _one_intra_op_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread avoids oversubscription stalls on a loaded 2-core machine."""
+    yield from _one_intra_op_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """`one_thread` for a whole module of tiny models: `pytestmark = pytest.mark.usefixtures("one_thread_module")`."""
+    yield from _one_intra_op_thread()
 
 
 def left_padded_prompts(lens, seed: int = 4, vocab: int = 128):

@@ -18,7 +18,9 @@ from longctx_patch.checkpoint import PATCH_WEIGHTS
 from longctx_patch.errors import CheckpointError
 
 from conftest import tiny_model
-from test_train import _one_thread, recipe_dict, temp_method, text_file, tiny_dir  # noqa: F401 - fixtures
+from test_train import recipe_dict, temp_method, text_file, tiny_dir  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 class _WritesMarker:

@@ -23,12 +23,7 @@ WITH_PARAMETERS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one intra-op thread
 
 
 def _ids(seed=0):

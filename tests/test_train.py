@@ -14,13 +14,7 @@ from torch import nn
 from longctx_patch.errors import CheckpointError, ConfigError
 
 # ----------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: one intra-op thread is fastest (and immune to busy neighbours)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one intra-op thread
 
 
 TEXT = (

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import _one_thread, recipe_dict, temp_method, text_file, tiny_dir, write_recipe  # noqa: F401
+from test_train import recipe_dict, temp_method, text_file, tiny_dir, write_recipe  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

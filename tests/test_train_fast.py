@@ -11,11 +11,8 @@ from longctx_patch.train.losses import fusable_head, lm_head_bypassed, next_toke
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _close(a, b, tol=1e-5):

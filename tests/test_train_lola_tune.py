@@ -34,12 +34,7 @@ OPTS = dict(window=8, sparse_cache=8, combine="unshifted", chunk=4, feature_dim=
 DEFAULTS = {"lola": {"window": 8, "sparse_cache": 8, "combine": "unshifted"}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one intra-op thread
 
 
 def tiny_qwen():

@@ -18,12 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 FACTOR = 2.0  # the estimate of a stage's peak (above what the process held before) is within this factor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one intra-op thread
 
 
 @pytest.fixture(scope="module")
