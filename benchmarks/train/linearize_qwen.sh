@@ -152,6 +152,20 @@ in_background() {  # in_background STEP: `$0 STEP` in a background process sessi
     touch /tmp/chain.done" < /dev/null > /dev/null 2>&1 &)
 }
 
+launch() {  # launch CHAIN NN LAST: the carried piece NN and the kept last piece appended (the GGUF checked), `$0 CHAIN`
+           # started in the background, then this call polls
+  assemble "$2" "$3"
+  in_background "$1"
+  T0=$T0 exec bash "$0" poll "${POLL_S:-120}"
+}
+
+chain_start() {  # a chain's first lines, in the background: no call limit, its files in /tmp/bgout, the model
+                 # dequantised and the corpus built
+  export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+  dequantise
+  wait_corpus
+}
+
 wait_corpus() {  # until the background build of `stage` has ended; fails without a corpus
   while [ ! -f /tmp/corpus.done ]; do sleep 5; done
   [ -f "$CORPUS/corpus.json" ] || { echo "the corpus build failed: /tmp/corpus.log"; exit 1; }
@@ -250,13 +264,9 @@ case $STEP in
     mv "$CORPUS.tmp" "$CORPUS"
     echo "corpus built in $(( $(date +%s) - T0 )) s";;
   go)
-    assemble "${2:?go NN LAST}" "${3:?go NN LAST}"
-    in_background chain
-    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+    launch chain "${2:?go NN LAST}" "${3:?go NN LAST}";;
   chain)  # in the background: no call limit (LIMIT_S large), its files in /tmp/bgout
-    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    dequantise
-    wait_corpus
+    chain_start
     bash "$0" transfer
     # shellcheck disable=SC2086
     bash "$0" lora $LORA_ARGS
@@ -265,13 +275,9 @@ case $STEP in
     echo "chain done after $(( $(date +%s) - T0 )) s";;
   # --- The needle study (no training): `stage` and `piece` as above, then `study-go NN LAST` and `poll` calls.
   study-go)
-    assemble "${2:?study-go NN LAST}" "${3:?study-go NN LAST}"
-    in_background study-chain
-    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+    launch study-chain "${2:?study-go NN LAST}" "${3:?study-go NN LAST}";;
   study-chain)  # in the background: no call limit, its files in /tmp/bgout
-    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    dequantise
-    wait_corpus
+    chain_start
     for L in $STUDY_LENGTHS; do bash "$0" study "$L"; done
     bash "$0" ppl-lora
     [ -n "$GUARD_PARTS" ] && bash "$0" muse-guard
@@ -305,18 +311,14 @@ case $STEP in
     done;;
   # --- OVQ fine-tuned on Qwen (issue 60): `stage` and `piece` as above, then `ovq-go NN LAST` and `poll` calls.
   ovq-go)
-    assemble "${2:?ovq-go NN LAST}" "${3:?ovq-go NN LAST}"
-    in_background ovq-chain
-    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+    launch ovq-chain "${2:?ovq-go NN LAST}" "${3:?ovq-go NN LAST}";;
   ovq-chain)  # in the background: benchmarks/train/ovq_mixed.sh on Qwen: OVQ_VARIANTS (default the paper's hybrid, OVQ on
               # the even layers and a 256-token window on the others, and its reference, the same LoRA stage on the
               # unpatched model; `all`: OVQ on every layer) trained concurrently on train-b (FT: OVQ_STEPS steps of
               # OVQ_BATCH x OVQ_ACCUM sequences of OVQ_SEQ tokens, 616 x 8 x 4096 = 20.2M, capped at OVQ_MAX_S s), then
               # held-out perplexity at 4k and 16k (code, prose) and S-NIAH-1/2 at 16k (20 haystacks a task) of each and
               # of the unpatched model; results in bgout/ovq/ (finetune/*.json, ovq-mixed-eval-*.tgz)
-    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    dequantise
-    wait_corpus
+    chain_start
     W=/tmp/qwen-ovq-text && rm -rf "$W" && mkdir -p "$W" && ln -s "$CORPUS/train-b" "$W/train" &&
       ln -s "$CORPUS/heldout/code" "$W/heldout-code" && ln -s "$CORPUS/heldout/prose" "$W/heldout-book" &&
       ln -s "$CORPUS/heldout/prose" "$W/heldout-essays"
@@ -330,13 +332,9 @@ case $STEP in
     echo "ovq chain done after $(( $(date +%s) - T0 )) s";;
   # --- The LoRA under lola: `stage` and `piece` as above, then `tune-go NN LAST` and `poll` calls (the header).
   tune-go)
-    assemble "${2:?tune-go NN LAST}" "${3:?tune-go NN LAST}"
-    in_background tune-chain
-    T0=$T0 exec bash "$0" poll "${POLL_S:-120}";;
+    launch tune-chain "${2:?tune-go NN LAST}" "${3:?tune-go NN LAST}";;
   tune-chain)  # in the background: no call limit, its files in /tmp/bgout
-    export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
-    dequantise
-    wait_corpus
+    chain_start
     for s in $TUNE_FIRST; do bash "$0" "$s"; done
     # shellcheck disable=SC2086
     bash "$0" lola-tune $TUNE_ARGS
