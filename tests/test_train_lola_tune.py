@@ -207,8 +207,9 @@ def test_the_package_command_continues_the_lineage_and_checks_its_own_asset(mode
     said = capsys.readouterr().out
     assert f"packaged asset {NAME} ({(out / NAME).resolve()})" in said
     info = json.loads((out / NAME / "asset.json").read_text())
-    assert info["description"].startswith(f"{model_dir} as the asset {NAME} (its record: based_on), its training "
-                                          "continued by recipes/linearize-qwen-lola.yaml")
+    assert info["description"].startswith(f"the asset {NAME} (its record: based_on) with its training continued by "
+                                          "recipes/linearize-qwen-lola.yaml on ")
+    assert str(model_dir) not in info["description"]  # the folder the model was read from says nothing to a user
     assert info["method_defaults"] == DEFAULTS and info["based_on"]["recipe"] == "recipes/linearize-qwen.yaml"
 
 

@@ -52,11 +52,11 @@ def main(argv=None) -> int:
     if name is None:
         p.error("--name is needed for a model that is not an embedded alias")
     log = read_train_log(a.run)
-    what = f"linearized by {a.recipe}"
-    if a.based_on:
-        what = f"as the asset {Path(a.based_on).name} (its record: based_on), its training continued by {a.recipe}"
+    what = f"{log.get('model')} linearized by {a.recipe}"
+    if a.based_on:  # the model as its earlier asset names it, not the folder it was read from on the device
+        what = f"the asset {Path(a.based_on).name} (its record: based_on) with its training continued by {a.recipe}"
     description = a.description or (
-        f"{log.get('model')} {what} on {log.get('device')}: "
+        f"{what} on {log.get('device')}: "
         + ", ".join(f"{s['name']} {s['steps_done']} steps x {s['batch_size']} x {s['seq_len']}" for s in log["stages"])
         + f"; {sum(s['tokens'] for s in log['stages']) / 1e6:.1f}M tokens. float16.")
     model = load_model_only(a.model, device="cpu")
