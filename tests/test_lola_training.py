@@ -129,3 +129,45 @@ def test_sparse_positions_equal_the_prefill_eviction_kernels():
     assert (sets[1] < 0).any() and (sets[-1] >= 0).all()
     for c in range(sets.shape[0]):
         assert torch.equal(sets[c].sort(-1).values, ev.SPIDX[c].long().sort(-1).values)
+
+
+@pytest.mark.parametrize("Hq,Hkv,S,W,C,lam,block,combine,dtype", [
+    (7, 1, 301, 40, 16, 9, 64, "unshifted", torch.float32),    # 7 query heads a kv head, window past a block
+    (6, 2, 203, 12, 16, 5, 48, "shifted", torch.float32),      # several blocks, a partial last chunk
+    (4, 2, 130, 7, 8, 200, 32, "unshifted", torch.float32),    # every evicted key kept: no row has a linear key
+    (4, 4, 97, 16, 8, 6, 1024, "shifted", torch.bfloat16),     # one block, bf16 inputs
+])
+def test_linear_time_blocks_equal_the_dense_pass(Hq, Hkv, S, W, C, lam, block, combine, dtype):
+    """`lola_attention_sets` (band, prefix state and gathered sets a block) against `dense=True` (one masked pass
+    over every earlier key): outputs and gradients of q, k, v and the key map, left padding in one row."""
+    B, D, F = 2, 16, 8
+    g0 = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, S, D, generator=g0)
+    k = torch.randn(B, Hkv, S, D, generator=g0)
+    if lam >= S:  # every exact score far below 0 (Qwen's biased q/k): where the linear sums less the sets leave
+        q, k = q - 6, k + 6  # a rounding residue instead of 0, the unshifted combination would underflow (`_finish`)
+    q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, S, D, generator=g0).to(dtype).requires_grad_()
+    Wq = torch.randn(Hq, D, F, generator=g0) * D ** -0.25
+    Wk = (torch.randn(Hq, D, F, generator=g0) * D ** -0.25).requires_grad_()
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[1, :2 * C] = False
+    fq = ref.hedgehog_feature_map(q.float(), Wq)
+    fk = ref.hedgehog_feature_map(ref.expand_kv(k.float(), Hq), Wk)
+    g = torch.sigmoid(torch.randn(Hq, generator=g0))
+    sets = sparse_positions(fk.detach(), v.detach().float(), km, window=W, chunk=C, lam=lam, sparse_heads=Hkv)
+    if lam >= S:
+        assert int((sets[-1] >= 0).sum(-1).min()) > 0  # the sets hold keys, and every evicted key is in them
+    weights = torch.linspace(-1, 1, D)
+    got = []
+    for dense in (False, True):
+        o = lola_attention_sets(q, k, v, fq, fk, g, 1 - g, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
+                                block=block, combine=combine, dense=dense).float() * km[:, :, None, None]
+        got.append((o.detach(), torch.autograd.grad((o * weights).sum(), [q, k, v, Wk], retain_graph=True)))
+    (o, grads), (want, gwant) = got
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(o, want, atol=tol, rtol=tol)
+    for a, b in zip(grads, gwant):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-6 * float(b.abs().max()) if dtype == torch.float32
+                                   else 2e-2 * float(b.abs().max()), rtol=1e-4 if dtype == torch.float32 else 2e-2)

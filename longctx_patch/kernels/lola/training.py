@@ -8,7 +8,10 @@ through it anyway. Here the selection runs first, without gradients, as the chun
 masked hybrid attention per block of queries (`lola_attention_sets`): for query i of chunk c, the keys of its
 window and of chunk c's sparse set are attended by softmax, every other earlier key linearly (folded into the
 state, or still buffered), as in `reference.lola_attention`. Same value as the chunk loop, gradients through
-q, k, v, the feature maps and the window factors; O(block x N) memory per block, recomputed in the backward.
+q, k, v, the feature maps and the window factors. Each block of queries attends its band of keys (windows and
+the linear keys the band holds), the state of every key before the band, and its chunks' sparse sets: time and
+memory linear in the length (O(block x (block + window + lam)) a block, recomputed in the backward); the masked
+pass over every earlier key it replaced (`_block_dense`, quadratic) stays as its reference.
 """
 from __future__ import annotations
 
@@ -59,9 +62,10 @@ def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, spar
     return torch.stack(out)
 
 
-def _block(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chunk: int, scale: float,
-           combine: str = "shifted"):
-    """Output rows q0 .. q0 + q.shape[2] - 1 (whole chunks) against keys 0 .. N - 1 (N = q0 + rows)."""
+def _block_dense(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chunk: int, scale: float,
+                 combine: str = "shifted"):
+    """Output rows q0 .. q0 + q.shape[2] - 1 (whole chunks) against keys 0 .. N - 1 (N = q0 + rows), one masked
+    pass over every earlier key: O(rows x N). The reference `_block` is checked against."""
     B, Hq, M, D = q.shape
     N = k.shape[2]
     Hs = sets.shape[2]
@@ -90,24 +94,161 @@ def _block(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chun
                        m if ref.check_combine(combine) else None)
 
 
+def linear_from(sets, S: int, *, window: int, chunk: int) -> torch.Tensor:
+    """The chunk from which each key is in the linear state, per sparse head: [B, Hs, S] int64.
+
+    Key j leaves the window at eviction e_j = (j + window) // chunk (the end of chunk e_j); kept, it is in the sparse
+    sets of chunks e_j + 1 .. L_j - 1 (a contiguous run: once folded, a pair stays folded), and from chunk L_j on its
+    chunk queries see it in the state: L_j = e_j + 1 + (the number of sets that hold it). A key no eviction reaches
+    gets e_j + 1 (past every chunk there is). Padding is not masked here."""
+    nch, B, Hs, lam = sets.shape
+    held = torch.zeros(B, Hs, S + 1, dtype=torch.long, device=sets.device)
+    flat = sets.permute(1, 2, 0, 3).reshape(B, Hs, nch * lam)
+    held.scatter_add_(-1, torch.where(flat >= 0, flat, S), torch.ones_like(flat))
+    e = (torch.arange(S, device=sets.device) + window) // chunk
+    return e + 1 + held[..., :S]
+
+
+def _masks(qpos, kpos, L, valid, *, window: int, chunk: int):
+    """Which of the keys at kpos each query at qpos attends exactly and which linearly, [B, Hs, M, n] each, given
+    the keys' L (`linear_from`, [B, Hs, n]) and validity [B, n]: exactly, its window and its chunk's sparse set
+    (left the window, c < L); linearly, every other key at least `window` back (folded, L <= c, or still buffered)."""
+    c = (qpos // chunk)[:, None]  # [M, 1]
+    diff = qpos[:, None] - kpos[None, :]
+    e = (kpos + window) // chunk
+    sparse = (e[None, :] < c)[None, None] & (c[None, None] < L[:, :, None, :])
+    ok = valid[:, None, None, :]
+    soft = (((diff >= 0) & (diff < window))[None, None] | sparse) & ok
+    lin = (diff >= window)[None, None] & ~sparse & ok
+    return soft, lin
+
+
+def _block(q, k, v, fq, fk, g, lf, sets, L, valid, q0: int, P, z, *, window: int, chunk: int, scale: float,
+           combine: str = "shifted"):
+    """`_block_dense`'s value in time and memory linear in N: rows q0 .. q0 + M - 1 (whole chunks) against
+
+    - the band of keys kb .. N - 1 (kb = max(0, q0 - window): the keys that leave the window at the block's
+      evictions or later): each row's window, the keys of its chunk's sparse set among them, and the rest of them
+      at least `window` back, linearly (masked; O(M x (M + window)));
+    - the sparse set of the block's first chunk, gathered (the keys before kb that are not folded yet): exact for a
+      row whose chunk still holds a key, linear from the chunk that folds it (O(M x lam));
+    - every key folded before the block's first chunk through their state: P [B, Hq, F2, D] and z [B, Hq, F2]
+      (`_folded_states`).
+    Every term is a sum of its own keys: nothing is subtracted, so no rounding is left where a row has no linear
+    key (`_finish` decides by den_l > 0)."""
+    B, Hq, M, D = q.shape
+    N = k.shape[2]
+    Hs = sets.shape[2]
+    dev = q.device
+    kb = max(0, q0 - window)
+    qf, fqf = q.float(), fq.float()
+    qpos = torch.arange(M, device=dev) + q0
+    # the band
+    kpos = torch.arange(kb, N, device=dev)
+    soft, lin = (ref.expand_kv(m, Hq) for m in _masks(qpos, kpos, L[..., kb:N], valid[:, kb:N], window=window,
+                                                          chunk=chunk))
+    kb_, vb = ref.expand_kv(k[:, :, kb:], Hq).float(), ref.expand_kv(v[:, :, kb:], Hq).float()
+    sc_b = (torch.einsum("bhsd,bhnd->bhsn", qf, kb_) * scale).masked_fill(~soft, float("-inf"))
+    a_b = torch.einsum("bhsf,bhnf->bhsn", fqf, fk[:, :, kb:].float()) * lin
+    # the first chunk's sparse set (positions before kb; -1: an empty slot)
+    pos = sets[q0 // chunk]  # [B, Hs, lam]
+    ok = pos >= 0
+    pc = pos.clamp_min(0)
+    Ls = torch.gather(L, 2, pc)
+    c = (qpos // chunk)[None, None, :, None]
+    soft_s = ref.expand_kv(ok[:, :, None, :] & (c < Ls[:, :, None, :]), Hq)  # [B, Hq, M, lam]
+    lin_s = ref.expand_kv(ok[:, :, None, :] & (Ls[:, :, None, :] <= c), Hq)
+    ks, vs, fks = _gather_keys(k, v, fk, ref.expand_kv(pc, Hq))
+    sc_s = (torch.einsum("bhsd,bhld->bhsl", qf, ks) * scale).masked_fill(~soft_s, float("-inf"))
+    a_s = torch.einsum("bhsf,bhlf->bhsl", fqf, fks) * lin_s
+    m = torch.maximum(sc_b.amax(-1, keepdim=True), sc_s.amax(-1, keepdim=True))  # `ref.row_max` of both
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = m.detach() if combine == "unshifted" else m
+    p_b, p_s = torch.exp(sc_b - m), torch.exp(sc_s - m)
+    num_e = p_b @ vb + p_s @ vs
+    den_e = p_b.sum(-1, keepdim=True) + p_s.sum(-1, keepdim=True)
+    num_l = fqf @ P + a_b @ vb + a_s @ vs
+    den_l = fqf @ z[..., None] + a_b.sum(-1, keepdim=True) + a_s.sum(-1, keepdim=True)
+    return ref._finish(num_e, den_e, num_l, den_l, g, lf, m if ref.check_combine(combine) else None)
+
+
+def _gather_keys(k, v, fk, pos):
+    """k, v [B, Hkv, N, D] and fk [B, Hq, N, F2] at positions pos [B, Hq, n] (query head h reads kv head
+    h // (Hq // Hkv)), in fp32: [B, Hq, n, D], [B, Hq, n, D], [B, Hq, n, F2]."""
+    B, Hq, n = pos.shape
+    Hkv, D, F2 = k.shape[1], k.shape[-1], fk.shape[-1]
+    ikv = pos.reshape(B, Hkv, -1, 1)  # a kv head's query heads are contiguous
+    ks = torch.gather(k, 2, ikv.expand(-1, -1, -1, D)).float().view(B, Hq, n, D)
+    vs = torch.gather(v, 2, ikv.expand(-1, -1, -1, D)).float().view(B, Hq, n, D)
+    fks = torch.gather(fk, 2, pos[..., None].expand(-1, -1, -1, F2)).float()
+    return ks, vs, fks
+
+
+def _fold_segment(k, v, fk, sets, L, valid, q0: int, q1: int, *, window: int, chunk: int):
+    """The state of the keys the evictions of the block q0 .. q1 - 1 fold (L_j in (c0, c1]: keys of the first
+    chunk's sparse set and keys leaving the window during the block), [B, Hq, F2, D] and [B, Hq, F2]."""
+    Hq = fk.shape[1]
+    c0, c1 = q0 // chunk, -(-q1 // chunk)
+    pos = sets[c0]
+    ok = (pos >= 0) & (torch.gather(L, 2, pos.clamp_min(0)) <= c1)
+    ks, vs, fks = _gather_keys(k, v, fk, ref.expand_kv(pos.clamp_min(0), Hq))
+    w = ref.expand_kv(ok, Hq).float()
+    P = torch.einsum("bhnf,bhnd->bhfd", fks * w[..., None], vs)
+    z = (fks * w[..., None]).sum(2)
+    lo, hi = max(0, q0 - window), max(0, min(k.shape[2], q1 - window))
+    if hi > lo:
+        wb = ref.expand_kv((L[..., lo:hi] <= c1) & valid[:, None, lo:hi], Hq).float()
+        fb = fk[:, :, lo:hi].float() * wb[..., None]
+        P = P + torch.einsum("bhnf,bhnd->bhfd", fb, ref.expand_kv(v[:, :, lo:hi], Hq).float())
+        z = z + fb.sum(2)
+    return P, z
+
+
+def _folded_states(k, v, fk, sets, L, valid, starts, S: int, *, window: int, chunk: int):
+    """For each block start q0 (ascending, whole chunks), the state of every key folded before chunk q0 // chunk:
+    the running sum of the blocks' `_fold_segment`s (differentiable; each recomputed in the backward)."""
+    Ps, zs = [], []
+    P = fk.new_zeros(fk.shape[0], fk.shape[1], fk.shape[-1], v.shape[-1], dtype=torch.float32)
+    z = fk.new_zeros(fk.shape[0], fk.shape[1], fk.shape[-1], dtype=torch.float32)
+    for i, q0 in enumerate(starts):
+        Ps.append(P)
+        zs.append(z)
+        if i + 1 < len(starts):
+            args = (k, v, fk, sets, L, valid, q0, starts[i + 1])
+            kw = dict(window=window, chunk=chunk)
+            dP, dz = (checkpoint(_fold_segment, *args, use_reentrant=False, **kw) if torch.is_grad_enabled()
+                      else _fold_segment(*args, **kw))
+            P, z = P + dP, z + dz
+    return Ps, zs
+
+
 def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int, scale: float, key_mask=None,
-                        block: int = 1024, combine: str = "shifted") -> torch.Tensor:
+                        block: int = 1024, combine: str = "shifted", dense: bool = False) -> torch.Tensor:
     """The hybrid output of a fresh LoLA prefill given its sparse sets (`sparse_positions`), differentiable.
 
     q/fq [B, Hq, S, D/F2], k/v [B, Hkv, S, D], fk [B, Hq, S, F2], sets [n_chunks, B, Hs, lam]. Queries go in
-    blocks of about `block` tokens (whole chunks), each recomputed in the backward when gradients are needed.
+    blocks of about `block` tokens (whole chunks), each recomputed in the backward when gradients are needed:
+    against their band of keys, the state of the keys before it and their chunks' sparse sets (`_block`, time and
+    memory linear in S), or with dense=True against every earlier key (`_block_dense`, quadratic: the reference).
     combine: how the exact and linear terms meet (`reference._finish`).
     Returns [B, S, Hq, D] in q.dtype."""
     S = q.shape[2]
     rows = max(chunk, (block // chunk) * chunk)
+    starts = list(range(0, S, rows))
+    if not dense:
+        L = linear_from(sets, S, window=window, chunk=chunk)
+        valid = (key_mask.bool() if key_mask is not None
+                 else torch.ones(q.shape[0], S, dtype=torch.bool, device=q.device))
+        Ps, zs = _folded_states(k, v, fk, sets, L, valid, starts, S, window=window, chunk=chunk)
     outs = []
-    for q0 in range(0, S, rows):
+    kw = dict(window=window, chunk=chunk, scale=scale, combine=combine)
+    for i, q0 in enumerate(starts):
         q1 = min(S, q0 + rows)
-        args = (q[:, :, q0:q1], k[:, :, :q1], v[:, :, :q1], fq[:, :, q0:q1], fk[:, :, :q1], g, lf, sets,
-                key_mask, q0)
-        kw = dict(window=window, chunk=chunk, scale=scale, combine=combine)
+        qs = (q[:, :, q0:q1], k[:, :, :q1], v[:, :, :q1], fq[:, :, q0:q1], fk[:, :, :q1], g, lf, sets)
+        fn = _block_dense if dense else _block
+        args = qs + (key_mask, q0) if dense else qs + (L[..., :q1], valid[:, :q1], q0, Ps[i], zs[i])
         if torch.is_grad_enabled():
-            outs.append(checkpoint(_block, *args, use_reentrant=False, **kw))
+            outs.append(checkpoint(fn, *args, use_reentrant=False, **kw))
         else:
-            outs.append(_block(*args, **kw))
+            outs.append(fn(*args, **kw))
     return torch.cat(outs, 2).transpose(1, 2).to(q.dtype)
