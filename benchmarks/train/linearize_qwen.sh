@@ -53,13 +53,15 @@
 # tokens/s through lola's PyTorch sets path, kernels/lola/training.py), so ~8 min for the recipe's 48 steps
 # (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start, the
 # pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
-# The next session's chain (the tune with MuSe's guard measured first and the 64k judge): calls 1-13, then
-#   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="muse-guard yarn-ppl" GUARD_PARTS=errors,speed PPL_WINDOWS=4 \
-#                                           bash $B tune-go 12 13      (~3 min before the tune: the guard ~2.5, yarn ~1;
+# Run 2026-12-07 (commit 482ff35): the guard and yarn steps, then the tune capped at 360 s (27 steps); its asset ships.
+# The next session's chain (the shipped, tuned asset's needles first, then 48 more steps from it, the training path
+# now linear in the length): calls 1-13, then
+#   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="niah-check" bash $B tune-go 12 13
+#                                           (niah-check ~2 min: the study's prompts at 16k, unpatched and lola with
+#                                           the shipped asset, comparable with niah/...-lola-niah-check-0459023-h100;
 #                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min)
 #   15..  no carry                          $C bash $B poll 150
-# Its extra results: bgout/muse/{errors,speed}/, bgout/muse/muse-vs-moba-*.json and
-# bgout/ppl/qwen2.5-coder-0.5b-{plain,yarn}-rope-heldout-prose-*.json.
+# Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-niah-check-*.json (and bgout/muse/muse-vs-moba-*.json).
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
