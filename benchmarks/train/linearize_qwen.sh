@@ -348,6 +348,7 @@ case $STEP in
     for s in $TUNE_THEN; do bash "$0" "$s"; done;;
   tune-train)  # the recipe on train-b, resumed from the newest checkpoint, its stage capped at TUNE_MAX_S
     RECIPE=$TUNE_RECIPE RUN=$TUNE_RUN STATE=tune-state
+    echo "the stage capped at ${TUNE_MAX_S:-no limit}${TUNE_MAX_S:+ s} (TUNE_MAX_S)"
     train "$CORPUS/train-b" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
   tune-package)  # the run as the new asset on top of the one it continued (its method defaults, its record as
                  # based_on), checked (checkpoint=auto loads it), as $OUT/asset-lola-tuned.tar
