@@ -123,7 +123,7 @@ def _masks(qpos, kpos, L, valid, *, window: int, chunk: int):
     return soft, lin
 
 
-def _block(q, k, v, fq, fk, g, lf, sets, L, valid, q0: int, P, z, *, window: int, chunk: int, scale: float,
+def _block(q, k, v, fq, fk, g, lf, sets, L, valid, q0: int, folded, *, window: int, chunk: int, scale: float,
            combine: str = "shifted"):
     """`_block_dense`'s value in time and memory linear in N: rows q0 .. q0 + M - 1 (whole chunks) against
 
@@ -132,13 +132,13 @@ def _block(q, k, v, fq, fk, g, lf, sets, L, valid, q0: int, P, z, *, window: int
       at least `window` back, linearly (masked; O(M x (M + window)));
     - the sparse set of the block's first chunk, gathered (the keys before kb that are not folded yet): exact for a
       row whose chunk still holds a key, linear from the chunk that folds it (O(M x lam));
-    - every key folded before the block's first chunk through their state: P [B, Hq, F2, D] and z [B, Hq, F2]
-      (`_folded_states`).
+    - every key folded before the block's first chunk through their state: folded = (P [B, Hq, F2, D],
+      z [B, Hq, F2]) (`_folded_states`).
     Every term is a sum of its own keys: nothing is subtracted, so no rounding is left where a row has no linear
     key (`_finish` decides by den_l > 0)."""
     B, Hq, M, D = q.shape
     N = k.shape[2]
-    Hs = sets.shape[2]
+    P, z = folded
     dev = q.device
     kb = max(0, q0 - window)
     qf, fqf = q.float(), fq.float()
@@ -246,7 +246,7 @@ def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int
         q1 = min(S, q0 + rows)
         qs = (q[:, :, q0:q1], k[:, :, :q1], v[:, :, :q1], fq[:, :, q0:q1], fk[:, :, :q1], g, lf, sets)
         fn = _block_dense if dense else _block
-        args = qs + (key_mask, q0) if dense else qs + (L[..., :q1], valid[:, :q1], q0, Ps[i], zs[i])
+        args = qs + (key_mask, q0) if dense else qs + (L[..., :q1], valid[:, :q1], q0, (Ps[i], zs[i]))
         if torch.is_grad_enabled():
             outs.append(checkpoint(fn, *args, use_reentrant=False, **kw))
         else:
