@@ -59,9 +59,12 @@
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="niah-check" bash $B tune-go 12 13
 #                                           (niah-check ~2 min: the study's prompts at 16k, unpatched and lola with
 #                                           the shipped asset, comparable with niah/...-lola-niah-check-0459023-h100;
-#                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min)
+#                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min; "muse-guard" with
+#                                           GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.125,0.15 the budgets between the
+#                                           default (1.47x / 1.94x, +0.20%) and 20% (1.59x / 2.30x, +0.78%), ~3 min)
 #   15..  no carry                          $C bash $B poll 150
-# Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-niah-check-*.json (and bgout/muse/muse-vs-moba-*.json).
+# Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-niah-check-*.json (and bgout/muse/muse-vs-moba-*.json,
+# bgout/muse/{speed,ppl}/).
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
@@ -304,11 +307,13 @@ case $STEP in
       --haystack "$CORPUS/heldout/prose" "${args[@]}" --out "$OUT/lola/needle-study-qwen2.5-coder-0.5b-$L-$GPU.json" \
       2>&1 || echo "! the study at $L: a method failed or it did not finish (above)";;
   muse-guard)  # MuSe's run-time guard on the unpatched model (issue 58; benchmarks.quality.bench_muse_guard) at 32k and
-               # 64k on the held-out prose, one call per part of GUARD_PARTS (a part cut short loses only itself)
+               # 64k on the held-out prose, one call per part of GUARD_PARTS (a part cut short loses only itself), at
+               # the budgets GUARD_BUDGETS (default 5%, 10%, 20%; e.g. 0.1,0.125,0.15 between the default and 20%)
     for part in ${GUARD_PARTS//,/ }; do
       mkdir -p "$OUT/muse/$part"
       timeout "$(left)" python3 -m benchmarks.quality.bench_muse_guard --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
-        --text "$CORPUS/heldout/prose" --parts "$part" --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
+        --text "$CORPUS/heldout/prose" --parts "$part" --budgets "${GUARD_BUDGETS:-0.05,0.1,0.2}" \
+        --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
         echo "! the guard's $part part did not finish"
     done;;
   # --- OVQ fine-tuned on Qwen (issue 60): `stage` and `piece` as above, then `ovq-go NN LAST` and `poll` calls.
