@@ -154,6 +154,53 @@ class WordCounter:
         return len(text.split())
 
 
+class BatchWordCounter(WordCounter):
+    """Counts many texts at once as the tokenizer's Counter does (`counts`), recording what it was asked."""
+
+    def __init__(self):
+        self.batches: list[int] = []
+        self.singles = 0
+
+    def counts(self, texts):
+        self.batches.append(len(texts))
+        return [len(t.split()) for t in texts]
+
+    def count(self, text: str) -> int:
+        self.singles += 1
+        return super().count(text)
+
+
+@pytest.mark.parametrize("guess", ["chars", "too high"])
+def test_take_fair_counts_ahead_in_batches_with_the_same_result(guess, monkeypatch):
+    """A counter with `counts`: the documents taken, their texts and counts are those of one count at a time. The
+    counts come in two batches (a sample, what the first pass reaches: a document the deduplication cuts counted as
+    cut); where the first pass's guess stops short of the budget, the rest are counted one at a time."""
+    docs = [corpus.Doc(f"big/{i}", "code", "big", para(f"big{i}", 100)) for i in range(80)]
+    docs += [corpus.Doc(f"mid/{i}", "prose", "mid", para(f"mid{i}", 30)) for i in range(6)]
+    # a source's first document (in the sample, counted whole) that the deduplication cuts
+    docs += [corpus.Doc("dup/0", "prose", "dup", para("held", 100) + "\n\n" + para("own", 30))]
+    if guess == "too high":  # tokens guessed 1000x: the first pass stops after one document, so dup/0 keeps the
+        monkeypatch.setattr(corpus._Chars, "count", lambda self, text: 1000 * len(text.split()))  # sample's count
+
+    def dedupe():  # the held-out paragraph dup/0 repeats
+        d = corpus.BlockDedupe()
+        d.add(para("held", 100))
+        return d
+
+    one = corpus.take_fair(docs, 5000, dedupe(), WordCounter())
+    batch = BatchWordCounter()
+    got = corpus.take_fair(docs, 5000, dedupe(), batch)
+    assert [(d.name, d.text, d.tokens) for d in got] == [(d.name, d.text, d.tokens) for d in one]
+    given = {d.name: d.text for d in docs}
+    cut = [d for d in got if d.text != given[d.name] + "\n"]
+    assert [(d.name, d.tokens) for d in cut] == [("dup/0", 30)]  # cut to its own block
+    assert len(batch.batches) == 2
+    if guess == "chars":
+        assert batch.singles == 0
+    else:
+        assert batch.singles > len(got) / 2
+
+
 def test_long_documents_cut_books_and_join_essays():
     book = "\n\n".join(para(f"book{j}", 20) for j in range(40))  # 40 blocks of 21 words
     essays = [("e", f"e{i}.txt", "\n\n".join(para(f"e{i}-{j}", 20) for j in range(2)), f"h{i}") for i in range(5)]

@@ -180,30 +180,95 @@ def split_halves(docs: Sequence[Doc]) -> dict[str, list[Doc]]:
     return out
 
 
-def take_fair(docs: Sequence[Doc], budget: float, dedupe: BlockDedupe, counter) -> list[Doc]:
-    """Documents up to `budget` tokens, shared fairly among sources: the next document always comes from the source
-    with the fewest tokens taken so far (ties by name), each source's in hash order. Each is deduplicated
-    (`dedupe.filter`) and counted as it is taken (the given documents are not changed), so small sources come
-    whole and large ones share the rest; the last document taken may pass the budget."""
-    by_src: dict[str, list[Doc]] = {}
-    for d in sorted(docs, key=lambda d: (d.source, d.sha256)):
-        by_src.setdefault(d.source, []).append(d)
+def _whole(text: str) -> str:
+    """What `BlockDedupe.filter` returns for `text` when it cuts nothing."""
+    kept = text.strip("\n")
+    return kept + "\n" if kept else ""
+
+
+AHEAD_MARGIN = 1.25  # take_fair's first pass picks documents for this many times the budget (see there)
+AHEAD_SAMPLE, AHEAD_SAMPLE_CHARS = 64, 1 << 18  # at most these many documents and characters (once passed) set the
+# first pass's characters per token
+
+
+class _Chars:
+    """Counts tokens as characters / `per_token` (take_fair's first pass)."""
+
+    def __init__(self, per_token: float):
+        self.per_token = per_token
+
+    def count(self, text: str) -> int:
+        return max(1, round(len(text) / self.per_token))
+
+
+def _fair(by_src: dict[str, list[Doc]], budget: float, dedupe: BlockDedupe, count) -> list[tuple[Doc, str, int]]:
+    """take_fair's loop: (document as given, text kept, its count) in the order taken; count(src, i, doc, text)."""
     heap = [(0, src, 0) for src in sorted(by_src)]
     heapq.heapify(heap)
-    taken: list[Doc] = []
+    taken: list[tuple[Doc, str, int]] = []
     total = 0
     while heap and total < budget:
         n, src, i = heapq.heappop(heap)
         d = by_src[src][i]
         text = dedupe.filter(d.text)
         if text.strip():
-            d = replace(d, text=text, tokens=counter.count(text))
-            taken.append(d)
-            total += d.tokens
-            n += d.tokens
+            c = count(src, i, d, text)
+            taken.append((d, text, c))
+            total += c
+            n += c
         if i + 1 < len(by_src[src]):
             heapq.heappush(heap, (n, src, i + 1))
     return taken
+
+
+def take_fair(docs: Sequence[Doc], budget: float, dedupe: BlockDedupe, counter) -> list[Doc]:
+    """Documents up to `budget` tokens, shared fairly among sources: the next document always comes from the source
+    with the fewest tokens taken so far (ties by name), each source's in hash order. Each is deduplicated
+    (`dedupe.filter`) and counted as it is taken (the given documents are not changed), so small sources come
+    whole and large ones share the rest; the last document taken may pass the budget.
+
+    With a counter that counts many texts at once (`counts`: the tokenizer's threads), a first pass on a copy of
+    `dedupe` counts characters for tokens (at the characters per token of the first documents of the first
+    sources) to pick the documents the budget will likely reach (AHEAD_MARGIN times it); the texts that pass kept
+    are counted exactly in batches. The pass that decides then takes a document's batch count where its text is the
+    one counted (the same number: one tokenizer, one text; the deduplication cuts the same blocks unless the two
+    passes took other documents before it) and counts any other text alone: the result is that of counting one
+    text at a time."""
+    by_src: dict[str, list[Doc]] = {}
+    for d in sorted(docs, key=lambda d: (d.source, d.sha256)):
+        by_src.setdefault(d.source, []).append(d)
+    counted: dict[tuple[str, int], tuple[str, int]] = {}  # (source, index): a text of the document and its count
+    many = getattr(counter, "counts", None)
+
+    def count_all(items: dict[tuple[str, int], str]) -> None:
+        counted.update((k, (t, c)) for (k, t), c in zip(items.items(), many(list(items.values()))))
+
+    if many is not None and by_src:
+        sample, size = {}, 0
+        for src in sorted(by_src):  # each source's first document: the first ones the loop takes
+            if len(sample) == AHEAD_SAMPLE or size >= AHEAD_SAMPLE_CHARS:
+                break
+            sample[(src, 0)] = _whole(by_src[src][0].text)
+            size += len(sample[(src, 0)])
+        count_all(sample)
+        chars = _Chars(sum(map(len, sample.values())) / max(1, sum(counted[k][1] for k in sample)))
+        trial = BlockDedupe()
+        trial.seen = set(dedupe.seen)
+        reached: dict[tuple[str, int], str] = {}
+
+        def guess(src, i, d, text):
+            if counted.get((src, i), ("",))[0] != text:
+                reached[(src, i)] = text
+            return chars.count(text)
+
+        _fair(by_src, AHEAD_MARGIN * budget, trial, guess)
+        count_all(reached)
+
+    def count(src, i, d, text):
+        t, c = counted.get((src, i), (None, 0))
+        return c if t == text else counter.count(text)
+
+    return [replace(d, text=text, tokens=c) for d, text, c in _fair(by_src, budget, dedupe, count)]
 
 
 # ----------------------------------------------------------------------------------------------- writing
