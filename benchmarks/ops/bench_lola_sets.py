@@ -1,0 +1,129 @@
+"""LoLA's training pass (`kernels/lola/training.lola_attention_sets`): the blocks linear in the length against the
+masked pass over every earlier key (`dense=True`, their reference), forward + backward of one layer at the shapes
+the Qwen2.5-Coder-0.5B tune runs (14 query / 2 kv heads, D 64, feature dim 64, window and sparse cache 1024, chunks
+of 64, blocks of 1024; recipes/linearize-qwen-lola.yaml), bf16 inputs as autocast hands them.
+
+Per length: the sparse sets chosen once (`sparse_positions`, timed on its own), then both passes' outputs and
+gradients compared (relative error of each whole tensor against the dense pass) and each timed
+(`triton.testing.do_bench` on CUDA, wall time on a CPU) with its peak memory.
+
+    python3 -m benchmarks.ops.bench_lola_sets --out benchmarks/results/lola/train-sets-linear-qwen-h100.json
+    python3 -m benchmarks.ops.bench_lola_sets --device cpu --lengths 512 --window 64 --sparse-cache 64 --block 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+
+import torch
+
+from benchmarks.shared import result_file
+from longctx_patch.kernels.lola import reference as ref
+from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+from longctx_patch.provenance import device_description, git_commit
+
+
+def inputs(S: int, a, dev: torch.device, seed: int = 0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
+    dt = getattr(torch, a.dtype)
+    q, k, v = r(1, a.heads, S, a.head_dim), r(1, a.kv_heads, S, a.head_dim), r(1, a.kv_heads, S, a.head_dim)
+    wq, wk = r(a.heads, a.head_dim, a.feature_dim) * 0.3, r(a.heads, a.head_dim, a.feature_dim) * 0.3
+    leaves = [t.to(dt).requires_grad_(True) for t in (q, k, v)] + [wq.requires_grad_(True), wk.requires_grad_(True)]
+    gate = torch.sigmoid(r(a.heads))
+    return leaves, gate
+
+
+def step(leaves, gate, sets, a, dense: bool):
+    """One forward + backward; returns the output and the leaves' gradients (fp32)."""
+    q, k, v, wq, wk = leaves
+    for t in leaves:
+        t.grad = None
+    fq = ref.hedgehog_feature_map(q.float(), wq)
+    fk = ref.hedgehog_feature_map(ref.expand_kv(k.float(), a.heads), wk)
+    o = lola_attention_sets(q, k, v, fq, fk, gate, 1 - gate, sets, window=a.window, chunk=a.chunk,
+                            scale=a.head_dim ** -0.5, block=a.block, combine=a.combine, dense=dense)
+    o.float().square().mean().backward()
+    return o.detach().float(), [t.grad.detach().float() for t in leaves]
+
+
+def timed(fn, dev: torch.device) -> float:
+    """Milliseconds of fn: do_bench's median on CUDA, the best of 3 wall times elsewhere."""
+    if dev.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=1, rep=1))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def measure(S: int, a, dev: torch.device) -> dict:
+    leaves, gate = inputs(S, a, dev)
+    with torch.no_grad():
+        fk = ref.hedgehog_feature_map(ref.expand_kv(leaves[1].float(), a.heads), leaves[4])
+    choose = lambda: sparse_positions(fk, leaves[2].float(), None, window=a.window, chunk=a.chunk,  # noqa: E731
+                                      lam=a.sparse_cache, sparse_heads=a.kv_heads)
+    sets = choose()
+    row = {"seq_len": S, "sparse_positions_ms": timed(choose, dev)}
+    want, gwant = step(leaves, gate, sets, a, dense=True)
+    got, ggot = step(leaves, gate, sets, a, dense=False)
+    row["rel_err_vs_dense"] = {"out": rel(got, want), **{n: rel(x, y) for n, x, y in
+                                                         zip(("q", "k", "v", "wq", "wk"), ggot, gwant)}}
+    for name, dense in (("dense", True), ("linear", False)):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        row[f"{name}_fwd_bwd_ms"] = timed(lambda: step(leaves, gate, sets, a, dense), dev)
+        if dev.type == "cuda":
+            row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    row["speedup"] = row["dense_fwd_bwd_ms"] / row["linear_fwd_bwd_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="4096,16384,32768")
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--feature-dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--sparse-cache", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--combine", default="unshifted", choices=("shifted", "unshifted"))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    rows = []
+    for S in (int(x) for x in a.lengths.split(",")):
+        row = measure(S, a, dev)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    res = {"task": "lola-train-sets", "device": device_description(a.device), "date": datetime.date.today().isoformat(),
+           "commit": git_commit(), "command": shlex.join([sys.executable, "-m", "benchmarks.ops.bench_lola_sets",
+                                                          *(argv if argv is not None else sys.argv[1:])]),
+           "settings": {k: v for k, v in vars(a).items() if k not in ("out", "lengths")}, "rows": rows}
+    out = result_file("lola", f"train-sets-linear-{a.device}.json", a.out)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
