@@ -65,6 +65,13 @@ def block_keys(text: str) -> list[str]:
     return [k for k in (block_key(b) for b in BLOCK_SPLIT.split(text)[::2]) if k is not None]
 
 
+def _whole(text: str) -> str:
+    """What `BlockDedupe.filter` returns for `text` when it cuts nothing: its blank lines at either end trimmed to one
+    final newline ("" for a text of newlines)."""
+    kept = text.strip("\n")
+    return kept + "\n" if kept else ""
+
+
 class BlockDedupe:
     """Cuts every block of MIN_BLOCK characters or more whose words were seen before (by any earlier call)."""
 
@@ -92,8 +99,7 @@ class BlockDedupe:
             if out:
                 out.append(pieces[i - 1])  # the blank-line separator before a kept block
             out.append(b)
-        kept = "".join(out).strip("\n")
-        return kept + "\n" if kept else ""
+        return _whole("".join(out))
 
 
 def group_by_folder(items: Iterable[tuple[str, str, str, str]], max_chars: int = 400_000) -> list[tuple[str, str, str, list[str]]]:
@@ -178,12 +184,6 @@ def split_halves(docs: Sequence[Doc]) -> dict[str, list[Doc]]:
             out[half].append(d)
             n[half] += d.tokens
     return out
-
-
-def _whole(text: str) -> str:
-    """What `BlockDedupe.filter` returns for `text` when it cuts nothing."""
-    kept = text.strip("\n")
-    return kept + "\n" if kept else ""
 
 
 AHEAD_MARGIN = 1.25  # take_fair's first pass picks documents for this many times the budget (see there)

@@ -161,9 +161,7 @@ def _block(q, k, v, fq, fk, g, lf, sets, L, valid, q0: int, folded, *, window: i
     ks, vs, fks = _gather_keys(k, v, fk, ref.expand_kv(pc, Hq))
     sc_s = (torch.einsum("bhsd,bhld->bhsl", qf, ks) * scale).masked_fill(~soft_s, float("-inf"))
     a_s = torch.einsum("bhsf,bhlf->bhsl", fqf, fks) * lin_s
-    m = torch.maximum(sc_b.amax(-1, keepdim=True), sc_s.amax(-1, keepdim=True))  # `ref.row_max` of both
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    m = m.detach() if combine == "unshifted" else m
+    m = ref.row_max(torch.maximum(sc_b.amax(-1, keepdim=True), sc_s.amax(-1, keepdim=True)), combine)  # of both
     p_b, p_s = torch.exp(sc_b - m), torch.exp(sc_s - m)
     num_e = p_b @ vb + p_s @ vs
     den_e = p_b.sum(-1, keepdim=True) + p_s.sum(-1, keepdim=True)
