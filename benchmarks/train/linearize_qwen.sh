@@ -59,6 +59,8 @@
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="niah-check" bash $B tune-go 12 13
 #                                           (niah-check ~2 min: the study's prompts at 16k, unpatched and lola with
 #                                           the shipped asset, comparable with niah/...-lola-niah-check-0459023-h100;
+#                                           "asset-niah" ~2-3 min: issue 57's S-NIAH cells (4k, 16k; 20 prompts a
+#                                           cell) of the shipped asset: unpatched, lola default, lola 256/256, lolcats;
 #                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min; "muse-guard" with
 #                                           GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.125,0.15 the budgets between the
 #                                           default (1.47x / 1.94x, +0.20%) and 20% (1.59x / 2.30x, +0.78%), ~3 min)
@@ -410,6 +412,15 @@ c['max_position_embeddings'] = 65536; json.dump(c, open(sys.argv[2], 'w'), inden
         --no-progress --out-dir "$OUT/ppl" --name "qwen2.5-coder-0.5b-lola-heldout-$kind-$GPU" 2>&1 | tail -n 8 ||
         echo "! perplexity on $kind did not finish"
     done;;
+  asset-niah)  # issue 57's needle targets on the shipped asset as it is: S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a
+               # depth) on the held-out prose of the unpatched model, lola at the asset's defaults, the paper's lola
+               # 256/256 (unshifted, as the asset measures best) and lolcats alone (window 64)
+    mkdir -p "$OUT/niah"
+    timeout "$(left)" python3 -m longctx_patch.cli.main eval niah --model "$MODEL" --device "$DEV" --dtype "$DTYPE" --method none \
+      --method "$LOLA" --method 'lola(window=256,sparse_cache=256,combine=unshifted)' --method lolcats \
+      --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" \
+      --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-asset-niah-$GPU" \
+      2>&1 | tail -n 30;;
   tune-niah)  # S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a depth) on the held-out prose: the unpatched model, lola
               # with the new and with the shipped asset, exact attention with the new LoRA (prompt and answer in its window)
     [ -n "$(ls -A "$TUNE_ASSETS" 2>/dev/null)" ] || { echo "no asset in $TUNE_ASSETS: run tune-package first"; exit 1; }
