@@ -281,6 +281,13 @@ case $STEP in
     bash "$0" niah
     echo "chain done after $(( $(date +%s) - T0 )) s";;
   # --- The needle study (no training): `stage` and `piece` as above, then `study-go NN LAST` and `poll` calls.
+  steps-go)  # steps-go NN LAST: the steps named in STEPS (e.g. "asset-niah muse-moba"), in order, in the background once
+             # the model is dequantised and the corpus built; then `poll` calls as for the other chains
+    launch steps-chain "${2:?steps-go NN LAST}" "${3:?steps-go NN LAST}";;
+  steps-chain)
+    chain_start
+    for s in ${STEPS:?STEPS: the steps to run}; do bash "$0" "$s"; done
+    echo "steps chain done after $(( $(date +%s) - T0 )) s";;
   study-go)
     launch study-chain "${2:?study-go NN LAST}" "${3:?study-go NN LAST}";;
   study-chain)  # in the background: no call limit, its files in /tmp/bgout
