@@ -1,0 +1,145 @@
+"""Where one layer's MuSe guard spends its time (docs/muse.md, "The estimate's implementation": ~0.85 ms a layer at
+32k that is not the sampled rows' attention). One layer at Qwen2.5-Coder-0.5B's shapes (14 query / 2 kv heads, D 64,
+bf16, random inputs: the guard's work does not depend on the values), `muse`'s default config (--block-size: another
+block size, for a quick check on a CPU):
+
+- `muse`: MuSe's own kernels (`muse_attention`), and exact attention (SDPA) on the same inputs;
+- `estimate`: the guard's whole estimate (`estimate_errors`), and its parts: the sample (`sampled_rows` without a key
+  mask: row norms, their top-k over S), the sampled rows' exact attention (`exact_rows`, the split-key kernels on
+  CUDA) and the rest (the estimate minus both: gathers and the error's arithmetic);
+- `guard`: the estimate with its host read and no head over budget (what every layer of a call pays), and with 1,
+  7 (one kv group) and 14 heads made exact (`with_exact_heads`);
+- a kernel table of one estimate (torch.profiler: each kernel's total time, calls) and its launches.
+
+Timed with `triton.testing.do_bench` (median) on CUDA, the best of 3 wall times elsewhere.
+
+    python3 -m benchmarks.ops.profile_muse_guard --out $OUT/guard-profile-qwen-h100.json
+    python3 -m benchmarks.ops.profile_muse_guard --device cpu --dtype float32 --lengths 1024 --block-size 32  # a check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+
+import torch
+
+from benchmarks.shared import result_file
+from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.softmax import softmax_attention
+from longctx_patch.methods.muse.config import MuseConfig
+from longctx_patch.methods.muse.guard import estimate_errors, exact_rows, first_approximated, guard, sampled_rows
+from longctx_patch.methods.muse.heads import with_exact_heads
+from longctx_patch.provenance import device_description, git_commit
+
+
+def timed(fn, dev: torch.device) -> float:
+    """Milliseconds of fn: do_bench's median on CUDA, the best of 3 wall times elsewhere."""
+    if dev.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=5, rep=50))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def kernel_table(fn, dev: torch.device, top: int = 15) -> dict:
+    """One call of fn under torch.profiler: the kernels (CUDA) or operators (CPU) by total time, and how many."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "cuda_time_total", 0)
+        rows.append(dict(name=e.key[:90], calls=e.count, device_us=round(float(dev_us), 1),
+                         self_cpu_us=round(float(e.self_cpu_time_total), 1)))
+    key = "device_us" if dev.type == "cuda" else "self_cpu_us"
+    kernels = [r for r in rows if r["device_us"] > 0] if dev.type == "cuda" else rows
+    launches = sum(r["calls"] for r in rows if r["name"] in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    kernels.sort(key=lambda r: -r[key])
+    return dict(by=key, total_us=round(sum(r[key] for r in kernels if not r["name"].startswith("aten::")
+                                           or dev.type != "cuda"), 1),
+                launches=launches, top=kernels[:top])
+
+
+def measure(S: int, a, dev: torch.device) -> dict:
+    dt = getattr(torch, a.dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, a.heads, S, a.head_dim, device=dev, generator=g).to(dt)
+    k = torch.randn(1, a.kv_heads, S, a.head_dim, device=dev, generator=g).to(dt)
+    v = torch.randn(1, a.kv_heads, S, a.head_dim, device=dev, generator=g).to(dt)
+    sets = {"block_size": a.block_size} if a.block_size else {}
+    cfg = MuseConfig(**sets)
+    scale = a.head_dim ** -0.5
+    first, rows = first_approximated(cfg), cfg.guard_rows
+    opts = cfg.kernel_options()
+    with torch.no_grad():
+        o = muse_attention(q, k, v, scale=scale, options=opts, backend=cfg.backend)
+        pos, w, _ = sampled_rows(o, None, first, rows)
+        t = {"muse": lambda: muse_attention(q, k, v, scale=scale, options=opts, backend=cfg.backend),
+             "exact_sdpa": lambda: softmax_attention(q, k, v, scale=scale),
+             "estimate": lambda: estimate_errors(o, q, k, v, None, scale=scale, first=first, rows=rows),
+             "estimate_sample": lambda: sampled_rows(o, None, first, rows),
+             "estimate_rows_attention": lambda: exact_rows(q, k, v, pos, None, scale=scale)}
+        never = MuseConfig(**sets, guard_error=0.999)  # every head measured, none over budget
+        t["guard_no_head"] = lambda: guard(o, q, k, v, None, config=never, scale=scale)
+        for n in (1, a.heads // a.kv_heads, a.heads):
+            t[f"exact_heads_{n}"] = lambda n=n: with_exact_heads(o, q, k, v, list(range(n)), scale=scale)
+        row: dict = {"seq_len": S, "first": first, "rows": rows, "sampled": int(pos.shape[-1])}
+        row["ms"] = {name: timed(fn, dev) for name, fn in t.items()}
+        ms = row["ms"]
+        ms["estimate_rest"] = ms["estimate"] - ms["estimate_sample"] - ms["estimate_rows_attention"]
+        ms["guard_host_read"] = ms["guard_no_head"] - ms["estimate"]
+        row["estimate_kernels"] = kernel_table(t["estimate"], dev)
+        row["guard_kernels"] = kernel_table(t["guard_no_head"], dev)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="32768,65536")
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="MuSe's block size (default: the config's)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    rows = []
+    for S in (int(x) for x in a.lengths.split(",")):
+        row = measure(S, a, dev)
+        print(json.dumps({"seq_len": S, "ms": row["ms"], "launches": row["estimate_kernels"]["launches"]}), flush=True)
+        table = row["estimate_kernels"]
+        for r in table["top"]:
+            print(f"    {r[table['by']]:9.1f} us  {r['calls']:4d}x  {r['name']}", flush=True)
+        rows.append(row)
+    res = {"task": "muse-guard-profile", "device": device_description(a.device),
+           "date": datetime.date.today().isoformat(), "commit": git_commit(),
+           "command": shlex.join([sys.executable, "-m", "benchmarks.ops.profile_muse_guard",
+                                  *(argv if argv is not None else sys.argv[1:])]),
+           "shape": dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype), "rows": rows}
+    out = result_file("muse", f"guard-profile-qwen-{a.device}.json", a.out)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
