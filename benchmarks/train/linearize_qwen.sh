@@ -430,7 +430,7 @@ c['max_position_embeddings'] = 65536; json.dump(c, open(sys.argv[2], 'w'), inden
       2>&1 | tail -n 30;;
   guard-profile)  # issue 58: where one layer's guard spends its time at 32k and 64k (no model; ~1 min)
     mkdir -p "$OUT/muse"
-    timeout "$(left)" python3 -m benchmarks.ops.profile_muse_guard --out "$OUT/muse/guard-profile-qwen-$GPU.json" 2>&1 |
+    timeout "$(left)" python3 -m benchmarks.ops.bench_muse_guard_parts --out "$OUT/muse/guard-profile-qwen-$GPU.json" 2>&1 |
       tail -n 40 || echo "! the guard's profile did not finish";;
   tune-niah)  # S-NIAH-1/2 (NIAH_LENGTHS, NIAH_SAMPLES prompts a depth) on the held-out prose: the unpatched model, lola
               # with the new and with the shipped asset, exact attention with the new LoRA (prompt and answer in its window)

@@ -1,14 +1,14 @@
-"""benchmarks/ops/profile_muse_guard.py on a CPU at a small shape: every part timed, the parts' arithmetic, the
+"""benchmarks/ops/bench_muse_guard_parts.py on a CPU at a small shape: every part timed, the parts' arithmetic, the
 kernel table, the result's provenance."""
 
 import json
 
-from benchmarks.ops import profile_muse_guard
+from benchmarks.ops import bench_muse_guard_parts
 
 
 def test_profile_runs_and_records_each_part(tmp_path):
     out = tmp_path / "p.json"
-    assert profile_muse_guard.main(["--device", "cpu", "--dtype", "float32", "--lengths", "1024", "--block-size", "32",
+    assert bench_muse_guard_parts.main(["--device", "cpu", "--dtype", "float32", "--lengths", "1024", "--block-size", "32",
                                     "--heads", "4", "--kv-heads", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["task"] == "muse-guard-profile" and {"device", "date", "commit", "command"} <= set(res)

@@ -13,8 +13,8 @@ block size, for a quick check on a CPU):
 
 Timed with `triton.testing.do_bench` (median) on CUDA, the best of 3 wall times elsewhere.
 
-    python3 -m benchmarks.ops.profile_muse_guard --out $OUT/guard-profile-qwen-h100.json
-    python3 -m benchmarks.ops.profile_muse_guard --device cpu --dtype float32 --lengths 1024 --block-size 32  # a check
+    python3 -m benchmarks.ops.bench_muse_guard_parts --out $OUT/guard-profile-qwen-h100.json
+    python3 -m benchmarks.ops.bench_muse_guard_parts --device cpu --dtype float32 --lengths 1024 --block-size 32  # a check
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         rows.append(row)
     res = {"task": "muse-guard-profile", "device": device_description(a.device),
            "date": datetime.date.today().isoformat(), "commit": git_commit(),
-           "command": shlex.join([sys.executable, "-m", "benchmarks.ops.profile_muse_guard",
+           "command": shlex.join([sys.executable, "-m", "benchmarks.ops.bench_muse_guard_parts",
                                   *(argv if argv is not None else sys.argv[1:])]),
            "shape": dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype), "rows": rows}
     out = result_file("muse", f"guard-profile-qwen-{a.device}.json", a.out)
