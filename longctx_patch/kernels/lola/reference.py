@@ -2,7 +2,8 @@
 
 Everything here is differentiable (plain torch ops) and runs on any device; the Triton kernels
 (`triton_hybrid.py`, `triton_state.py`, `triton_evict.py`) must match these functions. Maths and every
-convention: docs/lola.md.
+convention: docs/lola.md. The settings of a whole-sequence hybrid call travel as one `HybridSpec`, what one
+attention call reads as `HybridKeys` and `HybridRule`.
 
 Shapes (the convention of the whole package):
   q, fq          [B, Hq, S, D] / [B, Hq, S, F2]   queries and their features (F2 = 2 * feature_dim)
@@ -18,11 +19,15 @@ Shapes (the convention of the whole package):
 from __future__ import annotations
 
 import math
+import numbers
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from ..backend import check_backend
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 EPS_SRE = 1e-6  # denominator guard of the self-recall prediction phi(k)^T H / (phi(k)^T s + EPS_SRE)
 NEG = -1.0e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
@@ -118,6 +123,66 @@ def check_combine(combine: str) -> bool:
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, not {combine!r}")
     return combine == "unshifted"
+
+
+def check_ints(spec, **least: int) -> None:
+    """ValueError naming the first of the fields `least` of the settings object `spec` that is not an int at least
+    its bound (`least`: field name -> the smallest value allowed)."""
+    for name, low in least.items():
+        n = getattr(spec, name)
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < low:
+            raise ValueError(f"{type(spec).__name__}.{name}={n!r}: allowed an int >= {low}")
+
+
+def check_scale(spec) -> None:
+    """ValueError when `spec.scale` is neither None (D ** -0.5) nor a positive number."""
+    x = spec.scale
+    if x is not None and (not isinstance(x, numbers.Real) or isinstance(x, bool) or not x > 0):
+        raise ValueError(f"{type(spec).__name__}.scale={x!r}: allowed None (D ** -0.5) or a number > 0")
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """The settings of one whole-sequence hybrid attention (`ops.hybrid_attention`, `ops.hybrid_attention_triton`,
+    `hybrid_attention_quadratic`, `hybrid_attention_chunked`): the same for every call of a layer; the tensors (q, k,
+    v, fq, fk, g, lf, key_mask) are passed beside it.
+
+    window: keys less than `window` behind a query are attended by softmax, older ones linearly (an int >= 0).
+    scale: the scores' factor (None: D ** -0.5). combine: how the exact and linear terms meet (`_finish`): "shifted"
+    (LoLCATs) or "unshifted" (the LoLA authors'). chunk: queries per block of the PyTorch path
+    (`hybrid_attention_chunked`). state_chunk: keys per prefix state of the Triton paths (None: `ops.STATE_CHUNK`,
+    under gradients `tuning.train_state_chunk` first); `ops.hybrid_attention` rounds it down to a multiple of 64 (at
+    least 64), `ops.hybrid_attention_triton` takes it as it is (a multiple of its key tile). backend: "auto"
+    (Triton on CUDA, PyTorch elsewhere), "triton" or "torch" (`ops.hybrid_attention`'s choice; the references run
+    PyTorch whatever it says). tuning: the kernels' launch settings (`tuning.LolaTuning`; the training pass's state
+    chunk and tiles: `train_*`).
+
+    Refused when built: a window, chunk or state_chunk that is no int in range, a scale that is no positive number
+    (ValueError), an unknown combine (ValueError) or backend (ConfigError), a tuning that is no LolaTuning
+    (TypeError)."""
+
+    window: int
+    scale: float | None = None
+    combine: str = "shifted"
+    chunk: int = 64
+    state_chunk: int | None = None
+    backend: str = "auto"
+    tuning: LolaTuning = DEFAULT_TUNING
+
+    def __post_init__(self):
+        check_ints(self, window=0, chunk=1)
+        if self.state_chunk is not None:
+            check_ints(self, state_chunk=1)
+        check_scale(self)
+        check_combine(self.combine)
+        check_backend(self.backend, "lola/lolcats")
+        if not isinstance(self.tuning, LolaTuning):
+            raise TypeError(f"HybridSpec.tuning: a LolaTuning (kernels/lola/tuning.py), not "
+                            f"{type(self.tuning).__name__}")
+
+    def rule(self, g, lf) -> HybridRule:
+        """The hybrid attention's rule (`HybridRule`) of these settings with the per-head weights g and lf."""
+        return HybridRule(self.window, g, lf, self.scale, self.combine)
 
 
 def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,

@@ -16,6 +16,8 @@ pass over every earlier key it replaced (`_block_dense`, quadratic) stays as its
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -218,6 +220,39 @@ def _folded_states(k, v, fk, sets, L, valid, starts, S: int, *, window: int, chu
                       else _fold_segment(*args, **kw))
             P, z = P + dP, z + dz
     return Ps, zs
+
+
+@dataclass(frozen=True)
+class SetsSpec:
+    """The settings of the training pass over sparse sets (`lola_attention_sets`): the LoLA grid (`window`, `chunk`),
+    the scores' factor `scale` (None: D ** -0.5), `combine` (how the exact and linear terms meet: "shifted" or
+    "unshifted", `reference._finish`), about `block` queries per recomputed block (whole chunks) and `dense`: every
+    block against every earlier key (`_block_dense`, quadratic: the reference) instead of its band, state and sets.
+    Refused when built (ValueError): a window, chunk or block that is no int in range, a scale that is no positive
+    number, an unknown combine, a dense that is no bool."""
+
+    window: int
+    chunk: int
+    scale: float | None = None
+    combine: str = "shifted"
+    block: int = 1024
+    dense: bool = False
+
+    def __post_init__(self):
+        ref.check_ints(self, window=0, chunk=1, block=1)
+        ref.check_scale(self)
+        ref.check_combine(self.combine)
+        if not isinstance(self.dense, bool):
+            raise ValueError(f"SetsSpec.dense={self.dense!r}: allowed True or False")
+
+
+class PrefillSets(NamedTuple):
+    """The sparse sets of a fresh prefill and the padding they were chosen under: positions [n_chunks, B, Hs, lam]
+    int64 (`sparse_positions`; -1: an empty slot; row c is what chunk c attends) and key_mask [B, S] bool (True = a
+    real token) or None, which masks the keys of the pass."""
+
+    positions: torch.Tensor
+    key_mask: torch.Tensor | None = None
 
 
 def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int, scale: float, key_mask=None,

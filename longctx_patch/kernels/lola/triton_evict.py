@@ -10,6 +10,9 @@ They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works w
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +20,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import dot, dot_bf16x3, dot_precision, np2
+from .reference import EPS_SRE, check_ints
 from .triton_state import _range_sums, fold_into_state
 from .tuning import DEFAULT_TUNING, LolaTuning
 
@@ -304,6 +308,30 @@ def _ev_fold_kernel(
     ps = tl.load(PS + soff, mask=col0, other=0.0) + tl.load(SALL + (c + 1).to(tl.int64) * s_sa_c + so, mask=col0, other=0.0)
     tl.store(PS + soff, ps, mask=col0)
     tl.store(SALL + (c + 1).to(tl.int64) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=col0)
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """Which evictions a `PrefillEvictions` runs: the LoLA grid (`window`, `chunk`, `lam` sparse pairs per sparse head,
+    `sparse_heads` Hs, the heads of the sparse cache), `n_ev` evictions at the ends of chunks 0 .. n_ev - 1, from
+    eviction `first` on (> 0: a continued prefill, the evictions before it done), with the self-recall error's
+    denominator guard `eps`. Refused when built (ValueError): a count that is no int in range, first past n_ev, an
+    eps that is no positive number."""
+
+    window: int
+    chunk: int
+    lam: int
+    sparse_heads: int
+    n_ev: int
+    first: int = 0
+    eps: float = EPS_SRE
+
+    def __post_init__(self):
+        check_ints(self, window=0, chunk=1, lam=0, sparse_heads=1, n_ev=0, first=0)
+        if self.first > self.n_ev:
+            raise ValueError(f"EvictionPlan.first={self.first}: first eviction outside 0 .. n_ev={self.n_ev}")
+        if not (isinstance(self.eps, numbers.Real) and not isinstance(self.eps, bool) and self.eps > 0):
+            raise ValueError(f"EvictionPlan.eps={self.eps!r}: allowed a number > 0")
 
 
 class PrefillEvictions:
