@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import HybridSpec, LolaState, hybrid_attention, lola_process  # noqa: E402
 
 B, HQ, HKV, D, F = 2, 4, 2, 16, 8
 
@@ -113,8 +113,8 @@ def test_lambda_zero_is_lolcats(backend):
     S = 37
     seq = _seq(S, seed=2)
     q, k, v, fq, fk, g, lf, _ = seq
-    want = hybrid_attention(q, k, v, fq, fk, g, lf, window=7, scale=D ** -0.5, chunk=8, backend="torch")
-    quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=7).transpose(1, 2)
+    want = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=7, scale=D ** -0.5, chunk=8, backend="torch"))
+    quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=7)).transpose(1, 2)
     torch.testing.assert_close(want, quad, atol=1e-5, rtol=1e-5)
     for splits in ([S], [10, 3, 24]) if backend == "triton" else ([S], [1] * S, [10, 3, 24]):
         got, st = _run(splits, seq, window=7, chunk=4, lam=0, backend=backend)

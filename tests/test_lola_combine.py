@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import HybridSpec, LolaState, hybrid_attention, lola_process  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola.training import lola_attention_sets  # noqa: E402
 from longctx_patch.methods.lola import LolaConfig  # noqa: E402
@@ -167,7 +167,8 @@ def test_unshifted_rows_far_below_zero_without_linear_keys_keep_their_exact_term
         got_d = tk.decode_step(qq[:, :, W - 1:W].contiguous(), fq[:, :, W - 1:W].contiguous(), early, unshifted)
         torch.testing.assert_close(got_d.float(), exact[:, :, W - 1:W].transpose(1, 2), atol=1e-5, rtol=1e-5)
         qg, vg, fqg = (x.clone().requires_grad_(True) for x in (qq, v, fq))
-        out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf, window=W, scale=D ** -0.5, combine="unshifted")
+        out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf,
+                                             HybridSpec(window=W, scale=D ** -0.5, combine="unshifted"))
         torch.testing.assert_close(out, got, atol=1e-5, rtol=1e-5)
         out.square().sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in (qg, vg, fqg)), score
@@ -188,8 +189,8 @@ def test_chunked_reference_equals_quadratic_and_gradients_need_no_term_through_m
     q, k, v, fq, fk, g, lf, _ = _seq(S, seed=4, sharp=1.0)
     km = _mask(S, [0, 3])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, fq, fk, g, lf)]
-    a = ref.hybrid_attention_quadratic(*leaves, window=window, key_mask=km, combine="unshifted")
-    b = ref.hybrid_attention_chunked(*leaves, window=window, key_mask=km, chunk=chunk, combine="unshifted")
+    a = ref.hybrid_attention_quadratic(*leaves, HybridSpec(window=window, combine="unshifted"), key_mask=km)
+    b = ref.hybrid_attention_chunked(*leaves, HybridSpec(window=window, combine="unshifted", chunk=chunk), key_mask=km)
     H0, s0 = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
     c = _plain(*leaves, H0, s0, window=window, scale=D ** -0.5, key_mask=km, q_offset=0)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -211,14 +212,14 @@ def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     """The whole-sequence forward (lolcats' prefill) with prefix states per block, left padding."""
     q, k, v, fq, fk, g, lf, _ = _seq(S, dtype=dtype, seed=5)
     km = _mask(S, [0, 5])
-    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3,
-                                          combine="unshifted")
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=window, scale=0.3,
+                                                                             combine="unshifted"), key_mask=km)
     Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
     got = tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=16),
                         ref.HybridRule(window, g, lf, 0.3, "unshifted"), block_m=16, block_n=16)
     real = km[:, :, None, None].expand_as(got)
     torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
-    shifted = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
+    shifted = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=window, scale=0.3), key_mask=km)
     assert (shifted - want).abs().max() > 0.05
 
 
@@ -319,9 +320,9 @@ def test_whole_sequence_hybrid_unshifted_on_triton():
     S = 37
     q, k, v, fq, fk, g, lf, _ = _seq(S, seed=8)
     km = _mask(S, [0, 6])
-    kw = dict(window=9, scale=D ** -0.5, key_mask=km, chunk=8, combine="unshifted")
-    want = hybrid_attention(q, k, v, fq, fk, g, lf, backend="torch", **kw)
-    got = hybrid_attention(q, k, v, fq, fk, g, lf, backend="triton", state_chunk=64, **kw)
+    kw = dict(window=9, scale=D ** -0.5, chunk=8, combine="unshifted")
+    want = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(backend="torch", **kw), key_mask=km)
+    got = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(backend="triton", state_chunk=64, **kw), key_mask=km)
     real = km[:, :, None, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real], **TOL[torch.float32])
 
@@ -334,9 +335,10 @@ def test_training_with_unshifted_refuses_the_triton_backward_and_takes_the_torch
     qg = q.clone().requires_grad_(True)
     kw = dict(window=6, scale=D ** -0.5, chunk=8)
     with pytest.raises(ConfigError, match="combine='unshifted'.*backend='auto'"):
-        hybrid_attention(qg, k, v, fq, fk, g, lf, backend="triton", combine="unshifted", **kw)
-    out = hybrid_attention(qg, k, v, fq, fk, g, lf, backend="auto", combine="unshifted", **kw)
-    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=6, combine="unshifted").transpose(1, 2)
+        hybrid_attention(qg, k, v, fq, fk, g, lf, HybridSpec(backend="triton", combine="unshifted", **kw))
+    out = hybrid_attention(qg, k, v, fq, fk, g, lf, HybridSpec(backend="auto", combine="unshifted", **kw))
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=6, combine="unshifted"))
+    want = want.transpose(1, 2)
     torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0

@@ -101,7 +101,7 @@ def rel(a, b) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import HybridSpec, LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
 from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING, LolaTuning  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -135,8 +135,10 @@ def check():
             q, k, v, fq, fk, g, lf, _, Wk = make(2, 8, 2, S0, D, 32, dtype, seed=D)
             km = torch.ones(2, S0, dtype=torch.bool, device=DEV)
             km[1, :50] = False
-            want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=64, key_mask=km).transpose(1, 2)
-            got = hybrid_attention(q, k, v, fq, fk, g, lf, window=64, scale=D ** -0.5, key_mask=km, backend="triton")
+            want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=64), key_mask=km)
+            want = want.transpose(1, 2)
+            got = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=64, scale=D ** -0.5, backend="triton"),
+                                   key_mask=km)
             real = km[:, :, None, None].expand_as(got)
             if SMOKE and D == 128:
                 continue
@@ -193,8 +195,9 @@ def _prefill(D, label):
     r["feature_maps_triton_ms"] = bench(lambda: (tk.feature_map(q, Wq16), tk.feature_map(k, Wk16)))
     for w, cs, nw in ((64, 64, None), (64, 256, None), (64, 256, 8), (256, 256, None), (256, 256, 8), (256, 512, 8)):
         r[f"lolcats_w{w}_cs{cs}_nw{nw or 'def'}_ms"] = bench(
-            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, window=w, scale=scale, backend="triton", state_chunk=cs,
-                                     tuning=LolaTuning(hybrid_num_warps=nw)))
+            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=w, scale=scale, backend="triton",
+                                                                        state_chunk=cs,
+                                                                        tuning=LolaTuning(hybrid_num_warps=nw))))
     st_ = tk.chunk_states(fk, v, 256)
     r["chunk_states_cs256_ms"] = bench(lambda: tk.chunk_states(fk, v, 256))
     keys = ref.HybridKeys(k, v, fk, st_[0], st_[1], q_offset=0, state_chunk=256)

@@ -126,7 +126,7 @@ def case_lolcats_hybrid() -> dict:
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B, S, sz(32, 4), sz(8, 2), seed=1)
     fk = ref.hedgehog_feature_map(k, Wk, out_dtype=q.dtype)
     with torch.no_grad():
-        o = hybrid_attention(q, k, v, fq, fk, gw, lf, window=64, scale=D ** -0.5, backend="triton")
+        o = hybrid_attention(q, k, v, fq, fk, gw, lf, ref.HybridSpec(window=64, scale=D ** -0.5, backend="triton"))
     _sync()
     return _compare(o)
 

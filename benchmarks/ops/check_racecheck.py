@@ -53,8 +53,10 @@ def check_lolcats(S: int) -> None:
 
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, fq, fk, gw, lf, _, km = lola_inputs(S, 64, dtype, seed=1)
-        want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, gw, lf, window=64, key_mask=km).transpose(1, 2)
-        got = hybrid_attention(q, k, v, fq, fk, gw, lf, window=64, scale=64 ** -0.5, key_mask=km, backend="triton")
+        want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, gw, lf, ref.HybridSpec(window=64), key_mask=km)
+        want = want.transpose(1, 2)
+        spec = ref.HybridSpec(window=64, scale=64 ** -0.5, backend="triton")
+        got = hybrid_attention(q, k, v, fq, fk, gw, lf, spec, key_mask=km)
         real = km[:, :, None, None].expand_as(got)
         emit("lolcats", f"prefill_{str(dtype)[6:]}", rel=rel(got[real], want[real]))
 

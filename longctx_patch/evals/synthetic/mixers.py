@@ -338,12 +338,13 @@ class LolcatsMixer(Mixer):
         return g, torch.ones_like(g)
 
     def attend(self, q, k, v):
-        from ...kernels.lola import hybrid_attention
+        from ...kernels.lola import HybridSpec, hybrid_attention
 
         fq, fk = self._phi(q, self.wq), self._phi(k, self.wk)
         g, lf = self._factors()
-        return hybrid_attention(q, k, v, fq, fk, g, lf, window=self.config.window, scale=self.D ** -0.5,
-                                chunk=self.config.chunk, backend=self.backend(q))
+        spec = HybridSpec(window=self.config.window, scale=self.D ** -0.5, chunk=self.config.chunk,
+                          backend=self.backend(q))
+        return hybrid_attention(q, k, v, fq, fk, g, lf, spec)
 
     def state_bytes(self, length):
         W, C, F2 = self.config.window, self.config.chunk, 2 * self.config.feature_dim

@@ -185,24 +185,23 @@ class HybridSpec:
         return HybridRule(self.window, g, lf, self.scale, self.combine)
 
 
-def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                               key_mask=None, q_offset: int | None = None, H0=None, s0=None,
-                               combine: str = "shifted"):
+def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, spec: HybridSpec, *, key_mask=None):
     """Ground truth of the LoLCATs hybrid, O(S * N) memory; returns [B, Hq, S, D] fp32.
 
-    Query i sits at key index `q_offset + i` (default N - S). Key j is in the softmax window of query i
-    when 0 <= i' - j < window (i' = q_offset + i), in the linear part when i' - j >= window.
-    The exact term uses exp(score - m) with m the row maximum over the window keys (LoLCATs'
-    convention: the linear term is *not* rescaled by m). H0/s0: a linear state of tokens before key 0.
-    combine="unshifted": the exact term is exp(score) as is (the LoLA authors' code), `_finish`.
+    Query i sits at key index N - S + i (the queries are the last keys; `lola_attention` takes any offset and a
+    linear state of tokens before key 0). Key j is in the softmax window of query i when 0 <= i' - j < window
+    (i' = N - S + i), in the linear part when i' - j >= window. The exact term uses exp(score - m) with m the row
+    maximum over the window keys (LoLCATs' convention: the linear term is *not* rescaled by m).
+    spec.combine="unshifted": the exact term is exp(score) as is (the LoLA authors' code), `_finish`. spec: window,
+    scale and combine (`HybridSpec`).
     """
+    window, scale, combine = spec.window, spec.scale, spec.combine
     unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    q_offset = N - S if q_offset is None else q_offset
     k, v = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
-    qpos = torch.arange(S, device=q.device)[:, None] + q_offset
+    qpos = torch.arange(S, device=q.device)[:, None] + (N - S)
     kpos = torch.arange(N, device=q.device)[None, :]
     diff = qpos - kpos
     win = (diff >= 0) & (diff < window)
@@ -218,20 +217,18 @@ def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: fl
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
     num_e, den_e = p @ v, p.sum(-1, keepdim=True)
     num_l, den_l = a @ v, a.sum(-1, keepdim=True)
-    if H0 is not None:
-        num_l = num_l + fq.float() @ H0.float()
-        den_l = den_l + (fq.float() * s0.float()[:, :, None, :]).sum(-1, keepdim=True)
     return _finish(num_e, den_e, num_l, den_l, g, lf, m if unshifted else None)
 
 
-def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                             key_mask=None, chunk: int = 64, combine: str = "shifted"):
-    """Same result as `hybrid_attention_quadratic` (S == N, no state) in O(S * (window + chunk)) memory.
+def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, spec: HybridSpec, *, key_mask=None):
+    """Same result as `hybrid_attention_quadratic` (S == N) in O(S * (window + chunk)) memory.
 
     Queries are cut into blocks of `chunk`; block n reads a prefix state (sum of phi(k) v^T over keys
     before (n - P) * chunk, P = ceil(window / chunk)) and the P + 1 key blocks n-P..n explicitly.
-    Differentiable: this is the training / CPU path of `lolcats`. Returns [B, Hq, S, D] fp32.
+    Differentiable: this is the training / CPU path of `lolcats`. spec: window, scale, combine and chunk
+    (`HybridSpec`). Returns [B, Hq, S, D] fp32.
     """
+    window, scale, combine, chunk = spec.window, spec.scale, spec.combine, spec.chunk
     unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     F2 = fq.shape[-1]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels.lola.ops import hybrid_attention, refuse_forced_triton_under_grad
+from ...kernels.lola.reference import HybridSpec
 from ...kernels.lola.sparse_cache import lola_process
 from ...kernels.lola.state import KeyFeatures, LolaState
 from ...kernels.lola.training import lola_attention_sets, sparse_positions
@@ -131,8 +132,9 @@ class HybridAttention(PatchedAttention):
         lam = self.sparse_cache
         if lam == 0:
             fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend, tuning=self.tuning)
-            return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, window=cfg.window,
-                                    scale=self.scaling, backend=cfg.backend, combine=cfg.combine, tuning=self.tuning)
+            spec = HybridSpec(window=cfg.window, scale=self.scaling, combine=cfg.combine, chunk=cfg.chunk,
+                              backend=cfg.backend, tuning=self.tuning)
+            return hybrid_attention(q, k, v, fq, fk, g, lf, spec, key_mask=new_mask)
         kw = self._process_kw(q, new_mask)
         Hq, Hkv = q.shape[1], k.shape[1]
         hs = sparse_head_count(self.sparse_heads, Hq, Hkv)
