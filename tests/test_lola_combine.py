@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.lola import HybridSpec, LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import (HybridSpec, LolaRun, LolaState, StateSizes, hybrid_attention,  # noqa: E402
+                                        lola_process)
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola.training import lola_attention_sets  # noqa: E402
 from longctx_patch.methods.lola import LolaConfig  # noqa: E402
@@ -268,15 +269,15 @@ def test_decode_step_matches_reference(dtype, n_keys):
 
 def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch", combine="unshifted", sparse_heads=HKV):
     q, k, v, fq, fk, g, lf, Wk = seq
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
+    st = LolaState.empty(StateSizes(B, HQ, HKV, D, 2 * F, lam, sparse_heads=sparse_heads), q.dtype, q.device)
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend,
+                  combine=combine)
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend,
-                                 combine=combine))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                 key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1), st
 

@@ -91,13 +91,14 @@ class LolaState:
     phases: "RowPhases | None" = None  # noqa: F821 - padded.RowPhases (padded.py imports this module)
 
     @classmethod
-    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None,
+    def empty(cls, sizes: StateSizes, dtype, device, *, capacity: int = 0, inplace: bool = True,
               feature_cache: bool = False):
-        """sparse_heads: heads of the sparse cache, Hkv (default) or Hq. The feature cache is made by the first
-        `lola_process` call (`ensure_fk`: its rows depend on the window)."""
-        Hs = Hkv if sparse_heads is None else int(sparse_heads)
-        if Hs not in (Hkv, Hq):
-            raise ValueError(f"sparse_heads must be the kv heads ({Hkv}) or the query heads ({Hq}), not {Hs}")
+        """An empty state of `sizes` (`StateSizes`: batch, heads, head dim, feature width, sparse pairs and heads),
+        its keys and values in `dtype` on `device`. capacity: rows of the window buffer (in-place states; window +
+        chunk, or 0: made by the first `lola_process` call). The feature cache is made by the first `lola_process`
+        call (`ensure_fk`: its rows depend on the window)."""
+        B, Hq, Hkv, D, F2, lam = sizes.batch, sizes.q_heads, sizes.kv_heads, sizes.head_dim, sizes.features, sizes.lam
+        Hs = sizes.sparse_head_count
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         cap = capacity if inplace else 0
         return cls(

@@ -2,8 +2,8 @@
 (tests/test_lola_kernels.py, tests/test_lola_cache.py):
 
   sre_score          self-recall error of candidate pairs                 <- sre_scores
-  PrefillEvictions   every eviction of a two-pass prefill: score, select, fold, replayed from one CUDA graph
-                     <- select_and_fold, eviction by eviction
+  PrefillEvictions   every eviction of a two-pass prefill (`EvictionPlan`): score, select, fold, replayed from
+                     one CUDA graph  <- select_and_fold, eviction by eviction
 
 They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works with triton 3.6 and 3.9.
 """
@@ -337,26 +337,26 @@ class EvictionPlan:
 class PrefillEvictions:
     """Buffers and launches of the evictions of one LoLA prefill (see the comment above `_ev_candidates`).
 
-    fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; n_ev evictions
-    at the ends of chunks 0 .. n_ev - 1. After `run()`: H_all [n_ev + 1, B, Hq, F2, D], s_all, and the sparse
-    slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions, -1 = empty) that chunk c attends in slot c.
+    fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; `plan`
+    (`EvictionPlan`): n_ev evictions at the ends of chunks 0 .. n_ev - 1 on its grid. After `run()`: H_all
+    [n_ev + 1, B, Hq, F2, D], s_all, and the sparse slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions,
+    -1 = empty) that chunk c attends in slot c. tuning: the launches' tiles and warps (ev_*), the SRE precision
+    (score_prec).
 
-    first > 0 (a continued prefill): the evictions before chunk `first` are done; `start` puts the state they left
-    in slot `first` and `run()` runs evictions first .. n_ev - 1 only (slots before `first` stay unused).
+    plan.first > 0 (a continued prefill): the evictions before chunk `first` are done; `start` puts the state they
+    left in slot `first` and `run()` runs evictions first .. n_ev - 1 only (slots before `first` stay unused).
     """
 
-    def __init__(self, fk, v, key_mask, *, n_ev: int, lam: int, chunk: int, window: int, sparse_heads: int,
-                 eps: float = 1e-6, first: int = 0, tuning: LolaTuning = DEFAULT_TUNING):
+    def __init__(self, fk, v, key_mask, plan: EvictionPlan, *, tuning: LolaTuning = DEFAULT_TUNING):
         B, Hq, S, F2 = fk.shape
         D = v.shape[-1]
         dev = fk.device
+        n_ev, lam, chunk, sparse_heads, first = plan.n_ev, plan.lam, plan.chunk, plan.sparse_heads, plan.first
         self.fk, self.v = fk, v
         self.km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
         self.B, self.Hq, self.Hs, self.F2, self.D = B, Hq, sparse_heads, F2, D
         self.G, self.GS = Hq // v.shape[1], Hq // sparse_heads
-        self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, window, eps
-        if not 0 <= first <= n_ev:
-            raise ValueError(f"first eviction {first} outside 0 .. {n_ev}")
+        self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, plan.window, plan.eps
         self.first = first
         self.NC = lam + chunk
         self.H_all = torch.zeros(n_ev + 1, B, Hq, F2, D, device=dev, dtype=torch.float32)
