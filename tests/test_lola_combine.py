@@ -16,7 +16,7 @@ from longctx_patch.errors import ConfigError  # noqa: E402
 from longctx_patch.kernels.lola import (HybridSpec, LolaRun, LolaState, StateSizes, hybrid_attention,  # noqa: E402
                                         lola_process)
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola.training import lola_attention_sets  # noqa: E402
+from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets  # noqa: E402
 from longctx_patch.methods.lola import LolaConfig  # noqa: E402
 from longctx_patch.methods.lolcats import LolcatsConfig  # noqa: E402
 
@@ -175,8 +175,8 @@ def test_unshifted_rows_far_below_zero_without_linear_keys_keep_their_exact_term
         assert all(torch.isfinite(x.grad).all() for x in (qg, vg, fqg)), score
         sets = torch.full((1, B, HKV, 2), -1, dtype=torch.long)  # no sparse key
         qt, vt = (x.clone().requires_grad_(True) for x in (qq, v))
-        tr = lola_attention_sets(qt, kk, vt, fq, fk, g, lf, sets, window=W, chunk=16, scale=D ** -0.5,
-                                 combine="unshifted")
+        tr = lola_attention_sets(qt, kk, vt, fq, fk, g, lf, PrefillSets(sets),
+                                 SetsSpec(window=W, chunk=16, scale=D ** -0.5, combine="unshifted"))
         torch.testing.assert_close(tr.float(), got.transpose(1, 2), atol=1e-5, rtol=1e-5)
         tr.float().square().sum().backward()
         assert torch.isfinite(qt.grad).all() and torch.isfinite(vt.grad).all(), score

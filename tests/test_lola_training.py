@@ -7,7 +7,7 @@ import torch
 import longctx_patch as lp
 from longctx_patch.kernels.lola import reference as ref
 from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
-from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
 from longctx_patch.patch_state import patched_modules
 
 from conftest import tiny_model
@@ -46,8 +46,8 @@ def test_sets_path_equals_the_chunk_loop(sparse_heads, S, block):
         if sets_path:
             fk = phi_k(k)
             sets = sparse_positions(fk.detach(), v.detach(), km, window=W, chunk=C, lam=lam, sparse_heads=Hs)
-            o = lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
-                                    block=block)
+            o = lola_attention_sets(q, k, v, fq, fk, g, lf, PrefillSets(sets, km),
+                                    SetsSpec(window=W, chunk=C, scale=D ** -0.5, block=block))
         else:
             st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, lam, sparse_heads=Hs), torch.float32, "cpu",
                                  capacity=W + C, inplace=False)
@@ -161,8 +161,8 @@ def test_linear_time_blocks_equal_the_dense_pass(Hq, Hkv, S, W, C, lam, block, c
     weights = torch.linspace(-1, 1, D)
     got = []
     for dense in (False, True):
-        o = lola_attention_sets(q, k, v, fq, fk, g, 1 - g, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
-                                block=block, combine=combine, dense=dense).float() * km[:, :, None, None]
+        spec = SetsSpec(window=W, chunk=C, scale=D ** -0.5, combine=combine, block=block, dense=dense)
+        o = lola_attention_sets(q, k, v, fq, fk, g, 1 - g, PrefillSets(sets, km), spec).float() * km[:, :, None, None]
         got.append((o.detach(), torch.autograd.grad((o * weights).sum(), [q, k, v, Wk], retain_graph=True)))
     (o, grads), (want, gwant) = got
     tol = 2e-6 if dtype == torch.float32 else 1e-2

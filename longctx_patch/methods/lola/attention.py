@@ -20,7 +20,7 @@ from ...kernels.lola.ops import hybrid_attention, refuse_forced_triton_under_gra
 from ...kernels.lola.reference import HybridSpec
 from ...kernels.lola.sparse_cache import lola_process
 from ...kernels.lola.state import KeyFeatures, LolaRun, LolaState, StateSizes
-from ...kernels.lola.training import lola_attention_sets, sparse_positions
+from ...kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
 from ...kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 from ..base import PatchedAttention
 from ..padding import phase_groups
@@ -171,8 +171,8 @@ class HybridAttention(PatchedAttention):
         fk = phi_k(k)
         sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
                                 lam=self.sparse_cache, sparse_heads=hs)
-        return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
-                                   scale=self.scaling, key_mask=new_mask, combine=cfg.combine)
+        spec = SetsSpec(window=cfg.window, chunk=cfg.chunk, scale=self.scaling, combine=cfg.combine)
+        return lola_attention_sets(q, k, v, fq, fk, g, lf, PrefillSets(sets, new_mask), spec)
 
     def _needs_grad(self, *tensors) -> bool:
         if not torch.is_grad_enabled():
