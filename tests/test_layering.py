@@ -270,7 +270,7 @@ def test_the_width_check_counts_parameters(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- the LoLA host functions
-LOLA_MAX_PARAMS = 9  # a public host function of kernels/lola: its tensors and one settings object, self / cls / ctx aside
+LOLA_MAX_PARAMS = 9  # a public host function of kernels/lola: its tensors and one settings object (self, ctx aside)
 
 
 def _param_count(fn: ast.FunctionDef) -> int:
