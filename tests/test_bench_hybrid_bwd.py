@@ -17,9 +17,9 @@ def test_sweep_applies_each_setting_and_restores(monkeypatch):
     from longctx_patch.kernels.lola import reference as ref
     from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 
-    given = []  # the tuning of each hybrid_attention call
+    given = []  # the tuning of each hybrid_attention call (its spec's)
     real = bench.ops.hybrid_attention
-    monkeypatch.setattr(bench.ops, "hybrid_attention", lambda *a, **kw: given.append(kw["tuning"]) or real(*a, **kw))
+    monkeypatch.setattr(bench.ops, "hybrid_attention", lambda *a, **kw: given.append(a[7].tuning) or real(*a, **kw))
     seen = []
     keys = ("train_block_m", "train_block_n", "hybrid_num_warps", "hybrid_num_stages")
 

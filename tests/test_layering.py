@@ -7,7 +7,8 @@
   checks the same at run time, in an interpreter where `import triton` fails;
 - the kernels have no import cycle, counting the imports inside functions too;
 - a host function (not a `@triton.jit` kernel) takes at most MAX_PARAMS parameters: what travels together is one
-  object (`wide_functions`).
+  object (`wide_functions`); a public host function of kernels/lola at most LOLA_MAX_PARAMS: its tensors beside one
+  settings object (`wide_public_functions`).
 
 `layering_problems` is checked on the real tree and, below it, on small trees that break each rule once.
 """
@@ -266,3 +267,88 @@ def test_the_width_check_counts_parameters(tmp_path):
         """})
     assert wide_functions(root, "pkg", limit=3) == {("pkg.kernels.fam.ops", "wide"): 5,
                                                     ("pkg.kernels.fam.ops", "forward"): 4}
+
+
+# ----------------------------------------------------------------------------------------- the LoLA host functions
+LOLA_MAX_PARAMS = 9  # a public host function of kernels/lola: its tensors and one settings object (self, ctx aside)
+
+
+def _param_count(fn: ast.FunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"], ["ctx"]))
+
+
+def wide_public_functions(root: Path, package: str = "longctx_patch", family: str = "lola",
+                          limit: int = LOLA_MAX_PARAMS) -> dict[tuple[str, str], int]:
+    """(module, function or Class.method) -> its parameter count, for the public host functions of
+    kernels/<family> that take more than `limit`. Public: a module-level function or a method of a module-level
+    class, no name of the two with a leading underscore, and a public class's `__init__` / `__call__` (the class's
+    own call); `@triton.jit` kernels and nested functions are left out. The settings go as one object (HybridSpec,
+    LolaRun, StateSizes, SetsSpec, EvictionPlan, LolaTuning, HybridKeys / HybridRule) beside the tensors."""
+    out = {}
+    for mod, (path, _) in _modules(root, package).items():
+        if not mod.startswith(f"{package}.kernels.{family}."):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found: list[tuple[str, ast.FunctionDef]] = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                found.append((node.name, node))
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found += [(f"{node.name}.{fn.name}", fn) for fn in node.body
+                          if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                          and (not fn.name.startswith("_") or fn.name in ("__init__", "__call__"))]
+        for name, fn in found:
+            if not _is_jit(fn) and _param_count(fn) > limit:
+                out[(mod, name)] = _param_count(fn)
+    return out
+
+
+def test_lola_host_functions_take_one_settings_object():
+    wide = wide_public_functions(REPO)
+    assert wide == {}, (f"public host functions of kernels/lola over {LOLA_MAX_PARAMS} parameters (pass the settings "
+                        f"as one object: HybridSpec, LolaRun, StateSizes, SetsSpec, EvictionPlan): {wide}")
+    # and the walk saw them: the entry points that take such an object
+    for mod, name in (("ops", "hybrid_attention"), ("sparse_cache", "lola_process"), ("state", "LolaState.empty"),
+                      ("training", "lola_attention_sets"), ("triton_evict", "PrefillEvictions.__init__")):
+        assert wide_public_functions(REPO, limit=0).get((f"longctx_patch.kernels.lola.{mod}", name), 0) > 0, name
+
+
+def test_the_public_width_check_counts_public_functions_only(tmp_path):
+    root = _tree(tmp_path, {"kernels/lola/ops.py": """\
+        import triton
+
+        def wide(a, b, c, *, d=1, e=2):
+            def nested(a, b, c, d, e):
+                pass
+
+        def _private(a, b, c, d, e):
+            pass
+
+        class Fn:
+            @staticmethod
+            def forward(ctx, a, b, c, d):
+                pass
+
+            def __init__(self, a, b, c, d):
+                pass
+
+            def _helper(self, a, b, c, d):
+                pass
+
+            @classmethod
+            def empty(cls, a, b, c, d):
+                pass
+
+        class _Hidden:
+            def run(self, a, b, c, d):
+                pass
+
+        @triton.jit
+        def kern(A, B, C, D, E, F):
+            pass
+        """, "kernels/other/ops.py": "def wide(a, b, c, d, e):\n    pass\n"})
+    assert wide_public_functions(root, "pkg", limit=3) == {
+        ("pkg.kernels.lola.ops", "wide"): 5, ("pkg.kernels.lola.ops", "Fn.forward"): 4,
+        ("pkg.kernels.lola.ops", "Fn.__init__"): 4, ("pkg.kernels.lola.ops", "Fn.empty"): 4}

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from longctx_patch.kernels.lola import LolaState, lola_process
+from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 from longctx_patch.kernels.lola import reference as ref
 
 HQ, HKV, D, F = 4, 2, 16, 8
@@ -98,13 +98,13 @@ def _inputs(S, seed=0):
 
 
 def _ours(q, k, v, fq, gate, wk, *, C, G, lf, sparse_heads=HQ, splits=None, combine="shifted"):
-    st = LolaState.empty(1, HQ, HKV, D, 2 * F, G, torch.float32, q.device, sparse_heads=sparse_heads)
+    st = LolaState.empty(StateSizes(1, HQ, HKV, D, 2 * F, G, sparse_heads=sparse_heads), torch.float32, q.device)
     phi_k = lambda x: ref.hedgehog_feature_map(x, wk)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=C, chunk=C, lam=G, scale=D ** -0.5, backend="torch", combine=combine)
     outs, i = [], 0
     for n in splits or [q.shape[2]]:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], gate, lf, phi_k=phi_k,
-                                 window=C, chunk=C, lam=G, scale=D ** -0.5, backend="torch", combine=combine))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], gate, lf, run))
         i += n
     return torch.cat(outs, 1)[0].transpose(0, 1), st  # [HQ, S, D]
 

@@ -8,7 +8,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import (HybridSpec, LolaRun, LolaState, StateSizes, hybrid_attention,  # noqa: E402
+                                        lola_process)
 
 B, HQ, HKV, D, F = 2, 4, 2, 16, 8
 
@@ -27,14 +28,14 @@ def _seq(S, seed=0, dtype=torch.float32):
 
 def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch", sparse_heads=HKV):
     q, k, v, fq, fk, g, lf, Wk = seq
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
+    st = LolaState.empty(StateSizes(B, HQ, HKV, D, 2 * F, lam, sparse_heads=sparse_heads), q.dtype, q.device)
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend)
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                 key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1), st
 
@@ -84,13 +85,13 @@ def test_eviction_equals_select_and_fold_reference(backend, sparse_heads):
     mask = torch.ones(B, 2 * chunk, dtype=torch.bool)
     mask[0, :chunk] = False  # a whole chunk of padding (one eviction grid); candidates 3-7 of eviction 2 are padding
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk)  # noqa: E731
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
-    lola_process(st, q[:, :, :chunk], k[:, :, :chunk], v[:, :, :chunk], fq[:, :, :chunk], g, lf, phi_k=phi_k,
-                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5, key_mask_new=mask[:, :chunk], backend=backend)
+    st = LolaState.empty(StateSizes(B, HQ, HKV, D, 2 * F, lam, sparse_heads=sparse_heads), q.dtype, q.device)
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend)
+    lola_process(st, q[:, :, :chunk], k[:, :, :chunk], v[:, :, :chunk], fq[:, :, :chunk], g, lf, run,
+                 key_mask_new=mask[:, :chunk])
     assert st.sp_valid.any()  # the first eviction filled slots; the second one competes with them
-    lola_process(st, q[:, :, chunk:-1], k[:, :, chunk:-1], v[:, :, chunk:-1], fq[:, :, chunk:-1], g, lf,
-                 phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                 key_mask_new=mask[:, chunk:-1], backend=backend)
+    lola_process(st, q[:, :, chunk:-1], k[:, :, chunk:-1], v[:, :, chunk:-1], fq[:, :, chunk:-1], g, lf, run,
+                 key_mask_new=mask[:, chunk:-1])
     n_ev = st.nb + 1 - window
     Hs = sparse_heads
     cand_k = torch.cat([st.sp_k, ref.expand_kv(st.win_k[:, :, :n_ev], Hs)], 2)
@@ -98,8 +99,7 @@ def test_eviction_equals_select_and_fold_reference(backend, sparse_heads):
     ev_valid = torch.ones(B, n_ev, dtype=torch.bool) if st.win_mask is None else st.win_mask[:, :n_ev]
     cand_valid = torch.cat([st.sp_valid, ev_valid[:, None].expand(B, Hs, n_ev)], 2)
     want = ref.select_and_fold(cand_k, cand_v, phi_k(cand_k), cand_valid, st.H, st.s, lam)
-    lola_process(st, q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], fq[:, :, -1:], g, lf, phi_k=phi_k, window=window,
-                 chunk=chunk, lam=lam, scale=D ** -0.5, key_mask_new=mask[:, -1:], backend=backend)
+    lola_process(st, q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], fq[:, :, -1:], g, lf, run, key_mask_new=mask[:, -1:])
     assert st.nb == window
     torch.testing.assert_close(st.sp_k, want[0])
     torch.testing.assert_close(st.sp_v, want[1])
@@ -113,8 +113,8 @@ def test_lambda_zero_is_lolcats(backend):
     S = 37
     seq = _seq(S, seed=2)
     q, k, v, fq, fk, g, lf, _ = seq
-    want = hybrid_attention(q, k, v, fq, fk, g, lf, window=7, scale=D ** -0.5, chunk=8, backend="torch")
-    quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=7).transpose(1, 2)
+    want = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=7, scale=D ** -0.5, chunk=8, backend="torch"))
+    quad = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=7)).transpose(1, 2)
     torch.testing.assert_close(want, quad, atol=1e-5, rtol=1e-5)
     for splits in ([S], [10, 3, 24]) if backend == "triton" else ([S], [1] * S, [10, 3, 24]):
         got, st = _run(splits, seq, window=7, chunk=4, lam=0, backend=backend)
@@ -265,8 +265,8 @@ def test_prefill_evictions_match_select_and_fold_with_ties(select_bits):
     fk = ref.hedgehog_feature_map(k, Wk)
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[0, :5] = False
-    ev = tk.PrefillEvictions(fk, v, mask, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=HKV,
-                             tuning=LolaTuning(ev_select_bits=select_bits))
+    plan = tk.EvictionPlan(window=W, chunk=C, lam=lam, sparse_heads=HKV, n_ev=S // C)
+    ev = tk.PrefillEvictions(fk, v, mask, plan, tuning=LolaTuning(ev_select_bits=select_bits))
     ev.run()
     H, s = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
     sp_idx = torch.full((B, HKV, lam), -1)

@@ -13,9 +13,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from longctx_patch.errors import ConfigError  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import (HybridSpec, LolaRun, LolaState, StateSizes, hybrid_attention,  # noqa: E402
+                                        lola_process)
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola.training import lola_attention_sets  # noqa: E402
+from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets  # noqa: E402
 from longctx_patch.methods.lola import LolaConfig  # noqa: E402
 from longctx_patch.methods.lolcats import LolcatsConfig  # noqa: E402
 
@@ -167,14 +168,15 @@ def test_unshifted_rows_far_below_zero_without_linear_keys_keep_their_exact_term
         got_d = tk.decode_step(qq[:, :, W - 1:W].contiguous(), fq[:, :, W - 1:W].contiguous(), early, unshifted)
         torch.testing.assert_close(got_d.float(), exact[:, :, W - 1:W].transpose(1, 2), atol=1e-5, rtol=1e-5)
         qg, vg, fqg = (x.clone().requires_grad_(True) for x in (qq, v, fq))
-        out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf, window=W, scale=D ** -0.5, combine="unshifted")
+        out = ref.hybrid_attention_quadratic(qg, kk, vg, fqg, fk, g, lf,
+                                             HybridSpec(window=W, scale=D ** -0.5, combine="unshifted"))
         torch.testing.assert_close(out, got, atol=1e-5, rtol=1e-5)
         out.square().sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in (qg, vg, fqg)), score
         sets = torch.full((1, B, HKV, 2), -1, dtype=torch.long)  # no sparse key
         qt, vt = (x.clone().requires_grad_(True) for x in (qq, v))
-        tr = lola_attention_sets(qt, kk, vt, fq, fk, g, lf, sets, window=W, chunk=16, scale=D ** -0.5,
-                                 combine="unshifted")
+        tr = lola_attention_sets(qt, kk, vt, fq, fk, g, lf, PrefillSets(sets),
+                                 SetsSpec(window=W, chunk=16, scale=D ** -0.5, combine="unshifted"))
         torch.testing.assert_close(tr.float(), got.transpose(1, 2), atol=1e-5, rtol=1e-5)
         tr.float().square().sum().backward()
         assert torch.isfinite(qt.grad).all() and torch.isfinite(vt.grad).all(), score
@@ -188,8 +190,8 @@ def test_chunked_reference_equals_quadratic_and_gradients_need_no_term_through_m
     q, k, v, fq, fk, g, lf, _ = _seq(S, seed=4, sharp=1.0)
     km = _mask(S, [0, 3])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, fq, fk, g, lf)]
-    a = ref.hybrid_attention_quadratic(*leaves, window=window, key_mask=km, combine="unshifted")
-    b = ref.hybrid_attention_chunked(*leaves, window=window, key_mask=km, chunk=chunk, combine="unshifted")
+    a = ref.hybrid_attention_quadratic(*leaves, HybridSpec(window=window, combine="unshifted"), key_mask=km)
+    b = ref.hybrid_attention_chunked(*leaves, HybridSpec(window=window, combine="unshifted", chunk=chunk), key_mask=km)
     H0, s0 = torch.zeros(B, HQ, 2 * F, D), torch.zeros(B, HQ, 2 * F)
     c = _plain(*leaves, H0, s0, window=window, scale=D ** -0.5, key_mask=km, q_offset=0)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -211,14 +213,14 @@ def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     """The whole-sequence forward (lolcats' prefill) with prefix states per block, left padding."""
     q, k, v, fq, fk, g, lf, _ = _seq(S, dtype=dtype, seed=5)
     km = _mask(S, [0, 5])
-    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3,
-                                          combine="unshifted")
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=window, scale=0.3,
+                                                                             combine="unshifted"), key_mask=km)
     Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
     got = tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=16),
                         ref.HybridRule(window, g, lf, 0.3, "unshifted"), block_m=16, block_n=16)
     real = km[:, :, None, None].expand_as(got)
     torch.testing.assert_close(got.float()[real], want.transpose(1, 2)[real], **TOL[dtype])
-    shifted = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
+    shifted = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=window, scale=0.3), key_mask=km)
     assert (shifted - want).abs().max() > 0.05
 
 
@@ -267,15 +269,15 @@ def test_decode_step_matches_reference(dtype, n_keys):
 
 def _run(splits, seq, *, window, chunk, lam, mask=None, backend="torch", combine="unshifted", sparse_heads=HKV):
     q, k, v, fq, fk, g, lf, Wk = seq
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, lam, q.dtype, q.device, sparse_heads=sparse_heads)
+    st = LolaState.empty(StateSizes(B, HQ, HKV, D, 2 * F, lam, sparse_heads=sparse_heads), q.dtype, q.device)
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend,
+                  combine=combine)
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend,
-                                 combine=combine))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                 key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1), st
 
@@ -319,9 +321,9 @@ def test_whole_sequence_hybrid_unshifted_on_triton():
     S = 37
     q, k, v, fq, fk, g, lf, _ = _seq(S, seed=8)
     km = _mask(S, [0, 6])
-    kw = dict(window=9, scale=D ** -0.5, key_mask=km, chunk=8, combine="unshifted")
-    want = hybrid_attention(q, k, v, fq, fk, g, lf, backend="torch", **kw)
-    got = hybrid_attention(q, k, v, fq, fk, g, lf, backend="triton", state_chunk=64, **kw)
+    kw = dict(window=9, scale=D ** -0.5, chunk=8, combine="unshifted")
+    want = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(backend="torch", **kw), key_mask=km)
+    got = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(backend="triton", state_chunk=64, **kw), key_mask=km)
     real = km[:, :, None, None].expand_as(got)
     torch.testing.assert_close(got[real], want[real], **TOL[torch.float32])
 
@@ -334,9 +336,10 @@ def test_training_with_unshifted_refuses_the_triton_backward_and_takes_the_torch
     qg = q.clone().requires_grad_(True)
     kw = dict(window=6, scale=D ** -0.5, chunk=8)
     with pytest.raises(ConfigError, match="combine='unshifted'.*backend='auto'"):
-        hybrid_attention(qg, k, v, fq, fk, g, lf, backend="triton", combine="unshifted", **kw)
-    out = hybrid_attention(qg, k, v, fq, fk, g, lf, backend="auto", combine="unshifted", **kw)
-    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=6, combine="unshifted").transpose(1, 2)
+        hybrid_attention(qg, k, v, fq, fk, g, lf, HybridSpec(backend="triton", combine="unshifted", **kw))
+    out = hybrid_attention(qg, k, v, fq, fk, g, lf, HybridSpec(backend="auto", combine="unshifted", **kw))
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=6, combine="unshifted"))
+    want = want.transpose(1, 2)
     torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0

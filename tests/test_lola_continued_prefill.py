@@ -2,6 +2,7 @@
 runs the two-pass parallel path (`prefill.lola_parallel` on the extended sequence) with the result of the chunk loop
 and of one unbroken prefill: outputs, (H, s), the sparse slots, the window buffer, and the decode steps after it."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,7 +12,7 @@ import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import prefill  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process  # noqa: E402
 
 D, F = 16, 8
 
@@ -34,20 +35,20 @@ def _seq(B, HQ, HKV, S, seed=0, dtype=torch.float32):
 
 def _state(seq, *, window, chunk, lam, sparse_heads):
     q, k, _, fq, _, _, _ = seq
-    return LolaState.empty(q.shape[0], q.shape[1], k.shape[1], D, 2 * F, lam, q.dtype, q.device,
-                           capacity=window + chunk, sparse_heads=sparse_heads)
+    sizes = StateSizes(q.shape[0], q.shape[1], k.shape[1], D, 2 * F, lam, sparse_heads=sparse_heads)
+    return LolaState.empty(sizes, q.dtype, q.device, capacity=window + chunk)
 
 
 def _feed(st, seq, splits, *, window, chunk, lam, backend, mask=None, **_):
     """lola_process over the next pieces `splits` of the sequence (from position st.pos): their outputs."""
     q, k, v, fq, g, lf, Wk = seq
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend)
     outs, i = [], st.pos
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                 key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1)
 
@@ -189,7 +190,7 @@ def test_parallel_ok_continues_in_place_states_with_one_grid():
     phases) and the fixed window buffer."""
     B, HQ, HKV, W, C = 1, 4, 2, 16, 16
     q, k = torch.zeros(B, HQ, 2 * C, D), torch.zeros(B, HKV, 2 * C, D)
-    st = LolaState.empty(B, HQ, HKV, D, 2 * F, 4, q.dtype, q.device, capacity=W + C)
+    st = LolaState.empty(StateSizes(B, HQ, HKV, D, 2 * F, 4), q.dtype, q.device, capacity=W + C)
     kw = dict(window=W, chunk=C, lam=4)
     assert prefill.parallel_ok(st, q, k, **kw)
     st.pos, st.nb = 21, 21
@@ -228,10 +229,10 @@ def test_prefill_evictions_started_mid_stream_continue_an_unbroken_run():
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[:, 48:64] = False  # eviction 4's candidates
     for hs, lam, f in [(HQ, 6, 4), (HKV, 40, 2)]:  # lam 40: nothing folded by eviction 2
-        kw = dict(n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=hs)
-        one = tk.PrefillEvictions(fk, v, mask, **kw)
+        plan = tk.EvictionPlan(window=W, chunk=C, lam=lam, sparse_heads=hs, n_ev=S // C)
+        one = tk.PrefillEvictions(fk, v, mask, plan)
         one.run()
-        two = tk.PrefillEvictions(fk, v, mask, first=f, **kw)
+        two = tk.PrefillEvictions(fk, v, mask, dataclasses.replace(plan, first=f))
         two.start(one.H_all[f], one.s_all[f], one.SPIDX[f], one.SPSC[f])
         two.run()
         if lam == 40:
@@ -258,12 +259,12 @@ def test_last_prompt_token_alone_equals_unbroken_prefill_under_either_combinatio
 
     def run(splits, backend, combine=combine):
         st = _state(seq, window=window, chunk=chunk, lam=lam, sparse_heads=2)
+        lola_run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend,
+                           combine=combine)
         outs, i = [], 0
         for n in splits:
             sl = slice(i, i + n)
-            outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                     window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend,
-                                     combine=combine))
+            outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, lola_run))
             i += n
         return torch.cat(outs, 1), st
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import longctx_patch as lp  # noqa: E402
 from longctx_patch import decode_graphs as dg  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 
@@ -32,19 +32,20 @@ def _seq(B, HQ, HKV, S, D, F, seed=0):
 def _run(seq, splits, *, feature_cache, backend, window, chunk, lam, mask=None, calls=None):
     q, k, v, fq, g, lf, Wk = seq
     B, HQ, _, D = q.shape
-    st = LolaState.empty(B, HQ, k.shape[1], D, fq.shape[-1], lam, q.dtype, q.device, feature_cache=feature_cache)
+    st = LolaState.empty(StateSizes(B, HQ, k.shape[1], D, fq.shape[-1], lam), q.dtype, q.device,
+                         feature_cache=feature_cache)
 
     def phi_k(x):
         if calls is not None:
             calls.append(x.shape[2])
         return ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)
 
+    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend=backend)
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                 window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                 key_mask_new=None if mask is None else mask[:, sl], backend=backend))
+        outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                 key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1), st
 

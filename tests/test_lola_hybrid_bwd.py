@@ -2,6 +2,7 @@
 `triton_hybrid_bwd.hybrid_bwd`) against autograd through `reference.hybrid_attention_quadratic`
 (TRITON_INTERPRET=1 on the CPU, small shapes; blocks and state chunks small enough for several state slots)."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,6 +12,8 @@ import torch  # noqa: E402
 
 from longctx_patch.kernels.lola import ops  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
+from longctx_patch.kernels.lola.reference import HybridSpec  # noqa: E402
+from longctx_patch.kernels.lola.tuning import LolaTuning  # noqa: E402
 
 pytest.importorskip("longctx_patch.kernels.lola.triton_kernels")
 
@@ -47,10 +50,16 @@ def _grads(fn, xs, do):
     return o.detach(), [x.grad.detach().float().clone() for x in xs]
 
 
+def _tiles(block: int) -> LolaTuning:
+    """The training pass's tiles, forward and backward: `block` queries and keys."""
+    return LolaTuning(train_block_m=block, train_block_n=block)
+
+
 def _reference(xs, do, *, window, scale, key_mask):
     def fn(*a):  # fp32 maths on the same (rounded) input values
         a = [x.float() for x in a]
-        return ref.hybrid_attention_quadratic(*a, window=window, scale=scale, key_mask=key_mask).transpose(1, 2)
+        return ref.hybrid_attention_quadratic(*a, HybridSpec(window=window, scale=scale),
+                                              key_mask=key_mask).transpose(1, 2)
 
     return _grads(fn, xs, do)
 
@@ -76,8 +85,8 @@ def test_hybrid_backward_matches_autograd_through_reference(dtype, B, Hkv, G, S,
     scale = 0.3
 
     def tri(*a):
-        return ops.hybrid_attention_triton(*a, window=window, scale=scale, key_mask=km, state_chunk=cs,
-                                           block_m=blk, block_n=blk)
+        spec = HybridSpec(window=window, scale=scale, state_chunk=cs, tuning=_tiles(blk))
+        return ops.hybrid_attention_triton(*a, spec, key_mask=km)
 
     o, got = _grads(tri, xs, do)
     o_ref, want = _reference(xs, do, window=window, scale=scale, key_mask=km)
@@ -100,7 +109,8 @@ def test_hybrid_backward_matches_autograd_through_reference(dtype, B, Hkv, G, S,
 def test_hybrid_attention_under_grad_dispatches_to_the_triton_function():
     xs, do = _inputs(2, 4, 2, 45)
     km = _left_pad(2, 45, (0, 6))
-    o = ops.hybrid_attention(*xs, window=16, scale=0.25, key_mask=km, backend="triton")
+    spec = HybridSpec(window=16, scale=0.25, backend="triton")
+    o = ops.hybrid_attention(*xs, spec, key_mask=km)
     assert type(o.grad_fn).__name__ == "HybridAttentionFnBackward"
     (o.float() * do).sum().backward()
     got = [x.grad.clone() for x in xs]
@@ -110,38 +120,38 @@ def test_hybrid_attention_under_grad_dispatches_to_the_triton_function():
     # only the window factors trained (an attention transfer): still the Function
     with torch.no_grad():
         frozen = [x.detach() for x in xs[:5]]
-    o = ops.hybrid_attention(*frozen, *xs[5:], window=16, scale=0.25, key_mask=km, backend="triton")
+    o = ops.hybrid_attention(*frozen, *xs[5:], spec, key_mask=km)
     assert type(o.grad_fn).__name__ == "HybridAttentionFnBackward"
     # no gradient: the inference forward, same values
     with torch.no_grad():
-        o_inf = ops.hybrid_attention(*xs, window=16, scale=0.25, key_mask=km, backend="triton")
+        o_inf = ops.hybrid_attention(*xs, spec, key_mask=km)
     assert o_inf.grad_fn is None
     torch.testing.assert_close(o_inf, o.detach(), atol=0, rtol=0)
     # torch backend (and auto off CUDA): the PyTorch chunked path
-    o = ops.hybrid_attention(*xs, window=16, scale=0.25, key_mask=km, backend="torch")
+    o = ops.hybrid_attention(*xs, HybridSpec(window=16, scale=0.25, backend="torch"), key_mask=km)
     assert type(o.grad_fn).__name__ != "HybridAttentionFnBackward"
 
 
 def test_training_settings_from_tune_reach_the_function(monkeypatch):
     """The tuning's train_state_chunk / train_block_m / train_block_n (what benchmarks.ops.bench_hybrid_bwd sweeps) set
     the training pass's state chunk and tiles when the caller names no state_chunk; the gradients stay the reference's."""
-    from longctx_patch.kernels.lola.tuning import LolaTuning
-
     seen = []
     real = ops.hybrid_attention_triton
 
     def spy(*a, **kw):
-        seen.append((kw["state_chunk"], kw["block_m"], kw["block_n"]))
+        spec = a[7]
+        seen.append((spec.state_chunk, spec.tuning.train_block_m, spec.tuning.train_block_n))
         return real(*a, **kw)
 
     monkeypatch.setattr(ops, "hybrid_attention_triton", spy)
     tuning = LolaTuning(train_state_chunk=64, train_block_m=32, train_block_n=32)
     xs, do = _inputs(1, 2, 1, 150)
-    got = _grads(lambda *a: ops.hybrid_attention(*a, window=16, scale=0.25, backend="triton", tuning=tuning), xs, do)[1]
+    spec = HybridSpec(window=16, scale=0.25, backend="triton", tuning=tuning)
+    got = _grads(lambda *a: ops.hybrid_attention(*a, spec), xs, do)[1]
     _, want = _reference(xs, do, window=16, scale=0.25, key_mask=None)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m, n=name: f"d{n}: {m}")
-    ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton", state_chunk=128, tuning=tuning)  # the caller's wins
+    ops.hybrid_attention(*xs, dataclasses.replace(spec, state_chunk=128))  # the caller's wins
     assert seen == [(64, 32, 32), (128, 32, 32)]
 
 
@@ -161,8 +171,8 @@ def test_backward_takes_the_forwards_keys_with_or_without_their_states():
     o, stats = tk.hybrid_fwd(q, fq, with_states, rule, block_m=16, block_n=16, stats=True,
                              out=torch.empty(2, 70, 4, 16))
     without = ref.HybridKeys(k, v, fk, None, None, key_mask=km, q_offset=0, state_chunk=32)
-    a = tk.hybrid_bwd(q, fq, without, rule, o, do, stats, block_m=16, block_n=16)
-    b = tk.hybrid_bwd(q, fq, with_states, rule, o, do, stats, block_m=16, block_n=16)
+    a = tk.hybrid_bwd(q, fq, without, rule, o, do, stats, tuning=_tiles(16))
+    b = tk.hybrid_bwd(q, fq, with_states, rule, o, do, stats, tuning=_tiles(16))
     for name, x, y in zip(NAMES, a, b):
         assert torch.equal(x, y), name
     sparse = ref.SparseSet(k[:, :, :3], v[:, :, :3], torch.ones(2, 2, 3, dtype=torch.bool))
@@ -170,7 +180,7 @@ def test_backward_takes_the_forwards_keys_with_or_without_their_states():
                            (ref.HybridKeys(k, v, fk, None, None), rule),
                            (without, ref.HybridRule(9, g, lf, 0.3, "unshifted"))):
         with pytest.raises(AssertionError):
-            tk.hybrid_bwd(q, fq, keys, bad_rule, o, do, stats, block_m=16, block_n=16)
+            tk.hybrid_bwd(q, fq, keys, bad_rule, o, do, stats, tuning=_tiles(16))
     with pytest.raises(ValueError, match="reads the linear state"):
         tk.hybrid_fwd(q, fq, without, rule, block_m=16, block_n=16)
     with pytest.raises(ValueError, match="reads the linear state"):
@@ -185,7 +195,7 @@ def test_hybrid_function_composes_with_checkpointing():
     xs, do = _inputs(1, 3, 1, 40, seed=4)
 
     def tri(*a):
-        return ops.hybrid_attention_triton(*a, window=8, scale=0.25, state_chunk=16, block_m=16, block_n=16)
+        return ops.hybrid_attention_triton(*a, HybridSpec(window=8, scale=0.25, state_chunk=16, tuning=_tiles(16)))
 
     _, plain = _grads(tri, xs, do)
     _, ckpt = _grads(lambda *a: checkpoint(tri, *a, use_reentrant=False), xs, do)
@@ -251,10 +261,10 @@ def test_hybrid_under_autocast_runs_the_kernels_in_its_dtype(monkeypatch):
 
     monkeypatch.setattr(ops, "hybrid_attention_triton", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        o = ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton")
+        o = ops.hybrid_attention(*xs, HybridSpec(window=16, scale=0.25, backend="triton"))
     assert seen == [{torch.bfloat16}] and o.dtype == torch.bfloat16
     (o.float() * do).sum().backward()
     assert xs[0].grad.dtype == torch.float32 and xs[2].grad.dtype == torch.bfloat16
     seen.clear()
-    ops.hybrid_attention(*xs, window=16, scale=0.25, backend="triton")  # no autocast: q's dtype
+    ops.hybrid_attention(*xs, HybridSpec(window=16, scale=0.25, backend="triton"))  # no autocast: q's dtype
     assert seen == [{torch.float32}]

@@ -55,8 +55,8 @@ def test_feature_map_matches_definition():
 def test_chunked_reference_equals_quadratic(window, chunk):
     q, k, v, fq, fk, g, lf = _inputs(S=45)
     km = _left_pad_mask(2, 45, [0, 7])
-    a = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km)
-    b = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, key_mask=km, chunk=chunk)
+    a = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, ref.HybridSpec(window=window), key_mask=km)
+    b = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, ref.HybridSpec(window=window, chunk=chunk), key_mask=km)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -68,7 +68,7 @@ def test_chunked_reference_gradients_match_quadratic():
     def run(fn, **kw):
         fqq = ref.hedgehog_feature_map(q, W)
         fkk = ref.hedgehog_feature_map(k, W)
-        o = fn(q, k, v, fqq, fkk, torch.sigmoid(gw), lf, window=6, **kw)
+        o = fn(q, k, v, fqq, fkk, torch.sigmoid(gw), lf, ref.HybridSpec(window=6, **kw))
         (o ** 2).sum().backward()
         grads = (W.grad.clone(), gw.grad.clone())
         W.grad = None
@@ -102,7 +102,7 @@ def test_chunk_states_match_cumsum():
 def test_hybrid_fwd_per_block_matches_reference(dtype, window, S):
     q, k, v, fq, fk, g, lf = _inputs(S=S, dtype=dtype)
     km = _left_pad_mask(2, S, [0, 5])
-    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=window, key_mask=km, scale=0.3)
+    want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, ref.HybridSpec(window=window, scale=0.3), key_mask=km)
     Hs, Ss = tk.chunk_states(fk, v, 16, key_mask=km)
     got = tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=km, q_offset=0, state_chunk=16),
                         ref.HybridRule(window, g, lf, 0.3), block_m=16, block_n=16)

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 import longctx_patch as lp  # noqa: E402
 from longctx_patch.kernels.lola import padded, prefill, sparse_cache  # noqa: E402
-from longctx_patch.kernels.lola.state import LolaState  # noqa: E402
+from longctx_patch.kernels.lola.state import LolaRun, LolaState, StateSizes  # noqa: E402
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 
 from conftest import assert_padded_batch_exact, padded_batch_gap, tiny_model  # noqa: E402
@@ -51,14 +51,14 @@ def _run(splits, seq, mask, rows=None, **kw):
         r, p = rows
         q, k, v, fq = (x[r:r + 1, :, p:] for x in (q, k, v, fq))
         mask = None
-    st = LolaState.empty(q.shape[0], HQ, HKV, D, 2 * F, kw["lam"], q.dtype, q.device,
-                              capacity=kw["window"] + kw["chunk"])
-    phi_k = lambda x: ref.hedgehog_feature_map(x, Wk)  # noqa: E731
+    st = LolaState.empty(StateSizes(q.shape[0], HQ, HKV, D, 2 * F, kw["lam"]), q.dtype, q.device,
+                         capacity=kw["window"] + kw["chunk"])
+    run = LolaRun(phi_k=lambda x: ref.hedgehog_feature_map(x, Wk), scale=D ** -0.5, **kw)
     outs, i = [], 0
     for n in splits:
         sl = slice(i, i + n)
-        outs.append(sparse_cache.lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, phi_k=phi_k,
-                                      scale=D ** -0.5, key_mask_new=None if mask is None else mask[:, sl], **kw))
+        outs.append(sparse_cache.lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], g, lf, run,
+                                              key_mask_new=None if mask is None else mask[:, sl]))
         i += n
     return torch.cat(outs, 1), st
 

@@ -6,8 +6,8 @@ import torch
 
 import longctx_patch as lp
 from longctx_patch.kernels.lola import reference as ref
-from longctx_patch.kernels.lola import LolaState, lola_process
-from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
+from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
 from longctx_patch.patch_state import patched_modules
 
 from conftest import tiny_model
@@ -46,13 +46,13 @@ def test_sets_path_equals_the_chunk_loop(sparse_heads, S, block):
         if sets_path:
             fk = phi_k(k)
             sets = sparse_positions(fk.detach(), v.detach(), km, window=W, chunk=C, lam=lam, sparse_heads=Hs)
-            o = lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
-                                    block=block)
+            o = lola_attention_sets(q, k, v, fq, fk, g, lf, PrefillSets(sets, km),
+                                    SetsSpec(window=W, chunk=C, scale=D ** -0.5, block=block))
         else:
-            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, torch.float32, "cpu", capacity=W + C, inplace=False,
-                                 sparse_heads=Hs)
-            o = lola_process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=W, chunk=C, lam=lam, scale=D ** -0.5,
-                             key_mask_new=km, backend="torch")
+            st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, lam, sparse_heads=Hs), torch.float32, "cpu",
+                                 capacity=W + C, inplace=False)
+            run = LolaRun(phi_k=phi_k, window=W, chunk=C, lam=lam, scale=D ** -0.5, backend="torch")
+            o = lola_process(st, q, k, v, fq, g, lf, run, key_mask_new=km)
         o = o * km[:, :, None, None]
         return o.detach(), torch.autograd.grad((o * weights).sum(), [q, k, v, Wq, Wk, gw])
 
@@ -123,7 +123,7 @@ def test_sparse_positions_equal_the_prefill_eviction_kernels():
     fk = ref.hedgehog_feature_map(k, Wk.detach())
     km = torch.ones(B, S, dtype=torch.bool)
     km[0, :5] = False
-    ev = tk.PrefillEvictions(fk, v, km, n_ev=S // C, lam=lam, chunk=C, window=W, sparse_heads=Hkv)
+    ev = tk.PrefillEvictions(fk, v, km, tk.EvictionPlan(window=W, chunk=C, lam=lam, sparse_heads=Hkv, n_ev=S // C))
     ev.run()
     sets = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hkv)
     assert (sets[1] < 0).any() and (sets[-1] >= 0).all()
@@ -161,8 +161,8 @@ def test_linear_time_blocks_equal_the_dense_pass(Hq, Hkv, S, W, C, lam, block, c
     weights = torch.linspace(-1, 1, D)
     got = []
     for dense in (False, True):
-        o = lola_attention_sets(q, k, v, fq, fk, g, 1 - g, sets, window=W, chunk=C, scale=D ** -0.5, key_mask=km,
-                                block=block, combine=combine, dense=dense).float() * km[:, :, None, None]
+        spec = SetsSpec(window=W, chunk=C, scale=D ** -0.5, combine=combine, block=block, dense=dense)
+        o = lola_attention_sets(q, k, v, fq, fk, g, 1 - g, PrefillSets(sets, km), spec).float() * km[:, :, None, None]
         got.append((o.detach(), torch.autograd.grad((o * weights).sum(), [q, k, v, Wk], retain_graph=True)))
     (o, grads), (want, gwant) = got
     tol = 2e-6 if dtype == torch.float32 else 1e-2

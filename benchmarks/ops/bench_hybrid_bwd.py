@@ -22,6 +22,7 @@ from benchmarks.shared import result_file
 from longctx_patch.provenance import device_description, git_commit
 from longctx_patch.kernels.lola import ops
 from longctx_patch.kernels.lola import reference as ref
+from longctx_patch.kernels.lola.reference import HybridSpec
 
 NAMES = ("q", "k", "v", "fq", "fk", "g", "lf")
 
@@ -46,9 +47,9 @@ def grads(path, xs, km, do, window, scale):
     for t in xs:
         t.grad = None
     if path == "triton":
-        o = ops.hybrid_attention_triton(*xs, window=window, scale=scale, key_mask=km)
+        o = ops.hybrid_attention_triton(*xs, HybridSpec(window=window, scale=scale), key_mask=km)
     else:
-        o = ref.hybrid_attention_chunked(*xs, window=window, scale=scale, key_mask=km).transpose(1, 2)
+        o = ref.hybrid_attention_chunked(*xs, HybridSpec(window=window, scale=scale), key_mask=km).transpose(1, 2)
     o.float().backward(do)
     return o.detach().float(), [t.grad.detach().float().clone() for t in xs]
 
@@ -78,12 +79,12 @@ def sweep(xs, do, window, scale, settings=None, time_fwd: bool = False):
     settings = SWEEP if settings is None else settings
 
     def fwd(tuning=DEFAULT_TUNING):
-        ops.hybrid_attention(*xs, window=window, scale=scale, tuning=tuning)
+        ops.hybrid_attention(*xs, HybridSpec(window=window, scale=scale, tuning=tuning))
 
     def run(tuning=DEFAULT_TUNING):
         for t in xs:
             t.grad = None
-        ops.hybrid_attention(*xs, window=window, scale=scale, tuning=tuning).backward(do)
+        ops.hybrid_attention(*xs, HybridSpec(window=window, scale=scale, tuning=tuning)).backward(do)
 
     run()
     ref_grads = [t.grad.float().clone() for t in xs]
@@ -147,21 +148,22 @@ def main():
     xs, _ = inputs(B, Hq, Hkv, S, D, F, torch.bfloat16, pad=0)
     do = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
     times = {}
+    spec = HybridSpec(window=W, scale=scale)
     for path in ("triton", "torch"):
         def fwd():
             with torch.no_grad():
                 if path == "triton":
-                    ops.hybrid_attention_triton(*xs, window=W, scale=scale)
+                    ops.hybrid_attention_triton(*xs, spec)
                 else:
-                    ref.hybrid_attention_chunked(*xs, window=W, scale=scale)
+                    ref.hybrid_attention_chunked(*xs, spec)
 
         def fwd_bwd():
             for t in xs:
                 t.grad = None
             if path == "triton":
-                o = ops.hybrid_attention_triton(*xs, window=W, scale=scale)
+                o = ops.hybrid_attention_triton(*xs, spec)
             else:
-                o = ref.hybrid_attention_chunked(*xs, window=W, scale=scale).transpose(1, 2)
+                o = ref.hybrid_attention_chunked(*xs, spec).transpose(1, 2)
             o.backward(do.to(o.dtype))
 
         torch.cuda.reset_peak_memory_stats()
@@ -181,7 +183,7 @@ def main():
         for t in xs:
             t.grad = None
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            o = ops.hybrid_attention_triton(*xs, window=W, scale=scale)
+            o = ops.hybrid_attention_triton(*xs, spec)
             o.backward(do)
             torch.cuda.synchronize()
         evs = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:15]

@@ -101,7 +101,8 @@ def rel(a, b) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 from longctx_patch.kernels.lola import reference as ref  # noqa: E402
 from longctx_patch.kernels.lola import triton_kernels as tk  # noqa: E402
-from longctx_patch.kernels.lola import LolaState, hybrid_attention, lola_evict, lola_process  # noqa: E402
+from longctx_patch.kernels.lola import (HybridSpec, LolaRun, LolaState, StateSizes, hybrid_attention,  # noqa: E402
+                                        lola_evict, lola_process)
 from longctx_patch.kernels.lola.tuning import DEFAULT_TUNING, LolaTuning  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -135,8 +136,10 @@ def check():
             q, k, v, fq, fk, g, lf, _, Wk = make(2, 8, 2, S0, D, 32, dtype, seed=D)
             km = torch.ones(2, S0, dtype=torch.bool, device=DEV)
             km[1, :50] = False
-            want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, window=64, key_mask=km).transpose(1, 2)
-            got = hybrid_attention(q, k, v, fq, fk, g, lf, window=64, scale=D ** -0.5, key_mask=km, backend="triton")
+            want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, HybridSpec(window=64), key_mask=km)
+            want = want.transpose(1, 2)
+            got = hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=64, scale=D ** -0.5, backend="triton"),
+                                   key_mask=km)
             real = km[:, :, None, None].expand_as(got)
             if SMOKE and D == 128:
                 continue
@@ -148,14 +151,13 @@ def check():
             res = {}
             phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=dtype)  # noqa: E731
             for backend in ("torch", "triton"):
-                st = LolaState.empty(2, 8, 2, D, 64, 16, dtype, DEV)
-                o1 = lola_process(st, q, k, v, fq, g, lf, phi_k=phi_k, window=32, chunk=64, lam=16, scale=D ** -0.5,
-                                  key_mask_new=km, backend=backend)
+                st = LolaState.empty(StateSizes(2, 8, 2, D, 64, 16), dtype, DEV)
+                run = LolaRun(phi_k=phi_k, window=32, chunk=64, lam=16, scale=D ** -0.5, backend=backend)
+                o1 = lola_process(st, q, k, v, fq, g, lf, run, key_mask_new=km)
                 n2 = sz(60, 5)
                 q2, k2, v2, fq2, fk2, *_ = make(2, 8, 2, n2, D, 32, dtype, seed=D + 1)
                 steps = [lola_process(st, q2[:, :, i:i + 1], k2[:, :, i:i + 1], v2[:, :, i:i + 1],
-                                      fq2[:, :, i:i + 1], g, lf, phi_k=phi_k, window=32, chunk=64, lam=16,
-                                      scale=D ** -0.5, backend=backend) for i in range(n2)]
+                                      fq2[:, :, i:i + 1], g, lf, run) for i in range(n2)]
                 res[backend] = (o1, torch.cat(steps, 1), st)
             out[f"lola_prefill_{dn}_D{D}"] = rel(res["triton"][0][real], res["torch"][0][real])
             out[f"lola_decode_{dn}_D{D}"] = rel(res["triton"][1], res["torch"][1])
@@ -171,10 +173,11 @@ def check():
     for par in (True, False):  # the two-pass prefill's eviction graph, and the chunk loop's per-chunk graph
         res = []
         for graph in (False, True):
-            st = LolaState.empty(1, 32, 8, 128, 128, 256, torch.bfloat16, DEV)
-            res.append((lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                     chunk=256, lam=256, scale=128 ** -0.5, backend="triton",
-                                     tuning=LolaTuning(parallel_prefill=par, graph_prefill=graph)), st))
+            st = LolaState.empty(StateSizes(1, 32, 8, 128, 128, 256), torch.bfloat16, DEV)
+            run = LolaRun(phi_k=lambda x: tk.feature_map(x, Wk16), window=256, chunk=256, lam=256,
+                          scale=128 ** -0.5, backend="triton",
+                          tuning=LolaTuning(parallel_prefill=par, graph_prefill=graph))
+            res.append((lola_process(st, q, k, v, fq, g, lf, run), st))
         tag = "" if par else "_chunk_loop"
         out[f"graph_vs_eager{tag}_out"] = rel(res[1][0], res[0][0])
         out[f"graph_vs_eager{tag}_H"] = rel(res[1][1].H, res[0][1].H)
@@ -193,8 +196,9 @@ def _prefill(D, label):
     r["feature_maps_triton_ms"] = bench(lambda: (tk.feature_map(q, Wq16), tk.feature_map(k, Wk16)))
     for w, cs, nw in ((64, 64, None), (64, 256, None), (64, 256, 8), (256, 256, None), (256, 256, 8), (256, 512, 8)):
         r[f"lolcats_w{w}_cs{cs}_nw{nw or 'def'}_ms"] = bench(
-            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, window=w, scale=scale, backend="triton", state_chunk=cs,
-                                     tuning=LolaTuning(hybrid_num_warps=nw)))
+            lambda: hybrid_attention(q, k, v, fq, fk, g, lf, HybridSpec(window=w, scale=scale, backend="triton",
+                                                                        state_chunk=cs,
+                                                                        tuning=LolaTuning(hybrid_num_warps=nw))))
     st_ = tk.chunk_states(fk, v, 256)
     r["chunk_states_cs256_ms"] = bench(lambda: tk.chunk_states(fk, v, 256))
     keys = ref.HybridKeys(k, v, fk, st_[0], st_[1], q_offset=0, state_chunk=256)
@@ -205,9 +209,10 @@ def _prefill(D, label):
     # and the chunk loop it replaces (CUDA graph per chunk)
     for chunk in (256, 1024):
         def lola_once(chunk=chunk, tuning=DEFAULT_TUNING):
-            st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV)
-            return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                                chunk=chunk, lam=256, scale=scale, backend="triton", tuning=tuning)
+            st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, 256), q.dtype, DEV)
+            run = LolaRun(phi_k=lambda x: tk.feature_map(x, Wk16), window=256, chunk=chunk, lam=256, scale=scale,
+                          backend="triton", tuning=tuning)
+            return lola_process(st, q, k, v, fq, g, lf, run)
 
         for mode in ("parallel", "parallel_eager", "loop_graph"):
             tuning = LolaTuning(parallel_prefill=mode.startswith("parallel"), graph_prefill=mode != "parallel_eager")
@@ -216,16 +221,17 @@ def _prefill(D, label):
         fk_all = tk.feature_map(k, Wk16)
 
         def pass1(chunk=chunk):
-            ev = tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=256, chunk=chunk, window=256,
-                                     sparse_heads=Hkv)
+            ev = tk.PrefillEvictions(fk_all, v, None, tk.EvictionPlan(window=256, chunk=chunk, lam=256,
+                                                                      sparse_heads=Hkv, n_ev=S // chunk))
             ev.run()
             return ev
         r[f"lola_chunk{chunk}_pass1_evictions_ms"] = bench(pass1, rep=100)
         # its parts: the buffers and the range sums alone; the graph replays alone (counter reset, so the
         # replays redo evictions 0 .. n_ev - 2 on stale slots: the timing, not the values, is what counts)
         r[f"lola_chunk{chunk}_pass1_construct_ms"] = bench(
-            lambda: tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=256, chunk=chunk, window=256,
-                                        sparse_heads=Hkv), rep=100)
+            lambda: tk.PrefillEvictions(fk_all, v, None, tk.EvictionPlan(window=256, chunk=chunk, lam=256,
+                                                                         sparse_heads=Hkv, n_ev=S // chunk)),
+            rep=100)
         ev1 = pass1()
         if getattr(ev1, "graph", None) is not None:
             def replays(ev1=ev1):
@@ -249,9 +255,10 @@ def _prefill(D, label):
         del fk_all
 
     def lola_query_heads():  # the per-query-head sparse cache (sparse_heads=query), for comparison
-        st = LolaState.empty(B, Hq, Hkv, D, 2 * F, 256, q.dtype, DEV, sparse_heads=Hq)
-        return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: tk.feature_map(x, Wk16), window=256,
-                            chunk=256, lam=256, scale=scale, backend="triton")
+        st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, 256, sparse_heads=Hq), q.dtype, DEV)
+        run = LolaRun(phi_k=lambda x: tk.feature_map(x, Wk16), window=256, chunk=256, lam=256, scale=scale,
+                      backend="triton")
+        return lola_process(st, q, k, v, fq, g, lf, run)
     r["lola_eta256_lam256_chunk256_graph_query_heads_ms"] = bench(lola_query_heads, rep=300)
     # exact baselines: full causal attention (kv heads expanded for the backends without GQA)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -334,7 +341,7 @@ def decode():
     del K, V
     torch.cuda.empty_cache()
     # LoLA state in steady state: sparse cache full, window buffer holding eta + chunk/2 tokens
-    st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, dt, DEV, capacity=eta + chunk)
+    st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, lam), dt, DEV, capacity=eta + chunk)
     st.win_k.normal_()
     st.win_v.normal_()
     st.sp_k.normal_()
@@ -352,13 +359,13 @@ def decode():
     fq1 = torch.softmax(torch.randn(B, Hq, 1, 2 * F, device=DEV), -1).to(dt)
     Wk = (torch.randn(Hq, D, F, device=DEV) * D ** -0.25).to(dt)
     phi_k = lambda x: tk.feature_map(x, Wk)  # noqa: E731
+    run = LolaRun(phi_k=phi_k, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton")
     state_bytes = st.nbytes()
 
     def step():
         st.nb = eta + chunk // 2  # stay mid-chunk: no eviction in this timing
         st.pos = N + chunk // 2
-        return lola_process(st, q1, k1, v1, fq1, g, lf, phi_k=phi_k, window=eta, chunk=chunk, lam=lam,
-                            scale=D ** -0.5, backend="triton")
+        return lola_process(st, q1, k1, v1, fq1, g, lf, run)
 
     r["lola_step_ms"] = bench(step)
     st.nb = eta + chunk // 2
@@ -390,10 +397,9 @@ def decode():
         if left() < 20:
             break
         q, k, v, fq, fk, g1, lf1, _, _ = make(1, Hq, Hkv, ctx, D, F, dt, seed=ctx)
-        st = LolaState.empty(1, Hq, Hkv, D, 2 * F, lam, dt, DEV)
+        st = LolaState.empty(StateSizes(1, Hq, Hkv, D, 2 * F, lam), dt, DEV)
         t = time.time()
-        lola_process(st, q, k, v, fq, g1, lf1, phi_k=phi_k, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5,
-                     backend="triton")
+        lola_process(st, q, k, v, fq, g1, lf1, run)
         torch.cuda.synchronize()
         pre_s = time.time() - t
         del q, k, v, fq, fk
@@ -403,7 +409,7 @@ def decode():
         qs, ks, vs, fqs, fks, *_ = make(1, Hq, Hkv, 2 * chunk, D, F, dt, seed=1)
         for i in range(2 * chunk):  # crosses at least one eviction
             lola_process(st, qs[:, :, i:i + 1], ks[:, :, i:i + 1], vs[:, :, i:i + 1], fqs[:, :, i:i + 1],
-                         g1, lf1, phi_k=phi_k, window=eta, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton")
+                         g1, lf1, run)
         torch.cuda.synchronize()
         mem[str(ctx)] = {"state_bytes": st.nbytes(), "decode_peak_extra_bytes": torch.cuda.max_memory_allocated() - base,
                          "prefill_s_eager": round(pre_s, 3)}
@@ -425,13 +431,14 @@ def profile():
     q, k, v, fq, fk, g, lf, Wq, Wk = make(B, Hq, Hkv, S, D, F, torch.bfloat16, seed=3)
     Wk16 = Wk.to(q.dtype)
     for chunk in (sz(256, 32), sz(1024, 64)):
-        kw = dict(phi_k=lambda x: tk.feature_map(x, Wk16), window=sz(256, 32), chunk=chunk, lam=sz(256, 32),
-                  scale=D ** -0.5, backend="triton", tuning=LolaTuning(graph_prefill=False))  # evictions eager
-        lola_process(LolaState.empty(B, Hq, Hkv, D, 2 * F, kw["lam"], q.dtype, DEV), q, k, v, fq, g, lf, **kw)
+        run = LolaRun(phi_k=lambda x: tk.feature_map(x, Wk16), window=sz(256, 32), chunk=chunk, lam=sz(256, 32),
+                      scale=D ** -0.5, backend="triton", tuning=LolaTuning(graph_prefill=False))  # evictions eager
+        sizes = StateSizes(B, Hq, Hkv, D, 2 * F, run.lam)
+        lola_process(LolaState.empty(sizes, q.dtype, DEV), q, k, v, fq, g, lf, run)
         torch.cuda.synchronize() if not SMOKE else None
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not SMOKE else [])
         with tprofile(activities=acts) as prof:
-            lola_process(LolaState.empty(B, Hq, Hkv, D, 2 * F, kw["lam"], q.dtype, DEV), q, k, v, fq, g, lf, **kw)
+            lola_process(LolaState.empty(sizes, q.dtype, DEV), q, k, v, fq, g, lf, run)
             torch.cuda.synchronize() if not SMOKE else None
         rows = []
         for e in prof.key_averages():
@@ -477,8 +484,9 @@ def tune():
             name = f"chunk{chunk}_" + ("_".join(f"{a}={b}" for a, b in var.items()) or "default")
             try:
                 def once(chunk=chunk, tuning=tuning):
-                    ev = tk.PrefillEvictions(fk_all, v, None, n_ev=S // chunk, lam=sz(256, 16), chunk=chunk,
-                                             window=sz(256, 32), sparse_heads=Hkv, tuning=tuning)
+                    plan = tk.EvictionPlan(window=sz(256, 32), chunk=chunk, lam=sz(256, 16), sparse_heads=Hkv,
+                                           n_ev=S // chunk)
+                    ev = tk.PrefillEvictions(fk_all, v, None, plan, tuning=tuning)
                     ev.run()
                     return ev
                 ev = once()

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.shared import device_token, results_dir
 from longctx_patch.provenance import device_description, git_commit
-from longctx_patch.kernels.lola import LolaState, lola_process
+from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 from longctx_patch.kernels.lola.tuning import LolaTuning
 from longctx_patch.kernels.lola import reference as ref
 
@@ -66,13 +66,14 @@ def cell(B, S, piece, *, Hq, Hkv, D, F, window, chunk, lam, dev, reps):
     phi_k = lambda x: tk.feature_map(x, Wk)  # noqa: E731
 
     def run(splits, continue_parallel=True):
-        st = LolaState.empty(B, Hq, Hkv, D, 2 * F, lam, dt, dev, capacity=window + chunk)
+        st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * F, lam), dt, dev, capacity=window + chunk)
         outs, i = [], 0
         for n in splits:
             tuning = LolaTuning(parallel_prefill=continue_parallel or i == 0)
+            lola_run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5, backend="triton",
+                               tuning=tuning)
             outs.append(lola_process(st, q[:, :, i:i + n], k[:, :, i:i + n], v[:, :, i:i + n], fq[:, :, i:i + n],
-                                     gw, lf, phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=D ** -0.5,
-                                     backend="triton", tuning=tuning))
+                                     gw, lf, lola_run))
             i += n
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0], st
 

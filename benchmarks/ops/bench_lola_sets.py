@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.shared import result_file
 from longctx_patch.kernels.lola import reference as ref
-from longctx_patch.kernels.lola.training import lola_attention_sets, sparse_positions
+from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
 from longctx_patch.provenance import device_description, git_commit
 
 
@@ -46,8 +46,9 @@ def step(leaves, gate, sets, a, dense: bool):
         t.grad = None
     fq = ref.hedgehog_feature_map(q.float(), wq)
     fk = ref.hedgehog_feature_map(ref.expand_kv(k.float(), a.heads), wk)
-    o = lola_attention_sets(q, k, v, fq, fk, gate, 1 - gate, sets, window=a.window, chunk=a.chunk,
-                            scale=a.head_dim ** -0.5, block=a.block, combine=a.combine, dense=dense)
+    spec = SetsSpec(window=a.window, chunk=a.chunk, scale=a.head_dim ** -0.5, combine=a.combine, block=a.block,
+                    dense=dense)
+    o = lola_attention_sets(q, k, v, fq, fk, gate, 1 - gate, PrefillSets(sets), spec)
     o.float().square().mean().backward()
     return o.detach().float(), [t.grad.detach().float() for t in leaves]
 

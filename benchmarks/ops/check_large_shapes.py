@@ -103,16 +103,16 @@ def _lola_inputs(B, S, Hq=32, Hkv=8, D=64, F=64, seed=0):
 def case_lola_prefill() -> dict:
     import torch
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 
     B, S, Hq, Hkv, D = 16, sz(32768, 192), sz(32, 4), sz(8, 2), 64
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B if not SMOKE else 2, S, Hq, Hkv)
     B = q.shape[0]
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
-    st = LolaState.empty(B, Hq, Hkv, D, 2 * Wk.shape[-1], 64, q.dtype, DEV)
+    st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * Wk.shape[-1], 64), q.dtype, DEV)
+    run = LolaRun(phi_k=phi_k, window=64, chunk=64, lam=64, scale=D ** -0.5, backend="triton")
     with torch.no_grad():
-        o = lola_process(st, q, k, v, fq, gw, lf, phi_k=phi_k, window=64, chunk=64, lam=64, scale=D ** -0.5,
-                         backend="triton")
+        o = lola_process(st, q, k, v, fq, gw, lf, run)
     _sync()
     return {**_compare(o), "state_H": _compare(st.H)}
 
@@ -126,7 +126,7 @@ def case_lolcats_hybrid() -> dict:
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B, S, sz(32, 4), sz(8, 2), seed=1)
     fk = ref.hedgehog_feature_map(k, Wk, out_dtype=q.dtype)
     with torch.no_grad():
-        o = hybrid_attention(q, k, v, fq, fk, gw, lf, window=64, scale=D ** -0.5, backend="triton")
+        o = hybrid_attention(q, k, v, fq, fk, gw, lf, ref.HybridSpec(window=64, scale=D ** -0.5, backend="triton"))
     _sync()
     return _compare(o)
 
@@ -153,19 +153,19 @@ def case_decode_exact() -> dict:
 def case_lola_decode() -> dict:
     import torch
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 
     B, S, steps, Hq, Hkv, D = sz(64, 2), 128, sz(4, 2), sz(32, 4), sz(8, 2), 64
     q, k, v, fq, Wk, gw, lf = _lola_inputs(B, S + steps, Hq, Hkv, seed=3)
     phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=q.dtype)  # noqa: E731
-    st = LolaState.empty(B, Hq, Hkv, D, 2 * Wk.shape[-1], 64, q.dtype, DEV)
-    kw = dict(phi_k=phi_k, window=64, chunk=64, lam=64, scale=D ** -0.5, backend="triton")
+    st = LolaState.empty(StateSizes(B, Hq, Hkv, D, 2 * Wk.shape[-1], 64), q.dtype, DEV)
+    run = LolaRun(phi_k=phi_k, window=64, chunk=64, lam=64, scale=D ** -0.5, backend="triton")
     outs = []
     with torch.no_grad():
-        lola_process(st, q[:, :, :S], k[:, :, :S], v[:, :, :S], fq[:, :, :S], gw, lf, **kw)
+        lola_process(st, q[:, :, :S], k[:, :, :S], v[:, :, :S], fq[:, :, :S], gw, lf, run)
         for i in range(S, S + steps):
             sl = slice(i, i + 1)
-            outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], gw, lf, **kw))
+            outs.append(lola_process(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], gw, lf, run))
     _sync()
     return _compare(torch.cat(outs, 1))
 

@@ -53,27 +53,29 @@ def check_lolcats(S: int) -> None:
 
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, fq, fk, gw, lf, _, km = lola_inputs(S, 64, dtype, seed=1)
-        want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, gw, lf, window=64, key_mask=km).transpose(1, 2)
-        got = hybrid_attention(q, k, v, fq, fk, gw, lf, window=64, scale=64 ** -0.5, key_mask=km, backend="triton")
+        want = ref.hybrid_attention_quadratic(q, k, v, fq, fk, gw, lf, ref.HybridSpec(window=64), key_mask=km)
+        want = want.transpose(1, 2)
+        spec = ref.HybridSpec(window=64, scale=64 ** -0.5, backend="triton")
+        got = hybrid_attention(q, k, v, fq, fk, gw, lf, spec, key_mask=km)
         real = km[:, :, None, None].expand_as(got)
         emit("lolcats", f"prefill_{str(dtype)[6:]}", rel=rel(got[real], want[real]))
 
 
 def check_lola(S: int, steps: int = 6) -> None:
     from longctx_patch.kernels.lola import reference as ref
-    from longctx_patch.kernels.lola import LolaState, lola_process
+    from longctx_patch.kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, fq, fk, gw, lf, Wk, km = lola_inputs(S + steps, 64, dtype, seed=2)
         phi_k = lambda x: ref.hedgehog_feature_map(x, Wk, out_dtype=dtype)  # noqa: E731
-        kw = dict(phi_k=phi_k, window=32, chunk=64, lam=16, scale=64 ** -0.5)
         res = {}
         for backend in ("torch", "triton"):
-            st = LolaState.empty(2, 8, 2, 64, 64, 16, dtype, DEV)
-            pre = lola_process(st, q[:, :, :S], k[:, :, :S], v[:, :, :S], fq[:, :, :S], gw, lf,
-                               key_mask_new=km[:, :S], backend=backend, **kw)
+            run = LolaRun(phi_k=phi_k, window=32, chunk=64, lam=16, scale=64 ** -0.5, backend=backend)
+            st = LolaState.empty(StateSizes(2, 8, 2, 64, 64, 16), dtype, DEV)
+            pre = lola_process(st, q[:, :, :S], k[:, :, :S], v[:, :, :S], fq[:, :, :S], gw, lf, run,
+                               key_mask_new=km[:, :S])
             dec = [lola_process(st, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], fq[:, :, i:i + 1], gw, lf,
-                                backend=backend, **kw) for i in range(S, S + steps)]
+                                run) for i in range(S, S + steps)]
             res[backend] = (pre, torch.cat(dec, 1), st)
         real = km[:, :S, None, None].expand_as(res["torch"][0])
         emit("lola", f"prefill_{str(dtype)[6:]}", rel=rel(res["triton"][0][real], res["torch"][0][real]),

@@ -338,12 +338,13 @@ class LolcatsMixer(Mixer):
         return g, torch.ones_like(g)
 
     def attend(self, q, k, v):
-        from ...kernels.lola import hybrid_attention
+        from ...kernels.lola import HybridSpec, hybrid_attention
 
         fq, fk = self._phi(q, self.wq), self._phi(k, self.wk)
         g, lf = self._factors()
-        return hybrid_attention(q, k, v, fq, fk, g, lf, window=self.config.window, scale=self.D ** -0.5,
-                                chunk=self.config.chunk, backend=self.backend(q))
+        spec = HybridSpec(window=self.config.window, scale=self.D ** -0.5, chunk=self.config.chunk,
+                          backend=self.backend(q))
+        return hybrid_attention(q, k, v, fq, fk, g, lf, spec)
 
     def state_bytes(self, length):
         W, C, F2 = self.config.window, self.config.chunk, 2 * self.config.feature_dim
@@ -362,7 +363,7 @@ class LolaMixer(LolcatsMixer):
     def attend(self, q, k, v):
         """Training forwards (gradients on) are the LoLCATs hybrid: LoLA is training-free, its cache manager
         runs on a LoLCATs model at inference. Evaluation forwards run the LoLA manager (sparse cache)."""
-        from ...kernels.lola import LolaState, lola_process
+        from ...kernels.lola import LolaRun, LolaState, StateSizes, lola_process
 
         if torch.is_grad_enabled():
             return super().attend(q, k, v)
@@ -370,10 +371,10 @@ class LolaMixer(LolcatsMixer):
         g, lf = self._factors()
         B, H, S, D = q.shape
         lam = self.config.sparse
-        st = LolaState.empty(B, H, H, D, fq.shape[-1], lam, q.dtype, q.device)
-        return lola_process(st, q, k, v, fq, g, lf, phi_k=lambda x: self._phi(x, self.wk),
-                            window=self.config.window, chunk=self.config.chunk, lam=lam, scale=D ** -0.5,
-                            backend=self.backend(q))
+        st = LolaState.empty(StateSizes(B, H, H, D, fq.shape[-1], lam), q.dtype, q.device)
+        run = LolaRun(phi_k=lambda x: self._phi(x, self.wk), window=self.config.window, chunk=self.config.chunk,
+                      lam=lam, scale=D ** -0.5, backend=self.backend(q))
+        return lola_process(st, q, k, v, fq, g, lf, run)
 
     def _sparse_bytes(self) -> int:
         return self.config.sparse * self.H * (2 * self.D * KV_BYTES + 4)

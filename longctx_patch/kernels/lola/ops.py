@@ -13,6 +13,8 @@ prefills `prefill.py`; left-padded rows' eviction grids `padded.py`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...errors import ConfigError
@@ -97,12 +99,14 @@ STATE_CHUNK = 256  # keys per materialised prefix state of the parallel pass (H2
 class HybridAttentionFn(torch.autograd.Function):
     """The whole-sequence hybrid on the Triton kernels: forward `hybrid_fwd` (the inference kernel, with the row
     statistics of the backward), backward `hybrid_bwd` (triton_hybrid_bwd.py); gradients for q, k, v, fq, fk, g, lf.
-    The prefix states are recomputed in the backward (cheap), not saved."""
+    The prefix states are recomputed in the backward (cheap), not saved. spec (`reference.HybridSpec`): window, scale,
+    the keys per prefix state and the tuning, whose `train_block_m` / `train_block_n` are the tiles of both passes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, g, lf, key_mask, window: int, scale: float, state_chunk: int,
-                block_m: int, block_n: int, tuning: LolaTuning):
+    def forward(ctx, q, k, v, fq, fk, g, lf, key_mask, spec: ref.HybridSpec):
         tk = triton_ops()
+        tuning = spec.tuning
+        state_chunk = int(spec.state_chunk or tuning.train_state_chunk or STATE_CHUNK)
         q, k, v, fq, fk = (x.contiguous() for x in (q, k, v, fq, fk))
         Hs, Ss = tk.chunk_states(fk, v, state_chunk, key_mask=key_mask)
         B, Hq, S, D = q.shape
@@ -110,38 +114,45 @@ class HybridAttentionFn(torch.autograd.Function):
         # delta = do . o from the unrounded o (a bf16 o made dg / dlf, sums over every row, visibly noisier)
         o32 = torch.empty(B, S, Hq, D, device=q.device, dtype=torch.float32)
         keys = ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=key_mask, q_offset=0, state_chunk=state_chunk)
-        o32, (m, r, am) = tk.hybrid_fwd(q, fq, keys, ref.HybridRule(window, g, lf, scale), block_m=block_m,
-                                        block_n=block_n, stats=True, out=o32, tuning=tuning)
+        rule = _training_rule(spec, g, lf)
+        o32, (m, r, am) = tk.hybrid_fwd(q, fq, keys, rule, block_m=int(tuning.train_block_m or 64),
+                                        block_n=int(tuning.train_block_n or 64), stats=True, out=o32, tuning=tuning)
         del Hs, Ss
         ctx.save_for_backward(q, k, v, fq, fk, g, lf, key_mask, o32, m, r, am)
-        ctx.meta = dict(window=window, scale=scale, state_chunk=state_chunk, block_m=block_m, block_n=block_n,
-                        tuning=tuning)
+        ctx.spec, ctx.state_chunk = spec, state_chunk
         return o32.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, fq, fk, g, lf, key_mask, o, m, r, am = ctx.saved_tensors
-        meta = ctx.meta
         if do.stride(-1) != 1:
             do = do.contiguous()
         # the forward's keys without their prefix states (None: the backward recomputes them)
-        keys = ref.HybridKeys(k, v, fk, None, None, key_mask=key_mask, q_offset=0, state_chunk=meta["state_chunk"])
-        rule = ref.HybridRule(meta["window"], g, lf, meta["scale"])
+        keys = ref.HybridKeys(k, v, fk, None, None, key_mask=key_mask, q_offset=0, state_chunk=ctx.state_chunk)
+        rule = _training_rule(ctx.spec, g, lf)
         with torch.autocast(q.device.type, enabled=False):  # its few torch ops (prefix states' sums) stay fp32
-            grads = triton_ops().hybrid_bwd(q, fq, keys, rule, o, do, (m, r, am), block_m=meta["block_m"],
-                                            block_n=meta["block_n"], tuning=meta["tuning"])
-        return (*grads, None, None, None, None, None, None, None)
+            grads = triton_ops().hybrid_bwd(q, fq, keys, rule, o, do, (m, r, am), tuning=ctx.spec.tuning)
+        return (*grads, None, None)
 
 
-def hybrid_attention_triton(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None,
-                            state_chunk: int = STATE_CHUNK, block_m: int = 64, block_n: int = 64,
-                            tuning: LolaTuning = DEFAULT_TUNING):
+def _training_rule(spec: ref.HybridSpec, g, lf) -> ref.HybridRule:
+    """The rule of the training pass: LoLCATs' combination (the only one its backward differentiates)."""
+    return ref.HybridRule(int(spec.window), g, lf, None if spec.scale is None else float(spec.scale))
+
+
+def hybrid_attention_triton(q, k, v, fq, fk, g, lf, spec: ref.HybridSpec, *, key_mask=None):
     """`HybridAttentionFn` (the Triton forward and backward): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2] of
-    one dtype, g/lf [Hq], key_mask [B, S] bool or None -> [B, S, Hq, D] in q.dtype. state_chunk: a multiple of
-    block_n (tests pass small blocks to get several state slots at small S). tuning: the forward's and the
-    backward's launch settings."""
-    return HybridAttentionFn.apply(q, k, v, fq, fk, g, lf, key_mask, int(window), float(scale), int(state_chunk),
-                                   int(block_m), int(block_n), tuning)
+    one dtype, g/lf [Hq], key_mask [B, S] bool or None -> [B, S, Hq, D] in q.dtype. spec (`reference.HybridSpec`):
+    window, scale, combine "shifted" (ConfigError for "unshifted": the backward differentiates LoLCATs' combination
+    only), state_chunk as it is (None: `tuning.train_state_chunk`, else STATE_CHUNK), a multiple of the key tile;
+    the tiles of both passes are `spec.tuning.train_block_m` / `train_block_n` (None: 64; tests pass small ones to get
+    several state slots at small S) and the rest of the tuning their launch settings. spec.chunk and spec.backend are
+    not read."""
+    if ref.check_combine(spec.combine):
+        raise ConfigError("hybrid_attention_triton differentiates combine='shifted' only (its backward is LoLCATs' "
+                          "combination); pass a HybridSpec with combine='shifted', or run ops.hybrid_attention, "
+                          "which takes the PyTorch path for combine='unshifted' under gradients")
+    return HybridAttentionFn.apply(q, k, v, fq, fk, g, lf, key_mask, spec)
 
 
 def refuse_unshifted_triton_backward(backend: str, combine: str) -> bool:
@@ -157,10 +168,10 @@ def refuse_unshifted_triton_backward(backend: str, combine: str) -> bool:
     return False
 
 
-def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_mask=None, chunk: int = 64,
-                     backend: str = "auto", state_chunk: int | None = None, combine: str = "shifted",
-                     tuning: LolaTuning = DEFAULT_TUNING):
-    """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2].
+def hybrid_attention(q, k, v, fq, fk, g, lf, spec: ref.HybridSpec, *, key_mask=None):
+    """LoLCATs hybrid over a whole sequence (no cache): q [B,Hq,S,D], k/v [B,Hkv,S,D], fq/fk [B,Hq,S,F2], g/lf [Hq],
+    key_mask [B, S] bool or None; the settings (window, scale, combine, chunk, state_chunk, backend, tuning) in
+    `spec` (`reference.HybridSpec`).
 
     Returns [B, S, Hq, D] in q.dtype. Differentiable on both backends: under grad the Triton backend runs
     `HybridAttentionFn` (Triton forward and backward), the torch backend `reference.hybrid_attention_chunked`.
@@ -168,27 +179,24 @@ def hybrid_attention(q, k, v, fq, fk, g, lf, *, window: int, scale: float, key_m
     takes the PyTorch path with backend="auto" and is refused with "triton" (`refuse_unshifted_triton_backward`).
     tuning: the kernels' launch settings (the training pass's keys per prefix state and tiles: `train_*`).
     """
-    cs = max(64, ((state_chunk or STATE_CHUNK) // 64) * 64)
+    window, backend, tuning = spec.window, spec.backend, spec.tuning
+    cs = max(64, ((spec.state_chunk or STATE_CHUNK) // 64) * 64)
     tensors = (q, k, v, fq, fk, g, lf)
     if needs_grad(*tensors):
-        check_backend(backend, "lola/lolcats")
         if (window >= 1 and resolve_backend(backend, *tensors, what="lola/lolcats") == "triton"
-                and refuse_unshifted_triton_backward(backend, combine)):
+                and refuse_unshifted_triton_backward(backend, spec.combine)):
             # one dtype for the kernels: autocast's where it is on (a trainer's fp32 weights under bf16 autocast
             # hand over fp32 q/k after the rotary's fp32 cos/sin and bf16 v: the kernels would run fp32 "ieee"
             # products, far slower than bf16 ones), else q's
             dev = q.device.type
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
-            return hybrid_attention_triton(q.to(dt), k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, window=window,
-                                           scale=scale, key_mask=key_mask,
-                                           state_chunk=cs if state_chunk else (tuning.train_state_chunk or cs),
-                                           block_m=tuning.train_block_m or 64, block_n=tuning.train_block_n or 64,
-                                           tuning=tuning)
+            train = dataclasses.replace(spec, state_chunk=cs if spec.state_chunk else (tuning.train_state_chunk or cs))
+            return hybrid_attention_triton(q.to(dt), k.to(dt), v.to(dt), fq.to(dt), fk.to(dt), g, lf, train,
+                                           key_mask=key_mask)
     elif use_triton(backend, *tensors):
         tk = triton_ops()
         Hs, Ss = tk.chunk_states(fk, v, cs, key_mask=key_mask)
         return tk.hybrid_fwd(q, fq, ref.HybridKeys(k, v, fk, Hs, Ss, key_mask=key_mask, q_offset=0, state_chunk=cs),
-                             ref.HybridRule(window, g, lf, scale, combine), tuning=tuning)
-    o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, window=window, scale=scale, key_mask=key_mask,
-                                     chunk=chunk, combine=combine)
+                             spec.rule(g, lf), tuning=tuning)
+    o = ref.hybrid_attention_chunked(q, k, v, fq, fk, g, lf, spec, key_mask=key_mask)
     return o.transpose(1, 2).to(q.dtype)

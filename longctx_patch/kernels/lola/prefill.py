@@ -11,7 +11,7 @@ import torch
 
 from . import ops
 from . import reference as ref
-from .state import LolaRun, LolaState, append_window, ensure_mask, phi_into
+from .state import LolaRun, LolaState, StateSizes, append_window, ensure_mask, phi_into
 from .tuning import DEFAULT_TUNING, LolaTuning
 
 
@@ -87,12 +87,15 @@ def extended_rows(pos: int, nb: int, S: int, *, chunk: int) -> tuple[int, int, i
     return x0, (pos // chunk * chunk - x0) // chunk, pos + S - x0, q_off % _block_m(chunk)
 
 
-def parallel_prefill_bytes(B, Hq, Hkv, S, D, F2, *, window, chunk, lam, sparse_heads, itemsize, pos: int = 0,
+def parallel_prefill_bytes(sizes: StateSizes, S: int, *, window: int, chunk: int, itemsize: int, pos: int = 0,
                            nb: int = 0) -> int:
-    """Transient bytes of `lola_parallel` for one layer (the O(S) buffers; fp32 states). pos / nb: the state it
-    continues (tokens seen, tokens buffered): the same buffers over the extended sequence, plus its keys and values
-    (the window buffer, the new tokens and lam pairs per sparse head), phi(k) of the sparse pairs and, when the new
-    tokens do not start on a query block, copies of q and phi(q)."""
+    """Transient bytes of `lola_parallel` for one layer (the O(S) buffers; fp32 states) on a state of `sizes`
+    (`state.StateSizes`) and S new tokens, keys and features of `itemsize` bytes. pos / nb: the state it continues
+    (tokens seen, tokens buffered): the same buffers over the extended sequence, plus its keys and values (the window
+    buffer, the new tokens and lam pairs per sparse head), phi(k) of the sparse pairs and, when the new tokens do not
+    start on a query block, copies of q and phi(q)."""
+    B, Hq, Hkv, D, F2 = sizes.batch, sizes.q_heads, sizes.kv_heads, sizes.head_dim, sizes.features
+    lam, sparse_heads = sizes.lam, sizes.sparse_head_count
     cs = math.gcd(math.gcd(window, chunk), 256)
     extra = 0
     if pos or nb:
@@ -123,8 +126,9 @@ def parallel_ok(st: LolaState, q, k, *, window: int, chunk: int, lam: int,
         return False
     if not q.is_cuda:
         return True
-    need = parallel_prefill_bytes(B, Hq, k.shape[1], S, D, st.H.shape[2], window=window, chunk=chunk, lam=lam,
-                                  sparse_heads=st.sp_k.shape[1], itemsize=q.element_size(), pos=st.pos, nb=st.nb)
+    sizes = StateSizes(B, Hq, k.shape[1], D, st.H.shape[2], lam, sparse_heads=st.sp_k.shape[1])
+    need = parallel_prefill_bytes(sizes, S, window=window, chunk=chunk, itemsize=q.element_size(), pos=st.pos,
+                                  nb=st.nb)
     free, _ = torch.cuda.mem_get_info(q.device)
     free += torch.cuda.memory_reserved(q.device) - torch.cuda.memory_allocated(q.device)
     return need <= PARALLEL_PREFILL_MEMORY_SHARE * free
@@ -211,8 +215,8 @@ def lola_parallel(st, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
         keep_mask = st.win_mask is not None or key_mask_new is not None
         kx, vx, fkx, km, sp_idx, first, n_real, q, fq = _extend(st, q, k, v, fq, key_mask_new, chunk=C, phi_k=phi_k)
     n_ev = n_real // C
-    ev = tk.PrefillEvictions(fkx, vx, km, n_ev=n_ev, lam=lam, chunk=C, window=W, sparse_heads=Hs, eps=ref.EPS_SRE,
-                             first=first, tuning=tuning)
+    plan = tk.EvictionPlan(window=W, chunk=C, lam=lam, sparse_heads=Hs, n_ev=n_ev, first=first, eps=ref.EPS_SRE)
+    ev = tk.PrefillEvictions(fkx, vx, km, plan, tuning=tuning)
     if not fresh:
         ev.start(st.H, st.s, sp_idx, st.sp_score)
     ev.run(graph=tuning.graph_prefill)

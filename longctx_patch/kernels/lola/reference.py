@@ -2,7 +2,8 @@
 
 Everything here is differentiable (plain torch ops) and runs on any device; the Triton kernels
 (`triton_hybrid.py`, `triton_state.py`, `triton_evict.py`) must match these functions. Maths and every
-convention: docs/lola.md.
+convention: docs/lola.md. The settings of a whole-sequence hybrid call travel as one `HybridSpec`, what one
+attention call reads as `HybridKeys` and `HybridRule`.
 
 Shapes (the convention of the whole package):
   q, fq          [B, Hq, S, D] / [B, Hq, S, F2]   queries and their features (F2 = 2 * feature_dim)
@@ -18,11 +19,15 @@ Shapes (the convention of the whole package):
 from __future__ import annotations
 
 import math
+import numbers
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from ..backend import check_backend
+from .tuning import DEFAULT_TUNING, LolaTuning
 
 EPS_SRE = 1e-6  # denominator guard of the self-recall prediction phi(k)^T H / (phi(k)^T s + EPS_SRE)
 NEG = -1.0e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
@@ -120,24 +125,83 @@ def check_combine(combine: str) -> bool:
     return combine == "unshifted"
 
 
-def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                               key_mask=None, q_offset: int | None = None, H0=None, s0=None,
-                               combine: str = "shifted"):
+def check_ints(spec, **least: int) -> None:
+    """ValueError naming the first of the fields `least` of the settings object `spec` that is not an int at least
+    its bound (`least`: field name -> the smallest value allowed)."""
+    for name, low in least.items():
+        n = getattr(spec, name)
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < low:
+            raise ValueError(f"{type(spec).__name__}.{name}={n!r}: allowed an int >= {low}")
+
+
+def check_scale(spec) -> None:
+    """ValueError when `spec.scale` is neither None (D ** -0.5) nor a positive number."""
+    x = spec.scale
+    if x is not None and (not isinstance(x, numbers.Real) or isinstance(x, bool) or not x > 0):
+        raise ValueError(f"{type(spec).__name__}.scale={x!r}: allowed None (D ** -0.5) or a number > 0")
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """The settings of one whole-sequence hybrid attention (`ops.hybrid_attention`, `ops.hybrid_attention_triton`,
+    `hybrid_attention_quadratic`, `hybrid_attention_chunked`): the same for every call of a layer; the tensors (q, k,
+    v, fq, fk, g, lf, key_mask) are passed beside it.
+
+    window: keys less than `window` behind a query are attended by softmax, older ones linearly (an int >= 0).
+    scale: the scores' factor (None: D ** -0.5). combine: how the exact and linear terms meet (`_finish`): "shifted"
+    (LoLCATs) or "unshifted" (the LoLA authors'). chunk: queries per block of the PyTorch path
+    (`hybrid_attention_chunked`). state_chunk: keys per prefix state of the Triton paths (None: `ops.STATE_CHUNK`,
+    under gradients `tuning.train_state_chunk` first); `ops.hybrid_attention` rounds it down to a multiple of 64 (at
+    least 64), `ops.hybrid_attention_triton` takes it as it is (a multiple of its key tile). backend: "auto"
+    (Triton on CUDA, PyTorch elsewhere), "triton" or "torch" (`ops.hybrid_attention`'s choice; the references run
+    PyTorch whatever it says). tuning: the kernels' launch settings (`tuning.LolaTuning`; the training pass's state
+    chunk and tiles: `train_*`).
+
+    Refused when built: a window, chunk or state_chunk that is no int in range, a scale that is no positive number
+    (ValueError), an unknown combine (ValueError) or backend (ConfigError), a tuning that is no LolaTuning
+    (TypeError)."""
+
+    window: int
+    scale: float | None = None
+    combine: str = "shifted"
+    chunk: int = 64
+    state_chunk: int | None = None
+    backend: str = "auto"
+    tuning: LolaTuning = DEFAULT_TUNING
+
+    def __post_init__(self):
+        check_ints(self, window=0, chunk=1)
+        if self.state_chunk is not None:
+            check_ints(self, state_chunk=1)
+        check_scale(self)
+        check_combine(self.combine)
+        check_backend(self.backend, "lola/lolcats")
+        if not isinstance(self.tuning, LolaTuning):
+            raise TypeError(f"HybridSpec.tuning: a LolaTuning (kernels/lola/tuning.py), not "
+                            f"{type(self.tuning).__name__}")
+
+    def rule(self, g, lf) -> HybridRule:
+        """The hybrid attention's rule (`HybridRule`) of these settings with the per-head weights g and lf."""
+        return HybridRule(self.window, g, lf, self.scale, self.combine)
+
+
+def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, spec: HybridSpec, *, key_mask=None):
     """Ground truth of the LoLCATs hybrid, O(S * N) memory; returns [B, Hq, S, D] fp32.
 
-    Query i sits at key index `q_offset + i` (default N - S). Key j is in the softmax window of query i
-    when 0 <= i' - j < window (i' = q_offset + i), in the linear part when i' - j >= window.
-    The exact term uses exp(score - m) with m the row maximum over the window keys (LoLCATs'
-    convention: the linear term is *not* rescaled by m). H0/s0: a linear state of tokens before key 0.
-    combine="unshifted": the exact term is exp(score) as is (the LoLA authors' code), `_finish`.
+    Query i sits at key index N - S + i (the queries are the last keys; `lola_attention` takes any offset and a
+    linear state of tokens before key 0). Key j is in the softmax window of query i when 0 <= i' - j < window
+    (i' = N - S + i), in the linear part when i' - j >= window. The exact term uses exp(score - m) with m the row
+    maximum over the window keys (LoLCATs' convention: the linear term is *not* rescaled by m).
+    spec.combine="unshifted": the exact term is exp(score) as is (the LoLA authors' code), `_finish`. spec: window,
+    scale and combine (`HybridSpec`).
     """
+    window, scale, combine = spec.window, spec.scale, spec.combine
     unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    q_offset = N - S if q_offset is None else q_offset
     k, v = expand_kv(k, Hq).float(), expand_kv(v, Hq).float()
-    qpos = torch.arange(S, device=q.device)[:, None] + q_offset
+    qpos = torch.arange(S, device=q.device)[:, None] + (N - S)
     kpos = torch.arange(N, device=q.device)[None, :]
     diff = qpos - kpos
     win = (diff >= 0) & (diff < window)
@@ -153,20 +217,18 @@ def hybrid_attention_quadratic(q, k, v, fq, fk, g, lf, *, window: int, scale: fl
     a = torch.einsum("bhsf,bhnf->bhsn", fq.float(), fk.float()) * lin
     num_e, den_e = p @ v, p.sum(-1, keepdim=True)
     num_l, den_l = a @ v, a.sum(-1, keepdim=True)
-    if H0 is not None:
-        num_l = num_l + fq.float() @ H0.float()
-        den_l = den_l + (fq.float() * s0.float()[:, :, None, :]).sum(-1, keepdim=True)
     return _finish(num_e, den_e, num_l, den_l, g, lf, m if unshifted else None)
 
 
-def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, *, window: int, scale: float | None = None,
-                             key_mask=None, chunk: int = 64, combine: str = "shifted"):
-    """Same result as `hybrid_attention_quadratic` (S == N, no state) in O(S * (window + chunk)) memory.
+def hybrid_attention_chunked(q, k, v, fq, fk, g, lf, spec: HybridSpec, *, key_mask=None):
+    """Same result as `hybrid_attention_quadratic` (S == N) in O(S * (window + chunk)) memory.
 
     Queries are cut into blocks of `chunk`; block n reads a prefix state (sum of phi(k) v^T over keys
     before (n - P) * chunk, P = ceil(window / chunk)) and the P + 1 key blocks n-P..n explicitly.
-    Differentiable: this is the training / CPU path of `lolcats`. Returns [B, Hq, S, D] fp32.
+    Differentiable: this is the training / CPU path of `lolcats`. spec: window, scale, combine and chunk
+    (`HybridSpec`). Returns [B, Hq, S, D] fp32.
     """
+    window, scale, combine, chunk = spec.window, spec.scale, spec.combine, spec.chunk
     unshifted = check_combine(combine)
     B, Hq, S, D = q.shape
     F2 = fq.shape[-1]

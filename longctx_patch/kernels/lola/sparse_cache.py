@@ -16,18 +16,17 @@ import torch
 
 from ..graphs import capturing
 from . import ops, padded, prefill
-from .state import (LolaRun, LolaState, PhiK, append_window, attend_piece, attend_step, drop_front, ensure_fk,
-                    ensure_mask, lola_evict, repack)
-from .tuning import DEFAULT_TUNING, LolaTuning
+from .state import (LolaRun, LolaState, StateSizes, append_window, attend_piece, attend_step, drop_front,
+                    ensure_fk, ensure_mask, lola_evict, repack)
 
 
-def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int, chunk: int, lam: int,
-                 scale: float, key_mask_new=None, backend: str = "auto", combine: str = "shifted",
-                 tuning: LolaTuning = DEFAULT_TUNING):
-    """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]) and update `st` in place.
+def lola_process(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, *, key_mask_new=None):
+    """Attend the S new tokens (q [B,Hq,S,D], k/v [B,Hkv,S,D], fq [B,Hq,S,F2]; g/lf [Hq]) and update `st` in place.
 
-    phi_k: the layer's key feature map, keys [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on
-    buffered keys and eviction candidates. key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in q.dtype.
+    run (`state.LolaRun`, the layer's settings, the same for every call): the key feature map `phi_k`, keys
+    [B, Hx, N, D] -> [B, Hq, N, F2] (kv heads repeated), called on buffered keys and eviction candidates; window,
+    chunk, lam, scale, backend, combine and tuning. key_mask_new [B, S] bool or None. Returns o [B, S, Hq, D] in
+    q.dtype.
     With Triton, a prefill of at least two chunks runs in two passes (`prefill.lola_parallel`, same result): a fresh
     one, or one that continues an in-place state whose rows share one eviction grid (`prefill.parallel_ok`).
     Otherwise the tokens go through the chunk loop; on CUDA a loop of at least 4 chunks captures the work of
@@ -43,13 +42,10 @@ def lola_process(st: LolaState, q, k, v, fq, g, lf, *, phi_k: PhiK, window: int,
     One new token on an in-place state whose rows share one grid takes `decode_step` (device state only: what a
     CUDA graph of a decode step replays). After every call made outside a capture `st.nb_t` equals `st.nb`.
 
-    combine: how the exact and linear terms meet in every attention (`reference._finish`): "shifted" (LoLCATs, as
-    trained) or "unshifted" (the LoLA authors'). The state (evictions, folds) does not depend on it. tuning: the
-    kernels' launch settings and the prefill's paths (`tuning.LolaTuning`: the two-pass prefill, graph replay).
-    The settings travel together below as one `LolaRun`.
+    run.combine: how the exact and linear terms meet in every attention (`reference._finish`): "shifted" (LoLCATs,
+    as trained) or "unshifted" (the LoLA authors'). The state (evictions, folds) does not depend on it. run.tuning:
+    the kernels' launch settings and the prefill's paths (`tuning.LolaTuning`: the two-pass prefill, graph replay).
     """
-    run = LolaRun(phi_k=phi_k, window=window, chunk=chunk, lam=lam, scale=scale, backend=backend, combine=combine,
-                  tuning=tuning)
     o = _dispatch(st, q, k, v, fq, g, lf, run, key_mask_new)
     if st.inplace and st.nb_t is not None and not capturing(q.device):
         st.nb_t.fill_(st.nb)
@@ -99,7 +95,7 @@ def _process(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new=None)
         if steady and steady_seen:
             if graph is None:
                 try:
-                    graph = capture_piece(st, q, k, v, fq, mnew, sl, g, lf, run)
+                    graph = capture_piece(st, q[:, :, sl], k[:, :, sl], v[:, :, sl], fq[:, :, sl], mnew, g, lf, run)
                 except Exception:  # noqa: BLE001 - capture is an optimisation; fall back to eager chunks
                     use_graph = False
                     graph = None
@@ -156,9 +152,10 @@ def decode_step(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_mask_new):
     return o
 
 
-def capture_piece(st, q, k, v, fq, mnew, sl, g, lf, run: LolaRun):
-    """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph."""
-    static = [x[:, :, sl].clone() for x in (q, k, v, fq)]
+def capture_piece(st, q, k, v, fq, mnew, g, lf, run: LolaRun):
+    """Capture one steady full chunk (buffer holds `window` tokens before and after) into a CUDA graph: q, k, v, fq
+    and the padding mask mnew (or None) are the chunk's; their copies are the graph's inputs."""
+    static = [x.clone() for x in (q, k, v, fq)]
     if mnew is not None:
         ensure_mask(st, q.shape[0], q.device)
         static.append(mnew.clone())
@@ -208,8 +205,8 @@ def process_padded_fresh(st: LolaState, q, k, v, fq, g, lf, run: LolaRun, key_ma
     for p in phases:
         idx = torch.tensor(sorted(rows_of[p]), dtype=torch.long, device=q.device)
         take = lambda t: t.index_select(0, idx)[:, :, p:]  # noqa: E731
-        sub = LolaState.empty(len(idx), Hq, Hkv, D, F2, lamn, st.win_k.dtype, q.device, capacity=cap,
-                              inplace=st.inplace, sparse_heads=Hs)
+        sub = LolaState.empty(StateSizes(len(idx), Hq, Hkv, D, F2, lamn, sparse_heads=Hs), st.win_k.dtype, q.device,
+                              capacity=cap, inplace=st.inplace)
         og = _process(sub, take(q), take(k), take(v), take(fq), g, lf, run, key_mask_new.index_select(0, idx)[:, p:])
         o = o.index_copy(0, idx, torch.nn.functional.pad(og, (0, 0, 0, 0, p, 0)))
         done.append((idx, sub))

@@ -18,9 +18,42 @@ from typing import Callable
 
 import torch
 
+from ..backend import check_backend
 from . import ops
 from . import reference as ref
 from .tuning import DEFAULT_TUNING, LolaTuning
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """The sizes of one layer's LoLA state (`LolaState.empty`, `prefill.parallel_prefill_bytes`): `batch` rows,
+    `q_heads` query heads and `kv_heads` kv heads (q_heads a multiple of kv_heads), `head_dim` (D), `features` (F2 =
+    2 * feature_dim, the width of phi), `lam` sparse pairs per sparse head (0: LoLCATs) and `sparse_heads`, the
+    heads of the sparse cache: kv_heads (None, the default: one cache per kv head) or q_heads. Refused when built
+    (ValueError): a size that is no int in range, q_heads no multiple of kv_heads, sparse_heads neither head count."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    features: int
+    lam: int
+    sparse_heads: int | None = None
+
+    def __post_init__(self):
+        ref.check_ints(self, batch=0, q_heads=1, kv_heads=1, head_dim=1, features=1, lam=0)
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"StateSizes: q_heads={self.q_heads} must be a multiple of kv_heads={self.kv_heads}")
+        hs = self.sparse_heads
+        if hs is not None and (isinstance(hs, bool) or hs not in (self.kv_heads, self.q_heads)):
+            raise ValueError(f"StateSizes.sparse_heads={hs!r}: allowed None or the kv heads ({self.kv_heads}), or "
+                             f"the query heads ({self.q_heads})")
+
+    @property
+    def sparse_head_count(self) -> int:
+        """Hs: the heads of the sparse cache (kv_heads when `sparse_heads` is None)."""
+        return self.kv_heads if self.sparse_heads is None else int(self.sparse_heads)
+
 
 @dataclass
 class LolaState:
@@ -58,13 +91,14 @@ class LolaState:
     phases: "RowPhases | None" = None  # noqa: F821 - padded.RowPhases (padded.py imports this module)
 
     @classmethod
-    def empty(cls, B, Hq, Hkv, D, F2, lam, dtype, device, capacity: int = 0, inplace=True, sparse_heads=None,
+    def empty(cls, sizes: StateSizes, dtype, device, *, capacity: int = 0, inplace: bool = True,
               feature_cache: bool = False):
-        """sparse_heads: heads of the sparse cache, Hkv (default) or Hq. The feature cache is made by the first
-        `lola_process` call (`ensure_fk`: its rows depend on the window)."""
-        Hs = Hkv if sparse_heads is None else int(sparse_heads)
-        if Hs not in (Hkv, Hq):
-            raise ValueError(f"sparse_heads must be the kv heads ({Hkv}) or the query heads ({Hq}), not {Hs}")
+        """An empty state of `sizes` (`StateSizes`: batch, heads, head dim, feature width, sparse pairs and heads),
+        its keys and values in `dtype` on `device`. capacity: rows of the window buffer (in-place states; window +
+        chunk, or 0: made by the first `lola_process` call). The feature cache is made by the first `lola_process`
+        call (`ensure_fk`: its rows depend on the window)."""
+        B, Hq, Hkv, D, F2, lam = sizes.batch, sizes.q_heads, sizes.kv_heads, sizes.head_dim, sizes.features, sizes.lam
+        Hs = sizes.sparse_head_count
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         cap = capacity if inplace else 0
         return cls(
@@ -128,18 +162,32 @@ def phi_into(phi_k: PhiK, k, dst) -> None:
 class LolaRun:
     """What every step of one layer's LoLA attention runs with (the state machine of sparse_cache.py, the prefills of
     prefill.py, the operations here): the key feature map `phi_k` (a PhiK or a KeyFeatures), `window`, `chunk`,
-    `lam` (sparse pairs per sparse head; 0: LoLCATs), `scale`, `backend` ("auto", "triton", "torch"), `combine`
-    ("shifted" or "unshifted": `reference._finish`) and the kernels' `tuning`. The same for every call of a layer;
-    what changes per call (the state, the new tokens, their padding) is passed beside it."""
+    `lam` (sparse pairs per sparse head; 0: LoLCATs), `scale` (None: D ** -0.5), `backend` ("auto", "triton",
+    "torch"), `combine` ("shifted" or "unshifted": `reference._finish`) and the kernels' `tuning`. The same for every
+    call of a layer; what changes per call (the state, the new tokens, their padding) is passed beside it. Refused
+    when built: a phi_k that is not callable or a tuning that is no LolaTuning (TypeError), a window, chunk or lam
+    that is no int in range, a scale that is no positive number, an unknown combine (ValueError) or backend
+    (ConfigError)."""
 
     phi_k: PhiK
     window: int
     chunk: int
     lam: int
-    scale: float
+    scale: float | None
     backend: str = "auto"
     combine: str = "shifted"
     tuning: LolaTuning = DEFAULT_TUNING
+
+    def __post_init__(self):
+        if not callable(self.phi_k):
+            raise TypeError(f"LolaRun.phi_k: the key feature map, a callable (keys -> phi(k)) or a KeyFeatures, not "
+                            f"{type(self.phi_k).__name__}")
+        ref.check_ints(self, window=0, chunk=1, lam=0)
+        ref.check_scale(self)
+        ref.check_combine(self.combine)
+        check_backend(self.backend, "lola/lolcats")
+        if not isinstance(self.tuning, LolaTuning):
+            raise TypeError(f"LolaRun.tuning: a LolaTuning (kernels/lola/tuning.py), not {type(self.tuning).__name__}")
 
     def rule(self, g, lf) -> ref.HybridRule:
         """The hybrid attention's rule (`reference.HybridRule`) of this run with the per-head weights g and lf."""

@@ -16,6 +16,8 @@ pass over every earlier key it replaced (`_block_dense`, quadratic) stays as its
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -220,18 +222,53 @@ def _folded_states(k, v, fk, sets, L, valid, starts, S: int, *, window: int, chu
     return Ps, zs
 
 
-def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int, scale: float, key_mask=None,
-                        block: int = 1024, combine: str = "shifted", dense: bool = False) -> torch.Tensor:
-    """The hybrid output of a fresh LoLA prefill given its sparse sets (`sparse_positions`), differentiable.
+@dataclass(frozen=True)
+class SetsSpec:
+    """The settings of the training pass over sparse sets (`lola_attention_sets`): the LoLA grid (`window`, `chunk`),
+    the scores' factor `scale` (None: D ** -0.5), `combine` (how the exact and linear terms meet: "shifted" or
+    "unshifted", `reference._finish`), about `block` queries per recomputed block (whole chunks) and `dense`: every
+    block against every earlier key (`_block_dense`, quadratic: the reference) instead of its band, state and sets.
+    Refused when built (ValueError): a window, chunk or block that is no int in range, a scale that is no positive
+    number, an unknown combine, a dense that is no bool."""
 
-    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, S, D], fk [B, Hq, S, F2], sets [n_chunks, B, Hs, lam]. Queries go in
-    blocks of about `block` tokens (whole chunks), each recomputed in the backward when gradients are needed:
-    against their band of keys, the state of the keys before it and their chunks' sparse sets (`_block`, time and
-    memory linear in S), or with dense=True against every earlier key (`_block_dense`, quadratic: the reference).
-    combine: how the exact and linear terms meet (`reference._finish`).
+    window: int
+    chunk: int
+    scale: float | None = None
+    combine: str = "shifted"
+    block: int = 1024
+    dense: bool = False
+
+    def __post_init__(self):
+        ref.check_ints(self, window=0, chunk=1, block=1)
+        ref.check_scale(self)
+        ref.check_combine(self.combine)
+        if not isinstance(self.dense, bool):
+            raise ValueError(f"SetsSpec.dense={self.dense!r}: allowed True or False")
+
+
+class PrefillSets(NamedTuple):
+    """The sparse sets of a fresh prefill and the padding they were chosen under: positions [n_chunks, B, Hs, lam]
+    int64 (`sparse_positions`; -1: an empty slot; row c is what chunk c attends) and key_mask [B, S] bool (True = a
+    real token) or None, which masks the keys of the pass."""
+
+    positions: torch.Tensor
+    key_mask: torch.Tensor | None = None
+
+
+def lola_attention_sets(q, k, v, fq, fk, g, lf, sets: PrefillSets, spec: SetsSpec) -> torch.Tensor:
+    """The hybrid output of a fresh LoLA prefill given its sparse sets and their padding (`PrefillSets`),
+    differentiable.
+
+    q/fq [B, Hq, S, D/F2], k/v [B, Hkv, S, D], fk [B, Hq, S, F2], g/lf [Hq]. Queries go in blocks of about
+    `spec.block` tokens (whole chunks), each recomputed in the backward when gradients are needed: against their band
+    of keys, the state of the keys before it and their chunks' sparse sets (`_block`, time and memory linear in S),
+    or with spec.dense against every earlier key (`_block_dense`, quadratic: the reference). spec (`SetsSpec`):
+    window, chunk, scale, combine (how the exact and linear terms meet: `reference._finish`), block, dense.
     Returns [B, S, Hq, D] in q.dtype."""
+    window, chunk, dense = spec.window, spec.chunk, spec.dense
+    key_mask, sets = sets.key_mask, sets.positions
     S = q.shape[2]
-    rows = max(chunk, (block // chunk) * chunk)
+    rows = max(chunk, (spec.block // chunk) * chunk)
     starts = list(range(0, S, rows))
     if not dense:
         L = linear_from(sets, S, window=window, chunk=chunk)
@@ -239,7 +276,8 @@ def lola_attention_sets(q, k, v, fq, fk, g, lf, sets, *, window: int, chunk: int
                  else torch.ones(q.shape[0], S, dtype=torch.bool, device=q.device))
         Ps, zs = _folded_states(k, v, fk, sets, L, valid, starts, S, window=window, chunk=chunk)
     outs = []
-    kw = dict(window=window, chunk=chunk, scale=scale, combine=combine)
+    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+    kw = dict(window=window, chunk=chunk, scale=scale, combine=spec.combine)
     for i, q0 in enumerate(starts):
         q1 = min(S, q0 + rows)
         qs = (q[:, :, q0:q1], k[:, :, :q1], v[:, :, :q1], fq[:, :, q0:q1], fk[:, :, :q1], g, lf, sets)

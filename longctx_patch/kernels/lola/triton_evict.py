@@ -2,13 +2,16 @@
 (tests/test_lola_kernels.py, tests/test_lola_cache.py):
 
   sre_score          self-recall error of candidate pairs                 <- sre_scores
-  PrefillEvictions   every eviction of a two-pass prefill: score, select, fold, replayed from one CUDA graph
-                     <- select_and_fold, eviction by eviction
+  PrefillEvictions   every eviction of a two-pass prefill (`EvictionPlan`): score, select, fold, replayed from
+                     one CUDA graph  <- select_and_fold, eviction by eviction
 
 They run under TRITON_INTERPRET=1 on the CPU (small shapes) and on CUDA. Works with triton 3.6 and 3.9.
 """
 
 from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,6 +20,7 @@ import triton.language as tl
 from ..backend import INTERPRET
 from ..graphs import run_steps
 from ..triton_lib import dot, dot_bf16x3, dot_precision, np2
+from .reference import EPS_SRE, check_ints
 from .triton_state import _range_sums, fold_into_state
 from .tuning import DEFAULT_TUNING, LolaTuning
 
@@ -306,29 +310,53 @@ def _ev_fold_kernel(
     tl.store(SALL + (c + 1).to(tl.int64) * s_sa_c + so, tl.where(folded, ps - sacc, 0.0), mask=col0)
 
 
+@dataclass(frozen=True)
+class EvictionPlan:
+    """Which evictions a `PrefillEvictions` runs: the LoLA grid (`window`, `chunk`, `lam` sparse pairs per sparse head,
+    `sparse_heads` Hs, the heads of the sparse cache), `n_ev` evictions at the ends of chunks 0 .. n_ev - 1, from
+    eviction `first` on (> 0: a continued prefill, the evictions before it done), with the self-recall error's
+    denominator guard `eps`. Refused when built (ValueError): a count that is no int in range, first past n_ev, an
+    eps that is no positive number."""
+
+    window: int
+    chunk: int
+    lam: int
+    sparse_heads: int
+    n_ev: int
+    first: int = 0
+    eps: float = EPS_SRE
+
+    def __post_init__(self):
+        check_ints(self, window=0, chunk=1, lam=0, sparse_heads=1, n_ev=0, first=0)
+        if self.first > self.n_ev:
+            raise ValueError(f"EvictionPlan.first={self.first}: first eviction outside 0 .. n_ev={self.n_ev}")
+        if not (isinstance(self.eps, numbers.Real) and not isinstance(self.eps, bool) and self.eps > 0):
+            raise ValueError(f"EvictionPlan.eps={self.eps!r}: allowed a number > 0")
+
+
 class PrefillEvictions:
     """Buffers and launches of the evictions of one LoLA prefill (see the comment above `_ev_candidates`).
 
-    fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; n_ev evictions
-    at the ends of chunks 0 .. n_ev - 1. After `run()`: H_all [n_ev + 1, B, Hq, F2, D], s_all, and the sparse
-    slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions, -1 = empty) that chunk c attends in slot c.
+    fk [B, Hq, S, F2] (phi(k) of every token), v [B, Hkv, S, D], key_mask [B, S] bool or None; `plan`
+    (`EvictionPlan`): n_ev evictions at the ends of chunks 0 .. n_ev - 1 on its grid. After `run()`: H_all
+    [n_ev + 1, B, Hq, F2, D], s_all, and the sparse slots SPIDX / SPSC [n_ev + 1, B, Hs, lam] (token positions,
+    -1 = empty) that chunk c attends in slot c. tuning: the launches' tiles and warps (ev_*), the SRE precision
+    (score_prec).
 
-    first > 0 (a continued prefill): the evictions before chunk `first` are done; `start` puts the state they left
-    in slot `first` and `run()` runs evictions first .. n_ev - 1 only (slots before `first` stay unused).
+    plan.first > 0 (a continued prefill): the evictions before chunk `first` are done; `start` puts the state they
+    left in slot `first` and `run()` runs evictions first .. n_ev - 1 only (slots before `first` stay unused).
     """
 
-    def __init__(self, fk, v, key_mask, *, n_ev: int, lam: int, chunk: int, window: int, sparse_heads: int,
-                 eps: float = 1e-6, first: int = 0, tuning: LolaTuning = DEFAULT_TUNING):
+    def __init__(self, fk, v, key_mask, plan: EvictionPlan, *, tuning: LolaTuning = DEFAULT_TUNING):
         B, Hq, S, F2 = fk.shape
         D = v.shape[-1]
         dev = fk.device
+        n_ev, lam, chunk, sparse_heads, first = plan.n_ev, plan.lam, plan.chunk, plan.sparse_heads, plan.first
         self.fk, self.v = fk, v
         self.km = key_mask.to(torch.int8).contiguous() if key_mask is not None else None
         self.B, self.Hq, self.Hs, self.F2, self.D = B, Hq, sparse_heads, F2, D
         self.G, self.GS = Hq // v.shape[1], Hq // sparse_heads
-        self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, window, eps
-        if not 0 <= first <= n_ev:
-            raise ValueError(f"first eviction {first} outside 0 .. {n_ev}")
+        self.n_ev, self.lam, self.C, self.W, self.eps = n_ev, lam, chunk, plan.window, plan.eps
         self.first = first
         self.NC = lam + chunk
         self.H_all = torch.zeros(n_ev + 1, B, Hq, F2, D, device=dev, dtype=torch.float32)

@@ -335,15 +335,16 @@ def _dkv_kernel(
              cast_out(dv, DV, UPCAST), mask=(offs_n < M)[:, None] & md[None, :])
 
 
-def hybrid_bwd(q, fq, keys: HybridKeys, rule: HybridRule, o, do, stats, *, block_m: int = 64, block_n: int = 64,
-               tuning: LolaTuning = DEFAULT_TUNING):
+def hybrid_bwd(q, fq, keys: HybridKeys, rule: HybridRule, o, do, stats, *, tuning: LolaTuning = DEFAULT_TUNING):
     """Gradients (dq, dk, dv, dfq, dfk, dg, dlf) of `hybrid_fwd(q, fq, keys, rule, block_m, block_n, stats=True)` for
     the output gradient do [B, S, Hq, D] (unit last stride). keys (`reference.HybridKeys`) as the forward's: k/v
     [B, Hkv, S, D], fk [B, Hq, S, F2], key_mask, q_offset 0 (or None), per-block prefix states every `state_chunk`
     (> 0) keys, no sparse cache; its H/s: the prefix states as `chunk_states` makes them, or None (recomputed here,
     the forward keeps none). rule (`reference.HybridRule`): window >= 1, g, lf, scale, combine "shifted". q
     [B, Hq, S, D], fq [B, Hq, S, F2], k, v, fk contiguous, all of one dtype; o [B, S, Hq, D] the forward's output
-    (fp32 as `ops.HybridAttentionFn` keeps it), stats its (m, r, am). Each gradient in its input's dtype."""
+    (fp32 as `ops.HybridAttentionFn` keeps it), stats its (m, r, am). Each gradient in its input's dtype. tuning: the
+    launch settings; its `train_block_m` / `train_block_n` (None: 64) are the forward's tiles block_m / block_n, as
+    `ops.HybridAttentionFn` runs both passes."""
     k, v, fk, key_mask, cs = keys.k, keys.v, keys.fk, keys.key_mask, keys.state_chunk
     g, lf, window = rule.g, rule.lf, rule.window
     assert keys.q_offset in (None, 0) and not keys.has_sparse and cs > 0, \
@@ -354,8 +355,9 @@ def hybrid_bwd(q, fq, keys: HybridKeys, rule: HybridRule, o, do, stats, *, block
     Hkv = k.shape[1]
     G = Hq // Hkv
     F2 = fq.shape[-1]
-    BM = min(block_m, np2(M))  # the forward's tiles: the split state / explicit keys depends on them
-    BN = block_n
+    # the forward's tiles: the split state / explicit keys depends on them
+    BM = min(int(tuning.train_block_m or 64), np2(M))
+    BN = int(tuning.train_block_n or 64)
     assert cs % BN == 0 and window >= 1
     assert all(x.is_contiguous() for x in (q, k, v, fq, fk)) and do.stride(-1) == 1 and o.stride(-1) == 1
     m2, r, am = stats

@@ -21,7 +21,7 @@ from .config import HybridConfig, LolaConfig
 from .weights import asset_defaults, export_lolcats_checkpoint, load_lolcats_checkpoint, load_method_weights
 
 
-KERNEL_KEY_TILE = 64  # keys per tile of the training pass's kernels (ops.hybrid_attention's block_n)
+KERNEL_KEY_TILE = 64  # keys per tile of the training pass's kernels (ops.HybridAttentionFn: tuning.train_block_n or 64)
 
 
 def hybrid_approximation(config) -> Approximation:

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from ...kernels.lola.ops import hybrid_attention, refuse_forced_triton_under_grad
+from ...kernels.lola.reference import HybridSpec
 from ...kernels.lola.sparse_cache import lola_process
-from ...kernels.lola.state import KeyFeatures, LolaState
-from ...kernels.lola.training import lola_attention_sets, sparse_positions
+from ...kernels.lola.state import KeyFeatures, LolaRun, LolaState, StateSizes
+from ...kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
 from ...kernels.lola.tuning import DEFAULT_TUNING, LolaTuning
 from ..base import PatchedAttention
 from ..padding import phase_groups
@@ -91,7 +92,7 @@ class HybridAttention(PatchedAttention):
         if not isinstance(cache_layer, LolaLayer):
             raise TypeError(f"layer {self.layer_idx} is patched with {self.method_name} but its cache layer is "
                             f"{type(cache_layer).__name__}; pass no cache (one is created) or a LongctxCache")
-        kw = self._process_kw(q, new_mask)
+        run = self._run(q)
         st = cache_layer.get_state(q.shape[0], q.shape[1], k.shape[1], q.shape[3], fq.shape[-1], q)
         if self._needs_grad(q, k, v, fq, g, lf):
             # gradients with a cache (a forward outside Trainer leaves `use_cache` on by default): the output must
@@ -102,27 +103,29 @@ class HybridAttention(PatchedAttention):
                 _warn_cache_in_training(self.method_name)
                 out = self._attend_fresh(q, k, v, fq, g, lf, new_mask)
                 with torch.no_grad():
-                    lola_process(st, q.detach(), k.detach(), v.detach(), fq.detach(), g.detach(), lf.detach(), **kw)
+                    lola_process(st, q.detach(), k.detach(), v.detach(), fq.detach(), g.detach(), lf.detach(), run,
+                                 key_mask_new=new_mask)
             else:
                 st = dataclasses.replace(st, inplace=False)
-                out = lola_process(st, q, k, v, fq, g, lf, **kw)
+                out = lola_process(st, q, k, v, fq, g, lf, run, key_mask_new=new_mask)
             cache_layer.set_state(st)
             return out
         with torch.no_grad():  # decode and no-grad prefill: the cached state is updated in place
-            st_out = lola_process(st, q, k, v, fq, g, lf, **kw)
+            st_out = lola_process(st, q, k, v, fq, g, lf, run, key_mask_new=new_mask)
         cache_layer.set_state(st)
         return st_out
 
-    def _process_kw(self, q, new_mask) -> dict:
-        """`lola_process`'s options; phi_k: the key feature map, called at append (the feature cache of an in-place
-        state, written into it: `KeyFeatures.write`) or where the manager needs phi(k) of keys it does not cache."""
+    def _run(self, q) -> LolaRun:
+        """`lola_process`'s settings (`LolaRun`); phi_k: the key feature map, called at append (the feature cache of
+        an in-place state, written into it: `KeyFeatures.write`) or where the manager needs phi(k) of keys it does not
+        cache."""
         cfg: HybridConfig = self.method_config
         fmap, tuning = self.feature_map_k, self.tuning
         phi_k = KeyFeatures(
             compute=lambda x: fmap(x, out_dtype=q.dtype, backend=cfg.backend, tuning=tuning),
             write=lambda x, out: fmap(x, out_dtype=q.dtype, backend=cfg.backend, out=out, tuning=tuning))
-        return dict(window=cfg.window, scale=self.scaling, backend=cfg.backend, phi_k=phi_k, chunk=cfg.chunk,
-                    lam=self.sparse_cache, key_mask_new=new_mask, combine=cfg.combine, tuning=tuning)
+        return LolaRun(phi_k=phi_k, window=cfg.window, chunk=cfg.chunk, lam=self.sparse_cache, scale=self.scaling,
+                       backend=cfg.backend, combine=cfg.combine, tuning=tuning)
 
     def _attend_fresh(self, q, k, v, fq, g, lf, new_mask):
         """A sequence from its start, no cache kept: lolcats' parallel hybrid; lola's training path under
@@ -131,9 +134,10 @@ class HybridAttention(PatchedAttention):
         lam = self.sparse_cache
         if lam == 0:
             fk = self.feature_map_k(k, out_dtype=q.dtype, backend=cfg.backend, tuning=self.tuning)
-            return hybrid_attention(q, k, v, fq, fk, g, lf, key_mask=new_mask, chunk=cfg.chunk, window=cfg.window,
-                                    scale=self.scaling, backend=cfg.backend, combine=cfg.combine, tuning=self.tuning)
-        kw = self._process_kw(q, new_mask)
+            spec = HybridSpec(window=cfg.window, scale=self.scaling, combine=cfg.combine, chunk=cfg.chunk,
+                              backend=cfg.backend, tuning=self.tuning)
+            return hybrid_attention(q, k, v, fq, fk, g, lf, spec, key_mask=new_mask)
+        run = self._run(q)
         Hq, Hkv = q.shape[1], k.shape[1]
         hs = sparse_head_count(self.sparse_heads, Hq, Hkv)
         if self.train_with_sets and self._needs_grad(q, k, v, fq, g, lf):
@@ -143,21 +147,21 @@ class HybridAttention(PatchedAttention):
             # chunk) on its rows with the common padding dropped, so each row has the sets of its prompt alone
             groups = phase_groups(new_mask, cfg.chunk)
             if len(groups) == 1 and groups[0].trim == 0:
-                return self._train_sets(q, k, v, fq, g, lf, new_mask, kw["phi_k"], hs)
+                return self._train_sets(q, k, v, fq, g, lf, new_mask, run.phi_k, hs)
             B, S = q.shape[0], q.shape[2]
             o = q.new_zeros(B, S, q.shape[1], q.shape[3])
             for gp in groups:
                 og = self._train_sets(gp.take(q, 2), gp.take(k, 2), gp.take(v, 2), gp.take(fq, 2), g, lf,
-                                      gp.take(new_mask, 1), kw["phi_k"], hs)
+                                      gp.take(new_mask, 1), run.phi_k, hs)
                 og = torch.nn.functional.pad(og, (0, 0, 0, 0, gp.trim, 0))
                 if gp.rows is None:
                     return og
                 o = o.index_copy(0, gp.rows.to(q.device), og)
             return o
-        st = LolaState.empty(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, q.dtype, q.device,
-                             capacity=cfg.window + cfg.chunk, inplace=not torch.is_grad_enabled(), sparse_heads=hs,
-                             feature_cache=cfg.feature_cache)
-        return lola_process(st, q, k, v, fq, g, lf, **kw)
+        sizes = StateSizes(q.shape[0], Hq, Hkv, q.shape[3], fq.shape[-1], lam, sparse_heads=hs)
+        st = LolaState.empty(sizes, q.dtype, q.device, capacity=cfg.window + cfg.chunk,
+                             inplace=not torch.is_grad_enabled(), feature_cache=cfg.feature_cache)
+        return lola_process(st, q, k, v, fq, g, lf, run, key_mask_new=new_mask)
 
     def _train_sets(self, q, k, v, fq, g, lf, new_mask, phi_k, hs):
         """The training path on one phase group: sparse sets without gradients, then one differentiable pass
@@ -167,8 +171,8 @@ class HybridAttention(PatchedAttention):
         fk = phi_k(k)
         sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
                                 lam=self.sparse_cache, sparse_heads=hs)
-        return lola_attention_sets(q, k, v, fq, fk, g, lf, sets, window=cfg.window, chunk=cfg.chunk,
-                                   scale=self.scaling, key_mask=new_mask, combine=cfg.combine)
+        spec = SetsSpec(window=cfg.window, chunk=cfg.chunk, scale=self.scaling, combine=cfg.combine)
+        return lola_attention_sets(q, k, v, fq, fk, g, lf, PrefillSets(sets, new_mask), spec)
 
     def _needs_grad(self, *tensors) -> bool:
         if not torch.is_grad_enabled():

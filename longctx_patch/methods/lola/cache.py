@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.lola.state import LolaState
+from ...kernels.lola.state import LolaState, StateSizes
 from ..cache_layer import LongctxLayer
 
 
@@ -85,9 +85,9 @@ class LolaLayer(LongctxLayer):
         if self.H is None:
             if not self.is_initialized:
                 self.lazy_initialization(like)
-            st = LolaState.empty(B, Hq, Hkv, D, F2, self.sparse_cache, like.dtype, like.device,
-                                 capacity=self.window + self.chunk,
-                                 sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv),
+            sizes = StateSizes(B, Hq, Hkv, D, F2, self.sparse_cache,
+                               sparse_heads=sparse_head_count(self.sparse_heads, Hq, Hkv))
+            st = LolaState.empty(sizes, like.dtype, like.device, capacity=self.window + self.chunk,
                                  feature_cache=self.feature_cache)
             st.pos = self.seen
             return st
