@@ -55,18 +55,23 @@
 # pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
 # Run 2026-12-07 (commit 482ff35): the guard and yarn steps, then the tune capped at 360 s (27 steps); its asset ships.
 # The next session's chain (the shipped, tuned asset's needles first, then 48 more steps from it, the training path
-# now linear in the length): calls 1-13, then
-#   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="niah-check" bash $B tune-go 12 13
-#                                           (niah-check ~2 min: the study's prompts at 16k, unpatched and lola with
+# now linear in the length; the session of 2026-12-07 evening got no machine, so nothing of this has run): calls
+# 1-13, then
+#   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="asset-niah guard-parts" TUNE_MAX_S=540 bash $B tune-go 12 13
+#         or, with less than ~20 min of device time left, no training:
+#         carry [".device-model/qwen/12"]   $C STEPS="asset-niah guard-parts" bash $B steps-go 12 13
+#                                           (the steps: "niah-check" ~2 min: the study's prompts at 16k, unpatched and lola with
 #                                           the shipped asset, comparable with niah/...-lola-niah-check-0459023-h100;
 #                                           "asset-niah" ~2-3 min: issue 57's S-NIAH cells (4k, 16k; 20 prompts a
 #                                           cell) of the shipped asset: unpatched, lola default, lola 256/256, lolcats;
+#                                           "guard-parts" ~1 min, no model: one layer's MuSe guard taken apart at
+#                                           32k / 64k (benchmarks.ops.bench_muse_guard_parts; issue 58's ~0.85 ms);
 #                                           "muse-moba" adds MuSe against MoBA at 32k, ~4 min; "muse-guard" with
 #                                           GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.125,0.15 the budgets between the
 #                                           default (1.47x / 1.94x, +0.20%) and 20% (1.59x / 2.30x, +0.78%), ~3 min)
 #   15..  no carry                          $C bash $B poll 150
-# Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-niah-check-*.json (and bgout/muse/muse-vs-moba-*.json,
-# bgout/muse/{speed,ppl}/).
+# Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-{niah-check,asset-niah}-*.json, bgout/muse/guard-profile-*
+# (and bgout/muse/muse-vs-moba-*.json, bgout/muse/{speed,ppl}/).
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
@@ -428,7 +433,7 @@ c['max_position_embeddings'] = 65536; json.dump(c, open(sys.argv[2], 'w'), inden
       --tasks s-niah-1,s-niah-2 --lengths "$NIAH_LENGTHS" --depths 0.1,0.3,0.5,0.7,0.9 --samples "$NIAH_SAMPLES" \
       --haystack "$CORPUS/heldout/prose" --no-progress --out-dir "$OUT/niah" --name "qwen2.5-coder-0.5b-lola-asset-niah-$GPU" \
       2>&1 | tail -n 30;;
-  guard-profile)  # issue 58: where one layer's guard spends its time at 32k and 64k (no model; ~1 min)
+  guard-parts)  # issue 58: where one layer's guard spends its time at 32k and 64k (no model; ~1 min)
     mkdir -p "$OUT/muse"
     timeout "$(left)" python3 -m benchmarks.ops.bench_muse_guard_parts --out "$OUT/muse/guard-profile-qwen-$GPU.json" 2>&1 |
       tail -n 40 || echo "! the guard's profile did not finish";;
