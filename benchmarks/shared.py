@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,6 +81,27 @@ def result_file(task: str, name: str, out: str | os.PathLike | None = None) -> P
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         return Path(out)
     return results_dir(task) / name
+
+
+def timed_ms(fn, device: torch.device, *, warmup: int = 5, rep: int = 50) -> float:
+    """Milliseconds of fn: `triton.testing.do_bench`'s median on CUDA (warmup / rep in its milliseconds), the best
+    of 3 wall times elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bench_command(module: str, argv) -> str:
+    """A benchmark's command line as its result records it: `python -m MODULE` and its arguments (`argv`, default
+    this process's)."""
+    return shlex.join([sys.executable, "-m", module, *(argv if argv is not None else sys.argv[1:])])
 
 
 def model_token(model: str) -> str:

@@ -14,18 +14,14 @@ gradients compared (relative error of each whole tensor against the dense pass) 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
-import time
 
 import torch
 
-from benchmarks.shared import result_file
+from benchmarks.shared import bench_command, result_file, timed_ms
 from longctx_patch.kernels.lola import reference as ref
 from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
-from longctx_patch.provenance import device_description, git_commit
+from longctx_patch.provenance import result_header
 
 
 def inputs(S: int, a, dev: torch.device, seed: int = 0):
@@ -53,20 +49,6 @@ def step(leaves, gate, sets, a, dense: bool):
     return o.detach().float(), [t.grad.detach().float() for t in leaves]
 
 
-def timed(fn, dev: torch.device) -> float:
-    """Milliseconds of fn: do_bench's median on CUDA, the best of 3 wall times elsewhere."""
-    if dev.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=1, rep=1))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -78,7 +60,7 @@ def measure(S: int, a, dev: torch.device) -> dict:
     choose = lambda: sparse_positions(fk, leaves[2].float(), None, window=a.window, chunk=a.chunk,  # noqa: E731
                                       lam=a.sparse_cache, sparse_heads=a.kv_heads)
     sets = choose()
-    row = {"seq_len": S, "sparse_positions_ms": timed(choose, dev)}
+    row = {"seq_len": S, "sparse_positions_ms": timed_ms(choose, dev, warmup=1, rep=1)}
     want, gwant = step(leaves, gate, sets, a, dense=True)
     got, ggot = step(leaves, gate, sets, a, dense=False)
     row["rel_err_vs_dense"] = {"out": rel(got, want), **{n: rel(x, y) for n, x, y in
@@ -87,7 +69,7 @@ def measure(S: int, a, dev: torch.device) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        row[f"{name}_fwd_bwd_ms"] = timed(lambda: step(leaves, gate, sets, a, dense), dev)
+        row[f"{name}_fwd_bwd_ms"] = timed_ms(lambda: step(leaves, gate, sets, a, dense), dev, warmup=1, rep=1)
         if dev.type == "cuda":
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     row["speedup"] = row["dense_fwd_bwd_ms"] / row["linear_fwd_bwd_ms"]
@@ -116,9 +98,8 @@ def main(argv=None) -> int:
         row = measure(S, a, dev)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    res = {"task": "lola-train-sets", "device": device_description(a.device), "date": datetime.date.today().isoformat(),
-           "commit": git_commit(), "command": shlex.join([sys.executable, "-m", "benchmarks.ops.bench_lola_sets",
-                                                          *(argv if argv is not None else sys.argv[1:])]),
+    res = {"task": "lola-train-sets",
+           **result_header(device=a.device, command=bench_command("benchmarks.ops.bench_lola_sets", argv)),
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "lengths")}, "rows": rows}
     out = result_file("lola", f"train-sets-linear-{a.device}.json", a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")

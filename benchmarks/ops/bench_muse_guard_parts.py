@@ -20,35 +20,17 @@ Timed with `triton.testing.do_bench` (median) on CUDA, the best of 3 wall times 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
-import time
 
 import torch
 
-from benchmarks.shared import result_file
+from benchmarks.shared import bench_command, result_file, timed_ms
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
 from longctx_patch.methods.muse.config import MuseConfig
 from longctx_patch.methods.muse.guard import estimate_errors, exact_rows, first_approximated, guard, sampled_rows
 from longctx_patch.methods.muse.heads import with_exact_heads
-from longctx_patch.provenance import device_description, git_commit
-
-
-def timed(fn, dev: torch.device) -> float:
-    """Milliseconds of fn: do_bench's median on CUDA, the best of 3 wall times elsewhere."""
-    if dev.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=5, rep=50))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+from longctx_patch.provenance import result_header
 
 
 def kernel_table(fn, dev: torch.device, top: int = 15) -> dict:
@@ -101,7 +83,7 @@ def measure(S: int, a, dev: torch.device) -> dict:
         for n in (1, a.heads // a.kv_heads, a.heads):
             t[f"exact_heads_{n}"] = lambda n=n: with_exact_heads(o, q, k, v, list(range(n)), scale=scale)
         row: dict = {"seq_len": S, "first": first, "rows": rows, "sampled": int(pos.shape[-1])}
-        row["ms"] = {name: timed(fn, dev) for name, fn in t.items()}
+        row["ms"] = {name: timed_ms(fn, dev) for name, fn in t.items()}
         ms = row["ms"]
         ms["estimate_rest"] = ms["estimate"] - ms["estimate_sample"] - ms["estimate_rows_attention"]
         ms["guard_host_read"] = ms["guard_no_head"] - ms["estimate"]
@@ -130,10 +112,8 @@ def main(argv=None) -> int:
         for r in table["top"]:
             print(f"    {r[table['by']]:9.1f} us  {r['calls']:4d}x  {r['name']}", flush=True)
         rows.append(row)
-    res = {"task": "muse-guard-profile", "device": device_description(a.device),
-           "date": datetime.date.today().isoformat(), "commit": git_commit(),
-           "command": shlex.join([sys.executable, "-m", "benchmarks.ops.bench_muse_guard_parts",
-                                  *(argv if argv is not None else sys.argv[1:])]),
+    res = {"task": "muse-guard-profile",
+           **result_header(device=a.device, command=bench_command("benchmarks.ops.bench_muse_guard_parts", argv)),
            "shape": dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype), "rows": rows}
     out = result_file("muse", f"guard-profile-qwen-{a.device}.json", a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
