@@ -54,9 +54,11 @@
 # (TUNE_MAX_S=780 caps it at 13 min), ~1 min packaging and perplexity, ~2 min S-NIAH; with the machine's start, the
 # pieces, the corpus and dequantising (~5-6 min), ~17-20 min of device time: inside the 30 minutes a machine is held.
 # Run 2026-12-07 (commit 482ff35): the guard and yarn steps, then the tune capped at 360 s (27 steps); its asset ships.
-# The next session's chain (the shipped, tuned asset's needles first, then 48 more steps from it, the training path
-# now linear in the length; the session of 2026-12-07 evening got no machine, so nothing of this has run): calls
-# 1-13, then
+# Run 2026-12-07 late (commit 727347d): asset-niah, asset-ppl, guard-parts, then the tune capped at 480 s (44 steps
+# from the shipped adapter, 1.50k tokens/s); its asset ships (docs/training-data.md, "Second run"); on the same warm
+# machine afterwards, without new pieces (/tmp/qwen-hf kept while warm): `bash $B muse-moba` and `bash $B muse-guard`
+# with GUARD_PARTS=speed,ppl and GUARD_BUDGETS=0.1,0.125,0.15 and 0.11,0.13,0.14 (docs/muse.md). The chain as run:
+# calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="asset-niah asset-ppl guard-parts" TUNE_MAX_S=480 bash $B tune-go 12 13
 #         or, with less than ~20 min of device time left, no training:
 #         carry [".device-model/qwen/12"]   $C STEPS="asset-niah asset-ppl guard-parts" bash $B steps-go 12 13
