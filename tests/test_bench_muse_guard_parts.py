@@ -15,9 +15,11 @@ def test_profile_runs_and_records_each_part(tmp_path):
     row, = res["rows"]
     ms = row["ms"]
     assert row["first"] < 1024 and row["sampled"] >= row["rows"]
-    for name in ("muse", "exact_sdpa", "estimate", "estimate_sample", "estimate_rows_attention", "guard_no_head",
-                 "exact_heads_1", "exact_heads_2", "exact_heads_4"):
+    for name in ("muse", "exact_sdpa", "estimate", "estimate_ops", "estimate_sample", "estimate_rows_attention",
+                 "guard_no_head", "exact_heads_1", "exact_heads_2", "exact_heads_4"):
         assert ms[name] > 0, name
-    assert abs(ms["estimate_rest"] - (ms["estimate"] - ms["estimate_sample"] - ms["estimate_rows_attention"])) < 1e-9
-    table = row["estimate_kernels"]
+    assert ("estimate_kernel_sample" in ms) == row["guard_kernels_run"]
+    assert abs(ms["estimate_ops_rest"] - (ms["estimate_ops"] - ms["estimate_sample"] - ms["estimate_rows_attention"])) < 1e-9
+    table = row["estimate_ops_kernels"]
     assert table["by"] == "self_cpu_us" and table["top"] and any("topk" in r["name"] for r in table["top"])
+    assert row["estimate_kernels"]["top"] and row["estimate_vs_ops_same_nan"] and row["estimate_vs_ops_max_abs"] < 1e-5

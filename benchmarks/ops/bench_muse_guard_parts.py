@@ -4,12 +4,16 @@ bf16, random inputs: the guard's work does not depend on the values), `muse`'s d
 block size, for a quick check on a CPU):
 
 - `muse`: MuSe's own kernels (`muse_attention`), and exact attention (SDPA) on the same inputs;
-- `estimate`: the guard's whole estimate (`estimate_errors`), and its parts: the sample (`sampled_rows` without a key
-  mask: row norms, their top-k over S), the sampled rows' exact attention (`exact_rows`, the split-key kernels on
-  CUDA) and the rest (the estimate minus both: gathers and the error's arithmetic);
+- `estimate`: the guard's whole estimate as a call runs it (`estimate_errors`: on CUDA the guard's Triton kernels,
+  kernels/muse/triton_guard.py), with its sample (`guard_top_sample`: row norms and each head's top rows) where the
+  kernels run;
+- `estimate_ops`: the same estimate through PyTorch ops (`kernels=False`, the kernels' reference and the CPU's path),
+  and its parts: the sample (`sampled_rows` without a key mask: row norms, their top-k over S), the sampled rows'
+  exact attention (`exact_rows`, the split-key kernels on CUDA) and the rest (the estimate minus both: gathers and
+  the error's arithmetic);
 - `guard`: the estimate with its host read and no head over budget (what every layer of a call pays), and with 1,
   7 (one kv group) and 14 heads made exact (`with_exact_heads`);
-- a kernel table of one estimate (torch.profiler: each kernel's total time, calls) and its launches.
+- a kernel table of one estimate each way (torch.profiler: each kernel's total time, calls) and its launches.
 
 Timed with `triton.testing.do_bench` (median) on CUDA, the best of 3 wall times elsewhere.
 
@@ -28,7 +32,9 @@ from benchmarks.shared import bench_command, result_file, timed_ms
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.softmax import softmax_attention
 from longctx_patch.methods.muse.config import MuseConfig
-from longctx_patch.methods.muse.guard import estimate_errors, exact_rows, first_approximated, guard, sampled_rows
+from longctx_patch.kernels.muse.triton_guard import guard_kernels_missing, guard_top_sample
+from longctx_patch.methods.muse.guard import (_stratified, estimate_errors, exact_rows, first_approximated, guard,
+                                              sampled_rows, top_rows)
 from longctx_patch.methods.muse.heads import with_exact_heads
 from longctx_patch.provenance import result_header
 
@@ -76,18 +82,30 @@ def measure(S: int, a, dev: torch.device) -> dict:
         t = {"muse": lambda: muse_attention(q, k, v, scale=scale, options=opts, backend=cfg.backend),
              "exact_sdpa": lambda: softmax_attention(q, k, v, scale=scale),
              "estimate": lambda: estimate_errors(o, q, k, v, None, scale=scale, first=first, rows=rows),
+             "estimate_ops": lambda: estimate_errors(o, q, k, v, None, scale=scale, first=first, rows=rows,
+                                                     kernels=False),
              "estimate_sample": lambda: sampled_rows(o, None, first, rows),
              "estimate_rows_attention": lambda: exact_rows(q, k, v, pos, None, scale=scale)}
+        top = top_rows(rows) if S - first > rows else 0
+        kernels_run = top > 0 and guard_kernels_missing(o, top) is None
+        if kernels_run:
+            ranks, _ = _stratified(S, first, rows - top, dev)
+            t["estimate_kernel_sample"] = lambda: guard_top_sample(o, ranks, first, top)
         never = MuseConfig(**sets, guard_error=0.999)  # every head measured, none over budget
         t["guard_no_head"] = lambda: guard(o, q, k, v, None, config=never, scale=scale)
         for n in (1, a.heads // a.kv_heads, a.heads):
             t[f"exact_heads_{n}"] = lambda n=n: with_exact_heads(o, q, k, v, list(range(n)), scale=scale)
-        row: dict = {"seq_len": S, "first": first, "rows": rows, "sampled": int(pos.shape[-1])}
+        row: dict = {"seq_len": S, "first": first, "rows": rows, "sampled": int(pos.shape[-1]),
+                     "guard_kernels_run": kernels_run}
+        got, want = t["estimate"]()[0], t["estimate_ops"]()[0]
+        row["estimate_vs_ops_max_abs"] = float((got - want).abs().nan_to_num(0.0).max())  # the two paths agree
+        row["estimate_vs_ops_same_nan"] = bool(torch.equal(got.isnan(), want.isnan()))
         row["ms"] = {name: timed_ms(fn, dev) for name, fn in t.items()}
         ms = row["ms"]
-        ms["estimate_rest"] = ms["estimate"] - ms["estimate_sample"] - ms["estimate_rows_attention"]
+        ms["estimate_ops_rest"] = ms["estimate_ops"] - ms["estimate_sample"] - ms["estimate_rows_attention"]
         ms["guard_host_read"] = ms["guard_no_head"] - ms["estimate"]
         row["estimate_kernels"] = kernel_table(t["estimate"], dev)
+        row["estimate_ops_kernels"] = kernel_table(t["estimate_ops"], dev)
         row["guard_kernels"] = kernel_table(t["guard_no_head"], dev)
     return row
 
@@ -107,10 +125,14 @@ def main(argv=None) -> int:
     rows = []
     for S in (int(x) for x in a.lengths.split(",")):
         row = measure(S, a, dev)
-        print(json.dumps({"seq_len": S, "ms": row["ms"], "launches": row["estimate_kernels"]["launches"]}), flush=True)
-        table = row["estimate_kernels"]
-        for r in table["top"]:
-            print(f"    {r[table['by']]:9.1f} us  {r['calls']:4d}x  {r['name']}", flush=True)
+        print(json.dumps({"seq_len": S, "ms": row["ms"], "vs_ops": row["estimate_vs_ops_max_abs"],
+                          "launches": row["estimate_kernels"]["launches"],
+                          "launches_ops": row["estimate_ops_kernels"]["launches"]}), flush=True)
+        for key in ("estimate_kernels", "estimate_ops_kernels"):
+            table = row[key]
+            print(f"  {key}:", flush=True)
+            for r in table["top"]:
+                print(f"    {r[table['by']]:9.1f} us  {r['calls']:4d}x  {r['name']}", flush=True)
         rows.append(row)
     res = {"task": "muse-guard-profile",
            **result_header(device=a.device, command=bench_command("benchmarks.ops.bench_muse_guard_parts", argv)),

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.decode.ops import decode_kernel_supported, launch_masked_few_query
+from ...kernels.muse.triton_guard import guard_kernels_missing, guard_top_sample, guard_weighted_errors
 from .heads import with_exact_heads
 
 GUARD_ERROR = 0.1  # guard_error's default (docs/muse.md, section 10: why)
@@ -311,7 +312,7 @@ def _sampled_unpadded(o, first: int, rows: int):
 _MASK_BYTES = 256 << 20  # exact_rows' masks at most this large at once: larger batches go by groups of batch rows
 
 
-def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
+def exact_rows(q, k, v, pos, km, *, scale: float, native: bool = False) -> torch.Tensor:
     """Exact causal attention of the query rows `pos` [B, Hq, m] (columns of q, per query head) against their keys:
     key j for row t when j <= t (and key_mask[b, j]), computed as a head made exact computes it (in the inputs'
     dtype, fp32 accumulation), the result rounded to the inputs' dtype. q [B, Hq, S, D], k/v [B, Hkv, S, D]
@@ -320,13 +321,16 @@ def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
     Where the split-key Triton kernels run (CUDA; `kernels.decode`), those: a kv group's G x m rows read its keys
     once, the keys split over the GPU's SMs (m rows alone would give SDPA's kernels a few programs each walking every
     key). Elsewhere SDPA with one boolean mask [B, Hkv, G m, S] for the causal limit and the padding (groups of batch
-    rows of at most 256 MiB of mask)."""
+    rows of at most 256 MiB of mask). native: the same values as a [B, Hq, m, D] view in the kernels' dtype where
+    they ran (no fp32 copy: for the guard's kernels, which read any dtype)."""
     B, Hq, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G, m = Hq // Hkv, pos.shape[2]
     qs = q.gather(2, pos[..., None].expand(B, Hq, m, D))
     if decode_kernel_supported(qs, k, v) is None:
-        out = launch_masked_few_query(qs, k, v, scale=scale, key_mask=km, positions=pos).transpose(1, 2).float()
+        out = launch_masked_few_query(qs, k, v, scale=scale, key_mask=km, positions=pos).transpose(1, 2)
+        if not native:
+            out = out.float()
         if km is not None:  # the kernel always lets a row see its own key: a padded row has none
             out = out * km.bool().gather(1, pos.reshape(B, Hq * m)).view(B, Hq, m, 1)
         return out
@@ -347,15 +351,61 @@ def exact_rows(q, k, v, pos, km, *, scale: float) -> torch.Tensor:
     return out.reshape(B, Hq, m, v.shape[-1]).float().nan_to_num_(0.0)
 
 
-def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None):
+def _head_mask(Hq: int, hs: list[int], dev: torch.device):
+    """The measured heads as a kept [Hq] bool tensor on `dev`, or None when all are."""
+    chosen = sorted(set(hs))
+    if chosen == list(range(Hq)):
+        return None
+    mask, = _constants_on(("heads", Hq, tuple(chosen)), dev, lambda: (torch.tensor([h in chosen for h in range(Hq)]),))
+    return mask
+
+
+def _estimate_kernels(o, q, k, v, km, *, scale: float, first: int, rows: int, hs: list[int]):
+    """`estimate_errors` through the guard's Triton kernels (kernels/muse/triton_guard.py): the same sample and
+    estimates in a few launches. Without a key mask: the kept stratified ranks and each head's top rows
+    (`guard_top_sample`), their exact attention, and the weighted error with the stratified weights rescaled in the
+    kernel; with one, `sampled_rows`' sample and weights, then the same two steps."""
+    B, Hq, S, D = q.shape
+    dev = q.device
+    hmask = _head_mask(Hq, hs, dev)
+    if hmask is not None:
+        hmask = hmask.view(torch.uint8)  # a view, no copy: the kernel reads bytes
+    if km is not None:
+        pos, w, counts = sampled_rows(o, km, first, rows)
+        if pos is None:
+            return torch.full((B, Hq), float("nan"), device=dev), counts
+        ref = exact_rows(q, k, v, pos, km, scale=scale, native=True)
+        return guard_weighted_errors(o, ref, pos, w, head_mask=hmask), counts
+    A = S - first
+    if A <= 0:
+        return torch.full((B, Hq), float("nan"), device=dev), [0] * B
+    t = 0 if A <= rows else top_rows(rows)
+    ranks, weights = _stratified(S, first, rows - t, dev)
+    ms = ranks.shape[0]
+    w = weights.expand(B, Hq, ms)
+    if t:
+        pos = guard_top_sample(o, ranks, first, t)
+        ref = exact_rows(q, k, v, pos, None, scale=scale, native=True)
+        err = guard_weighted_errors(o, ref, pos, w, stratified=ms, rest=float(A - t), head_mask=hmask)
+    else:
+        pos = ranks.expand(B, Hq, ms)
+        ref = exact_rows(q, k, v, pos, None, scale=scale, native=True)
+        err = guard_weighted_errors(o, ref, pos, w, head_mask=hmask)
+    return err, [ms + t] * B
+
+
+def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, heads=None, kernels: bool | None = None):
     """The guard's estimates for one call: (errors [B, Hq] fp32 (NaN where a row samples nothing), per-row sampled
     counts). o [B, S, Hq, D] is MuSe's output; `heads` the query heads to measure (default all; others NaN).
     Without a key mask it reads nothing back from the device and copies nothing to it (after a length's first
-    call)."""
+    call). kernels: the guard's Triton kernels (True), the PyTorch ops (False: their reference), or (None) the
+    kernels wherever they run (CUDA; the CPU under TRITON_INTERPRET=1)."""
     B, Hq, S, D = q.shape
     dev = q.device
     with torch.no_grad():
         hs = list(range(Hq)) if heads is None else list(heads)
+        if hs and (kernels if kernels is not None else guard_kernels_missing(o, top_rows(rows)) is None):
+            return _estimate_kernels(o, q, k, v, km, scale=scale, first=first, rows=rows, hs=hs)
         pos, w, counts = sampled_rows(o, km, first, rows) if hs else (None, None, [0] * B)
         if pos is None:
             return torch.full((B, Hq), float("nan"), device=dev), counts
@@ -366,10 +416,8 @@ def estimate_errors(o, q, k, v, km, *, scale: float, first: int, rows: int, head
         e = torch.where(den > 0, (num / den.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(),
                         torch.where(num > 0, float("inf"), 0.0).to(num.dtype))
         measured = (w > 0).any(-1)  # [B, Hq]: False in a row that samples nothing (its weights are all 0)
-        chosen = sorted(set(hs))
-        if chosen != list(range(Hq)):
-            mask, = _constants_on(("heads", Hq, tuple(chosen)), dev,
-                                  lambda: (torch.tensor([h in chosen for h in range(Hq)]),))
+        mask = _head_mask(Hq, hs, dev)
+        if mask is not None:
             measured = measured & mask
         err = torch.where(measured, e, float("nan"))
     return err, counts
