@@ -16,7 +16,7 @@ def test_profile_runs_and_records_each_part(tmp_path):
     ms = row["ms"]
     assert row["first"] < 1024 and row["sampled"] >= row["rows"]
     for name in ("muse", "exact_sdpa", "estimate", "estimate_ops", "estimate_sample", "estimate_rows_attention",
-                 "guard_no_head", "exact_heads_1", "exact_heads_2", "exact_heads_4"):
+                 "guard_no_head", "guard_no_head_ops", "exact_heads_1", "exact_heads_2", "exact_heads_4"):
         assert ms[name] > 0, name
     assert ("estimate_kernel_sample" in ms) == row["guard_kernels_run"]
     assert abs(ms["estimate_ops_rest"] - (ms["estimate_ops"] - ms["estimate_sample"] - ms["estimate_rows_attention"])) < 1e-9

@@ -82,19 +82,26 @@ def test_the_kernels_estimate_what_the_ops_estimate(case, dtype, padded):
 
 
 def test_the_guard_decides_and_computes_as_with_the_ops(monkeypatch):
-    """A budget that some heads pass and some do not: the same heads made exact and the same output, bit for bit."""
+    """With guard_kernels (off by default) and a budget that some heads pass and some do not: the same heads made exact
+    and the same output as the ops', bit for bit; backend torch keeps the ops."""
     B, Hq, Hkv, S, D = 1, 14, 2, 900, 32
     q, k, v, o = inputs(B, Hq, Hkv, S, D, torch.float32, seed=5)
     cfg = MuseConfig(block_size=32, guard_error=0.9)
     err, _ = estimate_errors(o, q, k, v, None, scale=D ** -0.5, first=guard_mod.first_approximated(cfg),
                              rows=cfg.guard_rows)
     e = err[0].sort().values
-    cfg = MuseConfig(block_size=32, guard_error=float(e[Hq // 2 - 1] + e[Hq // 2]) / 2)  # half the heads over
+    budget = float(e[Hq // 2 - 1] + e[Hq // 2]) / 2  # half the heads over
+    calls = []
+    real = guard_mod.estimate_errors
+    monkeypatch.setattr(guard_mod, "estimate_errors", lambda *a, **kw: calls.append(kw["kernels"]) or real(*a, **kw))
     with guard_mod.guard_log() as log:
-        got = guard(o, q, k, v, None, config=cfg, scale=D ** -0.5)
-    monkeypatch.setattr(guard_mod, "guard_kernels_missing", lambda o, top: "the ops, for this test")
+        got = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget, guard_kernels=True),
+                    scale=D ** -0.5)
     with guard_mod.guard_log() as log_ops:
-        want = guard(o, q, k, v, None, config=cfg, scale=D ** -0.5)
+        want = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget), scale=D ** -0.5)
+    guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget, guard_kernels=True, backend="torch"),
+          scale=D ** -0.5)
+    assert calls == [None, False, False]  # guard_kernels: wherever they run; off, or backend torch: the ops
     assert log.calls[0].exact == log_ops.calls[0].exact and 0 < len(log.calls[0].exact) < Hq
     assert torch.equal(got, want)
 

@@ -11,8 +11,8 @@ block size, for a quick check on a CPU):
   and its parts: the sample (`sampled_rows` without a key mask: row norms, their top-k over S), the sampled rows'
   exact attention (`exact_rows`, the split-key kernels on CUDA) and the rest (the estimate minus both: gathers and
   the error's arithmetic);
-- `guard`: the estimate with its host read and no head over budget (what every layer of a call pays), and with 1,
-  7 (one kv group) and 14 heads made exact (`with_exact_heads`);
+- `guard`: the estimate with its host read and no head over budget (what every layer of a call pays; `guard_kernels`
+  on, and `_ops` off, its default), and with 1, 7 (one kv group) and 14 heads made exact (`with_exact_heads`);
 - a kernel table of one estimate each way (torch.profiler: each kernel's total time, calls) and its launches.
 
 Timed with `triton.testing.do_bench` (median) on CUDA, the best of 3 wall times elsewhere.
@@ -91,8 +91,10 @@ def measure(S: int, a, dev: torch.device) -> dict:
         if kernels_run:
             ranks, _ = _stratified(S, first, rows - top, dev)
             t["estimate_kernel_sample"] = lambda: guard_top_sample(o, ranks, first, top)
-        never = MuseConfig(**sets, guard_error=0.999)  # every head measured, none over budget
+        never = MuseConfig(**sets, guard_error=0.999, guard_kernels=True)  # every head measured, none over budget
+        never_ops = MuseConfig(**sets, guard_error=0.999)  # the same through the ops (guard_kernels' default)
         t["guard_no_head"] = lambda: guard(o, q, k, v, None, config=never, scale=scale)
+        t["guard_no_head_ops"] = lambda: guard(o, q, k, v, None, config=never_ops, scale=scale)
         for n in (1, a.heads // a.kv_heads, a.heads):
             t[f"exact_heads_{n}"] = lambda n=n: with_exact_heads(o, q, k, v, list(range(n)), scale=scale)
         row: dict = {"seq_len": S, "first": first, "rows": rows, "sampled": int(pos.shape[-1]),

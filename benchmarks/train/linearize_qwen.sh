@@ -57,8 +57,11 @@
 # Run 2026-12-07 late (commit 727347d): asset-niah, asset-ppl, guard-parts, then the tune capped at 480 s (44 steps
 # from the shipped adapter, 1.50k tokens/s); its asset ships (docs/training-data.md, "Second run"); on the same warm
 # machine afterwards, without new pieces (/tmp/qwen-hf kept while warm): `bash $B muse-moba` and `bash $B muse-guard`
-# with GUARD_PARTS=speed,ppl and GUARD_BUDGETS=0.1,0.125,0.15 and 0.11,0.13,0.14 (docs/muse.md). The chain as run:
-# calls 1-13, then
+# with GUARD_PARTS=speed,ppl and GUARD_BUDGETS=0.1,0.125,0.15 and 0.11,0.13,0.14 (docs/muse.md). Next, on the warm
+# machine of calls 1-13 + `$C STEPS=guard-parts bash $B steps-go 12 13` (the guard's kernels, unrun on a GPU: both
+# paths timed and compared, no model) and polls, then, the model dequantised and kept while warm, `$C
+# GUARD_SET=guard_kernels=true GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.11 bash $B muse-guard`; OVQ (ovq-go, below).
+# The chain as run: calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="asset-niah asset-ppl guard-parts" TUNE_MAX_S=480 bash $B tune-go 12 13
 #         or, with less than ~20 min of device time left, no training:
 #         carry [".device-model/qwen/12"]   $C STEPS="asset-niah asset-ppl guard-parts" bash $B steps-go 12 13
@@ -326,12 +329,13 @@ case $STEP in
       2>&1 || echo "! the study at $L: a method failed or it did not finish (above)";;
   muse-guard)  # MuSe's run-time guard on the unpatched model (issue 58; benchmarks.quality.bench_muse_guard) at 32k and
                # 64k on the held-out prose, one call per part of GUARD_PARTS (a part cut short loses only itself), at
-               # the budgets GUARD_BUDGETS (default 5%, 10%, 20%; e.g. 0.1,0.125,0.15 between the default and 20%)
+               # the budgets GUARD_BUDGETS (default 5%, 10%, 20%; e.g. 0.1,0.125,0.15 between the default and 20%),
+               # with GUARD_SET (e.g. guard_kernels=true: the guard's Triton kernels) as one --set
     for part in ${GUARD_PARTS//,/ }; do
       mkdir -p "$OUT/muse/$part"
       timeout "$(left)" python3 -m benchmarks.quality.bench_muse_guard --model "$MODEL" --device "$DEV" --dtype "$DTYPE" \
         --text "$CORPUS/heldout/prose" --parts "$part" --budgets "${GUARD_BUDGETS:-0.05,0.1,0.2}" \
-        --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
+        ${GUARD_SET:+--set "$GUARD_SET"} --out "$OUT/muse/$part" 2>&1 | tail -n 20 ||
         echo "! the guard's $part part did not finish"
     done;;
   # --- OVQ fine-tuned on Qwen (issue 60): `stage` and `piece` as above, then `ovq-go NN LAST` and `poll` calls.

@@ -111,6 +111,10 @@ class MuseConfig(MethodConfig):
                                        "exactly for that call; None or 0: off (docs/muse.md, 'The guard')", min=0.0)
     guard_rows: int = option(GUARD_ROWS, "query rows per batch row and head that the guard measures, stratified "
                              "over the approximated positions", min=1, max=4096)
+    guard_kernels: bool = option(False, "the guard's estimate through its Triton kernels (a few launches where its "
+                                 "PyTorch ops take ~65, the host's time per layer on a GPU; docs/muse.md, 'The "
+                                 "estimate taken apart'): the same estimates; off until timed on a GPU, where they "
+                                 "run (CUDA; backend torch: never)")
     backend: str = option("auto", "kernels: auto (Triton on CUDA when supported), triton, or torch (reference)",
                           choices=list(BACKENDS))
 

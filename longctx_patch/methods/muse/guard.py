@@ -434,8 +434,9 @@ def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=Non
         return o
     B, Hq, S, _ = q.shape
     heads = [h for h in range(Hq) if h not in set(skip)]
+    kernels = None if config.guard_kernels and config.backend != "torch" else False
     err, counts = estimate_errors(o, q, k, v, km, scale=scale, first=first_approximated(config),
-                                  rows=config.guard_rows, heads=heads)
+                                  rows=config.guard_rows, heads=heads, kernels=kernels)
     errs = err.tolist()  # the one host read of the decision
     bad: dict[tuple[int, ...], list[int]] = {}
     for b in range(B):
