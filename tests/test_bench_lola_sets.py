@@ -17,3 +17,4 @@ def test_a_small_cpu_run_writes_agreeing_passes(tmp_path):
     for r in res["rows"]:
         assert max(r["rel_err_vs_dense"].values()) < 1e-5
         assert r["dense_fwd_bwd_ms"] > 0 and r["linear_fwd_bwd_ms"] > 0 and r["sparse_positions_ms"] > 0
+        assert r["sparse_positions_loop_ms"] > 0 and r["sets_equal_loop"] and not r["sparse_positions_kernels"]

@@ -125,10 +125,74 @@ def test_sparse_positions_equal_the_prefill_eviction_kernels():
     km[0, :5] = False
     ev = tk.PrefillEvictions(fk, v, km, tk.EvictionPlan(window=W, chunk=C, lam=lam, sparse_heads=Hkv, n_ev=S // C))
     ev.run()
-    sets = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hkv)
+    sets = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hkv, kernels=False)
     assert (sets[1] < 0).any() and (sets[-1] >= 0).all()
     for c in range(sets.shape[0]):
         assert torch.equal(sets[c].sort(-1).values, ev.SPIDX[c].long().sort(-1).values)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Hs,S,W,C,lam,dtype,pad", [
+    (1, 7, 1, 1, 301, 32, 16, 16, torch.float32, 0),    # 7 query heads a kv head, a partial last chunk
+    (2, 4, 2, 4, 203, 16, 32, 9, torch.bfloat16, 40),   # a sparse cache per query head, bf16, left padding
+    (2, 4, 2, 2, 40, 16, 16, 200, torch.float32, 16),   # more slots than candidates; two chunks and a half
+    (1, 2, 2, 2, 12, 16, 16, 4, torch.float32, 0),      # shorter than a chunk: no eviction
+])
+def test_sparse_positions_through_the_eviction_kernels_equal_the_loop(B, Hq, Hkv, Hs, S, W, C, lam, dtype, pad):
+    """`sparse_positions` on the prefill's eviction kernels (its default where they run) chooses the loop's sets,
+    chunk by chunk; where they do not run (window or chunk not a multiple of 16, no sparse cache) the loop runs."""
+    from longctx_patch.kernels.lola.training import evictions_kernels_run
+
+    q, k, v, Wq, Wk, gw = _inputs(B, Hq, Hkv, S, 16, 8, seed=S)
+    fk = ref.hedgehog_feature_map(k.detach(), Wk.detach()).to(dtype)
+    v = v.detach().to(dtype)
+    km = None
+    if pad:
+        km = torch.ones(B, S, dtype=torch.bool)
+        km[-1, :pad] = False
+    assert evictions_kernels_run(fk, v, window=W, chunk=C, lam=lam)
+    got = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hs)
+    want = sparse_positions(fk, v, km, window=W, chunk=C, lam=lam, sparse_heads=Hs, kernels=False)
+    assert got.shape == want.shape == (-(-S // C), B, Hs, lam) and got.dtype == torch.long
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert not evictions_kernels_run(fk, v, window=12, chunk=16, lam=lam)
+    assert not evictions_kernels_run(fk, v, window=W, chunk=C, lam=0)
+
+
+def test_patched_model_trains_through_the_kernels_sets_as_through_the_loops(monkeypatch):
+    """A patched model on the 16-token grid (backend auto: the eviction kernels choose its training sets): the loss
+    and the gradients equal those with the sets from the PyTorch loop (backend torch keeps the loop)."""
+    from longctx_patch.kernels.lola import training
+
+    calls = []
+    real = training._sparse_positions_kernels
+    monkeypatch.setattr(training, "_sparse_positions_kernels", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kw = dict(window=16, feature_dim=8, chunk=16, backend="auto", sparse_cache=4)
+    x = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(x)
+    mask[1, :16] = 0
+    res = {}
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(training, "evictions_kernels_run", lambda *a, **kw: False)
+        model = tiny_model("llama")
+        lp.patch(model, "lola", **kw)
+        for m in patched_modules(model).values():
+            m.train_with_sets = True
+        out = model(x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100), use_cache=False)
+        out.loss.backward()
+        attn = model.model.layers[1].self_attn
+        res[kernels] = (out.loss.detach(), attn.feature_map_k.mlp.layer.grad, attn.window_factors.grad,
+                        model.model.layers[0].self_attn.q_proj.weight.grad)
+    n = len(calls)
+    assert n >= 2  # the set choices of the patched layers, with the kernels only
+    for a, b in zip(res[True], res[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    model = tiny_model("llama")
+    lp.patch(model, "lola", **{**kw, "backend": "torch"})
+    for m in patched_modules(model).values():
+        m.train_with_sets = True
+    model(x, attention_mask=mask, labels=x, use_cache=False).loss.backward()
+    assert len(calls) == n
 
 
 @pytest.mark.parametrize("Hq,Hkv,S,W,C,lam,block,combine,dtype", [

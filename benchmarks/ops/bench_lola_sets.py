@@ -3,7 +3,8 @@ masked pass over every earlier key (`dense=True`, their reference), forward + ba
 the Qwen2.5-Coder-0.5B tune runs (14 query / 2 kv heads, D 64, feature dim 64, window and sparse cache 1024, chunks
 of 64, blocks of 1024; recipes/linearize-qwen-lola.yaml), bf16 inputs as autocast hands them.
 
-Per length: the sparse sets chosen once (`sparse_positions`, timed on its own), then both passes' outputs and
+Per length: the sparse sets chosen once (`sparse_positions`, timed on its own: the eviction kernels where they run,
+and the PyTorch loop, checked to choose the same sets), then both passes' outputs and
 gradients compared (relative error of each whole tensor against the dense pass) and each timed
 (`triton.testing.do_bench` on CUDA, wall time on a CPU) with its peak memory.
 
@@ -20,7 +21,8 @@ import torch
 
 from benchmarks.shared import bench_command, result_file, timed_ms
 from longctx_patch.kernels.lola import reference as ref
-from longctx_patch.kernels.lola.training import PrefillSets, SetsSpec, lola_attention_sets, sparse_positions
+from longctx_patch.kernels.lola.training import (PrefillSets, SetsSpec, evictions_kernels_run, lola_attention_sets,
+                                                sparse_positions)
 from longctx_patch.provenance import result_header
 
 
@@ -57,10 +59,16 @@ def measure(S: int, a, dev: torch.device) -> dict:
     leaves, gate = inputs(S, a, dev)
     with torch.no_grad():
         fk = ref.hedgehog_feature_map(ref.expand_kv(leaves[1].float(), a.heads), leaves[4])
-    choose = lambda: sparse_positions(fk, leaves[2].float(), None, window=a.window, chunk=a.chunk,  # noqa: E731
-                                      lam=a.sparse_cache, sparse_heads=a.kv_heads)
+    choose = lambda kernels=None: sparse_positions(fk, leaves[2].float(), None, window=a.window,  # noqa: E731
+                                                   chunk=a.chunk, lam=a.sparse_cache, sparse_heads=a.kv_heads,
+                                                   kernels=kernels)
     sets = choose()
-    row = {"seq_len": S, "sparse_positions_ms": timed_ms(choose, dev, warmup=1, rep=1)}
+    loop = choose(False)
+    row = {"seq_len": S, "sparse_positions_kernels": evictions_kernels_run(fk, leaves[2], window=a.window,
+                                                                            chunk=a.chunk, lam=a.sparse_cache),
+           "sparse_positions_ms": timed_ms(choose, dev, warmup=1, rep=1),
+           "sparse_positions_loop_ms": timed_ms(lambda: choose(False), dev, warmup=1, rep=1),
+           "sets_equal_loop": bool(torch.equal(sets.sort(-1).values, loop.sort(-1).values))}
     want, gwant = step(leaves, gate, sets, a, dense=True)
     got, ggot = step(leaves, gate, sets, a, dense=False)
     row["rel_err_vs_dense"] = {"out": rel(got, want), **{n: rel(x, y) for n, x, y in

@@ -25,8 +25,18 @@ from torch.utils.checkpoint import checkpoint
 from . import reference as ref
 
 
+def evictions_kernels_run(fk, v, *, window: int, chunk: int, lam: int) -> bool:
+    """Whether `sparse_positions` takes the prefill's eviction kernels (`triton_evict.PrefillEvictions`) for these
+    tensors: Triton runs on them (CUDA, or the CPU under TRITON_INTERPRET=1), a sparse cache, and window and chunk
+    multiples of 16 (the grid the two-pass prefill runs them on)."""
+    from ..backend import triton_missing
+
+    return lam > 0 and window > 0 and window % 16 == 0 and chunk % 16 == 0 and triton_missing(fk, v) is None
+
+
 @torch.no_grad()
-def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, sparse_heads: int) -> torch.Tensor:
+def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, sparse_heads: int,
+                     kernels: bool | None = None) -> torch.Tensor:
     """The sparse set each chunk attends, as the chunk loop builds it from an empty state.
 
     fk [B, Hq, S, F2] (phi(k) of every key under each query head's map), v [B, Hkv, S, D], key_mask [B, S] bool
@@ -34,7 +44,17 @@ def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, spar
     (positions c*chunk - window .. (c+1)*chunk - window - 1) by self-recall error against the state of every
     query head, summed per sparse head; keeps the lam best (ties: lowest candidate index) and folds the other
     valid ones. Returns positions [n_chunks, B, sparse_heads, lam] int64 (-1: empty slot); row c is what
-    chunk c attends (row 0 is empty)."""
+    chunk c attends (row 0 is empty); a row's order is not part of the answer (a set).
+
+    kernels: the evictions of the two-pass prefill (`PrefillEvictions`: three launches an eviction, the same sets
+    as this loop, which issues some 15 PyTorch ops an eviction: 175 ms a layer at 16k on an H100, most of a
+    training step; benchmarks/results/lola/train-sets-linear-h100.json), or (False) this loop, or (None) the
+    kernels wherever they run (`evictions_kernels_run`)."""
+    if kernels is None:
+        kernels = evictions_kernels_run(fk, v, window=window, chunk=chunk, lam=lam)
+    if kernels:
+        return _sparse_positions_kernels(fk, v, key_mask, window=window, chunk=chunk, lam=lam,
+                                         sparse_heads=sparse_heads)
     B, Hq, S, F2 = fk.shape
     D = v.shape[-1]
     Hs, C, W = sparse_heads, chunk, window
@@ -62,6 +82,22 @@ def sparse_positions(fk, v, key_mask, *, window: int, chunk: int, lam: int, spar
         sp = torch.where(torch.isfinite(top.values), torch.gather(cand, -1, top.indices), -1)
         out.append(sp)
     return torch.stack(out)
+
+
+def _sparse_positions_kernels(fk, v, key_mask, *, window: int, chunk: int, lam: int, sparse_heads: int):
+    """`sparse_positions` through the prefill's eviction kernels, launched eagerly (no CUDA graph: this runs inside
+    a training step, its recomputation in the backward too): slot c of `PrefillEvictions.SPIDX` is what chunk c
+    attends."""
+    from .triton_evict import EvictionPlan, PrefillEvictions
+
+    S = fk.shape[2]
+    nch = math.ceil(S / chunk)
+    km = key_mask.bool() if key_mask is not None else None
+    plan = EvictionPlan(window=window, chunk=chunk, lam=lam, sparse_heads=sparse_heads, n_ev=S // chunk,
+                        eps=ref.EPS_SRE)
+    ev = PrefillEvictions(fk, v, km, plan)
+    ev.run(graph=False)
+    return ev.SPIDX[:nch].long()
 
 
 def _block_dense(q, k, v, fq, fk, g, lf, sets, key_mask, q0: int, *, window: int, chunk: int, scale: float,

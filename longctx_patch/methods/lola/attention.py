@@ -170,7 +170,8 @@ class HybridAttention(PatchedAttention):
         refuse_forced_triton_under_grad(cfg.backend, q, k, v, fq, g, lf)
         fk = phi_k(k)
         sets = sparse_positions(fk.detach(), v.detach(), new_mask, window=cfg.window, chunk=cfg.chunk,
-                                lam=self.sparse_cache, sparse_heads=hs)
+                                lam=self.sparse_cache, sparse_heads=hs,
+                                kernels=False if cfg.backend == "torch" else None)  # the evictions' kernels
         spec = SetsSpec(window=cfg.window, chunk=cfg.chunk, scale=self.scaling, combine=cfg.combine)
         return lola_attention_sets(q, k, v, fq, fk, g, lf, PrefillSets(sets, new_mask), spec)
 
