@@ -30,6 +30,7 @@ from longctx_patch.kernels.lola import triton_state as ls  # noqa: E402
 from longctx_patch.kernels.muse import support as msup  # noqa: E402
 from longctx_patch.kernels.muse import triton_cells as mc  # noqa: E402
 from longctx_patch.kernels.muse import triton_cluster as mcl  # noqa: E402
+from longctx_patch.kernels.muse import triton_guard as mg  # noqa: E402
 from longctx_patch.kernels.muse import triton_planned as mk  # noqa: E402
 from longctx_patch.kernels.muse import triton_tilted as mt  # noqa: E402
 from longctx_patch.kernels.muse import triton_tilted_bwd as mtb  # noqa: E402
@@ -175,6 +176,18 @@ def muse_ptrs(*out, **other):
 # triton_supported: [L, D] tiles of at most 32 KB (forward) / 16 KB (backward) of the input dtype; the cases
 # below are the largest accepted tiles (bf16 128 x 128 and 64 x 256 forward, 128 x 64 and 64 x 128 backward;
 # fp32 128 x 64 forward, 64 x 64 and 32 x 128 backward).
+# MuSe's guard (kernels/muse/triton_guard.py) at Qwen's shapes: 14 query heads, D 64, 16 top rows of 64
+CASES.update({
+    "guard_norm_candidates_D64": (mg._norm_candidates, dict(HQ=14, D=64, DC=16, BLOCK=mg._BLOCK, K=16, KP=16),
+                                  dict(O=BF16, CV=F32, CI=I64), {}),
+    "guard_select_top": (mg._select_top, dict(HQ=14, K=16, KP=16, MSP=64, CHUNK=mg._CHUNK),
+                         dict(CV=F32, CI=I64, RANKS=I64, POS=I64), {}),
+    "guard_weighted_error_tops_D64": (mg._weighted_error, dict(HQ=14, D=64, TOPS=True, HAS_HM=True, RB=mg._RB, TP=16),
+                                      dict(O=BF16, REF=BF16, POS=I64, W=F32, HM="*u8", ERR=F32, rest="fp32"), {}),
+    "guard_weighted_error_fp32_D128": (mg._weighted_error,
+                                       dict(HQ=7, D=128, TOPS=False, HAS_HM=False, RB=mg._RB, TP=1),
+                                       dict(O=F32, REF=F32, POS=I64, W=F32, HM="*u8", ERR=F32, rest="fp32"), {}),
+})
 CASES.update({
     "muse_fwd_L128_D64": (mk._muse_fwd, dict(L=128, D=64, NQ=8, NK=4), muse_ptrs("O"),
                           {"num_warps": 8, "num_stages": 2}),

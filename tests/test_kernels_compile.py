@@ -39,6 +39,8 @@ NAMES = ["chunk_sums", "hybrid_fwd_lola_D128", "hybrid_fwd_fp32", "hybrid_fwd_st
        "block_scores_D128_C16", "block_peaks_D64", "block_peaks_D128", "mark_top_N256", "mark_top_N8192"] \
     + ["decode_split_D128_R4_bf16", "decode_split_D64_R512_bf16", "decode_split_D64_R4_fp32", "decode_combine_D128",
        "decode_split_rows_at_positions_D64_bf16"] \
+    + ["guard_norm_candidates_D64", "guard_select_top", "guard_weighted_error_tops_D64",
+       "guard_weighted_error_fp32_D128"] \
     + ["window_fwd_D64_G4_bf16", "window_fwd_D128_G4_bf16", "window_fwd_D256_G4_bf16", "window_fwd_D64_G7_bf16",
        "window_fwd_D64_G4_fp32", "window_fwd_D128_G4_fp32"] \
     + ["fused_rotary_D64_bf16", "fused_rotary_D80_fp32", "fused_rotary_D128_bf16", "fused_rmsnorm_N2048_bf16",
