@@ -190,6 +190,42 @@ def test_the_adapter_trains_on_and_the_packaged_result_loads(model_dir, text_fil
     torch.testing.assert_close(logits(auto, ids), trained, rtol=1e-5, atol=1e-5)
 
 
+TRANSFER = REPO / "recipes" / "linearize-qwen-lola-transfer.yaml"
+
+
+def test_the_maps_transfer_under_lola_and_ship_with_the_assets_adapter(model_dir, text_file, asset, tmp_path,
+                                                                       monkeypatch):
+    """recipes/linearize-qwen-lola-transfer.yaml on the tiny asset: the feature maps and window factors train by
+    attention transfer under lola while the asset's LoRA stays merged and frozen; the run packaged on top of the
+    asset keeps that adapter, and loads back to the trained model's logits."""
+    from longctx_patch.train import Finetuner, load_recipe
+
+    r = load_recipe(TRANSFER)
+    (st,) = r.stages
+    assert (r.method, st.name, st.objective, st.trainable, st.seq_len) == (
+        "lola", "lola_16k", "attention_transfer", ["method"], 16384)
+    assert r.method_config == {"window": 1024, "sparse_cache": 1024, "combine": "unshifted", "checkpoint": "auto"}
+    monkeypatch.setenv(ENV_PATH, str(asset.parent))
+    more = [o for o in overrides(model_dir, text_file) if not o.startswith("stages.lola_16k.lora")]
+    out = tmp_path / "run"
+    ft = Finetuner(load_recipe(TRANSFER, more), out, progress=False)
+    log = ft.run()
+    (st,) = log["stages"]
+    assert st["trainable"] == ["method"] and st["steps_done"] == 3
+    assert math.isfinite(st["first_loss"]) and math.isfinite(st["final_loss"])
+    start, end = read_method_weights(asset), read_method_weights(out / "trainable")
+    assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
+    assert not (out / "trainable" / "adapter").exists()
+    ids = torch.randint(3, 259, (1, 40))
+    trained = logits(ft.root, ids)
+    new = package_run(out, tiny_qwen(), tmp_path / "new" / NAME, name=NAME, description="transferred",
+                      dtype=torch.float32, extra={"recipe": "recipes/linearize-qwen-lola-transfer.yaml"},
+                      based_on=asset)
+    theirs, ours = read_adapter_weights(asset), read_adapter_weights(new)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    torch.testing.assert_close(logits(asset_patched(new), ids), trained, rtol=1e-5, atol=1e-5)
+
+
 def test_the_package_command_continues_the_lineage_and_checks_its_own_asset(model_dir, text_file, asset, tmp_path,
                                                                            monkeypatch, capsys):
     """`python -m longctx_patch.train.package RUN --based-on ASSET --check`: the new asset, of the same name as the

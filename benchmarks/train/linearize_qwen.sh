@@ -79,6 +79,11 @@
 #   15..  no carry                          $C bash $B poll 150
 # Its extra results: bgout/niah/qwen2.5-coder-0.5b-lola-{niah-check,asset-niah}-*.json, bgout/muse/guard-profile-*
 # (and bgout/muse/muse-vs-moba-*.json, bgout/muse/{speed,ppl}/).
+# The maps' attention transfer under lola (recipes/linearize-qwen-lola-transfer.yaml: the sparse cache in place, the
+# asset's LoRA merged and frozen; issue 57's next fix): calls 1-13, then
+#   14    carry [".device-model/qwen/12"]   $C TUNE_RECIPE=recipes/linearize-qwen-lola-transfer.yaml TUNE_TEXT=train-a
+#         TUNE_RUN=/tmp/runs/qwen-lola-transfer TUNE_MAX_S=480 bash $B tune-go 12 13    (packaged with the asset's
+#         adapter; evaluated as the LoRA tune: tune-ppl, tune-niah)
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
@@ -373,10 +378,11 @@ case $STEP in
   lola-tune)  # lola-tune [finetune options]: train, package, perplexity, S-NIAH (each step on its own: rerun one alone)
     bash "$0" tune-train "${@:2}"
     for s in $TUNE_THEN; do bash "$0" "$s"; done;;
-  tune-train)  # the recipe on train-b, resumed from the newest checkpoint, its stage capped at TUNE_MAX_S
+  tune-train)  # the recipe on TUNE_TEXT (train-b; train-a for recipes/linearize-qwen-lola-transfer.yaml), resumed from
+               # the newest checkpoint, its stage capped at TUNE_MAX_S
     RECIPE=$TUNE_RECIPE RUN=$TUNE_RUN STATE=tune-state
     echo "the stage capped at ${TUNE_MAX_S:-no limit}${TUNE_MAX_S:+ s} (TUNE_MAX_S)"
-    train "$CORPUS/train-b" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
+    train "$CORPUS/${TUNE_TEXT:-train-b}" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
   tune-package)  # the run as the new asset on top of the one it continued (its method defaults, its record as
                  # based_on), checked (checkpoint=auto loads it), as $OUT/asset-lola-tuned.tar
     rm -rf "$TUNE_ASSETS"

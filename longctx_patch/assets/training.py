@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,10 @@ def package_run(run_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *
                 corpus: str | os.PathLike | dict | None = None, dtype: torch.dtype = torch.float16,
                 extra: dict[str, Any] | None = None, based_on: str | os.PathLike | None = None) -> Path:
     """The asset folder of a finished linearize run (`write_asset`) with its training record in asset.json; `based_on`:
-    the packaged asset the run continued (`lineage`)."""
+    the packaged asset the run continued (`lineage`). A run that trained no adapter of its own on top of an asset
+    that has one (a transfer of the maps with the asset's LoRA merged and frozen) keeps that adapter: the maps were
+    fitted with it in place."""
+    from ..checkpoint import ADAPTER_DIR, TRAINABLE_DIR
     from . import write_asset
 
     log = read_train_log(run_dir)
@@ -161,7 +165,12 @@ def package_run(run_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *
         corpus = json.loads(Path(corpus).read_text())
     record = training_record(log, corpus)
     info = {"commit": record["commit"], "training": record, **(lineage(based_on) if based_on else {}), **(extra or {})}
-    return write_asset(run_dir, model, out_dir, name=name, description=description, dtype=dtype, extra=info)
+    out = write_asset(run_dir, model, out_dir, name=name, description=description, dtype=dtype, extra=info)
+    src = Path(run_dir) / TRAINABLE_DIR if (Path(run_dir) / TRAINABLE_DIR).is_dir() else Path(run_dir)
+    theirs = Path(based_on) / ADAPTER_DIR if based_on else None
+    if theirs is not None and (theirs / "adapter_config.json").exists() and not (src / ADAPTER_DIR).is_dir():
+        shutil.copytree(theirs, out / ADAPTER_DIR)
+    return out
 
 
 __all__ = ["ASSET_NAMES", "lineage", "package_run", "read_train_log", "text_mix", "training_record"]
