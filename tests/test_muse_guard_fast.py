@@ -95,11 +95,11 @@ def test_batch_rows_in_groups_equal_one_group(monkeypatch):
 # ----------------------------------------------------------------------------------------------- the sample
 def test_the_kept_sample_is_sample_ranks():
     for n, first, rows in ((400, 80, 12), (97, 80, 16), (90, 80, 64), (5000, 37, 48), (81, 80, 3)):
-        ranks, weights = guard_mod._stratified(n, first, rows, torch.device("cpu"))
+        ranks, weights = guard_mod.kept_stratified(n, first, rows, torch.device("cpu"))
         r, w = sample_ranks(n, first, rows)
         assert ranks.tolist() == r and weights.tolist() == w
         assert ranks.dtype == torch.long and weights.dtype == torch.float32
-        again = guard_mod._stratified(n, first, rows, torch.device("cpu"))
+        again = guard_mod.kept_stratified(n, first, rows, torch.device("cpu"))
         assert again[0] is ranks and again[1] is weights  # kept
 
 
@@ -203,7 +203,7 @@ def test_the_kept_constants_are_bounded_and_shared_by_threads():
     def run(t):
         try:
             for n in range(200, 200 + 3 * guard_mod._CONSTANTS_KEPT):
-                ranks, weights = guard_mod._stratified(n, 40, 16, dev)
+                ranks, weights = guard_mod.kept_stratified(n, 40, 16, dev)
                 if (ranks.tolist(), weights.tolist()) != sample_ranks(n, 40, 16):
                     errors.append(n)
             results[t] = True

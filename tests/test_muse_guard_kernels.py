@@ -16,7 +16,7 @@ from longctx_patch.kernels.muse import triton_guard  # noqa: E402
 from longctx_patch.kernels.muse.triton_guard import guard_kernels_missing, guard_top_sample  # noqa: E402
 from longctx_patch.methods.muse import guard as guard_mod  # noqa: E402
 from longctx_patch.methods.muse.config import MuseConfig  # noqa: E402
-from longctx_patch.methods.muse.guard import _stratified, estimate_errors, guard  # noqa: E402
+from longctx_patch.methods.muse.guard import estimate_errors, guard, kept_stratified  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +40,7 @@ def test_the_top_rows_are_topk_of_the_row_norms(chunks, dtype, monkeypatch):
         monkeypatch.setattr(triton_guard, "_CHUNK", 64)
     B, Hq, S, D, first, top = 2, 7, 701, 32, 37, 8
     *_, o = inputs(B, Hq, 1, S, D, dtype, seed=1)
-    ranks, _ = _stratified(S, first, 24, o.device)
+    ranks, _ = kept_stratified(S, first, 24, o.device)
     pos = guard_top_sample(o, ranks, first, top)
     assert pos.shape == (B, Hq, 24 + top) and pos.dtype == torch.long
     assert torch.equal(pos[:, :, :24], ranks.expand(B, Hq, 24))

@@ -30,10 +30,10 @@ import torch
 
 from benchmarks.shared import bench_command, result_file, timed_ms
 from longctx_patch.kernels.muse import muse_attention
+from longctx_patch.kernels.muse.support import guard_kernels_missing
 from longctx_patch.kernels.softmax import softmax_attention
 from longctx_patch.methods.muse.config import MuseConfig
-from longctx_patch.kernels.muse.triton_guard import guard_kernels_missing, guard_top_sample
-from longctx_patch.methods.muse.guard import (_stratified, estimate_errors, exact_rows, first_approximated, guard,
+from longctx_patch.methods.muse.guard import (estimate_errors, exact_rows, first_approximated, guard, kept_stratified,
                                               sampled_rows, top_rows)
 from longctx_patch.methods.muse.heads import with_exact_heads
 from longctx_patch.provenance import result_header
@@ -89,7 +89,9 @@ def measure(S: int, a, dev: torch.device) -> dict:
         top = top_rows(rows) if S - first > rows else 0
         kernels_run = top > 0 and guard_kernels_missing(o, top) is None
         if kernels_run:
-            ranks, _ = _stratified(S, first, rows - top, dev)
+            from longctx_patch.kernels.muse.triton_guard import guard_top_sample
+
+            ranks, _ = kept_stratified(S, first, rows - top, dev)
             t["estimate_kernel_sample"] = lambda: guard_top_sample(o, ranks, first, top)
         never = MuseConfig(**sets, guard_error=0.999, guard_kernels=True)  # every head measured, none over budget
         never_ops = MuseConfig(**sets, guard_error=0.999)  # the same through the ops (guard_kernels' default)

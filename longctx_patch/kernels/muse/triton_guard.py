@@ -25,27 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import triton_missing
+from .support import GUARD_TOP_MAX, guard_kernels_missing  # noqa: F401  (re-exported)
 
-TOP_MAX = 64  # the most top rows per head the kernels take (guard_rows <= 4 x this); more: the PyTorch path
 _BLOCK = 512  # approximated rows per program of _norm_candidates
 _CHUNK = 1024  # candidates per step of _select_top
 _RB = 16  # sampled rows per step of _weighted_error
-
-
-def guard_kernels_missing(o: torch.Tensor, top: int) -> str | None:
-    """None when the guard's kernels take MuSe's output `o` [B, S, Hq, D] and `top` rows per head, else why not."""
-    why = triton_missing(o)
-    if why is not None:
-        return why
-    D = o.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1):
-        return f"head_dim {D}: a power of two in 16..256"
-    if o.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {o.dtype}: fp16, bf16 or fp32"
-    if top > TOP_MAX:
-        return f"{top} top rows per head: at most {TOP_MAX} (guard_rows <= {4 * TOP_MAX})"
-    return None
 
 
 @triton.jit
@@ -226,4 +210,4 @@ def guard_weighted_errors(o: torch.Tensor, ref: torch.Tensor, pos: torch.Tensor,
     return err
 
 
-__all__ = ["TOP_MAX", "guard_kernels_missing", "guard_top_sample", "guard_weighted_errors"]
+__all__ = ["GUARD_TOP_MAX", "guard_kernels_missing", "guard_top_sample", "guard_weighted_errors"]

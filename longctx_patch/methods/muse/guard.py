@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.decode.ops import decode_kernel_supported, launch_masked_few_query
-from ...kernels.muse.triton_guard import guard_kernels_missing, guard_top_sample, guard_weighted_errors
+from ...kernels.muse.support import guard_kernels_missing
 from .heads import with_exact_heads
 
 GUARD_ERROR = 0.1  # guard_error's default (docs/muse.md, section 10: why)
@@ -222,7 +222,7 @@ def _constants_on(key: tuple, dev: torch.device, make) -> tuple[torch.Tensor, ..
     return made
 
 
-def _stratified(n_real: int, first: int, rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_stratified(n_real: int, first: int, rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_ranks(n_real, first, rows)` on `dev`: (ranks long [r], weights fp32 [r]), kept (`_constants_on`)."""
     def make():
         ranks, weights = sample_ranks(n_real, first, rows)
@@ -254,7 +254,7 @@ def sampled_rows(o, km, first: int, rows: int):
     A - top rows. Padding's weight is 0.
 
     Without a key mask nothing is read back or copied from the host: the stratified rows are kept on the device per
-    length (`_stratified`; the returned tensors may be views of them: read-only). With one, the rows' real lengths
+    length (`kept_stratified`; the returned tensors may be views of them: read-only). With one, the rows' real lengths
     are read once (the counts and the sample's width depend on them) and the sample is copied in one piece."""
     if km is None:
         return _sampled_unpadded(o, first, rows)
@@ -296,7 +296,7 @@ def _sampled_unpadded(o, first: int, rows: int):
     if A <= 0:
         return None, None, [0] * B
     t = 0 if A <= rows else top_rows(rows)
-    ranks, weights = _stratified(S, first, rows - t, o.device)
+    ranks, weights = kept_stratified(S, first, rows - t, o.device)
     ms = ranks.shape[0]
     pos, w = ranks.expand(B, Hq, ms), weights.expand(B, Hq, ms)
     if t:
@@ -365,6 +365,8 @@ def _estimate_kernels(o, q, k, v, km, *, scale: float, first: int, rows: int, hs
     estimates in a few launches. Without a key mask: the kept stratified ranks and each head's top rows
     (`guard_top_sample`), their exact attention, and the weighted error with the stratified weights rescaled in the
     kernel; with one, `sampled_rows`' sample and weights, then the same two steps."""
+    from ...kernels.muse.triton_guard import guard_top_sample, guard_weighted_errors  # Triton: imported where it runs
+
     B, Hq, S, D = q.shape
     dev = q.device
     hmask = _head_mask(Hq, hs, dev)
@@ -380,7 +382,7 @@ def _estimate_kernels(o, q, k, v, km, *, scale: float, first: int, rows: int, hs
     if A <= 0:
         return torch.full((B, Hq), float("nan"), device=dev), [0] * B
     t = 0 if A <= rows else top_rows(rows)
-    ranks, weights = _stratified(S, first, rows - t, dev)
+    ranks, weights = kept_stratified(S, first, rows - t, dev)
     ms = ranks.shape[0]
     w = weights.expand(B, Hq, ms)
     if t:
@@ -464,5 +466,5 @@ def guard(o, q, k, v, km, *, config, scale: float, skip=(), layer=None, rows=Non
     return o
 
 
-__all__ = ["GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows",
+__all__ = ["GUARD_ERROR", "GUARD_ROWS", "GuardCall", "GuardLog", "estimate_errors", "exact_rows", "kept_stratified",
            "first_approximated", "guard", "guard_log", "sample_ranks", "sampled_rows", "top_rows"]
