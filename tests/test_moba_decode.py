@@ -166,6 +166,52 @@ def test_store_and_gate_kernels_equal_their_references(gating, top_k, min_seq_le
         assert not torch.equal(sums, qs)
 
 
+class LaunchRecorder:
+    """Stands for a Triton kernel: records the keyword arguments of each launch (the constexprs and launch options,
+    which pick the compiled variant; the sizes that vary are passed positionally), then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(tuple(sorted(kwargs.items())))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_gate_kernel_is_one_variant_for_every_block_count(monkeypatch):
+    """The gate kernel is launched with the same constexprs whatever the number of blocks (a block count that picked
+    the tile width compiled a new kernel at the first decode step of a longer context than any before: ~0.4 s on a
+    GPU), and equals its reference at block counts below, at and past one tile (several tiles in the scan)."""
+    from longctx_patch.kernels.moba import triton_decode
+    from longctx_patch.kernels.moba.reference_decode import store_step_reference
+
+    rec = LaunchRecorder(triton_decode._gate_kernel)
+    monkeypatch.setattr(triton_decode, "_gate_kernel", rec)
+    B, Hq, Hkv, D, bs = 2, 4, 2, 16, 32
+    blocks = []
+    for P in (20, 300, 1100, 2100):  # capacities 512, 768, 1536, 2560: 16, 24, 48, 80 blocks
+        q, k, v = qkv(B, Hq, Hkv, P + 1, D, torch.float32, seed=P)
+        layer = MobaLayer(block_size=bs)
+        layer.extend(k[:, :, :P], v[:, :, :P], None)
+        layer._reserve(P + 1, k)
+        st = layer.state_tensors()
+        slot = store_step_reference(k[:, :, P:], v[:, :, P:], st["keys"], st["values"], st["mask"], st["pos"],
+                                    st["key_sums"], st["block_start"], st["n_real"], None, block_size=bs)
+        qs = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(P))
+        kw = dict(block_size=bs, top_k=3, min_seq_len=0, gating="block")
+        want = decode_gate(q[:, :, P:], st["key_sums"], st["block_start"], st["n_real"], slot, None,
+                           query_sum=qs.clone(), **kw)
+        got = triton_decode.gate_ranges(q[:, :, P:], st["key_sums"], st["block_start"], st["n_real"], slot, None,
+                                        query_sum=qs.clone(), **kw)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), P
+        blocks.append(st["key_sums"].shape[2])
+    assert blocks == [16, 24, 48, 80]
+    assert len(rec.launches) == 4 and len(set(rec.launches)) == 1, set(rec.launches)
+
+
 def test_decode_triton_backend_equals_torch():
     """`moba_decode(backend="triton")` (the kernel, interpreter) gives the torch path's steps: GQA 7, a padded row."""
     c = dict(B=2, Hq=7, Hkv=1, S=44, P=40, D=16)

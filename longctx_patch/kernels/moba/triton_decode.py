@@ -33,6 +33,10 @@ import triton.language as tl
 from ..triton_lib import LOG2E
 
 BN = 64  # keys per tile
+# blocks per tile of the gate's scan: one width for every block count (a width that followed the count, as it once
+# did below 64 blocks, compiled another gate kernel at the first step of a longer context than any before it, e.g.
+# ~0.4 s inside the first decode steps of a 32k call after a 1k one)
+GATE_TILE = 64
 
 
 # the block count grows with the buffer: not specialised (a regrown buffer whose count is a multiple of 16 would
@@ -237,7 +241,7 @@ def gate_ranges(q, key_sums, block_start, n_real, slot, real, *, block_size: int
         q, qs, key_sums, block_start, n_real, rl if rl is not None else n_real, slot, starts, ends,
         q.stride(0), q.stride(1), key_sums.stride(0), key_sums.stride(1), key_sums.stride(2), block_start.stride(0),
         nb, block_size, min_seq_len,
-        HQ=Hq, G=Hq // Hkv, D=D, KSEL=k_sel, NL=NL, BT=min(64, triton.next_power_of_2(nb)), BLOCK_GATING=block,
+        HQ=Hq, G=Hq // Hkv, D=D, KSEL=k_sel, NL=NL, BT=GATE_TILE, BLOCK_GATING=block,
         HAS_QS=block and query_sum is not None, HAS_REAL=real is not None, num_warps=2)
     return starts, ends
 
@@ -290,4 +294,4 @@ def ranges_attention(q, keys, values, key_mask, starts, ends, slot, *, scale: fl
     return out
 
 
-__all__ = ["BN", "gate_ranges", "pieces", "ranges_attention", "store_step"]
+__all__ = ["BN", "GATE_TILE", "gate_ranges", "pieces", "ranges_attention", "store_step"]
