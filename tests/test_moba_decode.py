@@ -64,6 +64,8 @@ CASES = [  # GQA 7 and 2 per kv head, odd lengths, left-padded rows, a padded to
     dict(B=3, Hq=4, Hkv=2, S=57, P=9, D=8, bs=5, top_k=2, pads=[3, 0, 12], hole=(1, 30), min_seq_len=0),
     dict(B=2, Hq=7, Hkv=1, S=70, P=31, D=16, bs=6, top_k=4, pads=[0, 5], hole=None, min_seq_len=40),
     dict(B=1, Hq=4, Hkv=1, S=40, P=2, D=8, bs=16, top_k=3, pads=[0], hole=None, min_seq_len=0),  # exact throughout
+    # a buffer of top_k - 1 blocks (512 slots of 256): exact throughout, its steps past the first block too
+    dict(B=2, Hq=4, Hkv=2, S=300, P=250, D=8, bs=256, top_k=3, pads=[0, 9], hole=None, min_seq_len=0),
 ]
 
 
@@ -90,7 +92,8 @@ def test_decode_steps_equal_the_reference_rule(case, dtype):
            torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}[dtype]
     torch.testing.assert_close(got, want, **tol)  # the torch path: the reference's arithmetic on fewer keys
     gap = (want.double() - exact.double()).abs().max()
-    assert gap < 3 * tol["atol"] if case == 3 else gap > 0.1  # sparse, except where no row has top_k blocks yet
+    # sparse, except where no row has top_k blocks yet
+    assert gap < 3 * tol["atol"] if c["top_k"] * c["bs"] >= c["S"] else gap > 0.1
     sums, first, n_real = recomputed_state(layer)
     torch.testing.assert_close(layer.key_sums, sums, **(tol if dtype == torch.float64 else dict(atol=1e-5, rtol=0)))
     assert torch.equal(layer.block_start, first) and torch.equal(layer.n_real, n_real)
@@ -212,16 +215,21 @@ def test_gate_kernel_is_one_variant_for_every_block_count(monkeypatch):
     assert len(rec.launches) == 4 and len(set(rec.launches)) == 1, set(rec.launches)
 
 
-def test_decode_triton_backend_equals_torch():
-    """`moba_decode(backend="triton")` (the kernel, interpreter) gives the torch path's steps: GQA 7, a padded row."""
-    c = dict(B=2, Hq=7, Hkv=1, S=44, P=40, D=16)
-    q, k, v = qkv(c["B"], c["Hq"], c["Hkv"], c["S"], c["D"], torch.float32, seed=5)
-    km = torch.ones(c["B"], c["S"], dtype=torch.bool)
+@pytest.mark.parametrize("S,P,bs", [(44, 40, 8), (264, 252, 256)])
+def test_decode_triton_backend_equals_torch(S, P, bs):
+    """`moba_decode(backend="triton")` (the kernel, interpreter) gives the torch path's steps: GQA 7, a padded row;
+    blocks of 8, and a buffer of top_k - 1 blocks of 256 (one gate range), where the steps past the first block
+    attend to every earlier key (`moba_reference`'s rule)."""
+    q, k, v = qkv(2, 7, 1, S, 16, torch.float32, seed=5)
+    km = torch.ones(2, S, dtype=torch.bool)
     km[1, :9] = False
-    kw = dict(scale=0.25, block_size=8, top_k=3, min_seq_len=0, gating="block")
-    torch_out, _ = prefill_then_steps(q, k, v, km, c["P"], kw)
-    tri, _ = prefill_then_steps(q, k, v, km, c["P"], kw, backend="triton", splits=2)
+    kw = dict(scale=0.25, block_size=bs, top_k=3, min_seq_len=0, gating="block")
+    torch_out, _ = prefill_then_steps(q, k, v, km, P, kw)
+    tri, _ = prefill_then_steps(q, k, v, km, P, kw, backend="triton", splits=2)
     torch.testing.assert_close(tri, torch_out, atol=2e-6, rtol=2e-5)
+    want = torch.cat([moba_reference(q[:, :, :t + 1], k[:, :, :t + 1], v[:, :, :t + 1], key_mask=km[:, :t + 1],
+                                     **kw)[:, -1:] for t in range(P, S)], 1)
+    torch.testing.assert_close(tri, want, atol=2e-6, rtol=2e-5)
 
 
 def whole_buffer_rule(q, step, *, scale, block_size, top_k, min_seq_len, gating, query_sum, backend, splits=None):

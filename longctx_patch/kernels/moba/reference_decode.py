@@ -115,7 +115,7 @@ def decode_gate(q: torch.Tensor, key_sums: torch.Tensor, block_start: torch.Tens
         g = q1
         everything = qpos < min_seq_len
     k_sel = top_k - 1 if top_k - 1 < nb else 0  # 0: no row has more than top_k - 1 earlier blocks
-    everything = everything | (own <= k_sel)
+    everything = everything | (own <= top_k - 1)  # its own earlier blocks are at most top_k - 1: all of them
     slot = slot.long()
     own_start = torch.where(everything, block_start[:, 0], block_start.gather(1, own[:, None])[:, 0])
     if real is not None:
