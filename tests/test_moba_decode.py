@@ -163,7 +163,7 @@ def test_store_and_gate_kernels_equal_their_references(gating, top_k, min_seq_le
                            query_sum=sums, **kw), sums))
     (st, en, sums), (st_t, en_t, sums_t) = ranges
     assert torch.equal(st_t, st) and torch.equal(en_t, en)
-    assert (en - st).sum() > 0 and (st.shape[2] == 1) == (top_k - 1 >= want["key_sums"].shape[2])
+    assert (en - st).sum() > 0 and st.shape[2] == top_k
     if qs is not None:
         torch.testing.assert_close(sums_t, sums, atol=0, rtol=0)
         assert not torch.equal(sums, qs)
@@ -184,35 +184,38 @@ class LaunchRecorder:
         return launch
 
 
-def test_gate_kernel_is_one_variant_for_every_block_count(monkeypatch):
-    """The gate kernel is launched with the same constexprs whatever the number of blocks (a block count that picked
-    the tile width compiled a new kernel at the first decode step of a longer context than any before: ~0.4 s on a
-    GPU), and equals its reference at block counts below, at and past one tile (several tiles in the scan)."""
+def test_decode_kernels_are_one_variant_for_every_buffer_size(monkeypatch):
+    """A decode step's four kernels are launched with the same constexprs whatever the buffer's size (a tile width
+    that followed the block count, or fewer gate ranges for a buffer of at most top_k - 1 blocks, compiled other
+    kernels at the first step of a longer context than any before: ~0.4 s a kernel on a GPU); the gate equals its
+    reference and the step the torch path's at 2 blocks (top_k - 1: no earlier range), 3, 6, 10 and 68 (two tiles
+    of the gate's scan)."""
     from longctx_patch.kernels.moba import triton_decode
-    from longctx_patch.kernels.moba.reference_decode import store_step_reference
 
-    rec = LaunchRecorder(triton_decode._gate_kernel)
-    monkeypatch.setattr(triton_decode, "_gate_kernel", rec)
-    B, Hq, Hkv, D, bs = 2, 4, 2, 16, 32
+    recs = {}
+    for name in ("_store_kernel", "_gate_kernel", "_ranges_kernel", "_combine_kernel"):
+        recs[name] = LaunchRecorder(getattr(triton_decode, name))
+        monkeypatch.setattr(triton_decode, name, recs[name])
+    B, Hq, Hkv, D, bs, top_k = 2, 4, 2, 16, 256, 3
+    kw = dict(block_size=bs, top_k=top_k, min_seq_len=0, gating="block")
     blocks = []
-    for P in (20, 300, 1100, 2100):  # capacities 512, 768, 1536, 2560: 16, 24, 48, 80 blocks
+    for P in (20, 300, 1100, 2100, 17000):  # capacities 512, 768, 1536, 2560, 17408
         q, k, v = qkv(B, Hq, Hkv, P + 1, D, torch.float32, seed=P)
-        layer = MobaLayer(block_size=bs)
+        layer = MobaLayer(block_size=bs, backend="triton")
         layer.extend(k[:, :, :P], v[:, :, :P], None)
-        layer._reserve(P + 1, k)
-        st = layer.state_tensors()
-        slot = store_step_reference(k[:, :, P:], v[:, :, P:], st["keys"], st["values"], st["mask"], st["pos"],
-                                    st["key_sums"], st["block_start"], st["n_real"], None, block_size=bs)
+        step = layer.decode_step(k[:, :, P:], v[:, :, P:], None)
         qs = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(P))
-        kw = dict(block_size=bs, top_k=3, min_seq_len=0, gating="block")
-        want = decode_gate(q[:, :, P:], st["key_sums"], st["block_start"], st["n_real"], slot, None,
-                           query_sum=qs.clone(), **kw)
-        got = triton_decode.gate_ranges(q[:, :, P:], st["key_sums"], st["block_start"], st["n_real"], slot, None,
-                                        query_sum=qs.clone(), **kw)
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), P
-        blocks.append(st["key_sums"].shape[2])
-    assert blocks == [16, 24, 48, 80]
-    assert len(rec.launches) == 4 and len(set(rec.launches)) == 1, set(rec.launches)
+        state = (step.key_sums, step.block_start, step.n_real, step.slot, None)
+        want = decode_gate(q[:, :, P:], *state, query_sum=qs.clone(), **kw)
+        got = triton_decode.gate_ranges(q[:, :, P:], *state, query_sum=qs.clone(), **kw)
+        assert want[0].shape == (B, Hq, top_k) and all(torch.equal(g, w) for g, w in zip(got, want)), P
+        o_t = moba_decode(q[:, :, P:], step, scale=0.25, query_sum=qs.clone(), backend="triton", **kw)
+        o_r = moba_decode(q[:, :, P:], step, scale=0.25, query_sum=qs.clone(), backend="torch", **kw)
+        torch.testing.assert_close(o_t, o_r, atol=2e-6, rtol=2e-5)
+        blocks.append(step.key_sums.shape[2])
+    assert blocks == [2, 3, 6, 10, 68]
+    for name, rec in recs.items():
+        assert len(rec.launches) >= 5 and len(set(rec.launches)) == 1, (name, set(rec.launches))
 
 
 @pytest.mark.parametrize("S,P,bs", [(44, 40, 8), (264, 252, 256)])

@@ -71,7 +71,7 @@ def _store_kernel(K, V, KB, VB, MASK, POS, KS, BST, NR, REAL, SLOT,
 
 @triton.jit(do_not_specialize=["sbsb", "nb"])
 def _gate_kernel(Q, QS, KS, BST, NR, REAL, SLOT, ST, EN,
-                 sqb, sqh, sksb, sksh, sksn, sbsb, nb, bsize, min_seq_len, earlier,
+                 sqb, sqh, sksb, sksh, sksn, sbsb, nb, bsize, min_seq_len,
                  HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KSEL: tl.constexpr, NL: tl.constexpr,
                  BT: tl.constexpr, BLOCK_GATING: tl.constexpr, HAS_QS: tl.constexpr, HAS_REAL: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)  # b * HQ + h
@@ -100,7 +100,7 @@ def _gate_kernel(Q, QS, KS, BST, NR, REAL, SLOT, ST, EN,
     else:
         g = q
         everything = qpos < min_seq_len
-    everything = everything | (own <= earlier)  # at most top_k - 1 earlier blocks: all of them
+    everything = everything | (own <= KSEL)  # at most top_k - 1 earlier blocks: all of them
     first = tl.load(BST + b * sbsb)
     own_start = tl.where(everything, first, tl.load(BST + b * sbsb + own))
     own_start = tl.where(real, own_start, slot)
@@ -224,11 +224,11 @@ def store_step(k, v, keys, values, mask, pos, key_sums, block_start, n_real, rea
 
 def gate_ranges(q, key_sums, block_start, n_real, slot, real, *, block_size: int, top_k: int, min_seq_len: int,
                 gating: str, query_sum):
-    """`reference_decode.decode_gate` in one launch: (starts, ends) `[B, Hq, NL]` int32, query_sum updated in
+    """`reference_decode.decode_gate` in one launch: (starts, ends) `[B, Hq, top_k]` int32, query_sum updated in
     place. Ties between scores take the lower block (the reference: `torch.topk`'s choice)."""
     B, Hq, _, D = q.shape
     Hkv, nb = key_sums.shape[1], key_sums.shape[2]
-    k_sel = top_k - 1 if top_k - 1 < nb else 0
+    k_sel = top_k - 1  # at every block count (a buffer of fewer blocks has empty earlier ranges): one kernel variant
     NL = k_sel + 1
     starts = torch.empty(B, Hq, NL, dtype=torch.int32, device=q.device)
     ends = torch.empty_like(starts)
@@ -240,7 +240,7 @@ def gate_ranges(q, key_sums, block_start, n_real, slot, real, *, block_size: int
     _gate_kernel[(B * Hq,)](
         q, qs, key_sums, block_start, n_real, rl if rl is not None else n_real, slot, starts, ends,
         q.stride(0), q.stride(1), key_sums.stride(0), key_sums.stride(1), key_sums.stride(2), block_start.stride(0),
-        nb, block_size, min_seq_len, top_k - 1,
+        nb, block_size, min_seq_len,
         HQ=Hq, G=Hq // Hkv, D=D, KSEL=k_sel, NL=NL, BT=GATE_TILE, BLOCK_GATING=block,
         HAS_QS=block and query_sum is not None, HAS_REAL=real is not None, num_warps=2)
     return starts, ends
