@@ -64,6 +64,8 @@ CASES = [  # GQA 7 and 2 per kv head, odd lengths, left-padded rows, a padded to
     dict(B=3, Hq=4, Hkv=2, S=57, P=9, D=8, bs=5, top_k=2, pads=[3, 0, 12], hole=(1, 30), min_seq_len=0),
     dict(B=2, Hq=7, Hkv=1, S=70, P=31, D=16, bs=6, top_k=4, pads=[0, 5], hole=None, min_seq_len=40),
     dict(B=1, Hq=4, Hkv=1, S=40, P=2, D=8, bs=16, top_k=3, pads=[0], hole=None, min_seq_len=0),  # exact throughout
+    # a buffer of top_k - 1 blocks (512 slots of 256): exact throughout, its steps past the first block too
+    dict(B=2, Hq=4, Hkv=2, S=300, P=250, D=8, bs=256, top_k=3, pads=[0, 9], hole=None, min_seq_len=0),
 ]
 
 
@@ -90,7 +92,8 @@ def test_decode_steps_equal_the_reference_rule(case, dtype):
            torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}[dtype]
     torch.testing.assert_close(got, want, **tol)  # the torch path: the reference's arithmetic on fewer keys
     gap = (want.double() - exact.double()).abs().max()
-    assert gap < 3 * tol["atol"] if case == 3 else gap > 0.1  # sparse, except where no row has top_k blocks yet
+    # sparse, except where no row has top_k blocks yet
+    assert gap < 3 * tol["atol"] if c["top_k"] * c["bs"] >= c["S"] else gap > 0.1
     sums, first, n_real = recomputed_state(layer)
     torch.testing.assert_close(layer.key_sums, sums, **(tol if dtype == torch.float64 else dict(atol=1e-5, rtol=0)))
     assert torch.equal(layer.block_start, first) and torch.equal(layer.n_real, n_real)
@@ -160,22 +163,76 @@ def test_store_and_gate_kernels_equal_their_references(gating, top_k, min_seq_le
                            query_sum=sums, **kw), sums))
     (st, en, sums), (st_t, en_t, sums_t) = ranges
     assert torch.equal(st_t, st) and torch.equal(en_t, en)
-    assert (en - st).sum() > 0 and (st.shape[2] == 1) == (top_k - 1 >= want["key_sums"].shape[2])
+    assert (en - st).sum() > 0 and st.shape[2] == top_k
     if qs is not None:
         torch.testing.assert_close(sums_t, sums, atol=0, rtol=0)
         assert not torch.equal(sums, qs)
 
 
-def test_decode_triton_backend_equals_torch():
-    """`moba_decode(backend="triton")` (the kernel, interpreter) gives the torch path's steps: GQA 7, a padded row."""
-    c = dict(B=2, Hq=7, Hkv=1, S=44, P=40, D=16)
-    q, k, v = qkv(c["B"], c["Hq"], c["Hkv"], c["S"], c["D"], torch.float32, seed=5)
-    km = torch.ones(c["B"], c["S"], dtype=torch.bool)
+class LaunchRecorder:
+    """Stands for a Triton kernel: records the keyword arguments of each launch (the constexprs and launch options,
+    which pick the compiled variant; the sizes that vary are passed positionally), then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(tuple(sorted(kwargs.items())))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_decode_kernels_are_one_variant_for_every_buffer_size(monkeypatch):
+    """A decode step's four kernels are launched with the same constexprs whatever the buffer's size (a tile width
+    that followed the block count, or fewer gate ranges for a buffer of at most top_k - 1 blocks, compiled other
+    kernels at the first step of a longer context than any before: ~0.4 s a kernel on a GPU); the gate equals its
+    reference and the step the torch path's at 2 blocks (top_k - 1: no earlier range), 3, 6, 10 and 68 (two tiles
+    of the gate's scan)."""
+    from longctx_patch.kernels.moba import triton_decode
+
+    recs = {}
+    for name in ("_store_kernel", "_gate_kernel", "_ranges_kernel", "_combine_kernel"):
+        recs[name] = LaunchRecorder(getattr(triton_decode, name))
+        monkeypatch.setattr(triton_decode, name, recs[name])
+    B, Hq, Hkv, D, bs, top_k = 2, 4, 2, 16, 256, 3
+    kw = dict(block_size=bs, top_k=top_k, min_seq_len=0, gating="block")
+    blocks = []
+    for P in (20, 300, 1100, 2100, 17000):  # capacities 512, 768, 1536, 2560, 17408
+        q, k, v = qkv(B, Hq, Hkv, P + 1, D, torch.float32, seed=P)
+        layer = MobaLayer(block_size=bs, backend="triton")
+        layer.extend(k[:, :, :P], v[:, :, :P], None)
+        step = layer.decode_step(k[:, :, P:], v[:, :, P:], None)
+        qs = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(P))
+        state = (step.key_sums, step.block_start, step.n_real, step.slot, None)
+        want = decode_gate(q[:, :, P:], *state, query_sum=qs.clone(), **kw)
+        got = triton_decode.gate_ranges(q[:, :, P:], *state, query_sum=qs.clone(), **kw)
+        assert want[0].shape == (B, Hq, top_k) and all(torch.equal(g, w) for g, w in zip(got, want)), P
+        o_t = moba_decode(q[:, :, P:], step, scale=0.25, query_sum=qs.clone(), backend="triton", **kw)
+        o_r = moba_decode(q[:, :, P:], step, scale=0.25, query_sum=qs.clone(), backend="torch", **kw)
+        torch.testing.assert_close(o_t, o_r, atol=2e-6, rtol=2e-5)
+        blocks.append(step.key_sums.shape[2])
+    assert blocks == [2, 3, 6, 10, 68]
+    for name, rec in recs.items():
+        assert len(rec.launches) >= 5 and len(set(rec.launches)) == 1, (name, set(rec.launches))
+
+
+@pytest.mark.parametrize("S,P,bs", [(44, 40, 8), (264, 252, 256)])
+def test_decode_triton_backend_equals_torch(S, P, bs):
+    """`moba_decode(backend="triton")` (the kernel, interpreter) gives the torch path's steps: GQA 7, a padded row;
+    blocks of 8, and a buffer of top_k - 1 blocks of 256 (one gate range), where the steps past the first block
+    attend to every earlier key (`moba_reference`'s rule)."""
+    q, k, v = qkv(2, 7, 1, S, 16, torch.float32, seed=5)
+    km = torch.ones(2, S, dtype=torch.bool)
     km[1, :9] = False
-    kw = dict(scale=0.25, block_size=8, top_k=3, min_seq_len=0, gating="block")
-    torch_out, _ = prefill_then_steps(q, k, v, km, c["P"], kw)
-    tri, _ = prefill_then_steps(q, k, v, km, c["P"], kw, backend="triton", splits=2)
+    kw = dict(scale=0.25, block_size=bs, top_k=3, min_seq_len=0, gating="block")
+    torch_out, _ = prefill_then_steps(q, k, v, km, P, kw)
+    tri, _ = prefill_then_steps(q, k, v, km, P, kw, backend="triton", splits=2)
     torch.testing.assert_close(tri, torch_out, atol=2e-6, rtol=2e-5)
+    want = torch.cat([moba_reference(q[:, :, :t + 1], k[:, :, :t + 1], v[:, :, :t + 1], key_mask=km[:, :t + 1],
+                                     **kw)[:, -1:] for t in range(P, S)], 1)
+    torch.testing.assert_close(tri, want, atol=2e-6, rtol=2e-5)
 
 
 def whole_buffer_rule(q, step, *, scale, block_size, top_k, min_seq_len, gating, query_sum, backend, splits=None):

@@ -158,7 +158,7 @@ def moba_decode(q: torch.Tensor, step: MobaStep, *, scale: float, block_size: in
         from .triton_decode import gate_ranges, ranges_attention
 
         starts, ends = gate_ranges(q, key_sums, block_start, n_real, slot, real, **gate_kw)
-        # the keys of a selected range: a block (one range: every earlier key, up to the buffer)
+        # the keys of a selected range: a block (top_k 1, one range: it may hold every earlier key, up to the buffer)
         longest = keys.shape[2] if starts.shape[2] == 1 else block_size
         return ranges_attention(q, keys, values, key_mask, starts, ends, slot, scale=scale, longest=longest,
                                 splits=splits)

@@ -91,8 +91,9 @@ def decode_gate(q: torch.Tensor, key_sums: torch.Tensor, block_start: torch.Tens
     the mean of the block's queries up to this one, and is updated in place (zeroed when this query completes its
     block); token gating: the query itself.
 
-    Returns (starts, ends) `[B, Hq, NL]` int32, NL = top_k (1 when no row can have more than top_k - 1 earlier
-    blocks): the `top_k - 1` earlier blocks of highest score, then the own block up to the step's slot. A row that
+    Returns (starts, ends) `[B, Hq, top_k]` int32: the `top_k - 1` earlier blocks of highest score, then the own
+    block up to the step's slot (top_k ranges at every buffer size, so that the kernels' launches do not change with
+    it: a buffer of at most top_k - 1 blocks has only empty earlier ranges). A row that
     takes every earlier key (at most top_k - 1 earlier blocks, or below min_seq_len) has one range from its first
     real key on; a padded query one range holding its own slot (it sees its own key only, as `allowed_keys`). Empty
     ranges have start = end = 0."""
@@ -114,15 +115,18 @@ def decode_gate(q: torch.Tensor, key_sums: torch.Tensor, block_start: torch.Tens
     else:
         g = q1
         everything = qpos < min_seq_len
-    k_sel = top_k - 1 if top_k - 1 < nb else 0  # 0: no row has more than top_k - 1 earlier blocks
-    everything = everything | (own <= k_sel)
+    k_sel = top_k - 1
+    everything = everything | (own <= k_sel)  # its own earlier blocks are at most top_k - 1: all of them
     slot = slot.long()
     own_start = torch.where(everything, block_start[:, 0], block_start.gather(1, own[:, None])[:, 0])
     if real is not None:
         own_start = torch.where(real, own_start, slot)
     starts = own_start[:, None, None].expand(B, Hq, 1)
     ends = (slot + 1)[:, None, None].expand(B, Hq, 1)
-    if k_sel > 0:
+    if k_sel >= nb:  # no row has more than top_k - 1 earlier blocks: every row takes all of them
+        empty = torch.zeros(B, Hq, k_sel, dtype=starts.dtype, device=q.device)
+        starts, ends = torch.cat([empty, starts], 2), torch.cat([empty, ends], 2)
+    elif k_sel > 0:
         means = key_sums / block_size
         scores = torch.matmul(g.reshape(B, Hkv, G, D), means.transpose(2, 3)).view(B, Hq, nb)
         cand = torch.arange(nb, device=q.device)[None, :] < own[:, None]

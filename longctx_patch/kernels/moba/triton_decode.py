@@ -33,6 +33,10 @@ import triton.language as tl
 from ..triton_lib import LOG2E
 
 BN = 64  # keys per tile
+# blocks per tile of the gate's scan: one width for every block count (a width that followed the count, as it once
+# did below 64 blocks, compiled another gate kernel at the first step of a longer context than any before it, e.g.
+# ~0.4 s inside the first decode steps of a 32k call after a 1k one)
+GATE_TILE = 64
 
 
 # the block count grows with the buffer: not specialised (a regrown buffer whose count is a multiple of 16 would
@@ -96,7 +100,7 @@ def _gate_kernel(Q, QS, KS, BST, NR, REAL, SLOT, ST, EN,
     else:
         g = q
         everything = qpos < min_seq_len
-    everything = everything | (own <= KSEL)
+    everything = everything | (own <= KSEL)  # at most top_k - 1 earlier blocks: all of them
     first = tl.load(BST + b * sbsb)
     own_start = tl.where(everything, first, tl.load(BST + b * sbsb + own))
     own_start = tl.where(real, own_start, slot)
@@ -220,11 +224,11 @@ def store_step(k, v, keys, values, mask, pos, key_sums, block_start, n_real, rea
 
 def gate_ranges(q, key_sums, block_start, n_real, slot, real, *, block_size: int, top_k: int, min_seq_len: int,
                 gating: str, query_sum):
-    """`reference_decode.decode_gate` in one launch: (starts, ends) `[B, Hq, NL]` int32, query_sum updated in
+    """`reference_decode.decode_gate` in one launch: (starts, ends) `[B, Hq, top_k]` int32, query_sum updated in
     place. Ties between scores take the lower block (the reference: `torch.topk`'s choice)."""
     B, Hq, _, D = q.shape
     Hkv, nb = key_sums.shape[1], key_sums.shape[2]
-    k_sel = top_k - 1 if top_k - 1 < nb else 0
+    k_sel = top_k - 1  # at every block count (a buffer of fewer blocks has empty earlier ranges): one kernel variant
     NL = k_sel + 1
     starts = torch.empty(B, Hq, NL, dtype=torch.int32, device=q.device)
     ends = torch.empty_like(starts)
@@ -237,7 +241,7 @@ def gate_ranges(q, key_sums, block_start, n_real, slot, real, *, block_size: int
         q, qs, key_sums, block_start, n_real, rl if rl is not None else n_real, slot, starts, ends,
         q.stride(0), q.stride(1), key_sums.stride(0), key_sums.stride(1), key_sums.stride(2), block_start.stride(0),
         nb, block_size, min_seq_len,
-        HQ=Hq, G=Hq // Hkv, D=D, KSEL=k_sel, NL=NL, BT=min(64, triton.next_power_of_2(nb)), BLOCK_GATING=block,
+        HQ=Hq, G=Hq // Hkv, D=D, KSEL=k_sel, NL=NL, BT=GATE_TILE, BLOCK_GATING=block,
         HAS_QS=block and query_sum is not None, HAS_REAL=real is not None, num_warps=2)
     return starts, ends
 
@@ -290,4 +294,4 @@ def ranges_attention(q, keys, values, key_mask, starts, ends, slot, *, scale: fl
     return out
 
 
-__all__ = ["BN", "gate_ranges", "pieces", "ranges_attention", "store_step"]
+__all__ = ["BN", "GATE_TILE", "gate_ranges", "pieces", "ranges_attention", "store_step"]
