@@ -184,17 +184,11 @@ GUARD_TOP_MAX = 64  # the most top rows per head the guard's kernels take (trito
 def guard_kernels_missing(o: torch.Tensor, top: int) -> str | None:
     """None when the guard's kernels (triton_guard.py) take MuSe's output `o` [B, S, Hq, D] and `top` rows per head,
     else why not."""
-    from ..backend import triton_missing
+    from ..backend import attention_kernel_missing
 
-    why = triton_missing(o)
+    why = attention_kernel_missing(o, o, o)  # Triton on these tensors, their dtype and head_dim (the estimate: no grad)
     if why is not None:
         return why
-    D = o.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1):
-        return f"head_dim {D}: a power of two in 16..256"
-    if o.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {o.dtype}: fp16, bf16 or fp32"
     if top > GUARD_TOP_MAX:
         return f"{top} top rows per head: at most {GUARD_TOP_MAX} (guard_rows <= {4 * GUARD_TOP_MAX})"
     return None
-

@@ -124,9 +124,6 @@ def _weighted_error(O, REF, POS, W, HM, ERR, sob, sos, soh, srb, srh, sri, spb, 
             taken = tl.sum((p[:, None] == tpos[None, :]).to(tl.int32), axis=1) > 0
             wsum_v += tl.where(taken, 0.0, w)
         scale = rest / tl.maximum(tl.sum(wsum_v, axis=0), 1.0)
-    else:
-        tpos = tl.full([TP], -1, tl.int64)
-        scale = 1.0
     num_v = tl.zeros([RB], tl.float32)
     den_v = tl.zeros([RB], tl.float32)
     used = tl.zeros([RB], tl.int32)

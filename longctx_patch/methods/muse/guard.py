@@ -289,14 +289,23 @@ def sampled_rows(o, km, first: int, rows: int):
     return pos, w, [len(r) + t for (r, _), t in zip(per_row, tops)]
 
 
+def _unpadded_plan(S: int, first: int, rows: int, dev: torch.device):
+    """An unpadded call's sample at length S: (A approximated rows, t top rows per head, the kept stratified ranks
+    and weights of the other rows - t), or None when no row is approximated."""
+    A = S - first
+    if A <= 0:
+        return None
+    t = 0 if A <= rows else top_rows(rows)
+    return (A, t, *kept_stratified(S, first, rows - t, dev))
+
+
 def _sampled_unpadded(o, first: int, rows: int):
     """`sampled_rows` without a key mask: every batch row has all S tokens real, so one sample serves them all."""
     B, S, Hq, D = o.shape
-    A = S - first
-    if A <= 0:
+    plan = _unpadded_plan(S, first, rows, o.device)
+    if plan is None:
         return None, None, [0] * B
-    t = 0 if A <= rows else top_rows(rows)
-    ranks, weights = kept_stratified(S, first, rows - t, o.device)
+    A, t, ranks, weights = plan
     ms = ranks.shape[0]
     pos, w = ranks.expand(B, Hq, ms), weights.expand(B, Hq, ms)
     if t:
@@ -378,21 +387,15 @@ def _estimate_kernels(o, q, k, v, km, *, scale: float, first: int, rows: int, hs
             return torch.full((B, Hq), float("nan"), device=dev), counts
         ref = exact_rows(q, k, v, pos, km, scale=scale, native=True)
         return guard_weighted_errors(o, ref, pos, w, head_mask=hmask), counts
-    A = S - first
-    if A <= 0:
+    plan = _unpadded_plan(S, first, rows, dev)
+    if plan is None:
         return torch.full((B, Hq), float("nan"), device=dev), [0] * B
-    t = 0 if A <= rows else top_rows(rows)
-    ranks, weights = kept_stratified(S, first, rows - t, dev)
+    A, t, ranks, weights = plan
     ms = ranks.shape[0]
-    w = weights.expand(B, Hq, ms)
-    if t:
-        pos = guard_top_sample(o, ranks, first, t)
-        ref = exact_rows(q, k, v, pos, None, scale=scale, native=True)
-        err = guard_weighted_errors(o, ref, pos, w, stratified=ms, rest=float(A - t), head_mask=hmask)
-    else:
-        pos = ranks.expand(B, Hq, ms)
-        ref = exact_rows(q, k, v, pos, None, scale=scale, native=True)
-        err = guard_weighted_errors(o, ref, pos, w, head_mask=hmask)
+    pos = guard_top_sample(o, ranks, first, t) if t else ranks.expand(B, Hq, ms)
+    ref = exact_rows(q, k, v, pos, None, scale=scale, native=True)
+    err = guard_weighted_errors(o, ref, pos, weights.expand(B, Hq, ms), stratified=ms if t else None,
+                                rest=float(A - t), head_mask=hmask)
     return err, [ms + t] * B
 
 
