@@ -157,7 +157,7 @@ def package_run(run_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *
     the packaged asset the run continued (`lineage`). A run that trained no adapter of its own on top of an asset
     that has one (a transfer of the maps with the asset's LoRA merged and frozen) keeps that adapter: the maps were
     fitted with it in place."""
-    from ..checkpoint import ADAPTER_DIR, TRAINABLE_DIR
+    from ..checkpoint import ADAPTER_DIR
     from . import write_asset
 
     log = read_train_log(run_dir)
@@ -166,10 +166,9 @@ def package_run(run_dir: str | os.PathLike, model, out_dir: str | os.PathLike, *
     record = training_record(log, corpus)
     info = {"commit": record["commit"], "training": record, **(lineage(based_on) if based_on else {}), **(extra or {})}
     out = write_asset(run_dir, model, out_dir, name=name, description=description, dtype=dtype, extra=info)
-    src = Path(run_dir) / TRAINABLE_DIR if (Path(run_dir) / TRAINABLE_DIR).is_dir() else Path(run_dir)
     theirs = Path(based_on) / ADAPTER_DIR if based_on else None
-    if theirs is not None and (theirs / "adapter_config.json").exists() and not (src / ADAPTER_DIR).is_dir():
-        shutil.copytree(theirs, out / ADAPTER_DIR)
+    if theirs is not None and (theirs / "adapter_config.json").exists() and not (out / ADAPTER_DIR).exists():
+        shutil.copytree(theirs, out / ADAPTER_DIR)  # write_asset wrote none: the run trained no adapter of its own
     return out
 
 
