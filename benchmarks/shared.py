@@ -98,6 +98,18 @@ def timed_ms(fn, device: torch.device, *, warmup: int = 5, rep: int = 50) -> flo
     return best * 1e3
 
 
+def qwen_layer_arguments(p, lengths: str) -> None:
+    """The options of a one-layer benchmark at Qwen2.5-Coder-0.5B's attention shapes (14 query / 2 kv heads, D 64,
+    bf16, CUDA): --lengths (default `lengths`), --heads, --kv-heads, --head-dim, --dtype, --device, --out."""
+    p.add_argument("--lengths", default=lengths)
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+
+
 def bench_command(module: str, argv) -> str:
     """A benchmark's command line as its result records it: `python -m MODULE` and its arguments (`argv`, default
     this process's)."""

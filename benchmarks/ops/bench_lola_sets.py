@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from benchmarks.shared import bench_command, result_file, timed_ms
+from benchmarks.shared import bench_command, qwen_layer_arguments, result_file, timed_ms
 from longctx_patch.kernels.lola import reference as ref
 from longctx_patch.kernels.lola.training import (PrefillSets, SetsSpec, evictions_kernels_run, lola_attention_sets,
                                                 sparse_positions)
@@ -86,19 +86,13 @@ def measure(S: int, a, dev: torch.device) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="4096,16384,32768")
-    p.add_argument("--heads", type=int, default=14)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
+    qwen_layer_arguments(p, "4096,16384,32768")
     p.add_argument("--feature-dim", type=int, default=64)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--sparse-cache", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--combine", default="unshifted", choices=("shifted", "unshifted"))
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     rows = []

@@ -28,7 +28,7 @@ import json
 
 import torch
 
-from benchmarks.shared import bench_command, result_file, timed_ms
+from benchmarks.shared import bench_command, qwen_layer_arguments, result_file, timed_ms
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.support import guard_kernels_missing
 from longctx_patch.kernels.softmax import softmax_attention
@@ -116,14 +116,8 @@ def measure(S: int, a, dev: torch.device) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="32768,65536")
-    p.add_argument("--heads", type=int, default=14)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
+    qwen_layer_arguments(p, "32768,65536")
     p.add_argument("--block-size", type=int, default=None, help="MuSe's block size (default: the config's)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     rows = []
