@@ -97,7 +97,7 @@
 # .device-state/qwen-lin/ here and run `$C bash $B restore` with carry [".device-state/qwen-lin"] before `go`.
 # The asset comes back as $OUT/asset.tar: untar it into longctx_patch/assets/.
 set -euo pipefail
-STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl | muse-moba | ovq-go NN LAST}
+STEP=${1:?usage: $0 stage NN | piece NN | restore | go NN LAST | study-go NN LAST | tune-go NN LAST | tune-restore | poll [S] | muse-guard | prepare NN | corpus | transfer | lora | eval | niah | ppl-lora | study LENGTH | lola-tune | tune-train | tune-package | tune-ppl | tune-niah | niah-check | lola-ppl | yarn-ppl | muse-moba | sets-check | ovq-go NN LAST}
 T0=${T0:-$(date +%s)}  # the call's start (kept across the exec of prepare -> corpus)
 SHA=${SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}  # the whole GGUF (qwen-coder-parts.sh;
                                      # a dry run sets another file's)
@@ -382,7 +382,19 @@ case $STEP in
                # the newest checkpoint, its stage capped at TUNE_MAX_S
     RECIPE=$TUNE_RECIPE RUN=$TUNE_RUN STATE=tune-state
     echo "the stage capped at ${TUNE_MAX_S:-no limit}${TUNE_MAX_S:+ s} (TUNE_MAX_S)"
-    train "$CORPUS/${TUNE_TEXT:-train-b}" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${@:2}";;
+    loop=(); [ -f /tmp/sets-loop ] && loop=(--set method_config.backend=torch) && echo "the sets through the loop (sets-check)"
+    train "$CORPUS/${TUNE_TEXT:-train-b}" ${TUNE_MAX_S:+--set "stages.lola_16k.max_time_s=$TUNE_MAX_S"} "${loop[@]}" "${@:2}";;
+  sets-check)  # the training's sparse sets through the eviction kernels against the PyTorch loop at 4k and 16k
+               # (benchmarks.ops.bench_lola_sets, ~1 min, no model); where they differ or fail, /tmp/sets-loop makes
+               # tune-train choose the loop (method_config.backend=torch)
+    mkdir -p "$OUT/lola"
+    if timeout "$(left)" python3 -m benchmarks.ops.bench_lola_sets --lengths 4096,16384 --out "$OUT/lola/train-sets-check-$GPU.json" 2>&1 | tail -n 6 &&
+       python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
+sys.exit(0 if all(x['sets_equal_loop'] for x in r['rows']) else 1)" "$OUT/lola/train-sets-check-$GPU.json"; then
+      rm -f /tmp/sets-loop; echo "the eviction kernels' sets equal the loop's"
+    else
+      touch /tmp/sets-loop; echo "! the eviction kernels' sets differ from the loop's or failed: tune-train takes the loop"
+    fi;;
   tune-package)  # the run as the new asset on top of the one it continued (its method defaults, its record as
                  # based_on), checked (checkpoint=auto loads it), as $OUT/asset-lola-tuned.tar
     rm -rf "$TUNE_ASSETS"
