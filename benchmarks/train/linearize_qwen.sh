@@ -82,8 +82,10 @@
 # The maps' attention transfer under lola (recipes/linearize-qwen-lola-transfer.yaml: the sparse cache in place, the
 # asset's LoRA merged and frozen; issue 57's next fix): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C TUNE_RECIPE=recipes/linearize-qwen-lola-transfer.yaml TUNE_TEXT=train-a
-#         TUNE_RUN=/tmp/runs/qwen-lola-transfer TUNE_MAX_S=480 bash $B tune-go 12 13    (packaged with the asset's
-#         adapter; evaluated as the LoRA tune: tune-ppl, tune-niah)
+#         TUNE_RUN=/tmp/runs/qwen-lola-transfer EARLY="sets-check guard-parts" TUNE_MAX_S=450 bash $B tune-go 12 13
+#         (packaged with the asset's adapter; evaluated as the LoRA tune: tune-ppl, tune-niah; EARLY's steps need
+#         neither model nor corpus and run while the corpus builds: sets-check makes the training take the sets loop
+#         where the eviction kernels' sets differ from it)
 # OVQ on Qwen (issue 60): calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C [OVQ_MAX_S=900] [OVQ_VARIANTS="hybrid lora-none"] bash $B ovq-go 12 13
 #   15..  no carry                          $C bash $B poll 150      results: bgout/ovq/ (training records, evaluations)
@@ -183,9 +185,11 @@ launch() {  # launch CHAIN NN LAST: the carried piece NN and the kept last piece
   T0=$T0 exec bash "$0" poll "${POLL_S:-120}"
 }
 
-chain_start() {  # a chain's first lines, in the background: no call limit, its files in /tmp/bgout, the model
-                 # dequantised and the corpus built
+chain_start() {  # a chain's first lines, in the background: no call limit, its files in /tmp/bgout, the steps of
+                 # EARLY (those that need neither model nor corpus: sets-check, guard-parts) while the corpus builds,
+                 # the model dequantised and the corpus built
   export OUT=/tmp/bgout LONGCTX_RESULTS=/tmp/bgout LIMIT_S=100000
+  for s in ${EARLY:-}; do bash "$0" "$s"; done
   dequantise
   wait_corpus
 }
