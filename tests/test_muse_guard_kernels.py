@@ -82,7 +82,7 @@ def test_the_kernels_estimate_what_the_ops_estimate(case, dtype, padded):
 
 
 def test_the_guard_decides_and_computes_as_with_the_ops(monkeypatch):
-    """With guard_kernels (off by default) and a budget that some heads pass and some do not: the same heads made exact
+    """With guard_kernels (the default) and a budget that some heads pass and some do not: the same heads made exact
     and the same output as the ops', bit for bit; backend torch keeps the ops."""
     B, Hq, Hkv, S, D = 1, 14, 2, 900, 32
     q, k, v, o = inputs(B, Hq, Hkv, S, D, torch.float32, seed=5)
@@ -95,10 +95,10 @@ def test_the_guard_decides_and_computes_as_with_the_ops(monkeypatch):
     real = guard_mod.estimate_errors
     monkeypatch.setattr(guard_mod, "estimate_errors", lambda *a, **kw: calls.append(kw["kernels"]) or real(*a, **kw))
     with guard_mod.guard_log() as log:
-        got = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget, guard_kernels=True),
-                    scale=D ** -0.5)
+        got = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget), scale=D ** -0.5)
     with guard_mod.guard_log() as log_ops:
-        want = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget), scale=D ** -0.5)
+        want = guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget, guard_kernels=False),
+                     scale=D ** -0.5)
     guard(o, q, k, v, None, config=MuseConfig(block_size=32, guard_error=budget, guard_kernels=True, backend="torch"),
           scale=D ** -0.5)
     assert calls == [None, False, False]  # guard_kernels: wherever they run; off, or backend torch: the ops

@@ -21,7 +21,7 @@ import time
 import torch
 
 import longctx_patch as lp
-from benchmarks.shared import bench_command, llama_1b_shaped, result_file
+from benchmarks.shared import bench_command, device_token, llama_1b_shaped, result_file
 from longctx_patch.provenance import result_header
 from longctx_patch.evals.common import parse_sizes
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     res = {"task": "first-call", **result_header(device=a.device, command=bench_command(
         "benchmarks.generate.bench_first_call", argv)), "rows": rows}
-    out = result_file("speed", f"first-call-{a.device}.json", a.out)
+    out = result_file("speed", f"first-call-{device_token(a.device)}.json", a.out)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -61,6 +61,10 @@
 # machine of calls 1-13 + `$C STEPS=guard-parts bash $B steps-go 12 13` (the guard's kernels, unrun on a GPU: both
 # paths timed and compared, no model) and polls, then, the model dequantised and kept while warm, `$C
 # GUARD_SET=guard_kernels=true GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.11 bash $B muse-guard`; OVQ (ovq-go, below).
+# Run 2026-12-08 (commit 0ee7a6e): calls 1-13, then the maps' transfer under lola (below) with EARLY="sets-check
+# guard-parts" (48 steps in 283 s; its asset ships: docs/training-data.md, "Third run"), then on the warm machine
+# muse-guard with GUARD_SET=guard_kernels=false and =true, bench_generate first calls, bench_lola prefill: 25 min.
+# Next: OVQ (ovq-go, issue 60) in a session of its own; bench_first_call (lola's generate() prefill) on a warm machine.
 # The chain as run: calls 1-13, then
 #   14    carry [".device-model/qwen/12"]   $C TUNE_FIRST="asset-niah asset-ppl guard-parts" TUNE_MAX_S=480 bash $B tune-go 12 13
 #         or, with less than ~20 min of device time left, no training:
