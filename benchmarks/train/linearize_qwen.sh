@@ -62,7 +62,7 @@
 # paths timed and compared, no model) and polls, then, the model dequantised and kept while warm, `$C
 # GUARD_SET=guard_kernels=true GUARD_PARTS=speed,ppl GUARD_BUDGETS=0.1,0.11 bash $B muse-guard`; OVQ (ovq-go, below).
 # Run 2026-12-08 (commit 0ee7a6e): calls 1-13, then the maps' transfer under lola (below) with EARLY="sets-check
-# guard-parts" (48 steps in 283 s; its asset ships: docs/training-data.md, "Third run"), then on the warm machine
+# guard-parts" (48 steps in 283 s; not shipped: lolcats 4-9% worse; docs/training-data.md, "Third run"), then on the warm machine
 # muse-guard with GUARD_SET=guard_kernels=false and =true, bench_generate first calls, bench_lola prefill: 25 min.
 # Next: OVQ (ovq-go, issue 60) in a session of its own; bench_first_call (lola's generate() prefill) on a warm machine.
 # The chain as run: calls 1-13, then
