@@ -1,6 +1,6 @@
 """Helpers used by several scripts of benchmarks/.
 
-Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (the task's folder of the default
+Where results go: `results_dir(task, out)` and `result_file(task, name, out)` (`write_bench_result` writes one) (the task's folder of the default
 results folder unless --out or $OUT says otherwise; benchmarks/README.md, Results), with the file names' device and
 model parts from `device_token` and `model_token`.
 
@@ -10,6 +10,7 @@ The studies that rebuild MuSe's cells selection use the package's own `kernels.m
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -114,6 +115,18 @@ def bench_command(module: str, argv) -> str:
     """A benchmark's command line as its result records it: `python -m MODULE` and its arguments (`argv`, default
     this process's)."""
     return shlex.join([sys.executable, "-m", module, *(argv if argv is not None else sys.argv[1:])])
+
+
+def write_bench_result(folder: str, name: str, out, *, task: str, module: str, argv, device, **fields) -> Path:
+    """One benchmark's result JSON: `task`, `provenance.result_header` (its device, date, commit and command: `python
+    -m MODULE` with `argv`), then `fields`; written to `result_file(folder, name, out)`, which it prints and returns."""
+    from longctx_patch.provenance import result_header
+
+    res = {"task": task, **result_header(device=device, command=bench_command(module, argv)), **fields}
+    path = result_file(folder, name, out)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def model_token(model: str) -> str:

@@ -21,8 +21,7 @@ import time
 import torch
 
 import longctx_patch as lp
-from benchmarks.shared import bench_command, device_token, llama_1b_shaped, result_file
-from longctx_patch.provenance import result_header
+from benchmarks.shared import device_token, llama_1b_shaped, write_bench_result
 from longctx_patch.evals.common import parse_sizes
 
 
@@ -92,14 +91,10 @@ def main(argv=None) -> int:
         for e in row["profile_by_cpu_total"][:12]:
             print(f"   {e['cpu_total_ms']:10.1f} ms  {e['calls']:6d}x  {e['op']}")
         rows.append(row)
-        del row
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    res = {"task": "first-call", **result_header(device=a.device, command=bench_command(
-        "benchmarks.generate.bench_first_call", argv)), "rows": rows}
-    out = result_file("speed", f"first-call-{device_token(a.device)}.json", a.out)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_bench_result("speed", f"first-call-{device_token(a.device)}.json", a.out, task="first-call",
+                       module="benchmarks.generate.bench_first_call", argv=argv, device=a.device, rows=rows)
     return 0
 
 

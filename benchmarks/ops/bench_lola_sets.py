@@ -19,11 +19,10 @@ import json
 
 import torch
 
-from benchmarks.shared import bench_command, qwen_layer_arguments, result_file, timed_ms
+from benchmarks.shared import qwen_layer_arguments, timed_ms, write_bench_result
 from longctx_patch.kernels.lola import reference as ref
 from longctx_patch.kernels.lola.training import (PrefillSets, SetsSpec, evictions_kernels_run, lola_attention_sets,
                                                 sparse_positions)
-from longctx_patch.provenance import result_header
 
 
 def inputs(S: int, a, dev: torch.device, seed: int = 0):
@@ -100,12 +99,9 @@ def main(argv=None) -> int:
         row = measure(S, a, dev)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    res = {"task": "lola-train-sets",
-           **result_header(device=a.device, command=bench_command("benchmarks.ops.bench_lola_sets", argv)),
-           "settings": {k: v for k, v in vars(a).items() if k not in ("out", "lengths")}, "rows": rows}
-    out = result_file("lola", f"train-sets-linear-{a.device}.json", a.out)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_bench_result("lola", f"train-sets-linear-{a.device}.json", a.out, task="lola-train-sets",
+                       module="benchmarks.ops.bench_lola_sets", argv=argv, device=a.device,
+                       settings={k: v for k, v in vars(a).items() if k not in ("out", "lengths")}, rows=rows)
     return 0
 
 

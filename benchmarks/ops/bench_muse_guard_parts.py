@@ -28,7 +28,7 @@ import json
 
 import torch
 
-from benchmarks.shared import bench_command, qwen_layer_arguments, result_file, timed_ms
+from benchmarks.shared import qwen_layer_arguments, timed_ms, write_bench_result
 from longctx_patch.kernels.muse import muse_attention
 from longctx_patch.kernels.muse.support import guard_kernels_missing
 from longctx_patch.kernels.softmax import softmax_attention
@@ -36,7 +36,6 @@ from longctx_patch.methods.muse.config import MuseConfig
 from longctx_patch.methods.muse.guard import (estimate_errors, exact_rows, first_approximated, guard, kept_stratified,
                                               sampled_rows, top_rows)
 from longctx_patch.methods.muse.heads import with_exact_heads
-from longctx_patch.provenance import result_header
 
 
 def kernel_table(fn, dev: torch.device, top: int = 15) -> dict:
@@ -132,12 +131,9 @@ def main(argv=None) -> int:
             for r in table["top"]:
                 print(f"    {r[table['by']]:9.1f} us  {r['calls']:4d}x  {r['name']}", flush=True)
         rows.append(row)
-    res = {"task": "muse-guard-profile",
-           **result_header(device=a.device, command=bench_command("benchmarks.ops.bench_muse_guard_parts", argv)),
-           "shape": dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype), "rows": rows}
-    out = result_file("muse", f"guard-profile-qwen-{a.device}.json", a.out)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_bench_result("muse", f"guard-profile-qwen-{a.device}.json", a.out, task="muse-guard-profile",
+                       module="benchmarks.ops.bench_muse_guard_parts", argv=argv, device=a.device,
+                       shape=dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype), rows=rows)
     return 0
 
 
